@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs every Debian package the project builds, tests and runs with.
+# Idempotent: packages already present are not fetched again, and apt-get
+# update runs only when something is missing. Run as root (or with sudo).
+#
+# The CUDA toolkit and NCCL are not Debian packages here: the build uses them
+# when nvcc is found (MOE_CUDA=AUTO) and builds the CPU backend alone otherwise.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake pkg-config git     # toolchain
+  libcjson-dev                             # JSON (config.json, safetensors headers, tokenizer.json)
+  libpcre2-dev                             # tokenizer pre-tokenizer regexes (Unicode classes)
+  libunistring-dev                         # tokenizer NFC normalisation
+  libgrpc-dev protobuf-compiler-grpc       # gRPC C core
+  libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
+  libcurl4-openssl-dev                     # etcd v3 HTTP/JSON gateway
+  etcd-server etcd-client                  # cluster membership (tests start their own)
+  libopenmpi-dev openmpi-bin               # worker groups under mpirun on the CPU
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PACKAGES[@]} packages present"
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "install-deps: installing ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,154 @@
+/* The table of operations a compute backend provides.
+ *
+ * The CPU backend (kernels/cpu) is always built and is the reference; the
+ * CUDA backend (kernels/cuda) fills the same table and is checked op by op
+ * against it. Model code touches tensor memory only through `buf_*` and the
+ * ops, so the same forward pass runs on either device.
+ *
+ * Conventions (one glossary everywhere):
+ *   n_tok rows of activations, row-major, f32 unless said otherwise;
+ *   weights are Hugging Face Linear layout W (n_out, n_in), f32 or bf16;
+ *   y = x W^T, accumulated in f32.
+ * Plain parameter structs cross the interface (pointers, shapes, strides),
+ * so adding a field does not change every call site. */
+#ifndef MOE_BACKEND_H
+#define MOE_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dtype.h"
+#include "moe_error.h"
+
+enum moe_device {
+    MOE_DEVICE_CPU = 0,
+    MOE_DEVICE_CUDA,
+};
+
+/* y (n_tok, n_out) = x (n_tok, n_in) . W^T, W (n_out, n_in) with row stride
+ * `ldw` elements (>= n_in; lets a rank use a column slice in place).
+ * With `accumulate`, y += x W^T. */
+struct moe_matmul_params {
+    const float *x;
+    int n_tok;
+    int n_in;
+    const void *w;
+    enum moe_dtype w_dtype; /* F32 or BF16 */
+    int64_t ldw;
+    int n_out;
+    float *y;
+    bool accumulate;
+};
+
+/* Causal grouped-query attention over a paged KV cache.
+ * Token t belongs to sequence tok_seq[t] and sits at position tok_pos[t]; it
+ * attends to positions 0..tok_pos[t] of its sequence, whose K/V live in the
+ * cache at slot block_table[seq][p / block_size] * block_size + p % block_size.
+ * The K/V of the current tokens must already be written (kv_write).
+ * Query head h uses KV head h / (n_head / n_kv_head). */
+struct moe_attn_params {
+    const float *q;           /* (n_tok, n_head, d_head) */
+    float *out;               /* (n_tok, n_head, d_head) */
+    const float *k_cache;     /* (n_slot, n_kv_head, d_head), this layer */
+    const float *v_cache;     /* (n_slot, n_kv_head, d_head), this layer */
+    const int32_t *tok_seq;   /* (n_tok) */
+    const int32_t *tok_pos;   /* (n_tok) */
+    const int32_t *block_tables; /* (n_seq, max_blocks): block ids, row per sequence */
+    int max_blocks;           /* row stride of block_tables */
+    int n_tok;
+    int n_head;
+    int n_kv_head;
+    int d_head;
+    int block_size;
+    float scale;              /* usually 1/sqrt(d_head) */
+};
+
+struct moe_backend;
+
+struct moe_backend_ops {
+    /* Memory. CPU: host memory; CUDA: device memory. alloc returns NULL on
+     * failure; memory from alloc is zeroed. */
+    void *(*buf_alloc)(struct moe_backend *be, size_t bytes);
+    void (*buf_free)(struct moe_backend *be, void *p);
+    void (*buf_upload)(struct moe_backend *be, void *dst, const void *src_host, size_t bytes);
+    void (*buf_download)(struct moe_backend *be, void *dst_host, const void *src, size_t bytes);
+    void (*synchronize)(struct moe_backend *be);
+
+    void (*matmul)(struct moe_backend *be, const struct moe_matmul_params *p);
+
+    /* y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for n_rows rows of dim.
+     * In place is allowed (y == x). */
+    void (*rmsnorm)(struct moe_backend *be, const float *x, const float *w, float *y, int n_rows,
+                    int dim, float eps);
+
+    /* Rotary embedding in place, "rotate half" (GPT-NeoX) layout as in HF
+     * Mixtral / Qwen3: x (n_tok, n_heads, d_head); pairs (i, i + d_head/2)
+     * rotated by pos * theta^(-2i/d_head). */
+    void (*rope)(struct moe_backend *be, float *x, const int32_t *pos, int n_tok, int n_heads,
+                 int d_head, float theta);
+
+    /* k, v (n_tok, kv_dim) written to caches (n_slot, kv_dim) at slots[t]. */
+    void (*kv_write)(struct moe_backend *be, const float *k, const float *v, const int32_t *slots,
+                     int n_tok, int kv_dim, float *k_cache, float *v_cache);
+
+    void (*attention)(struct moe_backend *be, const struct moe_attn_params *p);
+
+    /* Router: logits (n_tok, n_expert) -> the top_k experts of each token
+     * (ids descending by probability, ties to the lower id) and their weights.
+     * Weights are softmax over all experts, then, with `renorm`, divided by
+     * their sum over the top k (Mixtral always renormalises, which equals a
+     * softmax over the top-k logits). */
+    void (*router_topk)(struct moe_backend *be, const float *logits, int n_tok, int n_expert,
+                        int top_k, bool renorm, int32_t *ids, float *weights);
+
+    /* out[i] = silu(gate[i]) * up[i] for i < n_rows*dim, where gate and up
+     * are the two halves of each row of `gate_up` (n_rows, 2*dim):
+     * gate = gate_up[r][0:dim], up = gate_up[r][dim:2*dim]; out (n_rows, dim). */
+    void (*swiglu)(struct moe_backend *be, const float *gate_up, float *out, int n_rows, int dim);
+
+    /* dst[i] = src[idx[i]] for n rows of dim (src rows f32). */
+    void (*gather_rows)(struct moe_backend *be, const float *src, const int32_t *idx, int n,
+                        int dim, float *dst);
+
+    /* dst[idx[i]] += scale[i] * src[i] for n rows of dim. idx may repeat
+     * only across separate calls (rows within one call are distinct). */
+    void (*scatter_add_rows)(struct moe_backend *be, const float *src, const int32_t *idx,
+                             const float *scale, int n, int dim, float *dst);
+
+    /* Embedding lookup: dst[t] = table[ids[t]] converted to f32; table
+     * (n_vocab, dim) in `dtype`. */
+    void (*embed)(struct moe_backend *be, const void *table, enum moe_dtype dtype,
+                  const int32_t *ids, int n_tok, int dim, float *dst);
+
+    /* y[i] += x[i] for n elements. */
+    void (*add)(struct moe_backend *be, float *y, const float *x, size_t n);
+};
+
+struct moe_backend {
+    const char *name;         /* "cpu", "cuda" */
+    enum moe_device device;
+    const struct moe_backend_ops *ops;
+    void *ctx;                /* backend private state */
+};
+
+/* CPU backend with `n_threads` worker threads (0: one per online core). */
+enum moe_status moe_backend_cpu_create(int n_threads, struct moe_backend **out,
+                                       struct moe_error *err);
+
+/* CUDA backend on device `ordinal`. Returns MOE_ERR_UNSUPPORTED when the
+ * build has no CUDA or no usable GPU is present (message says which). */
+enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
+                                        struct moe_error *err);
+
+/* Picks a backend by name: "cpu", "cuda", or "auto" (CUDA when a GPU is
+ * usable, otherwise CPU, saying why on stderr). */
+enum moe_status moe_backend_create(const char *device, int n_threads, struct moe_backend **out,
+                                   struct moe_error *err);
+
+void moe_backend_destroy(struct moe_backend *be);
+
+/* True when this binary was built with CUDA support. */
+bool moe_backend_cuda_compiled(void);
+
+#endif

@@ -1,0 +1,783 @@
+/* Mixtral / Qwen3-MoE forward pass over a paged KV cache.
+ *
+ * Per layer (shapes for one shard; n = n_tok):
+ *   h   = rmsnorm(x)                          (n, d_model)
+ *   q,k,v = h Wq^T, h Wk^T, h Wv^T            (n, n_head*d_head), (n, n_kv_head*d_head) x2
+ *   [Qwen3] per-head rmsnorm of q and k
+ *   rope(q), rope(k); k,v -> cache slots
+ *   a   = attention(q, cache)                 (n, n_head*d_head)
+ *   x  += a Wo^T
+ *   h   = rmsnorm(x)
+ *   MoE: router logits -> top-k -> tokens grouped by expert ->
+ *        per expert: gather, [gate|up] = h We^T, silu(gate)*up, down, weighted scatter-add
+ *   dense (Qwen3 mlp_only_layers): the same FFN for every token, weight 1
+ *   x  += ffn
+ * then final rmsnorm and lm_head on the rows that need logits.
+ *
+ * Memory is touched only through the backend, so the same code runs on any
+ * backend. Router decisions come back to the host to group tokens by expert
+ * (a few bytes per token). */
+#include "model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "safetensors.h"
+
+struct layer_weights {
+    float *attn_norm;   /* (d_model) */
+    float *ffn_norm;    /* (d_model) */
+    void *wq;           /* (n_head_local*d_head, d_model) */
+    void *wk;           /* (n_kv_head_local*d_head, d_model) */
+    void *wv;           /* (n_kv_head_local*d_head, d_model) */
+    void *wo;           /* (d_model, n_head_local*d_head): column slice of o_proj */
+    float *q_norm;      /* (d_head), Qwen3 only */
+    float *k_norm;      /* (d_head), Qwen3 only */
+    bool is_moe;
+    void *router;       /* (n_expert, d_model) */
+    void **w_gate_up;   /* (n_expert) -> (2*d_ff_expert, d_model), NULL when not local */
+    void **w_down;      /* (n_expert) -> (d_model, d_ff_expert) */
+    void *dense_gate_up; /* (2*d_ff_dense, d_model) */
+    void *dense_down;    /* (d_model, d_ff_dense) */
+};
+
+/* Activations and per-step metadata on the backend, sized for cap_tok tokens. */
+struct scratch {
+    int cap_tok;
+    int cap_seq_blocks;
+    float *x;           /* (n, d_model) residual stream */
+    float *h;           /* (n, d_model) normalised */
+    float *q;           /* (n, q_dim) */
+    float *k;           /* (n, kv_dim) */
+    float *v;           /* (n, kv_dim) */
+    float *att;         /* (n, q_dim) */
+    float *o;           /* (n, d_model) */
+    float *ffn_out;     /* (n, d_model) */
+    float *router_logits; /* (n, n_expert) */
+    int32_t *topk_ids;  /* (n, top_k) */
+    float *topk_w;      /* (n, top_k) */
+    float *xe;          /* (n, d_model) rows gathered for one expert */
+    float *gate_up;     /* (n, 2*d_ff_max) */
+    float *act;         /* (n, d_ff_max) */
+    float *ye;          /* (n, d_model) */
+    int32_t *route_idx; /* (n*top_k) token index, grouped by expert */
+    float *route_w;     /* (n*top_k) */
+    float *ones;        /* (n) all 1: dense FFN weights */
+    int32_t *iota;      /* (n) 0..n-1 */
+    int32_t *tokens;    /* (n) */
+    int32_t *pos;       /* (n) */
+    int32_t *seq;       /* (n) */
+    int32_t *slots;     /* (n) */
+    int32_t *block_tables; /* (cap_seq_blocks) */
+    int32_t *logit_rows; /* (n) */
+    float *logits;      /* (n, vocab) */
+    /* host mirrors for routing */
+    int32_t *h_ids;     /* (n*top_k) */
+    float *h_w;         /* (n*top_k) */
+    int32_t *h_route_idx;
+    float *h_route_w;
+    int32_t *h_counts;  /* (n_expert + 1) */
+    float *h_zero;      /* (n, d_model) zeros, to clear device buffers */
+};
+
+struct moe_model {
+    struct moe_config cfg;
+    struct moe_model_opts opts;
+    struct moe_backend *be;
+    int n_head_local;
+    int n_kv_head_local;
+    int q_dim;          /* n_head_local * d_head */
+    int kv_dim;         /* n_kv_head_local * d_head */
+    void *embed;        /* (vocab, d_model) */
+    float *final_norm;  /* (d_model) */
+    void *lm_head;      /* (vocab, d_model); == embed when tied */
+    struct layer_weights *layers;
+    size_t weight_bytes;
+    struct scratch s;
+};
+
+/* ---- loading ------------------------------------------------------------------ */
+
+struct loader {
+    struct moe_model *m;
+    struct st_model *st;
+    const char *dir;
+};
+
+/* Looks a tensor up and checks its shape against what config.json implies. */
+static enum moe_status find_tensor(struct loader *ld, const char *name, int n_dim, int64_t d0,
+                                   int64_t d1, const struct st_tensor **out, struct moe_error *err)
+{
+    const struct st_tensor *t = st_find(ld->st, name);
+    if (!t)
+        return moe_error_set(err, MOE_ERR_NOT_FOUND, "%s: tensor '%s' not found in the checkpoint",
+                             ld->dir, name);
+    int64_t want[2] = {d0, d1};
+    bool ok = t->n_dim == n_dim;
+    for (int i = 0; ok && i < n_dim; i++)
+        ok = t->shape[i] == want[i];
+    if (!ok) {
+        char got[128] = "";
+        size_t len = 0;
+        for (int i = 0; i < t->n_dim && len < sizeof got - 24; i++)
+            len += (size_t)snprintf(got + len, sizeof got - len, "%s%lld", i ? ", " : "",
+                                    (long long)t->shape[i]);
+        if (n_dim == 1)
+            return moe_error_set(err, MOE_ERR_FORMAT,
+                                 "%s: tensor '%s' has shape [%s], config.json implies [%lld]",
+                                 t->file, name, got, (long long)d0);
+        return moe_error_set(err, MOE_ERR_FORMAT,
+                             "%s: tensor '%s' has shape [%s], config.json implies [%lld, %lld]",
+                             t->file, name, got, (long long)d0, (long long)d1);
+    }
+    *out = t;
+    return MOE_OK;
+}
+
+/* Allocates a backend buffer and fills it with rows [row0, row0+n_rows) and
+ * cols [col0, col0+n_cols) of tensor `name` (full shape rows x cols). */
+static enum moe_status load_block(struct loader *ld, const char *name, int64_t rows, int64_t cols,
+                                  int64_t row0, int64_t n_rows, int64_t col0, int64_t n_cols,
+                                  enum moe_dtype dtype, void **out, struct moe_error *err)
+{
+    const struct st_tensor *t;
+    enum moe_status rc = find_tensor(ld, name, cols ? 2 : 1, rows, cols, &t, err);
+    if (rc)
+        return rc;
+    if (!cols) { /* 1-D: one row of `rows` elements */
+        n_cols = n_rows;
+        col0 = row0;
+        n_rows = 1;
+        row0 = 0;
+    }
+    size_t bytes = (size_t)n_rows * (size_t)n_cols * moe_dtype_size(dtype);
+    void *host = malloc(bytes ? bytes : 1);
+    if (!host)
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
+    rc = st_read_block(t, row0, n_rows, col0, n_cols, dtype, host, err);
+    if (rc) {
+        free(host);
+        return rc;
+    }
+    struct moe_backend *be = ld->m->be;
+    void *buf = be->ops->buf_alloc(be, bytes);
+    if (!buf) {
+        free(host);
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: cannot allocate %zu bytes for '%s'", ld->dir,
+                             bytes, name);
+    }
+    be->ops->buf_upload(be, buf, host, bytes);
+    free(host);
+    ld->m->weight_bytes += bytes;
+    *out = buf;
+    return MOE_OK;
+}
+
+static enum moe_status load_matrix(struct loader *ld, const char *name, int64_t rows, int64_t cols,
+                                   void **out, struct moe_error *err)
+{
+    return load_block(ld, name, rows, cols, 0, rows, 0, cols, ld->m->opts.dtype, out, err);
+}
+
+static enum moe_status load_norm(struct loader *ld, const char *name, int64_t dim, float **out,
+                                 struct moe_error *err)
+{
+    return load_block(ld, name, dim, 0, 0, dim, 0, 0, MOE_DTYPE_F32, (void **)out, err);
+}
+
+/* Loads gate and up projections (each (d_ff, d_model)) into one (2*d_ff, d_model)
+ * buffer: gate rows first, then up rows, matching the backend's swiglu. */
+static enum moe_status load_gate_up(struct loader *ld, const char *gate_name, const char *up_name,
+                                    int64_t d_ff, int64_t d_model, void **out,
+                                    struct moe_error *err)
+{
+    const struct st_tensor *tg, *tu;
+    enum moe_status rc = find_tensor(ld, gate_name, 2, d_ff, d_model, &tg, err);
+    if (!rc)
+        rc = find_tensor(ld, up_name, 2, d_ff, d_model, &tu, err);
+    if (rc)
+        return rc;
+    enum moe_dtype dt = ld->m->opts.dtype;
+    size_t half = (size_t)d_ff * (size_t)d_model * moe_dtype_size(dt);
+    char *host = malloc(2 * half);
+    if (!host)
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir,
+                             gate_name);
+    rc = st_read_block(tg, 0, d_ff, 0, d_model, dt, host, err);
+    if (!rc)
+        rc = st_read_block(tu, 0, d_ff, 0, d_model, dt, host + half, err);
+    if (rc) {
+        free(host);
+        return rc;
+    }
+    struct moe_backend *be = ld->m->be;
+    void *buf = be->ops->buf_alloc(be, 2 * half);
+    if (!buf) {
+        free(host);
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: cannot allocate %zu bytes for '%s'", ld->dir,
+                             2 * half, gate_name);
+    }
+    be->ops->buf_upload(be, buf, host, 2 * half);
+    free(host);
+    ld->m->weight_bytes += 2 * half;
+    *out = buf;
+    return MOE_OK;
+}
+
+static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *err)
+{
+    struct moe_model *m = ld->m;
+    const struct moe_config *c = &m->cfg;
+    struct layer_weights *w = &m->layers[l];
+    const int64_t d = c->d_model, dh = c->d_head;
+    const int64_t q0 = (int64_t)m->opts.tp_rank * m->q_dim;
+    const int64_t kv0 = (int64_t)m->opts.tp_rank * m->kv_dim;
+    char name[256], name2[256];
+    enum moe_status rc;
+
+#define NAME(buf, ...) snprintf(buf, sizeof buf, __VA_ARGS__)
+    NAME(name, "model.layers.%d.input_layernorm.weight", l);
+    if ((rc = load_norm(ld, name, d, &w->attn_norm, err)))
+        return rc;
+    NAME(name, "model.layers.%d.post_attention_layernorm.weight", l);
+    if ((rc = load_norm(ld, name, d, &w->ffn_norm, err)))
+        return rc;
+    NAME(name, "model.layers.%d.self_attn.q_proj.weight", l);
+    if ((rc = load_block(ld, name, (int64_t)c->n_head * dh, d, q0, m->q_dim, 0, d, m->opts.dtype,
+                         &w->wq, err)))
+        return rc;
+    NAME(name, "model.layers.%d.self_attn.k_proj.weight", l);
+    if ((rc = load_block(ld, name, (int64_t)c->n_kv_head * dh, d, kv0, m->kv_dim, 0, d,
+                         m->opts.dtype, &w->wk, err)))
+        return rc;
+    NAME(name, "model.layers.%d.self_attn.v_proj.weight", l);
+    if ((rc = load_block(ld, name, (int64_t)c->n_kv_head * dh, d, kv0, m->kv_dim, 0, d,
+                         m->opts.dtype, &w->wv, err)))
+        return rc;
+    NAME(name, "model.layers.%d.self_attn.o_proj.weight", l);
+    if ((rc = load_block(ld, name, d, (int64_t)c->n_head * dh, 0, d, q0, m->q_dim, m->opts.dtype,
+                         &w->wo, err)))
+        return rc;
+    if (c->qk_norm) {
+        NAME(name, "model.layers.%d.self_attn.q_norm.weight", l);
+        if ((rc = load_norm(ld, name, dh, &w->q_norm, err)))
+            return rc;
+        NAME(name, "model.layers.%d.self_attn.k_norm.weight", l);
+        if ((rc = load_norm(ld, name, dh, &w->k_norm, err)))
+            return rc;
+    }
+
+    w->is_moe = c->layer_is_moe[l];
+    const char *moe = c->arch == MOE_ARCH_MIXTRAL ? "block_sparse_moe" : "mlp";
+    if (!w->is_moe) {
+        NAME(name, "model.layers.%d.mlp.gate_proj.weight", l);
+        NAME(name2, "model.layers.%d.mlp.up_proj.weight", l);
+        if ((rc = load_gate_up(ld, name, name2, c->d_ff_dense, d, &w->dense_gate_up, err)))
+            return rc;
+        NAME(name, "model.layers.%d.mlp.down_proj.weight", l);
+        return load_matrix(ld, name, d, c->d_ff_dense, &w->dense_down, err);
+    }
+    NAME(name, "model.layers.%d.%s.gate.weight", l, moe);
+    if ((rc = load_matrix(ld, name, c->n_expert, d, &w->router, err)))
+        return rc;
+    w->w_gate_up = calloc((size_t)c->n_expert, sizeof *w->w_gate_up);
+    w->w_down = calloc((size_t)c->n_expert, sizeof *w->w_down);
+    if (!w->w_gate_up || !w->w_down)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    const char *g = c->arch == MOE_ARCH_MIXTRAL ? "w1" : "gate_proj";
+    const char *u = c->arch == MOE_ARCH_MIXTRAL ? "w3" : "up_proj";
+    const char *dn = c->arch == MOE_ARCH_MIXTRAL ? "w2" : "down_proj";
+    for (int e = 0; e < c->n_expert; e++) {
+        NAME(name, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, g);
+        NAME(name2, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, u);
+        if ((rc = load_gate_up(ld, name, name2, c->d_ff_expert, d, &w->w_gate_up[e], err)))
+            return rc;
+        NAME(name, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, dn);
+        if ((rc = load_matrix(ld, name, d, c->d_ff_expert, &w->w_down[e], err)))
+            return rc;
+    }
+#undef NAME
+    return MOE_OK;
+}
+
+static enum moe_status check_opts(const struct moe_config *c, const struct moe_model_opts *o,
+                                  const char *dir, struct moe_error *err)
+{
+    if (o->dtype != MOE_DTYPE_F32 && o->dtype != MOE_DTYPE_BF16)
+        return moe_error_set(err, MOE_ERR_INVALID, "weight dtype %s is not supported (use f32 or bf16)",
+                             moe_dtype_name(o->dtype));
+    if (o->tp_size < 1 || o->tp_rank < 0 || o->tp_rank >= o->tp_size)
+        return moe_error_set(err, MOE_ERR_INVALID, "tensor-parallel rank %d of %d is invalid",
+                             o->tp_rank, o->tp_size);
+    if (c->n_head % o->tp_size)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "%s: num_attention_heads %d is not divisible by tensor-parallel size %d",
+                             dir, c->n_head, o->tp_size);
+    if (c->n_kv_head % o->tp_size)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                             "%s: num_key_value_heads %d is not divisible by tensor-parallel size %d "
+                             "(replicating KV heads is not implemented)",
+                             dir, c->n_kv_head, o->tp_size);
+    return MOE_OK;
+}
+
+enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opts,
+                               struct moe_backend *be, struct moe_model **out,
+                               struct moe_error *err)
+{
+    *out = NULL;
+    struct moe_model *m = calloc(1, sizeof *m);
+    if (!m)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    m->be = be;
+    m->opts = *opts;
+    struct loader ld = {.m = m, .dir = dir};
+    enum moe_status rc;
+
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if ((rc = moe_config_load(path, &m->cfg, err)))
+        goto fail;
+    const struct moe_config *c = &m->cfg;
+    if ((rc = check_opts(c, opts, dir, err)))
+        goto fail;
+    m->n_head_local = c->n_head / opts->tp_size;
+    m->n_kv_head_local = c->n_kv_head / opts->tp_size;
+    m->q_dim = m->n_head_local * c->d_head;
+    m->kv_dim = m->n_kv_head_local * c->d_head;
+
+    if ((rc = st_open(dir, &ld.st, err)))
+        goto fail;
+    if ((rc = load_matrix(&ld, "model.embed_tokens.weight", c->vocab_size, c->d_model, &m->embed,
+                          err)))
+        goto fail;
+    if ((rc = load_norm(&ld, "model.norm.weight", c->d_model, &m->final_norm, err)))
+        goto fail;
+    if (c->tie_word_embeddings) {
+        m->lm_head = m->embed;
+    } else if ((rc = load_matrix(&ld, "lm_head.weight", c->vocab_size, c->d_model, &m->lm_head,
+                                 err))) {
+        goto fail;
+    }
+    m->layers = calloc((size_t)c->n_layer, sizeof *m->layers);
+    if (!m->layers) {
+        rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    for (int l = 0; l < c->n_layer; l++)
+        if ((rc = load_layer(&ld, l, err)))
+            goto fail;
+    st_close(ld.st);
+    *out = m;
+    return MOE_OK;
+
+fail:
+    st_close(ld.st);
+    moe_model_free(m);
+    return rc;
+}
+
+static void scratch_free(struct moe_model *m)
+{
+    struct moe_backend *be = m->be;
+    struct scratch *s = &m->s;
+    void *dev[] = {s->x,        s->h,          s->q,         s->k,        s->v,
+                   s->att,      s->o,          s->ffn_out,   s->router_logits, s->topk_ids,
+                   s->topk_w,   s->xe,         s->gate_up,   s->act,      s->ye,
+                   s->route_idx, s->route_w,   s->ones,      s->iota,     s->tokens,
+                   s->pos,      s->seq,        s->slots,     s->block_tables, s->logit_rows,
+                   s->logits};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
+        if (dev[i])
+            be->ops->buf_free(be, dev[i]);
+    free(s->h_ids);
+    free(s->h_w);
+    free(s->h_route_idx);
+    free(s->h_route_w);
+    free(s->h_counts);
+    free(s->h_zero);
+    memset(s, 0, sizeof *s);
+}
+
+void moe_model_free(struct moe_model *m)
+{
+    if (!m)
+        return;
+    struct moe_backend *be = m->be;
+#define FREE_BUF(p)                                                                               \
+    do {                                                                                          \
+        if (p)                                                                                    \
+            be->ops->buf_free(be, p);                                                             \
+    } while (0)
+    if (m->layers) {
+        for (int l = 0; l < m->cfg.n_layer; l++) {
+            struct layer_weights *w = &m->layers[l];
+            FREE_BUF(w->attn_norm);
+            FREE_BUF(w->ffn_norm);
+            FREE_BUF(w->wq);
+            FREE_BUF(w->wk);
+            FREE_BUF(w->wv);
+            FREE_BUF(w->wo);
+            FREE_BUF(w->q_norm);
+            FREE_BUF(w->k_norm);
+            FREE_BUF(w->router);
+            FREE_BUF(w->dense_gate_up);
+            FREE_BUF(w->dense_down);
+            for (int e = 0; w->w_gate_up && e < m->cfg.n_expert; e++)
+                FREE_BUF(w->w_gate_up[e]);
+            for (int e = 0; w->w_down && e < m->cfg.n_expert; e++)
+                FREE_BUF(w->w_down[e]);
+            free(w->w_gate_up);
+            free(w->w_down);
+        }
+        free(m->layers);
+    }
+    if (m->lm_head != m->embed)
+        FREE_BUF(m->lm_head);
+    FREE_BUF(m->embed);
+    FREE_BUF(m->final_norm);
+#undef FREE_BUF
+    scratch_free(m);
+    free(m);
+}
+
+const struct moe_config *moe_model_config(const struct moe_model *m)
+{
+    return &m->cfg;
+}
+
+size_t moe_model_weight_bytes(const struct moe_model *m)
+{
+    return m->weight_bytes;
+}
+
+/* ---- KV cache -------------------------------------------------------------------- */
+
+enum moe_status moe_kv_cache_create(const struct moe_model *m, int n_block, int block_size,
+                                    struct moe_kv_cache **out, struct moe_error *err)
+{
+    *out = NULL;
+    if (n_block <= 0 || block_size <= 0)
+        return moe_error_set(err, MOE_ERR_INVALID, "KV cache of %d blocks of %d tokens is invalid",
+                             n_block, block_size);
+    struct moe_kv_cache *kv = calloc(1, sizeof *kv);
+    if (!kv)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    kv->n_layer = m->cfg.n_layer;
+    kv->n_block = n_block;
+    kv->block_size = block_size;
+    kv->kv_dim = m->kv_dim;
+    kv->k = calloc((size_t)kv->n_layer, sizeof *kv->k);
+    kv->v = calloc((size_t)kv->n_layer, sizeof *kv->v);
+    if (!kv->k || !kv->v)
+        goto nomem;
+    size_t bytes = (size_t)n_block * (size_t)block_size * (size_t)kv->kv_dim * sizeof(float);
+    for (int l = 0; l < kv->n_layer; l++) {
+        kv->k[l] = m->be->ops->buf_alloc(m->be, bytes);
+        kv->v[l] = m->be->ops->buf_alloc(m->be, bytes);
+        if (!kv->k[l] || !kv->v[l])
+            goto nomem;
+    }
+    *out = kv;
+    return MOE_OK;
+nomem:
+    moe_kv_cache_free(m, kv);
+    return moe_error_set(err, MOE_ERR_NOMEM, "cannot allocate a KV cache of %d blocks x %d tokens",
+                         n_block, block_size);
+}
+
+void moe_kv_cache_free(const struct moe_model *m, struct moe_kv_cache *kv)
+{
+    if (!kv)
+        return;
+    for (int l = 0; l < kv->n_layer; l++) {
+        if (kv->k && kv->k[l])
+            m->be->ops->buf_free(m->be, kv->k[l]);
+        if (kv->v && kv->v[l])
+            m->be->ops->buf_free(m->be, kv->v[l]);
+    }
+    free(kv->k);
+    free(kv->v);
+    free(kv);
+}
+
+/* ---- forward ------------------------------------------------------------------------ */
+
+static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_table,
+                                       struct moe_error *err)
+{
+    struct scratch *s = &m->s;
+    if (n_tok <= s->cap_tok && n_table <= s->cap_seq_blocks)
+        return MOE_OK;
+    int cap = n_tok > s->cap_tok ? n_tok : s->cap_tok;
+    int cap_tab = n_table > s->cap_seq_blocks ? n_table : s->cap_seq_blocks;
+    scratch_free(m);
+    const struct moe_config *c = &m->cfg;
+    struct moe_backend *be = m->be;
+    size_t n = (size_t)cap;
+    int d_ff_max = c->d_ff_expert > c->d_ff_dense ? c->d_ff_expert : c->d_ff_dense;
+    size_t n_route = n * (size_t)(c->top_k > 0 ? c->top_k : 1);
+    bool ok = true;
+#define ALLOC(field, count, type)                                                                 \
+    do {                                                                                          \
+        s->field = be->ops->buf_alloc(be, (count) * sizeof(type));                                \
+        ok = ok && s->field;                                                                      \
+    } while (0)
+    ALLOC(x, n * c->d_model, float);
+    ALLOC(h, n * c->d_model, float);
+    ALLOC(q, n * m->q_dim, float);
+    ALLOC(k, n * m->kv_dim, float);
+    ALLOC(v, n * m->kv_dim, float);
+    ALLOC(att, n * m->q_dim, float);
+    ALLOC(o, n * c->d_model, float);
+    ALLOC(ffn_out, n * c->d_model, float);
+    ALLOC(router_logits, n * (size_t)(c->n_expert > 0 ? c->n_expert : 1), float);
+    ALLOC(topk_ids, n_route, int32_t);
+    ALLOC(topk_w, n_route, float);
+    ALLOC(xe, n * c->d_model, float);
+    ALLOC(gate_up, n * 2 * (size_t)d_ff_max, float);
+    ALLOC(act, n * (size_t)d_ff_max, float);
+    ALLOC(ye, n * c->d_model, float);
+    ALLOC(route_idx, n_route, int32_t);
+    ALLOC(route_w, n_route, float);
+    ALLOC(ones, n, float);
+    ALLOC(iota, n, int32_t);
+    ALLOC(tokens, n, int32_t);
+    ALLOC(pos, n, int32_t);
+    ALLOC(seq, n, int32_t);
+    ALLOC(slots, n, int32_t);
+    ALLOC(block_tables, (size_t)(cap_tab > 0 ? cap_tab : 1), int32_t);
+    ALLOC(logit_rows, n, int32_t);
+    ALLOC(logits, n * c->vocab_size, float);
+#undef ALLOC
+    s->h_ids = malloc(n_route * sizeof *s->h_ids);
+    s->h_w = malloc(n_route * sizeof *s->h_w);
+    s->h_route_idx = malloc(n_route * sizeof *s->h_route_idx);
+    s->h_route_w = malloc(n_route * sizeof *s->h_route_w);
+    s->h_counts = malloc(((size_t)c->n_expert + 1) * sizeof *s->h_counts);
+    s->h_zero = calloc(n * (size_t)c->d_model, sizeof *s->h_zero);
+    float *h_ones = malloc(n * sizeof *h_ones);
+    int32_t *h_iota = malloc(n * sizeof *h_iota);
+    ok = ok && s->h_ids && s->h_w && s->h_route_idx && s->h_route_w && s->h_counts && s->h_zero && h_ones &&
+         h_iota;
+    if (!ok) {
+        free(h_ones);
+        free(h_iota);
+        scratch_free(m);
+        return moe_error_set(err, MOE_ERR_NOMEM, "cannot allocate activations for %d tokens", cap);
+    }
+    for (int i = 0; i < cap; i++) {
+        h_ones[i] = 1.0f;
+        h_iota[i] = i;
+    }
+    be->ops->buf_upload(be, s->ones, h_ones, n * sizeof(float));
+    be->ops->buf_upload(be, s->iota, h_iota, n * sizeof(int32_t));
+    free(h_ones);
+    free(h_iota);
+    s->cap_tok = cap;
+    s->cap_seq_blocks = cap_tab;
+    return MOE_OK;
+}
+
+static void matmul(struct moe_model *m, const float *x, int n_tok, int n_in, const void *w,
+                   int n_out, float *y, bool accumulate)
+{
+    struct moe_matmul_params p = {
+        .x = x,
+        .n_tok = n_tok,
+        .n_in = n_in,
+        .w = w,
+        .w_dtype = m->opts.dtype,
+        .ldw = n_in,
+        .n_out = n_out,
+        .y = y,
+        .accumulate = accumulate,
+    };
+    m->be->ops->matmul(m->be, &p);
+}
+
+/* SwiGLU FFN on n rows of xe: ye = down(silu(gate(xe)) * up(xe)). */
+static void ffn(struct moe_model *m, const float *xe, int n, const void *w_gate_up, int d_ff,
+                const void *w_down, float *ye)
+{
+    const struct moe_config *c = &m->cfg;
+    struct scratch *s = &m->s;
+    matmul(m, xe, n, c->d_model, w_gate_up, 2 * d_ff, s->gate_up, false);
+    m->be->ops->swiglu(m->be, s->gate_up, s->act, n, d_ff);
+    matmul(m, s->act, n, d_ff, w_down, c->d_model, ye, false);
+}
+
+static void attention_block(struct moe_model *m, struct moe_kv_cache *kv, int l,
+                            const struct moe_batch *b)
+{
+    const struct moe_config *c = &m->cfg;
+    const struct layer_weights *w = &m->layers[l];
+    struct scratch *s = &m->s;
+    const struct moe_backend_ops *ops = m->be->ops;
+    int n = b->n_tok;
+
+    ops->rmsnorm(m->be, s->x, w->attn_norm, s->h, n, c->d_model, c->rms_eps);
+    matmul(m, s->h, n, c->d_model, w->wq, m->q_dim, s->q, false);
+    matmul(m, s->h, n, c->d_model, w->wk, m->kv_dim, s->k, false);
+    matmul(m, s->h, n, c->d_model, w->wv, m->kv_dim, s->v, false);
+    if (c->qk_norm) {
+        ops->rmsnorm(m->be, s->q, w->q_norm, s->q, n * m->n_head_local, c->d_head, c->rms_eps);
+        ops->rmsnorm(m->be, s->k, w->k_norm, s->k, n * m->n_kv_head_local, c->d_head, c->rms_eps);
+    }
+    ops->rope(m->be, s->q, s->pos, n, m->n_head_local, c->d_head, c->rope_theta);
+    ops->rope(m->be, s->k, s->pos, n, m->n_kv_head_local, c->d_head, c->rope_theta);
+    ops->kv_write(m->be, s->k, s->v, s->slots, n, m->kv_dim, kv->k[l], kv->v[l]);
+    struct moe_attn_params ap = {
+        .q = s->q,
+        .out = s->att,
+        .k_cache = kv->k[l],
+        .v_cache = kv->v[l],
+        .tok_seq = s->seq,
+        .tok_pos = s->pos,
+        .block_tables = s->block_tables,
+        .max_blocks = b->max_blocks,
+        .n_tok = n,
+        .n_head = m->n_head_local,
+        .n_kv_head = m->n_kv_head_local,
+        .d_head = c->d_head,
+        .block_size = kv->block_size,
+        .scale = 1.0f / sqrtf((float)c->d_head),
+    };
+    ops->attention(m->be, &ap);
+    /* Row-parallel o_proj: with tp_size > 1 the partial sums are all-reduced here. */
+    matmul(m, s->att, n, m->q_dim, w->wo, c->d_model, s->o, false);
+    ops->add(m->be, s->x, s->o, (size_t)n * c->d_model);
+}
+
+/* Groups the top-k choices by expert (counting sort): h_counts[e]..h_counts[e+1]
+ * index the (token, weight) pairs of expert e. */
+static void route_group(struct moe_model *m, int n)
+{
+    const struct moe_config *c = &m->cfg;
+    struct scratch *s = &m->s;
+    int n_route = n * c->top_k;
+    m->be->ops->buf_download(m->be, s->h_ids, s->topk_ids, (size_t)n_route * sizeof(int32_t));
+    m->be->ops->buf_download(m->be, s->h_w, s->topk_w, (size_t)n_route * sizeof(float));
+    memset(s->h_counts, 0, ((size_t)c->n_expert + 1) * sizeof *s->h_counts);
+    for (int i = 0; i < n_route; i++)
+        s->h_counts[s->h_ids[i] + 1]++;
+    for (int e = 0; e < c->n_expert; e++)
+        s->h_counts[e + 1] += s->h_counts[e];
+    /* stable fill: the tokens of an expert stay in token order */
+    int32_t next[1024];
+    int32_t *cursor = c->n_expert <= 1024 ? next : malloc((size_t)c->n_expert * sizeof *cursor);
+    MOE_ASSERT(cursor);
+    memcpy(cursor, s->h_counts, (size_t)c->n_expert * sizeof *cursor);
+    for (int i = 0; i < n_route; i++) {
+        int e = s->h_ids[i];
+        int at = cursor[e]++;
+        s->h_route_idx[at] = i / c->top_k;
+        s->h_route_w[at] = s->h_w[i];
+    }
+    if (cursor != next)
+        free(cursor);
+    m->be->ops->buf_upload(m->be, s->route_idx, s->h_route_idx, (size_t)n_route * sizeof(int32_t));
+    m->be->ops->buf_upload(m->be, s->route_w, s->h_route_w, (size_t)n_route * sizeof(float));
+}
+
+static void ffn_block(struct moe_model *m, int l, int n)
+{
+    const struct moe_config *c = &m->cfg;
+    const struct layer_weights *w = &m->layers[l];
+    struct scratch *s = &m->s;
+    const struct moe_backend_ops *ops = m->be->ops;
+    size_t row_bytes = (size_t)c->d_model * sizeof(float);
+
+    ops->rmsnorm(m->be, s->x, w->ffn_norm, s->h, n, c->d_model, c->rms_eps);
+    if (!w->is_moe) {
+        ffn(m, s->h, n, w->dense_gate_up, c->d_ff_dense, w->dense_down, s->ye);
+        ops->add(m->be, s->x, s->ye, (size_t)n * c->d_model);
+        return;
+    }
+    matmul(m, s->h, n, c->d_model, w->router, c->n_expert, s->router_logits, false);
+    ops->router_topk(m->be, s->router_logits, n, c->n_expert, c->top_k, c->norm_topk_prob,
+                     s->topk_ids, s->topk_w);
+    route_group(m, n);
+    /* Sum of the experts' weighted outputs, then one residual add (the order
+     * transformers uses). */
+    ops->buf_upload(m->be, s->ffn_out, s->h_zero, (size_t)n * row_bytes);
+    for (int e = 0; e < c->n_expert; e++) {
+        int begin = s->h_counts[e], cnt = s->h_counts[e + 1] - begin;
+        if (!cnt || !w->w_gate_up[e])
+            continue;
+        ops->gather_rows(m->be, s->h, s->route_idx + begin, cnt, c->d_model, s->xe);
+        ffn(m, s->xe, cnt, w->w_gate_up[e], c->d_ff_expert, w->w_down[e], s->ye);
+        ops->scatter_add_rows(m->be, s->ye, s->route_idx + begin, s->route_w + begin, cnt,
+                              c->d_model, s->ffn_out);
+    }
+    ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
+}
+
+static enum moe_status check_batch(const struct moe_model *m, const struct moe_kv_cache *kv,
+                                   const struct moe_batch *b, struct moe_error *err)
+{
+    const struct moe_config *c = &m->cfg;
+    if (b->n_tok <= 0 || b->n_seq <= 0 || b->max_blocks <= 0)
+        return moe_error_set(err, MOE_ERR_INVALID, "empty batch (n_tok %d, n_seq %d, max_blocks %d)",
+                             b->n_tok, b->n_seq, b->max_blocks);
+    if (kv->kv_dim != m->kv_dim || kv->n_layer != c->n_layer)
+        return moe_error_set(err, MOE_ERR_INVALID, "KV cache does not belong to this model");
+    int n_slot = kv->n_block * kv->block_size;
+    for (int t = 0; t < b->n_tok; t++) {
+        if (b->tokens[t] < 0 || b->tokens[t] >= c->vocab_size)
+            return moe_error_set(err, MOE_ERR_INVALID, "token id %d at batch row %d is outside the vocabulary [0, %d)",
+                                 b->tokens[t], t, c->vocab_size);
+        if (b->seq[t] < 0 || b->seq[t] >= b->n_seq)
+            return moe_error_set(err, MOE_ERR_INVALID, "batch row %d: sequence %d out of range", t,
+                                 b->seq[t]);
+        if (b->pos[t] < 0 || b->pos[t] / kv->block_size >= b->max_blocks)
+            return moe_error_set(err, MOE_ERR_INVALID, "batch row %d: position %d beyond the block table",
+                                 t, b->pos[t]);
+        if (b->slots[t] < 0 || b->slots[t] >= n_slot)
+            return moe_error_set(err, MOE_ERR_INVALID, "batch row %d: KV slot %d out of range", t,
+                                 b->slots[t]);
+    }
+    for (int i = 0; i < b->n_logits; i++)
+        if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tok)
+            return moe_error_set(err, MOE_ERR_INVALID, "logit row %d out of range", b->logit_rows[i]);
+    return MOE_OK;
+}
+
+enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
+                                  const struct moe_batch *b, float *logits, struct moe_error *err)
+{
+    enum moe_status rc = check_batch(m, kv, b, err);
+    if (rc)
+        return rc;
+    int n = b->n_tok, n_table = b->n_seq * b->max_blocks;
+    if ((rc = scratch_reserve(m, n, n_table, err)))
+        return rc;
+    const struct moe_config *c = &m->cfg;
+    struct scratch *s = &m->s;
+    struct moe_backend *be = m->be;
+    const struct moe_backend_ops *ops = be->ops;
+    size_t ib = (size_t)n * sizeof(int32_t);
+    ops->buf_upload(be, s->tokens, b->tokens, ib);
+    ops->buf_upload(be, s->pos, b->pos, ib);
+    ops->buf_upload(be, s->seq, b->seq, ib);
+    ops->buf_upload(be, s->slots, b->slots, ib);
+    ops->buf_upload(be, s->block_tables, b->block_tables, (size_t)n_table * sizeof(int32_t));
+
+    ops->embed(be, m->embed, m->opts.dtype, s->tokens, n, c->d_model, s->x);
+    for (int l = 0; l < c->n_layer; l++) {
+        attention_block(m, kv, l, b);
+        ffn_block(m, l, n);
+    }
+    if (b->n_logits > 0) {
+        ops->buf_upload(be, s->logit_rows, b->logit_rows, (size_t)b->n_logits * sizeof(int32_t));
+        ops->gather_rows(be, s->x, s->logit_rows, b->n_logits, c->d_model, s->h);
+        ops->rmsnorm(be, s->h, m->final_norm, s->h, b->n_logits, c->d_model, c->rms_eps);
+        matmul(m, s->h, b->n_logits, c->d_model, m->lm_head, c->vocab_size, s->logits, false);
+        ops->buf_download(be, logits, s->logits,
+                          (size_t)b->n_logits * (size_t)c->vocab_size * sizeof(float));
+    }
+    ops->synchronize(be);
+    return MOE_OK;
+}

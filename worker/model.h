@@ -1,0 +1,80 @@
+/* A Mixtral / Qwen3-MoE model: weights on a backend and the forward pass for
+ * a batch of tokens from one or more sequences over a paged KV cache.
+ *
+ * Sharding is part of the design from the start: a model is loaded for a
+ * shard (tensor-parallel rank of attention heads, expert-parallel set of
+ * experts). This issue runs tp_size = 1 and all experts local; the loader
+ * already reads only the slice of every weight that the shard owns. */
+#ifndef MOE_MODEL_H
+#define MOE_MODEL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "dtype.h"
+#include "model_config.h"
+#include "moe_error.h"
+
+struct moe_model_opts {
+    enum moe_dtype dtype; /* weights: F32 or BF16 (norms stay F32) */
+    int tp_rank;          /* attention heads split over tp_size ranks */
+    int tp_size;
+};
+
+struct moe_model;
+
+/* Loads config.json and the safetensors weights in `dir`, checks every tensor
+ * against the config (names, shapes), and copies the shard's slice to the
+ * backend in opts->dtype. On error *out is NULL and the message names the
+ * file and tensor. */
+enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opts,
+                               struct moe_backend *be, struct moe_model **out,
+                               struct moe_error *err);
+
+void moe_model_free(struct moe_model *m);
+
+const struct moe_config *moe_model_config(const struct moe_model *m);
+
+/* Bytes of weights held by this shard. */
+size_t moe_model_weight_bytes(const struct moe_model *m);
+
+/* The KV cache of one shard: n_block blocks of block_size token slots, for
+ * every layer, K and V of the shard's KV heads, f32. Slot s of layer l is
+ * k[l] + s * kv_dim. */
+struct moe_kv_cache {
+    int n_layer;
+    int n_block;
+    int block_size;
+    int kv_dim;           /* n_kv_head_local * d_head */
+    float **k;            /* (n_layer) -> (n_block * block_size, kv_dim) on the backend */
+    float **v;
+};
+
+enum moe_status moe_kv_cache_create(const struct moe_model *m, int n_block, int block_size,
+                                    struct moe_kv_cache **out, struct moe_error *err);
+void moe_kv_cache_free(const struct moe_model *m, struct moe_kv_cache *kv);
+
+/* One forward step. Host arrays; n_tok tokens from n_seq sequences.
+ * Token t is tokens[t] of sequence seq[t] at position pos[t]; its K/V go to
+ * cache slot slots[t]; sequence s's blocks are block_tables[s * max_blocks ..].
+ * Logits (f32, vocab_size each) are produced for the n_logits tokens listed in
+ * logit_rows, in that order, into the host array `logits`. */
+struct moe_batch {
+    int n_tok;
+    const int32_t *tokens;
+    const int32_t *pos;
+    const int32_t *seq;
+    const int32_t *slots;
+    int n_seq;
+    const int32_t *block_tables;
+    int max_blocks;
+    int n_logits;
+    const int32_t *logit_rows;
+};
+
+enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
+                                  const struct moe_batch *batch, float *logits,
+                                  struct moe_error *err);
+
+#endif
