@@ -1,0 +1,566 @@
+/* config.json parser for MixtralForCausalLM and Qwen3MoeForCausalLM.
+ *
+ * Defaults follow transformers' MixtralConfig / Qwen3MoeConfig (v5). The
+ * fields that fix the weight shapes are required even where transformers has
+ * a default (a saved config.json always holds them, and guessing a shape is
+ * worse than naming the missing field): hidden_size, num_hidden_layers,
+ * num_attention_heads, vocab_size, num_experts_per_tok, the expert count
+ * (num_local_experts or num_experts, accepted under either name as
+ * transformers' attribute_map does), intermediate_size (Mixtral) and
+ * moe_intermediate_size (Qwen3; intermediate_size too when a layer is dense).
+ *
+ * Status codes: MOE_ERR_IO (file), MOE_ERR_FORMAT (not JSON, missing field,
+ * wrong type, inconsistent values), MOE_ERR_UNSUPPORTED (valid but not
+ * implemented: another architecture, rope scaling, sliding window, another
+ * activation, attention bias, quantization, sizes over our limits). A JSON
+ * null counts as absent, as it does for transformers.
+ *
+ * Fields read by transformers but ignored here because they do not change
+ * the math for these architectures: Mixtral's attention_bias and
+ * norm_topk_prob (Mixtral has no bias and always renormalises), Qwen3's
+ * sliding_window and max_window_layers while use_sliding_window is false, and
+ * training-only fields (router_jitter_noise, output_router_logits, dropout). */
+#include "model_config.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define CFG_MAX_SIZE (1 << 24)          /* largest accepted dimension or vocabulary */
+#define CFG_MAX_FILE ((size_t)16 << 20) /* largest accepted config.json */
+
+struct cfg_ctx {
+    const char *name; /* file name for messages */
+    const cJSON *root;
+    struct moe_error *err;
+};
+
+/* The item `key`, or NULL if absent or JSON null. */
+static const cJSON *field(const struct cfg_ctx *c, const char *key)
+{
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(c->root, key);
+    return cJSON_IsNull(j) ? NULL : j;
+}
+
+/* Short text of a JSON value for messages. */
+static void snippet(const cJSON *j, char *buf, size_t cap)
+{
+    char *s = cJSON_PrintUnformatted(j);
+    if (!s) {
+        snprintf(buf, cap, "?");
+        return;
+    }
+    if (strlen(s) >= cap && cap > 4)
+        snprintf(buf, cap, "%.*s...", (int)(cap - 4), s);
+    else
+        snprintf(buf, cap, "%s", s);
+    free(s);
+}
+
+static bool json_is_int(const cJSON *j)
+{
+    return cJSON_IsNumber(j) && isfinite(j->valuedouble) && floor(j->valuedouble) == j->valuedouble;
+}
+
+/* Integer field in [min, max] (min is 0 or 1). Absent: error if `required`,
+ * else `def`. Above max: UNSUPPORTED. */
+static enum moe_status get_int(const struct cfg_ctx *c, const char *key, bool required, int def,
+                               int min, int max, int *out)
+{
+    const cJSON *j = field(c, key);
+    if (!j) {
+        if (required)
+            return moe_error_set(c->err, MOE_ERR_FORMAT, "%s: missing required field '%s'", c->name,
+                                 key);
+        *out = def;
+        return MOE_OK;
+    }
+    char sn[80];
+    if (!json_is_int(j) || j->valuedouble < min) {
+        snippet(j, sn, sizeof sn);
+        return moe_error_set(c->err, MOE_ERR_FORMAT, "%s: field '%s' must be a %s integer, got %s",
+                             c->name, key, min > 0 ? "positive" : "non-negative", sn);
+    }
+    if (j->valuedouble > max) {
+        snippet(j, sn, sizeof sn);
+        return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                             "%s: field '%s' = %s is larger than the supported %d", c->name, key,
+                             sn, max);
+    }
+    *out = (int)j->valuedouble;
+    return MOE_OK;
+}
+
+/* Positive finite number; absent: `def`. */
+static enum moe_status get_pos_float(const struct cfg_ctx *c, const cJSON *j, const char *key,
+                                     double def, float *out)
+{
+    if (!j) {
+        *out = (float)def;
+        return MOE_OK;
+    }
+    if (!cJSON_IsNumber(j) || !isfinite(j->valuedouble) || j->valuedouble <= 0 ||
+        !isfinite((float)j->valuedouble) || (float)j->valuedouble <= 0) {
+        char sn[80];
+        snippet(j, sn, sizeof sn);
+        return moe_error_set(c->err, MOE_ERR_FORMAT,
+                             "%s: field '%s' must be a positive number, got %s", c->name, key, sn);
+    }
+    *out = (float)j->valuedouble;
+    return MOE_OK;
+}
+
+static enum moe_status get_bool(const struct cfg_ctx *c, const char *key, bool def, bool *out)
+{
+    const cJSON *j = field(c, key);
+    if (!j) {
+        *out = def;
+        return MOE_OK;
+    }
+    if (!cJSON_IsBool(j)) {
+        char sn[80];
+        snippet(j, sn, sizeof sn);
+        return moe_error_set(c->err, MOE_ERR_FORMAT, "%s: field '%s' must be true or false, got %s",
+                             c->name, key, sn);
+    }
+    *out = cJSON_IsTrue(j);
+    return MOE_OK;
+}
+
+/* String field or NULL if absent; non-string is an error. */
+static enum moe_status get_str(const struct cfg_ctx *c, const char *key, const char **out)
+{
+    const cJSON *j = field(c, key);
+    *out = NULL;
+    if (!j)
+        return MOE_OK;
+    if (!cJSON_IsString(j)) {
+        char sn[80];
+        snippet(j, sn, sizeof sn);
+        return moe_error_set(c->err, MOE_ERR_FORMAT, "%s: field '%s' must be a string, got %s",
+                             c->name, key, sn);
+    }
+    *out = j->valuestring;
+    return MOE_OK;
+}
+
+/* ---- architecture ----------------------------------------------------------- */
+
+static enum moe_status parse_arch(const struct cfg_ctx *c, enum moe_arch *arch)
+{
+    const char *model_type;
+    enum moe_status st = get_str(c, "model_type", &model_type);
+    if (st != MOE_OK)
+        return st;
+    const cJSON *archs = field(c, "architectures");
+    if (archs) {
+        const cJSON *first = cJSON_IsArray(archs) ? archs->child : NULL;
+        if (!first || !cJSON_IsString(first)) {
+            char sn[80];
+            snippet(archs, sn, sizeof sn);
+            return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                 "%s: field 'architectures' must be a non-empty list of strings, "
+                                 "got %s",
+                                 c->name, sn);
+        }
+        const char *a = first->valuestring;
+        const char *want_type;
+        if (!strcmp(a, "MixtralForCausalLM")) {
+            *arch = MOE_ARCH_MIXTRAL;
+            want_type = "mixtral";
+        } else if (!strcmp(a, "Qwen3MoeForCausalLM")) {
+            *arch = MOE_ARCH_QWEN3_MOE;
+            want_type = "qwen3_moe";
+        } else {
+            return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                                 "%s: architecture '%s' is not supported (supported: "
+                                 "MixtralForCausalLM, Qwen3MoeForCausalLM)",
+                                 c->name, a);
+        }
+        if (model_type && strcmp(model_type, want_type) != 0)
+            return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                 "%s: field 'model_type' = '%s' contradicts architecture '%s'",
+                                 c->name, model_type, a);
+        return MOE_OK;
+    }
+    if (!model_type)
+        return moe_error_set(c->err, MOE_ERR_FORMAT,
+                             "%s: missing required field 'architectures' (or 'model_type')",
+                             c->name);
+    if (!strcmp(model_type, "mixtral"))
+        *arch = MOE_ARCH_MIXTRAL;
+    else if (!strcmp(model_type, "qwen3_moe"))
+        *arch = MOE_ARCH_QWEN3_MOE;
+    else
+        return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                             "%s: model_type '%s' is not supported (supported: mixtral, qwen3_moe)",
+                             c->name, model_type);
+    return MOE_OK;
+}
+
+/* ---- RoPE ------------------------------------------------------------------- */
+
+/* rope_parameters (transformers v5) or rope_scaling (older): only the default
+ * (unscaled) RoPE is implemented. A dict of type "default" is accepted, and
+ * its rope_theta wins over the top-level one, as in transformers. */
+static enum moe_status parse_rope(const struct cfg_ctx *c, double def_theta, float *theta)
+{
+    const cJSON *top = field(c, "rope_theta");
+    const char *keys[2] = {"rope_scaling", "rope_parameters"};
+    for (int k = 0; k < 2; k++) {
+        const cJSON *rp = field(c, keys[k]);
+        if (!rp)
+            continue;
+        char sn[120];
+        snippet(rp, sn, sizeof sn);
+        if (!cJSON_IsObject(rp))
+            return moe_error_set(c->err, MOE_ERR_FORMAT, "%s: field '%s' must be an object, got %s",
+                                 c->name, keys[k], sn);
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(rp, "rope_type");
+        if (!type)
+            type = cJSON_GetObjectItemCaseSensitive(rp, "type");
+        if (type && !(cJSON_IsString(type) && !strcmp(type->valuestring, "default")))
+            return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                                 "%s: field '%s' = %s is not supported (only unscaled RoPE)",
+                                 c->name, keys[k], sn);
+        const cJSON *prf = cJSON_GetObjectItemCaseSensitive(rp, "partial_rotary_factor");
+        if (prf && !(cJSON_IsNumber(prf) && prf->valuedouble == 1.0))
+            return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                                 "%s: field '%s' = %s is not supported (partial rotary)", c->name,
+                                 keys[k], sn);
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(rp, "rope_theta");
+        if (t && !cJSON_IsNull(t)) {
+            top = t;
+        } else if (!type) {
+            /* neither a type nor a theta: some scaling we do not know */
+            return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                                 "%s: field '%s' = %s is not supported (only unscaled RoPE)",
+                                 c->name, keys[k], sn);
+        }
+    }
+    return get_pos_float(c, top, "rope_theta", def_theta, theta);
+}
+
+/* ---- features we refuse ----------------------------------------------------- */
+
+static enum moe_status check_unsupported(const struct cfg_ctx *c, const struct moe_config *cfg)
+{
+    enum moe_status st;
+    const char *act;
+    if ((st = get_str(c, "hidden_act", &act)) != MOE_OK)
+        return st;
+    if (act && strcmp(act, "silu") != 0)
+        return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                             "%s: field 'hidden_act' = '%s' is not supported (only 'silu')",
+                             c->name, act);
+    const cJSON *q = field(c, "quantization_config");
+    if (q) {
+        char sn[120];
+        snippet(q, sn, sizeof sn);
+        return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                             "%s: field 'quantization_config' = %s is not supported (quantized "
+                             "checkpoint)",
+                             c->name, sn);
+    }
+    if (cfg->arch == MOE_ARCH_MIXTRAL) {
+        const cJSON *sw = field(c, "sliding_window");
+        if (sw) {
+            char sn[80];
+            snippet(sw, sn, sizeof sn);
+            if (!json_is_int(sw) || sw->valuedouble < 1)
+                return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                     "%s: field 'sliding_window' must be a positive integer or "
+                                     "null, got %s",
+                                     c->name, sn);
+            if (sw->valuedouble < cfg->max_pos)
+                return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                                     "%s: field 'sliding_window' = %s is not supported (sliding-"
+                                     "window attention; max_position_embeddings is %d)",
+                                     c->name, sn, cfg->max_pos);
+        }
+    } else {
+        bool b = false;
+        if ((st = get_bool(c, "use_sliding_window", false, &b)) != MOE_OK)
+            return st;
+        if (b)
+            return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                                 "%s: field 'use_sliding_window' = true is not supported "
+                                 "(sliding-window attention)",
+                                 c->name);
+        if ((st = get_bool(c, "attention_bias", false, &b)) != MOE_OK)
+            return st;
+        if (b)
+            return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                                 "%s: field 'attention_bias' = true is not supported", c->name);
+    }
+    return MOE_OK;
+}
+
+/* ---- token ids -------------------------------------------------------------- */
+
+static enum moe_status parse_token_ids(const struct cfg_ctx *c, struct moe_config *cfg)
+{
+    /* absent: transformers' default (Mixtral bos 1, eos 2; Qwen3 none); null: none */
+    bool mixtral = cfg->arch == MOE_ARCH_MIXTRAL;
+    bool bos_null = cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(c->root, "bos_token_id"));
+    bool eos_null = cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(c->root, "eos_token_id"));
+    enum moe_status st =
+        get_int(c, "bos_token_id", false, mixtral && !bos_null ? 1 : -1, 0, INT_MAX, &cfg->bos_id);
+    if (st != MOE_OK)
+        return st;
+    if (cfg->bos_id >= cfg->vocab_size)
+        return moe_error_set(c->err, MOE_ERR_FORMAT,
+                             "%s: field 'bos_token_id' = %d is outside the vocabulary (%d)",
+                             c->name, cfg->bos_id, cfg->vocab_size);
+
+    const cJSON *eos = field(c, "eos_token_id");
+    cfg->n_eos = 0;
+    if (!eos) {
+        if (mixtral && !eos_null) {
+            cfg->n_eos = 1;
+            cfg->eos_ids[0] = 2;
+        }
+        return MOE_OK;
+    }
+    char sn[120];
+    snippet(eos, sn, sizeof sn);
+    const cJSON *one = eos;
+    if (cJSON_IsArray(eos)) {
+        if (cJSON_GetArraySize(eos) > MOE_MAX_EOS)
+            return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                                 "%s: field 'eos_token_id' = %s has more than %d ids", c->name, sn,
+                                 MOE_MAX_EOS);
+        one = eos->child;
+    }
+    for (; one; one = cJSON_IsArray(eos) ? one->next : NULL) {
+        if (!json_is_int(one) || one->valuedouble < 0)
+            return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                 "%s: field 'eos_token_id' must be a non-negative integer or a "
+                                 "list of them, got %s",
+                                 c->name, sn);
+        if (one->valuedouble >= cfg->vocab_size)
+            return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                 "%s: field 'eos_token_id' = %s is outside the vocabulary (%d)",
+                                 c->name, sn, cfg->vocab_size);
+        cfg->eos_ids[cfg->n_eos++] = (int)one->valuedouble;
+    }
+    return MOE_OK;
+}
+
+/* ---- layers (Qwen3: decoder_sparse_step, mlp_only_layers) ----------------------- */
+
+static enum moe_status parse_layers(const struct cfg_ctx *c, struct moe_config *cfg)
+{
+    if (cfg->arch == MOE_ARCH_MIXTRAL) {
+        for (int l = 0; l < cfg->n_layer; l++)
+            cfg->layer_is_moe[l] = true;
+        return MOE_OK;
+    }
+    int step;
+    enum moe_status st = get_int(c, "decoder_sparse_step", false, 1, 1, INT_MAX, &step);
+    if (st != MOE_OK)
+        return st;
+    bool dense_only[MOE_MAX_LAYERS] = {false};
+    const cJSON *mlp = field(c, "mlp_only_layers");
+    if (mlp) {
+        char sn[120];
+        snippet(mlp, sn, sizeof sn);
+        if (!cJSON_IsArray(mlp))
+            return moe_error_set(
+                c->err, MOE_ERR_FORMAT,
+                "%s: field 'mlp_only_layers' must be a list of layer indices, got %s", c->name, sn);
+        for (const cJSON *j = mlp->child; j; j = j->next) {
+            if (!json_is_int(j) || j->valuedouble < 0 || j->valuedouble >= cfg->n_layer) {
+                char v[40];
+                snippet(j, v, sizeof v);
+                return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                     "%s: field 'mlp_only_layers' = %s: entry %s is not a layer "
+                                     "index in [0, %d)",
+                                     c->name, sn, v, cfg->n_layer);
+            }
+            dense_only[(int)j->valuedouble] = true;
+        }
+    }
+    int first_dense = -1;
+    for (int l = 0; l < cfg->n_layer; l++) {
+        cfg->layer_is_moe[l] = !dense_only[l] && cfg->n_expert > 0 && (l + 1) % step == 0;
+        if (!cfg->layer_is_moe[l] && first_dense < 0)
+            first_dense = l;
+    }
+    st = get_int(c, "intermediate_size", first_dense >= 0, 0, 1, CFG_MAX_SIZE, &cfg->d_ff_dense);
+    if (st != MOE_OK && first_dense >= 0 && !field(c, "intermediate_size"))
+        return moe_error_set(c->err, MOE_ERR_FORMAT,
+                             "%s: missing required field 'intermediate_size' (layer %d has a "
+                             "dense MLP)",
+                             c->name, first_dense);
+    return st;
+}
+
+/* ---- public API ------------------------------------------------------------- */
+
+static enum moe_status parse_root(const struct cfg_ctx *c, struct moe_config *cfg)
+{
+    enum moe_status st;
+    if ((st = parse_arch(c, &cfg->arch)) != MOE_OK)
+        return st;
+    bool mixtral = cfg->arch == MOE_ARCH_MIXTRAL;
+
+#define INT_FIELD(key, req, def, min, max, dst)                                                    \
+    do {                                                                                           \
+        if ((st = get_int(c, key, req, def, min, max, dst)) != MOE_OK)                             \
+            return st;                                                                             \
+    } while (0)
+
+    INT_FIELD("hidden_size", true, 0, 1, CFG_MAX_SIZE, &cfg->d_model);
+    INT_FIELD("num_hidden_layers", true, 0, 1, MOE_MAX_LAYERS, &cfg->n_layer);
+    INT_FIELD("num_attention_heads", true, 0, 1, CFG_MAX_SIZE, &cfg->n_head);
+    INT_FIELD("num_key_value_heads", false, cfg->n_head, 1, CFG_MAX_SIZE, &cfg->n_kv_head);
+    INT_FIELD("vocab_size", true, 0, 1, CFG_MAX_SIZE, &cfg->vocab_size);
+    INT_FIELD("max_position_embeddings", false, mixtral ? 131072 : 32768, 1, INT_MAX,
+              &cfg->max_pos);
+    if (cfg->n_head % cfg->n_kv_head != 0)
+        return moe_error_set(c->err, MOE_ERR_FORMAT,
+                             "%s: num_attention_heads = %d is not a multiple of "
+                             "num_key_value_heads = %d",
+                             c->name, cfg->n_head, cfg->n_kv_head);
+    if (field(c, "head_dim")) {
+        INT_FIELD("head_dim", true, 0, 1, CFG_MAX_SIZE, &cfg->d_head);
+    } else {
+        if (cfg->d_model % cfg->n_head != 0)
+            return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                 "%s: field 'head_dim' is absent and hidden_size = %d is not a "
+                                 "multiple of num_attention_heads = %d",
+                                 c->name, cfg->d_model, cfg->n_head);
+        cfg->d_head = cfg->d_model / cfg->n_head;
+    }
+
+    /* experts: transformers maps num_experts <-> num_local_experts for both */
+    const char *ek = mixtral ? "num_local_experts" : "num_experts";
+    const char *ek_alt = mixtral ? "num_experts" : "num_local_experts";
+    if (!field(c, ek) && field(c, ek_alt))
+        ek = ek_alt;
+    INT_FIELD(ek, true, 0, mixtral ? 1 : 0, CFG_MAX_SIZE, &cfg->n_expert);
+    INT_FIELD("num_experts_per_tok", true, 0, 1, CFG_MAX_SIZE, &cfg->top_k);
+    if (cfg->n_expert > 0 && cfg->top_k > cfg->n_expert)
+        return moe_error_set(c->err, MOE_ERR_FORMAT,
+                             "%s: field 'num_experts_per_tok' = %d is more than %s = %d", c->name,
+                             cfg->top_k, ek, cfg->n_expert);
+
+    if (mixtral) {
+        INT_FIELD("intermediate_size", true, 0, 1, CFG_MAX_SIZE, &cfg->d_ff_expert);
+        cfg->d_ff_dense = 0;
+        cfg->norm_topk_prob = true;
+        cfg->qk_norm = false;
+    } else {
+        INT_FIELD("moe_intermediate_size", cfg->n_expert > 0, 0, 1, CFG_MAX_SIZE,
+                  &cfg->d_ff_expert);
+        if ((st = get_bool(c, "norm_topk_prob", false, &cfg->norm_topk_prob)) != MOE_OK)
+            return st;
+        cfg->qk_norm = true;
+    }
+#undef INT_FIELD
+
+    if ((st = get_bool(c, "tie_word_embeddings", false, &cfg->tie_word_embeddings)) != MOE_OK)
+        return st;
+    if ((st = get_pos_float(c, field(c, "rms_norm_eps"), "rms_norm_eps", mixtral ? 1e-5 : 1e-6,
+                            &cfg->rms_eps)) != MOE_OK)
+        return st;
+    if ((st = parse_rope(c, mixtral ? 1e6 : 1e4, &cfg->rope_theta)) != MOE_OK)
+        return st;
+    if ((st = parse_token_ids(c, cfg)) != MOE_OK)
+        return st;
+    if ((st = parse_layers(c, cfg)) != MOE_OK)
+        return st;
+    return check_unsupported(c, cfg);
+}
+
+enum moe_status moe_config_parse(const char *json, const char *name, struct moe_config *cfg,
+                                 struct moe_error *err)
+{
+    if (!name)
+        name = "config.json";
+    if (!json || !cfg)
+        return moe_error_set(err, MOE_ERR_INVALID, "%s: moe_config_parse: NULL argument", name);
+    memset(cfg, 0, sizeof *cfg);
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithOpts(json, &end, 1);
+    if (!root) {
+        size_t at = end && end >= json ? (size_t)(end - json) : 0;
+        return moe_error_set(err, MOE_ERR_FORMAT, "%s: not valid JSON (error at byte %zu)", name,
+                             at);
+    }
+    enum moe_status st;
+    struct moe_config tmp;
+    memset(&tmp, 0, sizeof tmp);
+    struct cfg_ctx c = {.name = name, .root = root, .err = err};
+    if (!cJSON_IsObject(root))
+        st = moe_error_set(err, MOE_ERR_FORMAT, "%s: not a JSON object", name);
+    else
+        st = parse_root(&c, &tmp);
+    if (st == MOE_OK)
+        *cfg = tmp;
+    cJSON_Delete(root);
+    return st;
+}
+
+enum moe_status moe_config_load(const char *path, struct moe_config *cfg, struct moe_error *err)
+{
+    if (!path || !cfg)
+        return moe_error_set(err, MOE_ERR_INVALID, "moe_config_load: NULL argument");
+    memset(cfg, 0, sizeof *cfg);
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(errno));
+    enum moe_status st;
+    char *buf = NULL;
+    struct stat sb;
+    if (fstat(fileno(f), &sb) != 0) {
+        st = moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(errno));
+        goto fail;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        st = moe_error_set(err, MOE_ERR_IO, "%s: %s", path,
+                           S_ISDIR(sb.st_mode) ? strerror(EISDIR) : "not a regular file");
+        goto fail;
+    }
+    if (fseek(f, 0, SEEK_END) != 0) {
+        st = moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(errno));
+        goto fail;
+    }
+    long size = ftell(f);
+    if (size < 0) {
+        st = moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(errno));
+        goto fail;
+    }
+    if ((size_t)size > CFG_MAX_FILE) {
+        st = moe_error_set(err, MOE_ERR_FORMAT, "%s: %ld bytes, larger than the %zu-byte limit",
+                           path, size, CFG_MAX_FILE);
+        goto fail;
+    }
+    rewind(f);
+    buf = malloc((size_t)size + 1);
+    if (!buf) {
+        st = moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory", path);
+        goto fail;
+    }
+    if (fread(buf, 1, (size_t)size, f) != (size_t)size) {
+        st = moe_error_set(err, MOE_ERR_IO, "%s: %s", path,
+                           ferror(f) && errno ? strerror(errno) : "short read");
+        goto fail;
+    }
+    buf[size] = '\0';
+    if (memchr(buf, '\0', (size_t)size)) {
+        st = moe_error_set(err, MOE_ERR_FORMAT, "%s: contains a NUL byte", path);
+        goto fail;
+    }
+    st = moe_config_parse(buf, path, cfg, err);
+fail:
+    free(buf);
+    fclose(f);
+    return st;
+}
