@@ -181,10 +181,34 @@ static enum moe_status load_matrix(struct loader *ld, const char *name, int64_t 
     return load_block(ld, name, rows, cols, 0, rows, 0, cols, ld->m->opts.dtype, out, err);
 }
 
+/* Norm weights stay f32 on the device; with bf16 weights they are rounded to
+ * bf16 first, so "--dtype bf16" means every weight of the model in bf16, as
+ * model.to(torch.bfloat16) does. */
 static enum moe_status load_norm(struct loader *ld, const char *name, int64_t dim, float **out,
                                  struct moe_error *err)
 {
-    return load_block(ld, name, dim, 0, 0, dim, 0, 0, MOE_DTYPE_F32, (void **)out, err);
+    const struct st_tensor *t;
+    enum moe_status rc = find_tensor(ld, name, 1, dim, 0, &t, err);
+    if (rc)
+        return rc;
+    float *host = malloc((size_t)dim * sizeof *host);
+    if (!host)
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
+    rc = st_read_block(t, 0, 1, 0, dim, MOE_DTYPE_F32, host, err);
+    if (!rc && ld->m->opts.dtype == MOE_DTYPE_BF16)
+        for (int64_t i = 0; i < dim; i++)
+            host[i] = moe_bf16_to_f32(moe_f32_to_bf16(host[i]));
+    struct moe_backend *be = ld->m->be;
+    float *buf = rc ? NULL : be->ops->buf_alloc(be, (size_t)dim * sizeof *buf);
+    if (!rc && !buf)
+        rc = moe_error_set(err, MOE_ERR_NOMEM, "%s: cannot allocate '%s'", ld->dir, name);
+    if (!rc) {
+        be->ops->buf_upload(be, buf, host, (size_t)dim * sizeof *buf);
+        ld->m->weight_bytes += (size_t)dim * sizeof *buf;
+        *out = buf;
+    }
+    free(host);
+    return rc;
 }
 
 /* Loads gate and up projections (each (d_ff, d_model)) into one (2*d_ff, d_model)

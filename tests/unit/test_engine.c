@@ -1,0 +1,507 @@
+/* The serving engine on the tiny golden Qwen3-MoE model (f32, CPU):
+ *  - a sequence's greedy tokens and logits are the same alone and inside a
+ *    batch of 16 mixed-length sequences with chunked prefill;
+ *  - a KV pool small enough to force preemption gives the same tokens;
+ *  - a seeded random workload of submit / abort / finish keeps the block
+ *    pool whole, with refcounts matching the block tables at every check;
+ *  - prefix caching computes only the new tokens and changes no logit;
+ *  - seeded sampling is the same whatever the batch; stop strings that
+ *    straddle tokens stop the request; bad parameters are refused. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "engine.h"
+#include "generate.h"
+#include "testlib.h"
+
+#define MAX_REQ 64
+#define MAX_OUT 64
+
+struct capture {
+    int vocab;
+    int32_t tokens[MAX_REQ][MAX_OUT];
+    int n[MAX_REQ];
+    enum moe_finish finish[MAX_REQ];
+    int64_t text_len[MAX_REQ];
+    float *logits[MAX_REQ]; /* (MAX_OUT, vocab) when capture_logits */
+    bool capture_logits;
+    int events;
+};
+
+static void on_token(void *user, const struct moe_token_event *ev)
+{
+    struct capture *c = user;
+    int r = (int)ev->req_id;
+    MOE_ASSERT(r >= 0 && r < MAX_REQ);
+    if (ev->token >= 0 && c->n[r] < MAX_OUT)
+        c->tokens[r][c->n[r]++] = ev->token;
+    if (ev->finish) {
+        c->finish[r] = ev->finish;
+        c->text_len[r] = ev->text_len;
+    }
+    c->events++;
+}
+
+static void on_logits(void *user, uint64_t req_id, int index, const float *logits, int vocab)
+{
+    struct capture *c = user;
+    if (!c->capture_logits || index >= MAX_OUT)
+        return;
+    int r = (int)req_id;
+    if (!c->logits[r])
+        c->logits[r] = calloc((size_t)MAX_OUT * vocab, sizeof(float));
+    memcpy(c->logits[r] + (size_t)index * vocab, logits, (size_t)vocab * sizeof(float));
+}
+
+static void capture_free(struct capture *c)
+{
+    for (int i = 0; i < MAX_REQ; i++)
+        free(c->logits[i]);
+}
+
+static struct moe_model *model;
+static int vocab;
+
+static struct moe_engine *make_engine(struct moe_engine_opts o, struct capture *c)
+{
+    struct moe_engine *e = NULL;
+    struct moe_error err = {0};
+    o.logits_hook = on_logits;
+    o.logits_hook_user = c;
+    CHECKF(moe_engine_create(model, NULL, &o, &e, &err) == MOE_OK, "%s", err.msg);
+    return e;
+}
+
+static void run_to_end(struct moe_engine *e)
+{
+    struct moe_error err = {0};
+    int guard = 0;
+    while (moe_engine_busy(e) && guard++ < 100000) {
+        if (moe_engine_step(e, NULL, &err) != MOE_OK) {
+            fprintf(stderr, "step failed: %s\n", err.msg);
+            test_n_fail++;
+            return;
+        }
+    }
+    CHECK(!moe_engine_busy(e));
+}
+
+/* Deterministic prompt i of length len. */
+static void make_prompt(int i, int len, int32_t *out)
+{
+    unsigned s = 1000u + (unsigned)i * 7919u;
+    for (int j = 0; j < len; j++) {
+        s = s * 1103515245u + 12345u;
+        out[j] = (int32_t)((s >> 8) % (unsigned)vocab);
+    }
+}
+
+static double max_rel(const float *a, const float *b, int n)
+{
+    double md = 0, mb = 0;
+    for (int i = 0; i < n; i++) {
+        md = fmax(md, fabs((double)a[i] - b[i]));
+        mb = fmax(mb, fabs((double)b[i]));
+    }
+    return md / (mb > 0 ? mb : 1);
+}
+
+static void test_batch_equals_alone(void)
+{
+    enum { N = 16, OUT = 12 };
+    int lens[N];
+    int32_t prompts[N][80];
+    for (int i = 0; i < N; i++) {
+        lens[i] = 3 + (i * 37) % 70;
+        make_prompt(i, lens[i], prompts[i]);
+    }
+    struct moe_request_params p;
+    moe_request_params_init(&p);
+    p.max_tokens = OUT;
+    p.ignore_eos = true;
+    struct moe_error err = {0};
+
+    static struct capture alone, batch;
+    memset(&alone, 0, sizeof alone);
+    memset(&batch, 0, sizeof batch);
+    alone.capture_logits = batch.capture_logits = true;
+    for (int i = 0; i < N; i++) { /* one at a time, whole prompt in one step */
+        struct moe_engine *e = make_engine((struct moe_engine_opts){.n_block = 64}, &alone);
+        CHECKF(moe_engine_submit(e, (uint64_t)i, prompts[i], lens[i], &p, on_token, &alone, &err) ==
+                   MOE_OK,
+               "%s", err.msg);
+        run_to_end(e);
+        moe_engine_destroy(e);
+    }
+    /* all at once, chunked prefill under a 48-token budget mixed with decodes */
+    struct moe_engine *e =
+        make_engine((struct moe_engine_opts){.n_block = 256, .max_batch_tokens = 48}, &batch);
+    for (int i = 0; i < N; i++)
+        CHECK(moe_engine_submit(e, (uint64_t)i, prompts[i], lens[i], &p, on_token, &batch, &err) ==
+              MOE_OK);
+    run_to_end(e);
+    struct moe_engine_stats st;
+    moe_engine_stats(e, &st);
+    CHECKF(st.steps > N, "steps %lld", (long long)st.steps);
+    moe_engine_destroy(e);
+
+    double worst = 0;
+    int same = 0;
+    for (int i = 0; i < N; i++) {
+        same += alone.n[i] == OUT && batch.n[i] == OUT &&
+                !memcmp(alone.tokens[i], batch.tokens[i], sizeof(int32_t) * OUT);
+        for (int j = 0; j < OUT && alone.logits[i] && batch.logits[i]; j++)
+            worst = fmax(worst, max_rel(batch.logits[i] + (size_t)j * vocab,
+                                        alone.logits[i] + (size_t)j * vocab, vocab));
+        CHECK(alone.finish[i] == MOE_FINISH_LENGTH && batch.finish[i] == MOE_FINISH_LENGTH);
+    }
+    CHECKF(same == N, "%d of %d sequences identical", same, N);
+    CHECKF(worst <= 1e-5, "batched logits rel err %.3g", worst);
+    printf("batch of %d vs alone: %d identical, max logit rel err %.3g, %lld steps\n", N, same,
+           worst, (long long)st.steps);
+    capture_free(&alone);
+    capture_free(&batch);
+}
+
+static void test_preemption(void)
+{
+    enum { N = 8, OUT = 24 };
+    int32_t prompts[N][40];
+    int lens[N];
+    for (int i = 0; i < N; i++) {
+        lens[i] = 10 + 3 * i;
+        make_prompt(100 + i, lens[i], prompts[i]);
+    }
+    struct moe_request_params p;
+    moe_request_params_init(&p);
+    p.max_tokens = OUT;
+    p.ignore_eos = true;
+    struct moe_error err = {0};
+    static struct capture big, small;
+    memset(&big, 0, sizeof big);
+    memset(&small, 0, sizeof small);
+    struct moe_engine_stats st_big, st_small;
+    struct moe_engine *e = make_engine((struct moe_engine_opts){.n_block = 128, .block_size = 4}, &big);
+    for (int i = 0; i < N; i++)
+        moe_engine_submit(e, (uint64_t)i, prompts[i], lens[i], &p, on_token, &big, &err);
+    run_to_end(e);
+    moe_engine_stats(e, &st_big);
+    moe_engine_destroy(e);
+    /* 16 blocks of 4 tokens: the largest request alone needs 14 */
+    e = make_engine((struct moe_engine_opts){.n_block = 16, .block_size = 4}, &small);
+    for (int i = 0; i < N; i++)
+        CHECKF(moe_engine_submit(e, (uint64_t)i, prompts[i], lens[i], &p, on_token, &small, &err) ==
+                   MOE_OK,
+               "%s", err.msg);
+    struct moe_error cerr = {0};
+    int bad = 0;
+    while (moe_engine_busy(e)) {
+        CHECK(moe_engine_step(e, NULL, &err) == MOE_OK);
+        bad += moe_engine_check(e, &cerr) != MOE_OK;
+    }
+    CHECKF(bad == 0, "%s", cerr.msg);
+    moe_engine_stats(e, &st_small);
+    CHECK(moe_engine_check(e, &cerr) == MOE_OK);
+    CHECK(st_small.kv_blocks_used == 0);
+    moe_engine_destroy(e);
+    int same = 0;
+    for (int i = 0; i < N; i++)
+        same += big.n[i] == OUT && small.n[i] == OUT &&
+                !memcmp(big.tokens[i], small.tokens[i], sizeof(int32_t) * OUT);
+    CHECKF(same == N, "%d of %d identical under preemption", same, N);
+    CHECKF(st_small.preemptions > 0, "preemptions %lld", (long long)st_small.preemptions);
+    CHECK(st_big.preemptions == 0);
+    printf("preemption: %lld preemptions, %d/%d identical, %lld vs %lld tokens computed\n",
+           (long long)st_small.preemptions, same, N, (long long)st_small.computed_tokens,
+           (long long)st_big.computed_tokens);
+}
+
+static void test_random_workload(void)
+{
+    static struct capture c;
+    memset(&c, 0, sizeof c);
+    struct moe_engine *e =
+        make_engine((struct moe_engine_opts){.n_block = 40, .block_size = 4, .max_batch_tokens = 32,
+                                             .max_running = 6},
+                    &c);
+    struct moe_error err = {0}, cerr = {0};
+    unsigned seed = 4242;
+    bool in_flight[MAX_REQ] = {0};
+    int submitted = 0, aborted = 0, bad = 0, steps = 0;
+    uint64_t next_id = 0;
+    for (steps = 0; steps < 3000; steps++) {
+        int op = rand_r(&seed) % 8;
+        if (op < 4) { /* submit, reusing ids that finished */
+            int r = (int)(next_id++ % MAX_REQ);
+            if (!in_flight[r] || c.finish[r]) {
+                int32_t prompt[40];
+                int len = 1 + rand_r(&seed) % 40;
+                make_prompt(rand_r(&seed) % 5, len, prompt); /* few distinct: prefix hits */
+                struct moe_request_params p;
+                moe_request_params_init(&p);
+                p.max_tokens = 1 + rand_r(&seed) % 30;
+                p.ignore_eos = rand_r(&seed) % 2;
+                p.sp.temperature = (float)(rand_r(&seed) % 3) * 0.5f;
+                c.n[r] = 0;
+                c.finish[r] = MOE_FINISH_NONE;
+                if (moe_engine_submit(e, (uint64_t)r, prompt, len, &p, on_token, &c, &err) ==
+                    MOE_OK) {
+                    in_flight[r] = true;
+                    submitted++;
+                }
+            }
+        } else if (op == 4) { /* abort a random request still in flight */
+            int live[MAX_REQ], n_live = 0;
+            for (int r = 0; r < MAX_REQ; r++)
+                if (in_flight[r] && !c.finish[r])
+                    live[n_live++] = r;
+            if (n_live) {
+                moe_engine_abort(e, (uint64_t)live[rand_r(&seed) % n_live]);
+                aborted++;
+            }
+        }
+        CHECK(moe_engine_step(e, NULL, &err) == MOE_OK);
+        if (steps % 7 == 0 && moe_engine_check(e, &cerr) != MOE_OK)
+            bad++;
+    }
+    run_to_end(e);
+    CHECKF(bad == 0, "%s", cerr.msg);
+    CHECKF(moe_engine_check(e, &cerr) == MOE_OK, "%s", cerr.msg);
+    struct moe_engine_stats st;
+    moe_engine_stats(e, &st);
+    CHECK(st.kv_blocks_used == 0 && st.kv_blocks_free + st.kv_blocks_cached == 40);
+    CHECK(st.running == 0 && st.waiting == 0);
+    CHECKF(st.finished + st.aborted == submitted, "finished %lld + aborted %lld != submitted %d",
+           (long long)st.finished, (long long)st.aborted, submitted);
+    int unfinished = 0;
+    for (int r = 0; r < MAX_REQ; r++)
+        unfinished += in_flight[r] && !c.finish[r];
+    CHECK(unfinished == 0);
+    printf("random workload: %d steps, %d submitted, %d abort calls, %lld aborted, %lld "
+           "preemptions, prefix hits %lld/%lld tokens\n",
+           steps, submitted, aborted, (long long)st.aborted, (long long)st.preemptions,
+           (long long)st.prefix_hit_tokens, (long long)st.prompt_tokens);
+    CHECK(st.aborted > 0 && st.prefix_hit_tokens > 0 && st.preemptions > 0);
+    moe_engine_destroy(e);
+}
+
+static void test_prefix_cache(void)
+{
+    enum { BS = 16 };
+    int32_t a[3 * BS + 5], b[3 * BS + 9];
+    make_prompt(7, 3 * BS + 5, a);
+    memcpy(b, a, 3 * BS * sizeof(int32_t)); /* same first 3 blocks */
+    make_prompt(8, 9, b + 3 * BS);
+    struct moe_request_params p;
+    moe_request_params_init(&p);
+    p.max_tokens = 4;
+    p.ignore_eos = true;
+    struct moe_error err = {0};
+    static struct capture on, off;
+    memset(&on, 0, sizeof on);
+    memset(&off, 0, sizeof off);
+    on.capture_logits = off.capture_logits = true;
+    struct moe_engine_stats s1, s2;
+
+    struct moe_engine *e = make_engine((struct moe_engine_opts){.n_block = 32}, &on);
+    moe_engine_submit(e, 0, a, 3 * BS + 5, &p, on_token, &on, &err);
+    run_to_end(e);
+    moe_engine_stats(e, &s1);
+    moe_engine_submit(e, 1, b, 3 * BS + 9, &p, on_token, &on, &err);
+    run_to_end(e);
+    moe_engine_stats(e, &s2);
+    int64_t computed = s2.computed_tokens - s1.computed_tokens;
+    /* 9 new prompt tokens, then 3 decode steps of 1 token */
+    CHECKF(computed == 9 + 3, "second request computed %lld tokens, expected 12",
+           (long long)computed);
+    CHECK(s2.prefix_hit_tokens - s1.prefix_hit_tokens == 3 * BS);
+    moe_engine_destroy(e);
+
+    e = make_engine((struct moe_engine_opts){.n_block = 32, .no_prefix_cache = true}, &off);
+    moe_engine_submit(e, 1, b, 3 * BS + 9, &p, on_token, &off, &err);
+    run_to_end(e);
+    moe_engine_destroy(e);
+    CHECK(on.n[1] == 4 && !memcmp(on.tokens[1], off.tokens[1], 4 * sizeof(int32_t)));
+    double worst = 0;
+    for (int j = 0; j < 4 && on.logits[1] && off.logits[1]; j++)
+        worst = fmax(worst, max_rel(on.logits[1] + (size_t)j * vocab, off.logits[1] + (size_t)j * vocab,
+                                    vocab));
+    CHECKF(worst <= 1e-5, "prefix-cached logits rel err %.3g", worst);
+    printf("prefix cache: second request computed %lld tokens (prompt %d), logits rel err %.3g\n",
+           (long long)computed, 3 * BS + 9, worst);
+    capture_free(&on);
+    capture_free(&off);
+}
+
+static void test_seeded_sampling(void)
+{
+    enum { OUT = 16 };
+    int32_t prompt[12];
+    make_prompt(3, 12, prompt);
+    struct moe_request_params p;
+    moe_request_params_init(&p);
+    p.max_tokens = OUT;
+    p.ignore_eos = true;
+    p.sp.temperature = 1.0f;
+    p.sp.top_p = 0.9f;
+    p.has_seed = true;
+    p.seed = 77;
+    struct moe_error err = {0};
+    static struct capture c1, c2;
+    memset(&c1, 0, sizeof c1);
+    memset(&c2, 0, sizeof c2);
+    struct moe_engine *e = make_engine((struct moe_engine_opts){.n_block = 64}, &c1);
+    moe_engine_submit(e, 0, prompt, 12, &p, on_token, &c1, &err);
+    run_to_end(e);
+    moe_engine_destroy(e);
+    /* same request amid others with other seeds and sampling settings */
+    e = make_engine((struct moe_engine_opts){.n_block = 64, .max_batch_tokens = 20}, &c2);
+    for (int i = 1; i < 6; i++) {
+        int32_t other[20];
+        make_prompt(50 + i, 20, other);
+        struct moe_request_params q = p;
+        q.seed = (uint64_t)i;
+        q.sp.top_k = 5;
+        moe_engine_submit(e, (uint64_t)i, other, 20, &q, on_token, &c2, &err);
+    }
+    moe_engine_submit(e, 0, prompt, 12, &p, on_token, &c2, &err);
+    run_to_end(e);
+    moe_engine_destroy(e);
+    CHECK(c1.n[0] == OUT && c2.n[0] == OUT && !memcmp(c1.tokens[0], c2.tokens[0], sizeof(int32_t) * OUT));
+    /* and a different seed gives a different stream */
+    static struct capture c3;
+    memset(&c3, 0, sizeof c3);
+    p.seed = 78;
+    e = make_engine((struct moe_engine_opts){.n_block = 64}, &c3);
+    moe_engine_submit(e, 0, prompt, 12, &p, on_token, &c3, &err);
+    run_to_end(e);
+    moe_engine_destroy(e);
+    CHECK(memcmp(c1.tokens[0], c3.tokens[0], sizeof(int32_t) * OUT) != 0);
+}
+
+static void test_stop_strings(struct moe_tokenizer *tok)
+{
+    /* Generate greedily, decode, then ask again with a stop string that spans
+     * the boundary between two generated tokens. */
+    int32_t prompt[10];
+    make_prompt(11, 10, prompt);
+    struct moe_request_params p;
+    moe_request_params_init(&p);
+    p.max_tokens = 24;
+    p.ignore_eos = true;
+    struct moe_error err = {0};
+    static struct capture c1, c2;
+    memset(&c1, 0, sizeof c1);
+    memset(&c2, 0, sizeof c2);
+    struct moe_engine *e = NULL;
+    struct moe_engine_opts o = {.n_block = 64};
+    CHECK(moe_engine_create(model, tok, &o, &e, &err) == MOE_OK);
+    moe_engine_submit(e, 0, prompt, 10, &p, on_token, &c1, &err);
+    run_to_end(e);
+    /* find a token boundary k: the text of the first k tokens ends in an ASCII
+     * character and token k adds text that starts with one */
+    char *full = NULL, *head = NULL;
+    size_t full_len = 0, head_len = 0;
+    int k = -1;
+    for (int j = 2; j < c1.n[0] - 1 && k < 0; j++) {
+        free(head);
+        head = NULL;
+        moe_tokenizer_decode(tok, c1.tokens[0], (size_t)j, true, &head, &head_len, NULL);
+        free(full);
+        full = NULL;
+        moe_tokenizer_decode(tok, c1.tokens[0], (size_t)j + 1, true, &full, &full_len, NULL);
+        if (head && full && head_len >= 1 && full_len > head_len && !memcmp(full, head, head_len) &&
+            head[head_len - 1] > ' ' && (unsigned char)head[head_len - 1] < 0x80 &&
+            full[head_len] > ' ' && (unsigned char)full[head_len] < 0x80)
+            k = j;
+    }
+    CHECKF(k > 0, "no token boundary with ASCII text on both sides in %d tokens", c1.n[0]);
+    if (k > 0) {
+        /* the stop string: the last byte of the first k tokens + the first of token k */
+        char stop[3] = {head[head_len - 1], full[head_len], 0};
+        char *first = strstr(full, stop);
+        p.n_stop_strings = 1;
+        strcpy(p.stop_strings[0], stop);
+        moe_engine_submit(e, 1, prompt, 10, &p, on_token, &c2, &err);
+        run_to_end(e);
+        CHECK(c2.finish[1] == MOE_FINISH_STOP);
+        CHECKF(c2.n[1] <= k + 1, "stopped after %d tokens, boundary at %d", c2.n[1], k);
+        CHECK(first && c2.text_len[1] == first - full);
+        CHECK(!memcmp(c1.tokens[0], c2.tokens[1], sizeof(int32_t) * (size_t)c2.n[1]));
+    }
+    free(full);
+    free(head);
+    moe_engine_destroy(e);
+}
+
+static void test_bad_params(void)
+{
+    static struct capture c;
+    memset(&c, 0, sizeof c);
+    struct moe_engine *e = make_engine((struct moe_engine_opts){.n_block = 8, .block_size = 4}, &c);
+    struct moe_error err = {0};
+    int32_t prompt[4] = {1, 2, 3, 4};
+    struct moe_request_params p;
+    moe_request_params_init(&p);
+    CHECK(moe_engine_submit(e, 0, prompt, 0, &p, on_token, &c, &err) == MOE_ERR_INVALID);
+    CHECK(strstr(err.msg, "prompt"));
+    int32_t bad_tok[1] = {vocab};
+    CHECK(moe_engine_submit(e, 0, bad_tok, 1, &p, on_token, &c, &err) == MOE_ERR_INVALID);
+    p.max_tokens = 0;
+    CHECK(moe_engine_submit(e, 0, prompt, 4, &p, on_token, &c, &err) == MOE_ERR_INVALID);
+    CHECK(strstr(err.msg, "max_tokens"));
+    p.max_tokens = 100; /* needs 26 blocks of 4, the pool has 8 */
+    CHECK(moe_engine_submit(e, 0, prompt, 4, &p, on_token, &c, &err) == MOE_ERR_INVALID);
+    CHECK(strstr(err.msg, "KV blocks"));
+    p.max_tokens = 4;
+    p.sp.temperature = -1;
+    CHECK(moe_engine_submit(e, 0, prompt, 4, &p, on_token, &c, &err) == MOE_ERR_INVALID);
+    CHECK(strstr(err.msg, "temperature"));
+    p.sp.temperature = 0;
+    p.sp.top_p = 1.5f;
+    CHECK(moe_engine_submit(e, 0, prompt, 4, &p, on_token, &c, &err) == MOE_ERR_INVALID);
+    p.sp.top_p = 0;
+    p.n_stop_strings = 1;
+    strcpy(p.stop_strings[0], "x");
+    CHECK(moe_engine_submit(e, 0, prompt, 4, &p, on_token, &c, &err) == MOE_ERR_INVALID);
+    CHECK(strstr(err.msg, "tokenizer"));
+    p.n_stop_strings = 0;
+    CHECK(moe_engine_submit(e, 0, prompt, 4, &p, on_token, &c, &err) == MOE_OK);
+    CHECK(moe_engine_submit(e, 0, prompt, 4, &p, on_token, &c, &err) == MOE_ERR_INVALID);
+    CHECK(strstr(err.msg, "already"));
+    moe_engine_abort(e, 0);
+    run_to_end(e);
+    CHECK(c.finish[0] == MOE_FINISH_ABORT && c.n[0] == 0);
+    moe_engine_destroy(e);
+}
+
+int main(void)
+{
+    struct moe_error err = {0};
+    struct moe_backend *be = NULL;
+    struct moe_tokenizer *tok = NULL;
+    CHECKF(moe_backend_create("cpu", 0, &be, &err) == MOE_OK, "%s", err.msg);
+    struct moe_model_opts mo = {.dtype = MOE_DTYPE_F32, .tp_size = 1};
+    const char *dir = test_src_path("tests/golden/fixtures/qwen3_moe");
+    CHECKF(moe_model_load(dir, &mo, be, &model, &err) == MOE_OK, "%s", err.msg);
+    if (!model)
+        return test_summary();
+    vocab = moe_model_config(model)->vocab_size;
+    CHECKF(moe_tokenizer_load(test_src_path("tests/golden/fixtures/qwen3_moe/tokenizer.json"), &tok,
+                              &err) == MOE_OK,
+           "%s", err.msg);
+    test_bad_params();
+    test_batch_equals_alone();
+    test_preemption();
+    test_prefix_cache();
+    test_seeded_sampling();
+    if (tok)
+        test_stop_strings(tok);
+    test_random_workload();
+    moe_tokenizer_free(tok);
+    moe_model_free(model);
+    moe_backend_destroy(be);
+    return test_summary();
+}

@@ -1,0 +1,147 @@
+/* The serving engine: many requests at once over one model shard.
+ *
+ * Iteration-level continuous batching in the style of vLLM: every step the
+ * scheduler takes the running sequences (one decode token each, or the next
+ * chunk of a prompt) and admits waiting ones first come, first served while
+ * their KV blocks fit, all under a token budget; when blocks run out it
+ * preempts the newest sequence (its blocks are freed and it is recomputed
+ * later, producing exactly the tokens it would have). Full KV blocks are
+ * shared between sequences with the same prefix (prefix caching).
+ *
+ * Threads: submit / abort / stats may be called from any thread; step is
+ * called by one engine thread and never blocks on I/O. Token callbacks run on
+ * the engine thread inside step: they must be quick and must not call back
+ * into the engine except moe_engine_abort. */
+#ifndef MOE_ENGINE_H
+#define MOE_ENGINE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "model.h"
+#include "moe_error.h"
+#include "sampler.h"
+#include "tokenizer.h"
+
+#define MOE_MAX_STOP_IDS 16
+#define MOE_MAX_STOP_STRINGS 8
+#define MOE_MAX_STOP_LEN 128
+#define MOE_MAX_LOGPROBS 20
+
+/* Called with the raw logits row of every sampled position, before
+ * penalties and sampling (tests and logit-returning front ends). */
+typedef void (*moe_logits_hook)(void *user, uint64_t req_id, int index, const float *logits,
+                                int vocab);
+
+struct moe_engine_opts {
+    int n_block;          /* KV blocks in the pool */
+    int block_size;       /* tokens per block (default 16) */
+    int max_batch_tokens; /* token budget per step (default 512) */
+    int max_running;      /* cap on running sequences (default 64) */
+    bool no_prefix_cache; /* disable prefix caching */
+    moe_logits_hook logits_hook; /* optional */
+    void *logits_hook_user;
+};
+
+struct moe_request_params {
+    int max_tokens;               /* >= 1 */
+    struct moe_sampler_params sp; /* temperature, top_p, top_k, min_p, penalties */
+    bool has_seed;                /* else a seed is drawn from the engine's stream */
+    uint64_t seed;
+    int n_stop_ids;
+    int32_t stop_ids[MOE_MAX_STOP_IDS]; /* finish when one is generated (kept in output) */
+    int n_stop_strings;
+    char stop_strings[MOE_MAX_STOP_STRINGS][MOE_MAX_STOP_LEN + 1]; /* needs a tokenizer */
+    bool ignore_eos;              /* do not finish at the model's EOS ids */
+    int logprobs;                 /* -1: none; 0: chosen token; n: plus the top n */
+};
+
+enum moe_finish {
+    MOE_FINISH_NONE = 0, /* more tokens follow */
+    MOE_FINISH_LENGTH,   /* max_tokens reached */
+    MOE_FINISH_STOP,     /* EOS, a stop id or a stop string */
+    MOE_FINISH_ABORT,    /* aborted by the caller */
+    MOE_FINISH_ERROR,    /* the request could not run (message in `error`) */
+};
+
+const char *moe_finish_name(enum moe_finish f);
+
+struct moe_token_event {
+    uint64_t req_id;
+    int32_t token;        /* -1 when the event carries no token (abort, error) */
+    int index;            /* 0-based index of the token in the output */
+    float logprob;        /* of `token` under the model (raw logits), if asked */
+    int n_top;
+    int32_t top_ids[MOE_MAX_LOGPROBS];
+    float top_logprobs[MOE_MAX_LOGPROBS];
+    enum moe_finish finish;
+    int stop_string;      /* index of the matched stop string, or -1 */
+    int64_t text_len;     /* with stop strings: bytes of output text before the stop string */
+    const char *error;    /* for MOE_FINISH_ERROR */
+};
+
+typedef void (*moe_token_cb)(void *user, const struct moe_token_event *ev);
+
+struct moe_engine_stats {
+    int running;
+    int waiting;
+    int kv_blocks_total;
+    int kv_blocks_used;    /* held by sequences */
+    int kv_blocks_cached;  /* free but kept for prefix hits */
+    int kv_blocks_free;
+    int64_t kv_tokens_stored; /* tokens whose K/V the running sequences hold */
+    int64_t steps;
+    int64_t preemptions;
+    int64_t prompt_tokens;    /* prompt tokens admitted */
+    int64_t prefix_hit_tokens; /* of those, served from the prefix cache */
+    int64_t computed_tokens;  /* tokens run through the model (incl. recompute) */
+    int64_t generated_tokens;
+    int64_t finished;
+    int64_t aborted;
+};
+
+struct moe_engine;
+
+/* The engine borrows `model` and `tok` (tok may be NULL: then stop strings
+ * are refused). */
+enum moe_status moe_engine_create(struct moe_model *model, struct moe_tokenizer *tok,
+                                  const struct moe_engine_opts *opts, struct moe_engine **out,
+                                  struct moe_error *err);
+
+/* Frees everything; requests still in flight get no further callbacks. */
+void moe_engine_destroy(struct moe_engine *e);
+
+/* Queues a request (thread-safe). The prompt is copied. Invalid parameters
+ * (empty prompt, ids outside the vocabulary, prompt + max_tokens beyond the
+ * model's context, a request that can never fit the KV pool, bad sampling
+ * values, a duplicate req_id) are refused here with MOE_ERR_INVALID and a
+ * message naming the field; nothing is queued then. */
+enum moe_status moe_engine_submit(struct moe_engine *e, uint64_t req_id, const int32_t *prompt,
+                                  int n_prompt, const struct moe_request_params *params,
+                                  moe_token_cb cb, void *user, struct moe_error *err);
+
+/* Asks to abort a request (thread-safe). It takes effect at the start of the
+ * next step: its blocks are freed and its callback gets MOE_FINISH_ABORT.
+ * Unknown or finished ids are ignored. */
+void moe_engine_abort(struct moe_engine *e, uint64_t req_id);
+
+/* Runs one iteration. *n_tokens (if not NULL) receives the number of tokens
+ * run through the model (0 when idle). A model failure finishes every
+ * request of the batch with MOE_FINISH_ERROR and is returned. */
+enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_error *err);
+
+/* True while requests are queued, waiting or running (thread-safe). */
+bool moe_engine_busy(struct moe_engine *e);
+
+/* A consistent snapshot (thread-safe). */
+void moe_engine_stats(struct moe_engine *e, struct moe_engine_stats *out);
+
+/* Checks the KV pool against the sequences' block tables (for tests).
+ * Returns MOE_OK or MOE_ERR_INTERNAL with the broken invariant. Call only
+ * from the engine thread. */
+enum moe_status moe_engine_check(struct moe_engine *e, struct moe_error *err);
+
+/* Parameters with the defaults: greedy, max_tokens 16, no stops, logprobs -1. */
+void moe_request_params_init(struct moe_request_params *p);
+
+#endif
