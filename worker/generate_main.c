@@ -5,6 +5,8 @@
  *                [--temperature T] [--top-p P] [--top-k K] [--seed S]
  *                [--dtype f32|bf16] [--threads N] [--device auto|cpu|cuda]
  *                [--logits-out FILE] [--ignore-eos]
+ *   moe-generate --model DIR --prompts-file FILE.jsonl [scheduler options]
+ *                runs many prompts through the engine as one offline batch
  */
 #include <errno.h>
 #include <limits.h>
@@ -15,7 +17,9 @@
 
 #include "backend.h"
 #include "generate.h"
+#include "engine.h"
 #include "model.h"
+#include "offline.h"
 #include "tokenizer.h"
 
 struct args {
@@ -32,6 +36,15 @@ struct args {
     enum moe_dtype dtype;
     int threads;
     bool ignore_eos;
+    /* offline batch through the engine */
+    const char *prompts_file;
+    int kv_blocks;
+    long kv_memory_mib;
+    int block_size;
+    int max_batch_tokens;
+    int max_running;
+    bool no_prefix_cache;
+    bool print_outputs;
 };
 
 static void usage(FILE *f)
@@ -47,7 +60,18 @@ static void usage(FILE *f)
             "  --threads N         CPU threads, 0 = all cores (default 0)\n"
             "  --device D          auto|cpu|cuda (default auto)\n"
             "  --logits-out FILE   write prompt logits: f32 LE, one row of vocab_size per position\n"
-            "  --ignore-eos        do not stop at an end-of-sequence token\n");
+            "  --ignore-eos        do not stop at an end-of-sequence token\n"
+            "offline batch (engine):\n"
+            "  --prompts-file F    JSON Lines: {\"prompt\": TEXT} or {\"tokens\": [..]}, optional\n"
+            "                      max_tokens, temperature, top_p, top_k, seed, stop, ...\n"
+            "                      (-n, --temperature, ... give the defaults)\n"
+            "  --kv-blocks N       KV cache blocks (default: from --kv-memory)\n"
+            "  --kv-memory MIB     KV cache budget in MiB (default 512)\n"
+            "  --block-size N      tokens per KV block (default 16)\n"
+            "  --max-batch-tokens N  token budget per step (default 512)\n"
+            "  --max-running N     cap on running sequences (default 64)\n"
+            "  --no-prefix-cache   disable prefix caching\n"
+            "  --print-outputs     print every request's tokens (and text)\n");
 }
 
 /* Prints "moe-generate: <message>" and returns the exit code for bad usage. */
@@ -97,6 +121,14 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->ignore_eos = true;
             continue;
         }
+        if (!strcmp(k, "--no-prefix-cache")) {
+            a->no_prefix_cache = true;
+            continue;
+        }
+        if (!strcmp(k, "--print-outputs")) {
+            a->print_outputs = true;
+            continue;
+        }
         if (i + 1 >= argc)
             return fail("option '%s' needs a value", k);
         const char *v = argv[++i];
@@ -142,6 +174,28 @@ static int parse_args(int argc, char **argv, struct args *a)
             if (!parse_long(v, 0, 1024, &n))
                 return fail("--threads: '%s' is not a whole number in [0, 1024]", v);
             a->threads = (int)n;
+        } else if (!strcmp(k, "--prompts-file")) {
+            a->prompts_file = v;
+        } else if (!strcmp(k, "--kv-blocks")) {
+            if (!parse_long(v, 1, 1 << 24, &n))
+                return fail("--kv-blocks: '%s' is not a whole number in [1, 16777216]", v);
+            a->kv_blocks = (int)n;
+        } else if (!strcmp(k, "--kv-memory")) {
+            if (!parse_long(v, 1, 1 << 24, &n))
+                return fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
+            a->kv_memory_mib = n;
+        } else if (!strcmp(k, "--block-size")) {
+            if (!parse_long(v, 1, 1024, &n))
+                return fail("--block-size: '%s' is not a whole number in [1, 1024]", v);
+            a->block_size = (int)n;
+        } else if (!strcmp(k, "--max-batch-tokens")) {
+            if (!parse_long(v, 1, 1 << 20, &n))
+                return fail("--max-batch-tokens: '%s' is not a whole number in [1, 1048576]", v);
+            a->max_batch_tokens = (int)n;
+        } else if (!strcmp(k, "--max-running")) {
+            if (!parse_long(v, 1, 1 << 16, &n))
+                return fail("--max-running: '%s' is not a whole number in [1, 65536]", v);
+            a->max_running = (int)n;
         } else {
             usage(stderr);
             return fail("unknown option '%s'", k);
@@ -149,8 +203,10 @@ static int parse_args(int argc, char **argv, struct args *a)
     }
     if (!a->model)
         return fail("--model DIR is required");
-    if (!a->prompt == !a->tokens)
-        return fail("give exactly one of --prompt TEXT or --tokens IDS");
+    if ((a->prompt != NULL) + (a->tokens != NULL) + (a->prompts_file != NULL) != 1)
+        return fail("give exactly one of --prompt TEXT, --tokens IDS or --prompts-file FILE");
+    if (a->logits_out && a->prompts_file)
+        return fail("--logits-out works with one prompt, not with --prompts-file");
     return 0;
 }
 
@@ -210,6 +266,80 @@ static int write_logits(const char *path, const float *logits, size_t n)
     return 0;
 }
 
+/* --prompts-file: every prompt through the engine at once; prints the
+ * throughput and the KV cache figures. Returns the exit code. */
+static int run_batch(const struct args *a, struct moe_model *model, struct moe_tokenizer *tok)
+{
+    const struct moe_config *cfg = moe_model_config(model);
+    struct moe_error err = {0};
+    struct moe_engine_opts eo = {
+        .n_block = a->kv_blocks,
+        .block_size = a->block_size ? a->block_size : 16,
+        .max_batch_tokens = a->max_batch_tokens,
+        .max_running = a->max_running,
+        .no_prefix_cache = a->no_prefix_cache,
+    };
+    size_t block_bytes = (size_t)eo.block_size * cfg->n_layer * 2 * (size_t)cfg->n_kv_head *
+                         cfg->d_head * sizeof(float);
+    if (!eo.n_block) {
+        long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
+        eo.n_block = (int)(((size_t)mib << 20) / block_bytes);
+        if (eo.n_block < 1)
+            return fail("--kv-memory: %ld MiB holds no KV block of %zu bytes", mib, block_bytes);
+    }
+    struct moe_request_params defaults;
+    moe_request_params_init(&defaults);
+    defaults.max_tokens = a->n_predict > 0 ? a->n_predict : 16;
+    defaults.sp = (struct moe_sampler_params){
+        .temperature = a->temperature, .top_p = a->top_p, .top_k = a->top_k};
+    defaults.ignore_eos = a->ignore_eos;
+    if (a->seed) {
+        defaults.has_seed = true;
+        defaults.seed = a->seed;
+    }
+    struct moe_offline_set set = {0};
+    struct moe_engine *e = NULL;
+    struct moe_offline_report rep;
+    int rc = 1;
+    if (moe_offline_load(a->prompts_file, tok, &defaults, cfg->vocab_size, &set, &err) ||
+        moe_engine_create(model, tok, &eo, &e, &err) ||
+        moe_offline_run(e, &set, eo.block_size, &rep, &err)) {
+        fprintf(stderr, "moe-generate: %s\n", err.msg);
+        goto out;
+    }
+    for (int i = 0; i < set.n && a->print_outputs; i++) {
+        const struct moe_offline_request *r = &set.req[i];
+        printf("request %d (line %d): %s, tokens:", i, r->line, moe_finish_name(r->finish));
+        for (int j = 0; j < r->n_out; j++)
+            printf(" %d", r->out[j]);
+        printf("\n");
+        char *text = NULL;
+        size_t len = 0;
+        if (tok && !moe_tokenizer_decode(tok, r->out, (size_t)r->n_out, true, &text, &len, NULL))
+            printf("  text: %.*s\n", (int)(r->text_len >= 0 && r->text_len < (int64_t)len ? r->text_len : (int64_t)len), text);
+        free(text);
+    }
+    printf("requests: %d, prompt tokens %lld (prefix-cache hits %lld), output tokens %lld\n", set.n,
+           (long long)rep.prompt_tokens, (long long)rep.prefix_hit_tokens,
+           (long long)rep.output_tokens);
+    printf("engine: %d KV blocks x %d tokens (%.1f MiB), max batch tokens %d, max running %d\n",
+           eo.n_block, eo.block_size, (double)block_bytes * eo.n_block / (1 << 20),
+           eo.max_batch_tokens ? eo.max_batch_tokens : 512, eo.max_running ? eo.max_running : 64);
+    printf("time: %.2f s, %lld steps, %lld preemptions, peak running %d\n", rep.wall_s,
+           (long long)rep.steps, (long long)rep.preemptions, rep.peak_running);
+    printf("throughput: %.1f output tokens/s, %.1f total tokens/s\n",
+           rep.output_tokens / rep.wall_s, (rep.prompt_tokens + rep.output_tokens) / rep.wall_s);
+    printf("latency: TTFT mean %.3f s p50 %.3f s p99 %.3f s, TPOT mean %.1f ms\n", rep.ttft_mean_s,
+           rep.ttft_p50_s, rep.ttft_p99_s, rep.tpot_mean_s * 1e3);
+    printf("kv utilisation: mean %.3f, min %.3f (tokens stored / slots of blocks held)\n",
+           rep.kv_util_mean, rep.kv_util_min);
+    rc = 0;
+out:
+    moe_engine_destroy(e);
+    moe_offline_free(&set);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     struct args a;
@@ -253,6 +383,10 @@ int main(int argc, char **argv)
         }
     }
 
+    if (a.prompts_file) {
+        rc = run_batch(&a, model, tok);
+        goto out;
+    }
     int n_prompt = 0;
     if (a.prompt) {
         size_t n = 0;

@@ -436,6 +436,80 @@ static void test_stop_strings(struct moe_tokenizer *tok)
     moe_engine_destroy(e);
 }
 
+struct lp_capture {
+    float logits[4][1024];
+    int n_logits;
+    struct moe_token_event ev[4];
+    int n_ev;
+};
+
+static void on_lp_token(void *user, const struct moe_token_event *ev)
+{
+    struct lp_capture *c = user;
+    if (ev->token >= 0 && c->n_ev < 4)
+        c->ev[c->n_ev++] = *ev;
+}
+
+static void on_lp_logits(void *user, uint64_t req_id, int index, const float *logits, int n)
+{
+    struct lp_capture *c = user;
+    if (index < 4 && n <= 1024) {
+        memcpy(c->logits[index], logits, (size_t)n * sizeof(float));
+        c->n_logits = index + 1;
+    }
+}
+
+/* Logprobs are log_softmax of the raw logits; the top-n list is sorted and
+ * holds the greedy token first. Penalties change what is sampled. */
+static void test_logprobs_and_penalties(void)
+{
+    static struct lp_capture c;
+    memset(&c, 0, sizeof c);
+    struct moe_engine *e = NULL;
+    struct moe_error err = {0};
+    struct moe_engine_opts o = {.n_block = 16, .logits_hook = on_lp_logits, .logits_hook_user = &c};
+    CHECK(moe_engine_create(model, NULL, &o, &e, &err) == MOE_OK);
+    int32_t prompt[6];
+    make_prompt(21, 6, prompt);
+    struct moe_request_params p;
+    moe_request_params_init(&p);
+    p.max_tokens = 4;
+    p.ignore_eos = true;
+    p.logprobs = 5;
+    CHECK(moe_engine_submit(e, 0, prompt, 6, &p, on_lp_token, &c, &err) == MOE_OK);
+    run_to_end(e);
+    CHECK(c.n_ev == 4 && c.n_logits == 4);
+    for (int i = 0; i < c.n_ev && i < c.n_logits; i++) {
+        const float *l = c.logits[i];
+        double max = l[0], sum = 0;
+        for (int j = 1; j < vocab; j++)
+            max = fmax(max, l[j]);
+        for (int j = 0; j < vocab; j++)
+            sum += exp(l[j] - max);
+        double want = l[c.ev[i].token] - max - log(sum);
+        CHECKF(fabs(c.ev[i].logprob - want) < 1e-4, "logprob %g, want %g", c.ev[i].logprob, want);
+        CHECK(c.ev[i].n_top == 5 && c.ev[i].top_ids[0] == c.ev[i].token);
+        for (int k = 1; k < c.ev[i].n_top; k++)
+            CHECK(c.ev[i].top_logprobs[k] <= c.ev[i].top_logprobs[k - 1]);
+    }
+    /* a strong repetition penalty never repeats a prompt or output token greedily */
+    static struct capture rc;
+    memset(&rc, 0, sizeof rc);
+    moe_request_params_init(&p);
+    p.max_tokens = 24;
+    p.ignore_eos = true;
+    p.sp.repetition_penalty = 10.0f;
+    p.sp.presence_penalty = 2.0f;
+    CHECK(moe_engine_submit(e, 1, prompt, 6, &p, on_token, &rc, &err) == MOE_OK);
+    run_to_end(e);
+    int repeats = 0;
+    for (int i = 0; i < rc.n[1]; i++)
+        for (int j = 0; j < i; j++)
+            repeats += rc.tokens[1][i] == rc.tokens[1][j];
+    CHECKF(rc.n[1] == 24 && repeats == 0, "%d repeats with penalties", repeats);
+    moe_engine_destroy(e);
+}
+
 static void test_bad_params(void)
 {
     static struct capture c;
@@ -493,6 +567,7 @@ int main(void)
                               &err) == MOE_OK,
            "%s", err.msg);
     test_bad_params();
+    test_logprobs_and_penalties();
     test_batch_equals_alone();
     test_preemption();
     test_prefix_cache();
