@@ -1,0 +1,139 @@
+/* Matmul throughput of the CPU backend on the benchmark model's shapes
+ * (d_model 1024, expert FFN 2816): W 2816x1024 (gate/up), 1024x2816 (down),
+ * 1536x1024 (QKV), f32 and bf16 weights, 1 and 2 threads, GEMV (n_tok 1) and
+ * GEMM (n_tok 256), on the best SIMD path and on the portable path as a
+ * baseline measured in the same run.
+ *
+ * GEMV rotates through enough copies of W (>= 256 MiB) that the weights come
+ * from memory, not from the last-level cache, as in real decode; GB/s is
+ * weight bytes streamed per second.
+ *
+ * usage: bench-kernels [--quick]   (--quick: fewer repetitions, no scalar GEMM) */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend.h"
+#include "cpu/cpu_kernels.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+struct shape {
+    const char *name;
+    int n_out, n_in;
+};
+
+static void fill_weights(void *w, enum moe_dtype dt, size_t n, unsigned seed)
+{
+    for (size_t i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        float v = (float)(seed >> 8) / 16777216.0f - 0.5f;
+        if (dt == MOE_DTYPE_BF16)
+            ((uint16_t *)w)[i] = moe_f32_to_bf16(v);
+        else
+            ((float *)w)[i] = v;
+    }
+}
+
+/* Seconds per call: runs until min_time has passed (at least min_reps). */
+static double time_matmul(struct moe_backend *be, struct moe_matmul_params *p, void **copies,
+                          int n_copies, double min_time, int min_reps)
+{
+    p->w = copies[0];
+    be->ops->matmul(be, p); /* warm-up */
+    int reps = 0;
+    double t0 = now_s(), t;
+    do {
+        p->w = copies[reps % n_copies];
+        be->ops->matmul(be, p);
+        reps++;
+        t = now_s();
+    } while (reps < min_reps || t - t0 < min_time);
+    return (t - t0) / reps;
+}
+
+int main(int argc, char **argv)
+{
+    int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+    static const struct shape shapes[] = {
+        {"gate/up 2816x1024", 2816, 1024},
+        {"down    1024x2816", 1024, 2816},
+        {"qkv     1536x1024", 1536, 1024},
+    };
+    enum cpu_isa best = cpu_kernels_detect_isa();
+    enum cpu_isa isas[2] = {best, CPU_ISA_SCALAR};
+    int n_isa = best == CPU_ISA_SCALAR ? 1 : 2;
+    const size_t cold_bytes = (size_t)256 << 20;
+
+    struct moe_backend *be[3] = {NULL, NULL, NULL};
+    struct moe_error err = {0};
+    for (int th = 1; th <= 2; th++) {
+        if (moe_backend_cpu_create(th, &be[th], &err) != MOE_OK) {
+            fprintf(stderr, "bench-kernels: %s\n", err.msg);
+            return 1;
+        }
+    }
+    printf("# cpu isa detected: %s; GEMV weights rotate over >= %zu MiB of copies\n",
+           cpu_isa_name(best), cold_bytes >> 20);
+    printf("%-8s %-5s %-18s %-3s %6s %10s %10s %9s\n", "isa", "dtype", "shape", "thr", "n_tok",
+           "ms/call", "GFLOP/s", "W GB/s");
+    for (int ii = 0; ii < n_isa; ii++) {
+        cpu_kernels_force_isa(isas[ii]);
+        for (int dti = 0; dti < 2; dti++) {
+            enum moe_dtype dt = dti ? MOE_DTYPE_BF16 : MOE_DTYPE_F32;
+            for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+                const struct shape *sh = &shapes[s];
+                size_t n_w = (size_t)sh->n_out * sh->n_in;
+                size_t w_bytes = n_w * moe_dtype_size(dt);
+                int n_copies = (int)((cold_bytes + w_bytes - 1) / w_bytes);
+                if (quick || isas[ii] == CPU_ISA_SCALAR)
+                    n_copies = n_copies < 4 ? n_copies : 4; /* the scalar path is not bandwidth-bound */
+                void **copies = calloc((size_t)n_copies, sizeof(void *));
+                for (int c = 0; c < n_copies; c++) {
+                    copies[c] = malloc(w_bytes);
+                    fill_weights(copies[c], dt, n_w, 12345u + (unsigned)c);
+                }
+                int max_tok = 256;
+                float *x = malloc((size_t)max_tok * sh->n_in * sizeof(float));
+                float *y = malloc((size_t)max_tok * sh->n_out * sizeof(float));
+                for (size_t i = 0; i < (size_t)max_tok * sh->n_in; i++)
+                    x[i] = (float)(i % 97) / 97.0f - 0.5f;
+                for (int th = 1; th <= 2; th++) {
+                    for (int tk = 0; tk < 2; tk++) {
+                        int n_tok = tk ? 256 : 1;
+                        if (isas[ii] == CPU_ISA_SCALAR && n_tok > 1 && (quick || th == 2))
+                            continue;
+                        struct moe_matmul_params p = {
+                            .x = x, .n_tok = n_tok, .n_in = sh->n_in, .w_dtype = dt,
+                            .ldw = sh->n_in, .n_out = sh->n_out, .y = y, .accumulate = false,
+                        };
+                        double min_time = quick ? 0.05 : 0.25;
+                        double sec = time_matmul(be[th], &p, copies, n_tok == 1 ? n_copies : 1,
+                                                 min_time, 3);
+                        double gflops = 2.0 * n_tok * (double)n_w / sec * 1e-9;
+                        double gbs = (double)w_bytes / sec * 1e-9;
+                        printf("%-8s %-5s %-18s %-3d %6d %10.3f %10.1f %9.2f\n",
+                               cpu_isa_name(isas[ii]), moe_dtype_name(dt), sh->name, th, n_tok,
+                               sec * 1e3, gflops, gbs);
+                        fflush(stdout);
+                    }
+                }
+                for (int c = 0; c < n_copies; c++)
+                    free(copies[c]);
+                free(copies);
+                free(x);
+                free(y);
+            }
+        }
+    }
+    cpu_kernels_force_isa(best);
+    moe_backend_destroy(be[1]);
+    moe_backend_destroy(be[2]);
+    return 0;
+}

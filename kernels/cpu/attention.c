@@ -1,0 +1,77 @@
+/* Paged KV cache write and causal grouped-query attention over it.
+ *
+ * One task per (token, query head). Positions are visited in chunks of
+ * ATTN_CHUNK with an online softmax: scores of a chunk are computed, the
+ * running max moves once per chunk (rescaling the partial sum), then the
+ * chunk's V rows are added with weights exp(s - max). All in f32. */
+#include <math.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#define ATTN_CHUNK 64
+
+void cpu_kv_write(const float *k, const float *v, const int32_t *slots, int n_tok, int kv_dim,
+                  float *k_cache, float *v_cache)
+{
+    for (int t = 0; t < n_tok; t++) {
+        size_t dst = (size_t)slots[t] * kv_dim;
+        memcpy(k_cache + dst, k + (size_t)t * kv_dim, (size_t)kv_dim * sizeof(float));
+        memcpy(v_cache + dst, v + (size_t)t * kv_dim, (size_t)kv_dim * sizeof(float));
+    }
+}
+
+static void attention_one(const struct moe_attn_params *p, int t, int h)
+{
+    const int d = p->d_head;
+    const int kvh = h / (p->n_head / p->n_kv_head);
+    const size_t slot_stride = (size_t)p->n_kv_head * d;
+    const float *q = p->q + ((size_t)t * p->n_head + h) * d;
+    float *acc = p->out + ((size_t)t * p->n_head + h) * d;
+    const int32_t *blocks = p->block_tables + (size_t)p->tok_seq[t] * p->max_blocks;
+    const int n_pos = p->tok_pos[t] + 1;
+    float s[ATTN_CHUNK];
+    const float *vrow[ATTN_CHUNK];
+    float m = -INFINITY, l = 0.0f;
+    memset(acc, 0, (size_t)d * sizeof(float));
+    for (int p0 = 0; p0 < n_pos; p0 += ATTN_CHUNK) {
+        int n = n_pos - p0 < ATTN_CHUNK ? n_pos - p0 : ATTN_CHUNK;
+        float cmax = -INFINITY;
+        for (int j = 0; j < n; j++) {
+            int pos = p0 + j;
+            size_t slot = (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
+            size_t off = slot * slot_stride + (size_t)kvh * d;
+            s[j] = cpu_vec_dot(q, p->k_cache + off, d) * p->scale;
+            vrow[j] = p->v_cache + off;
+            cmax = s[j] > cmax ? s[j] : cmax;
+        }
+        if (cmax > m) {
+            if (l > 0.0f) {
+                float r = expf(m - cmax);
+                l *= r;
+                cpu_vec_scale(acc, r, d);
+            }
+            m = cmax;
+        }
+        for (int j = 0; j < n; j++) {
+            float e = expf(s[j] - m);
+            l += e;
+            cpu_vec_axpy(acc, e, vrow[j], d);
+        }
+    }
+    cpu_vec_scale(acc, 1.0f / l, d);
+}
+
+static void attention_task(void *arg, int task, int thread)
+{
+    const struct moe_attn_params *p = arg;
+    attention_one(p, task / p->n_head, task % p->n_head);
+}
+
+void cpu_attention(struct moe_pool *pool, const struct moe_attn_params *p)
+{
+    MOE_ASSERT(p->n_kv_head > 0 && p->n_head % p->n_kv_head == 0);
+    MOE_ASSERT(p->block_size > 0 && p->d_head > 0);
+    int n_tasks = p->n_tok * p->n_head;
+    moe_pool_run(pool, n_tasks, attention_task, (void *)p);
+}

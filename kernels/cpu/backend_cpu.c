@@ -1,0 +1,156 @@
+/* The CPU backend: host memory and the kernels of kernels/cpu, run on a
+ * thread pool that the backend owns. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+struct cpu_backend {
+    struct moe_backend base; /* first: a struct moe_backend * is a struct cpu_backend * */
+    struct moe_pool *pool;
+};
+
+static struct moe_pool *be_pool(struct moe_backend *be)
+{
+    return ((struct cpu_backend *)be)->pool;
+}
+
+/* 64-byte aligned and zeroed. */
+static void *cpu_buf_alloc(struct moe_backend *be, size_t bytes)
+{
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0)
+        return NULL;
+    memset(p, 0, bytes);
+    return p;
+}
+
+static void cpu_buf_free(struct moe_backend *be, void *p)
+{
+    free(p);
+}
+
+static void cpu_buf_copy(struct moe_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (bytes)
+        memcpy(dst, src, bytes);
+}
+
+static void cpu_synchronize(struct moe_backend *be)
+{
+}
+
+static void cpu_op_matmul(struct moe_backend *be, const struct moe_matmul_params *p)
+{
+    cpu_matmul(be_pool(be), p);
+}
+
+static void cpu_op_rmsnorm(struct moe_backend *be, const float *x, const float *w, float *y,
+                           int n_rows, int dim, float eps)
+{
+    cpu_rmsnorm(be_pool(be), x, w, y, n_rows, dim, eps);
+}
+
+static void cpu_op_rope(struct moe_backend *be, float *x, const int32_t *pos, int n_tok,
+                        int n_heads, int d_head, float theta)
+{
+    cpu_rope(be_pool(be), x, pos, n_tok, n_heads, d_head, theta);
+}
+
+static void cpu_op_kv_write(struct moe_backend *be, const float *k, const float *v,
+                            const int32_t *slots, int n_tok, int kv_dim, float *k_cache,
+                            float *v_cache)
+{
+    cpu_kv_write(k, v, slots, n_tok, kv_dim, k_cache, v_cache);
+}
+
+static void cpu_op_attention(struct moe_backend *be, const struct moe_attn_params *p)
+{
+    cpu_attention(be_pool(be), p);
+}
+
+static void cpu_op_router_topk(struct moe_backend *be, const float *logits, int n_tok,
+                               int n_expert, int top_k, bool renorm, int32_t *ids,
+                               float *weights)
+{
+    cpu_router_topk(logits, n_tok, n_expert, top_k, renorm, ids, weights);
+}
+
+static void cpu_op_swiglu(struct moe_backend *be, const float *gate_up, float *out, int n_rows,
+                          int dim)
+{
+    cpu_swiglu(be_pool(be), gate_up, out, n_rows, dim);
+}
+
+static void cpu_op_gather_rows(struct moe_backend *be, const float *src, const int32_t *idx,
+                               int n, int dim, float *dst)
+{
+    cpu_gather_rows(src, idx, n, dim, dst);
+}
+
+static void cpu_op_scatter_add_rows(struct moe_backend *be, const float *src,
+                                    const int32_t *idx, const float *scale, int n, int dim,
+                                    float *dst)
+{
+    cpu_scatter_add_rows(src, idx, scale, n, dim, dst);
+}
+
+static void cpu_op_embed(struct moe_backend *be, const void *table, enum moe_dtype dtype,
+                         const int32_t *ids, int n_tok, int dim, float *dst)
+{
+    cpu_embed(table, dtype, ids, n_tok, dim, dst);
+}
+
+static void cpu_op_add(struct moe_backend *be, float *y, const float *x, size_t n)
+{
+    cpu_add(be_pool(be), y, x, n);
+}
+
+static const struct moe_backend_ops cpu_ops = {
+    .buf_alloc = cpu_buf_alloc,
+    .buf_free = cpu_buf_free,
+    .buf_upload = cpu_buf_copy,
+    .buf_download = cpu_buf_copy,
+    .synchronize = cpu_synchronize,
+    .matmul = cpu_op_matmul,
+    .rmsnorm = cpu_op_rmsnorm,
+    .rope = cpu_op_rope,
+    .kv_write = cpu_op_kv_write,
+    .attention = cpu_op_attention,
+    .router_topk = cpu_op_router_topk,
+    .swiglu = cpu_op_swiglu,
+    .gather_rows = cpu_op_gather_rows,
+    .scatter_add_rows = cpu_op_scatter_add_rows,
+    .embed = cpu_op_embed,
+    .add = cpu_op_add,
+};
+
+enum moe_status moe_backend_cpu_create(int n_threads, struct moe_backend **out,
+                                       struct moe_error *err)
+{
+    *out = NULL;
+    struct cpu_backend *cb = calloc(1, sizeof(*cb));
+    if (!cb)
+        return moe_error_set(err, MOE_ERR_NOMEM, "cpu backend: out of memory");
+    enum moe_status st = moe_pool_create(n_threads, &cb->pool, err);
+    if (st != MOE_OK)
+        goto fail;
+    cb->base.name = "cpu";
+    cb->base.device = MOE_DEVICE_CPU;
+    cb->base.ops = &cpu_ops;
+    cb->base.ctx = cb;
+    *out = &cb->base;
+    return MOE_OK;
+fail:
+    free(cb);
+    return st;
+}
+
+void cpu_backend_destroy(struct moe_backend *be)
+{
+    if (!be)
+        return;
+    struct cpu_backend *cb = (struct cpu_backend *)be;
+    moe_pool_destroy(cb->pool);
+    free(cb);
+}

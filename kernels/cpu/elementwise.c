@@ -1,0 +1,115 @@
+/* Element-wise and row-moving ops: swiglu, gather/scatter of rows, embedding
+ * lookup, add. */
+#include <math.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#define PAR_MIN_ELEMS 32768
+
+/* ---- swiglu: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)) as torch ---- */
+
+struct swiglu_job {
+    const float *gate_up;
+    float *out;
+    int n_rows, dim;
+};
+
+static void swiglu_row(const struct swiglu_job *j, int r)
+{
+    const float *g = j->gate_up + (size_t)r * 2 * j->dim;
+    const float *u = g + j->dim;
+    float *o = j->out + (size_t)r * j->dim;
+    for (int i = 0; i < j->dim; i++)
+        o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+static void swiglu_task(void *arg, int task, int thread)
+{
+    swiglu_row(arg, task);
+}
+
+void cpu_swiglu(struct moe_pool *pool, const float *gate_up, float *out, int n_rows, int dim)
+{
+    struct swiglu_job j = {gate_up, out, n_rows, dim};
+    if ((size_t)n_rows * dim < PAR_MIN_ELEMS / 4 || moe_pool_size(pool) == 1) {
+        for (int r = 0; r < n_rows; r++)
+            swiglu_row(&j, r);
+        return;
+    }
+    moe_pool_run(pool, n_rows, swiglu_task, &j);
+}
+
+/* ---- rows ---- */
+
+void cpu_gather_rows(const float *src, const int32_t *idx, int n, int dim, float *dst)
+{
+    for (int i = 0; i < n; i++)
+        memcpy(dst + (size_t)i * dim, src + (size_t)idx[i] * dim, (size_t)dim * sizeof(float));
+}
+
+void cpu_scatter_add_rows(const float *src, const int32_t *idx, const float *scale, int n,
+                          int dim, float *dst)
+{
+    for (int i = 0; i < n; i++) {
+        float a = scale ? scale[i] : 1.0f;
+        float *d = dst + (size_t)idx[i] * dim;
+        const float *s = src + (size_t)i * dim;
+        for (int k = 0; k < dim; k++)
+            d[k] += a * s[k];
+    }
+}
+
+void cpu_embed(const void *table, enum moe_dtype dtype, const int32_t *ids, int n_tok, int dim,
+               float *dst)
+{
+    for (int t = 0; t < n_tok; t++) {
+        float *d = dst + (size_t)t * dim;
+        size_t row = (size_t)ids[t] * dim;
+        switch (dtype) {
+        case MOE_DTYPE_F32:
+            memcpy(d, (const float *)table + row, (size_t)dim * sizeof(float));
+            break;
+        case MOE_DTYPE_BF16: {
+            const uint16_t *s = (const uint16_t *)table + row;
+            for (int i = 0; i < dim; i++)
+                d[i] = moe_bf16_to_f32(s[i]);
+            break;
+        }
+        case MOE_DTYPE_F16: {
+            const uint16_t *s = (const uint16_t *)table + row;
+            for (int i = 0; i < dim; i++)
+                d[i] = moe_f16_to_f32(s[i]);
+            break;
+        }
+        }
+    }
+}
+
+/* ---- add ---- */
+
+struct add_job {
+    float *y;
+    const float *x;
+    size_t n, per_task;
+};
+
+static void add_task(void *arg, int task, int thread)
+{
+    const struct add_job *j = arg;
+    size_t i0 = (size_t)task * j->per_task;
+    size_t i1 = i0 + j->per_task < j->n ? i0 + j->per_task : j->n;
+    for (size_t i = i0; i < i1; i++)
+        j->y[i] += j->x[i];
+}
+
+void cpu_add(struct moe_pool *pool, float *y, const float *x, size_t n)
+{
+    struct add_job j = {y, x, n, n};
+    if (n < 4 * PAR_MIN_ELEMS || moe_pool_size(pool) == 1) {
+        add_task(&j, 0, 0);
+        return;
+    }
+    j.per_task = PAR_MIN_ELEMS;
+    moe_pool_run(pool, (int)((n + j.per_task - 1) / j.per_task), add_task, &j);
+}

@@ -1,0 +1,578 @@
+/* y (n_tok, n_out) = x (n_tok, n_in) . W^T for f32 or bf16 weights W
+ * (n_out, n_in, row stride ldw), f32 activations and accumulation.
+ *
+ * cpu_matmul_ref is the plain reference. cpu_matmul splits y into tasks of
+ * (token block x row block) for the thread pool; inside a task, register
+ * tiles of MK_T tokens x MK_R weight rows walk n_in once, so each weight
+ * vector loaded feeds MK_T tokens (decode: W is streamed once per call;
+ * prefill: a 4-row weight tile stays in L1 while every token of the block
+ * passes over it). bf16 weights are widened to f32 exactly (a 16-bit shift)
+ * and multiplied in f32, so the result equals an f32 matmul with the
+ * bf16-rounded weights up to summation order. For token blocks wider than one
+ * register tile, bf16 rows are widened once into per-thread scratch. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MATMUL_X86 1
+#endif
+
+#define MK_R 4          /* weight rows per register tile */
+#define MK_T 4          /* tokens per register tile (AVX-512, scalar) */
+#define MK_T_AVX2 2     /* tokens per register tile (AVX2: 16 ymm registers) */
+#define TOK_BLOCK 64    /* tokens per task */
+#define PK_R 32         /* AVX-512 prefill: weight rows per packed panel (2 zmm) */
+#define PK_T 8          /* AVX-512 prefill: tokens per register tile */
+#define PK_MIN_TOK 16   /* token blocks at least this wide use the packed path */
+#define PK_TOK_BLOCK 256 /* tokens per task on the packed path (amortises packing) */
+
+/* ---------------------------------------------------------------------------
+ * Reference */
+
+void cpu_matmul_ref(const struct moe_matmul_params *p)
+{
+    for (int t = 0; t < p->n_tok; t++) {
+        const float *x = p->x + (size_t)t * p->n_in;
+        for (int o = 0; o < p->n_out; o++) {
+            float acc = 0.0f;
+            if (p->w_dtype == MOE_DTYPE_BF16) {
+                const uint16_t *w = (const uint16_t *)p->w + o * p->ldw;
+                for (int k = 0; k < p->n_in; k++)
+                    acc += x[k] * moe_bf16_to_f32(w[k]);
+            } else {
+                const float *w = (const float *)p->w + o * p->ldw;
+                for (int k = 0; k < p->n_in; k++)
+                    acc += x[k] * w[k];
+            }
+            float *y = p->y + (size_t)t * p->n_out + o;
+            *y = p->accumulate ? *y + acc : acc;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * One task: y[t0 .. t0+nt) x [o0 .. o0+no). `scratch` holds MK_R * n_in
+ * floats for widened bf16 rows. */
+
+struct mm_tile {
+    const struct moe_matmul_params *p;
+    int t0, nt, o0, no;
+    float *scratch;
+};
+
+static inline void store_out(const struct moe_matmul_params *p, int t, int o, float v)
+{
+    float *y = p->y + (size_t)t * p->n_out + o;
+    *y = p->accumulate ? *y + v : v;
+}
+
+/* ---- portable path ---- */
+
+static void widen_bf16_scalar(const uint16_t *w, int n, float *dst)
+{
+    for (int k = 0; k < n; k++)
+        dst[k] = moe_bf16_to_f32(w[k]);
+}
+
+/* acc[t][r] over rows w[r] (f32, stride ldw) for T tokens, R rows. */
+static inline void mk_scalar_f32(int T, int R, const float *x, int n_in, const float *w,
+                                 int64_t ldw, float acc[MK_T][MK_R])
+{
+    for (int t = 0; t < MK_T; t++)
+        for (int r = 0; r < MK_R; r++)
+            acc[t][r] = 0.0f;
+    for (int k = 0; k < n_in; k++) {
+        for (int r = 0; r < R; r++) {
+            float wv = w[r * ldw + k];
+            for (int t = 0; t < T; t++)
+                acc[t][r] += x[(size_t)t * n_in + k] * wv;
+        }
+    }
+}
+
+static void tile_scalar(const struct mm_tile *mt)
+{
+    const struct moe_matmul_params *p = mt->p;
+    int n_in = p->n_in;
+    float acc[MK_T][MK_R];
+    for (int o = mt->o0; o < mt->o0 + mt->no; o += MK_R) {
+        int R = mt->o0 + mt->no - o < MK_R ? mt->o0 + mt->no - o : MK_R;
+        const float *w;
+        int64_t ldw;
+        if (p->w_dtype == MOE_DTYPE_BF16) {
+            for (int r = 0; r < R; r++)
+                widen_bf16_scalar((const uint16_t *)p->w + (o + r) * p->ldw, n_in,
+                                  mt->scratch + (size_t)r * n_in);
+            w = mt->scratch;
+            ldw = n_in;
+        } else {
+            w = (const float *)p->w + o * p->ldw;
+            ldw = p->ldw;
+        }
+        for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T) {
+            int T = mt->t0 + mt->nt - t < MK_T ? mt->t0 + mt->nt - t : MK_T;
+            mk_scalar_f32(T, R, p->x + (size_t)t * n_in, n_in, w, ldw, acc);
+            for (int tt = 0; tt < T; tt++)
+                for (int r = 0; r < R; r++)
+                    store_out(p, t + tt, o + r, acc[tt][r]);
+        }
+    }
+}
+
+#ifdef MATMUL_X86
+
+/* ---- AVX-512 path ---- */
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx2")))
+
+AVX512_TARGET static inline __m512 bf16x16_to_f32(__m256i h)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Sum of each of the R x T accumulators. */
+AVX512_TARGET static inline float hsum512(__m512 v)
+{
+    return _mm512_reduce_add_ps(v);
+}
+
+/* W rows: f32 when wbf == NULL, else bf16 rows wbf (stride ldw). */
+AVX512_TARGET static inline __attribute__((always_inline)) void
+mk_avx512(const int T, const int R, const bool BF, const float *x, int64_t ldx, int n_in,
+          const float *wf, const uint16_t *wbf, int64_t ldw, float out[MK_T][MK_R])
+{
+    __m512 acc[MK_T][MK_R];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[t][r] = _mm512_setzero_ps();
+    int k = 0;
+    /* bf16 decode streams W once: prefetch the next register tile's rows (the
+     * rows after these R), 64 bytes of each per 16 elements. */
+    const char *pf = BF ? (const char *)(wbf + R * ldw) : (const char *)(wf + R * ldw);
+    const int64_t pf_ld = ldw * (BF ? 2 : 4);
+    const int pf_step = BF ? 32 : 64;
+    for (; k + 16 <= n_in; k += 16) {
+        __m512 xv[MK_T];
+        if (BF && T <= 2) {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                _mm_prefetch(pf + r * pf_ld + (int64_t)k * pf_step / 16, _MM_HINT_T0);
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++)
+            xv[t] = _mm512_loadu_ps(x + t * ldx + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m512 wv = BF ? bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(wbf + r * ldw + k)))
+                            : _mm512_loadu_ps(wf + r * ldw + k);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++)
+                acc[t][r] = _mm512_fmadd_ps(xv[t], wv, acc[t][r]);
+        }
+    }
+    if (k < n_in) {
+        __mmask16 m = (__mmask16)((1u << (n_in - k)) - 1u);
+        __m512 xv[MK_T];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++)
+            xv[t] = _mm512_maskz_loadu_ps(m, x + t * ldx + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m512 wv = BF ? bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, wbf + r * ldw + k))
+                            : _mm512_maskz_loadu_ps(m, wf + r * ldw + k);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++)
+                acc[t][r] = _mm512_fmadd_ps(xv[t], wv, acc[t][r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            out[t][r] = hsum512(acc[t][r]);
+}
+
+/* Dispatches to a register tile with compile-time T, R (MK_R or 1) and weight
+ * type (bf16 when wbf != NULL). */
+AVX512_TARGET static void mk_avx512_any(int T, int R, const float *x, int64_t ldx, int n_in,
+                                        const float *wf, const uint16_t *wbf, int64_t ldw,
+                                        float out[MK_T][MK_R])
+{
+#define MK512_CASE(TT, RR)                                                                        \
+    case (TT) * 8 + (RR): mk_avx512(TT, RR, false, x, ldx, n_in, wf, wbf, ldw, out); return;     \
+    case 64 + (TT) * 8 + (RR): mk_avx512(TT, RR, true, x, ldx, n_in, wf, wbf, ldw, out); return;
+    switch ((wbf ? 64 : 0) + T * 8 + R) {
+        MK512_CASE(1, 4)
+        MK512_CASE(2, 4)
+        MK512_CASE(3, 4)
+        MK512_CASE(4, 4)
+        MK512_CASE(1, 1)
+        MK512_CASE(2, 1)
+        MK512_CASE(3, 1)
+        MK512_CASE(4, 1)
+    default: break;
+    }
+#undef MK512_CASE
+    MOE_ASSERT(0 && "mk_avx512_any: unsupported tile");
+}
+
+AVX512_TARGET static void widen_bf16_avx512(const uint16_t *w, int n, float *dst)
+{
+    int k = 0;
+    for (; k + 16 <= n; k += 16)
+        _mm512_storeu_ps(dst + k, bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(w + k))));
+    for (; k < n; k++)
+        dst[k] = moe_bf16_to_f32(w[k]);
+}
+
+/* Prefill path: W rows [o, o+R) (R <= PK_R) are packed k-major into `panel`
+ * (n_in, PK_R), widened to f32, zero-padded; then each register tile of PK_T
+ * tokens x PK_R outputs broadcasts one x element per token and k against two
+ * weight vectors: 16 FMAs per 2 weight loads + 8 broadcasts, and no
+ * horizontal sums. */
+AVX512_TARGET static void pack_panel_avx512(const struct moe_matmul_params *p, int o, int R,
+                                            float *panel)
+{
+    const int n_in = p->n_in;
+    if (R < PK_R)
+        memset(panel, 0, (size_t)n_in * PK_R * sizeof(float));
+    for (int r = 0; r < R; r++) {
+        if (p->w_dtype == MOE_DTYPE_BF16) {
+            const uint16_t *w = (const uint16_t *)p->w + (o + r) * p->ldw;
+            for (int k = 0; k < n_in; k++)
+                panel[(size_t)k * PK_R + r] = moe_bf16_to_f32(w[k]);
+        } else {
+            const float *w = (const float *)p->w + (o + r) * p->ldw;
+            for (int k = 0; k < n_in; k++)
+                panel[(size_t)k * PK_R + r] = w[k];
+        }
+    }
+}
+
+AVX512_TARGET static void mk_packed_avx512(const float *x, int n_in, const float *panel,
+                                           float *y, int64_t ldy, __mmask16 m0, __mmask16 m1,
+                                           bool accumulate)
+{
+    __m512 acc[PK_T][2];
+#pragma GCC unroll 8
+    for (int t = 0; t < PK_T; t++) {
+        acc[t][0] = _mm512_setzero_ps();
+        acc[t][1] = _mm512_setzero_ps();
+    }
+    for (int k = 0; k < n_in; k++) {
+        __m512 w0 = _mm512_loadu_ps(panel + (size_t)k * PK_R);
+        __m512 w1 = _mm512_loadu_ps(panel + (size_t)k * PK_R + 16);
+#pragma GCC unroll 8
+        for (int t = 0; t < PK_T; t++) {
+            __m512 xb = _mm512_set1_ps(x[(size_t)t * n_in + k]);
+            acc[t][0] = _mm512_fmadd_ps(xb, w0, acc[t][0]);
+            acc[t][1] = _mm512_fmadd_ps(xb, w1, acc[t][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < PK_T; t++) {
+        float *yt = y + t * ldy;
+        if (accumulate) {
+            acc[t][0] = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, yt), acc[t][0]);
+            acc[t][1] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, yt + 16), acc[t][1]);
+        }
+        _mm512_mask_storeu_ps(yt, m0, acc[t][0]);
+        _mm512_mask_storeu_ps(yt + 16, m1, acc[t][1]);
+    }
+}
+
+AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
+{
+    const struct moe_matmul_params *p = mt->p;
+    const int n_in = p->n_in;
+    const bool bf16 = p->w_dtype == MOE_DTYPE_BF16;
+    const int o_end = mt->o0 + mt->no, t_end = mt->t0 + mt->nt;
+    float out[MK_T][MK_R];
+    for (int o = mt->o0; o < o_end; o += PK_R) {
+        int R = o_end - o < PK_R ? o_end - o : PK_R;
+        pack_panel_avx512(p, o, R, mt->scratch);
+        __mmask16 m0 = R >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << R) - 1u);
+        __mmask16 m1 = R >= 32 ? (__mmask16)0xffff
+                       : R > 16 ? (__mmask16)((1u << (R - 16)) - 1u)
+                                : (__mmask16)0;
+        int t = mt->t0;
+        for (; t + PK_T <= t_end; t += PK_T)
+            mk_packed_avx512(p->x + (size_t)t * n_in, n_in, mt->scratch,
+                             p->y + (size_t)t * p->n_out + o, p->n_out, m0, m1, p->accumulate);
+        /* Leftover tokens (< PK_T): dot-product tiles on the original rows. */
+        for (; t < t_end; t += MK_T) {
+            int T = t_end - t < MK_T ? t_end - t : MK_T;
+            for (int oo = o; oo < o + R;) {
+                int RR = o + R - oo >= MK_R ? MK_R : 1;
+                const float *wf = bf16 ? NULL : (const float *)p->w + oo * p->ldw;
+                const uint16_t *wbf = bf16 ? (const uint16_t *)p->w + oo * p->ldw : NULL;
+                mk_avx512_any(T, RR, p->x + (size_t)t * n_in, n_in, n_in, wf, wbf, p->ldw, out);
+                for (int tt = 0; tt < T; tt++)
+                    for (int r = 0; r < RR; r++)
+                        store_out(p, t + tt, oo + r, out[tt][r]);
+                oo += RR;
+            }
+        }
+    }
+}
+
+AVX512_TARGET static void tile_avx512(const struct mm_tile *mt)
+{
+    if (mt->nt >= PK_MIN_TOK) {
+        tile_avx512_packed(mt);
+        return;
+    }
+    const struct moe_matmul_params *p = mt->p;
+    const int n_in = p->n_in;
+    const bool bf16 = p->w_dtype == MOE_DTYPE_BF16;
+    /* Widen bf16 rows once when more than one register tile of tokens reuses them. */
+    const bool widen = bf16 && mt->nt > MK_T;
+    float out[MK_T][MK_R];
+    int o = mt->o0;
+    const int o_end = mt->o0 + mt->no;
+    while (o < o_end) {
+        int R = o_end - o >= MK_R ? MK_R : 1;
+        const float *wf = NULL;
+        const uint16_t *wbf = NULL;
+        int64_t ldw = p->ldw;
+        if (!bf16) {
+            wf = (const float *)p->w + o * p->ldw;
+        } else if (widen) {
+            for (int r = 0; r < R; r++)
+                widen_bf16_avx512((const uint16_t *)p->w + (o + r) * p->ldw, n_in,
+                                  mt->scratch + (size_t)r * n_in);
+            wf = mt->scratch;
+            ldw = n_in;
+        } else {
+            wbf = (const uint16_t *)p->w + o * p->ldw;
+        }
+        for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T) {
+            int T = mt->t0 + mt->nt - t < MK_T ? mt->t0 + mt->nt - t : MK_T;
+            mk_avx512_any(T, R, p->x + (size_t)t * n_in, n_in, n_in, wf, wbf, ldw, out);
+            for (int tt = 0; tt < T; tt++)
+                for (int r = 0; r < R; r++)
+                    store_out(p, t + tt, o + r, out[tt][r]);
+        }
+        o += R;
+    }
+}
+
+/* ---- AVX2 path ---- */
+
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+
+AVX2_TARGET static inline __m256 bf16x8_to_f32(__m128i h)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+AVX2_TARGET static inline float hsum256(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2_TARGET static inline __attribute__((always_inline)) void
+mk_avx2(const int T, const int R, const bool BF, const float *x, int64_t ldx, int n_in,
+        const float *wf, const uint16_t *wbf, int64_t ldw, float out[MK_T][MK_R])
+{
+    __m256 acc[MK_T_AVX2][MK_R];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[t][r] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= n_in; k += 8) {
+        __m256 xv[MK_T_AVX2];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++)
+            xv[t] = _mm256_loadu_ps(x + t * ldx + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m256 wv = BF ? bf16x8_to_f32(_mm_loadu_si128((const __m128i *)(wbf + r * ldw + k)))
+                            : _mm256_loadu_ps(wf + r * ldw + k);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++)
+                acc[t][r] = _mm256_fmadd_ps(xv[t], wv, acc[t][r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            float s = hsum256(acc[t][r]);
+            for (int kk = k; kk < n_in; kk++) {
+                float wv = BF ? moe_bf16_to_f32(wbf[r * ldw + kk]) : wf[r * ldw + kk];
+                s += x[t * ldx + kk] * wv;
+            }
+            out[t][r] = s;
+        }
+    }
+}
+
+AVX2_TARGET static void mk_avx2_any(int T, int R, const float *x, int64_t ldx, int n_in,
+                                    const float *wf, const uint16_t *wbf, int64_t ldw,
+                                    float out[MK_T][MK_R])
+{
+#define MK256_CASE(TT, RR)                                                                        \
+    case (TT) * 8 + (RR): mk_avx2(TT, RR, false, x, ldx, n_in, wf, wbf, ldw, out); return;       \
+    case 64 + (TT) * 8 + (RR): mk_avx2(TT, RR, true, x, ldx, n_in, wf, wbf, ldw, out); return;
+    switch ((wbf ? 64 : 0) + T * 8 + R) {
+        MK256_CASE(1, 4)
+        MK256_CASE(2, 4)
+        MK256_CASE(1, 1)
+        MK256_CASE(2, 1)
+    default: break;
+    }
+#undef MK256_CASE
+    MOE_ASSERT(0 && "mk_avx2_any: unsupported tile");
+}
+
+AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
+{
+    const struct moe_matmul_params *p = mt->p;
+    const int n_in = p->n_in;
+    const bool bf16 = p->w_dtype == MOE_DTYPE_BF16;
+    const bool widen = bf16 && mt->nt > MK_T_AVX2;
+    float out[MK_T][MK_R];
+    int o = mt->o0;
+    const int o_end = mt->o0 + mt->no;
+    while (o < o_end) {
+        int R = o_end - o >= MK_R ? MK_R : 1;
+        const float *wf = NULL;
+        const uint16_t *wbf = NULL;
+        int64_t ldw = p->ldw;
+        if (!bf16) {
+            wf = (const float *)p->w + o * p->ldw;
+        } else if (widen) {
+            for (int r = 0; r < R; r++)
+                widen_bf16_scalar((const uint16_t *)p->w + (o + r) * p->ldw, n_in,
+                                  mt->scratch + (size_t)r * n_in);
+            wf = mt->scratch;
+            ldw = n_in;
+        } else {
+            wbf = (const uint16_t *)p->w + o * p->ldw;
+        }
+        for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_AVX2) {
+            int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
+            mk_avx2_any(T, R, p->x + (size_t)t * n_in, n_in, n_in, wf, wbf, ldw, out);
+            for (int tt = 0; tt < T; tt++)
+                for (int r = 0; r < R; r++)
+                    store_out(p, t + tt, o + r, out[tt][r]);
+        }
+        o += R;
+    }
+}
+
+#endif /* MATMUL_X86 */
+
+/* ---------------------------------------------------------------------------
+ * Threading */
+
+struct mm_job {
+    const struct moe_matmul_params *p;
+    enum cpu_isa isa;
+    int row_block, n_row_blocks;
+    int tok_block;
+    float *scratch; /* (n_threads, scratch_stride) or NULL */
+    size_t scratch_stride;
+};
+
+static void mm_run_tile(enum cpu_isa isa, const struct mm_tile *mt)
+{
+#ifdef MATMUL_X86
+    if (isa == CPU_ISA_AVX512) {
+        tile_avx512(mt);
+        return;
+    }
+    if (isa == CPU_ISA_AVX2) {
+        tile_avx2(mt);
+        return;
+    }
+#endif
+    (void)isa;
+    tile_scalar(mt);
+}
+
+static void mm_task(void *arg, int task, int thread)
+{
+    const struct mm_job *job = arg;
+    const struct moe_matmul_params *p = job->p;
+    int rb = task % job->n_row_blocks;
+    int tb = task / job->n_row_blocks;
+    struct mm_tile mt = {.p = p};
+    mt.o0 = rb * job->row_block;
+    mt.no = p->n_out - mt.o0 < job->row_block ? p->n_out - mt.o0 : job->row_block;
+    mt.t0 = tb * job->tok_block;
+    mt.nt = p->n_tok - mt.t0 < job->tok_block ? p->n_tok - mt.t0 : job->tok_block;
+    mt.scratch = job->scratch ? job->scratch + (size_t)thread * job->scratch_stride : NULL;
+    mm_run_tile(job->isa, &mt);
+}
+
+void cpu_matmul(struct moe_pool *pool, const struct moe_matmul_params *p)
+{
+    if (p->n_tok <= 0 || p->n_out <= 0)
+        return;
+    MOE_ASSERT(p->ldw >= p->n_in && p->n_in >= 0);
+    MOE_ASSERT(p->w_dtype == MOE_DTYPE_F32 || p->w_dtype == MOE_DTYPE_BF16);
+    int n_threads = moe_pool_size(pool);
+    struct mm_job job = {.p = p, .isa = cpu_kernels_isa()};
+
+    /* Rows per task: about 8 tasks per thread, a multiple of MK_R, 16..256. */
+    int rb = (p->n_out + 8 * n_threads - 1) / (8 * n_threads);
+    rb = (rb + MK_R - 1) / MK_R * MK_R;
+    rb = rb < 16 ? 16 : rb > 256 ? 256 : rb;
+    if (rb > p->n_out)
+        rb = p->n_out;
+    job.row_block = rb;
+    job.n_row_blocks = (p->n_out + rb - 1) / rb;
+    job.tok_block = p->n_tok < TOK_BLOCK ? p->n_tok : TOK_BLOCK;
+    size_t scratch_rows = MK_R;
+    bool need_scratch = p->w_dtype == MOE_DTYPE_BF16 &&
+                        (job.isa == CPU_ISA_SCALAR || job.tok_block > MK_T_AVX2);
+    if (job.isa == CPU_ISA_AVX512 && p->n_tok >= PK_MIN_TOK) {
+        /* Packed path: row blocks of whole panels, wide token blocks. */
+        job.row_block = rb <= PK_R ? PK_R : (rb + PK_R - 1) / PK_R * PK_R;
+        job.row_block = job.row_block > 2 * PK_R ? 2 * PK_R : job.row_block;
+        job.n_row_blocks = (p->n_out + job.row_block - 1) / job.row_block;
+        job.tok_block = p->n_tok < PK_TOK_BLOCK ? p->n_tok : PK_TOK_BLOCK;
+        if (p->n_tok - (p->n_tok / job.tok_block) * job.tok_block > 0 &&
+            p->n_tok % job.tok_block < PK_MIN_TOK)
+            job.tok_block = (p->n_tok + (p->n_tok + PK_TOK_BLOCK - 1) / PK_TOK_BLOCK - 1) /
+                            ((p->n_tok + PK_TOK_BLOCK - 1) / PK_TOK_BLOCK);
+        scratch_rows = PK_R;
+        need_scratch = true;
+    }
+    int n_tok_blocks = (p->n_tok + job.tok_block - 1) / job.tok_block;
+    job.scratch_stride = scratch_rows * (size_t)p->n_in;
+
+    float stack_scratch[MK_R * 1024];
+    float *heap_scratch = NULL;
+    if (need_scratch) {
+        size_t n = (size_t)n_threads * job.scratch_stride;
+        if (n <= sizeof(stack_scratch) / sizeof(float)) {
+            job.scratch = stack_scratch;
+        } else {
+            heap_scratch = malloc(n * sizeof(float));
+            MOE_ASSERT(heap_scratch != NULL);
+            job.scratch = heap_scratch;
+        }
+    }
+    int n_tasks = job.n_row_blocks * n_tok_blocks;
+    double flops = 2.0 * p->n_tok * (double)p->n_out * p->n_in;
+    if (flops < 65536.0 || n_tasks == 1) {
+        for (int t = 0; t < n_tasks; t++)
+            mm_task(&job, t, 0);
+    } else {
+        moe_pool_run(pool, n_tasks, mm_task, &job);
+    }
+    free(heap_scratch);
+}

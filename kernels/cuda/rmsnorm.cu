@@ -1,0 +1,63 @@
+// RMSNorm, f32: one block per row. Each thread sums squares over a strided
+// slice of the row, warps reduce with shuffles, warp 0 combines the partial
+// sums; then every thread scales its slice: y = w * (x * (1 / sqrt(var + eps))),
+// the order of operations of the CPU reference and of Hugging Face. x may
+// equal y (in place): after the barrier each element is read and then written
+// by the same thread.
+#include "cuda_ops.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ float warp_sum(float v)
+{
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+__global__ void __launch_bounds__(kThreads)
+rmsnorm_kernel(const float *x, const float *__restrict__ w, float *y, int dim,
+               float eps)
+{
+    __shared__ float partial[kWarps];
+    __shared__ float inv_rms;
+    const size_t row = blockIdx.x;
+    const float *xr = x + row * (size_t)dim;
+    float *yr = y + row * (size_t)dim;
+
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += kThreads) {
+        float v = xr[i];
+        ss += v * v;
+    }
+    ss = warp_sum(ss);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0)
+        partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        float v = lane < kWarps ? partial[lane] : 0.0f;
+        v = warp_sum(v);
+        if (lane == 0)
+            inv_rms = 1.0f / sqrtf(v / (float)dim + eps);
+    }
+    __syncthreads();
+    const float inv = inv_rms;
+    for (int i = threadIdx.x; i < dim; i += kThreads)
+        yr[i] = w[i] * (xr[i] * inv);
+}
+
+} // namespace
+
+extern "C" cudaError_t moe_cuda_rmsnorm(const float *x, const float *w, float *y, int n_rows,
+                                        int dim, float eps, cudaStream_t stream)
+{
+    if (n_rows <= 0 || dim <= 0)
+        return cudaSuccess;
+    rmsnorm_kernel<<<n_rows, kThreads, 0, stream>>>(x, w, y, dim, eps);
+    return cudaGetLastError();
+}
