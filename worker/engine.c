@@ -654,7 +654,8 @@ static void take_inbox_and_aborts(struct moe_engine *e)
     int n_aborts = e->n_aborts;
     uint64_t small[64], *ids = n_aborts <= 64 ? small : malloc((size_t)n_aborts * sizeof *ids);
     MOE_ASSERT(ids);
-    memcpy(ids, e->aborts, (size_t)n_aborts * sizeof *ids);
+    if (n_aborts)
+        memcpy(ids, e->aborts, (size_t)n_aborts * sizeof *ids);
     e->n_aborts = 0;
     pthread_mutex_unlock(&e->mu);
 

@@ -37,7 +37,7 @@ static bool prefix_stable(const struct moe_tokenizer *tok, const int32_t *ids, s
         size_t cmp = prev_len;
         while (cmp >= 3 && !memcmp(prev + cmp - 3, "\xef\xbf\xbd", 3))
             cmp -= 3;
-        stable = cur && cur_len >= cmp && !memcmp(cur, prev, cmp);
+        stable = cur && cur_len >= cmp && (cmp == 0 || !memcmp(cur, prev, cmp));
         free(prev);
         prev = cur;
         prev_len = cur_len;
