@@ -33,5 +33,5 @@ if [ "$asan" = 1 ]; then
   cmake --build build-asan -j"$jobs"
   echo "== tests under ASan + UBSan =="
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --test-dir build-asan --output-on-failure -j"$jobs" -L 'unit|golden|cli'
+    ctest --test-dir build-asan --output-on-failure -j"$jobs" -L 'unit|golden|cli|integration'
 fi

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "generate.h"
 #include "kv_pool.h"
 
 struct seq {
@@ -30,6 +31,8 @@ struct seq {
     char *text;           /* decoded output, kept when there are stop strings */
     size_t text_len;
     bool prompt_counted;
+    double t_admitted;
+    int n_cached;
 };
 
 /* One scheduled piece of work: tokens [start, start + count) of a sequence. */
@@ -195,6 +198,7 @@ enum moe_status moe_engine_create(struct moe_model *model, struct moe_tokenizer 
         return rc;
     }
     e->stats.kv_blocks_total = o.n_block;
+    e->stats.block_size = o.block_size;
     e->stats.kv_blocks_free = o.n_block;
     *out = e;
     return MOE_OK;
@@ -415,7 +419,8 @@ static void seq_finish_bare(struct moe_engine *e, struct seq *s, enum moe_finish
 {
     struct moe_token_event ev = {
         .req_id = s->id, .token = -1, .index = s->n_tokens - s->n_prompt, .finish = f,
-        .stop_string = -1, .error = error};
+        .stop_string = -1, .error = error, .t_admitted = s->t_admitted, .n_prompt = s->n_prompt,
+        .n_cached = s->n_cached};
     seq_finish(e, s, &ev);
 }
 
@@ -527,6 +532,8 @@ static int schedule(struct moe_engine *e)
             s->blocks[s->n_blocks++] = kv_pool_alloc(e->pool);
         if (!s->prompt_counted) {
             s->prompt_counted = true;
+            s->t_admitted = moe_now();
+            s->n_cached = s->n_computed;
             e->stats.prompt_tokens += s->n_prompt;
             e->stats.prefix_hit_tokens += s->n_computed;
         }
@@ -591,7 +598,9 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row)
 {
     int vocab = e->cfg->vocab_size;
     const struct moe_request_params *p = &s->params;
-    struct moe_token_event ev = {.req_id = s->id, .stop_string = -1, .text_len = -1};
+    struct moe_token_event ev = {.req_id = s->id, .stop_string = -1, .text_len = -1,
+                                 .t_admitted = s->t_admitted, .n_prompt = s->n_prompt,
+                                 .n_cached = s->n_cached};
     if (p->logprobs >= 0) {
         /* raw model distribution; the token is filled in after sampling */
         ev.n_top = p->logprobs;

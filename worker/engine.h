@@ -78,6 +78,9 @@ struct moe_token_event {
     int stop_string;      /* index of the matched stop string, or -1 */
     int64_t text_len;     /* with stop strings: bytes of output text before the stop string */
     const char *error;    /* for MOE_FINISH_ERROR */
+    double t_admitted;    /* moe_now() when the request was first scheduled (0: never) */
+    int n_prompt;
+    int n_cached;         /* prompt tokens served from the prefix cache at admission */
 };
 
 typedef void (*moe_token_cb)(void *user, const struct moe_token_event *ev);
@@ -86,6 +89,7 @@ struct moe_engine_stats {
     int running;
     int waiting;
     int kv_blocks_total;
+    int block_size;        /* tokens per KV block */
     int kv_blocks_used;    /* held by sequences */
     int kv_blocks_cached;  /* free but kept for prefix hits */
     int kv_blocks_free;

@@ -1,0 +1,48 @@
+/* The worker's gRPC face: the internal moe.v1.Worker service (Generate,
+ * Abort, GetLoad, GetModelInfo) and grpc.health.v1.Health over one engine,
+ * with the engine's step loop on its own thread.
+ *
+ * Handlers only parse, validate and enqueue; tokens flow from the engine
+ * thread into each call's send queue, which never blocks on the network. A
+ * client that goes away (cancel, deadline, lost connection) aborts its
+ * request, and the request's KV blocks are freed in the engine's next step. */
+#ifndef MOE_WORKER_SERVICE_H
+#define MOE_WORKER_SERVICE_H
+
+#include <stdbool.h>
+
+#include "engine.h"
+#include "model.h"
+#include "moe_error.h"
+#include "tokenizer.h"
+
+struct worker_service_opts {
+    const char *listen;     /* "127.0.0.1:0" picks a free port */
+    int rpc_threads;        /* completion-queue threads (default 2) */
+    const char *model_name; /* reported by GetModelInfo */
+    const char *dtype_name; /* "bf16", "f32" */
+};
+
+struct worker_service;
+
+/* Starts serving. The service borrows `engine`, `model` and `tok` (tok may be
+ * NULL: then only token ids and no stop strings). */
+enum moe_status worker_service_create(struct moe_engine *engine, struct moe_model *model,
+                                      struct moe_tokenizer *tok,
+                                      const struct worker_service_opts *opts,
+                                      struct worker_service **out, struct moe_error *err);
+
+int worker_service_port(const struct worker_service *ws);
+
+/* Starts draining: health NOT_SERVING, new Generate calls refused with
+ * UNAVAILABLE, running ones continue. Thread-safe, idempotent. */
+void worker_service_drain(struct worker_service *ws);
+
+/* Requests in flight (accepted and not finished). Thread-safe. */
+int worker_service_in_flight(struct worker_service *ws);
+
+/* Stops the engine thread and the server (running calls are cancelled after
+ * grace_ms). NULL is a no-op. */
+void worker_service_destroy(struct worker_service *ws, int grace_ms);
+
+#endif

@@ -1,0 +1,335 @@
+/* moe-worker: loads a model, runs the engine and serves moe.v1.Worker and
+ * grpc.health.v1.Health. With --etcd it registers under a lease that it
+ * keeps alive (and renews if it is lost); on SIGTERM or SIGINT it drains:
+ * health NOT_SERVING, registration removed, new work refused with
+ * UNAVAILABLE, running requests finish, then it exits 0.
+ *
+ *   moe-worker --model DIR [--listen HOST:PORT] [--advertise HOST:PORT]
+ *              [--etcd URLS --worker-id ID --lease-ttl S] [--dtype f32|bf16]
+ *              [--threads N] [--device auto|cpu|cuda] [--kv-blocks N | --kv-memory MIB]
+ *              [--block-size N] [--max-batch-tokens N] [--max-running N]
+ *              [--no-prefix-cache] [--role mixed] [--drain-timeout S]
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "engine.h"
+#include "etcd.h"
+#include "generate.h"
+#include "model.h"
+#include "service.h"
+#include "tokenizer.h"
+
+struct args {
+    const char *model;
+    const char *listen;
+    const char *advertise;
+    const char *etcd;
+    const char *worker_id;
+    const char *device;
+    const char *role;
+    enum moe_dtype dtype;
+    int threads;
+    int lease_ttl;
+    int kv_blocks;
+    long kv_memory_mib;
+    int block_size;
+    int max_batch_tokens;
+    int max_running;
+    bool no_prefix_cache;
+    int drain_timeout_s;
+};
+
+static volatile sig_atomic_t g_signal;
+
+static void on_signal(int sig)
+{
+    g_signal = sig;
+}
+
+__attribute__((format(printf, 1, 2))) static int fail(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "moe-worker: ");
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return 2;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: moe-worker --model DIR [options]\n"
+            "  --listen HOST:PORT    gRPC address (default 127.0.0.1:0 = a free port)\n"
+            "  --advertise HOST:PORT address registered in etcd (default: the bound one)\n"
+            "  --etcd URLS           etcd endpoints (http://127.0.0.1:2379,...); none = static\n"
+            "  --worker-id ID        name in etcd and Admin (default worker-PORT)\n"
+            "  --lease-ttl S         etcd lease TTL in seconds (default 5)\n"
+            "  --dtype f32|bf16      weights in memory (default bf16)\n"
+            "  --threads N           CPU threads, 0 = all cores (default 0)\n"
+            "  --device D            auto|cpu|cuda (default auto)\n"
+            "  --kv-blocks N | --kv-memory MIB   KV cache size (default 512 MiB)\n"
+            "  --block-size N        tokens per KV block (default 16)\n"
+            "  --max-batch-tokens N  token budget per step (default 512)\n"
+            "  --max-running N       running sequences cap (default 64)\n"
+            "  --no-prefix-cache     disable prefix caching\n"
+            "  --role mixed          prefill/decode pools come later\n"
+            "  --drain-timeout S     on SIGTERM, wait at most S seconds for running requests "
+            "(default 60)\n");
+}
+
+static bool parse_int(const char *s, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi)
+        return false;
+    *out = v;
+    return true;
+}
+
+static int parse_args(int argc, char **argv, struct args *a)
+{
+    *a = (struct args){.listen = "127.0.0.1:0", .device = "auto", .dtype = MOE_DTYPE_BF16,
+                       .lease_ttl = 5, .role = "mixed", .drain_timeout_s = 60};
+    for (int i = 1; i < argc; i++) {
+        const char *k = argv[i];
+        if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
+            usage(stdout);
+            exit(0);
+        }
+        if (!strcmp(k, "--no-prefix-cache")) {
+            a->no_prefix_cache = true;
+            continue;
+        }
+        if (i + 1 >= argc)
+            return fail("option '%s' needs a value", k);
+        const char *v = argv[++i];
+        long n;
+#define INT_OPT(name, lo, hi, field)                                                              \
+    if (!strcmp(k, name)) {                                                                       \
+        if (!parse_int(v, lo, hi, &n))                                                            \
+            return fail(name ": '%s' is not a whole number in [%ld, %ld]", v, (long)(lo),          \
+                        (long)(hi));                                                              \
+        a->field = (int)n;                                                                        \
+        continue;                                                                                 \
+    }
+        INT_OPT("--threads", 0, 1024, threads)
+        INT_OPT("--lease-ttl", 2, 3600, lease_ttl)
+        INT_OPT("--kv-blocks", 1, 1 << 24, kv_blocks)
+        INT_OPT("--block-size", 1, 1024, block_size)
+        INT_OPT("--max-batch-tokens", 1, 1 << 20, max_batch_tokens)
+        INT_OPT("--max-running", 1, 1 << 16, max_running)
+        INT_OPT("--drain-timeout", 0, 86400, drain_timeout_s)
+#undef INT_OPT
+        if (!strcmp(k, "--kv-memory")) {
+            if (!parse_int(v, 1, 1 << 24, &n))
+                return fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
+            a->kv_memory_mib = n;
+        } else if (!strcmp(k, "--model")) {
+            a->model = v;
+        } else if (!strcmp(k, "--listen")) {
+            a->listen = v;
+        } else if (!strcmp(k, "--advertise")) {
+            a->advertise = v;
+        } else if (!strcmp(k, "--etcd")) {
+            a->etcd = v;
+        } else if (!strcmp(k, "--worker-id")) {
+            a->worker_id = v;
+        } else if (!strcmp(k, "--device")) {
+            a->device = v;
+        } else if (!strcmp(k, "--role")) {
+            if (strcmp(v, "mixed"))
+                return fail("--role: '%s' is not supported yet (only 'mixed'; prefill and decode "
+                            "pools come with disaggregated serving)",
+                            v);
+            a->role = v;
+        } else if (!strcmp(k, "--dtype")) {
+            if (!strcmp(v, "f32"))
+                a->dtype = MOE_DTYPE_F32;
+            else if (!strcmp(v, "bf16"))
+                a->dtype = MOE_DTYPE_BF16;
+            else
+                return fail("--dtype: '%s' is not one of f32, bf16", v);
+        } else {
+            usage(stderr);
+            return fail("unknown option '%s'", k);
+        }
+    }
+    if (!a->model)
+        return fail("--model DIR is required");
+    if (a->worker_id && strlen(a->worker_id) > 128)
+        return fail("--worker-id: longer than 128 characters");
+    return 0;
+}
+
+/* etcd registration: /moe/workers/<id> -> JSON, under a kept-alive lease. */
+struct registration {
+    const char *endpoints;
+    char key[256];
+    char value[1024];
+    int ttl;
+    struct moe_etcd *etcd;
+    struct moe_etcd_keeper *keeper;
+    int64_t lease;
+};
+
+static enum moe_status register_worker(struct registration *reg, struct moe_error *err)
+{
+    int64_t granted;
+    enum moe_status rc = moe_etcd_lease_grant(reg->etcd, reg->ttl, &reg->lease, &granted, err);
+    if (!rc)
+        rc = moe_etcd_put(reg->etcd, reg->key, reg->value, strlen(reg->value), reg->lease, NULL,
+                          err);
+    if (!rc)
+        rc = moe_etcd_keeper_create(reg->endpoints, 2000, reg->lease, NULL, NULL, &reg->keeper,
+                                    err);
+    return rc;
+}
+
+static void unregister_worker(struct registration *reg)
+{
+    moe_etcd_keeper_destroy(reg->keeper);
+    reg->keeper = NULL;
+    if (reg->lease) {
+        struct moe_error err;
+        if (moe_etcd_lease_revoke(reg->etcd, reg->lease, &err))
+            fprintf(stderr, "moe-worker: revoking lease: %s\n", err.msg);
+        reg->lease = 0;
+    }
+}
+
+int main(int argc, char **argv)
+{
+    struct args a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc)
+        return rc;
+    signal(SIGPIPE, SIG_IGN);
+
+    struct moe_error err = {0};
+    struct moe_backend *be = NULL;
+    struct moe_model *model = NULL;
+    struct moe_tokenizer *tok = NULL;
+    struct moe_engine *engine = NULL;
+    struct worker_service *ws = NULL;
+    struct registration reg = {.endpoints = a.etcd, .ttl = a.lease_ttl};
+    rc = 1;
+
+    if (moe_backend_create(a.device, a.threads, &be, &err))
+        goto fail;
+    struct moe_model_opts mo = {.dtype = a.dtype, .tp_rank = 0, .tp_size = 1};
+    if (moe_model_load(a.model, &mo, be, &model, &err))
+        goto fail;
+    const struct moe_config *cfg = moe_model_config(model);
+    char tok_path[4096];
+    snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", a.model);
+    if (access(tok_path, F_OK) == 0 && moe_tokenizer_load(tok_path, &tok, &err))
+        goto fail;
+
+    struct moe_engine_opts eo = {
+        .n_block = a.kv_blocks,
+        .block_size = a.block_size ? a.block_size : 16,
+        .max_batch_tokens = a.max_batch_tokens,
+        .max_running = a.max_running,
+        .no_prefix_cache = a.no_prefix_cache,
+    };
+    if (!eo.n_block) {
+        size_t block_bytes = (size_t)eo.block_size * cfg->n_layer * 2 * (size_t)cfg->n_kv_head *
+                             cfg->d_head * sizeof(float);
+        long mib = a.kv_memory_mib ? a.kv_memory_mib : 512;
+        eo.n_block = (int)(((size_t)mib << 20) / block_bytes);
+        if (eo.n_block < 1) {
+            moe_error_set(&err, MOE_ERR_INVALID, "--kv-memory: %ld MiB holds no KV block", mib);
+            goto fail;
+        }
+    }
+    if (moe_engine_create(model, tok, &eo, &engine, &err))
+        goto fail;
+    const char *name = strrchr(a.model, '/');
+    name = name && name[1] ? name + 1 : a.model;
+    struct worker_service_opts so = {
+        .listen = a.listen,
+        .model_name = name,
+        .dtype_name = a.dtype == MOE_DTYPE_BF16 ? "bf16" : "f32",
+    };
+    if (worker_service_create(engine, model, tok, &so, &ws, &err))
+        goto fail;
+    int port = worker_service_port(ws);
+
+    char address[300];
+    if (a.advertise) {
+        snprintf(address, sizeof address, "%s", a.advertise);
+    } else {
+        const char *colon = strrchr(a.listen, ':');
+        int host_len = colon ? (int)(colon - a.listen) : (int)strlen(a.listen);
+        snprintf(address, sizeof address, "%.*s:%d", host_len, a.listen, port);
+    }
+    char id[160];
+    snprintf(id, sizeof id, "%s", a.worker_id ? a.worker_id : "");
+    if (!id[0])
+        snprintf(id, sizeof id, "worker-%d", port);
+    if (a.etcd) {
+        snprintf(reg.key, sizeof reg.key, "/moe/workers/%s", id);
+        snprintf(reg.value, sizeof reg.value,
+                 "{\"id\":\"%s\",\"address\":\"%s\",\"role\":\"%s\",\"device\":\"%s\","
+                 "\"model\":\"%s\",\"kv_blocks_total\":%d,\"block_size\":%d}",
+                 id, address, a.role, be->name, name, eo.n_block, eo.block_size);
+        if (moe_etcd_create(a.etcd, 2000, &reg.etcd, &err) || register_worker(&reg, &err)) {
+            moe_error_prefix(&err, "registering in etcd");
+            goto fail;
+        }
+    }
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    printf("moe-worker: %s serving %s on %s (%s, %d KV blocks x %d tokens)%s\n", id, name, address,
+           be->name, eo.n_block, eo.block_size, a.etcd ? ", registered in etcd" : "");
+    fflush(stdout);
+
+    while (!g_signal) {
+        usleep(100 * 1000);
+        if (reg.keeper && moe_etcd_keeper_lost(reg.keeper)) {
+            fprintf(stderr, "moe-worker: etcd lease lost; registering again\n");
+            moe_etcd_keeper_destroy(reg.keeper);
+            reg.keeper = NULL;
+            if (register_worker(&reg, &err))
+                fprintf(stderr, "moe-worker: %s (will retry)\n", err.msg);
+        }
+    }
+    /* Drain: stop taking work, let running requests finish, then leave. */
+    fprintf(stderr, "moe-worker: %s: draining (%d requests in flight)\n",
+            g_signal == SIGTERM ? "SIGTERM" : "SIGINT", worker_service_in_flight(ws));
+    worker_service_drain(ws);
+    unregister_worker(&reg);
+    double t0 = moe_now();
+    while (worker_service_in_flight(ws) > 0 && moe_now() - t0 < a.drain_timeout_s)
+        usleep(20 * 1000);
+    int left = worker_service_in_flight(ws);
+    if (left)
+        fprintf(stderr, "moe-worker: drain timeout: cancelling %d requests\n", left);
+    rc = 0;
+    goto out;
+
+fail:
+    fprintf(stderr, "moe-worker: %s\n", err.msg);
+out:
+    worker_service_destroy(ws, 1000);
+    unregister_worker(&reg);
+    moe_etcd_destroy(reg.etcd);
+    moe_engine_destroy(engine);
+    moe_tokenizer_free(tok);
+    moe_model_free(model);
+    moe_backend_destroy(be);
+    return rc;
+}
