@@ -1,0 +1,61 @@
+/* Expert placement: which ranks of a worker group hold which experts, per
+ * MoE layer. A rank loads only the experts placed on it; the MoE layer sends
+ * each routed token row to one rank holding its expert.
+ *
+ * File format (JSON), for --placement FILE.json:
+ *   {"n_rank": 2,
+ *    "experts": [[0], [0], [0], [0], [0], [1], [1], [1]],   every MoE layer
+ *    "layers": {"3": [[1], [0, 1], ...]}}                     optional overrides
+ * experts[e] lists the ranks holding expert e (more than one: a replicated hot
+ * expert). Default: an even contiguous split, expert e on rank
+ * e * n_rank / n_expert. */
+#ifndef MOE_PLACEMENT_H
+#define MOE_PLACEMENT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "moe_error.h"
+
+#define MOE_PLACEMENT_MAX_REPLICAS 8
+
+struct moe_placement {
+    int n_layer;
+    int n_expert;
+    int n_rank;
+    /* (n_layer, n_expert): replica count and ranks of each expert */
+    uint8_t *n_replicas;
+    int16_t *ranks;       /* (n_layer, n_expert, MOE_PLACEMENT_MAX_REPLICAS) */
+};
+
+/* The default even, contiguous split. */
+enum moe_status moe_placement_default(int n_layer, int n_expert, int n_rank,
+                                      struct moe_placement *out, struct moe_error *err);
+
+/* Parses a placement file; every expert needs at least one rank, ranks must
+ * be in [0, n_rank) and distinct per expert, n_rank must match. Errors name
+ * the file and the layer / expert. */
+enum moe_status moe_placement_load(const char *path, int n_layer, int n_expert, int n_rank,
+                                   struct moe_placement *out, struct moe_error *err);
+
+void moe_placement_free(struct moe_placement *p);
+
+static inline int moe_placement_n_replicas(const struct moe_placement *p, int layer, int expert)
+{
+    return p->n_replicas[layer * p->n_expert + expert];
+}
+
+static inline int moe_placement_rank(const struct moe_placement *p, int layer, int expert, int i)
+{
+    return p->ranks[((size_t)layer * p->n_expert + expert) * MOE_PLACEMENT_MAX_REPLICAS + i];
+}
+
+/* True when `rank` holds `expert` in `layer`. */
+bool moe_placement_holds(const struct moe_placement *p, int layer, int expert, int rank);
+
+/* The rank that computes `expert` for the token with global index `token`:
+ * the caller's own rank when it holds a replica, else replicas spread by token. */
+int moe_placement_pick(const struct moe_placement *p, int layer, int expert, int token,
+                       int my_rank);
+
+#endif
