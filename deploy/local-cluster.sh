@@ -8,6 +8,7 @@
 #     --serve   keep the cluster running until Ctrl-C (prints the address)
 #     --no-etcd use the static --workers list even when etcd is installed
 set -euo pipefail
+caller=$PWD
 cd "$(dirname "$0")/.."
 
 build=build
@@ -25,6 +26,7 @@ while [ $# -gt 0 ]; do
     *) echo "local-cluster: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
+case "$build" in /*) ;; *) [ -d "$build" ] || build="$caller/$build" ;; esac
 bin=$build/bin
 for b in moe-worker moe-coordinator moe-client; do
   [ -x "$bin/$b" ] || { echo "local-cluster: $bin/$b not built (run cmake --build $build)" >&2; exit 2; }

@@ -1,0 +1,183 @@
+/* moe-coordinator internals: the cluster view (registry.c), the routing
+ * rule (router.c), one forwarded request (forward.c), the public services
+ * (frontend.c, admin.c). One mutex, `coord.mu`, guards every mutable field
+ * marked "mu" below; it is never held across a network call.
+ *
+ * Lifetimes: a `struct coord_worker` is reference counted. The registry
+ * holds one reference while the worker is a member; every forwarded request
+ * holds one while it talks to the worker, so a worker that leaves (etcd key
+ * deleted) is freed, channel included, only after its last stream ended. */
+#ifndef MOE_COORD_H
+#define MOE_COORD_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model_config.h"
+#include "moe_error.h"
+#include "rpc.h"
+#include "tokenizer.h"
+
+#define COORD_ID_MAX 160
+#define COORD_ADDR_MAX 300
+#define COORD_MAX_RETRIES 2 /* extra attempts when a worker fails before the first token */
+#define COORD_AFFINITY_SLOTS 4096
+#define COORD_AFFINITY_BLOCKS 4 /* prefix levels hashed: 1..4 blocks */
+#define COORD_DEFAULT_BLOCK 16
+
+enum coord_worker_state {
+    COORD_WORKER_SERVING = 1,
+    COORD_WORKER_DRAINING = 2,
+    COORD_WORKER_DOWN = 3,
+};
+
+struct coord_worker {
+    char id[COORD_ID_MAX];
+    char address[COORD_ADDR_MAX];
+    int role;                  /* Moe__V1__WorkerRole */
+    struct rpc_client *client; /* the channel; freed with the worker */
+    int refs;                  /* mu */
+    bool member;               /* mu: still in the registry */
+
+    /* mu: state */
+    bool admin_drained;     /* Admin DrainWorker */
+    bool reported_draining; /* GetLoad.draining (the worker got SIGTERM) */
+    bool down;              /* last poll failed, or a call failed with UNAVAILABLE */
+    bool ever_seen;         /* one poll answered */
+    double last_seen;       /* coord_now() of the last answer; 0: never */
+    char last_error[256];
+
+    /* mu: load, from the last GetLoad */
+    uint32_t running, waiting, kv_used, kv_total, block_size;
+    uint64_t prefix_lookup, prefix_hit;
+    uint32_t world_size, tp_size, ep_size;
+    /* mu: the coordinator's own counters */
+    int in_flight;     /* forwarded requests running on it now */
+    uint64_t n_routed; /* requests ever routed to it */
+};
+
+/* One entry of the prefix-affinity table (direct mapped by hash). */
+struct coord_affinity {
+    uint64_t hash;
+    char worker_id[COORD_ID_MAX];
+};
+
+struct coord_opts {
+    const char *listen;
+    const char *model_dir;
+    const char *workers; /* static list "host:port,host:port" (or NULL) */
+    const char *etcd;    /* etcd endpoints (or NULL) */
+    int max_queue;       /* requests in flight cap */
+    int poll_ms;         /* GetLoad polling interval */
+    int rpc_threads;
+    int grace_ms; /* shutdown grace for running streams */
+};
+
+struct fwd;
+
+struct coord {
+    struct coord_opts opts;
+    struct moe_config cfg;
+    struct moe_tokenizer *tok;
+    char model_name[256];
+    char model_dtype[16]; /* mu: from the first worker's GetModelInfo */
+    double t_start;
+
+    struct rpc_server *server;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cond;           /* signalled when n_threads drops, and to stop the poller */
+    bool stopping;                 /* mu */
+    struct coord_worker **workers; /* mu: members, (n_workers) */
+    size_t n_workers, cap_workers;
+    uint64_t rr;                     /* mu: round-robin cursor for ties */
+    struct coord_affinity *affinity; /* mu: (COORD_AFFINITY_SLOTS) */
+
+    struct fwd *reqs;                         /* mu: running requests (linked through fwd->next) */
+    int n_running;                            /* mu */
+    int n_threads;                            /* mu: live forwarding threads */
+    uint64_t n_total, n_failed, next_auto_id; /* mu */
+
+    pthread_t poll_thread;
+    bool poll_started;
+    struct moe_etcd_watch *watch;
+};
+
+double coord_now(void);
+
+/* ---- registry.c -------------------------------------------------------------- */
+
+/* Adds the workers of a static list "host:port,host:port" (id = the entry).
+ * A malformed entry is MOE_ERR_INVALID naming it. */
+enum moe_status coord_registry_add_static(struct coord *c, const char *list, struct moe_error *err);
+
+/* Reads /moe/workers/ from etcd and starts watching it. */
+enum moe_status coord_registry_start_etcd(struct coord *c, struct moe_error *err);
+
+/* Starts the GetLoad polling thread. */
+enum moe_status coord_registry_start_poller(struct coord *c, struct moe_error *err);
+
+/* Stops the watcher and the poller and drops every member (workers still
+ * referenced by requests are freed with their last reference). */
+void coord_registry_stop(struct coord *c);
+
+/* Adds or updates a member (etcd PUT). Caller holds no lock. */
+enum moe_status coord_registry_upsert(struct coord *c, const char *id, const char *address,
+                                      int role, struct moe_error *err);
+
+/* Removes a member by id (etcd DELETE); 0 if there was none. */
+int coord_registry_remove(struct coord *c, const char *id);
+
+/* Finds a member by id; caller holds c->mu. NULL if none. */
+struct coord_worker *coord_registry_find_locked(struct coord *c, const char *id);
+
+/* Reference counting; caller holds c->mu. */
+void coord_worker_ref_locked(struct coord_worker *w);
+void coord_worker_unref_locked(struct coord_worker *w);
+
+/* The state shown by Admin; caller holds c->mu. */
+enum coord_worker_state coord_worker_state_locked(const struct coord_worker *w);
+
+/* ---- router.c ------------------------------------------------------------------ */
+
+/* Picks a worker for a prompt and returns it with one reference held and
+ * its in_flight count raised (undo both with coord_router_done), or NULL
+ * when no worker is serving. Workers in `exclude` (n_exclude) are skipped
+ * (the ones a retry already tried). Takes c->mu. */
+struct coord_worker *coord_router_pick(struct coord *c, const int32_t *ids, size_t n_ids,
+                                       struct coord_worker *const *exclude, size_t n_exclude);
+
+/* The request routed by coord_router_pick ended. Takes c->mu. */
+void coord_router_done(struct coord *c, struct coord_worker *w);
+
+/* The load score used by the router; caller holds c->mu. */
+double coord_worker_load_locked(const struct coord_worker *w);
+
+/* ---- forward.c ------------------------------------------------------------------- */
+
+/* Starts forwarding one Generate (request bytes borrowed). Takes ownership
+ * of the stream reference: it always finishes and releases the stream,
+ * also on failure. */
+void coord_generate_start(struct coord *c, struct rpc_stream *stream, const uint8_t *req,
+                          size_t len);
+
+/* Aborts the running request `request_id`; 1 if one was found. */
+int coord_abort(struct coord *c, const char *request_id);
+
+/* Waits until every forwarding thread has ended. */
+void coord_wait_threads(struct coord *c);
+
+/* ---- frontend.c / admin.c -------------------------------------------------------- */
+
+/* Registers the Inference and Health methods. */
+enum moe_status coord_frontend_register(struct coord *c, struct moe_error *err);
+
+/* Registers the Admin methods. */
+enum moe_status coord_admin_register(struct coord *c, struct moe_error *err);
+
+/* Packs a protobuf-c message into a malloc'd buffer (NULL on no memory). */
+void *coord_pack(const void *msg, size_t *len);
+
+#endif

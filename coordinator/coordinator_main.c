@@ -1,0 +1,213 @@
+/* moe-coordinator: the public front of the cluster. Serves moe.v1.Inference,
+ * moe.v1.Admin and grpc.health.v1.Health, and forwards each Generate to a
+ * worker chosen by load and prefix affinity. Workers come from a static
+ * --workers list (the embedded default) or from etcd (--etcd).
+ *
+ *   moe-coordinator --model DIR [--listen HOST:PORT]
+ *                   (--workers HOST:PORT,... | --etcd URLS)
+ *                   [--max-queue N] [--poll-ms MS] [--threads N] [--grace-ms MS]
+ *
+ * On SIGTERM or SIGINT: health NOT_SERVING, no new calls, running streams
+ * get --grace-ms to finish (then they are cancelled), exit 0. */
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "coord.h"
+
+static volatile sig_atomic_t g_signal;
+
+static void on_signal(int sig)
+{
+    g_signal = sig;
+}
+
+__attribute__((format(printf, 1, 2))) static int fail(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "moe-coordinator: ");
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return 2;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: moe-coordinator --model DIR (--workers HOST:PORT,... | --etcd URLS) "
+               "[options]\n"
+               "  --listen HOST:PORT  gRPC address (default 127.0.0.1:50051; port 0 = a free "
+               "one)\n"
+               "  --model DIR         model directory: config.json and tokenizer.json (no "
+               "weights are loaded)\n"
+               "  --workers LIST      static worker list host:port,host:port\n"
+               "  --etcd URLS         etcd endpoints; workers are learned from /moe/workers/\n"
+               "  --max-queue N       requests in flight before RESOURCE_EXHAUSTED (default "
+               "256)\n"
+               "  --poll-ms MS        worker load polling interval (default 200)\n"
+               "  --threads N         gRPC server threads (default 2)\n"
+               "  --grace-ms MS       on SIGTERM, time given to running streams (default "
+               "10000)\n");
+}
+
+static bool parse_int(const char *s, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi)
+        return false;
+    *out = v;
+    return true;
+}
+
+static int parse_args(int argc, char **argv, struct coord_opts *o)
+{
+    *o = (struct coord_opts){.listen = "127.0.0.1:50051",
+                             .max_queue = 256,
+                             .poll_ms = 200,
+                             .rpc_threads = 2,
+                             .grace_ms = 10000};
+    for (int i = 1; i < argc; i++) {
+        const char *k = argv[i];
+        if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
+            usage(stdout);
+            exit(0);
+        }
+        if (i + 1 >= argc)
+            return fail("option '%s' needs a value", k);
+        const char *v = argv[++i];
+        long n;
+#define INT_OPT(name, lo, hi, field)                                                               \
+    if (!strcmp(k, name)) {                                                                        \
+        if (!parse_int(v, lo, hi, &n))                                                             \
+            return fail(name ": '%s' is not a whole number in [%ld, %ld]", v, (long)(lo),          \
+                        (long)(hi));                                                               \
+        o->field = (int)n;                                                                         \
+        continue;                                                                                  \
+    }
+        INT_OPT("--max-queue", 1, 1 << 20, max_queue)
+        INT_OPT("--poll-ms", 10, 60000, poll_ms)
+        INT_OPT("--threads", 1, 64, rpc_threads)
+        INT_OPT("--grace-ms", 0, 3600000, grace_ms)
+#undef INT_OPT
+        if (!strcmp(k, "--listen"))
+            o->listen = v;
+        else if (!strcmp(k, "--model"))
+            o->model_dir = v;
+        else if (!strcmp(k, "--workers"))
+            o->workers = v;
+        else if (!strcmp(k, "--etcd"))
+            o->etcd = v;
+        else {
+            usage(stderr);
+            return fail("unknown option '%s'", k);
+        }
+    }
+    if (!o->model_dir)
+        return fail("--model DIR is required (for config.json and tokenizer.json)");
+    if (!o->workers == !o->etcd)
+        return fail("give exactly one of --workers HOST:PORT,... and --etcd URLS");
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    struct coord c;
+    memset(&c, 0, sizeof c);
+    int rc = parse_args(argc, argv, &c.opts);
+    if (rc)
+        return rc;
+    signal(SIGPIPE, SIG_IGN);
+    struct moe_error err = {0};
+    c.t_start = coord_now();
+    pthread_mutex_init(&c.mu, NULL);
+    pthread_cond_init(&c.cond, NULL);
+    rc = 1;
+
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", c.opts.model_dir);
+    if (moe_config_load(path, &c.cfg, &err))
+        goto fail;
+    snprintf(path, sizeof path, "%s/tokenizer.json", c.opts.model_dir);
+    if (access(path, F_OK) == 0) {
+        if (moe_tokenizer_load(path, &c.tok, &err))
+            goto fail;
+    } else {
+        fprintf(stderr, "moe-coordinator: no %s: only token_ids prompts are accepted\n", path);
+    }
+    /* The served model's name: the model directory's last component, as the
+     * workers report it. */
+    size_t dl = strlen(c.opts.model_dir);
+    while (dl > 1 && c.opts.model_dir[dl - 1] == '/')
+        dl--;
+    const char *base = c.opts.model_dir + dl;
+    while (base > c.opts.model_dir && base[-1] != '/')
+        base--;
+    snprintf(c.model_name, sizeof c.model_name, "%.*s", (int)(c.opts.model_dir + dl - base), base);
+    c.affinity = calloc(COORD_AFFINITY_SLOTS, sizeof *c.affinity);
+    if (!c.affinity) {
+        moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+
+    if (c.opts.workers ? coord_registry_add_static(&c, c.opts.workers, &err)
+                       : coord_registry_start_etcd(&c, &err))
+        goto fail;
+    if (coord_registry_start_poller(&c, &err))
+        goto fail;
+
+    c.server = rpc_server_create(c.opts.listen, c.opts.rpc_threads, NULL, &err);
+    if (!c.server || coord_frontend_register(&c, &err) || coord_admin_register(&c, &err) ||
+        rpc_server_start(c.server, &err))
+        goto fail;
+    rpc_health_set(c.server, "moe.v1.Inference", RPC_HEALTH_SERVING);
+    rpc_health_set(c.server, "moe.v1.Admin", RPC_HEALTH_SERVING);
+
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    const char *colon = strrchr(c.opts.listen, ':');
+    int host_len = colon ? (int)(colon - c.opts.listen) : (int)strlen(c.opts.listen);
+    pthread_mutex_lock(&c.mu);
+    size_t n_workers = c.n_workers;
+    pthread_mutex_unlock(&c.mu);
+    printf("moe-coordinator: serving on %.*s:%d (model %s, %zu workers %s)\n", host_len,
+           c.opts.listen, rpc_server_port(c.server), c.model_name, n_workers,
+           c.opts.etcd ? "from etcd" : "listed");
+    fflush(stdout);
+
+    while (!g_signal)
+        usleep(100 * 1000);
+    pthread_mutex_lock(&c.mu);
+    int running = c.n_running;
+    pthread_mutex_unlock(&c.mu);
+    fprintf(stderr, "moe-coordinator: %s: shutting down (%d requests in flight, grace %d ms)\n",
+            g_signal == SIGTERM ? "SIGTERM" : "SIGINT", running, c.opts.grace_ms);
+    rpc_health_set(c.server, "", RPC_HEALTH_NOT_SERVING);
+    rpc_health_set(c.server, "moe.v1.Inference", RPC_HEALTH_NOT_SERVING);
+    rpc_health_set(c.server, "moe.v1.Admin", RPC_HEALTH_NOT_SERVING);
+    rc = 0;
+    goto out;
+
+fail:
+    fprintf(stderr, "moe-coordinator: %s\n", err.msg);
+out:
+    /* Waits for every stream (cancelled after the grace period); the
+     * forwarding threads then end on their own. */
+    rpc_server_destroy(c.server, c.opts.grace_ms);
+    coord_wait_threads(&c);
+    coord_registry_stop(&c);
+    free(c.workers);
+    free(c.affinity);
+    moe_tokenizer_free(c.tok);
+    pthread_cond_destroy(&c.cond);
+    pthread_mutex_destroy(&c.mu);
+    return rc;
+}

@@ -1,0 +1,629 @@
+/* One forwarded Generate: the handler checks what it can at once and starts
+ * a thread; the thread tokenizes, checks the lengths, picks a worker, calls
+ * /moe.v1.Worker/Generate with a client stream and relays every message to
+ * the client (adding the request id, text deltas and coordinator timings).
+ *
+ * Failures:
+ *  - the worker fails before its first message with UNAVAILABLE (connection
+ *    refused, process gone, draining): the request is retried on another
+ *    worker, at most COORD_MAX_RETRIES times;
+ *  - the worker fails mid-stream: the client stream ends with UNAVAILABLE
+ *    "worker X at HOST:PORT failed after N tokens: ...";
+ *  - the client cancels (or its deadline passes): on_cancel cancels the
+ *    worker stream, and the worker frees the KV blocks;
+ *  - Abort(request_id): the worker stream is cancelled and the client gets a
+ *    last message with FINISH_REASON_ABORT and status OK. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord.h"
+#include "detok.h"
+#include "moe/v1/inference.pb-c.h"
+#include "moe/v1/worker.pb-c.h"
+#include "request_check.h"
+
+#define WORKER_DEADLINE_SLACK_MS 2000 /* the worker's own deadline_ms fires first */
+
+struct fwd {
+    struct coord *c;
+    struct rpc_stream *stream;    /* the client's call (one reference) */
+    Moe__V1__GenerateRequest *rq; /* owned */
+    char request_id[MOE_REQ_MAX_ID_LEN + 32];
+    double t_recv, t_first;
+    double deadline; /* coord_now() seconds; 0: none */
+    int32_t *prompt; /* (n_prompt) */
+    size_t n_prompt;
+    uint32_t n_tokens; /* tokens relayed to the client */
+
+    pthread_mutex_t mu;           /* guards the three fields below */
+    struct rpc_client_stream *ws; /* the worker call now running, or NULL */
+    bool cancelled;               /* the client went away */
+    bool aborted;                 /* Abort(request_id) */
+
+    struct fwd *next; /* c->mu: c->reqs list */
+};
+
+void *coord_pack(const void *msg, size_t *len)
+{
+    const ProtobufCMessage *m = msg;
+    *len = protobuf_c_message_get_packed_size(m);
+    uint8_t *buf = malloc(*len ? *len : 1);
+    if (buf)
+        protobuf_c_message_pack(m, buf);
+    return buf;
+}
+
+static void fwd_free(struct fwd *f)
+{
+    if (!f)
+        return;
+    if (f->rq)
+        moe__v1__generate_request__free_unpacked(f->rq, NULL);
+    free(f->prompt);
+    pthread_mutex_destroy(&f->mu);
+    free(f);
+}
+
+static void on_client_cancel(struct rpc_stream *stream, void *user)
+{
+    struct fwd *f = user;
+    pthread_mutex_lock(&f->mu);
+    f->cancelled = true;
+    if (f->ws)
+        rpc_client_stream_cancel(f->ws);
+    pthread_mutex_unlock(&f->mu);
+}
+
+int coord_abort(struct coord *c, const char *request_id)
+{
+    int found = 0;
+    if (!request_id[0])
+        return 0;
+    pthread_mutex_lock(&c->mu);
+    for (struct fwd *f = c->reqs; f; f = f->next)
+        if (!strcmp(f->request_id, request_id)) {
+            pthread_mutex_lock(&f->mu);
+            f->aborted = true;
+            if (f->ws)
+                rpc_client_stream_cancel(f->ws);
+            pthread_mutex_unlock(&f->mu);
+            found = 1;
+        }
+    pthread_mutex_unlock(&c->mu);
+    return found;
+}
+
+void coord_wait_threads(struct coord *c)
+{
+    pthread_mutex_lock(&c->mu);
+    while (c->n_threads > 0)
+        pthread_cond_wait(&c->cond, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* ---- the forwarding thread --------------------------------------------------------- */
+
+/* Milliseconds left before the request's deadline; INT64_MAX if none. */
+static int64_t ms_left(const struct fwd *f)
+{
+    if (f->deadline <= 0)
+        return INT64_MAX;
+    return (int64_t)((f->deadline - coord_now()) * 1e3);
+}
+
+/* Sends one message to the client; false once the client is gone. */
+static bool client_send(struct fwd *f, const Moe__V1__GenerateResponse *m)
+{
+    size_t len;
+    void *bytes = coord_pack(m, &len);
+    if (!bytes)
+        return false;
+    enum moe_status st = rpc_stream_send(f->stream, bytes, len);
+    free(bytes);
+    return st == MOE_OK;
+}
+
+/* Appends `s` (n bytes) to the growing string *buf. */
+static bool str_append(char **buf, size_t *len, const char *s, size_t n)
+{
+    if (!n)
+        return true;
+    char *p = realloc(*buf, *len + n + 1);
+    if (!p)
+        return false;
+    memcpy(p + *len, s, n);
+    *len += n;
+    p[*len] = '\0';
+    *buf = p;
+    return true;
+}
+
+/* The outcome of one attempt on one worker. */
+struct attempt {
+    enum rpc_code code; /* the worker call's status */
+    char message[512];
+    int n_msgs;     /* messages received from the worker */
+    bool saw_final; /* a message with finish_reason arrived */
+    bool client_gone;
+    bool failed_local; /* out of memory, bad message from the worker */
+};
+
+/* Relays one worker message to the client. */
+static bool relay(struct fwd *f, Moe__V1__GenerateResponse *m, struct moe_detok *dt,
+                  struct attempt *at)
+{
+    const Moe__V1__GenerateRequest *rq = f->rq;
+    char *text = NULL;
+    size_t text_len = 0;
+    bool ok = true;
+    if (m->n_token_ids && f->n_tokens == 0)
+        f->t_first = coord_now();
+    f->n_tokens += (uint32_t)m->n_token_ids;
+    if (rq->stream_text) {
+        struct moe_error err = {0};
+        for (size_t i = 0; i < m->n_token_ids && ok; i++) {
+            char *delta = NULL;
+            size_t dl = 0;
+            ok = moe_detok_push(dt, (int32_t)m->token_ids[i], &delta, &dl, &err) == MOE_OK &&
+                 str_append(&text, &text_len, delta, dl);
+            free(delta);
+        }
+        if (ok && m->finish_reason) {
+            char *delta = NULL;
+            size_t dl = 0;
+            ok = moe_detok_flush(dt, &delta, &dl, &err) == MOE_OK &&
+                 str_append(&text, &text_len, delta, dl);
+            free(delta);
+        }
+        if (!ok) {
+            snprintf(at->message, sizeof at->message, "detokenizing the worker's tokens: %.400s",
+                     err.msg[0] ? err.msg : "out of memory");
+            at->failed_local = true;
+            free(text);
+            return false;
+        }
+    }
+    /* Swap in our fields, pack, and restore the unpacked ones before freeing. */
+    char *saved_id = m->request_id, *saved_text = m->text;
+    Moe__V1__Timings *saved_timings = m->timings;
+    Moe__V1__Timings timings = MOE__V1__TIMINGS__INIT;
+    m->request_id = f->request_id;
+    if (text)
+        m->text = text;
+    if (m->finish_reason) {
+        if (saved_timings)
+            timings = *saved_timings;
+        /* Coordinator-side: receipt here to first / last token relayed. */
+        double now = coord_now();
+        timings.ttft_ms = f->n_tokens ? 1e3 * (f->t_first - f->t_recv) : 0.0;
+        timings.e2e_ms = 1e3 * (now - f->t_recv);
+        m->timings = &timings;
+        at->saw_final = true;
+    }
+    bool sent = client_send(f, m);
+    m->request_id = saved_id;
+    m->text = saved_text;
+    m->timings = saved_timings;
+    free(text);
+    if (!sent)
+        at->client_gone = true;
+    return sent;
+}
+
+/* Builds the worker request for this attempt. */
+static void *worker_request(struct fwd *f, int64_t left, size_t *len)
+{
+    Moe__V1__WorkerGenerateRequest wr = MOE__V1__WORKER_GENERATE_REQUEST__INIT;
+    wr.request_id = f->request_id;
+    uint32_t *ids = malloc((f->n_prompt ? f->n_prompt : 1) * sizeof *ids);
+    if (!ids)
+        return NULL;
+    for (size_t i = 0; i < f->n_prompt; i++)
+        ids[i] = (uint32_t)f->prompt[i];
+    wr.n_prompt_token_ids = f->n_prompt;
+    wr.prompt_token_ids = ids;
+    wr.sampling = f->rq->sampling;
+    if (left != INT64_MAX)
+        wr.deadline_ms = left < 1 ? 1 : (left > UINT32_MAX ? UINT32_MAX : (uint32_t)left);
+    void *bytes = coord_pack(&wr, len);
+    free(ids);
+    return bytes;
+}
+
+/* Runs one attempt on worker w. */
+static void attempt_run(struct fwd *f, struct coord_worker *w, struct moe_detok *dt,
+                        struct attempt *at)
+{
+    memset(at, 0, sizeof *at);
+    at->code = RPC_UNKNOWN;
+    int64_t left = ms_left(f);
+    size_t len;
+    void *req = worker_request(f, left, &len);
+    if (!req) {
+        at->failed_local = true;
+        snprintf(at->message, sizeof at->message, "out of memory");
+        return;
+    }
+    struct moe_error err = {0};
+    int64_t timeout = left == INT64_MAX ? 0 : left + WORKER_DEADLINE_SLACK_MS;
+    struct rpc_client_stream *ws =
+        rpc_client_stream_start(w->client, "/moe.v1.Worker/Generate", req, len, timeout, &err);
+    free(req);
+    if (!ws) {
+        at->code = RPC_UNAVAILABLE;
+        snprintf(at->message, sizeof at->message, "%.500s", err.msg);
+        return;
+    }
+    pthread_mutex_lock(&f->mu);
+    f->ws = ws;
+    if (f->cancelled || f->aborted)
+        rpc_client_stream_cancel(ws);
+    pthread_mutex_unlock(&f->mu);
+
+    const uint8_t *data;
+    size_t n;
+    while (rpc_client_stream_next(ws, &data, &n)) {
+        Moe__V1__GenerateResponse *m = moe__v1__generate_response__unpack(NULL, n, data);
+        if (!m) {
+            at->failed_local = true;
+            snprintf(at->message, sizeof at->message, "worker sent a malformed message");
+            rpc_client_stream_cancel(ws);
+            continue;
+        }
+        at->n_msgs++;
+        if (!at->failed_local && !at->client_gone && !relay(f, m, dt, at))
+            rpc_client_stream_cancel(ws);
+        moe__v1__generate_response__free_unpacked(m, NULL);
+    }
+    const char *msg = NULL;
+    at->code = rpc_client_stream_status(ws, &msg);
+    if (!at->failed_local)
+        snprintf(at->message, sizeof at->message, "%s", msg ? msg : "");
+    pthread_mutex_lock(&f->mu);
+    f->ws = NULL;
+    pthread_mutex_unlock(&f->mu);
+    rpc_client_stream_destroy(ws);
+}
+
+/* Sends the last message of an aborted request. */
+static void send_abort_final(struct fwd *f)
+{
+    Moe__V1__GenerateResponse m = MOE__V1__GENERATE_RESPONSE__INIT;
+    Moe__V1__Usage usage = MOE__V1__USAGE__INIT;
+    Moe__V1__Timings timings = MOE__V1__TIMINGS__INIT;
+    m.request_id = f->request_id;
+    m.finish_reason = MOE__V1__FINISH_REASON__FINISH_REASON_ABORT;
+    usage.prompt_tokens = (uint32_t)f->n_prompt;
+    usage.completion_tokens = f->n_tokens;
+    m.usage = &usage;
+    timings.ttft_ms = f->n_tokens ? 1e3 * (f->t_first - f->t_recv) : 0.0;
+    timings.e2e_ms = 1e3 * (coord_now() - f->t_recv);
+    m.timings = &timings;
+    client_send(f, &m);
+}
+
+/* Retry only failures that cannot have started work on the worker. */
+static bool retryable(const struct attempt *at)
+{
+    return at->n_msgs == 0 && !at->client_gone && !at->failed_local &&
+           (at->code == RPC_UNAVAILABLE || at->code == RPC_UNKNOWN);
+}
+
+/* Tokenizes and checks the prompt. Returns RPC_OK or a code with msg set. */
+static enum rpc_code prepare_prompt(struct fwd *f, char *msg, size_t cap)
+{
+    struct coord *c = f->c;
+    const Moe__V1__GenerateRequest *rq = f->rq;
+    if (rq->prompt_case == MOE__V1__GENERATE_REQUEST__PROMPT_TEXT) {
+        if (!c->tok) {
+            snprintf(msg, cap,
+                     "prompt.text: the coordinator has no tokenizer.json; send "
+                     "token_ids");
+            return RPC_INVALID_ARGUMENT;
+        }
+        struct moe_error err = {0};
+        if (moe_tokenizer_encode(c->tok, rq->text, strlen(rq->text), true, &f->prompt, &f->n_prompt,
+                                 &err)) {
+            snprintf(msg, cap, "prompt.text: %.900s", err.msg);
+            return RPC_INVALID_ARGUMENT;
+        }
+    } else {
+        size_t n = rq->token_ids ? rq->token_ids->n_ids : 0;
+        f->prompt = malloc((n ? n : 1) * sizeof *f->prompt);
+        if (!f->prompt) {
+            snprintf(msg, cap, "out of memory");
+            return RPC_RESOURCE_EXHAUSTED;
+        }
+        for (size_t i = 0; i < n; i++)
+            f->prompt[i] = (int32_t)rq->token_ids->ids[i];
+        f->n_prompt = n;
+    }
+    if (moe_check_lengths(f->n_prompt, rq->sampling, (unsigned)c->cfg.max_pos, msg, cap))
+        return RPC_INVALID_ARGUMENT;
+    return RPC_OK;
+}
+
+static void *fwd_thread(void *arg)
+{
+    struct fwd *f = arg;
+    struct coord *c = f->c;
+    char msg[1024] = "";
+    enum rpc_code code = prepare_prompt(f, msg, sizeof msg);
+    struct moe_detok dt;
+    moe_detok_init(&dt, c->tok, f->rq->sampling ? f->rq->sampling->skip_special_tokens : false);
+    struct coord_worker *tried[COORD_MAX_RETRIES + 1];
+    size_t n_tried = 0;
+    struct attempt at = {0};
+    bool done = code != RPC_OK;
+    while (!done) {
+        pthread_mutex_lock(&f->mu);
+        bool cancelled = f->cancelled, aborted = f->aborted;
+        pthread_mutex_unlock(&f->mu);
+        if (aborted) {
+            send_abort_final(f);
+            code = RPC_OK;
+            break;
+        }
+        if (cancelled) {
+            code = RPC_CANCELLED;
+            snprintf(msg, sizeof msg, "cancelled by the client");
+            break;
+        }
+        if (ms_left(f) <= 0) {
+            code = RPC_DEADLINE_EXCEEDED;
+            snprintf(msg, sizeof msg, "deadline_ms passed before a worker was found");
+            break;
+        }
+        struct coord_worker *w = coord_router_pick(c, f->prompt, f->n_prompt, tried, n_tried);
+        if (!w) {
+            code = RPC_UNAVAILABLE;
+            if (n_tried)
+                snprintf(msg, sizeof msg, "no other worker is serving after a failure: %s",
+                         at.message);
+            else
+                snprintf(msg, sizeof msg, "no worker is serving model '%s'", c->model_name);
+            break;
+        }
+        attempt_run(f, w, &dt, &at);
+        pthread_mutex_lock(&f->mu);
+        aborted = f->aborted;
+        cancelled = f->cancelled;
+        pthread_mutex_unlock(&f->mu);
+        if (at.code == RPC_UNAVAILABLE && !aborted && !cancelled) {
+            /* Take it out of routing until a poll answers (or says draining). */
+            pthread_mutex_lock(&c->mu);
+            if (strstr(at.message, "draining"))
+                w->reported_draining = true;
+            else
+                w->down = true;
+            snprintf(w->last_error, sizeof w->last_error, "Generate: %.200s", at.message);
+            pthread_mutex_unlock(&c->mu);
+        }
+        tried[n_tried++] = w; /* pointer only: compared, never used after done() */
+        char wid[400];
+        snprintf(wid, sizeof wid, "%.150s at %.200s", w->id, w->address);
+        coord_router_done(c, w);
+
+        if (at.saw_final) {
+            code = at.code; /* OK, or DEADLINE_EXCEEDED after the worker's deadline */
+            snprintf(msg, sizeof msg, "%s", at.message);
+            done = true;
+        } else if (aborted) {
+            send_abort_final(f);
+            code = RPC_OK;
+            done = true;
+        } else if (cancelled || at.client_gone) {
+            code = RPC_CANCELLED;
+            snprintf(msg, sizeof msg, "cancelled by the client");
+            done = true;
+        } else if (at.failed_local) {
+            code = RPC_INTERNAL;
+            snprintf(msg, sizeof msg, "worker %s: %s", wid, at.message);
+            done = true;
+        } else if (retryable(&at) && n_tried <= COORD_MAX_RETRIES) {
+            fprintf(stderr,
+                    "moe-coordinator: request %s: worker %s failed before the first "
+                    "token (%s: %s); retrying elsewhere\n",
+                    f->request_id, wid, rpc_code_name(at.code), at.message);
+        } else if (at.n_msgs == 0 && at.code != RPC_OK && !retryable(&at)) {
+            code = at.code; /* the worker refused it: pass its answer on */
+            snprintf(msg, sizeof msg, "%s", at.message);
+            done = true;
+        } else if (at.code == RPC_DEADLINE_EXCEEDED) {
+            code = RPC_DEADLINE_EXCEEDED;
+            snprintf(msg, sizeof msg, "deadline passed after %u tokens", f->n_tokens);
+            done = true;
+        } else {
+            code = RPC_UNAVAILABLE;
+            snprintf(
+                msg, sizeof msg, "worker %s failed after %u tokens: %s%s%.400s", wid, f->n_tokens,
+                at.code == RPC_OK ? "stream ended without a final message" : rpc_code_name(at.code),
+                at.message[0] ? ": " : "", at.message);
+            done = true;
+        }
+    }
+    moe_detok_free(&dt);
+
+    pthread_mutex_lock(&c->mu);
+    for (struct fwd **p = &c->reqs; *p; p = &(*p)->next)
+        if (*p == f) {
+            *p = f->next;
+            break;
+        }
+    c->n_running--;
+    if (code != RPC_OK)
+        c->n_failed++;
+    pthread_mutex_unlock(&c->mu);
+
+    rpc_stream_finish(f->stream, code, code == RPC_OK ? NULL : msg);
+    rpc_stream_release(f->stream); /* waits for a running on_cancel; none fires after */
+    fwd_free(f);
+
+    pthread_mutex_lock(&c->mu);
+    c->n_threads--;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* ---- the handler part --------------------------------------------------------------- */
+
+/* Checks that need no tokenizer. Returns RPC_OK or a code with msg set. */
+static enum rpc_code check_request(struct coord *c, const Moe__V1__GenerateRequest *rq, char *msg,
+                                   size_t cap)
+{
+    if (rq->model[0] && strcmp(rq->model, c->model_name)) {
+        snprintf(msg, cap, "model: '%.200s' is not served here (this cluster serves '%s')",
+                 rq->model, c->model_name);
+        return RPC_NOT_FOUND;
+    }
+    if (strlen(rq->request_id) > MOE_REQ_MAX_ID_LEN) {
+        snprintf(msg, cap, "request_id: %zu bytes, at most %d allowed", strlen(rq->request_id),
+                 MOE_REQ_MAX_ID_LEN);
+        return RPC_INVALID_ARGUMENT;
+    }
+    switch (rq->prompt_case) {
+    case MOE__V1__GENERATE_REQUEST__PROMPT_TEXT: {
+        size_t n = strlen(rq->text);
+        if (n == 0) {
+            snprintf(msg, cap, "prompt.text: empty");
+            return RPC_INVALID_ARGUMENT;
+        }
+        if (n > MOE_REQ_MAX_PROMPT_BYTES) {
+            snprintf(msg, cap, "prompt.text: %zu bytes, at most %u allowed", n,
+                     MOE_REQ_MAX_PROMPT_BYTES);
+            return RPC_INVALID_ARGUMENT;
+        }
+        break;
+    }
+    case MOE__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS: {
+        size_t n = rq->token_ids ? rq->token_ids->n_ids : 0;
+        for (size_t i = 0; i < n; i++)
+            if (rq->token_ids->ids[i] >= (uint32_t)c->cfg.vocab_size) {
+                snprintf(msg, cap, "prompt.token_ids[%zu]: %u is outside the vocabulary [0, %d)", i,
+                         rq->token_ids->ids[i], c->cfg.vocab_size);
+                return RPC_INVALID_ARGUMENT;
+            }
+        break;
+    }
+    default:
+        snprintf(msg, cap, "prompt: neither text nor token_ids is set");
+        return RPC_INVALID_ARGUMENT;
+    }
+    if (moe_check_sampling(rq->sampling, msg, cap))
+        return RPC_INVALID_ARGUMENT;
+    const Moe__V1__SamplingParams *sp = rq->sampling;
+    if (sp)
+        for (size_t i = 0; i < sp->n_stop_token_ids; i++)
+            if (sp->stop_token_ids[i] >= (uint32_t)c->cfg.vocab_size) {
+                snprintf(msg, cap,
+                         "sampling.stop_token_ids[%zu]: %u is outside the vocabulary [0, %d)", i,
+                         sp->stop_token_ids[i], c->cfg.vocab_size);
+                return RPC_INVALID_ARGUMENT;
+            }
+    if (rq->stream_text && !c->tok) {
+        snprintf(msg, cap, "stream_text: the coordinator has no tokenizer.json");
+        return RPC_INVALID_ARGUMENT;
+    }
+    return RPC_OK;
+}
+
+void coord_generate_start(struct coord *c, struct rpc_stream *stream, const uint8_t *req,
+                          size_t len)
+{
+    char msg[1024];
+    enum rpc_code code = RPC_OK;
+    struct fwd *f = NULL;
+    Moe__V1__GenerateRequest *rq = moe__v1__generate_request__unpack(NULL, len, req);
+    if (!rq) {
+        code = RPC_INVALID_ARGUMENT;
+        snprintf(msg, sizeof msg, "request: not a valid moe.v1.GenerateRequest message");
+        goto fail;
+    }
+    if ((code = check_request(c, rq, msg, sizeof msg)))
+        goto fail;
+    f = calloc(1, sizeof *f);
+    if (!f) {
+        code = RPC_RESOURCE_EXHAUSTED;
+        snprintf(msg, sizeof msg, "out of memory");
+        goto fail;
+    }
+    pthread_mutex_init(&f->mu, NULL);
+    f->c = c;
+    f->stream = stream;
+    f->rq = rq;
+    f->t_recv = coord_now();
+    int64_t left = rpc_stream_deadline_ms_left(stream);
+    if (rq->deadline_ms && (int64_t)rq->deadline_ms < left)
+        left = rq->deadline_ms;
+    if (left != INT64_MAX)
+        f->deadline = f->t_recv + (double)left / 1e3;
+
+    pthread_mutex_lock(&c->mu);
+    if (c->n_running >= c->opts.max_queue) {
+        pthread_mutex_unlock(&c->mu);
+        code = RPC_RESOURCE_EXHAUSTED;
+        snprintf(msg, sizeof msg, "%d requests in flight (--max-queue %d): try again later",
+                 c->opts.max_queue, c->opts.max_queue);
+        goto fail;
+    }
+    if (rq->request_id[0]) {
+        for (struct fwd *o = c->reqs; o; o = o->next)
+            if (!strcmp(o->request_id, rq->request_id)) {
+                pthread_mutex_unlock(&c->mu);
+                code = RPC_ALREADY_EXISTS;
+                snprintf(msg, sizeof msg, "request_id: '%s' is already running", rq->request_id);
+                goto fail;
+            }
+        snprintf(f->request_id, sizeof f->request_id, "%s", rq->request_id);
+    } else {
+        snprintf(f->request_id, sizeof f->request_id, "coord-%llu",
+                 (unsigned long long)++c->next_auto_id);
+    }
+    f->next = c->reqs;
+    c->reqs = f;
+    c->n_running++;
+    c->n_threads++;
+    c->n_total++;
+    pthread_mutex_unlock(&c->mu);
+
+    rpc_stream_set_on_cancel(stream, on_client_cancel, f);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_t th;
+    int rc = pthread_create(&th, &attr, fwd_thread, f);
+    pthread_attr_destroy(&attr);
+    if (rc == 0)
+        return;
+    /* No thread: undo the registration and answer here. */
+    pthread_mutex_lock(&c->mu);
+    for (struct fwd **p = &c->reqs; *p; p = &(*p)->next)
+        if (*p == f) {
+            *p = f->next;
+            break;
+        }
+    c->n_running--;
+    c->n_threads--;
+    c->n_failed++;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->mu);
+    rpc_stream_finish(stream, RPC_RESOURCE_EXHAUSTED, "cannot start a forwarding thread");
+    rpc_stream_release(stream); /* no on_cancel runs after this */
+    fwd_free(f);
+    return;
+
+fail:
+    pthread_mutex_lock(&c->mu);
+    c->n_total++;
+    c->n_failed++;
+    pthread_mutex_unlock(&c->mu);
+    if (f)
+        f->rq = NULL; /* rq is freed below */
+    fwd_free(f);
+    if (rq)
+        moe__v1__generate_request__free_unpacked(rq, NULL);
+    rpc_stream_finish(stream, code, msg);
+    rpc_stream_release(stream);
+}

@@ -1,0 +1,123 @@
+/* Picks a worker for a request.
+ *
+ * Load of a worker (lower is better):
+ *   queue = max(running + waiting from its last GetLoad, requests the
+ *               coordinator has in flight on it now)
+ *   load  = queue + 4 * (KV blocks used / KV blocks total)
+ * The coordinator's own in-flight count moves at once, so a burst spreads
+ * before the next poll; the max() avoids counting our requests twice while
+ * still seeing load that other clients put on the worker directly.
+ *
+ * Prefix affinity: the prompt's first 1..4 whole blocks of 16 tokens are
+ * hashed (one hash per length, each chaining the previous one). The worker
+ * that last served the longest known prefix is preferred unless its load
+ * exceeds the least loaded worker's by more than 2 + 25% ("clearly
+ * higher"): then the least loaded one wins and becomes the prefix's worker.
+ * Ties between equally loaded workers rotate (round robin).
+ *
+ * Only SERVING workers are eligible: not DOWN, not drained by Admin, not
+ * reporting draining. */
+#include <stdio.h>
+#include <string.h>
+
+#include "coord.h"
+
+#define KV_WEIGHT 4.0
+#define AFFINITY_SLACK_ABS 2.0
+#define AFFINITY_SLACK_REL 0.25
+
+double coord_worker_load_locked(const struct coord_worker *w)
+{
+    double polled = (double)w->running + (double)w->waiting;
+    double mine = (double)w->in_flight;
+    double queue = polled > mine ? polled : mine;
+    double kv = w->kv_total ? (double)w->kv_used / (double)w->kv_total : 0.0;
+    return queue + KV_WEIGHT * kv;
+}
+
+/* FNV-1a over the token ids, chained from `h`. */
+static uint64_t hash_tokens(uint64_t h, const int32_t *ids, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint32_t v = (uint32_t)ids[i];
+        for (int b = 0; b < 4; b++) {
+            h ^= (v >> (8 * b)) & 0xffu;
+            h *= 1099511628211ull;
+        }
+    }
+    return h ? h : 1; /* 0 marks an empty slot */
+}
+
+static bool eligible(const struct coord_worker *w, struct coord_worker *const *exclude,
+                     size_t n_exclude)
+{
+    if (coord_worker_state_locked(w) != COORD_WORKER_SERVING)
+        return false;
+    for (size_t i = 0; i < n_exclude; i++)
+        if (exclude[i] == w)
+            return false;
+    return true;
+}
+
+struct coord_worker *coord_router_pick(struct coord *c, const int32_t *ids, size_t n_ids,
+                                       struct coord_worker *const *exclude, size_t n_exclude)
+{
+    uint64_t hashes[COORD_AFFINITY_BLOCKS];
+    size_t n_levels = n_ids / COORD_DEFAULT_BLOCK;
+    if (n_levels > COORD_AFFINITY_BLOCKS)
+        n_levels = COORD_AFFINITY_BLOCKS;
+    uint64_t h = 1469598103934665603ull;
+    for (size_t l = 0; l < n_levels; l++) {
+        h = hash_tokens(h, ids + l * COORD_DEFAULT_BLOCK, COORD_DEFAULT_BLOCK);
+        hashes[l] = h;
+    }
+
+    pthread_mutex_lock(&c->mu);
+    struct coord_worker *best = NULL;
+    double best_load = 0;
+    size_t n = c->n_workers;
+    size_t start = n ? (size_t)(c->rr++ % n) : 0;
+    for (size_t k = 0; k < n; k++) {
+        struct coord_worker *w = c->workers[(start + k) % n];
+        if (!eligible(w, exclude, n_exclude))
+            continue;
+        double load = coord_worker_load_locked(w);
+        if (!best || load < best_load) {
+            best = w;
+            best_load = load;
+        }
+    }
+    if (best && n_levels) {
+        for (size_t l = n_levels; l-- > 0;) {
+            struct coord_affinity *slot = &c->affinity[hashes[l] % COORD_AFFINITY_SLOTS];
+            if (slot->hash != hashes[l])
+                continue;
+            struct coord_worker *w = coord_registry_find_locked(c, slot->worker_id);
+            if (w && eligible(w, exclude, n_exclude) &&
+                coord_worker_load_locked(w) <=
+                    best_load + AFFINITY_SLACK_ABS + AFFINITY_SLACK_REL * best_load)
+                best = w;
+            break; /* the longest known prefix decides */
+        }
+        for (size_t l = 0; l < n_levels; l++) {
+            struct coord_affinity *slot = &c->affinity[hashes[l] % COORD_AFFINITY_SLOTS];
+            slot->hash = hashes[l];
+            snprintf(slot->worker_id, sizeof slot->worker_id, "%s", best->id);
+        }
+    }
+    if (best) {
+        coord_worker_ref_locked(best);
+        best->in_flight++;
+        best->n_routed++;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return best;
+}
+
+void coord_router_done(struct coord *c, struct coord_worker *w)
+{
+    pthread_mutex_lock(&c->mu);
+    w->in_flight--;
+    coord_worker_unref_locked(w);
+    pthread_mutex_unlock(&c->mu);
+}
