@@ -1,20 +1,29 @@
-/* The CUDA backend: device memory through the CUDA runtime and one kernel per
- * op (kernels/cuda/<op>.cu).
+/* The CUDA backend: device memory through the CUDA runtime, one kernel per op
+ * (kernels/cuda/<op>.cu), cuBLAS for matmul.
  *
- * The backend is being filled op by op. An op without a CUDA kernel yet is
- * NULL in the table, and moe_backend_cuda_create refuses with
- * MOE_ERR_UNSUPPORTED "CUDA backend incomplete in this build: ops X, Y
- * missing" while any op is NULL, so `--device auto` stays on the CPU and
- * nothing ever computes garbage. Op tests set the environment variable
- * MOE_CUDA_PARTIAL=1 to get the partial table and check the ops it has.
+ * One stream per backend; every op is queued on it. buf_upload and
+ * buf_download are synchronous: when they return, the host buffer may be
+ * reused (upload) or read (download), and everything queued before them has
+ * finished. buf_alloc zeroes on the stream, buf_free waits for the stream.
  *
- * Ops return void, so a CUDA error inside one is recorded (the first one is
- * kept in the backend and printed once to stderr). */
+ * moe_backend_cuda_create refuses with MOE_ERR_UNSUPPORTED while any op of
+ * the table is NULL ("ops X, Y missing"), so `--device auto` never computes
+ * garbage on a partial backend; MOE_CUDA_PARTIAL=1 lets op tests through.
+ *
+ * Ops return void, so an error inside one — a CUDA or cuBLAS failure, or a
+ * shape the kernels do not support ("attention: d_head 96 not supported") —
+ * is recorded: the first one is kept with its message and printed once to
+ * stderr, nothing is launched for the failing op, and
+ * cuda_backend_take_error() hands it to tests. The backend interface has no
+ * status channel for the model code yet (see the report to the lead). */
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include "cuda_backend.h"
@@ -23,28 +32,83 @@
 struct cuda_backend {
     struct moe_backend base; /* first */
     int ordinal;
-    _Atomic int first_error; /* cudaError_t of the first failed call, 0 if none */
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    void *scratch; /* device scratch for matmul (bf16 x) and attention (split partials) */
+    size_t scratch_cap;
+    _Atomic int first_error; /* 0 while none; else the cudaError_t (or -1 for non-CUDA errors) */
+    char first_msg[256];
 };
+
+static struct cuda_backend *cuda_of(struct moe_backend *be)
+{
+    return (struct cuda_backend *)be;
+}
+
+/* Records the first error (printed once); later ones are dropped. */
+__attribute__((format(printf, 3, 4))) static void cuda_fail(struct moe_backend *be, int code,
+                                                            const char *fmt, ...)
+{
+    struct cuda_backend *cb = cuda_of(be);
+    int expected = 0;
+    if (code == 0)
+        code = -1;
+    if (!atomic_compare_exchange_strong(&cb->first_error, &expected, code))
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cb->first_msg, sizeof cb->first_msg, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "moe: cuda backend: %s\n", cb->first_msg);
+}
 
 static void cuda_check(struct moe_backend *be, cudaError_t e, const char *what)
 {
-    if (e == cudaSuccess)
-        return;
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    int expected = 0;
-    if (atomic_compare_exchange_strong(&cb->first_error, &expected, (int)e))
-        fprintf(stderr, "moe: cuda backend: %s: error %d, %s\n", what, (int)e,
-                cudaGetErrorString(e));
+    if (e != cudaSuccess)
+        cuda_fail(be, (int)e, "%s: error %d, %s", what, (int)e, cudaGetErrorString(e));
+}
+
+int cuda_backend_take_error(struct moe_backend *be, char *msg, size_t cap)
+{
+    struct cuda_backend *cb = cuda_of(be);
+    int e = atomic_load(&cb->first_error);
+    if (e && msg && cap)
+        snprintf(msg, cap, "%s", cb->first_msg);
+    atomic_store(&cb->first_error, 0);
+    return e;
+}
+
+/* Grows the scratch buffer to `bytes`; NULL (error recorded) on failure. */
+static void *scratch_reserve(struct moe_backend *be, size_t bytes, const char *what)
+{
+    struct cuda_backend *cb = cuda_of(be);
+    if (bytes <= cb->scratch_cap)
+        return cb->scratch;
+    size_t cap = cb->scratch_cap * 2 > bytes ? cb->scratch_cap * 2 : bytes;
+    if (cb->scratch) {
+        cuda_check(be, cudaStreamSynchronize(cb->stream), "scratch: cudaStreamSynchronize");
+        cudaFree(cb->scratch);
+        cb->scratch = NULL;
+        cb->scratch_cap = 0;
+    }
+    cudaError_t e = cudaMalloc(&cb->scratch, cap);
+    if (e != cudaSuccess) {
+        cb->scratch = NULL;
+        cuda_fail(be, (int)e, "%s: cannot allocate %zu bytes of scratch: %s", what, cap,
+                  cudaGetErrorString(e));
+        return NULL;
+    }
+    cb->scratch_cap = cap;
+    return cb->scratch;
 }
 
 static void *cuda_buf_alloc(struct moe_backend *be, size_t bytes)
 {
+    struct cuda_backend *cb = cuda_of(be);
     void *p = NULL;
-    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 64);
-    if (e != cudaSuccess)
+    if (cudaMalloc(&p, bytes ? bytes : 64) != cudaSuccess)
         return NULL;
-    e = cudaMemset(p, 0, bytes);
-    if (e != cudaSuccess) {
+    if (bytes && cudaMemsetAsync(p, 0, bytes, cb->stream) != cudaSuccess) {
         cudaFree(p);
         return NULL;
     }
@@ -53,34 +117,155 @@ static void *cuda_buf_alloc(struct moe_backend *be, size_t bytes)
 
 static void cuda_buf_free(struct moe_backend *be, void *p)
 {
-    if (p)
-        cuda_check(be, cudaFree(p), "cudaFree");
+    if (!p)
+        return;
+    cuda_check(be, cudaStreamSynchronize(cuda_of(be)->stream), "buf_free: cudaStreamSynchronize");
+    cuda_check(be, cudaFree(p), "cudaFree");
 }
 
 static void cuda_buf_upload(struct moe_backend *be, void *dst, const void *src_host, size_t bytes)
 {
-    if (bytes)
-        cuda_check(be, cudaMemcpy(dst, src_host, bytes, cudaMemcpyHostToDevice),
-                   "cudaMemcpy to device");
+    if (!bytes)
+        return;
+    cudaStream_t s = cuda_of(be)->stream;
+    cuda_check(be, cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, s),
+               "buf_upload: cudaMemcpyAsync");
+    cuda_check(be, cudaStreamSynchronize(s), "buf_upload: cudaStreamSynchronize");
 }
 
 static void cuda_buf_download(struct moe_backend *be, void *dst_host, const void *src,
                               size_t bytes)
 {
-    if (bytes)
-        cuda_check(be, cudaMemcpy(dst_host, src, bytes, cudaMemcpyDeviceToHost),
-                   "cudaMemcpy to host");
+    if (!bytes)
+        return;
+    cudaStream_t s = cuda_of(be)->stream;
+    cuda_check(be, cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, s),
+               "buf_download: cudaMemcpyAsync");
+    cuda_check(be, cudaStreamSynchronize(s), "buf_download: cudaStreamSynchronize");
 }
 
 static void cuda_synchronize(struct moe_backend *be)
 {
-    cuda_check(be, cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    cuda_check(be, cudaStreamSynchronize(cuda_of(be)->stream), "synchronize");
+}
+
+static void cuda_op_matmul(struct moe_backend *be, const struct moe_matmul_params *p)
+{
+    const char *why = moe_cuda_matmul_unsupported(p);
+    if (why) {
+        cuda_fail(be, (int)cudaErrorNotSupported,
+                  "matmul: %s (n_tok %d, n_in %d, n_out %d, ldw %lld, dtype %s)", why, p->n_tok,
+                  p->n_in, p->n_out, (long long)p->ldw, moe_dtype_name(p->w_dtype));
+        return;
+    }
+    struct cuda_backend *cb = cuda_of(be);
+    size_t need = moe_cuda_matmul_scratch_bytes(p);
+    void *scratch = need ? scratch_reserve(be, need, "matmul") : NULL;
+    if (need && !scratch)
+        return;
+    int blas_status = 0;
+    cudaError_t e = moe_cuda_matmul(cb->blas, p, scratch, cb->scratch_cap, cb->stream, &blas_status);
+    if (blas_status)
+        cuda_fail(be, (int)e, "matmul: cuBLAS status %d (n_tok %d, n_in %d, n_out %d, dtype %s)",
+                  blas_status, p->n_tok, p->n_in, p->n_out, moe_dtype_name(p->w_dtype));
+    else
+        cuda_check(be, e, "matmul");
 }
 
 static void cuda_op_rmsnorm(struct moe_backend *be, const float *x, const float *w, float *y,
                             int n_rows, int dim, float eps)
 {
-    cuda_check(be, moe_cuda_rmsnorm(x, w, y, n_rows, dim, eps, 0), "rmsnorm");
+    cuda_check(be, moe_cuda_rmsnorm(x, w, y, n_rows, dim, eps, cuda_of(be)->stream), "rmsnorm");
+}
+
+static void cuda_op_rope(struct moe_backend *be, float *x, const int32_t *pos, int n_tok,
+                         int n_heads, int d_head, float theta)
+{
+    if (d_head <= 0 || d_head % 2 || d_head > MOE_CUDA_ROPE_MAX_DHEAD) {
+        cuda_fail(be, (int)cudaErrorNotSupported,
+                  "rope: d_head %d not supported (even, at most %d)", d_head,
+                  MOE_CUDA_ROPE_MAX_DHEAD);
+        return;
+    }
+    cuda_check(be, moe_cuda_rope(x, pos, n_tok, n_heads, d_head, theta, cuda_of(be)->stream),
+               "rope");
+}
+
+static void cuda_op_kv_write(struct moe_backend *be, const float *k, const float *v,
+                             const int32_t *slots, int n_tok, int kv_dim, float *k_cache,
+                             float *v_cache)
+{
+    cuda_check(be,
+               moe_cuda_kv_write(k, v, slots, n_tok, kv_dim, k_cache, v_cache, cuda_of(be)->stream),
+               "kv_write");
+}
+
+static void cuda_op_attention(struct moe_backend *be, const struct moe_attn_params *p)
+{
+    char why[160];
+    if (moe_cuda_attention_unsupported(p, why, sizeof why)) {
+        cuda_fail(be, (int)cudaErrorNotSupported, "attention: %s", why);
+        return;
+    }
+    struct cuda_backend *cb = cuda_of(be);
+    size_t need = moe_cuda_attention_scratch_bytes(p);
+    void *scratch = need ? scratch_reserve(be, need, "attention") : NULL;
+    if (need && !scratch)
+        return;
+    cuda_check(be, moe_cuda_attention(p, scratch, cb->scratch_cap, cb->stream), "attention");
+}
+
+static void cuda_op_router_topk(struct moe_backend *be, const float *logits, int n_tok,
+                                int n_expert, int top_k, bool renorm, int32_t *ids, float *weights)
+{
+    if (n_expert < 1 || n_expert > MOE_CUDA_ROUTER_MAX_EXPERT || top_k < 1 || top_k > n_expert ||
+        top_k > MOE_CUDA_ROUTER_MAX_TOPK) {
+        cuda_fail(be, (int)cudaErrorNotSupported,
+                  "router_topk: n_expert %d, top_k %d not supported (1 <= top_k <= n_expert, "
+                  "n_expert <= %d, top_k <= %d)",
+                  n_expert, top_k, MOE_CUDA_ROUTER_MAX_EXPERT, MOE_CUDA_ROUTER_MAX_TOPK);
+        return;
+    }
+    cuda_check(be,
+               moe_cuda_router_topk(logits, n_tok, n_expert, top_k, renorm, ids, weights,
+                                    cuda_of(be)->stream),
+               "router_topk");
+}
+
+static void cuda_op_swiglu(struct moe_backend *be, const float *gate_up, float *out, int n_rows,
+                           int dim)
+{
+    cuda_check(be, moe_cuda_swiglu(gate_up, out, n_rows, dim, cuda_of(be)->stream), "swiglu");
+}
+
+static void cuda_op_gather_rows(struct moe_backend *be, const float *src, const int32_t *idx,
+                                int n, int dim, float *dst)
+{
+    cuda_check(be, moe_cuda_gather_rows(src, idx, n, dim, dst, cuda_of(be)->stream),
+               "gather_rows");
+}
+
+static void cuda_op_scatter_add_rows(struct moe_backend *be, const float *src, const int32_t *idx,
+                                     const float *scale, int n, int dim, float *dst)
+{
+    cuda_check(be, moe_cuda_scatter_add_rows(src, idx, scale, n, dim, dst, cuda_of(be)->stream),
+               "scatter_add_rows");
+}
+
+static void cuda_op_embed(struct moe_backend *be, const void *table, enum moe_dtype dtype,
+                          const int32_t *ids, int n_tok, int dim, float *dst)
+{
+    if (dtype != MOE_DTYPE_F32 && dtype != MOE_DTYPE_BF16 && dtype != MOE_DTYPE_F16) {
+        cuda_fail(be, (int)cudaErrorNotSupported, "embed: dtype %d not supported", (int)dtype);
+        return;
+    }
+    cuda_check(be, moe_cuda_embed(table, dtype, ids, n_tok, dim, dst, cuda_of(be)->stream),
+               "embed");
+}
+
+static void cuda_op_add(struct moe_backend *be, float *y, const float *x, size_t n)
+{
+    cuda_check(be, moe_cuda_add(y, x, n, cuda_of(be)->stream), "add");
 }
 
 static const struct moe_backend_ops cuda_ops = {
@@ -89,17 +274,17 @@ static const struct moe_backend_ops cuda_ops = {
     .buf_upload = cuda_buf_upload,
     .buf_download = cuda_buf_download,
     .synchronize = cuda_synchronize,
-    .matmul = NULL,
+    .matmul = cuda_op_matmul,
     .rmsnorm = cuda_op_rmsnorm,
-    .rope = NULL,
-    .kv_write = NULL,
-    .attention = NULL,
-    .router_topk = NULL,
-    .swiglu = NULL,
-    .gather_rows = NULL,
-    .scatter_add_rows = NULL,
-    .embed = NULL,
-    .add = NULL,
+    .rope = cuda_op_rope,
+    .kv_write = cuda_op_kv_write,
+    .attention = cuda_op_attention,
+    .router_topk = cuda_op_router_topk,
+    .swiglu = cuda_op_swiglu,
+    .gather_rows = cuda_op_gather_rows,
+    .scatter_add_rows = cuda_op_scatter_add_rows,
+    .embed = cuda_op_embed,
+    .add = cuda_op_add,
 };
 
 /* Writes the names of the NULL ops of `ops` into buf ("matmul, rope");
@@ -161,9 +346,41 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
     if (e != cudaSuccess)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED, "cudaSetDevice(%d): error %d, %s",
                              ordinal, (int)e, cudaGetErrorString(e));
+    e = moe_cuda_probe();
+    if (e != cudaSuccess) {
+        struct cudaDeviceProp prop;
+        int major = 0, minor = 0;
+        if (cudaGetDeviceProperties(&prop, ordinal) == cudaSuccess) {
+            major = prop.major;
+            minor = prop.minor;
+        }
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                             "CUDA device %d (compute capability %d.%d) cannot run this build's "
+                             "kernels (error %d, %s): rebuild with its CMAKE_CUDA_ARCHITECTURES",
+                             ordinal, major, minor, (int)e, cudaGetErrorString(e));
+    }
     struct cuda_backend *cb = calloc(1, sizeof(*cb));
     if (!cb)
         return moe_error_set(err, MOE_ERR_NOMEM, "cuda backend: out of memory");
+    enum moe_status st = MOE_OK;
+    e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+        cb->stream = NULL;
+        st = moe_error_set(err, MOE_ERR_UNSUPPORTED, "cudaStreamCreate: error %d, %s", (int)e,
+                           cudaGetErrorString(e));
+        goto fail;
+    }
+    cublasStatus_t bs = cublasCreate(&cb->blas);
+    if (bs != CUBLAS_STATUS_SUCCESS) {
+        cb->blas = NULL;
+        st = moe_error_set(err, MOE_ERR_UNSUPPORTED, "cublasCreate: status %d", (int)bs);
+        goto fail;
+    }
+    bs = cublasSetStream(cb->blas, cb->stream);
+    if (bs != CUBLAS_STATUS_SUCCESS) {
+        st = moe_error_set(err, MOE_ERR_UNSUPPORTED, "cublasSetStream: status %d", (int)bs);
+        goto fail;
+    }
     cb->ordinal = ordinal;
     atomic_init(&cb->first_error, 0);
     cb->base.name = "cuda";
@@ -172,12 +389,23 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
     cb->base.ctx = cb;
     *out = &cb->base;
     return MOE_OK;
+fail:
+    if (cb->blas)
+        cublasDestroy(cb->blas);
+    if (cb->stream)
+        cudaStreamDestroy(cb->stream);
+    free(cb);
+    return st;
 }
 
 void cuda_backend_destroy(struct moe_backend *be)
 {
     if (!be)
         return;
-    cudaDeviceSynchronize();
-    free(be);
+    struct cuda_backend *cb = cuda_of(be);
+    cudaStreamSynchronize(cb->stream);
+    cublasDestroy(cb->blas);
+    cudaFree(cb->scratch);
+    cudaStreamDestroy(cb->stream);
+    free(cb);
 }

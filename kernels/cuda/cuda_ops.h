@@ -1,19 +1,109 @@
 /* C-callable launchers of the CUDA kernels (one .cu per op) and the CUDA
  * backend's private entry points. Pointers are device memory. Launchers
- * return the launch error (cudaSuccess when the kernel was queued). */
+ * return the launch error (cudaSuccess when the kernel was queued, or nothing
+ * had to be done because a size is 0). A launcher given a shape it does not
+ * support returns cudaErrorNotSupported without launching anything; the
+ * backend checks shapes first with the *_unsupported functions, which say why
+ * in one line, so the error it records names the op, the field and the value.
+ *
+ * Semantics are those of kernels/backend.h; only what differs is said here. */
 #ifndef MOE_CUDA_OPS_H
 #define MOE_CUDA_OPS_H
 
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+
+#include "backend.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
+/* cudaSuccess when this binary holds kernel code the current device can run
+ * (e.g. cudaErrorNoKernelImageForDevice on a GPU older than the build's
+ * architectures). */
+cudaError_t moe_cuda_probe(void);
+
+/* ---- rmsnorm.cu ---- */
+
 /* y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)); x, y (n_rows, dim), w (dim).
  * y == x is allowed. One block per row. */
 cudaError_t moe_cuda_rmsnorm(const float *x, const float *w, float *y, int n_rows, int dim,
                              float eps, cudaStream_t stream);
+
+/* ---- matmul.cu ---- */
+
+/* Scratch bytes moe_cuda_matmul needs for `p` (bf16 copy of x for the
+ * tensor-core path; 0 otherwise). */
+size_t moe_cuda_matmul_scratch_bytes(const struct moe_matmul_params *p);
+
+/* y = x W^T (+ y). f32 weights: cuBLAS SGEMM-class GEMM in f32 (no TF32).
+ * bf16 weights with n_tok <= MOE_CUDA_GEMV_MAX_TOK: a GEMV kernel that reads
+ * the bf16 weights once and multiplies f32 activations in f32 (the CPU's
+ * math). bf16 weights with more tokens: x is split into bf16 hi + lo parts
+ * in `scratch` and cuBLAS runs two bf16 GEMMs on tensor cores with f32
+ * accumulation and output (x carried to ~2^-17 relative; see matmul.cu).
+ * On a cuBLAS failure returns cudaErrorUnknown and stores the cuBLAS status in
+ * *blas_status. */
+#define MOE_CUDA_GEMV_MAX_TOK 8
+cudaError_t moe_cuda_matmul(cublasHandle_t blas, const struct moe_matmul_params *p, void *scratch,
+                            size_t scratch_bytes, cudaStream_t stream, int *blas_status);
+/* NULL when supported, else the reason (static string). */
+const char *moe_cuda_matmul_unsupported(const struct moe_matmul_params *p);
+
+/* ---- rope.cu ---- */
+
+/* Largest d_head rope accepts. */
+#define MOE_CUDA_ROPE_MAX_DHEAD 512
+cudaError_t moe_cuda_rope(float *x, const int32_t *pos, int n_tok, int n_heads, int d_head,
+                          float theta, cudaStream_t stream);
+
+/* ---- kv_write.cu ---- */
+
+cudaError_t moe_cuda_kv_write(const float *k, const float *v, const int32_t *slots, int n_tok,
+                              int kv_dim, float *k_cache, float *v_cache, cudaStream_t stream);
+
+/* ---- attention.cu ---- */
+
+/* NULL when supported, else the reason, written to why[cap]. Supported:
+ * d_head in {16, 32, 64, 128, 256}, n_head a multiple of n_kv_head with at
+ * most 16 query heads per KV head, block_size >= 1, max_blocks >= 1. */
+const char *moe_cuda_attention_unsupported(const struct moe_attn_params *p, char *why, size_t cap);
+size_t moe_cuda_attention_scratch_bytes(const struct moe_attn_params *p);
+cudaError_t moe_cuda_attention(const struct moe_attn_params *p, void *scratch, size_t scratch_bytes,
+                               cudaStream_t stream);
+
+/* ---- router.cu ---- */
+
+#define MOE_CUDA_ROUTER_MAX_EXPERT 256
+#define MOE_CUDA_ROUTER_MAX_TOPK 32
+cudaError_t moe_cuda_router_topk(const float *logits, int n_tok, int n_expert, int top_k,
+                                 bool renorm, int32_t *ids, float *weights, cudaStream_t stream);
+
+/* ---- swiglu.cu ---- */
+
+cudaError_t moe_cuda_swiglu(const float *gate_up, float *out, int n_rows, int dim,
+                            cudaStream_t stream);
+
+/* ---- gather_scatter.cu ---- */
+
+cudaError_t moe_cuda_gather_rows(const float *src, const int32_t *idx, int n, int dim, float *dst,
+                                 cudaStream_t stream);
+/* scale may be NULL (all ones). */
+cudaError_t moe_cuda_scatter_add_rows(const float *src, const int32_t *idx, const float *scale,
+                                      int n, int dim, float *dst, cudaStream_t stream);
+
+/* ---- embed.cu ---- */
+
+cudaError_t moe_cuda_embed(const void *table, enum moe_dtype dtype, const int32_t *ids, int n_tok,
+                           int dim, float *dst, cudaStream_t stream);
+
+/* ---- add.cu ---- */
+
+cudaError_t moe_cuda_add(float *y, const float *x, size_t n, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

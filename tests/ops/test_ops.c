@@ -1,0 +1,620 @@
+/* Every backend op on the CPU backend (the reference) and on the CUDA backend,
+ * on the same random inputs, compared by normalised mean squared error
+ *   nmse = sum (cuda - cpu)^2 / sum cpu^2
+ * against a per-case threshold (0 means bit-exact). Integer outputs (router
+ * ids) must match exactly. One table of cases below: adding an op or a shape
+ * is adding a line. A second table holds shapes the CUDA kernels do not
+ * support: each must record an error in the backend (fail loudly), never
+ * compute.
+ *
+ * Without a usable GPU every case is printed as skipped and the program exits
+ * 77, so CTest reports SKIPPED, never passed.
+ *
+ * Usage: test_ops [--cpu-vs-cpu] [FILTER]
+ *   FILTER        runs the cases whose op name contains FILTER
+ *   --cpu-vs-cpu  checks the harness itself where there is no GPU: the second
+ *                 backend is another CPU backend (1 thread); refusals skipped */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "testlib.h"
+#ifdef MOE_HAVE_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+
+/* ---- deterministic inputs ---- */
+
+static uint64_t g_rng;
+
+static void rng_seed(uint64_t s)
+{
+    g_rng = s * 0x9e3779b97f4a7c15ull + 0x632be59bd9b4e019ull;
+    if (!g_rng)
+        g_rng = 1;
+}
+
+static uint32_t rng_u32(void)
+{
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (uint32_t)(g_rng >> 16);
+}
+
+static int rng_int(int lo, int hi) /* [lo, hi] */
+{
+    return lo + (int)(rng_u32() % (uint32_t)(hi - lo + 1));
+}
+
+static float rng_float(void) /* [-1, 1) */
+{
+    return (float)((double)rng_u32() / 2147483648.0 - 1.0);
+}
+
+static void fill_floats(float *p, size_t n, float scale)
+{
+    for (size_t i = 0; i < n; i++)
+        p[i] = scale * rng_float();
+}
+
+/* Random permutation of 0..n-1 into p. */
+static void shuffle_ids(int32_t *p, int n)
+{
+    for (int i = 0; i < n; i++)
+        p[i] = i;
+    for (int i = n - 1; i > 0; i--) {
+        int j = rng_int(0, i);
+        int32_t t = p[i];
+        p[i] = p[j];
+        p[j] = t;
+    }
+}
+
+/* ---- one run of a case on one backend ---- */
+
+#define MAX_BUFS 16
+
+struct run {
+    struct moe_backend *be;
+    void *dev[MAX_BUFS];
+    int n_dev;
+    /* outputs, downloaded to the host */
+    float *out;
+    size_t n_out;
+    int32_t *ids;
+    size_t n_ids;
+};
+
+/* Device (or CPU) buffer holding a copy of host[bytes]; freed by run_end. */
+static void *run_buf(struct run *r, const void *host, size_t bytes)
+{
+    MOE_ASSERT(r->n_dev < MAX_BUFS);
+    void *d = r->be->ops->buf_alloc(r->be, bytes);
+    MOE_ASSERT(d);
+    if (host)
+        r->be->ops->buf_upload(r->be, d, host, bytes);
+    r->dev[r->n_dev++] = d;
+    return d;
+}
+
+static void run_get_floats(struct run *r, const float *dev, size_t n)
+{
+    r->out = calloc(1, (n ? n : 1) * sizeof(float));
+    r->n_out = n;
+    r->be->ops->synchronize(r->be);
+    r->be->ops->buf_download(r->be, r->out, dev, n * sizeof(float));
+}
+
+static void run_get_ids(struct run *r, const int32_t *dev, size_t n)
+{
+    r->ids = calloc(1, (n ? n : 1) * sizeof(int32_t));
+    r->n_ids = n;
+    r->be->ops->buf_download(r->be, r->ids, dev, n * sizeof(int32_t));
+}
+
+static void run_end(struct run *r)
+{
+    for (int i = 0; i < r->n_dev; i++)
+        r->be->ops->buf_free(r->be, r->dev[i]);
+    free(r->out);
+    free(r->ids);
+    memset(r, 0, sizeof(*r));
+}
+
+/* ---- the cases ---- */
+
+struct op_case;
+typedef void (*op_run_fn)(struct run *r, const struct op_case *c);
+
+struct op_case {
+    const char *op;
+    op_run_fn run;
+    int a[7];      /* shape parameters, meaning per op (see each run_* function) */
+    double tol;    /* nmse threshold; 0: bit-exact */
+};
+
+/* matmul: a = {n_tok, n_in, n_out, ldw - n_in, bf16, accumulate} */
+static void run_matmul(struct run *r, const struct op_case *c)
+{
+    int n_tok = c->a[0], n_in = c->a[1], n_out = c->a[2];
+    int64_t ldw = n_in + c->a[3];
+    bool bf16 = c->a[4], acc = c->a[5];
+    size_t nw = (size_t)n_out * (size_t)ldw, nx = (size_t)n_tok * n_in, ny = (size_t)n_tok * n_out;
+    float *x = calloc(1, (nx + 1) * sizeof(float)), *wf = calloc(1, (nw + 1) * sizeof(float));
+    float *y = calloc(1, (ny + 1) * sizeof(float));
+    uint16_t *wb = calloc(1, (nw + 1) * sizeof(uint16_t));
+    fill_floats(x, nx, 1.0f);
+    fill_floats(wf, nw, 0.1f);
+    fill_floats(y, ny, 1.0f);
+    for (size_t i = 0; i < nw; i++)
+        wb[i] = moe_f32_to_bf16(wf[i]);
+    struct moe_matmul_params p = {
+        .x = run_buf(r, x, nx * sizeof(float)),
+        .n_tok = n_tok,
+        .n_in = n_in,
+        .w = bf16 ? run_buf(r, wb, nw * 2) : run_buf(r, wf, nw * 4),
+        .w_dtype = bf16 ? MOE_DTYPE_BF16 : MOE_DTYPE_F32,
+        .ldw = ldw,
+        .n_out = n_out,
+        .y = run_buf(r, y, ny * sizeof(float)),
+        .accumulate = acc,
+    };
+    r->be->ops->matmul(r->be, &p);
+    run_get_floats(r, p.y, ny);
+    free(x);
+    free(wf);
+    free(wb);
+    free(y);
+}
+
+/* rmsnorm: a = {n_rows, dim, in_place} */
+static void run_rmsnorm(struct run *r, const struct op_case *c)
+{
+    int n_rows = c->a[0], dim = c->a[1];
+    size_t n = (size_t)n_rows * dim;
+    float *x = calloc(1, (n + 1) * sizeof(float)), *w = calloc(1, ((size_t)dim + 1) * sizeof(float));
+    fill_floats(x, n, 3.0f);
+    fill_floats(w, (size_t)dim, 1.0f);
+    float *dx = run_buf(r, x, n * 4), *dw = run_buf(r, w, (size_t)dim * 4);
+    float *dy = c->a[2] ? dx : run_buf(r, NULL, n * 4);
+    r->be->ops->rmsnorm(r->be, dx, dw, dy, n_rows, dim, 1e-5f);
+    run_get_floats(r, dy, n);
+    free(x);
+    free(w);
+}
+
+/* rope: a = {n_tok, n_heads, d_head, max_pos, theta (1e4 or 1e6)} */
+static void run_rope(struct run *r, const struct op_case *c)
+{
+    int n_tok = c->a[0], n_heads = c->a[1], d_head = c->a[2];
+    size_t n = (size_t)n_tok * n_heads * d_head;
+    float *x = calloc(1, (n + 1) * sizeof(float));
+    int32_t *pos = calloc(1, ((size_t)n_tok + 1) * sizeof(int32_t));
+    fill_floats(x, n, 1.0f);
+    for (int t = 0; t < n_tok; t++)
+        pos[t] = rng_int(0, c->a[3]);
+    float *dx = run_buf(r, x, n * 4);
+    r->be->ops->rope(r->be, dx, run_buf(r, pos, (size_t)n_tok * 4), n_tok, n_heads, d_head,
+                     (float)c->a[4]);
+    run_get_floats(r, dx, n);
+    free(x);
+    free(pos);
+}
+
+/* kv_write: a = {n_tok, kv_dim, n_slot}; both whole caches are compared. */
+static void run_kv_write(struct run *r, const struct op_case *c)
+{
+    int n_tok = c->a[0], kv_dim = c->a[1], n_slot = c->a[2];
+    size_t nt = (size_t)n_tok * kv_dim, nc = (size_t)n_slot * kv_dim;
+    float *k = calloc(1, (nt + 1) * 4), *v = calloc(1, (nt + 1) * 4), *cache = calloc(1, (2 * nc + 1) * 4);
+    int32_t *perm = calloc(1, ((size_t)n_slot + 1) * sizeof(int32_t));
+    fill_floats(k, nt, 1.0f);
+    fill_floats(v, nt, 1.0f);
+    fill_floats(cache, 2 * nc, 1.0f);
+    shuffle_ids(perm, n_slot); /* distinct, scattered slots */
+    float *dc = run_buf(r, cache, 2 * nc * 4);
+    r->be->ops->kv_write(r->be, run_buf(r, k, nt * 4), run_buf(r, v, nt * 4),
+                         run_buf(r, perm, (size_t)n_tok * 4), n_tok, kv_dim, dc, dc + nc);
+    run_get_floats(r, dc, 2 * nc);
+    free(k);
+    free(v);
+    free(cache);
+    free(perm);
+}
+
+/* attention: a = {n_seq, max_len, n_head, n_kv_head, d_head, block_size, mode}
+ * mode 0: decode (one token per sequence, at its last position); 1: prefill
+ * (every position of every sequence); 2: mixed (each sequence a random tail
+ * of new tokens after a cached prefix). Sequence lengths are random in
+ * [1, max_len]; the cache has spare blocks and the block ids of each sequence
+ * are a random, non-contiguous draw (unused table entries are -1). */
+static void run_attention(struct run *r, const struct op_case *c)
+{
+    int n_seq = c->a[0], max_len = c->a[1], n_head = c->a[2], n_kv = c->a[3], d = c->a[4];
+    int bs = c->a[5], mode = c->a[6];
+    int max_blocks = (max_len + bs - 1) / bs;
+    int n_block = n_seq * max_blocks + 3; /* spare blocks: holes in the cache */
+    int kv_dim = n_kv * d;
+    size_t nc = (size_t)n_block * bs * kv_dim;
+    int32_t *perm = calloc(1, (size_t)n_block * sizeof(int32_t));
+    int32_t *table = calloc(1, (size_t)n_seq * max_blocks * sizeof(int32_t));
+    int *len = calloc(1, (size_t)n_seq * sizeof(int)), *n_new = calloc(1, (size_t)n_seq * sizeof(int));
+    shuffle_ids(perm, n_block);
+    int n_tok = 0;
+    for (int s = 0; s < n_seq; s++) {
+        len[s] = rng_int(1, max_len);
+        int used = (len[s] + bs - 1) / bs;
+        for (int b = 0; b < max_blocks; b++)
+            table[s * max_blocks + b] = b < used ? perm[s * max_blocks + b] : -1;
+        n_new[s] = mode == 0 ? 1 : mode == 1 ? len[s] : rng_int(1, len[s]);
+        n_tok += n_new[s];
+    }
+    int32_t *seq = calloc(1, (size_t)n_tok * 4), *pos = calloc(1, (size_t)n_tok * 4);
+    int t = 0;
+    for (int s = 0; s < n_seq; s++) {
+        for (int i = 0; i < n_new[s]; i++, t++) {
+            seq[t] = s;
+            pos[t] = len[s] - n_new[s] + i; /* positions before are the cached prefix */
+        }
+    }
+    size_t nq = (size_t)n_tok * n_head * d;
+    float *q = calloc(1, (nq + 1) * 4), *kc = calloc(1, (nc + 1) * 4), *vc = calloc(1, (nc + 1) * 4);
+    fill_floats(q, nq, 1.0f);
+    fill_floats(kc, nc, 1.0f);
+    fill_floats(vc, nc, 1.0f);
+    struct moe_attn_params p = {
+        .q = run_buf(r, q, nq * 4),
+        .out = run_buf(r, NULL, nq * 4),
+        .k_cache = run_buf(r, kc, nc * 4),
+        .v_cache = run_buf(r, vc, nc * 4),
+        .tok_seq = run_buf(r, seq, (size_t)n_tok * 4),
+        .tok_pos = run_buf(r, pos, (size_t)n_tok * 4),
+        .block_tables = run_buf(r, table, (size_t)n_seq * max_blocks * 4),
+        .max_blocks = max_blocks,
+        .n_tok = n_tok,
+        .n_head = n_head,
+        .n_kv_head = n_kv,
+        .d_head = d,
+        .block_size = bs,
+        .scale = 1.0f / sqrtf((float)d),
+    };
+    r->be->ops->attention(r->be, &p);
+    run_get_floats(r, p.out, nq);
+    free(perm);
+    free(table);
+    free(len);
+    free(n_new);
+    free(seq);
+    free(pos);
+    free(q);
+    free(kc);
+    free(vc);
+}
+
+/* router: a = {n_tok, n_expert, top_k, renorm, mode}; mode 0: random logits;
+ * 1: logits from 3 values (many exact ties: the lower id must win); 2: one
+ * expert far ahead for every token (it takes all tokens). */
+static void run_router(struct run *r, const struct op_case *c)
+{
+    int n_tok = c->a[0], n_e = c->a[1], k = c->a[2], mode = c->a[4];
+    size_t n = (size_t)n_tok * n_e, nk = (size_t)n_tok * k;
+    float *x = calloc(1, (n + 1) * 4);
+    fill_floats(x, n, 4.0f);
+    if (mode == 1)
+        for (size_t i = 0; i < n; i++)
+            x[i] = (float)(rng_u32() % 3u) * 0.5f;
+    if (mode == 2)
+        for (int t = 0; t < n_tok; t++)
+            x[(size_t)t * n_e + n_e / 3] = 50.0f;
+    int32_t *ids = run_buf(r, NULL, (nk + 1) * 4);
+    float *w = run_buf(r, NULL, (nk + 1) * 4);
+    r->be->ops->router_topk(r->be, run_buf(r, x, n * 4), n_tok, n_e, k, c->a[3], ids, w);
+    run_get_floats(r, w, nk);
+    run_get_ids(r, ids, nk);
+    free(x);
+}
+
+/* swiglu: a = {n_rows, dim} */
+static void run_swiglu(struct run *r, const struct op_case *c)
+{
+    int n_rows = c->a[0], dim = c->a[1];
+    size_t n = (size_t)n_rows * dim;
+    float *gu = calloc(1, (2 * n + 1) * 4);
+    fill_floats(gu, 2 * n, 6.0f);
+    float *out = run_buf(r, NULL, (n + 1) * 4);
+    r->be->ops->swiglu(r->be, run_buf(r, gu, 2 * n * 4), out, n_rows, dim);
+    run_get_floats(r, out, n);
+    free(gu);
+}
+
+/* gather_rows: a = {n, dim, n_src}; dst is prefilled, so n = 0 must leave it. */
+static void run_gather(struct run *r, const struct op_case *c)
+{
+    int n = c->a[0], dim = c->a[1], n_src = c->a[2];
+    size_t ns = (size_t)n_src * dim, nd = ((size_t)n + 1) * dim;
+    float *src = calloc(1, (ns + 1) * 4), *dst = calloc(1, (nd + 1) * 4);
+    int32_t *idx = calloc(1, ((size_t)n + 1) * 4);
+    fill_floats(src, ns, 1.0f);
+    fill_floats(dst, nd, 1.0f);
+    for (int i = 0; i < n; i++)
+        idx[i] = rng_int(0, n_src - 1); /* repeats allowed */
+    float *dd = run_buf(r, dst, nd * 4);
+    r->be->ops->gather_rows(r->be, run_buf(r, src, ns * 4), run_buf(r, idx, ((size_t)n + 1) * 4),
+                            n, dim, dd);
+    run_get_floats(r, dd, nd);
+    free(src);
+    free(dst);
+    free(idx);
+}
+
+/* scatter_add_rows: a = {n, dim, n_dst, no_scale}; distinct destination rows. */
+static void run_scatter(struct run *r, const struct op_case *c)
+{
+    int n = c->a[0], dim = c->a[1], n_dst = c->a[2];
+    MOE_ASSERT(n <= n_dst);
+    size_t ns = ((size_t)n + 1) * dim, nd = (size_t)n_dst * dim;
+    float *src = calloc(1, (ns + 1) * 4), *dst = calloc(1, (nd + 1) * 4);
+    float *scale = calloc(1, ((size_t)n + 1) * 4);
+    int32_t *perm = calloc(1, ((size_t)n_dst + 1) * 4);
+    fill_floats(src, ns, 1.0f);
+    fill_floats(dst, nd, 1.0f);
+    fill_floats(scale, (size_t)n, 1.0f);
+    shuffle_ids(perm, n_dst);
+    float *dd = run_buf(r, dst, nd * 4);
+    r->be->ops->scatter_add_rows(r->be, run_buf(r, src, ns * 4),
+                                 run_buf(r, perm, ((size_t)n_dst + 1) * 4),
+                                 c->a[3] ? NULL : run_buf(r, scale, ((size_t)n + 1) * 4), n, dim,
+                                 dd);
+    run_get_floats(r, dd, nd);
+    free(src);
+    free(dst);
+    free(scale);
+    free(perm);
+}
+
+/* embed: a = {n_tok, dim, n_vocab, dtype} */
+static void run_embed(struct run *r, const struct op_case *c)
+{
+    int n_tok = c->a[0], dim = c->a[1], n_vocab = c->a[2];
+    enum moe_dtype dt = (enum moe_dtype)c->a[3];
+    size_t nt = (size_t)n_vocab * dim, es = moe_dtype_size(dt);
+    float *tf = calloc(1, (nt + 1) * 4);
+    uint16_t *th = calloc(1, (nt + 1) * 2);
+    int32_t *ids = calloc(1, ((size_t)n_tok + 1) * 4);
+    fill_floats(tf, nt, 2.0f);
+    for (size_t i = 0; i < nt; i++) {
+        uint32_t u = rng_u32();
+        /* f16: any finite pattern, subnormals included; bf16: from the floats */
+        th[i] = dt == MOE_DTYPE_F16 ? (uint16_t)(u & 0x7bffu) : moe_f32_to_bf16(tf[i]);
+    }
+    for (int t = 0; t < n_tok; t++)
+        ids[t] = rng_int(0, n_vocab - 1);
+    const void *table = run_buf(r, dt == MOE_DTYPE_F32 ? (void *)tf : (void *)th, nt * es);
+    float *dst = run_buf(r, NULL, ((size_t)n_tok * dim + 1) * 4);
+    r->be->ops->embed(r->be, table, dt, run_buf(r, ids, ((size_t)n_tok + 1) * 4), n_tok, dim, dst);
+    run_get_floats(r, dst, (size_t)n_tok * dim);
+    free(tf);
+    free(th);
+    free(ids);
+}
+
+/* add: a = {n} */
+static void run_add(struct run *r, const struct op_case *c)
+{
+    size_t n = (size_t)c->a[0];
+    float *x = calloc(1, (n + 1) * 4), *y = calloc(1, (n + 1) * 4);
+    fill_floats(x, n, 1.0f);
+    fill_floats(y, n, 1.0f);
+    float *dy = run_buf(r, y, (n + 1) * 4);
+    r->be->ops->add(r->be, dy, run_buf(r, x, (n + 1) * 4), n);
+    run_get_floats(r, dy, n);
+    free(x);
+    free(y);
+}
+
+#define BF16 1
+#define F32 0
+
+/* One line per case. Thresholds: 0 where both backends do the same rounded
+ * operations (copies, add, scatter without FMA); 1e-10 where only summation
+ * order or libm ulps differ; 1e-9 for bf16 matmuls of more than
+ * MOE_CUDA_GEMV_MAX_TOK (8) tokens, whose activations CUDA splits into two
+ * bf16 parts (expected nmse ~1e-11, see kernels/cuda/matmul.cu; a single
+ * bf16 rounding would give ~1e-6 and fail). */
+static const struct op_case g_cases[] = {
+    /* matmul {n_tok, n_in, n_out, ldw - n_in, bf16, accumulate} */
+    {"matmul", run_matmul, {1, 1, 1, 0, F32, 0}, 1e-10},
+    {"matmul", run_matmul, {3, 100, 7, 3, F32, 1}, 1e-10},
+    {"matmul", run_matmul, {37, 129, 13, 0, F32, 0}, 1e-10},
+    {"matmul", run_matmul, {64, 1024, 300, 0, F32, 1}, 1e-10},
+    {"matmul", run_matmul, {0, 64, 32, 0, F32, 0}, 0},
+    {"matmul", run_matmul, {1, 1024, 2816, 0, BF16, 0}, 1e-10},
+    {"matmul", run_matmul, {2, 2816, 1024, 0, BF16, 1}, 1e-10},
+    {"matmul", run_matmul, {5, 257, 9, 0, BF16, 0}, 1e-10},  /* ragged: scalar GEMV path */
+    {"matmul", run_matmul, {8, 64, 65, 8, BF16, 1}, 1e-10},  /* ldw > n_in, vector path */
+    {"matmul", run_matmul, {7, 96, 33, 1, BF16, 0}, 1e-10},  /* odd ldw: scalar path */
+    {"matmul", run_matmul, {9, 1024, 512, 0, BF16, 0}, 1e-9}, /* tensor-core path */
+    {"matmul", run_matmul, {130, 200, 37, 5, BF16, 1}, 1e-9},
+    {"matmul", run_matmul, {512, 1024, 256, 0, BF16, 0}, 1e-9},
+    /* rmsnorm {n_rows, dim, in_place} */
+    {"rmsnorm", run_rmsnorm, {1, 1, 0}, 1e-10},
+    {"rmsnorm", run_rmsnorm, {70, 4097, 1}, 1e-10},
+    {"rmsnorm", run_rmsnorm, {33, 64, 0}, 1e-10},
+    /* rope {n_tok, n_heads, d_head, max_pos, theta} */
+    {"rope", run_rope, {1, 1, 2, 5, 10000}, 1e-10},
+    {"rope", run_rope, {17, 4, 16, 100, 1000000}, 1e-10},
+    {"rope", run_rope, {40, 16, 64, 8000, 1000000}, 1e-10},
+    {"rope", run_rope, {9, 3, 128, 32000, 10000}, 1e-10},
+    {"rope", run_rope, {5, 2, 256, 1000, 10000}, 1e-10},
+    /* kv_write {n_tok, kv_dim, n_slot} */
+    {"kv_write", run_kv_write, {1, 4, 3}, 0},
+    {"kv_write", run_kv_write, {37, 256, 100}, 0},
+    {"kv_write", run_kv_write, {5, 30, 9}, 0}, /* kv_dim not a multiple of 4 */
+    {"kv_write", run_kv_write, {0, 64, 4}, 0},
+    /* attention {n_seq, max_len, n_head, n_kv_head, d_head, block_size, mode} */
+    {"attention", run_attention, {1, 1, 1, 1, 16, 1, 0}, 1e-10},
+    {"attention", run_attention, {3, 40, 4, 2, 16, 4, 1}, 1e-10},   /* mixtral fixture shape */
+    {"attention", run_attention, {4, 70, 4, 2, 32, 16, 2}, 1e-10},  /* qwen3 fixture shape */
+    {"attention", run_attention, {8, 300, 16, 4, 64, 16, 0}, 1e-10}, /* bench shape, decode */
+    {"attention", run_attention, {2, 200, 16, 4, 64, 16, 1}, 1e-10}, /* bench shape, prefill */
+    {"attention", run_attention, {1, 3000, 8, 1, 128, 16, 0}, 1e-10}, /* many splits, G 8 */
+    {"attention", run_attention, {3, 500, 32, 2, 128, 32, 2}, 1e-10}, /* G 16 */
+    {"attention", run_attention, {2, 90, 6, 6, 256, 7, 2}, 1e-10},    /* MHA, odd block size */
+    {"attention", run_attention, {64, 33, 32, 8, 128, 16, 0}, 1e-10}, /* batch-64 decode */
+    /* router {n_tok, n_expert, top_k, renorm, mode} */
+    {"router", run_router, {1, 1, 1, 1, 0}, 1e-10},
+    {"router", run_router, {50, 8, 2, 1, 0}, 1e-10},
+    {"router", run_router, {50, 8, 2, 0, 1}, 1e-10},   /* ties: lower id wins */
+    {"router", run_router, {33, 60, 8, 0, 1}, 1e-10},  /* ties, two lanes' worth */
+    {"router", run_router, {20, 128, 8, 1, 0}, 1e-10}, /* qwen3-30b shape */
+    {"router", run_router, {7, 256, 32, 1, 1}, 1e-10},
+    {"router", run_router, {64, 8, 2, 1, 2}, 1e-10},   /* one expert takes every token */
+    {"router", run_router, {0, 8, 2, 1, 0}, 0},
+    /* swiglu {n_rows, dim} */
+    {"swiglu", run_swiglu, {1, 1}, 1e-10},
+    {"swiglu", run_swiglu, {37, 2816}, 1e-10},
+    {"swiglu", run_swiglu, {0, 48}, 0},
+    /* gather_rows {n, dim, n_src} */
+    {"gather_rows", run_gather, {1, 1, 1}, 0},
+    {"gather_rows", run_gather, {64, 1024, 64}, 0}, /* one expert takes all tokens */
+    {"gather_rows", run_gather, {13, 63, 40}, 0},
+    {"gather_rows", run_gather, {0, 64, 8}, 0},     /* expert with no tokens */
+    /* scatter_add_rows {n, dim, n_dst, no_scale} */
+    {"scatter_add_rows", run_scatter, {1, 1, 1, 0}, 0},
+    {"scatter_add_rows", run_scatter, {64, 1024, 64, 0}, 0},
+    {"scatter_add_rows", run_scatter, {13, 63, 40, 1}, 0},
+    {"scatter_add_rows", run_scatter, {0, 64, 8, 0}, 0},
+    /* embed {n_tok, dim, n_vocab, dtype} */
+    {"embed", run_embed, {1, 1, 1, MOE_DTYPE_F32}, 0},
+    {"embed", run_embed, {19, 64, 300, MOE_DTYPE_F32}, 0},
+    {"embed", run_embed, {19, 1024, 77, MOE_DTYPE_BF16}, 0},
+    {"embed", run_embed, {7, 33, 50, MOE_DTYPE_F16}, 0},
+    /* add {n} */
+    {"add", run_add, {1}, 0},
+    {"add", run_add, {1000003}, 0},
+    {"add", run_add, {0}, 0},
+};
+
+/* Shapes CUDA must refuse loudly: the op records an error and computes nothing. */
+static const struct op_case g_refused[] = {
+    {"attention", run_attention, {1, 8, 4, 4, 96, 4, 0}, 0},  /* d_head 96 */
+    {"attention", run_attention, {1, 8, 34, 1, 64, 4, 0}, 0}, /* 34 heads per KV head */
+    {"router", run_router, {3, 300, 2, 1, 0}, 0},             /* 300 experts */
+    {"rope", run_rope, {2, 2, 1024, 10, 10000}, 0},           /* d_head 1024 */
+};
+
+/* ---- comparison ---- */
+
+static void case_name(const struct op_case *c, char *buf, size_t cap)
+{
+    snprintf(buf, cap, "%s {%d, %d, %d, %d, %d, %d, %d}", c->op, c->a[0], c->a[1], c->a[2],
+             c->a[3], c->a[4], c->a[5], c->a[6]);
+}
+
+static double nmse(const float *a, const float *ref, size_t n)
+{
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double e = (double)a[i] - (double)ref[i];
+        num += e * e;
+        den += (double)ref[i] * ref[i];
+    }
+    if (num == 0.0)
+        return 0.0;
+    if (!(num == num))
+        return NAN;
+    return num / (den > 1e-30 ? den : 1e-30);
+}
+
+static void check_case(size_t i, const struct op_case *c, struct moe_backend *cpu,
+                       struct moe_backend *cuda, double *worst)
+{
+    char name[128];
+    case_name(c, name, sizeof name);
+    struct run rc = {.be = cpu}, rg = {.be = cuda};
+    rng_seed(1000 + i);
+    c->run(&rc, c);
+    rng_seed(1000 + i);
+    c->run(&rg, c);
+#ifdef MOE_HAVE_CUDA
+    char msg[256];
+    if (cuda->device == MOE_DEVICE_CUDA) {
+        int cerr = cuda_backend_take_error(cuda, msg, sizeof msg);
+        CHECKF(cerr == 0, "%s: cuda error %d: %s", name, cerr, msg);
+    }
+#endif
+    CHECK(rc.n_out == rg.n_out && rc.n_ids == rg.n_ids);
+    double e = rc.n_out == rg.n_out ? nmse(rg.out, rc.out, rc.n_out) : INFINITY;
+    size_t id_mismatch = 0;
+    for (size_t k = 0; k < rc.n_ids && k < rg.n_ids; k++)
+        id_mismatch += rc.ids[k] != rg.ids[k];
+    bool ok = e <= c->tol && id_mismatch == 0;
+    CHECKF(ok, "%s: nmse %.3g (threshold %.3g), %zu ids differ", name, e, c->tol, id_mismatch);
+    printf("%-4s %-48s nmse %.3g (<= %.3g)%s\n", ok ? "ok" : "FAIL", name, e, c->tol,
+           rc.n_ids ? (id_mismatch ? ", ids differ" : ", ids equal") : "");
+    if (e > *worst)
+        *worst = e;
+    run_end(&rc);
+    run_end(&rg);
+}
+
+static void check_refused(const struct op_case *c, struct moe_backend *cuda)
+{
+    char name[128];
+    case_name(c, name, sizeof name);
+#ifdef MOE_HAVE_CUDA
+    struct run rg = {.be = cuda};
+    rng_seed(7);
+    c->run(&rg, c);
+    char msg[256] = "";
+    int cerr = cuda_backend_take_error(cuda, msg, sizeof msg);
+    CHECKF(cerr != 0, "%s: unsupported shape accepted without an error", name);
+    printf("%-4s %-48s refused: %s\n", cerr ? "ok" : "FAIL", name, msg);
+    run_end(&rg);
+#else
+    (void)cuda;
+    printf("skip %s (no CUDA in this build)\n", name);
+#endif
+}
+
+int main(int argc, char **argv)
+{
+    bool cpu_vs_cpu = argc > 1 && strcmp(argv[1], "--cpu-vs-cpu") == 0;
+    const char *filter = argc > 1 + cpu_vs_cpu ? argv[1 + cpu_vs_cpu] : NULL;
+    const size_t n_cases = sizeof(g_cases) / sizeof(g_cases[0]);
+    const size_t n_refused = sizeof(g_refused) / sizeof(g_refused[0]);
+    struct moe_error err = {0};
+    struct moe_backend *cuda = NULL, *cpu = NULL;
+    if (cpu_vs_cpu && moe_backend_cpu_create(1, &cuda, &err) != MOE_OK) {
+        fprintf(stderr, "second cpu backend: %s\n", err.msg);
+        return 1;
+    }
+    if (!cpu_vs_cpu && moe_backend_cuda_create(0, &cuda, &err) != MOE_OK) {
+        char name[128];
+        for (size_t i = 0; i < n_cases; i++) {
+            case_name(&g_cases[i], name, sizeof name);
+            printf("skip %s\n", name);
+        }
+        printf("ops: all %zu cases (+%zu refusal cases) skipped: %s\n", n_cases, n_refused,
+               err.msg);
+        return TEST_SKIP_CODE;
+    }
+    if (moe_backend_cpu_create(2, &cpu, &err) != MOE_OK) {
+        fprintf(stderr, "cpu backend: %s\n", err.msg);
+        moe_backend_destroy(cuda);
+        return 1;
+    }
+    double worst = 0.0;
+    for (size_t i = 0; i < n_cases; i++)
+        if (!filter || strstr(g_cases[i].op, filter))
+            check_case(i, &g_cases[i], cpu, cuda, &worst);
+    for (size_t i = 0; i < n_refused && !cpu_vs_cpu; i++)
+        if (!filter || strstr(g_refused[i].op, filter))
+            check_refused(&g_refused[i], cuda);
+    printf("ops: worst nmse %.3g\n", worst);
+    moe_backend_destroy(cpu);
+    moe_backend_destroy(cuda);
+    return test_summary();
+}
