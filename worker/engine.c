@@ -772,7 +772,9 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
         .n_logits = n_logits,
         .logit_rows = e->b_rows,
     };
-    enum moe_status rc = moe_model_forward(e->model, e->kv, &b, e->logits, err);
+    enum moe_status rc = e->opts.forward
+                             ? e->opts.forward(e->opts.forward_ctx, e->model, e->kv, &b, e->logits, err)
+                             : moe_model_forward(e->model, e->kv, &b, e->logits, err);
     if (rc) {
         /* The batch is lost: finish its requests with the error; the engine
          * keeps serving the others. */

@@ -39,6 +39,8 @@ struct moe_engine_opts {
     int max_batch_tokens; /* token budget per step (default 512) */
     int max_running;      /* cap on running sequences (default 64) */
     bool no_prefix_cache; /* disable prefix caching */
+    moe_forward_fn forward;     /* NULL: moe_model_forward (one rank) */
+    void *forward_ctx;
     moe_logits_hook logits_hook; /* optional */
     void *logits_hook_user;
 };

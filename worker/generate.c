@@ -19,6 +19,14 @@ void moe_gen_result_free(struct moe_gen_result *res)
     memset(res, 0, sizeof *res);
 }
 
+static enum moe_status plain_forward(void *ctx, struct moe_model *m, struct moe_kv_cache *kv,
+                                     const struct moe_batch *b, float *logits,
+                                     struct moe_error *err)
+{
+    (void)ctx;
+    return moe_model_forward(m, kv, b, logits, err);
+}
+
 static bool is_eos(const struct moe_config *c, int32_t id)
 {
     for (int i = 0; i < c->n_eos; i++)
@@ -46,6 +54,7 @@ enum moe_status moe_generate(struct moe_model *m, const int32_t *prompt, int n_p
     int chunk = opts->prefill_chunk > 0 ? opts->prefill_chunk : 512;
     int n_block = (int)((total + block_size - 1) / block_size);
     int vocab = c->vocab_size;
+    moe_forward_fn forward = opts->forward ? opts->forward : plain_forward;
 
     struct moe_kv_cache *kv = NULL;
     int32_t *table = malloc((size_t)n_block * sizeof *table);
@@ -90,7 +99,7 @@ enum moe_status moe_generate(struct moe_model *m, const int32_t *prompt, int n_p
             .n_logits = n_logits,
             .logit_rows = rows,
         };
-        if ((rc = moe_model_forward(m, kv, &b, logits, err)))
+        if ((rc = forward(opts->forward_ctx, m, kv, &b, logits, err)))
             goto done;
         if (prompt_logits)
             memcpy(prompt_logits + (size_t)done_tok * vocab, logits,
@@ -124,7 +133,7 @@ enum moe_status moe_generate(struct moe_model *m, const int32_t *prompt, int n_p
             .n_logits = 1,
             .logit_rows = &row,
         };
-        if ((rc = moe_model_forward(m, kv, &b, logits, err)))
+        if ((rc = forward(opts->forward_ctx, m, kv, &b, logits, err)))
             goto done;
         next = moe_sample(logits, vocab, &opts->sp, &rng, work);
         res->tokens[res->n_tokens++] = next;

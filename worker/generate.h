@@ -18,6 +18,8 @@ struct moe_gen_opts {
     bool ignore_eos;               /* keep going past an EOS id */
     int prefill_chunk;             /* max prompt tokens per forward (0: 512) */
     int block_size;                /* KV block size in tokens (0: 16) */
+    moe_forward_fn forward;        /* NULL: moe_model_forward */
+    void *forward_ctx;
 };
 
 struct moe_gen_result {

@@ -18,8 +18,10 @@
 #include "backend.h"
 #include "generate.h"
 #include "engine.h"
+#include "group.h"
 #include "model.h"
 #include "offline.h"
+#include "placement.h"
 #include "tokenizer.h"
 
 struct args {
@@ -45,6 +47,10 @@ struct args {
     int max_running;
     bool no_prefix_cache;
     bool print_outputs;
+    /* worker group under mpirun */
+    int tp;
+    const char *placement;
+    int comm_timeout_ms;
 };
 
 static void usage(FILE *f)
@@ -71,7 +77,12 @@ static void usage(FILE *f)
             "  --max-batch-tokens N  token budget per step (default 512)\n"
             "  --max-running N     cap on running sequences (default 64)\n"
             "  --no-prefix-cache   disable prefix caching\n"
-            "  --print-outputs     print every request's tokens (and text)\n");
+            "  --print-outputs     print every request's tokens (and text)\n"
+            "under mpirun (one model replica over all ranks):\n"
+            "  --tp T              tensor-parallel size for attention (default 1)\n"
+            "  --placement F.json  expert placement (default: even contiguous split)\n"
+            "  --comm-timeout-ms MS  a collective that takes longer fails the group (default "
+            "10000)\n");
 }
 
 /* Prints "moe-generate: <message>" and returns the exit code for bad usage. */
@@ -110,7 +121,8 @@ static bool parse_float(const char *s, float lo, float hi, float *out)
 
 static int parse_args(int argc, char **argv, struct args *a)
 {
-    *a = (struct args){.n_predict = 32, .top_p = 1.0f, .dtype = MOE_DTYPE_BF16, .device = "auto"};
+    *a = (struct args){.n_predict = 32, .top_p = 1.0f, .dtype = MOE_DTYPE_BF16, .device = "auto",
+                       .tp = 1, .comm_timeout_ms = 10000};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
         if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
@@ -174,6 +186,16 @@ static int parse_args(int argc, char **argv, struct args *a)
             if (!parse_long(v, 0, 1024, &n))
                 return fail("--threads: '%s' is not a whole number in [0, 1024]", v);
             a->threads = (int)n;
+        } else if (!strcmp(k, "--tp")) {
+            if (!parse_long(v, 1, 1024, &n))
+                return fail("--tp: '%s' is not a whole number in [1, 1024]", v);
+            a->tp = (int)n;
+        } else if (!strcmp(k, "--placement")) {
+            a->placement = v;
+        } else if (!strcmp(k, "--comm-timeout-ms")) {
+            if (!parse_long(v, 100, 3600000, &n))
+                return fail("--comm-timeout-ms: '%s' is not a whole number in [100, 3600000]", v);
+            a->comm_timeout_ms = (int)n;
         } else if (!strcmp(k, "--prompts-file")) {
             a->prompts_file = v;
         } else if (!strcmp(k, "--kv-blocks")) {
@@ -268,7 +290,8 @@ static int write_logits(const char *path, const float *logits, size_t n)
 
 /* --prompts-file: every prompt through the engine at once; prints the
  * throughput and the KV cache figures. Returns the exit code. */
-static int run_batch(const struct args *a, struct moe_model *model, struct moe_tokenizer *tok)
+static int run_batch(const struct args *a, struct moe_model *model, struct moe_tokenizer *tok,
+                     struct moe_group *group)
 {
     const struct moe_config *cfg = moe_model_config(model);
     struct moe_error err = {0};
@@ -278,6 +301,8 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         .max_batch_tokens = a->max_batch_tokens,
         .max_running = a->max_running,
         .no_prefix_cache = a->no_prefix_cache,
+        .forward = group ? moe_group_forward : NULL,
+        .forward_ctx = group,
     };
     size_t block_bytes = (size_t)eo.block_size * cfg->n_layer * 2 * (size_t)cfg->n_kv_head *
                          cfg->d_head * sizeof(float);
@@ -355,16 +380,52 @@ int main(int argc, char **argv)
     float *logits = NULL;
     char *text = NULL;
     struct moe_gen_result res = {0};
+    struct moe_group *group = NULL;
+    struct moe_placement placement = {0};
     rc = 1;
 
+    if (moe_group_launched_by_mpi()) {
+        if (moe_group_create(&argc, &argv, a.tp, a.comm_timeout_ms, &group, &err))
+            goto fail;
+    } else if (a.tp > 1 || a.placement) {
+        moe_error_set(&err, MOE_ERR_INVALID, "--tp and --placement need a group: run under mpirun");
+        goto fail;
+    }
+    if (group && a.placement) {
+        struct moe_config pc;
+        char cpath[4096];
+        snprintf(cpath, sizeof cpath, "%s/config.json", a.model);
+        if (moe_config_load(cpath, &pc, &err) ||
+            moe_placement_load(a.placement, pc.n_layer, pc.n_expert, group->size, &placement,
+                               &err))
+            goto fail;
+    }
     if (moe_backend_create(a.device, a.threads, &be, &err))
         goto fail;
-    struct moe_model_opts mo = {.dtype = a.dtype, .tp_rank = 0, .tp_size = 1};
+    struct moe_model_opts mo = {
+        .dtype = a.dtype,
+        .tp_rank = group ? group->tp_rank : 0,
+        .tp_size = group ? group->tp_size : 1,
+        .tp_comm = group ? group->tp : NULL,
+        .ep_comm = group ? group->world : NULL,
+        .placement = a.placement ? &placement : NULL,
+    };
     double t_load = moe_now();
     if (moe_model_load(a.model, &mo, be, &model, &err))
         goto fail;
     t_load = moe_now() - t_load;
     const struct moe_config *cfg = moe_model_config(model);
+    if (group) {
+        fprintf(stderr, "moe-generate: rank %d of %d (tp %d/%d): %.1f MiB of weights\n",
+                group->rank, group->size, group->tp_rank, group->tp_size,
+                (double)moe_model_weight_bytes(model) / (1024.0 * 1024.0));
+        if (group->rank != 0) {
+            if (moe_group_follow(group, model, &err))
+                goto fail;
+            rc = 0;
+            goto out;
+        }
+    }
 
     /* The tokenizer is optional with --tokens (random benchmark models have none). */
     char tok_path[4096];
@@ -384,7 +445,7 @@ int main(int argc, char **argv)
     }
 
     if (a.prompts_file) {
-        rc = run_batch(&a, model, tok);
+        rc = run_batch(&a, model, tok, group);
         goto out;
     }
     int n_prompt = 0;
@@ -413,6 +474,8 @@ int main(int argc, char **argv)
         .sp = {.temperature = a.temperature, .top_p = a.top_p, .top_k = a.top_k},
         .seed = a.seed,
         .ignore_eos = a.ignore_eos,
+        .forward = group ? moe_group_forward : NULL,
+        .forward_ctx = group,
     };
     if (moe_generate(model, prompt, n_prompt, &go, logits, &res, &err))
         goto fail;
@@ -438,12 +501,28 @@ int main(int argc, char **argv)
            res.prefill_s > 0 ? n_prompt / res.prefill_s : 0);
     printf("decode: %d tokens in %.3f s, %.1f tokens/s%s\n", res.n_tokens > 0 ? res.n_tokens - 1 : 0,
            res.decode_s, decode_tps, res.stopped_at_eos ? " (stopped at EOS)" : "");
+    if (group) {
+        uint64_t bytes, rows;
+        moe_model_ep_traffic(model, &bytes, &rows);
+        printf("group: %d ranks, tp %d; rank 0 sent %llu bytes for %llu routed rows in the expert "
+               "all-to-alls\n",
+               group->size, group->tp_size, (unsigned long long)bytes, (unsigned long long)rows);
+    }
     rc = 0;
     goto out;
 
 fail:
-    fprintf(stderr, "moe-generate: %s\n", err.msg);
+    if (group)
+        fprintf(stderr, "moe-generate: rank %d: %s\n", group->rank, err.msg);
+    else
+        fprintf(stderr, "moe-generate: %s\n", err.msg);
 out:
+    if (group && group->rank == 0) {
+        struct moe_error stop_err;
+        if (moe_group_stop(group, &stop_err))
+            fprintf(stderr, "moe-generate: stopping the group: %s\n", stop_err.msg);
+    }
+    moe_placement_free(&placement);
     moe_gen_result_free(&res);
     free(text);
     free(logits);
@@ -451,5 +530,6 @@ out:
     moe_tokenizer_free(tok);
     moe_model_free(model);
     moe_backend_destroy(be);
+    moe_group_destroy(group);
     return rc;
 }

@@ -18,85 +18,15 @@
  * backend. Router decisions come back to the host to group tokens by expert
  * (a few bytes per token). */
 #include "model.h"
+#include "model_internal.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "placement.h"
 #include "safetensors.h"
-
-struct layer_weights {
-    float *attn_norm;   /* (d_model) */
-    float *ffn_norm;    /* (d_model) */
-    void *wq;           /* (n_head_local*d_head, d_model) */
-    void *wk;           /* (n_kv_head_local*d_head, d_model) */
-    void *wv;           /* (n_kv_head_local*d_head, d_model) */
-    void *wo;           /* (d_model, n_head_local*d_head): column slice of o_proj */
-    float *q_norm;      /* (d_head), Qwen3 only */
-    float *k_norm;      /* (d_head), Qwen3 only */
-    bool is_moe;
-    void *router;       /* (n_expert, d_model) */
-    void **w_gate_up;   /* (n_expert) -> (2*d_ff_expert, d_model), NULL when not local */
-    void **w_down;      /* (n_expert) -> (d_model, d_ff_expert) */
-    void *dense_gate_up; /* (2*d_ff_dense, d_model) */
-    void *dense_down;    /* (d_model, d_ff_dense) */
-};
-
-/* Activations and per-step metadata on the backend, sized for cap_tok tokens. */
-struct scratch {
-    int cap_tok;
-    int cap_seq_blocks;
-    float *x;           /* (n, d_model) residual stream */
-    float *h;           /* (n, d_model) normalised */
-    float *q;           /* (n, q_dim) */
-    float *k;           /* (n, kv_dim) */
-    float *v;           /* (n, kv_dim) */
-    float *att;         /* (n, q_dim) */
-    float *o;           /* (n, d_model) */
-    float *ffn_out;     /* (n, d_model) */
-    float *router_logits; /* (n, n_expert) */
-    int32_t *topk_ids;  /* (n, top_k) */
-    float *topk_w;      /* (n, top_k) */
-    float *xe;          /* (n, d_model) rows gathered for one expert */
-    float *gate_up;     /* (n, 2*d_ff_max) */
-    float *act;         /* (n, d_ff_max) */
-    float *ye;          /* (n, d_model) */
-    int32_t *route_idx; /* (n*top_k) token index, grouped by expert */
-    float *route_w;     /* (n*top_k) */
-    float *ones;        /* (n) all 1: dense FFN weights */
-    int32_t *iota;      /* (n) 0..n-1 */
-    int32_t *tokens;    /* (n) */
-    int32_t *pos;       /* (n) */
-    int32_t *seq;       /* (n) */
-    int32_t *slots;     /* (n) */
-    int32_t *block_tables; /* (cap_seq_blocks) */
-    int32_t *logit_rows; /* (n) */
-    float *logits;      /* (n, vocab) */
-    /* host mirrors for routing */
-    int32_t *h_ids;     /* (n*top_k) */
-    float *h_w;         /* (n*top_k) */
-    int32_t *h_route_idx;
-    float *h_route_w;
-    int32_t *h_counts;  /* (n_expert + 1) */
-    float *h_zero;      /* (n, d_model) zeros, to clear device buffers */
-};
-
-struct moe_model {
-    struct moe_config cfg;
-    struct moe_model_opts opts;
-    struct moe_backend *be;
-    int n_head_local;
-    int n_kv_head_local;
-    int q_dim;          /* n_head_local * d_head */
-    int kv_dim;         /* n_kv_head_local * d_head */
-    void *embed;        /* (vocab, d_model) */
-    float *final_norm;  /* (d_model) */
-    void *lm_head;      /* (vocab, d_model); == embed when tied */
-    struct layer_weights *layers;
-    size_t weight_bytes;
-    struct scratch s;
-};
 
 /* ---- loading ------------------------------------------------------------------ */
 
@@ -314,6 +244,8 @@ static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *er
     const char *u = c->arch == MOE_ARCH_MIXTRAL ? "w3" : "up_proj";
     const char *dn = c->arch == MOE_ARCH_MIXTRAL ? "w2" : "down_proj";
     for (int e = 0; e < c->n_expert; e++) {
+        if (m->ep_comm && !moe_placement_holds(&m->placement, l, e, m->ep_comm->rank))
+            continue; /* another rank's expert */
         NAME(name, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, g);
         NAME(name2, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, u);
         if ((rc = load_gate_up(ld, name, name2, c->d_ff_expert, d, &w->w_gate_up[e], err)))
@@ -339,6 +271,13 @@ static enum moe_status check_opts(const struct moe_config *c, const struct moe_m
         return moe_error_set(err, MOE_ERR_INVALID,
                              "%s: num_attention_heads %d is not divisible by tensor-parallel size %d",
                              dir, c->n_head, o->tp_size);
+    if (o->tp_size > 1 && (!o->tp_comm || o->tp_comm->size != o->tp_size ||
+                           o->tp_comm->rank != o->tp_rank))
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "tensor-parallel size %d needs a communicator of that size", o->tp_size);
+    if (o->ep_comm && o->ep_comm->size > MOE_MAX_EP_RANKS)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "expert parallel over %d ranks (at most %d)",
+                             o->ep_comm->size, MOE_MAX_EP_RANKS);
     if (c->n_kv_head % o->tp_size)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED,
                              "%s: num_key_value_heads %d is not divisible by tensor-parallel size %d "
@@ -367,6 +306,33 @@ enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opt
     const struct moe_config *c = &m->cfg;
     if ((rc = check_opts(c, opts, dir, err)))
         goto fail;
+    m->tp_comm = opts->tp_size > 1 ? opts->tp_comm : NULL;
+    m->ep_comm = opts->ep_comm && opts->ep_comm->size > 1 ? opts->ep_comm : NULL;
+    if (m->ep_comm) {
+        int w = m->ep_comm->size;
+        if (opts->placement) {
+            const struct moe_placement *pl = opts->placement;
+            if (pl->n_rank != w || pl->n_expert != c->n_expert || pl->n_layer != c->n_layer) {
+                rc = moe_error_set(err, MOE_ERR_INVALID,
+                                   "placement is for %d experts x %d layers on %d ranks; the model "
+                                   "has %d x %d and the group %d ranks",
+                                   pl->n_expert, pl->n_layer, pl->n_rank, c->n_expert, c->n_layer,
+                                   w);
+                goto fail;
+            }
+            rc = moe_placement_default(c->n_layer, c->n_expert, w, &m->placement, err);
+            if (!rc) {
+                size_t n = (size_t)c->n_layer * c->n_expert;
+                memcpy(m->placement.n_replicas, pl->n_replicas, n);
+                memcpy(m->placement.ranks, pl->ranks,
+                       n * MOE_PLACEMENT_MAX_REPLICAS * sizeof *pl->ranks);
+            }
+        } else {
+            rc = moe_placement_default(c->n_layer, c->n_expert, w, &m->placement, err);
+        }
+        if (rc)
+            goto fail;
+    }
     m->n_head_local = c->n_head / opts->tp_size;
     m->n_kv_head_local = c->n_kv_head / opts->tp_size;
     m->q_dim = m->n_head_local * c->d_head;
@@ -412,7 +378,8 @@ static void scratch_free(struct moe_model *m)
                    s->topk_w,   s->xe,         s->gate_up,   s->act,      s->ye,
                    s->route_idx, s->route_w,   s->ones,      s->iota,     s->tokens,
                    s->pos,      s->seq,        s->slots,     s->block_tables, s->logit_rows,
-                   s->logits};
+                   s->logits,   s->ep_send,    s->ep_recv,   s->ep_out,   s->ep_ret,
+                   s->ep_ids,   s->ep_rids,    s->ep_idx,    s->ep_w};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i])
             be->ops->buf_free(be, dev[i]);
@@ -422,6 +389,12 @@ static void scratch_free(struct moe_model *m)
     free(s->h_route_w);
     free(s->h_counts);
     free(s->h_zero);
+    free(s->h_ep_tok);
+    free(s->h_ep_exp);
+    free(s->h_ep_pos);
+    free(s->h_ep_rexp);
+    free(s->h_ep_idx);
+    free(s->h_ep_w);
     memset(s, 0, sizeof *s);
 }
 
@@ -464,6 +437,7 @@ void moe_model_free(struct moe_model *m)
     FREE_BUF(m->final_norm);
 #undef FREE_BUF
     scratch_free(m);
+    moe_placement_free(&m->placement);
     free(m);
 }
 
@@ -475,6 +449,12 @@ const struct moe_config *moe_model_config(const struct moe_model *m)
 size_t moe_model_weight_bytes(const struct moe_model *m)
 {
     return m->weight_bytes;
+}
+
+void moe_model_ep_traffic(const struct moe_model *m, uint64_t *bytes_sent, uint64_t *rows_routed)
+{
+    *bytes_sent = m->ep_bytes_sent;
+    *rows_routed = m->ep_rows_routed;
 }
 
 /* ---- KV cache -------------------------------------------------------------------- */
@@ -533,6 +513,19 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
                                        struct moe_error *err)
 {
     struct scratch *s = &m->s;
+    if (n_tok <= s->cap_tok && n_table > s->cap_seq_blocks) {
+        /* Only the block tables grew (sequences got longer): regrow them
+         * alone, geometrically, so long decodes do not reallocate every
+         * activation buffer each time a sequence takes another block. */
+        int cap_tab = s->cap_seq_blocks * 2 > n_table ? s->cap_seq_blocks * 2 : n_table;
+        int32_t *t = m->be->ops->buf_alloc(m->be, (size_t)cap_tab * sizeof(int32_t));
+        if (!t)
+            return moe_error_set(err, MOE_ERR_NOMEM, "cannot allocate block tables for %d entries",
+                                 cap_tab);
+        m->be->ops->buf_free(m->be, s->block_tables);
+        s->block_tables = t;
+        s->cap_seq_blocks = cap_tab;
+    }
     if (n_tok <= s->cap_tok && n_table <= s->cap_seq_blocks)
         return MOE_OK;
     int cap = n_tok > s->cap_tok ? n_tok : s->cap_tok;
@@ -556,7 +549,7 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     ALLOC(v, n * m->kv_dim, float);
     ALLOC(att, n * m->q_dim, float);
     ALLOC(o, n * c->d_model, float);
-    ALLOC(ffn_out, n * c->d_model, float);
+    ALLOC(ffn_out, (n + MOE_MAX_EP_RANKS) * c->d_model, float); /* + padding for all-gather */
     ALLOC(router_logits, n * (size_t)(c->n_expert > 0 ? c->n_expert : 1), float);
     ALLOC(topk_ids, n_route, int32_t);
     ALLOC(topk_w, n_route, float);
@@ -575,13 +568,33 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     ALLOC(block_tables, (size_t)(cap_tab > 0 ? cap_tab : 1), int32_t);
     ALLOC(logit_rows, n, int32_t);
     ALLOC(logits, n * c->vocab_size, float);
+    if (m->ep_comm) {
+        ALLOC(ep_send, n_route * c->d_model, float);
+        ALLOC(ep_recv, n_route * c->d_model, float);
+        ALLOC(ep_out, n_route * c->d_model, float);
+        ALLOC(ep_ret, n_route * c->d_model, float);
+        ALLOC(ep_ids, n_route, int32_t);
+        ALLOC(ep_rids, n_route, int32_t);
+        ALLOC(ep_idx, n_route, int32_t);
+        ALLOC(ep_w, n_route, float);
+        s->h_ep_tok = malloc(n_route * sizeof *s->h_ep_tok);
+        s->h_ep_exp = malloc(n_route * sizeof *s->h_ep_exp);
+        s->h_ep_pos = malloc(n_route * sizeof *s->h_ep_pos);
+        s->h_ep_rexp = malloc(n_route * sizeof *s->h_ep_rexp);
+        s->h_ep_idx = malloc(n_route * sizeof *s->h_ep_idx);
+        s->h_ep_w = malloc(n_route * sizeof *s->h_ep_w);
+        ok = ok && s->h_ep_tok && s->h_ep_exp && s->h_ep_pos && s->h_ep_rexp && s->h_ep_idx &&
+             s->h_ep_w;
+    }
 #undef ALLOC
     s->h_ids = malloc(n_route * sizeof *s->h_ids);
     s->h_w = malloc(n_route * sizeof *s->h_w);
     s->h_route_idx = malloc(n_route * sizeof *s->h_route_idx);
     s->h_route_w = malloc(n_route * sizeof *s->h_route_w);
     s->h_counts = malloc(((size_t)c->n_expert + 1) * sizeof *s->h_counts);
-    s->h_zero = calloc(n * (size_t)c->d_model, sizeof *s->h_zero);
+    s->h_zero = calloc((n_route > n + MOE_MAX_EP_RANKS ? n_route : n + MOE_MAX_EP_RANKS) *
+                           (size_t)c->d_model,
+                       sizeof *s->h_zero);
     float *h_ones = malloc(n * sizeof *h_ones);
     int32_t *h_iota = malloc(n * sizeof *h_iota);
     ok = ok && s->h_ids && s->h_w && s->h_route_idx && s->h_route_w && s->h_counts && s->h_zero && h_ones &&
@@ -623,8 +636,8 @@ static void matmul(struct moe_model *m, const float *x, int n_tok, int n_in, con
 }
 
 /* SwiGLU FFN on n rows of xe: ye = down(silu(gate(xe)) * up(xe)). */
-static void ffn(struct moe_model *m, const float *xe, int n, const void *w_gate_up, int d_ff,
-                const void *w_down, float *ye)
+void moe_model_ffn(struct moe_model *m, const float *xe, int n, const void *w_gate_up, int d_ff,
+                   const void *w_down, float *ye)
 {
     const struct moe_config *c = &m->cfg;
     struct scratch *s = &m->s;
@@ -633,8 +646,8 @@ static void ffn(struct moe_model *m, const float *xe, int n, const void *w_gate_
     matmul(m, s->act, n, d_ff, w_down, c->d_model, ye, false);
 }
 
-static void attention_block(struct moe_model *m, struct moe_kv_cache *kv, int l,
-                            const struct moe_batch *b)
+static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache *kv, int l,
+                                       const struct moe_batch *b, struct moe_error *err)
 {
     const struct moe_config *c = &m->cfg;
     const struct layer_weights *w = &m->layers[l];
@@ -672,7 +685,14 @@ static void attention_block(struct moe_model *m, struct moe_kv_cache *kv, int l,
     ops->attention(m->be, &ap);
     /* Row-parallel o_proj: with tp_size > 1 the partial sums are all-reduced here. */
     matmul(m, s->att, n, m->q_dim, w->wo, c->d_model, s->o, false);
+    if (m->tp_comm) {
+        ops->synchronize(m->be);
+        enum moe_status rc = moe_comm_all_reduce_sum(m->tp_comm, s->o, (size_t)n * c->d_model, err);
+        if (rc)
+            return moe_error_prefix(err, "layer %d attention all-reduce", l);
+    }
     ops->add(m->be, s->x, s->o, (size_t)n * c->d_model);
+    return MOE_OK;
 }
 
 /* Groups the top-k choices by expert (counting sort): h_counts[e]..h_counts[e+1]
@@ -706,7 +726,7 @@ static void route_group(struct moe_model *m, int n)
     m->be->ops->buf_upload(m->be, s->route_w, s->h_route_w, (size_t)n_route * sizeof(float));
 }
 
-static void ffn_block(struct moe_model *m, int l, int n)
+static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_error *err)
 {
     const struct moe_config *c = &m->cfg;
     const struct layer_weights *w = &m->layers[l];
@@ -716,13 +736,20 @@ static void ffn_block(struct moe_model *m, int l, int n)
 
     ops->rmsnorm(m->be, s->x, w->ffn_norm, s->h, n, c->d_model, c->rms_eps);
     if (!w->is_moe) {
-        ffn(m, s->h, n, w->dense_gate_up, c->d_ff_dense, w->dense_down, s->ye);
+        moe_model_ffn(m, s->h, n, w->dense_gate_up, c->d_ff_dense, w->dense_down, s->ye);
         ops->add(m->be, s->x, s->ye, (size_t)n * c->d_model);
-        return;
+        return MOE_OK;
     }
     matmul(m, s->h, n, c->d_model, w->router, c->n_expert, s->router_logits, false);
     ops->router_topk(m->be, s->router_logits, n, c->n_expert, c->top_k, c->norm_topk_prob,
                      s->topk_ids, s->topk_w);
+    if (m->ep_comm) {
+        enum moe_status rc = moe_ep_moe_layer(m, l, n, err);
+        if (rc)
+            return rc;
+        ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
+        return MOE_OK;
+    }
     route_group(m, n);
     /* Sum of the experts' weighted outputs, then one residual add (the order
      * transformers uses). */
@@ -732,11 +759,12 @@ static void ffn_block(struct moe_model *m, int l, int n)
         if (!cnt || !w->w_gate_up[e])
             continue;
         ops->gather_rows(m->be, s->h, s->route_idx + begin, cnt, c->d_model, s->xe);
-        ffn(m, s->xe, cnt, w->w_gate_up[e], c->d_ff_expert, w->w_down[e], s->ye);
+        moe_model_ffn(m, s->xe, cnt, w->w_gate_up[e], c->d_ff_expert, w->w_down[e], s->ye);
         ops->scatter_add_rows(m->be, s->ye, s->route_idx + begin, s->route_w + begin, cnt,
                               c->d_model, s->ffn_out);
     }
     ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
+    return MOE_OK;
 }
 
 static enum moe_status check_batch(const struct moe_model *m, const struct moe_kv_cache *kv,
@@ -791,8 +819,8 @@ enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
 
     ops->embed(be, m->embed, m->opts.dtype, s->tokens, n, c->d_model, s->x);
     for (int l = 0; l < c->n_layer; l++) {
-        attention_block(m, kv, l, b);
-        ffn_block(m, l, n);
+        if ((rc = attention_block(m, kv, l, b, err)) || (rc = ffn_block(m, l, n, err)))
+            return rc;
     }
     if (b->n_logits > 0) {
         ops->buf_upload(be, s->logit_rows, b->logit_rows, (size_t)b->n_logits * sizeof(int32_t));

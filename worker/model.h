@@ -16,10 +16,21 @@
 #include "model_config.h"
 #include "moe_error.h"
 
+struct moe_comm;
+struct moe_placement;
+
+/* Sharding: attention heads are split over the tp_size ranks of `tp_comm`
+ * (row-parallel o_proj partial sums all-reduced there); experts are split
+ * over every rank of `ep_comm` by `placement` (NULL: an even contiguous split),
+ * each rank loading only its own experts. All ranks of ep_comm run every
+ * forward on the same batch (lock-step, see group.h). NULL comms: one rank. */
 struct moe_model_opts {
-    enum moe_dtype dtype; /* weights: F32 or BF16 (norms stay F32) */
-    int tp_rank;          /* attention heads split over tp_size ranks */
+    enum moe_dtype dtype;      /* weights: F32 or BF16 (norms stay F32) */
+    int tp_rank;
     int tp_size;
+    struct moe_comm *tp_comm;  /* borrowed; NULL when tp_size == 1 */
+    struct moe_comm *ep_comm;  /* borrowed; NULL or size 1: all experts local */
+    const struct moe_placement *placement; /* copied at load */
 };
 
 struct moe_model;
@@ -38,6 +49,10 @@ const struct moe_config *moe_model_config(const struct moe_model *m);
 
 /* Bytes of weights held by this shard. */
 size_t moe_model_weight_bytes(const struct moe_model *m);
+
+/* Bytes sent by this rank in the expert-parallel dispatch and combine
+ * all-to-alls since load (0 with one rank), and the routed token rows. */
+void moe_model_ep_traffic(const struct moe_model *m, uint64_t *bytes_sent, uint64_t *rows_routed);
 
 /* The KV cache of one shard: n_block blocks of block_size token slots, for
  * every layer, K and V of the shard's KV heads, f32. Slot s of layer l is
@@ -76,5 +91,11 @@ struct moe_batch {
 enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
                                   const struct moe_batch *batch, float *logits,
                                   struct moe_error *err);
+
+/* A forward pass as the engine and the generator call it: moe_model_forward
+ * on one rank, or the group leader's broadcast-then-forward (group.h). */
+typedef enum moe_status (*moe_forward_fn)(void *ctx, struct moe_model *m, struct moe_kv_cache *kv,
+                                          const struct moe_batch *batch, float *logits,
+                                          struct moe_error *err);
 
 #endif

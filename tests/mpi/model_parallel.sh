@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# A model replica over W ranks gives what one rank gives: for both tiny
+# models (Mixtral, Qwen3-MoE), W = 2 and 4, TP = 1 and 2, experts over all
+# ranks: the greedy tokens are identical and the f32 logits of every prompt
+# position are within 1e-5 of W = 1; a batch of prompts through the engine
+# gives identical outputs; an uneven placement and one with replicated
+# experts change nothing; a rank that dies mid-run makes the job end with a
+# clear error within the communicator timeout.
+#
+#   model_parallel.sh BIN_DIR FIXTURES_DIR CMP_LOGITS MPIRUN...
+set -uo pipefail
+bin=$1 fixtures=$2 cmp=$3
+shift 3
+mpirun=("$@")
+tmp=$(mktemp -d /tmp/moe-mp-XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+pass=0 fail=0
+ok() { pass=$((pass + 1)); echo "ok   $*"; }
+bad() { fail=$((fail + 1)); echo "FAIL $*"; }
+
+gen() { # gen OUTFILE LOGITS W ARGS...: tokens line into OUTFILE
+  local out=$1 logits=$2 w=$3; shift 3
+  if [ "$w" = 1 ]; then
+    "$bin/moe-generate" "$@" --logits-out "$logits" >"$out" 2>"$out.err"
+  else
+    timeout 120 "${mpirun[@]}" -np "$w" "$bin/moe-generate" "$@" --logits-out "$logits" \
+      >"$out" 2>"$out.err"
+  fi
+}
+
+batch() { # batch OUTFILE W ARGS...: request lines into OUTFILE
+  local out=$1 w=$2; shift 2
+  local run=("$bin/moe-generate")
+  [ "$w" != 1 ] && run=(timeout 120 "${mpirun[@]}" -np "$w" "$bin/moe-generate")
+  "${run[@]}" "$@" --print-outputs >"$out.all" 2>"$out.err"
+  local rc=$?
+  grep '^request' "$out.all" >"$out"
+  return $rc
+}
+
+# Prompts: several lengths, including one longer than a KV block.
+cat >"$tmp/prompts.jsonl" <<'JSONL'
+{"tokens": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], "max_tokens": 12}
+{"tokens": [100, 200, 300], "max_tokens": 9}
+{"tokens": [42], "max_tokens": 14}
+{"tokens": [7, 7, 7, 7, 7, 7, 7, 7], "max_tokens": 10}
+JSONL
+
+for model in mixtral qwen3_moe; do
+  m=$fixtures/$model
+  common=(--model "$m" --tokens 3,14,15,92,65,35,89,79,32,38,46 -n 16 --dtype f32 --ignore-eos)
+  gen "$tmp/ref.out" "$tmp/ref.bin" 1 "${common[@]}" || { bad "$model W=1 failed: $(cat "$tmp/ref.out.err")"; continue; }
+  ref_tokens=$(grep '^tokens:' "$tmp/ref.out")
+  bcommon=(--model "$m" --prompts-file "$tmp/prompts.jsonl" --dtype f32 --ignore-eos --max-batch-tokens 16)
+  batch "$tmp/bref.out" 1 "${bcommon[@]}" || bad "$model batch W=1 failed"
+  for w in 2 4; do
+    for tp in 1 2; do
+      name="$model W=$w TP=$tp"
+      if ! gen "$tmp/w.out" "$tmp/w.bin" "$w" "${common[@]}" --tp "$tp"; then
+        bad "$name: exit non-zero: $(grep -v CUDA "$tmp/w.out.err" | head -3)"; continue
+      fi
+      [ "$(grep '^tokens:' "$tmp/w.out")" = "$ref_tokens" ] && ok "$name: greedy tokens identical" \
+        || bad "$name: tokens differ: $(grep '^tokens:' "$tmp/w.out") vs $ref_tokens"
+      r=$("$cmp" "$tmp/w.bin" "$tmp/ref.bin" 1e-5) && ok "$name: logits $r" || bad "$name: logits $r"
+      if batch "$tmp/b.out" "$w" "${bcommon[@]}" --tp "$tp" && cmp -s "$tmp/b.out" "$tmp/bref.out"; then
+        ok "$name: batch of 4 through the engine identical"
+      else
+        bad "$name: batch differs"; diff "$tmp/b.out" "$tmp/bref.out" | head -4
+      fi
+    done
+  done
+done
+
+# Placements on the Qwen3-MoE model (8 experts, 2 ranks): 5 + 3, and a hot
+# expert replicated on both ranks.
+m=$fixtures/qwen3_moe
+common=(--model "$m" --tokens 3,14,15,92,65,35,89,79,32,38,46 -n 16 --dtype f32 --ignore-eos)
+gen "$tmp/ref.out" "$tmp/ref.bin" 1 "${common[@]}"
+ref_tokens=$(grep '^tokens:' "$tmp/ref.out")
+echo '{"n_rank": 2, "experts": [[0],[0],[0],[0],[0],[1],[1],[1]]}' >"$tmp/uneven.json"
+echo '{"n_rank": 2, "experts": [[0,1],[0],[0],[0],[1],[1],[1],[0,1]]}' >"$tmp/replicated.json"
+for pl in uneven replicated; do
+  if gen "$tmp/w.out" "$tmp/w.bin" 2 "${common[@]}" --placement "$tmp/$pl.json" &&
+     [ "$(grep '^tokens:' "$tmp/w.out")" = "$ref_tokens" ] &&
+     r=$("$cmp" "$tmp/w.bin" "$tmp/ref.bin" 1e-5); then
+    ok "placement $pl: tokens identical, $r"
+  else
+    bad "placement $pl: $(grep -v CUDA "$tmp/w.out.err" | head -3) $(grep '^tokens:' "$tmp/w.out")"
+  fi
+done
+echo '{"n_rank": 2, "experts": [[0],[0],[0],[0],[0],[1],[1],[7]]}' >"$tmp/bad.json"
+if gen "$tmp/w.out" "$tmp/w.bin" 2 "${common[@]}" --placement "$tmp/bad.json"; then
+  bad "a placement naming rank 7 was accepted"
+else
+  grep -q "expert 7: rank 7 is not in \[0, 2)" "$tmp/w.out.err" && ok "bad placement refused: $(grep -m1 'rank 7' "$tmp/w.out.err")" \
+    || bad "bad placement: $(cat "$tmp/w.out.err" | grep -v CUDA | head -3)"
+fi
+
+# A rank dies mid-run. mpirun is told not to kill the job itself, so the
+# survivors must notice through the 2 s communicator timeout, say so, and
+# abort the job: the command must end within 20 s, non-zero.
+start=$(date +%s)
+MOE_FAULT_RANK=3 MOE_FAULT_AFTER_STEPS=5 timeout 60 "${mpirun[@]}" \
+  --mca orte_abort_on_non_zero_status 0 -x MOE_FAULT_RANK -x MOE_FAULT_AFTER_STEPS -np 4 \
+  "$bin/moe-generate" --model "$m" --tokens 5,6,7 -n 60 --dtype f32 --ignore-eos \
+  --comm-timeout-ms 2000 >"$tmp/dead.out" 2>&1
+rc=$?
+took=$(( $(date +%s) - start ))
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $took -le 20 ] &&
+   grep -q "timed out after 2000 ms waiting for rank 3" "$tmp/dead.out"; then
+  ok "dead rank: job ended in ${took}s: $(grep -m1 'timed out' "$tmp/dead.out")"
+else
+  bad "dead rank: rc $rc after ${took}s"; grep -v CUDA "$tmp/dead.out" | head -8
+fi
+
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ]
