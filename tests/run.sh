@@ -20,6 +20,9 @@ done
 
 jobs=$(nproc 2>/dev/null || echo 2)
 deploy/install-deps.sh
+# Python packages of tests/python (integration/python_client), unless present.
+python3 -c 'import grpc, grpc_tools, google.protobuf' 2>/dev/null ||
+  python3 -m pip install --quiet grpcio grpcio-tools protobuf
 
 echo "== build (Release, -Werror) =="
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMOE_WERROR=ON
@@ -33,5 +36,5 @@ if [ "$asan" = 1 ]; then
   cmake --build build-asan -j"$jobs"
   echo "== tests under ASan + UBSan =="
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --test-dir build-asan --output-on-failure -j"$jobs" -L 'unit|golden|cli|integration'
+    ctest --test-dir build-asan --output-on-failure -j"$jobs" -L 'unit|golden|cli|integration|mpi'
 fi

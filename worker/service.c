@@ -36,6 +36,7 @@ struct worker_service {
     struct rpc_server *server;
     char model_name[256];
     char dtype_name[16];
+    int world_size, tp_size;
 
     pthread_t thread;
     bool thread_started;
@@ -393,7 +394,9 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
     pthread_mutex_lock(&ws->mu);
     load.draining = ws->draining;
     pthread_mutex_unlock(&ws->mu);
-    load.world_size = load.tp_size = load.ep_size = 1;
+    load.world_size = (uint32_t)ws->world_size;
+    load.tp_size = (uint32_t)ws->tp_size;
+    load.ep_size = (uint32_t)ws->world_size;
     size_t n;
     void *out = pack_msg(&load.base, &n);
     rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
@@ -452,6 +455,8 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
     ws->cfg = moe_model_config(model);
     snprintf(ws->model_name, sizeof ws->model_name, "%s", opts->model_name ? opts->model_name : "");
     snprintf(ws->dtype_name, sizeof ws->dtype_name, "%s", opts->dtype_name ? opts->dtype_name : "");
+    ws->world_size = opts->world_size > 0 ? opts->world_size : 1;
+    ws->tp_size = opts->tp_size > 0 ? opts->tp_size : 1;
     pthread_mutex_init(&ws->mu, NULL);
     pthread_cond_init(&ws->wake, NULL);
     enum moe_status rc = MOE_OK;

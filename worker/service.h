@@ -21,6 +21,8 @@ struct worker_service_opts {
     int rpc_threads;        /* completion-queue threads (default 2) */
     const char *model_name; /* reported by GetModelInfo */
     const char *dtype_name; /* "bf16", "f32" */
+    int world_size;         /* ranks in the group (reported by GetLoad; 0 = 1) */
+    int tp_size;
 };
 
 struct worker_service;

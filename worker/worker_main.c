@@ -9,6 +9,9 @@
  *              [--threads N] [--device auto|cpu|cuda] [--kv-blocks N | --kv-memory MIB]
  *              [--block-size N] [--max-batch-tokens N] [--max-running N]
  *              [--no-prefix-cache] [--role mixed] [--drain-timeout S]
+ *   mpirun -np W moe-worker ... [--tp T] [--placement F.json]
+ *              one model replica over W ranks: rank 0 serves gRPC and runs the
+ *              scheduler, every rank runs each step (tensor + expert parallel)
  */
 #include <errno.h>
 #include <signal.h>
@@ -22,7 +25,9 @@
 #include "engine.h"
 #include "etcd.h"
 #include "generate.h"
+#include "group.h"
 #include "model.h"
+#include "placement.h"
 #include "service.h"
 #include "tokenizer.h"
 
@@ -44,6 +49,9 @@ struct args {
     int max_running;
     bool no_prefix_cache;
     int drain_timeout_s;
+    int tp;
+    const char *placement;
+    int comm_timeout_ms;
 };
 
 static volatile sig_atomic_t g_signal;
@@ -83,7 +91,10 @@ static void usage(FILE *f)
             "  --no-prefix-cache     disable prefix caching\n"
             "  --role mixed          prefill/decode pools come later\n"
             "  --drain-timeout S     on SIGTERM, wait at most S seconds for running requests "
-            "(default 60)\n");
+            "(default 60)\n"
+            "under mpirun: --tp T (attention tensor parallel), --placement F.json (experts),\n"
+            "  --comm-timeout-ms MS (a collective slower than this fails the group, default "
+            "10000)\n");
 }
 
 static bool parse_int(const char *s, long lo, long hi, long *out)
@@ -100,7 +111,8 @@ static bool parse_int(const char *s, long lo, long hi, long *out)
 static int parse_args(int argc, char **argv, struct args *a)
 {
     *a = (struct args){.listen = "127.0.0.1:0", .device = "auto", .dtype = MOE_DTYPE_BF16,
-                       .lease_ttl = 5, .role = "mixed", .drain_timeout_s = 60};
+                       .lease_ttl = 5, .role = "mixed", .drain_timeout_s = 60, .tp = 1,
+                       .comm_timeout_ms = 10000};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
         if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
@@ -130,11 +142,15 @@ static int parse_args(int argc, char **argv, struct args *a)
         INT_OPT("--max-batch-tokens", 1, 1 << 20, max_batch_tokens)
         INT_OPT("--max-running", 1, 1 << 16, max_running)
         INT_OPT("--drain-timeout", 0, 86400, drain_timeout_s)
+        INT_OPT("--tp", 1, 1024, tp)
+        INT_OPT("--comm-timeout-ms", 100, 3600000, comm_timeout_ms)
 #undef INT_OPT
         if (!strcmp(k, "--kv-memory")) {
             if (!parse_int(v, 1, 1 << 24, &n))
                 return fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
             a->kv_memory_mib = n;
+        } else if (!strcmp(k, "--placement")) {
+            a->placement = v;
         } else if (!strcmp(k, "--model")) {
             a->model = v;
         } else if (!strcmp(k, "--listen")) {
@@ -223,14 +239,53 @@ int main(int argc, char **argv)
     struct moe_engine *engine = NULL;
     struct worker_service *ws = NULL;
     struct registration reg = {.endpoints = a.etcd, .ttl = a.lease_ttl};
+    struct moe_group *group = NULL;
+    struct moe_placement placement = {0};
     rc = 1;
 
+    if (moe_group_launched_by_mpi()) {
+        if (moe_group_create(&argc, &argv, a.tp, a.comm_timeout_ms, &group, &err))
+            goto fail;
+    } else if (a.tp > 1 || a.placement) {
+        moe_error_set(&err, MOE_ERR_INVALID, "--tp and --placement need a group: run under mpirun");
+        goto fail;
+    }
+    if (group && a.placement) {
+        struct moe_config pc;
+        char cpath[4096];
+        snprintf(cpath, sizeof cpath, "%s/config.json", a.model);
+        if (moe_config_load(cpath, &pc, &err) ||
+            moe_placement_load(a.placement, pc.n_layer, pc.n_expert, group->size, &placement,
+                               &err))
+            goto fail;
+    }
     if (moe_backend_create(a.device, a.threads, &be, &err))
         goto fail;
-    struct moe_model_opts mo = {.dtype = a.dtype, .tp_rank = 0, .tp_size = 1};
+    struct moe_model_opts mo = {
+        .dtype = a.dtype,
+        .tp_rank = group ? group->tp_rank : 0,
+        .tp_size = group ? group->tp_size : 1,
+        .tp_comm = group ? group->tp : NULL,
+        .ep_comm = group ? group->world : NULL,
+        .placement = a.placement ? &placement : NULL,
+    };
     if (moe_model_load(a.model, &mo, be, &model, &err))
         goto fail;
     const struct moe_config *cfg = moe_model_config(model);
+    if (group && group->rank != 0) {
+        /* Followers run the leader's step plans until it stops the group. */
+        fprintf(stderr, "moe-worker: rank %d of %d (tp %d/%d) following, %.1f MiB of weights\n",
+                group->rank, group->size, group->tp_rank, group->tp_size,
+                (double)moe_model_weight_bytes(model) / (1024.0 * 1024.0));
+        /* A follower's life is the leader's: it drains on SIGTERM and then
+         * stops the group, so a SIGTERM that mpirun forwards here is ignored. */
+        signal(SIGTERM, SIG_IGN);
+        signal(SIGINT, SIG_IGN);
+        if (moe_group_follow(group, model, &err))
+            goto fail;
+        rc = 0;
+        goto out;
+    }
     char tok_path[4096];
     snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", a.model);
     if (access(tok_path, F_OK) == 0 && moe_tokenizer_load(tok_path, &tok, &err))
@@ -242,6 +297,8 @@ int main(int argc, char **argv)
         .max_batch_tokens = a.max_batch_tokens,
         .max_running = a.max_running,
         .no_prefix_cache = a.no_prefix_cache,
+        .forward = group ? moe_group_forward : NULL,
+        .forward_ctx = group,
     };
     if (!eo.n_block) {
         size_t block_bytes = (size_t)eo.block_size * cfg->n_layer * 2 * (size_t)cfg->n_kv_head *
@@ -261,6 +318,8 @@ int main(int argc, char **argv)
         .listen = a.listen,
         .model_name = name,
         .dtype_name = a.dtype == MOE_DTYPE_BF16 ? "bf16" : "f32",
+        .world_size = group ? group->size : 1,
+        .tp_size = group ? group->tp_size : 1,
     };
     if (worker_service_create(engine, model, tok, &so, &ws, &err))
         goto fail;
@@ -293,8 +352,11 @@ int main(int argc, char **argv)
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
-    printf("moe-worker: %s serving %s on %s (%s, %d KV blocks x %d tokens)%s\n", id, name, address,
-           be->name, eo.n_block, eo.block_size, a.etcd ? ", registered in etcd" : "");
+    printf("moe-worker: %s serving %s on %s (%s, %d KV blocks x %d tokens, %d rank%s, tp %d, "
+           "pid %d)%s\n",
+           id, name, address, be->name, eo.n_block, eo.block_size, group ? group->size : 1,
+           group && group->size > 1 ? "s" : "", group ? group->tp_size : 1, (int)getpid(),
+           a.etcd ? ", registered in etcd" : "");
     fflush(stdout);
 
     while (!g_signal) {
@@ -324,12 +386,19 @@ int main(int argc, char **argv)
 fail:
     fprintf(stderr, "moe-worker: %s\n", err.msg);
 out:
-    worker_service_destroy(ws, 1000);
+    worker_service_destroy(ws, 1000); /* joins the engine thread: MPI is ours again */
+    if (group && group->rank == 0) {
+        struct moe_error stop_err;
+        if (moe_group_stop(group, &stop_err))
+            fprintf(stderr, "moe-worker: stopping the group: %s\n", stop_err.msg);
+    }
+    moe_placement_free(&placement);
     unregister_worker(&reg);
     moe_etcd_destroy(reg.etcd);
     moe_engine_destroy(engine);
     moe_tokenizer_free(tok);
     moe_model_free(model);
     moe_backend_destroy(be);
+    moe_group_destroy(group);
     return rc;
 }
