@@ -51,6 +51,7 @@ struct args {
     int tp;
     const char *placement;
     int comm_timeout_ms;
+    bool profile;
 };
 
 static void usage(FILE *f)
@@ -78,6 +79,7 @@ static void usage(FILE *f)
             "  --max-running N     cap on running sequences (default 64)\n"
             "  --no-prefix-cache   disable prefix caching\n"
             "  --print-outputs     print every request's tokens (and text)\n"
+            "  --profile           print where the forward time went, per rank (stderr)\n"
             "under mpirun (one model replica over all ranks):\n"
             "  --tp T              tensor-parallel size for attention (default 1)\n"
             "  --placement F.json  expert placement (default: even contiguous split)\n"
@@ -135,6 +137,10 @@ static int parse_args(int argc, char **argv, struct args *a)
         }
         if (!strcmp(k, "--no-prefix-cache")) {
             a->no_prefix_cache = true;
+            continue;
+        }
+        if (!strcmp(k, "--profile")) {
+            a->profile = true;
             continue;
         }
         if (!strcmp(k, "--print-outputs")) {
@@ -365,6 +371,29 @@ out:
     return rc;
 }
 
+/* One line per rank on stderr: the phase split of the forward passes and the
+ * expert-parallel bytes this rank sent. */
+static void print_profile(const struct moe_model *model, const struct moe_group *group)
+{
+    struct moe_model_profile p;
+    moe_model_profile(model, &p);
+    uint64_t bytes, rows;
+    moe_model_ep_traffic(model, &bytes, &rows);
+    double total = p.attention_s + p.router_s + p.dispatch_s + p.experts_s + p.combine_s + p.other_s;
+    if (total <= 0)
+        total = 1e-9;
+    fprintf(stderr,
+            "profile rank %d: %llu forwards, %llu tokens, %.3f s: attention %.3f s (%.0f%%), router "
+            "%.3f s (%.0f%%), dispatch %.3f s (%.0f%%), experts %.3f s (%.0f%%), combine %.3f s "
+            "(%.0f%%), other %.3f s (%.0f%%); ep_bytes_sent %llu moe_layer_tokens %llu\n",
+            group ? group->rank : 0, (unsigned long long)p.forwards, (unsigned long long)p.tokens,
+            total, p.attention_s, 100 * p.attention_s / total, p.router_s,
+            100 * p.router_s / total, p.dispatch_s, 100 * p.dispatch_s / total, p.experts_s,
+            100 * p.experts_s / total, p.combine_s, 100 * p.combine_s / total, p.other_s,
+            100 * p.other_s / total, (unsigned long long)bytes,
+            (unsigned long long)p.moe_layer_tokens);
+}
+
 int main(int argc, char **argv)
 {
     struct args a;
@@ -517,6 +546,8 @@ fail:
     else
         fprintf(stderr, "moe-generate: %s\n", err.msg);
 out:
+    if (a.profile && model)
+        print_profile(model, group);
     if (group && group->rank == 0) {
         struct moe_error stop_err;
         if (moe_group_stop(group, &stop_err))

@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "placement.h"
 #include "safetensors.h"
@@ -451,6 +452,18 @@ size_t moe_model_weight_bytes(const struct moe_model *m)
     return m->weight_bytes;
 }
 
+double moe_model_clock(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void moe_model_profile(const struct moe_model *m, struct moe_model_profile *out)
+{
+    *out = m->prof;
+}
+
 void moe_model_ep_traffic(const struct moe_model *m, uint64_t *bytes_sent, uint64_t *rows_routed)
 {
     *bytes_sent = m->ep_bytes_sent;
@@ -740,9 +753,13 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
         ops->add(m->be, s->x, s->ye, (size_t)n * c->d_model);
         return MOE_OK;
     }
+    double t0 = moe_model_clock();
     matmul(m, s->h, n, c->d_model, w->router, c->n_expert, s->router_logits, false);
     ops->router_topk(m->be, s->router_logits, n, c->n_expert, c->top_k, c->norm_topk_prob,
                      s->topk_ids, s->topk_w);
+    m->prof.moe_layer_tokens += (uint64_t)n;
+    double t1 = moe_model_clock();
+    m->prof.router_s += t1 - t0;
     if (m->ep_comm) {
         enum moe_status rc = moe_ep_moe_layer(m, l, n, err);
         if (rc)
@@ -751,6 +768,8 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
         return MOE_OK;
     }
     route_group(m, n);
+    double t2 = moe_model_clock();
+    m->prof.dispatch_s += t2 - t1;
     /* Sum of the experts' weighted outputs, then one residual add (the order
      * transformers uses). */
     ops->buf_upload(m->be, s->ffn_out, s->h_zero, (size_t)n * row_bytes);
@@ -764,6 +783,7 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
                               c->d_model, s->ffn_out);
     }
     ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
+    m->prof.experts_s += moe_model_clock() - t2;
     return MOE_OK;
 }
 
@@ -817,9 +837,14 @@ enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
     ops->buf_upload(be, s->slots, b->slots, ib);
     ops->buf_upload(be, s->block_tables, b->block_tables, (size_t)n_table * sizeof(int32_t));
 
+    double t_start = moe_model_clock();
+    struct moe_model_profile before = m->prof;
     ops->embed(be, m->embed, m->opts.dtype, s->tokens, n, c->d_model, s->x);
     for (int l = 0; l < c->n_layer; l++) {
-        if ((rc = attention_block(m, kv, l, b, err)) || (rc = ffn_block(m, l, n, err)))
+        double t = moe_model_clock();
+        rc = attention_block(m, kv, l, b, err);
+        m->prof.attention_s += moe_model_clock() - t;
+        if (rc || (rc = ffn_block(m, l, n, err)))
             return rc;
     }
     if (b->n_logits > 0) {
@@ -831,5 +856,12 @@ enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
                           (size_t)b->n_logits * (size_t)c->vocab_size * sizeof(float));
     }
     ops->synchronize(be);
+    double total = moe_model_clock() - t_start;
+    double phases = (m->prof.attention_s - before.attention_s) + (m->prof.router_s - before.router_s) +
+                    (m->prof.dispatch_s - before.dispatch_s) + (m->prof.experts_s - before.experts_s) +
+                    (m->prof.combine_s - before.combine_s);
+    m->prof.other_s += total > phases ? total - phases : 0;
+    m->prof.forwards++;
+    m->prof.tokens += (uint64_t)n;
     return MOE_OK;
 }

@@ -54,6 +54,23 @@ size_t moe_model_weight_bytes(const struct moe_model *m);
  * all-to-alls since load (0 with one rank), and the routed token rows. */
 void moe_model_ep_traffic(const struct moe_model *m, uint64_t *bytes_sent, uint64_t *rows_routed);
 
+/* Wall time spent in each phase of the forward passes since load (this rank;
+ * the backend is synchronised at phase ends only on multi-rank groups, so on
+ * an asynchronous device the split is approximate). */
+struct moe_model_profile {
+    double attention_s;   /* norms, QKV, RoPE, attention, o_proj (+ TP all-reduce) */
+    double router_s;      /* router matmul and top-k */
+    double dispatch_s;    /* grouping by expert; EP: routing + all-to-all out */
+    double experts_s;     /* expert FFNs (one rank: with gather/scatter) */
+    double combine_s;     /* EP: all-to-all back, weighted combine, all-gather */
+    double other_s;       /* embedding, dense layers, final norm, lm_head */
+    uint64_t forwards;
+    uint64_t tokens;
+    uint64_t moe_layer_tokens; /* tokens x MoE layers */
+};
+
+void moe_model_profile(const struct moe_model *m, struct moe_model_profile *out);
+
 /* The KV cache of one shard: n_block blocks of block_size token slots, for
  * every layer, K and V of the shard's KV heads, f32. Slot s of layer l is
  * k[l] + s * kv_dim. */

@@ -55,6 +55,7 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
     const int t1 = (me + 1) * chunk < n ? (me + 1) * chunk : n;
     const int n_items = (t1 - t0) * k;
     enum moe_status rc;
+    double t_begin = moe_model_clock();
 
     /* 1. route this rank's shard */
     ops->buf_download(be, s->h_ids, s->topk_ids, (size_t)n * k * sizeof(int32_t));
@@ -145,6 +146,9 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
     m->ep_bytes_sent += n_sent_off_rank * (row_bytes + sizeof(int32_t));
     m->ep_rows_routed += (uint64_t)n_items;
 
+    double t_dispatched = moe_model_clock();
+    m->prof.dispatch_s += t_dispatched - t_begin;
+
     /* 3. compute the received rows on the local experts */
     if (n_recv) {
         ops->buf_download(be, s->h_ep_rexp, s->ep_rids, n_recv * sizeof(int32_t));
@@ -179,6 +183,8 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
 
     /* 4. combine: outputs back to their senders, in send order */
     ops->synchronize(be);
+    double t_computed = moe_model_clock();
+    m->prof.experts_s += t_computed - t_dispatched;
     for (int r = 0; r < W; r++) {
         sb[r] = recv_counts[r] * row_bytes;
         sdb[r] = rd[r] * row_bytes;
@@ -233,5 +239,6 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
                              (size_t)chunk * row_bytes, err);
     if (rc)
         return moe_error_prefix(err, "layer %d expert all-gather", l);
+    m->prof.combine_s += moe_model_clock() - t_computed;
     return MOE_OK;
 }

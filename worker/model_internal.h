@@ -92,6 +92,7 @@ struct moe_model {
     struct moe_comm *tp_comm;   /* NULL: no tensor parallel */
     struct moe_comm *ep_comm;   /* NULL: all experts local */
     struct moe_placement placement; /* valid when ep_comm */
+    struct moe_model_profile prof;
     uint64_t ep_bytes_sent;
     uint64_t ep_rows_routed;
     struct scratch s;
@@ -104,6 +105,9 @@ struct moe_model {
  * order, and all-gathers the shards so every rank holds all rows. Reads
  * s->h, s->topk_ids, s->topk_w; writes s->ffn_out (n rows). */
 enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_error *err);
+
+/* Monotonic seconds (model.c). */
+double moe_model_clock(void);
 
 /* SwiGLU FFN on n rows (model.c). */
 void moe_model_ffn(struct moe_model *m, const float *xe, int n, const void *w_gate_up, int d_ff,
