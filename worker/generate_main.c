@@ -52,6 +52,7 @@ struct args {
     const char *placement;
     int comm_timeout_ms;
     bool profile;
+    const char *placement_switch;
 };
 
 static void usage(FILE *f)
@@ -83,6 +84,7 @@ static void usage(FILE *f)
             "under mpirun (one model replica over all ranks):\n"
             "  --tp T              tensor-parallel size for attention (default 1)\n"
             "  --placement F.json  expert placement (default: even contiguous split)\n"
+            "  --placement-switch F.json  move to this placement while running (epoch 1)\n"
             "  --comm-timeout-ms MS  a collective that takes longer fails the group (default "
             "10000)\n");
 }
@@ -198,6 +200,8 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->tp = (int)n;
         } else if (!strcmp(k, "--placement")) {
             a->placement = v;
+        } else if (!strcmp(k, "--placement-switch")) {
+            a->placement_switch = v;
         } else if (!strcmp(k, "--comm-timeout-ms")) {
             if (!parse_long(v, 100, 3600000, &n))
                 return fail("--comm-timeout-ms: '%s' is not a whole number in [100, 3600000]", v);
@@ -385,13 +389,15 @@ static void print_profile(const struct moe_model *model, const struct moe_group 
     fprintf(stderr,
             "profile rank %d: %llu forwards, %llu tokens, %.3f s: attention %.3f s (%.0f%%), router "
             "%.3f s (%.0f%%), dispatch %.3f s (%.0f%%), experts %.3f s (%.0f%%), combine %.3f s "
-            "(%.0f%%), other %.3f s (%.0f%%); ep_bytes_sent %llu moe_layer_tokens %llu\n",
+            "(%.0f%%), other %.3f s (%.0f%%); ep_bytes_sent %llu moe_layer_tokens %llu "
+            "rows_computed %llu\n",
             group ? group->rank : 0, (unsigned long long)p.forwards, (unsigned long long)p.tokens,
             total, p.attention_s, 100 * p.attention_s / total, p.router_s,
             100 * p.router_s / total, p.dispatch_s, 100 * p.dispatch_s / total, p.experts_s,
             100 * p.experts_s / total, p.combine_s, 100 * p.combine_s / total, p.other_s,
             100 * p.other_s / total, (unsigned long long)bytes,
-            (unsigned long long)p.moe_layer_tokens);
+            (unsigned long long)p.moe_layer_tokens,
+            (unsigned long long)moe_model_ep_rows_computed(model));
 }
 
 int main(int argc, char **argv)
@@ -419,6 +425,20 @@ int main(int argc, char **argv)
     } else if (a.tp > 1 || a.placement) {
         moe_error_set(&err, MOE_ERR_INVALID, "--tp and --placement need a group: run under mpirun");
         goto fail;
+    }
+    if (group && a.placement_switch && group->rank == 0) {
+        struct moe_config pc;
+        struct moe_placement next;
+        char cpath[4096];
+        snprintf(cpath, sizeof cpath, "%s/config.json", a.model);
+        if (moe_config_load(cpath, &pc, &err) ||
+            moe_placement_load(a.placement_switch, pc.n_layer, pc.n_expert, group->size, &next,
+                               &err))
+            goto fail;
+        enum moe_status prc = moe_group_propose_placement(group, &next, 1, &err);
+        moe_placement_free(&next);
+        if (prc)
+            goto fail;
     }
     if (group && a.placement) {
         struct moe_config pc;
@@ -548,6 +568,12 @@ fail:
 out:
     if (a.profile && model)
         print_profile(model, group);
+    if (group && group->rank == 0 && a.placement_switch) {
+        double pause;
+        int64_t epoch = moe_group_placement_epoch(group, &pause);
+        printf("placement: epoch %lld in force, the switch paused one step for %.3f ms\n",
+               (long long)epoch, pause * 1e3);
+    }
     if (group && group->rank == 0) {
         struct moe_error stop_err;
         if (moe_group_stop(group, &stop_err))

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum plan_op { PLAN_FORWARD = 1, PLAN_STOP = 2 };
 
@@ -16,7 +17,121 @@ struct plan_head {
     int32_t max_blocks;
     int32_t kv_blocks;     /* shape of the leader's KV cache */
     int32_t kv_block_size;
+    int32_t prepare;       /* 1: a placement follows the batch; start preparing it */
+    int32_t pad;
+    int64_t epoch;         /* with prepare: its epoch */
 };
+
+/* A placement on the wire: per (layer, expert) the replica count and ranks. */
+static size_t placement_ints(const struct moe_placement *p)
+{
+    return (size_t)p->n_layer * p->n_expert * (1 + MOE_PLACEMENT_MAX_REPLICAS);
+}
+
+static void placement_pack(const struct moe_placement *p, int32_t *out)
+{
+    size_t n = (size_t)p->n_layer * p->n_expert;
+    for (size_t i = 0; i < n; i++) {
+        out[i] = p->n_replicas[i];
+        for (int r = 0; r < MOE_PLACEMENT_MAX_REPLICAS; r++)
+            out[n + i * MOE_PLACEMENT_MAX_REPLICAS + r] = p->ranks[i * MOE_PLACEMENT_MAX_REPLICAS + r];
+    }
+}
+
+static void placement_unpack(const int32_t *in, struct moe_placement *p)
+{
+    size_t n = (size_t)p->n_layer * p->n_expert;
+    for (size_t i = 0; i < n; i++) {
+        p->n_replicas[i] = (uint8_t)in[i];
+        for (int r = 0; r < MOE_PLACEMENT_MAX_REPLICAS; r++)
+            p->ranks[i * MOE_PLACEMENT_MAX_REPLICAS + r] =
+                (int16_t)in[n + i * MOE_PLACEMENT_MAX_REPLICAS + r];
+    }
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void *prepare_main(void *arg)
+{
+    struct moe_group *g = arg;
+    struct moe_error err = {0};
+    g->prepare_status = moe_model_prepare_placement(g->model, &g->preparing_placement, &err);
+    if (g->prepare_status)
+        fprintf(stderr, "moe: rank %d: preparing placement epoch %lld: %s\n", g->rank,
+                (long long)g->preparing_epoch, err.msg);
+    return NULL;
+}
+
+static void join_prepare(struct moe_group *g)
+{
+    if (g->prepare_thread_live) {
+        pthread_join(g->prepare_thread, NULL);
+        g->prepare_thread_live = false;
+    }
+}
+
+/* Every rank, after the plan arrived: start loading a new placement. */
+static enum moe_status start_prepare(struct moe_group *g, struct moe_model *m, const int32_t *wire,
+                                     int64_t epoch, struct moe_error *err)
+{
+    const struct moe_config *c = moe_model_config(m);
+    join_prepare(g);
+    moe_placement_free(&g->preparing_placement);
+    enum moe_status rc =
+        moe_placement_default(c->n_layer, c->n_expert, g->size, &g->preparing_placement, err);
+    if (rc)
+        return rc;
+    placement_unpack(wire, &g->preparing_placement);
+    g->model = m;
+    g->preparing = true;
+    g->preparing_epoch = epoch;
+    g->prepare_status = MOE_OK;
+    if (pthread_create(&g->prepare_thread, NULL, prepare_main, g))
+        return moe_error_set(err, MOE_ERR_INTERNAL, "cannot start the placement loader thread");
+    g->prepare_thread_live = true;
+    return MOE_OK;
+}
+
+/* Every rank, after each forward while a placement is being prepared: agree
+ * on whether all ranks are ready; if so, switch now (the same step boundary
+ * everywhere); if one failed, everyone drops the change. */
+static enum moe_status settle_prepare(struct moe_group *g, struct moe_model *m,
+                                      struct moe_error *err)
+{
+    bool done = !g->prepare_thread_live || moe_model_placement_ready(m) || g->prepare_status;
+    if (done)
+        join_prepare(g);
+    float flag = g->prepare_status ? 1000.0f : done && moe_model_placement_ready(m) ? 0.0f : 1.0f;
+    enum moe_status rc = moe_comm_all_reduce_sum(g->world, &flag, 1, err);
+    if (rc)
+        return moe_error_prefix(err, "agreeing on a placement switch");
+    if (flag >= 1000.0f) {
+        join_prepare(g);
+        moe_model_drop_placement(m);
+        g->preparing = false;
+        if (g->rank == 0)
+            fprintf(stderr, "moe: placement epoch %lld abandoned: a rank could not load it\n",
+                    (long long)g->preparing_epoch);
+    } else if (flag == 0.0f) {
+        double t0 = now_s();
+        moe_model_commit_placement(m);
+        pthread_mutex_lock(&g->mu);
+        g->last_switch_s = now_s() - t0;
+        g->epoch = g->preparing_epoch;
+        g->switches++;
+        pthread_mutex_unlock(&g->mu);
+        g->preparing = false;
+        if (g->rank == 0)
+            fprintf(stderr, "moe: placement epoch %lld in force (switch took %.3f ms)\n",
+                    (long long)g->epoch, g->last_switch_s * 1e3);
+    }
+    return MOE_OK;
+}
 
 bool moe_group_launched_by_mpi(void)
 {
@@ -54,6 +169,7 @@ enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, int timeo
         goto fail;
     }
     g->tp_rank = g->rank % tp_size;
+    pthread_mutex_init(&g->mu, NULL);
     if (tp_size > 1 && (rc = moe_comm_split(g->world, g->rank / tp_size, g->tp_rank, &g->tp, err)))
         goto fail;
     *out = g;
@@ -73,6 +189,9 @@ void moe_group_destroy(struct moe_group *g)
         fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 1);
     }
+    join_prepare(g);
+    moe_placement_free(&g->proposal);
+    moe_placement_free(&g->preparing_placement);
     if (g->follower_kv)
         moe_kv_cache_free(g->follower_model, g->follower_kv);
     moe_comm_destroy(g->tp);
@@ -91,8 +210,18 @@ enum moe_status moe_group_forward(void *group, struct moe_model *m, struct moe_k
 {
     struct moe_group *g = group;
     struct plan_head h = {PLAN_FORWARD, b->n_tok, b->n_seq, b->max_blocks, kv->n_block,
-                          kv->block_size};
-    size_t n = payload_ints(&h);
+                          kv->block_size, 0, 0, 0};
+    struct moe_placement start = {0};
+    pthread_mutex_lock(&g->mu);
+    if (g->has_proposal && !g->preparing) {
+        start = g->proposal;
+        memset(&g->proposal, 0, sizeof g->proposal);
+        g->has_proposal = false;
+        h.prepare = 1;
+        h.epoch = g->proposal_epoch;
+    }
+    pthread_mutex_unlock(&g->mu);
+    size_t n = payload_ints(&h) + (h.prepare ? placement_ints(&start) : 0);
     int32_t *pl = malloc((n ? n : 1) * sizeof *pl);
     if (!pl)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a step plan");
@@ -102,13 +231,53 @@ enum moe_status moe_group_forward(void *group, struct moe_model *m, struct moe_k
     memcpy(pl + 2 * nt, b->seq, nt * sizeof *pl);
     memcpy(pl + 3 * nt, b->slots, nt * sizeof *pl);
     memcpy(pl + 4 * nt, b->block_tables, (size_t)b->n_seq * b->max_blocks * sizeof *pl);
+    if (h.prepare)
+        placement_pack(&start, pl + payload_ints(&h));
     enum moe_status rc = moe_comm_broadcast(g->world, &h, sizeof h, 0, err);
     if (!rc)
         rc = moe_comm_broadcast(g->world, pl, n * sizeof *pl, 0, err);
+    if (!rc && h.prepare)
+        rc = start_prepare(g, m, pl + payload_ints(&h), h.epoch, err);
     free(pl);
+    moe_placement_free(&start);
     if (rc)
         return moe_error_prefix(err, "broadcasting the step plan");
-    return moe_model_forward(m, kv, b, logits, err);
+    if ((rc = moe_model_forward(m, kv, b, logits, err)))
+        return rc;
+    return g->preparing ? settle_prepare(g, m, err) : MOE_OK;
+}
+
+enum moe_status moe_group_propose_placement(struct moe_group *g, const struct moe_placement *p,
+                                            int64_t epoch, struct moe_error *err)
+{
+    if (p->n_rank != g->size)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "placement epoch %lld is for %d ranks, the group has %d",
+                             (long long)epoch, p->n_rank, g->size);
+    struct moe_placement copy;
+    enum moe_status rc = moe_placement_default(p->n_layer, p->n_expert, p->n_rank, &copy, err);
+    if (rc)
+        return rc;
+    size_t n = (size_t)p->n_layer * p->n_expert;
+    memcpy(copy.n_replicas, p->n_replicas, n);
+    memcpy(copy.ranks, p->ranks, n * MOE_PLACEMENT_MAX_REPLICAS * sizeof *p->ranks);
+    pthread_mutex_lock(&g->mu);
+    moe_placement_free(&g->proposal);
+    g->proposal = copy;
+    g->proposal_epoch = epoch;
+    g->has_proposal = true;
+    pthread_mutex_unlock(&g->mu);
+    return MOE_OK;
+}
+
+int64_t moe_group_placement_epoch(struct moe_group *g, double *last_switch_s)
+{
+    pthread_mutex_lock(&g->mu);
+    int64_t e = g->epoch;
+    if (last_switch_s)
+        *last_switch_s = g->last_switch_s;
+    pthread_mutex_unlock(&g->mu);
+    return e;
 }
 
 /* Fault injection for the tests (SQLite style, always compiled):
@@ -147,7 +316,10 @@ enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struc
                                g->rank, h.op);
             break;
         }
-        size_t n = payload_ints(&h);
+        size_t n = payload_ints(&h) + (h.prepare ? (size_t)moe_model_config(m)->n_layer *
+                                                         moe_model_config(m)->n_expert *
+                                                         (1 + MOE_PLACEMENT_MAX_REPLICAS)
+                                                   : 0);
         if (n > cap) {
             free(pl);
             cap = n;
@@ -157,6 +329,8 @@ enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struc
             }
         }
         if ((rc = moe_comm_broadcast(g->world, pl, n * sizeof *pl, 0, err)))
+            break;
+        if (h.prepare && (rc = start_prepare(g, m, pl + payload_ints(&h), h.epoch, err)))
             break;
         struct moe_kv_cache *kv = g->follower_kv;
         if (!kv || kv->n_block != h.kv_blocks || kv->block_size != h.kv_block_size) {
@@ -179,6 +353,8 @@ enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struc
             .n_logits = 0,
         };
         if ((rc = moe_model_forward(m, kv, &b, NULL, err)))
+            break;
+        if (g->preparing && (rc = settle_prepare(g, m, err)))
             break;
     }
     free(pl);

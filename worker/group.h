@@ -16,9 +16,13 @@
 
 #include <stdbool.h>
 
+#include <pthread.h>
+#include <stdint.h>
+
 #include "comm.h"
 #include "model.h"
 #include "moe_error.h"
+#include "placement.h"
 
 struct moe_group {
     int rank;
@@ -29,6 +33,22 @@ struct moe_group {
     struct moe_comm *tp;    /* this rank's tensor-parallel sub-group (NULL when tp_size 1) */
     struct moe_kv_cache *follower_kv;
     struct moe_model *follower_model;
+
+    /* live placement changes (see moe_group_propose_placement) */
+    pthread_mutex_t mu;          /* guards proposal_* */
+    bool has_proposal;
+    struct moe_placement proposal;
+    int64_t proposal_epoch;
+    bool preparing;              /* a prepare is running on every rank */
+    int64_t preparing_epoch;
+    struct moe_placement preparing_placement;
+    pthread_t prepare_thread;
+    bool prepare_thread_live;
+    enum moe_status prepare_status;
+    struct moe_model *model;     /* for the prepare thread */
+    int64_t epoch;               /* committed placement epoch (0: the initial one) */
+    double last_switch_s;        /* how long the last commit paused the step */
+    int64_t switches;
 };
 
 /* True when this process was started by mpirun / mpiexec. */
@@ -51,6 +71,17 @@ enum moe_status moe_group_forward(void *group, struct moe_model *m, struct moe_k
 
 /* Follower: runs every plan the leader sends until it sends stop. */
 enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struct moe_error *err);
+
+/* Leader, any thread: asks the group to move to placement `p` (copied) as
+ * `epoch`. Returns at once. With the next step plan every rank starts loading
+ * the experts it gains on a background thread; once every rank is ready they
+ * all switch at the same step boundary (a pointer swap), so serving pauses
+ * for no more than that. A newer proposal replaces one not yet started. */
+enum moe_status moe_group_propose_placement(struct moe_group *g, const struct moe_placement *p,
+                                            int64_t epoch, struct moe_error *err);
+
+/* The committed placement epoch, and the pause of the last switch. */
+int64_t moe_group_placement_epoch(struct moe_group *g, double *last_switch_s);
 
 /* Leader: tells the followers to return from moe_group_follow. */
 enum moe_status moe_group_stop(struct moe_group *g, struct moe_error *err);

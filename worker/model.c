@@ -181,6 +181,25 @@ static enum moe_status load_gate_up(struct loader *ld, const char *gate_name, co
     return MOE_OK;
 }
 
+/* Loads expert e of MoE layer l: gate and up fused, and down. */
+static enum moe_status load_expert(struct loader *ld, int l, int e, void **gate_up, void **down,
+                                   struct moe_error *err)
+{
+    const struct moe_config *c = &ld->m->cfg;
+    const char *moe = c->arch == MOE_ARCH_MIXTRAL ? "block_sparse_moe" : "mlp";
+    const char *g = c->arch == MOE_ARCH_MIXTRAL ? "w1" : "gate_proj";
+    const char *u = c->arch == MOE_ARCH_MIXTRAL ? "w3" : "up_proj";
+    const char *dn = c->arch == MOE_ARCH_MIXTRAL ? "w2" : "down_proj";
+    char name[256], name2[256];
+    snprintf(name, sizeof name, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, g);
+    snprintf(name2, sizeof name2, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, u);
+    enum moe_status rc = load_gate_up(ld, name, name2, c->d_ff_expert, c->d_model, gate_up, err);
+    if (rc)
+        return rc;
+    snprintf(name, sizeof name, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, dn);
+    return load_matrix(ld, name, c->d_model, c->d_ff_expert, down, err);
+}
+
 static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *err)
 {
     struct moe_model *m = ld->m;
@@ -241,18 +260,10 @@ static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *er
     w->w_down = calloc((size_t)c->n_expert, sizeof *w->w_down);
     if (!w->w_gate_up || !w->w_down)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
-    const char *g = c->arch == MOE_ARCH_MIXTRAL ? "w1" : "gate_proj";
-    const char *u = c->arch == MOE_ARCH_MIXTRAL ? "w3" : "up_proj";
-    const char *dn = c->arch == MOE_ARCH_MIXTRAL ? "w2" : "down_proj";
     for (int e = 0; e < c->n_expert; e++) {
         if (m->ep_comm && !moe_placement_holds(&m->placement, l, e, m->ep_comm->rank))
             continue; /* another rank's expert */
-        NAME(name, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, g);
-        NAME(name2, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, u);
-        if ((rc = load_gate_up(ld, name, name2, c->d_ff_expert, d, &w->w_gate_up[e], err)))
-            return rc;
-        NAME(name, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, dn);
-        if ((rc = load_matrix(ld, name, d, c->d_ff_expert, &w->w_down[e], err)))
+        if ((rc = load_expert(ld, l, e, &w->w_gate_up[e], &w->w_down[e], err)))
             return rc;
     }
 #undef NAME
@@ -299,6 +310,10 @@ enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opt
     m->opts = *opts;
     struct loader ld = {.m = m, .dir = dir};
     enum moe_status rc;
+    if (!(m->dir = strdup(dir))) {
+        free(m);
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    }
 
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
@@ -353,7 +368,9 @@ enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opt
         goto fail;
     }
     m->layers = calloc((size_t)c->n_layer, sizeof *m->layers);
-    if (!m->layers) {
+    m->expert_tokens = calloc((size_t)c->n_layer * (c->n_expert > 0 ? c->n_expert : 1),
+                              sizeof *m->expert_tokens);
+    if (!m->layers || !m->expert_tokens) {
         rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
         goto fail;
     }
@@ -399,6 +416,12 @@ static void scratch_free(struct moe_model *m)
     memset(s, 0, sizeof *s);
 }
 
+#define FREE_PENDING(p)                                                                           \
+    do {                                                                                          \
+        if (p)                                                                                    \
+            m->be->ops->buf_free(m->be, p);                                                       \
+    } while (0)
+
 void moe_model_free(struct moe_model *m)
 {
     if (!m)
@@ -438,7 +461,18 @@ void moe_model_free(struct moe_model *m)
     FREE_BUF(m->final_norm);
 #undef FREE_BUF
     scratch_free(m);
+    if (m->pending_gate_up) {
+        for (size_t i = 0; i < (size_t)m->cfg.n_layer * m->cfg.n_expert; i++) {
+            FREE_PENDING(m->pending_gate_up[i]);
+            FREE_PENDING(m->pending_down[i]);
+        }
+    }
+    free(m->pending_gate_up);
+    free(m->pending_down);
+    moe_placement_free(&m->pending);
     moe_placement_free(&m->placement);
+    free(m->expert_tokens);
+    free(m->dir);
     free(m);
 }
 
@@ -710,7 +744,7 @@ static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache 
 
 /* Groups the top-k choices by expert (counting sort): h_counts[e]..h_counts[e+1]
  * index the (token, weight) pairs of expert e. */
-static void route_group(struct moe_model *m, int n)
+static void route_group(struct moe_model *m, int layer, int n)
 {
     const struct moe_config *c = &m->cfg;
     struct scratch *s = &m->s;
@@ -722,6 +756,9 @@ static void route_group(struct moe_model *m, int n)
         s->h_counts[s->h_ids[i] + 1]++;
     for (int e = 0; e < c->n_expert; e++)
         s->h_counts[e + 1] += s->h_counts[e];
+    for (int e = 0; e < c->n_expert; e++)
+        m->expert_tokens[(size_t)layer * c->n_expert + e] +=
+            (uint64_t)(s->h_counts[e + 1] - s->h_counts[e]);
     /* stable fill: the tokens of an expert stay in token order */
     int32_t next[1024];
     int32_t *cursor = c->n_expert <= 1024 ? next : malloc((size_t)c->n_expert * sizeof *cursor);
@@ -767,7 +804,7 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
         ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
         return MOE_OK;
     }
-    route_group(m, n);
+    route_group(m, l, n);
     double t2 = moe_model_clock();
     m->prof.dispatch_s += t2 - t1;
     /* Sum of the experts' weighted outputs, then one residual add (the order
@@ -864,4 +901,125 @@ enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
     m->prof.forwards++;
     m->prof.tokens += (uint64_t)n;
     return MOE_OK;
+}
+
+/* ---- expert statistics and live placement ------------------------------------------ */
+
+const uint64_t *moe_model_expert_tokens(const struct moe_model *m)
+{
+    return m->expert_tokens;
+}
+
+uint64_t moe_model_ep_rows_computed(const struct moe_model *m)
+{
+    return m->ep_rows_computed;
+}
+
+static void drop_pending(struct moe_model *m)
+{
+    size_t n = (size_t)m->cfg.n_layer * m->cfg.n_expert;
+    for (size_t i = 0; m->pending_gate_up && i < n; i++) {
+        FREE_PENDING(m->pending_gate_up[i]);
+        FREE_PENDING(m->pending_down[i]);
+    }
+    free(m->pending_gate_up);
+    free(m->pending_down);
+    m->pending_gate_up = m->pending_down = NULL;
+    moe_placement_free(&m->pending);
+    m->pending_ready = false;
+}
+
+enum moe_status moe_model_prepare_placement(struct moe_model *m, const struct moe_placement *p,
+                                            struct moe_error *err)
+{
+    const struct moe_config *c = &m->cfg;
+    if (!m->ep_comm)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "placement: this model runs on one rank and holds every expert");
+    if (p->n_rank != m->ep_comm->size || p->n_expert != c->n_expert || p->n_layer != c->n_layer)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "placement is for %d experts x %d layers on %d ranks; the model has "
+                             "%d x %d on %d ranks",
+                             p->n_expert, p->n_layer, p->n_rank, c->n_expert, c->n_layer,
+                             m->ep_comm->size);
+    drop_pending(m);
+    size_t n = (size_t)c->n_layer * c->n_expert;
+    enum moe_status rc = moe_placement_default(c->n_layer, c->n_expert, p->n_rank, &m->pending, err);
+    if (rc)
+        return rc;
+    memcpy(m->pending.n_replicas, p->n_replicas, n);
+    memcpy(m->pending.ranks, p->ranks, n * MOE_PLACEMENT_MAX_REPLICAS * sizeof *p->ranks);
+    m->pending_gate_up = calloc(n, sizeof *m->pending_gate_up);
+    m->pending_down = calloc(n, sizeof *m->pending_down);
+    if (!m->pending_gate_up || !m->pending_down) {
+        drop_pending(m);
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    }
+    struct loader ld = {.m = m, .dir = m->dir};
+    size_t bytes_before = m->weight_bytes;
+    if ((rc = st_open(m->dir, &ld.st, err))) {
+        drop_pending(m);
+        return rc;
+    }
+    int me = m->ep_comm->rank;
+    for (int l = 0; l < c->n_layer && !rc; l++) {
+        if (!m->layers[l].is_moe)
+            continue;
+        for (int e = 0; e < c->n_expert && !rc; e++) {
+            size_t i = (size_t)l * c->n_expert + e;
+            if (moe_placement_holds(&m->pending, l, e, me) && !m->layers[l].w_gate_up[e])
+                rc = load_expert(&ld, l, e, &m->pending_gate_up[i], &m->pending_down[i], err);
+        }
+    }
+    st_close(ld.st);
+    m->weight_bytes = bytes_before; /* counted again at commit */
+    if (rc) {
+        drop_pending(m);
+        return rc;
+    }
+    __atomic_store_n(&m->pending_ready, true, __ATOMIC_RELEASE);
+    return MOE_OK;
+}
+
+void moe_model_drop_placement(struct moe_model *m)
+{
+    drop_pending(m);
+}
+
+bool moe_model_placement_ready(const struct moe_model *m)
+{
+    return __atomic_load_n(&m->pending_ready, __ATOMIC_ACQUIRE);
+}
+
+void moe_model_commit_placement(struct moe_model *m)
+{
+    if (!moe_model_placement_ready(m))
+        return;
+    const struct moe_config *c = &m->cfg;
+    int me = m->ep_comm->rank;
+    size_t expert_bytes = (size_t)3 * c->d_ff_expert * c->d_model * moe_dtype_size(m->opts.dtype);
+    for (int l = 0; l < c->n_layer; l++) {
+        struct layer_weights *w = &m->layers[l];
+        if (!w->is_moe)
+            continue;
+        for (int e = 0; e < c->n_expert; e++) {
+            size_t i = (size_t)l * c->n_expert + e;
+            bool keep = moe_placement_holds(&m->pending, l, e, me);
+            if (keep && !w->w_gate_up[e]) {
+                w->w_gate_up[e] = m->pending_gate_up[i];
+                w->w_down[e] = m->pending_down[i];
+                m->pending_gate_up[i] = m->pending_down[i] = NULL;
+                m->weight_bytes += expert_bytes;
+            } else if (!keep && w->w_gate_up[e]) {
+                m->be->ops->buf_free(m->be, w->w_gate_up[e]);
+                m->be->ops->buf_free(m->be, w->w_down[e]);
+                w->w_gate_up[e] = w->w_down[e] = NULL;
+                m->weight_bytes -= expert_bytes;
+            }
+        }
+    }
+    moe_placement_free(&m->placement);
+    m->placement = m->pending;
+    memset(&m->pending, 0, sizeof m->pending);
+    drop_pending(m);
 }

@@ -71,6 +71,28 @@ struct moe_model_profile {
 
 void moe_model_profile(const struct moe_model *m, struct moe_model_profile *out);
 
+/* Routed (token, expert) pairs per layer and expert since load:
+ * counts[l * n_expert + e]; layers without experts stay 0. On a group every
+ * rank counts every token of the batch. Also the rows this rank ran through
+ * its own experts (expert parallel; 0 on one rank). */
+const uint64_t *moe_model_expert_tokens(const struct moe_model *m);
+uint64_t moe_model_ep_rows_computed(const struct moe_model *m);
+
+/* Changing the expert placement while serving, in two steps:
+ * prepare loads (from the checkpoint) the experts that `p` puts on this rank
+ * and it does not hold yet; it may run on another thread while forward passes
+ * go on, and does not change what they compute. commit then switches to `p`
+ * between two forward passes: pointer swaps, and the experts this rank no
+ * longer holds are freed. Every rank of a group must commit at the same step
+ * boundary (group.c arranges it). Outputs do not change: experts move, their
+ * weights do not. prepare with a placement for another group size or model
+ * is MOE_ERR_INVALID; commit without a prepared placement does nothing. */
+enum moe_status moe_model_prepare_placement(struct moe_model *m, const struct moe_placement *p,
+                                            struct moe_error *err);
+bool moe_model_placement_ready(const struct moe_model *m);
+void moe_model_drop_placement(struct moe_model *m); /* forget a prepared placement */
+void moe_model_commit_placement(struct moe_model *m);
+
 /* The KV cache of one shard: n_block blocks of block_size token slots, for
  * every layer, K and V of the shard's KV heads, f32. Slot s of layer l is
  * k[l] + s * kv_dim. */

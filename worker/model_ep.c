@@ -60,6 +60,8 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
     /* 1. route this rank's shard */
     ops->buf_download(be, s->h_ids, s->topk_ids, (size_t)n * k * sizeof(int32_t));
     ops->buf_download(be, s->h_w, s->topk_w, (size_t)n * k * sizeof(float));
+    for (int i = 0; i < n * k; i++) /* statistics: every rank counts every token */
+        m->expert_tokens[(size_t)l * c->n_expert + s->h_ids[i]]++;
     int32_t *dest = s->h_ep_idx; /* scratch: destination of each item */
     for (int i = 0; i < n_items; i++) {
         int t = t0 + i / k, e = s->h_ids[t * k + i % k];
@@ -144,6 +146,7 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
         return moe_error_prefix(err, "layer %d expert dispatch", l);
     }
     m->ep_bytes_sent += n_sent_off_rank * (row_bytes + sizeof(int32_t));
+    m->ep_rows_computed += n_recv;
     m->ep_rows_routed += (uint64_t)n_items;
 
     double t_dispatched = moe_model_clock();

@@ -93,6 +93,14 @@ struct moe_model {
     struct moe_comm *ep_comm;   /* NULL: all experts local */
     struct moe_placement placement; /* valid when ep_comm */
     struct moe_model_profile prof;
+    char *dir;                  /* checkpoint, for loading experts again */
+    uint64_t *expert_tokens;    /* (n_layer, n_expert) routed (token, expert) pairs */
+    uint64_t ep_rows_computed;  /* rows this rank ran through its experts (EP) */
+    /* a placement being prepared: experts this rank gains, loaded ahead */
+    bool pending_ready;
+    struct moe_placement pending;
+    void **pending_gate_up;     /* (n_layer, n_expert), NULL where nothing new */
+    void **pending_down;
     uint64_t ep_bytes_sent;
     uint64_t ep_rows_routed;
     struct scratch s;

@@ -54,7 +54,9 @@ static inline int moe_placement_rank(const struct moe_placement *p, int layer, i
 bool moe_placement_holds(const struct moe_placement *p, int layer, int expert, int rank);
 
 /* The rank that computes `expert` for the token with global index `token`:
- * the caller's own rank when it holds a replica, else replicas spread by token. */
+ * replicas take turns by token, so a replicated hot expert's load is split
+ * evenly (preferring the caller's own replica would save a copy but leave
+ * the load where the traffic comes from). */
 int moe_placement_pick(const struct moe_placement *p, int layer, int expert, int token,
                        int my_rank);
 

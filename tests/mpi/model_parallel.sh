@@ -88,6 +88,16 @@ for pl in uneven replicated; do
     bad "placement $pl: $(grep -v CUDA "$tmp/w.out.err" | head -3) $(grep '^tokens:' "$tmp/w.out")"
   fi
 done
+# Moving experts while running (live placement change at a step boundary):
+# the batch's outputs do not change and the new epoch is in force at the end.
+bcommon=(--model "$m" --prompts-file "$tmp/prompts.jsonl" --dtype f32 --ignore-eos --max-batch-tokens 16)
+batch "$tmp/bref.out" 1 "${bcommon[@]}"
+if batch "$tmp/b.out" 2 "${bcommon[@]}" --placement-switch "$tmp/replicated.json" &&
+   cmp -s "$tmp/b.out" "$tmp/bref.out" && grep -q "placement: epoch 1 in force" "$tmp/b.out.all"; then
+  ok "live placement switch: outputs unchanged; $(grep -m1 'placement: epoch' "$tmp/b.out.all")"
+else
+  bad "live placement switch: $(grep -v CUDA "$tmp/b.out.err" | head -3)"; diff "$tmp/b.out" "$tmp/bref.out" | head -4
+fi
 echo '{"n_rank": 2, "experts": [[0],[0],[0],[0],[0],[1],[1],[7]]}' >"$tmp/bad.json"
 if gen "$tmp/w.out" "$tmp/w.bin" 2 "${common[@]}" --placement "$tmp/bad.json"; then
   bad "a placement naming rank 7 was accepted"

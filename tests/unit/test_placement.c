@@ -36,7 +36,7 @@ int main(void)
     CHECKF(moe_placement_load(path, 2, 4, 2, &p, &err) == MOE_OK, "%s", err.msg);
     CHECK(moe_placement_holds(&p, 0, 2, 0) && !moe_placement_holds(&p, 0, 3, 0));
     CHECK(moe_placement_n_replicas(&p, 1, 1) == 2);
-    CHECK(moe_placement_pick(&p, 1, 1, 7, 0) == 0 && moe_placement_pick(&p, 1, 1, 7, 1) == 1);
+    CHECK(moe_placement_pick(&p, 1, 1, 7, 0) == 1 && moe_placement_pick(&p, 1, 1, 8, 0) == 0);
     CHECK(moe_placement_pick(&p, 1, 0, 5, 0) == 1);
     moe_placement_free(&p);
 
