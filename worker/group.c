@@ -192,8 +192,6 @@ void moe_group_destroy(struct moe_group *g)
     join_prepare(g);
     moe_placement_free(&g->proposal);
     moe_placement_free(&g->preparing_placement);
-    if (g->follower_kv)
-        moe_kv_cache_free(g->follower_model, g->follower_kv);
     moe_comm_destroy(g->tp);
     moe_comm_destroy(g->world);
     free(g);
@@ -358,11 +356,15 @@ enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struc
             break;
     }
     free(pl);
+    join_prepare(g); /* it may still be loading into the model */
+    moe_kv_cache_free(m, g->follower_kv); /* before the caller frees the model */
+    g->follower_kv = NULL;
     return rc;
 }
 
 enum moe_status moe_group_stop(struct moe_group *g, struct moe_error *err)
 {
+    join_prepare(g); /* before the caller frees the model it loads into */
     if (g->world->broken)
         return moe_error_set(err, MOE_ERR_IO, "the group is broken");
     struct plan_head h = {.op = PLAN_STOP};
