@@ -33,6 +33,24 @@ struct seq {
     bool prompt_counted;
     double t_admitted;
     int n_cached;
+    bool import_pending;  /* started from a handoff: take reservation import_key */
+    uint64_t import_key;
+};
+
+/* A queued reservation request or release (from any thread). */
+struct engine_op {
+    bool release;
+    uint64_t key;
+    int n_blocks;
+    moe_reserve_cb cb;
+    void *user;
+};
+
+/* Blocks held for an incoming handoff (engine thread only). */
+struct reservation {
+    uint64_t key;
+    int32_t *blocks; /* (n_blocks) */
+    int n_blocks;
 };
 
 /* One scheduled piece of work: tokens [start, start + count) of a sequence. */
@@ -57,6 +75,9 @@ struct moe_engine {
     struct kv_pool *pool;
     struct seq_list waiting; /* FCFS; preempted sequences go to the front */
     struct seq_list running; /* admission order: the last is the newest */
+    struct seq_list parked;  /* prefill_only sequences holding KV for a handoff */
+    struct reservation *resv;
+    int n_resv, cap_resv;
     struct moe_rng seed_rng;
 
     /* step scratch */
@@ -74,6 +95,9 @@ struct moe_engine {
     int n_aborts, cap_aborts;
     uint64_t *live;          /* ids of every request not yet finished */
     int n_live, cap_live;
+    struct engine_op *ops;   /* reservation requests and releases */
+    int n_ops, cap_ops;
+    int n_parked;            /* live ids that are parked (not stepped) */
     struct moe_engine_stats stats;
 };
 
@@ -214,6 +238,13 @@ void moe_engine_destroy(struct moe_engine *e)
         seq_free(e->running.v[i]);
     for (int i = 0; i < e->inbox.n; i++)
         seq_free(e->inbox.v[i]);
+    for (int i = 0; i < e->parked.n; i++)
+        seq_free(e->parked.v[i]);
+    for (int i = 0; i < e->n_resv; i++)
+        free(e->resv[i].blocks);
+    free(e->resv);
+    free(e->ops);
+    free(e->parked.v);
     free(e->waiting.v);
     free(e->running.v);
     free(e->inbox.v);
@@ -306,18 +337,20 @@ static int live_find(const struct moe_engine *e, uint64_t id)
     return -1;
 }
 
-enum moe_status moe_engine_submit(struct moe_engine *e, uint64_t req_id, const int32_t *prompt,
-                                  int n_prompt, const struct moe_request_params *params,
-                                  moe_token_cb cb, void *user, struct moe_error *err)
+/* Builds a sequence from `n_tokens` tokens of which the first n_prompt are
+ * the prompt, and queues it. `rng` (may be NULL) is the sampler state to
+ * continue from; `import_key` (with `import`) names a reservation. */
+static enum moe_status submit_seq(struct moe_engine *e, uint64_t req_id, const int32_t *tokens,
+                                  int n_tokens, int n_prompt, const struct moe_request_params *params,
+                                  moe_token_cb cb, void *user, const struct moe_rng *rng,
+                                  bool import, uint64_t import_key, struct moe_error *err)
 {
-    enum moe_status rc = check_params(e, prompt, n_prompt, params, err);
-    if (rc)
-        return rc;
     struct seq *s = calloc(1, sizeof *s);
     if (!s)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     s->id = req_id;
-    s->n_prompt = s->n_tokens = n_prompt;
+    s->n_prompt = n_prompt;
+    s->n_tokens = n_tokens;
     s->cap_tokens = n_prompt + params->max_tokens;
     s->cap_blocks = (s->cap_tokens + e->opts.block_size - 1) / e->opts.block_size;
     s->tokens = malloc((size_t)s->cap_tokens * sizeof *s->tokens);
@@ -326,6 +359,8 @@ enum moe_status moe_engine_submit(struct moe_engine *e, uint64_t req_id, const i
     s->params = *params;
     s->cb = cb;
     s->user = user;
+    s->import_pending = import;
+    s->import_key = import_key;
     if (moe_sampler_has_penalties(&params->sp)) {
         s->seen = calloc((size_t)e->cfg->vocab_size, 1);
         s->out_count = calloc((size_t)e->cfg->vocab_size, sizeof *s->out_count);
@@ -335,10 +370,13 @@ enum moe_status moe_engine_submit(struct moe_engine *e, uint64_t req_id, const i
         seq_free(s);
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     }
-    memcpy(s->tokens, prompt, (size_t)n_prompt * sizeof *prompt);
+    memcpy(s->tokens, tokens, (size_t)n_tokens * sizeof *tokens);
     if (s->seen)
-        for (int i = 0; i < n_prompt; i++)
-            s->seen[prompt[i]] = 1;
+        for (int i = 0; i < n_tokens; i++) {
+            s->seen[tokens[i]] = 1;
+            if (i >= n_prompt)
+                s->out_count[tokens[i]]++;
+        }
 
     pthread_mutex_lock(&e->mu);
     if (live_find(e, req_id) >= 0) {
@@ -347,8 +385,13 @@ enum moe_status moe_engine_submit(struct moe_engine *e, uint64_t req_id, const i
         return moe_error_set(err, MOE_ERR_INVALID, "request id %llu is already in flight",
                              (unsigned long long)req_id);
     }
-    uint64_t seed = params->has_seed ? params->seed : (uint64_t)(moe_rng_uniform(&e->seed_rng) * 0x1p53);
-    moe_rng_seed(&s->rng, seed);
+    if (rng) {
+        s->rng = *rng;
+    } else {
+        uint64_t seed = params->has_seed ? params->seed
+                                         : (uint64_t)(moe_rng_uniform(&e->seed_rng) * 0x1p53);
+        moe_rng_seed(&s->rng, seed);
+    }
     bool ok = grow((void **)&e->live, &e->cap_live, e->n_live + 1, sizeof *e->live) &&
               list_push(&e->inbox, s);
     if (ok)
@@ -359,6 +402,81 @@ enum moe_status moe_engine_submit(struct moe_engine *e, uint64_t req_id, const i
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     }
     return MOE_OK;
+}
+
+enum moe_status moe_engine_submit(struct moe_engine *e, uint64_t req_id, const int32_t *prompt,
+                                  int n_prompt, const struct moe_request_params *params,
+                                  moe_token_cb cb, void *user, struct moe_error *err)
+{
+    enum moe_status rc = check_params(e, prompt, n_prompt, params, err);
+    if (rc)
+        return rc;
+    return submit_seq(e, req_id, prompt, n_prompt, n_prompt, params, cb, user, NULL, false, 0,
+                      err);
+}
+
+enum moe_status moe_engine_import(struct moe_engine *e, uint64_t req_id,
+                                  const struct moe_seq_import *im,
+                                  const struct moe_request_params *params, moe_token_cb cb,
+                                  void *user, struct moe_error *err)
+{
+    enum moe_status rc = check_params(e, im->tokens, im->n_prompt, params, err);
+    if (rc)
+        return rc;
+    int n_gen = im->n_tokens - im->n_prompt;
+    if (n_gen < 1 || n_gen >= params->max_tokens)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "handoff: %d generated tokens, must be in [1, max_tokens %d)", n_gen,
+                             params->max_tokens);
+    for (int i = im->n_prompt; i < im->n_tokens; i++)
+        if (im->tokens[i] < 0 || im->tokens[i] >= e->cfg->vocab_size)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "handoff: generated token %d at index %d is outside the "
+                                 "vocabulary [0, %d)",
+                                 im->tokens[i], i, e->cfg->vocab_size);
+    struct moe_request_params p = *params;
+    p.prefill_only = false;
+    return submit_seq(e, req_id, im->tokens, im->n_tokens, im->n_prompt, &p, cb, user, &im->rng,
+                      true, im->reservation, err);
+}
+
+enum moe_status moe_engine_reserve(struct moe_engine *e, uint64_t key, int n_blocks,
+                                   moe_reserve_cb cb, void *user, struct moe_error *err)
+{
+    if (n_blocks < 1 || n_blocks > e->opts.n_block)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "reservation: %d KV blocks is not in [1, %d] (the pool size)",
+                             n_blocks, e->opts.n_block);
+    pthread_mutex_lock(&e->mu);
+    bool ok = grow((void **)&e->ops, &e->cap_ops, e->n_ops + 1, sizeof *e->ops);
+    if (ok)
+        e->ops[e->n_ops++] = (struct engine_op){.key = key, .n_blocks = n_blocks, .cb = cb,
+                                                .user = user};
+    pthread_mutex_unlock(&e->mu);
+    return ok ? MOE_OK : moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+}
+
+void moe_engine_unreserve(struct moe_engine *e, uint64_t key)
+{
+    pthread_mutex_lock(&e->mu);
+    if (grow((void **)&e->ops, &e->cap_ops, e->n_ops + 1, sizeof *e->ops))
+        e->ops[e->n_ops++] = (struct engine_op){.release = true, .key = key};
+    pthread_mutex_unlock(&e->mu);
+}
+
+struct moe_kv_cache *moe_engine_kv_cache(struct moe_engine *e)
+{
+    return e->kv;
+}
+
+int moe_engine_block_size(const struct moe_engine *e)
+{
+    return e->opts.block_size;
+}
+
+int moe_engine_n_block(const struct moe_engine *e)
+{
+    return e->opts.n_block;
 }
 
 void moe_engine_abort(struct moe_engine *e, uint64_t req_id)
@@ -372,7 +490,7 @@ void moe_engine_abort(struct moe_engine *e, uint64_t req_id)
 bool moe_engine_busy(struct moe_engine *e)
 {
     pthread_mutex_lock(&e->mu);
-    bool busy = e->n_live > 0;
+    bool busy = e->n_live - e->n_parked > 0 || e->n_ops > 0;
     pthread_mutex_unlock(&e->mu);
     return busy;
 }
@@ -638,6 +756,28 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row)
     }
     if (!ev.finish && s->n_tokens - s->n_prompt >= p->max_tokens)
         ev.finish = MOE_FINISH_LENGTH;
+    if (!ev.finish && p->prefill_only) {
+        /* Park it: it keeps its blocks until released (moe_engine_abort). */
+        for (int i = 0; i < e->running.n; i++)
+            if (e->running.v[i] == s) {
+                list_remove_at(&e->running, i);
+                break;
+            }
+        MOE_ASSERT(list_push(&e->parked, s));
+        struct moe_seq_export ex = {
+            .req_id = s->id, .n_prompt = s->n_prompt, .n_tokens = s->n_tokens,
+            .tokens = s->tokens, .n_kv_tokens = s->n_computed, .n_blocks = s->n_blocks,
+            .blocks = s->blocks, .block_size = e->opts.block_size, .rng = s->rng};
+        ev.parked = &ex;
+        pthread_mutex_lock(&e->mu);
+        e->n_parked++;
+        e->stats.exported++;
+        pthread_mutex_unlock(&e->mu);
+        if (s->cb)
+            s->cb(s->user, &ev);
+        s->cb = NULL;
+        return false;
+    }
     if (!ev.finish) {
         if (s->cb)
             s->cb(s->user, &ev);
@@ -654,11 +794,108 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row)
 
 /* ---- step ---------------------------------------------------------------------------- */
 
+static int resv_find(const struct moe_engine *e, uint64_t key)
+{
+    for (int i = 0; i < e->n_resv; i++)
+        if (e->resv[i].key == key)
+            return i;
+    return -1;
+}
+
+static void resv_drop(struct moe_engine *e, int i)
+{
+    struct reservation *r = &e->resv[i];
+    for (int j = r->n_blocks - 1; j >= 0; j--)
+        kv_pool_release(e->pool, r->blocks[j]);
+    free(r->blocks);
+    e->resv[i] = e->resv[--e->n_resv];
+}
+
+/* Serves queued reservations and releases (engine thread, no lock held). */
+static void run_ops(struct moe_engine *e, const struct engine_op *ops, int n)
+{
+    char msg[MOE_ERROR_MSG_MAX];
+    for (int k = 0; k < n; k++) {
+        const struct engine_op *op = &ops[k];
+        int i = resv_find(e, op->key);
+        if (op->release) {
+            if (i >= 0)
+                resv_drop(e, i);
+            continue;
+        }
+        int avail = kv_pool_available(e->pool);
+        int32_t *blocks = NULL;
+        if (i >= 0) {
+            snprintf(msg, sizeof msg, "reservation %llu: already held",
+                     (unsigned long long)op->key);
+        } else if (op->n_blocks > avail) {
+            snprintf(msg, sizeof msg,
+                     "no free KV blocks: the handoff needs %d, %d of %d are free", op->n_blocks,
+                     avail, e->opts.n_block);
+        } else if (!grow((void **)&e->resv, &e->cap_resv, e->n_resv + 1, sizeof *e->resv) ||
+                   !(blocks = malloc((size_t)op->n_blocks * sizeof *blocks))) {
+            snprintf(msg, sizeof msg, "out of memory");
+        } else {
+            for (int j = 0; j < op->n_blocks; j++)
+                blocks[j] = kv_pool_alloc(e->pool);
+            e->resv[e->n_resv++] = (struct reservation){op->key, blocks, op->n_blocks};
+            if (op->cb)
+                op->cb(op->user, op->key, blocks, op->n_blocks, NULL);
+            continue;
+        }
+        if (op->cb)
+            op->cb(op->user, op->key, NULL, 0, msg);
+    }
+}
+
+/* An imported sequence takes its reservation and runs from its first
+ * generated token; without a fitting reservation it is recomputed. */
+static void admit_import(struct moe_engine *e, struct seq *s)
+{
+    s->import_pending = false;
+    int i = resv_find(e, s->import_key);
+    int n_kv = s->n_tokens - 1;
+    if (i >= 0 && e->resv[i].n_blocks == blocks_for(e, n_kv) && n_kv > 0) {
+        struct reservation *r = &e->resv[i];
+        memcpy(s->blocks, r->blocks, (size_t)r->n_blocks * sizeof *s->blocks);
+        s->n_blocks = r->n_blocks;
+        s->n_computed = n_kv;
+        s->prompt_counted = true;
+        s->t_admitted = moe_now();
+        s->n_cached = s->n_prompt;
+        free(r->blocks);
+        e->resv[i] = e->resv[--e->n_resv];
+        MOE_ASSERT(list_push(&e->running, s));
+        e->stats.imported++;
+        return;
+    }
+    if (i >= 0)
+        resv_drop(e, i);
+    MOE_ASSERT(list_push(&e->waiting, s));
+}
+
 static void take_inbox_and_aborts(struct moe_engine *e)
 {
     pthread_mutex_lock(&e->mu);
-    for (int i = 0; i < e->inbox.n; i++)
-        MOE_ASSERT(list_push(&e->waiting, e->inbox.v[i]));
+    int n_ops = e->n_ops;
+    struct engine_op *ops = NULL;
+    if (n_ops) {
+        ops = e->ops;
+        e->ops = NULL;
+        e->n_ops = e->cap_ops = 0;
+    }
+    pthread_mutex_unlock(&e->mu);
+    run_ops(e, ops, n_ops);
+    free(ops);
+
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < e->inbox.n; i++) {
+        struct seq *s = e->inbox.v[i];
+        if (s->import_pending)
+            admit_import(e, s);
+        else
+            MOE_ASSERT(list_push(&e->waiting, s));
+    }
     e->inbox.n = 0;
     int n_aborts = e->n_aborts;
     uint64_t small[64], *ids = n_aborts <= 64 ? small : malloc((size_t)n_aborts * sizeof *ids);
@@ -669,14 +906,22 @@ static void take_inbox_and_aborts(struct moe_engine *e)
     pthread_mutex_unlock(&e->mu);
 
     for (int a = 0; a < n_aborts; a++) {
-        struct seq_list *lists[2] = {&e->waiting, &e->running};
-        for (int l = 0; l < 2; l++)
+        struct seq_list *lists[3] = {&e->waiting, &e->running, &e->parked};
+        for (int l = 0; l < 3; l++)
             for (int i = 0; i < lists[l]->n; i++)
                 if (lists[l]->v[i]->id == ids[a]) {
                     struct seq *s = lists[l]->v[i];
                     list_remove_at(lists[l], i);
-                    seq_finish_bare(e, s, MOE_FINISH_ABORT, NULL);
-                    l = 2;
+                    if (l == 2) {
+                        /* a parked sequence handed off (or given up): no callback */
+                        pthread_mutex_lock(&e->mu);
+                        e->n_parked--;
+                        pthread_mutex_unlock(&e->mu);
+                        seq_finish_bare(e, s, MOE_FINISH_LENGTH, NULL);
+                    } else {
+                        seq_finish_bare(e, s, MOE_FINISH_ABORT, NULL);
+                    }
+                    l = 3;
                     break;
                 }
     }
@@ -698,6 +943,8 @@ static void update_stats(struct moe_engine *e)
     e->stats.kv_blocks_cached = ps.n_cached;
     e->stats.kv_blocks_free = ps.n_free;
     e->stats.kv_tokens_stored = stored;
+    e->stats.parked = e->parked.n;
+    e->stats.reservations = e->n_resv;
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -813,9 +1060,12 @@ enum moe_status moe_engine_check(struct moe_engine *e, struct moe_error *err)
     int *refs = calloc((size_t)n_block, sizeof *refs);
     if (!refs)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
-    struct seq_list *lists[2] = {&e->waiting, &e->running};
+    struct seq_list *lists[3] = {&e->waiting, &e->running, &e->parked};
     enum moe_status rc = MOE_OK;
-    for (int l = 0; l < 2 && !rc; l++)
+    for (int r = 0; r < e->n_resv; r++)
+        for (int j = 0; j < e->resv[r].n_blocks; j++)
+            refs[e->resv[r].blocks[j]]++;
+    for (int l = 0; l < 3 && !rc; l++)
         for (int i = 0; i < lists[l]->n && !rc; i++) {
             const struct seq *s = lists[l]->v[i];
             if (l == 0 && s->n_blocks)

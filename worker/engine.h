@@ -56,6 +56,7 @@ struct moe_request_params {
     char stop_strings[MOE_MAX_STOP_STRINGS][MOE_MAX_STOP_LEN + 1]; /* needs a tokenizer */
     bool ignore_eos;              /* do not finish at the model's EOS ids */
     int logprobs;                 /* -1: none; 0: chosen token; n: plus the top n */
+    bool prefill_only;            /* disaggregated prefill: park after the first token */
 };
 
 enum moe_finish {
@@ -83,6 +84,10 @@ struct moe_token_event {
     double t_admitted;    /* moe_now() when the request was first scheduled (0: never) */
     int n_prompt;
     int n_cached;         /* prompt tokens served from the prefix cache at admission */
+    /* Non-NULL on the first token of a prefill_only request that did not
+     * finish: the sequence is parked for a KV handoff (see below). Valid only
+     * during the callback; the callback is never called again for it. */
+    const struct moe_seq_export *parked;
 };
 
 typedef void (*moe_token_cb)(void *user, const struct moe_token_event *ev);
@@ -104,6 +109,10 @@ struct moe_engine_stats {
     int64_t generated_tokens;
     int64_t finished;
     int64_t aborted;
+    int parked;            /* prefill_only sequences holding KV for a handoff */
+    int reservations;      /* block reservations held for incoming handoffs */
+    int64_t exported;      /* sequences parked for handoff, ever */
+    int64_t imported;      /* sequences started from a handoff, ever */
 };
 
 struct moe_engine;
@@ -146,6 +155,76 @@ void moe_engine_stats(struct moe_engine *e, struct moe_engine_stats *out);
  * Returns MOE_OK or MOE_ERR_INTERNAL with the broken invariant. Call only
  * from the engine thread. */
 enum moe_status moe_engine_check(struct moe_engine *e, struct moe_error *err);
+
+/* ---- disaggregated prefill / decode (KV handoff) ----------------------------
+ *
+ * Prefill side: a request submitted with params.prefill_only runs its prompt
+ * and samples the first token; unless that token finishes it, the sequence
+ * is then "parked": its callback gets one event with the token and `parked`
+ * set (block table, tokens, sampler state), then never again. Its KV blocks
+ * stay held (they count as used) until moe_engine_abort(req_id) releases
+ * them, e.g. once the blocks were copied to the decode side.
+ *
+ * Decode side: moe_engine_reserve takes blocks for an incoming sequence; the
+ * caller writes the KV into them (moe_engine_kv_cache + the backend's
+ * buf_upload: the engine never touches reserved blocks) and then starts the
+ * sequence with moe_engine_import, which consumes the reservation. If the
+ * reservation is gone by then (released, or the ids do not fit), the
+ * imported sequence is recomputed from its tokens instead, producing the same
+ * tokens. Data of blocks held by a parked sequence or a reservation may be
+ * read / written from any thread: the engine never writes them. */
+
+struct moe_seq_export {
+    uint64_t req_id;
+    int n_prompt;
+    int n_tokens;            /* prompt + generated (1 after prefill) */
+    const int32_t *tokens;   /* (n_tokens) */
+    int n_kv_tokens;         /* tokens whose K/V are in the blocks (n_tokens - 1) */
+    int n_blocks;
+    const int32_t *blocks;   /* (n_blocks) block ids of this engine's KV cache */
+    int block_size;
+    struct moe_rng rng;      /* sampler state after the last token */
+};
+
+/* Called on the engine thread when a reservation was served: `blocks`
+ * (n_blocks ids, valid during the call) on success, else `error` (one line). */
+typedef void (*moe_reserve_cb)(void *user, uint64_t key, const int32_t *blocks, int n_blocks,
+                               const char *error);
+
+/* Asks for n_blocks free KV blocks under `key` (any thread; served at the
+ * start of the next step, without preempting anything: if they are not
+ * available now the callback gets an error). `key` must be unique among
+ * reservations. Refuses n_blocks outside [1, pool size] at once. */
+enum moe_status moe_engine_reserve(struct moe_engine *e, uint64_t key, int n_blocks,
+                                   moe_reserve_cb cb, void *user, struct moe_error *err);
+
+/* Frees the blocks of reservation `key` at the next step (any thread;
+ * unknown keys are ignored, also a reservation still being served). */
+void moe_engine_unreserve(struct moe_engine *e, uint64_t key);
+
+struct moe_seq_import {
+    int n_prompt;
+    int n_tokens;            /* > n_prompt: the generated tokens so far follow the prompt */
+    const int32_t *tokens;   /* (n_tokens), copied */
+    struct moe_rng rng;      /* sampler state to continue from */
+    uint64_t reservation;    /* key whose blocks hold the K/V of tokens [0, n_tokens - 1) */
+};
+
+/* Starts a sequence whose first tokens were generated elsewhere (any
+ * thread). Validated like moe_engine_submit (against params.max_tokens,
+ * which counts the generated tokens already in `im`); callbacks then report
+ * tokens from index n_tokens - n_prompt on. */
+enum moe_status moe_engine_import(struct moe_engine *e, uint64_t req_id,
+                                  const struct moe_seq_import *im,
+                                  const struct moe_request_params *params, moe_token_cb cb,
+                                  void *user, struct moe_error *err);
+
+/* The engine's KV cache (borrowed; for copying handed-off blocks). */
+struct moe_kv_cache *moe_engine_kv_cache(struct moe_engine *e);
+
+/* Tokens per KV block and blocks in the pool. */
+int moe_engine_block_size(const struct moe_engine *e);
+int moe_engine_n_block(const struct moe_engine *e);
 
 /* Parameters with the defaults: greedy, max_tokens 16, no stops, logprobs -1. */
 void moe_request_params_init(struct moe_request_params *p);

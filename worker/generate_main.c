@@ -375,6 +375,8 @@ out:
     return rc;
 }
 
+#define MOE_MAX_EP_RANKS_PRINT 64
+
 /* One line per rank on stderr: the phase split of the forward passes and the
  * expert-parallel bytes this rank sent. */
 static void print_profile(const struct moe_model *model, const struct moe_group *group)
@@ -568,6 +570,20 @@ fail:
 out:
     if (a.profile && model)
         print_profile(model, group);
+    if (a.profile && group && group->rank == 0 && group->size > 1) {
+        uint64_t rows[MOE_MAX_EP_RANKS_PRINT], steps, max = 0, sum = 0;
+        int n = group->size < MOE_MAX_EP_RANKS_PRINT ? group->size : MOE_MAX_EP_RANKS_PRINT;
+        if (group->size <= MOE_MAX_EP_RANKS_PRINT) {
+            moe_group_rank_rows(group, rows, &steps);
+            printf("expert rows per rank over %llu steps:", (unsigned long long)steps);
+            for (int r = 0; r < n; r++) {
+                printf(" %llu", (unsigned long long)rows[r]);
+                sum += rows[r];
+                max = rows[r] > max ? rows[r] : max;
+            }
+            printf("; max/mean %.3f\n", sum ? (double)max * n / (double)sum : 0.0);
+        }
+    }
     if (group && group->rank == 0 && a.placement_switch) {
         double pause;
         int64_t epoch = moe_group_placement_epoch(group, &pause);

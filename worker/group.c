@@ -97,6 +97,39 @@ static enum moe_status start_prepare(struct moe_group *g, struct moe_model *m, c
     return MOE_OK;
 }
 
+/* Every rank, after each forward: share how many rows each rank computed in
+ * this step (the measured per-rank expert load). */
+static enum moe_status count_rank_rows(struct moe_group *g, struct moe_model *m,
+                                       struct moe_error *err)
+{
+    float small[64], *v = g->size <= 64 ? small : calloc((size_t)g->size, sizeof *v);
+    if (!v)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    memset(v, 0, (size_t)g->size * sizeof *v);
+    uint64_t now = moe_model_ep_rows_computed(m);
+    v[g->rank] = (float)(now - g->rows_seen);
+    g->rows_seen = now;
+    enum moe_status rc = moe_comm_all_reduce_sum(g->world, v, (size_t)g->size, err);
+    if (!rc) {
+        pthread_mutex_lock(&g->mu);
+        for (int r = 0; r < g->size; r++)
+            g->rank_rows[r] += (uint64_t)v[r];
+        g->steps++;
+        pthread_mutex_unlock(&g->mu);
+    }
+    if (v != small)
+        free(v);
+    return rc ? moe_error_prefix(err, "sharing per-rank expert load") : MOE_OK;
+}
+
+void moe_group_rank_rows(struct moe_group *g, uint64_t *rows, uint64_t *steps)
+{
+    pthread_mutex_lock(&g->mu);
+    memcpy(rows, g->rank_rows, (size_t)g->size * sizeof *rows);
+    *steps = g->steps;
+    pthread_mutex_unlock(&g->mu);
+}
+
 /* Every rank, after each forward while a placement is being prepared: agree
  * on whether all ranks are ready; if so, switch now (the same step boundary
  * everywhere); if one failed, everyone drops the change. */
@@ -170,6 +203,10 @@ enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, int timeo
     }
     g->tp_rank = g->rank % tp_size;
     pthread_mutex_init(&g->mu, NULL);
+    if (!(g->rank_rows = calloc((size_t)g->size, sizeof *g->rank_rows))) {
+        rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
     if (tp_size > 1 && (rc = moe_comm_split(g->world, g->rank / tp_size, g->tp_rank, &g->tp, err)))
         goto fail;
     *out = g;
@@ -190,6 +227,7 @@ void moe_group_destroy(struct moe_group *g)
         MPI_Abort(MPI_COMM_WORLD, 1);
     }
     join_prepare(g);
+    free(g->rank_rows);
     moe_placement_free(&g->proposal);
     moe_placement_free(&g->preparing_placement);
     moe_comm_destroy(g->tp);
@@ -240,7 +278,7 @@ enum moe_status moe_group_forward(void *group, struct moe_model *m, struct moe_k
     moe_placement_free(&start);
     if (rc)
         return moe_error_prefix(err, "broadcasting the step plan");
-    if ((rc = moe_model_forward(m, kv, b, logits, err)))
+    if ((rc = moe_model_forward(m, kv, b, logits, err)) || (rc = count_rank_rows(g, m, err)))
         return rc;
     return g->preparing ? settle_prepare(g, m, err) : MOE_OK;
 }
@@ -350,7 +388,7 @@ enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struc
             .max_blocks = h.max_blocks,
             .n_logits = 0,
         };
-        if ((rc = moe_model_forward(m, kv, &b, NULL, err)))
+        if ((rc = moe_model_forward(m, kv, &b, NULL, err)) || (rc = count_rank_rows(g, m, err)))
             break;
         if (g->preparing && (rc = settle_prepare(g, m, err)))
             break;

@@ -49,6 +49,12 @@ struct moe_group {
     int64_t epoch;               /* committed placement epoch (0: the initial one) */
     double last_switch_s;        /* how long the last commit paused the step */
     int64_t switches;
+    /* measured expert load per rank: rows each rank ran through its experts,
+     * summed over steps (every rank learns them by one small all-reduce per
+     * step) */
+    uint64_t *rank_rows;         /* (size) */
+    uint64_t rows_seen;          /* this rank's moe_model_ep_rows_computed at the last step */
+    uint64_t steps;
 };
 
 /* True when this process was started by mpirun / mpiexec. */
@@ -82,6 +88,10 @@ enum moe_status moe_group_propose_placement(struct moe_group *g, const struct mo
 
 /* The committed placement epoch, and the pause of the last switch. */
 int64_t moe_group_placement_epoch(struct moe_group *g, double *last_switch_s);
+
+/* Rows each rank has run through its experts since start (n = group size),
+ * and the steps counted. Any thread (a snapshot under the group's lock). */
+void moe_group_rank_rows(struct moe_group *g, uint64_t *rows, uint64_t *steps);
 
 /* Leader: tells the followers to return from moe_group_follow. */
 enum moe_status moe_group_stop(struct moe_group *g, struct moe_error *err);

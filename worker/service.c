@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "generate.h"
+#include "kv_transfer.h"
 #include "moe/v1/worker.pb-c.h"
 #include "request_check.h"
 #include "rpc.h"
@@ -24,7 +25,9 @@ struct req {
     bool deadline_hit;
     bool aborted_by_deadline;
     bool want_logprobs;
-    int n_out;
+    int n_out;                  /* tokens of the output so far (incl. handed-off ones) */
+    int n_emitted;              /* tokens this worker sent */
+    char handoff_id[KVX_ID_MAX];
     struct req *prev, *next;
 };
 
@@ -36,7 +39,8 @@ struct worker_service {
     struct rpc_server *server;
     char model_name[256];
     char dtype_name[16];
-    int world_size, tp_size;
+    int world_size, tp_size, role;
+    struct kvx *kvx;            /* KV handoff table (NULL: no backend given) */
 
     pthread_t thread;
     bool thread_started;
@@ -99,7 +103,8 @@ static void on_token(void *user, const struct moe_token_event *ev)
         token = (uint32_t)ev->token;
         resp.n_token_ids = 1;
         resp.token_ids = &token;
-        if (r->n_out++ == 0)
+        r->n_out++;
+        if (r->n_emitted++ == 0)
             r->t_first = now;
         r->t_last = now;
         if (r->want_logprobs) {
@@ -122,6 +127,27 @@ static void on_token(void *user, const struct moe_token_event *ev)
     char stop_reason[64] = "";
     enum rpc_code code = RPC_OK;
     const char *status_msg = NULL;
+    bool parked = ev->parked && ws->kvx;
+    if (ev->parked) {
+        /* Prefill done: hand the sequence to the table; the stream ends OK
+         * without a finish reason, with this side's timings. */
+        if (ws->kvx)
+            kvx_on_parked(ws->kvx, r->handoff_id, ev->parked);
+        else
+            moe_engine_abort(ws->engine, r->id);
+        double t_adm = ev->t_admitted > 0 ? ev->t_admitted : now;
+        timings.queue_ms = 1e3 * (t_adm - r->t_recv);
+        timings.prefill_ms = 1e3 * (now - t_adm);
+        timings.ttft_ms = 1e3 * (now - r->t_recv);
+        timings.e2e_ms = timings.ttft_ms;
+        resp.timings = &timings;
+        if (!parked) {
+            code = RPC_INTERNAL;
+            status_msg = "prefill_only: this worker cannot hand off KV";
+        } else {
+            status_msg = "parked for handoff";
+        }
+    }
     if (ev->finish) {
         resp.finish_reason = finish_reason(ev->finish);
         usage.prompt_tokens = (uint32_t)ev->n_prompt;
@@ -155,7 +181,7 @@ static void on_token(void *user, const struct moe_token_event *ev)
     if (bytes)
         rpc_stream_send(r->stream, bytes, len); /* fails harmlessly if the client left */
     free(bytes);
-    if (!ev->finish)
+    if (!ev->finish && !ev->parked)
         return;
     rpc_stream_finish(r->stream, bytes ? code : RPC_INTERNAL, bytes ? status_msg : "out of memory");
     pthread_mutex_lock(&ws->mu);
@@ -200,6 +226,8 @@ static void *engine_thread(void *arg)
         if (stop)
             break;
         check_deadlines(ws);
+        if (ws->kvx)
+            kvx_tick(ws->kvx);
         if (moe_engine_step(ws->engine, NULL, &err) != MOE_OK)
             fprintf(stderr, "moe-worker: step failed (requests of that batch ended): %s\n",
                     err.msg);
@@ -208,6 +236,16 @@ static void *engine_thread(void *arg)
 }
 
 /* ---- handlers ------------------------------------------------------------------------ */
+
+/* Wakes the engine thread (queued KV reservations and releases). */
+static void wake_engine(void *user)
+{
+    struct worker_service *ws = user;
+    pthread_mutex_lock(&ws->mu);
+    ws->pending++;
+    pthread_cond_signal(&ws->wake);
+    pthread_mutex_unlock(&ws->mu);
+}
 
 static void on_cancel(struct rpc_stream *stream, void *user)
 {
@@ -260,10 +298,20 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
         snprintf(msg, sizeof msg, "request: not a valid WorkerGenerateRequest message");
         goto fail;
     }
-    if (rq->prefill_only || rq->handoff_id[0]) {
+    if ((rq->prefill_only || rq->handoff_id[0]) && !ws->kvx) {
         code = RPC_UNIMPLEMENTED;
-        snprintf(msg, sizeof msg, "prefill_only / handoff_id: disaggregated serving is not "
-                                  "implemented in this worker yet");
+        snprintf(msg, sizeof msg, "prefill_only / handoff_id: this worker cannot hand off KV "
+                                  "(multi-rank group)");
+        goto fail;
+    }
+    if (rq->prefill_only && !rq->handoff_id[0]) {
+        code = RPC_INVALID_ARGUMENT;
+        snprintf(msg, sizeof msg, "handoff_id: required with prefill_only");
+        goto fail;
+    }
+    if (strlen(rq->handoff_id) >= KVX_ID_MAX) {
+        code = RPC_INVALID_ARGUMENT;
+        snprintf(msg, sizeof msg, "handoff_id: longer than %d bytes", KVX_ID_MAX - 1);
         goto fail;
     }
     if (strlen(rq->request_id) > MOE_REQ_MAX_ID_LEN) {
@@ -303,6 +351,28 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
         prompt[i] = (int32_t)rq->prompt_token_ids[i];
     struct moe_request_params p;
     to_engine_params(rq->sampling, n_prompt, ws->cfg->max_pos, &p);
+    p.prefill_only = rq->prefill_only;
+    snprintf(r->handoff_id, sizeof r->handoff_id, "%s", rq->handoff_id);
+    struct kvx_claim claim = {0};
+    bool import = rq->handoff_id[0] && !rq->prefill_only;
+    if (import) {
+        /* The KV arrived by handoff: continue after its generated tokens. */
+        code = kvx_claim(ws->kvx, rq->handoff_id, &claim, msg, sizeof msg);
+        if (code == RPC_OK && (claim.n_prompt != n_prompt ||
+                               memcmp(claim.tokens, prompt, (size_t)n_prompt * sizeof *prompt))) {
+            code = RPC_INVALID_ARGUMENT;
+            snprintf(msg, sizeof msg, "prompt_token_ids: differ from the prompt of handoff %.100s",
+                     rq->handoff_id);
+        }
+        if (code) {
+            if (claim.tokens)
+                moe_engine_unreserve(ws->engine, claim.reservation);
+            free(claim.tokens);
+            free(prompt);
+            goto fail;
+        }
+        r->n_out = claim.n_tokens - claim.n_prompt;
+    }
     r->ws = ws;
     r->stream = stream;
     r->t_recv = moe_now();
@@ -316,13 +386,26 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
     if (ws->draining || ws->stop) {
         pthread_mutex_unlock(&ws->mu);
         free(prompt);
+        if (import)
+            moe_engine_unreserve(ws->engine, claim.reservation);
+        free(claim.tokens);
         code = RPC_UNAVAILABLE;
         snprintf(msg, sizeof msg, "worker is draining: send the request elsewhere");
         goto fail;
     }
     r->id = ws->next_id++;
-    enum moe_status rc = moe_engine_submit(ws->engine, r->id, prompt, n_prompt, &p, on_token, r,
-                                           &err);
+    enum moe_status rc;
+    if (import) {
+        struct moe_seq_import im = {.n_prompt = claim.n_prompt, .n_tokens = claim.n_tokens,
+                                    .tokens = claim.tokens, .rng = claim.rng,
+                                    .reservation = claim.reservation};
+        rc = moe_engine_import(ws->engine, r->id, &im, &p, on_token, r, &err);
+        if (rc)
+            moe_engine_unreserve(ws->engine, claim.reservation);
+        free(claim.tokens);
+    } else {
+        rc = moe_engine_submit(ws->engine, r->id, prompt, n_prompt, &p, on_token, r, &err);
+    }
     free(prompt);
     if (rc) {
         pthread_mutex_unlock(&ws->mu);
@@ -390,7 +473,18 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
     load.prefix_lookup_tokens = (uint64_t)st.prompt_tokens;
     load.prefix_hit_tokens = (uint64_t)st.prefix_hit_tokens;
     load.prefix_cached_blocks = (uint32_t)st.kv_blocks_cached;
-    load.role = MOE__V1__WORKER_ROLE__WORKER_ROLE_MIXED;
+    load.role = ws->role ? (Moe__V1__WorkerRole)ws->role : MOE__V1__WORKER_ROLE__WORKER_ROLE_MIXED;
+    if (ws->kvx) {
+        struct kvx_counters kc;
+        kvx_counters(ws->kvx, &kc);
+        load.kv_transfers_out = kc.transfers_out;
+        load.kv_transfers_in = kc.transfers_in;
+        load.kv_transfer_bytes_out = kc.bytes_out;
+        load.kv_transfer_bytes_in = kc.bytes_in;
+        load.kv_transfer_ms = kc.send_ms;
+        load.kv_transfer_failures = kc.failures;
+        load.handoffs_pending = kc.pending;
+    }
     pthread_mutex_lock(&ws->mu);
     load.draining = ws->draining;
     pthread_mutex_unlock(&ws->mu);
@@ -457,6 +551,7 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
     snprintf(ws->dtype_name, sizeof ws->dtype_name, "%s", opts->dtype_name ? opts->dtype_name : "");
     ws->world_size = opts->world_size > 0 ? opts->world_size : 1;
     ws->tp_size = opts->tp_size > 0 ? opts->tp_size : 1;
+    ws->role = opts->role;
     pthread_mutex_init(&ws->mu, NULL);
     pthread_cond_init(&ws->wake, NULL);
     enum moe_status rc = MOE_OK;
@@ -475,6 +570,13 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
                                    ws, err)) ||
         (rc = rpc_health_register(ws->server, err)))
         goto fail;
+    if (opts->be && ws->world_size == 1) {
+        struct kvx_opts ko = {.engine = engine, .be = opts->be, .tp_size = ws->tp_size,
+                              .ttl_ms = opts->handoff_ttl_ms, .wake = wake_engine,
+                              .wake_user = ws};
+        if ((rc = kvx_create(&ko, &ws->kvx, err)) || (rc = kvx_register(ws->kvx, ws->server, err)))
+            goto fail;
+    }
     if (pthread_create(&ws->thread, NULL, engine_thread, ws)) {
         rc = moe_error_set(err, MOE_ERR_INTERNAL, "cannot start the engine thread");
         goto fail;
@@ -524,6 +626,7 @@ void worker_service_destroy(struct worker_service *ws, int grace_ms)
             moe_engine_abort(ws->engine, r->id);
         pthread_mutex_unlock(&ws->mu);
     }
+    kvx_shutdown(ws->kvx);
     if (ws->server)
         rpc_server_destroy(ws->server, grace_ms);
     if (ws->thread_started) {
@@ -533,6 +636,7 @@ void worker_service_destroy(struct worker_service *ws, int grace_ms)
         pthread_mutex_unlock(&ws->mu);
         pthread_join(ws->thread, NULL);
     }
+    kvx_destroy(ws->kvx);
     pthread_mutex_destroy(&ws->mu);
     pthread_cond_destroy(&ws->wake);
     free(ws);

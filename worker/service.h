@@ -1,6 +1,13 @@
 /* The worker's gRPC face: the internal moe.v1.Worker service (Generate,
- * Abort, GetLoad, GetModelInfo) and grpc.health.v1.Health over one engine,
- * with the engine's step loop on its own thread.
+ * Abort, GetLoad, GetModelInfo, and the KV handoff RPCs of kv_transfer.h)
+ * and grpc.health.v1.Health over one engine, with the engine's step loop on
+ * its own thread.
+ *
+ * Disaggregated serving: Generate with prefill_only + handoff_id runs the
+ * prompt, streams the first token (with queue / prefill timings) and ends the
+ * stream OK without a finish reason: the sequence is parked for the handoff.
+ * Generate with handoff_id alone continues a handed-off sequence (its KV
+ * arrived through KvTransfer) and streams the tokens after the first.
  *
  * Handlers only parse, validate and enqueue; tokens flow from the engine
  * thread into each call's send queue, which never blocks on the network. A
@@ -23,6 +30,9 @@ struct worker_service_opts {
     const char *dtype_name; /* "bf16", "f32" */
     int world_size;         /* ranks in the group (reported by GetLoad; 0 = 1) */
     int tp_size;
+    int role;               /* Moe__V1__WorkerRole (0 = mixed), reported by GetLoad */
+    struct moe_backend *be; /* the KV cache's backend (KV handoff); NULL: no handoff */
+    int handoff_ttl_ms;     /* lifetime of parked / reserved handoffs (0 = 30000) */
 };
 
 struct worker_service;

@@ -27,6 +27,7 @@
 #include "generate.h"
 #include "group.h"
 #include "model.h"
+#include "moe/v1/worker.pb-c.h"
 #include "placement.h"
 #include "service.h"
 #include "tokenizer.h"
@@ -89,7 +90,9 @@ static void usage(FILE *f)
             "  --max-batch-tokens N  token budget per step (default 512)\n"
             "  --max-running N       running sequences cap (default 64)\n"
             "  --no-prefix-cache     disable prefix caching\n"
-            "  --role mixed          prefill/decode pools come later\n"
+            "  --role R              mixed (default), prefill or decode: the pool this worker\n"
+            "                        serves in disaggregated serving (KV handed off from\n"
+            "                        prefill to decode workers; single-rank workers only)\n"
             "  --drain-timeout S     on SIGTERM, wait at most S seconds for running requests "
             "(default 60)\n"
             "under mpirun: --tp T (attention tensor parallel), --placement F.json (experts),\n"
@@ -164,10 +167,8 @@ static int parse_args(int argc, char **argv, struct args *a)
         } else if (!strcmp(k, "--device")) {
             a->device = v;
         } else if (!strcmp(k, "--role")) {
-            if (strcmp(v, "mixed"))
-                return fail("--role: '%s' is not supported yet (only 'mixed'; prefill and decode "
-                            "pools come with disaggregated serving)",
-                            v);
+            if (strcmp(v, "mixed") && strcmp(v, "prefill") && strcmp(v, "decode"))
+                return fail("--role: '%s' is not one of mixed, prefill, decode", v);
             a->role = v;
         } else if (!strcmp(k, "--dtype")) {
             if (!strcmp(v, "f32"))
@@ -246,6 +247,13 @@ int main(int argc, char **argv)
     if (moe_group_launched_by_mpi()) {
         if (moe_group_create(&argc, &argv, a.tp, a.comm_timeout_ms, &group, &err))
             goto fail;
+        if (strcmp(a.role, "mixed") && group->size > 1) {
+            moe_error_set(&err, MOE_ERR_INVALID,
+                          "--role %s: the KV handoff (host path) needs a single-rank worker, "
+                          "this group has %d ranks",
+                          a.role, group->size);
+            goto fail;
+        }
     } else if (a.tp > 1 || a.placement) {
         moe_error_set(&err, MOE_ERR_INVALID, "--tp and --placement need a group: run under mpirun");
         goto fail;
@@ -320,6 +328,10 @@ int main(int argc, char **argv)
         .dtype_name = a.dtype == MOE_DTYPE_BF16 ? "bf16" : "f32",
         .world_size = group ? group->size : 1,
         .tp_size = group ? group->tp_size : 1,
+        .role = !strcmp(a.role, "prefill")  ? MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL
+                : !strcmp(a.role, "decode") ? MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE
+                                            : MOE__V1__WORKER_ROLE__WORKER_ROLE_MIXED,
+        .be = be,
     };
     if (worker_service_create(engine, model, tok, &so, &ws, &err))
         goto fail;
@@ -352,9 +364,9 @@ int main(int argc, char **argv)
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
-    printf("moe-worker: %s serving %s on %s (%s, %d KV blocks x %d tokens, %d rank%s, tp %d, "
-           "pid %d)%s\n",
-           id, name, address, be->name, eo.n_block, eo.block_size, group ? group->size : 1,
+    printf("moe-worker: %s serving %s on %s (%s, %s, %d KV blocks x %d tokens, %d rank%s, "
+           "tp %d, pid %d)%s\n",
+           id, name, address, a.role, be->name, eo.n_block, eo.block_size, group ? group->size : 1,
            group && group->size > 1 ? "s" : "", group ? group->tp_size : 1, (int)getpid(),
            a.etcd ? ", registered in etcd" : "");
     fflush(stdout);
