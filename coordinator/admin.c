@@ -78,6 +78,10 @@ static bool snap_fill_locked(struct coord *c, struct status_snap *s)
         st->world_size = w->world_size;
         st->tp_size = w->tp_size;
         st->ep_size = w->ep_size;
+        st->kv_transfers_out = w->kv_out;
+        st->kv_transfers_in = w->kv_in;
+        st->kv_transfer_bytes = w->kv_bytes;
+        st->kv_transfer_failures = w->kv_failures;
         s->ptr[i] = st;
     }
     s->n = n;
@@ -104,6 +108,7 @@ static void handle_cluster_status(struct rpc_call *call, const uint8_t *req, siz
     resp.workers = s.ptr;
     resp.model = c->model_name;
     resp.uptime_s = coord_now() - c->t_start;
+    resp.placement_epoch = coord_placement_epoch(c);
     finish_msg(call, &resp);
     snap_free(&s);
 }

@@ -53,6 +53,8 @@ struct coord_worker {
     uint32_t running, waiting, kv_used, kv_total, block_size;
     uint64_t prefix_lookup, prefix_hit;
     uint32_t world_size, tp_size, ep_size;
+    uint64_t kv_out, kv_in, kv_bytes; /* KV handoffs (disaggregated serving) */
+    uint32_t kv_failures;
     /* mu: the coordinator's own counters */
     int in_flight;     /* forwarded requests running on it now */
     uint64_t n_routed; /* requests ever routed to it */
@@ -73,9 +75,11 @@ struct coord_opts {
     int poll_ms;         /* GetLoad polling interval */
     int rpc_threads;
     int grace_ms; /* shutdown grace for running streams */
+    int expert_slots; /* experts a rank may hold per layer; 0: 2 * ceil(n_expert / n_rank) */
 };
 
 struct fwd;
+struct coord_placement;
 
 struct coord {
     struct coord_opts opts;
@@ -103,6 +107,7 @@ struct coord {
     pthread_t poll_thread;
     bool poll_started;
     struct moe_etcd_watch *watch;
+    struct coord_placement *placement; /* placement_admin.c; its own lock */
 };
 
 double coord_now(void);
@@ -149,6 +154,16 @@ enum coord_worker_state coord_worker_state_locked(const struct coord_worker *w);
 struct coord_worker *coord_router_pick(struct coord *c, const int32_t *ids, size_t n_ids,
                                        struct coord_worker *const *exclude, size_t n_exclude);
 
+/* As coord_router_pick among the workers of one role (Moe__V1__WorkerRole;
+ * 0: mixed and decode workers, i.e. any that decodes; a prefill worker only
+ * if no other is serving). With need_blocks > 0 only workers with that many
+ * free KV blocks, block size `block_size` and TP size `tp_size` qualify (a
+ * decode worker able to take a handoff); they are picked by load alone. */
+struct coord_worker *coord_router_pick_role(struct coord *c, int role, const int32_t *ids,
+                                            size_t n_ids, struct coord_worker *const *exclude,
+                                            size_t n_exclude, uint32_t need_blocks,
+                                            uint32_t block_size, uint32_t tp_size);
+
 /* The request routed by coord_router_pick ended. Takes c->mu. */
 void coord_router_done(struct coord *c, struct coord_worker *w);
 
@@ -179,5 +194,18 @@ enum moe_status coord_admin_register(struct coord *c, struct moe_error *err);
 
 /* Packs a protobuf-c message into a malloc'd buffer (NULL on no memory). */
 void *coord_pack(const void *msg, size_t *len);
+
+/* ---- placement_admin.c ------------------------------------------------------------ */
+
+/* Creates the placement store (etcd key /moe/placement/<model> with --etcd,
+ * else in memory), starts the expert-statistics poller and registers the
+ * Admin placement methods (before rpc_server_start). */
+enum moe_status coord_placement_start(struct coord *c, struct moe_error *err);
+
+/* Stops the poller and frees the store. No-op if never started. */
+void coord_placement_stop(struct coord *c);
+
+/* The current placement epoch as last read (0: the default placement). */
+uint64_t coord_placement_epoch(struct coord *c);
 
 #endif

@@ -6,6 +6,7 @@
  *   moe-coordinator --model DIR [--listen HOST:PORT]
  *                   (--workers HOST:PORT,... | --etcd URLS)
  *                   [--max-queue N] [--poll-ms MS] [--threads N] [--grace-ms MS]
+ *                   [--expert-slots N]
  *
  * On SIGTERM or SIGINT: health NOT_SERVING, no new calls, running streams
  * get --grace-ms to finish (then they are cancelled), exit 0. */
@@ -52,7 +53,9 @@ static void usage(FILE *f)
                "  --poll-ms MS        worker load polling interval (default 200)\n"
                "  --threads N         gRPC server threads (default 2)\n"
                "  --grace-ms MS       on SIGTERM, time given to running streams (default "
-               "10000)\n");
+               "10000)\n"
+               "  --expert-slots N    experts a rank may hold per layer, for placement plans "
+               "(default 2 x experts / ranks)\n");
 }
 
 static bool parse_int(const char *s, long lo, long hi, long *out)
@@ -95,6 +98,7 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
         INT_OPT("--poll-ms", 10, 60000, poll_ms)
         INT_OPT("--threads", 1, 64, rpc_threads)
         INT_OPT("--grace-ms", 0, 3600000, grace_ms)
+        INT_OPT("--expert-slots", 0, 32767, expert_slots)
 #undef INT_OPT
         if (!strcmp(k, "--listen"))
             o->listen = v;
@@ -164,7 +168,7 @@ int main(int argc, char **argv)
 
     c.server = rpc_server_create(c.opts.listen, c.opts.rpc_threads, NULL, &err);
     if (!c.server || coord_frontend_register(&c, &err) || coord_admin_register(&c, &err) ||
-        rpc_server_start(c.server, &err))
+        coord_placement_start(&c, &err) || rpc_server_start(c.server, &err))
         goto fail;
     rpc_health_set(c.server, "moe.v1.Inference", RPC_HEALTH_SERVING);
     rpc_health_set(c.server, "moe.v1.Admin", RPC_HEALTH_SERVING);
@@ -203,6 +207,7 @@ out:
      * forwarding threads then end on their own. */
     rpc_server_destroy(c.server, c.opts.grace_ms);
     coord_wait_threads(&c);
+    coord_placement_stop(&c);
     coord_registry_stop(&c);
     free(c.workers);
     free(c.affinity);

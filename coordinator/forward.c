@@ -12,7 +12,25 @@
  *  - the client cancels (or its deadline passes): on_cancel cancels the
  *    worker stream, and the worker frees the KV blocks;
  *  - Abort(request_id): the worker stream is cancelled and the client gets a
- *    last message with FINISH_REASON_ABORT and status OK. */
+ *    last message with FINISH_REASON_ABORT and status OK.
+ *
+ * Disaggregated serving (when a prefill worker and a decode worker serve):
+ *  1. the prefill worker runs the prompt (prefill_only, handoff_id H) and
+ *     streams the first token, which is relayed at once; its stream ends OK
+ *     with the sequence parked there;
+ *  2. a decode worker (least loaded with enough free KV blocks, same block
+ *     and TP size) reserves blocks (KvReserve); a refusal tries the next one,
+ *     and none left ends the request with RESOURCE_EXHAUSTED;
+ *  3. the prefill worker pushes the KV there (KvSend; it frees its blocks
+ *     whatever happens);
+ *  4. the decode worker continues (Generate with handoff_id) and its tokens
+ *     are relayed: the client sees one stream.
+ * The sampling seed is fixed here (when the client gave none) so that any
+ * recomputation draws the same tokens. A failed or timed-out handoff
+ * releases both sides (KvRelease) and recomputes the request on a decode
+ * (or mixed) worker; the tokens already relayed are checked against the
+ * recomputed ones and not sent twice. Timings.transfer_ms is the reserve +
+ * send time; queue_ms and prefill_ms come from the prefill worker. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +42,9 @@
 #include "request_check.h"
 
 #define WORKER_DEADLINE_SLACK_MS 2000 /* the worker's own deadline_ms fires first */
+#define HANDOFF_CALL_MS 5000          /* KvReserve / KvRelease */
+#define HANDOFF_SEND_MS 10000         /* KvSend: the whole push */
+#define HANDOFF_DECODE_TRIES 3        /* decode workers asked to reserve */
 
 struct fwd {
     struct coord *c;
@@ -35,6 +56,18 @@ struct fwd {
     int32_t *prompt; /* (n_prompt) */
     size_t n_prompt;
     uint32_t n_tokens; /* tokens relayed to the client */
+    uint32_t *relayed; /* (cap_relayed) the ids relayed, in order */
+    size_t cap_relayed;
+    uint32_t skip;      /* tokens of the next worker stream already relayed */
+    uint32_t skip_from; /* index in relayed of the next one to compare */
+
+    /* disaggregated serving */
+    Moe__V1__SamplingParams sp;        /* rq->sampling with a fixed seed */
+    Moe__V1__SamplingParams *sampling; /* what workers get */
+    bool prefill_only;                 /* this attempt only prefills */
+    char handoff_id[MOE_REQ_MAX_ID_LEN + 64]; /* this attempt's handoff, or "" */
+    bool disagg;                       /* timings come from both workers */
+    double p_queue_ms, p_prefill_ms, transfer_ms;
 
     pthread_mutex_t mu;           /* guards the three fields below */
     struct rpc_client_stream *ws; /* the worker call now running, or NULL */
@@ -61,6 +94,7 @@ static void fwd_free(struct fwd *f)
     if (f->rq)
         moe__v1__generate_request__free_unpacked(f->rq, NULL);
     free(f->prompt);
+    free(f->relayed);
     pthread_mutex_destroy(&f->mu);
     free(f);
 }
@@ -159,6 +193,20 @@ static bool relay(struct fwd *f, Moe__V1__GenerateResponse *m, struct moe_detok 
     bool ok = true;
     if (m->n_token_ids && f->n_tokens == 0)
         f->t_first = coord_now();
+    if (f->n_tokens + m->n_token_ids > f->cap_relayed) {
+        size_t cap = f->cap_relayed ? 2 * f->cap_relayed : 64;
+        while (cap < f->n_tokens + m->n_token_ids)
+            cap *= 2;
+        uint32_t *p = realloc(f->relayed, cap * sizeof *p);
+        if (!p) {
+            snprintf(at->message, sizeof at->message, "out of memory");
+            at->failed_local = true;
+            return false;
+        }
+        f->relayed = p;
+        f->cap_relayed = cap;
+    }
+    memcpy(f->relayed + f->n_tokens, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
     f->n_tokens += (uint32_t)m->n_token_ids;
     if (rq->stream_text) {
         struct moe_error err = {0};
@@ -198,6 +246,11 @@ static bool relay(struct fwd *f, Moe__V1__GenerateResponse *m, struct moe_detok 
         double now = coord_now();
         timings.ttft_ms = f->n_tokens ? 1e3 * (f->t_first - f->t_recv) : 0.0;
         timings.e2e_ms = 1e3 * (now - f->t_recv);
+        if (f->disagg) {
+            timings.queue_ms = f->p_queue_ms;
+            timings.prefill_ms = f->p_prefill_ms;
+            timings.transfer_ms = f->transfer_ms;
+        }
         m->timings = &timings;
         at->saw_final = true;
     }
@@ -223,7 +276,9 @@ static void *worker_request(struct fwd *f, int64_t left, size_t *len)
         ids[i] = (uint32_t)f->prompt[i];
     wr.n_prompt_token_ids = f->n_prompt;
     wr.prompt_token_ids = ids;
-    wr.sampling = f->rq->sampling;
+    wr.sampling = f->sampling;
+    wr.prefill_only = f->prefill_only;
+    wr.handoff_id = f->handoff_id;
     if (left != INT64_MAX)
         wr.deadline_ms = left < 1 ? 1 : (left > UINT32_MAX ? UINT32_MAX : (uint32_t)left);
     void *bytes = coord_pack(&wr, len);
@@ -272,8 +327,41 @@ static void attempt_run(struct fwd *f, struct coord_worker *w, struct moe_detok 
             continue;
         }
         at->n_msgs++;
-        if (!at->failed_local && !at->client_gone && !relay(f, m, dt, at))
+        if (f->prefill_only && m->timings && !m->finish_reason) {
+            f->p_queue_ms = m->timings->queue_ms;
+            f->p_prefill_ms = m->timings->prefill_ms;
+        }
+        /* Tokens the client already has (a recomputation): compare, drop. */
+        uint32_t *saved_ids = m->token_ids;
+        Moe__V1__TokenLogprob **saved_lps = m->logprobs;
+        size_t saved_n = m->n_token_ids, saved_nlp = m->n_logprobs;
+        size_t k = f->skip < m->n_token_ids ? f->skip : m->n_token_ids;
+        for (size_t i = 0; i < k && !at->failed_local; i++)
+            if (m->token_ids[i] != f->relayed[f->skip_from + i]) {
+                at->failed_local = true;
+                snprintf(at->message, sizeof at->message,
+                         "recomputing after a failed KV handoff gave token %u at index %u where "
+                         "%u was sent",
+                         m->token_ids[i], f->skip_from + (unsigned)i, f->relayed[f->skip_from + i]);
+                rpc_client_stream_cancel(ws);
+            }
+        if (k) {
+            f->skip -= (uint32_t)k;
+            f->skip_from += (uint32_t)k;
+            m->token_ids += k;
+            m->n_token_ids -= k;
+            if (m->n_logprobs >= k) {
+                m->logprobs += k;
+                m->n_logprobs -= k;
+            }
+        }
+        if (!at->failed_local && !at->client_gone && (m->n_token_ids || m->finish_reason || !k) &&
+            !relay(f, m, dt, at))
             rpc_client_stream_cancel(ws);
+        m->token_ids = saved_ids;
+        m->n_token_ids = saved_n;
+        m->logprobs = saved_lps;
+        m->n_logprobs = saved_nlp;
         moe__v1__generate_response__free_unpacked(m, NULL);
     }
     const char *msg = NULL;
@@ -344,6 +432,263 @@ static enum rpc_code prepare_prompt(struct fwd *f, char *msg, size_t cap)
     return RPC_OK;
 }
 
+/* ---- disaggregated prefill / decode ------------------------------------------------ */
+
+enum disagg_result {
+    DISAGG_NO,      /* not a disaggregated cluster, or the prefill failed: plain path */
+    DISAGG_SETTLED, /* the request ended (code and msg set) */
+    DISAGG_DECODE,  /* *d holds the decode worker, f->handoff_id is armed */
+};
+
+static bool has_role_serving(struct coord *c, int role)
+{
+    bool any = false;
+    pthread_mutex_lock(&c->mu);
+    for (size_t i = 0; i < c->n_workers && !any; i++)
+        any = c->workers[i]->role == role &&
+              coord_worker_state_locked(c->workers[i]) == COORD_WORKER_SERVING;
+    pthread_mutex_unlock(&c->mu);
+    return any;
+}
+
+static void mark_down(struct coord *c, struct coord_worker *w, const char *what, const char *msg)
+{
+    pthread_mutex_lock(&c->mu);
+    w->down = true;
+    snprintf(w->last_error, sizeof w->last_error, "%s: %.200s", what, msg);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* A unary call to a worker; *out (if not NULL) is the unpacked answer. */
+static enum rpc_code worker_call(struct coord_worker *w, const char *method, const void *req,
+                                 const ProtobufCMessageDescriptor *desc, void **out,
+                                 int64_t timeout_ms, char *msg, size_t cap)
+{
+    size_t len;
+    void *bytes = coord_pack(req, &len);
+    if (out)
+        *out = NULL;
+    if (!bytes) {
+        snprintf(msg, cap, "out of memory");
+        return RPC_RESOURCE_EXHAUSTED;
+    }
+    struct rpc_reply r;
+    enum rpc_code code = rpc_client_call(w->client, method, bytes, len, timeout_ms, &r);
+    free(bytes);
+    snprintf(msg, cap, "%s", r.message);
+    if (code == RPC_OK && out && desc) {
+        *out = protobuf_c_message_unpack(desc, NULL, r.len, r.data);
+        if (!*out) {
+            code = RPC_INTERNAL;
+            snprintf(msg, cap, "%s: malformed answer", method);
+        }
+    }
+    rpc_reply_clear(&r);
+    return code;
+}
+
+/* Best effort: frees the handoff's blocks on w. */
+static void handoff_release(struct coord_worker *w, const char *id, const char *reason)
+{
+    Moe__V1__KvReleaseRequest rq = MOE__V1__KV_RELEASE_REQUEST__INIT;
+    rq.handoff_id = (char *)id;
+    rq.reason = (char *)reason;
+    char msg[256];
+    worker_call(w, "/moe.v1.Worker/KvRelease", &rq, NULL, NULL, 1000, msg, sizeof msg);
+}
+
+static int64_t min64(int64_t a, int64_t b)
+{
+    return a < b ? a : b;
+}
+
+/* Fixes a sampling seed so that a recomputation draws the same tokens. */
+static void fix_seed(struct fwd *f)
+{
+    static uint64_t counter;
+    if (f->rq->sampling)
+        f->sp = *f->rq->sampling;
+    else
+        moe__v1__sampling_params__init(&f->sp);
+    if (f->sp.seed_opt_case != MOE__V1__SAMPLING_PARAMS__SEED_OPT_SEED) {
+        uint64_t z = (uint64_t)(coord_now() * 1e9) +
+                     0x9e3779b97f4a7c15ull * __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        f->sp.seed_opt_case = MOE__V1__SAMPLING_PARAMS__SEED_OPT_SEED;
+        f->sp.seed = (z ^ (z >> 31)) >> 11;
+    }
+    f->sampling = &f->sp;
+}
+
+/* Prefill on a prefill worker, reserve on a decode worker, move the KV.
+ * On DISAGG_DECODE the caller runs the decode attempt on *d (one reference
+ * and in_flight held, as from coord_router_pick). */
+static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
+                                         struct coord_worker **d, enum rpc_code *code,
+                                         char *msg, size_t cap)
+{
+    struct coord *c = f->c;
+    *d = NULL;
+    if (!has_role_serving(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE))
+        return DISAGG_NO;
+    struct coord_worker *p = coord_router_pick_role(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL,
+                                                    f->prompt, f->n_prompt, NULL, 0, 0, 0, 0);
+    if (!p)
+        return DISAGG_NO;
+    static uint64_t seq;
+    fix_seed(f);
+    snprintf(f->handoff_id, sizeof f->handoff_id, "%s#%llu", f->request_id,
+             (unsigned long long)__atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED));
+    char hid[sizeof f->handoff_id];
+    snprintf(hid, sizeof hid, "%s", f->handoff_id);
+
+    /* 1. Prefill and the first token. */
+    struct attempt at;
+    f->prefill_only = true;
+    attempt_run(f, p, dt, &at);
+    f->prefill_only = false;
+    f->handoff_id[0] = '\0';
+    pthread_mutex_lock(&f->mu);
+    bool gone = f->cancelled || f->aborted;
+    pthread_mutex_unlock(&f->mu);
+    enum disagg_result res = DISAGG_NO;
+    if (at.saw_final || gone || at.client_gone || at.failed_local) {
+        /* Finished at its first token, or ended here. */
+        if (!at.saw_final)
+            handoff_release(p, hid, "request ended during prefill");
+        coord_router_done(c, p);
+        if (at.saw_final || at.failed_local) {
+            *code = at.saw_final ? at.code : RPC_INTERNAL;
+            snprintf(msg, cap, "%s%s", at.saw_final ? "" : "prefill: ", at.message);
+            return DISAGG_SETTLED;
+        }
+        pthread_mutex_lock(&f->mu);
+        f->cancelled = true; /* the client is gone (or aborted): the loop answers */
+        pthread_mutex_unlock(&f->mu);
+        return DISAGG_NO;
+    }
+    if (at.code != RPC_OK || at.n_msgs == 0 || f->n_tokens == 0) {
+        if (at.code == RPC_UNAVAILABLE)
+            mark_down(c, p, "Generate (prefill)", at.message);
+        if (at.n_msgs == 0 && at.code != RPC_OK && at.code != RPC_UNAVAILABLE &&
+            at.code != RPC_UNKNOWN) {
+            *code = at.code; /* refused (bad request): pass it on */
+            snprintf(msg, cap, "%s", at.message);
+            coord_router_done(c, p);
+            return DISAGG_SETTLED;
+        }
+        fprintf(stderr, "moe-coordinator: request %s: prefill on %s failed (%s: %s); recomputing "
+                        "on a decode worker\n",
+                f->request_id, p->id, rpc_code_name(at.code), at.message);
+        handoff_release(p, hid, "prefill failed");
+        coord_router_done(c, p);
+        f->skip = f->n_tokens;
+        f->skip_from = 0;
+        return DISAGG_NO;
+    }
+
+    /* 2. A decode worker reserves the blocks. */
+    double t0 = coord_now();
+    pthread_mutex_lock(&c->mu);
+    uint32_t bs = p->block_size ? p->block_size : COORD_DEFAULT_BLOCK;
+    uint32_t tp = p->tp_size ? p->tp_size : 1;
+    pthread_mutex_unlock(&c->mu);
+    uint32_t n_blocks = (uint32_t)((f->n_prompt + bs - 1) / bs);
+    struct coord_worker *tried[HANDOFF_DECODE_TRIES];
+    size_t n_tried = 0;
+    Moe__V1__KvReserveResponse *rr = NULL;
+    char last[512] = "";
+    while (n_tried < HANDOFF_DECODE_TRIES) {
+        struct coord_worker *w = coord_router_pick_role(
+            c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE, f->prompt, f->n_prompt, tried, n_tried,
+            n_blocks, bs, tp);
+        if (!w)
+            break;
+        Moe__V1__KvReserveRequest rq = MOE__V1__KV_RESERVE_REQUEST__INIT;
+        rq.handoff_id = hid;
+        rq.request_id = f->request_id;
+        rq.n_tokens = (uint32_t)f->n_prompt;
+        rq.n_blocks = n_blocks;
+        rq.block_size = bs;
+        rq.tp_size = tp;
+        char m[512];
+        enum rpc_code rc = worker_call(w, "/moe.v1.Worker/KvReserve", &rq,
+                                       &moe__v1__kv_reserve_response__descriptor, (void **)&rr,
+                                       min64(HANDOFF_CALL_MS, ms_left(f)), m, sizeof m);
+        if (rc == RPC_OK && rr && rr->n_block_ids == n_blocks) {
+            *d = w;
+            break;
+        }
+        if (rr)
+            moe__v1__kv_reserve_response__free_unpacked(rr, NULL);
+        rr = NULL;
+        snprintf(last, sizeof last, "%.150s: %s %.300s", w->id, rpc_code_name(rc), m);
+        if (rc == RPC_UNAVAILABLE)
+            mark_down(c, w, "KvReserve", m);
+        else
+            handoff_release(w, hid, "reservation not usable");
+        tried[n_tried++] = w; /* pointer only, compared */
+        coord_router_done(c, w);
+    }
+    if (!*d) {
+        handoff_release(p, hid, "no decode worker could reserve");
+        coord_router_done(c, p);
+        *code = RPC_RESOURCE_EXHAUSTED;
+        if (n_tried)
+            snprintf(msg, cap,
+                     "no decode worker could take the KV of this request (%u blocks of %u "
+                     "tokens): last refusal from %s",
+                     n_blocks, bs, last);
+        else
+            snprintf(msg, cap,
+                     "no decode worker has %u free KV blocks of %u tokens (tp %u) for this "
+                     "request",
+                     n_blocks, bs, tp);
+        return DISAGG_SETTLED;
+    }
+
+    /* 3. The prefill worker pushes the KV. */
+    Moe__V1__KvSendRequest sq = MOE__V1__KV_SEND_REQUEST__INIT;
+    sq.handoff_id = hid;
+    sq.target_address = (*d)->address;
+    sq.n_block_ids = rr->n_block_ids;
+    sq.block_ids = rr->block_ids;
+    int64_t send_ms = min64(HANDOFF_SEND_MS, ms_left(f));
+    sq.deadline_ms = send_ms < 1 ? 1 : (uint32_t)send_ms;
+    Moe__V1__KvSendResponse *sr = NULL;
+    char m[512];
+    enum rpc_code rc = worker_call(p, "/moe.v1.Worker/KvSend", &sq,
+                                   &moe__v1__kv_send_response__descriptor, (void **)&sr,
+                                   send_ms + WORKER_DEADLINE_SLACK_MS, m, sizeof m);
+    moe__v1__kv_reserve_response__free_unpacked(rr, NULL);
+    f->transfer_ms = 1e3 * (coord_now() - t0);
+    f->disagg = true;
+    if (rc == RPC_OK && sr && sr->ok) {
+        snprintf(f->handoff_id, sizeof f->handoff_id, "%s", hid);
+        res = DISAGG_DECODE;
+    } else {
+        /* Both sides give the blocks up; the decode side recomputes. */
+        fprintf(stderr,
+                "moe-coordinator: request %s: KV handoff %s from %s to %s failed (%s: %s); "
+                "recomputing\n",
+                f->request_id, hid, p->id, (*d)->id, rpc_code_name(rc), m);
+        if (rc == RPC_UNAVAILABLE && !strstr(m, "KvTransfer"))
+            mark_down(c, p, "KvSend", m);
+        handoff_release(*d, hid, "handoff failed");
+        handoff_release(p, hid, "handoff failed");
+        coord_router_done(c, *d);
+        *d = NULL;
+        f->skip = f->n_tokens;
+        f->skip_from = 0;
+        res = DISAGG_NO;
+    }
+    if (sr)
+        moe__v1__kv_send_response__free_unpacked(sr, NULL);
+    coord_router_done(c, p);
+    return res;
+}
+
 static void *fwd_thread(void *arg)
 {
     struct fwd *f = arg;
@@ -356,6 +701,8 @@ static void *fwd_thread(void *arg)
     size_t n_tried = 0;
     struct attempt at = {0};
     bool done = code != RPC_OK;
+    bool disagg_tried = false;
+    f->sampling = f->rq->sampling;
     while (!done) {
         pthread_mutex_lock(&f->mu);
         bool cancelled = f->cancelled, aborted = f->aborted;
@@ -375,7 +722,17 @@ static void *fwd_thread(void *arg)
             snprintf(msg, sizeof msg, "deadline_ms passed before a worker was found");
             break;
         }
-        struct coord_worker *w = coord_router_pick(c, f->prompt, f->n_prompt, tried, n_tried);
+        struct coord_worker *w = NULL;
+        if (!disagg_tried) {
+            disagg_tried = true;
+            enum disagg_result dr = disagg_prepare(f, &dt, &w, &code, msg, sizeof msg);
+            if (dr == DISAGG_SETTLED)
+                break;
+            if (dr == DISAGG_NO)
+                continue; /* re-checks cancel / abort / deadline, then a plain pick */
+        }
+        if (!w)
+            w = coord_router_pick(c, f->prompt, f->n_prompt, tried, n_tried);
         if (!w) {
             code = RPC_UNAVAILABLE;
             if (n_tried)
@@ -385,11 +742,32 @@ static void *fwd_thread(void *arg)
                 snprintf(msg, sizeof msg, "no worker is serving model '%s'", c->model_name);
             break;
         }
+        bool handoff = f->handoff_id[0] != '\0';
         attempt_run(f, w, &dt, &at);
+        f->handoff_id[0] = '\0';
         pthread_mutex_lock(&f->mu);
         aborted = f->aborted;
         cancelled = f->cancelled;
         pthread_mutex_unlock(&f->mu);
+        if (handoff && at.n_msgs == 0 && !at.saw_final && !aborted && !cancelled &&
+            !at.client_gone && !at.failed_local && at.code != RPC_UNAVAILABLE &&
+            at.code != RPC_INVALID_ARGUMENT) {
+            /* The handed-off KV is not there (expired, released): recompute
+             * on the same worker (the tokens sent so far are skipped). */
+            fprintf(stderr, "moe-coordinator: request %s: decode from handoff on %s refused (%s: "
+                            "%s); recomputing there\n",
+                    f->request_id, w->id, rpc_code_name(at.code), at.message);
+            f->skip = f->n_tokens;
+            f->skip_from = 0;
+            attempt_run(f, w, &dt, &at);
+            pthread_mutex_lock(&f->mu);
+            aborted = f->aborted;
+            cancelled = f->cancelled;
+            pthread_mutex_unlock(&f->mu);
+        } else if (handoff && at.n_msgs == 0 && !at.saw_final) {
+            f->skip = f->n_tokens; /* a retry elsewhere recomputes */
+            f->skip_from = 0;
+        }
         if (at.code == RPC_UNAVAILABLE && !aborted && !cancelled) {
             /* Take it out of routing until a poll answers (or says draining). */
             pthread_mutex_lock(&c->mu);

@@ -321,6 +321,10 @@ static void poll_one(struct coord *c, struct coord_worker *w)
         w->ep_size = load->ep_size;
         if (load->role)
             w->role = load->role;
+        w->kv_out = load->kv_transfers_out;
+        w->kv_in = load->kv_transfers_in;
+        w->kv_bytes = load->kv_transfer_bytes_out + load->kv_transfer_bytes_in;
+        w->kv_failures = load->kv_transfer_failures;
         need_dtype = !c->model_dtype[0];
     } else {
         if (!w->down)

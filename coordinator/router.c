@@ -16,11 +16,17 @@
  * Ties between equally loaded workers rotate (round robin).
  *
  * Only SERVING workers are eligible: not DOWN, not drained by Admin, not
- * reporting draining. */
+ * reporting draining.
+ *
+ * Roles (disaggregated serving): a plain pick prefers mixed and decode
+ * workers (prefill workers only when nothing else serves); forward.c picks a
+ * prefill worker by role, and a decode worker for a handoff by load among
+ * those with enough free KV blocks and the same block and TP size. */
 #include <stdio.h>
 #include <string.h>
 
 #include "coord.h"
+#include "moe/v1/admin.pb-c.h"
 
 #define KV_WEIGHT 4.0
 #define AFFINITY_SLACK_ABS 2.0
@@ -59,11 +65,38 @@ static bool eligible(const struct coord_worker *w, struct coord_worker *const *e
     return true;
 }
 
-struct coord_worker *coord_router_pick(struct coord *c, const int32_t *ids, size_t n_ids,
-                                       struct coord_worker *const *exclude, size_t n_exclude)
+/* Which workers a pick may take. */
+struct pick_filter {
+    int role;             /* 0: any; else only this Moe__V1__WorkerRole */
+    bool no_prefill;      /* skip prefill-role workers */
+    uint32_t need_blocks; /* > 0: a handoff target (free blocks, same layout) */
+    uint32_t block_size;
+    uint32_t tp_size;
+};
+
+static bool fits(const struct coord_worker *w, const struct pick_filter *pf)
+{
+    if (pf->role && w->role != pf->role)
+        return false;
+    if (pf->no_prefill && w->role == MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL)
+        return false;
+    if (pf->need_blocks) {
+        uint32_t tp = w->tp_size ? w->tp_size : 1;
+        if (w->block_size != pf->block_size || tp != (pf->tp_size ? pf->tp_size : 1))
+            return false;
+        if (w->kv_total && w->kv_total - (w->kv_used < w->kv_total ? w->kv_used : w->kv_total) <
+                               pf->need_blocks)
+            return false;
+    }
+    return true;
+}
+
+static struct coord_worker *pick(struct coord *c, const int32_t *ids, size_t n_ids,
+                                 struct coord_worker *const *exclude, size_t n_exclude,
+                                 const struct pick_filter *pf)
 {
     uint64_t hashes[COORD_AFFINITY_BLOCKS];
-    size_t n_levels = n_ids / COORD_DEFAULT_BLOCK;
+    size_t n_levels = pf->need_blocks ? 0 : n_ids / COORD_DEFAULT_BLOCK;
     if (n_levels > COORD_AFFINITY_BLOCKS)
         n_levels = COORD_AFFINITY_BLOCKS;
     uint64_t h = 1469598103934665603ull;
@@ -79,7 +112,7 @@ struct coord_worker *coord_router_pick(struct coord *c, const int32_t *ids, size
     size_t start = n ? (size_t)(c->rr++ % n) : 0;
     for (size_t k = 0; k < n; k++) {
         struct coord_worker *w = c->workers[(start + k) % n];
-        if (!eligible(w, exclude, n_exclude))
+        if (!eligible(w, exclude, n_exclude) || !fits(w, pf))
             continue;
         double load = coord_worker_load_locked(w);
         if (!best || load < best_load) {
@@ -93,7 +126,7 @@ struct coord_worker *coord_router_pick(struct coord *c, const int32_t *ids, size
             if (slot->hash != hashes[l])
                 continue;
             struct coord_worker *w = coord_registry_find_locked(c, slot->worker_id);
-            if (w && eligible(w, exclude, n_exclude) &&
+            if (w && eligible(w, exclude, n_exclude) && fits(w, pf) &&
                 coord_worker_load_locked(w) <=
                     best_load + AFFINITY_SLACK_ABS + AFFINITY_SLACK_REL * best_load)
                 best = w;
@@ -112,6 +145,27 @@ struct coord_worker *coord_router_pick(struct coord *c, const int32_t *ids, size
     }
     pthread_mutex_unlock(&c->mu);
     return best;
+}
+
+struct coord_worker *coord_router_pick_role(struct coord *c, int role, const int32_t *ids,
+                                            size_t n_ids, struct coord_worker *const *exclude,
+                                            size_t n_exclude, uint32_t need_blocks,
+                                            uint32_t block_size, uint32_t tp_size)
+{
+    struct pick_filter pf = {.role = role, .no_prefill = role == 0, .need_blocks = need_blocks,
+                             .block_size = block_size, .tp_size = tp_size};
+    struct coord_worker *w = pick(c, ids, n_ids, exclude, n_exclude, &pf);
+    if (!w && role == 0) {
+        pf.no_prefill = false; /* only prefill workers left: they decode too */
+        w = pick(c, ids, n_ids, exclude, n_exclude, &pf);
+    }
+    return w;
+}
+
+struct coord_worker *coord_router_pick(struct coord *c, const int32_t *ids, size_t n_ids,
+                                       struct coord_worker *const *exclude, size_t n_exclude)
+{
+    return coord_router_pick_role(c, 0, ids, n_ids, exclude, n_exclude, 0, 0, 0);
 }
 
 void coord_router_done(struct coord *c, struct coord_worker *w)

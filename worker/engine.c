@@ -490,7 +490,7 @@ void moe_engine_abort(struct moe_engine *e, uint64_t req_id)
 bool moe_engine_busy(struct moe_engine *e)
 {
     pthread_mutex_lock(&e->mu);
-    bool busy = e->n_live - e->n_parked > 0 || e->n_ops > 0;
+    bool busy = e->n_live - e->n_parked > 0 || e->n_ops > 0 || e->n_aborts > 0;
     pthread_mutex_unlock(&e->mu);
     return busy;
 }

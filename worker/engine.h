@@ -145,7 +145,8 @@ void moe_engine_abort(struct moe_engine *e, uint64_t req_id);
  * request of the batch with MOE_FINISH_ERROR and is returned. */
 enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_error *err);
 
-/* True while requests are queued, waiting or running (thread-safe). */
+/* True while requests are queued, waiting or running, or reservations /
+ * releases wait for a step (parked sequences alone do not count). Thread-safe. */
 bool moe_engine_busy(struct moe_engine *e);
 
 /* A consistent snapshot (thread-safe). */

@@ -421,6 +421,10 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
         code = RPC_INVALID_ARGUMENT;
         snprintf(msg, sizeof msg, "n_blocks: %u blocks do not hold %u tokens of %u per block",
                  rq->n_blocks, rq->n_tokens, bs);
+    } else if (rq->n_blocks > (uint32_t)moe_engine_n_block(x->o.engine)) {
+        code = RPC_RESOURCE_EXHAUSTED;
+        snprintf(msg, sizeof msg, "no free KV blocks: the handoff needs %u, the whole pool has %d",
+                 rq->n_blocks, moe_engine_n_block(x->o.engine));
     } else if (!(h = calloc(1, sizeof *h))) {
         code = RPC_RESOURCE_EXHAUSTED;
         snprintf(msg, sizeof msg, "out of memory");
