@@ -757,8 +757,8 @@ static void route_group(struct moe_model *m, int layer, int n)
     for (int e = 0; e < c->n_expert; e++)
         s->h_counts[e + 1] += s->h_counts[e];
     for (int e = 0; e < c->n_expert; e++)
-        m->expert_tokens[(size_t)layer * c->n_expert + e] +=
-            (uint64_t)(s->h_counts[e + 1] - s->h_counts[e]);
+        __atomic_fetch_add(&m->expert_tokens[(size_t)layer * c->n_expert + e],
+                           (uint64_t)(s->h_counts[e + 1] - s->h_counts[e]), __ATOMIC_RELAXED);
     /* stable fill: the tokens of an expert stay in token order */
     int32_t next[1024];
     int32_t *cursor = c->n_expert <= 1024 ? next : malloc((size_t)c->n_expert * sizeof *cursor);

@@ -61,7 +61,8 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
     ops->buf_download(be, s->h_ids, s->topk_ids, (size_t)n * k * sizeof(int32_t));
     ops->buf_download(be, s->h_w, s->topk_w, (size_t)n * k * sizeof(float));
     for (int i = 0; i < n * k; i++) /* statistics: every rank counts every token */
-        m->expert_tokens[(size_t)l * c->n_expert + s->h_ids[i]]++;
+        __atomic_fetch_add(&m->expert_tokens[(size_t)l * c->n_expert + s->h_ids[i]], 1,
+                           __ATOMIC_RELAXED);
     int32_t *dest = s->h_ep_idx; /* scratch: destination of each item */
     for (int i = 0; i < n_items; i++) {
         int t = t0 + i / k, e = s->h_ids[t * k + i % k];

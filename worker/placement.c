@@ -112,8 +112,15 @@ enum moe_status moe_placement_load(const char *path, int n_layer, int n_expert, 
     }
     fclose(f);
     text[len] = 0;
-    cJSON *root = cJSON_Parse(text);
+    enum moe_status rc = moe_placement_parse(text, path, n_layer, n_expert, n_rank, p, err);
     free(text);
+    return rc;
+}
+
+enum moe_status moe_placement_parse(const char *text, const char *path, int n_layer, int n_expert,
+                                    int n_rank, struct moe_placement *p, struct moe_error *err)
+{
+    cJSON *root = cJSON_Parse(text);
     enum moe_status rc;
     if (!cJSON_IsObject(root)) {
         rc = moe_error_set(err, MOE_ERR_FORMAT, "%s: not a JSON object", path);

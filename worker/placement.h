@@ -38,6 +38,10 @@ enum moe_status moe_placement_default(int n_layer, int n_expert, int n_rank,
 enum moe_status moe_placement_load(const char *path, int n_layer, int n_expert, int n_rank,
                                    struct moe_placement *out, struct moe_error *err);
 
+/* The same from JSON text; `name` (a file, an etcd key) is used in messages. */
+enum moe_status moe_placement_parse(const char *text, const char *name, int n_layer, int n_expert,
+                                    int n_rank, struct moe_placement *out, struct moe_error *err);
+
 void moe_placement_free(struct moe_placement *p);
 
 static inline int moe_placement_n_replicas(const struct moe_placement *p, int layer, int expert)

@@ -40,6 +40,7 @@ struct worker_service {
     char model_name[256];
     char dtype_name[16];
     int world_size, tp_size, role;
+    struct moe_group *group;
     struct kvx *kvx;            /* KV handoff table (NULL: no backend given) */
 
     pthread_t thread;
@@ -491,8 +492,33 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
     load.world_size = (uint32_t)ws->world_size;
     load.tp_size = (uint32_t)ws->tp_size;
     load.ep_size = (uint32_t)ws->world_size;
+    /* expert statistics (issue 8): cumulative, the coordinator windows them */
+    const struct moe_config *c = ws->cfg;
+    size_t n_stats = (size_t)c->n_layer * c->n_expert;
+    uint64_t *tokens = n_stats ? malloc(n_stats * sizeof *tokens) : NULL;
+    uint64_t *rank_rows = ws->group ? malloc((size_t)ws->group->size * sizeof *rank_rows) : NULL;
+    if (tokens) {
+        const uint64_t *counts = moe_model_expert_tokens(ws->model);
+        for (size_t i = 0; i < n_stats; i++)
+            tokens[i] = __atomic_load_n(&counts[i], __ATOMIC_RELAXED);
+        load.n_expert_tokens = n_stats;
+        load.expert_tokens = tokens;
+        load.stats_layers = (uint32_t)c->n_layer;
+        load.stats_experts = (uint32_t)c->n_expert;
+        load.stats_steps = (uint64_t)st.steps;
+    }
+    if (ws->group) {
+        load.placement_epoch = (uint64_t)moe_group_placement_epoch(ws->group, NULL);
+        if (rank_rows) {
+            moe_group_rank_rows(ws->group, rank_rows, &load.rank_steps);
+            load.n_rank_rows = (size_t)ws->group->size;
+            load.rank_rows = rank_rows;
+        }
+    }
     size_t n;
     void *out = pack_msg(&load.base, &n);
+    free(tokens);
+    free(rank_rows);
     rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
                     n);
     free(out);
@@ -550,6 +576,7 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
     snprintf(ws->model_name, sizeof ws->model_name, "%s", opts->model_name ? opts->model_name : "");
     snprintf(ws->dtype_name, sizeof ws->dtype_name, "%s", opts->dtype_name ? opts->dtype_name : "");
     ws->world_size = opts->world_size > 0 ? opts->world_size : 1;
+    ws->group = opts->group;
     ws->tp_size = opts->tp_size > 0 ? opts->tp_size : 1;
     ws->role = opts->role;
     pthread_mutex_init(&ws->mu, NULL);

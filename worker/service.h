@@ -19,6 +19,7 @@
 #include <stdbool.h>
 
 #include "engine.h"
+#include "group.h"
 #include "model.h"
 #include "moe_error.h"
 #include "tokenizer.h"
@@ -33,6 +34,7 @@ struct worker_service_opts {
     int role;               /* Moe__V1__WorkerRole (0 = mixed), reported by GetLoad */
     struct moe_backend *be; /* the KV cache's backend (KV handoff); NULL: no handoff */
     int handoff_ttl_ms;     /* lifetime of parked / reserved handoffs (0 = 30000) */
+    struct moe_group *group; /* worker group (placement epoch, per-rank load); NULL: one rank */
 };
 
 struct worker_service;

@@ -13,6 +13,7 @@
  *              one model replica over W ranks: rank 0 serves gRPC and runs the
  *              scheduler, every rank runs each step (tensor + expert parallel)
  */
+#include <cjson/cJSON.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -213,6 +214,52 @@ static enum moe_status register_worker(struct registration *reg, struct moe_erro
     return rc;
 }
 
+/* The group leader follows the expert placement the coordinator stores in
+ * etcd at /moe/placement/<model> ({"epoch": N, "placement": {...}}): every
+ * new epoch is proposed to the group, which loads the experts in the
+ * background and switches at a step boundary. */
+struct placement_follow {
+    struct moe_group *group;
+    const struct moe_config *cfg;
+    char key[300];
+    int64_t last_epoch;
+};
+
+static void follow_placement_value(struct placement_follow *pf, const char *value)
+{
+    cJSON *root = cJSON_Parse(value);
+    const cJSON *ep = cJSON_GetObjectItemCaseSensitive(root, "epoch");
+    const cJSON *pl = cJSON_GetObjectItemCaseSensitive(root, "placement");
+    char *text = pl ? cJSON_PrintUnformatted(pl) : NULL;
+    int64_t epoch = cJSON_IsNumber(ep) ? (int64_t)ep->valuedouble : -1;
+    struct moe_placement p = {0};
+    struct moe_error err = {0};
+    if (epoch < 0 || !text) {
+        fprintf(stderr, "moe-worker: %s: no 'epoch' and 'placement' in the value; ignored\n",
+                pf->key);
+    } else if (epoch > pf->last_epoch) { /* a watch may repeat events after a reconnect */
+        if (moe_placement_parse(text, pf->key, pf->cfg->n_layer, pf->cfg->n_expert,
+                                pf->group->size, &p, &err) ||
+            moe_group_propose_placement(pf->group, &p, epoch, &err)) {
+            fprintf(stderr, "moe-worker: placement epoch %lld refused: %s\n", (long long)epoch,
+                    err.msg);
+        } else {
+            pf->last_epoch = epoch;
+            fprintf(stderr, "moe-worker: placement epoch %lld received; loading experts\n",
+                    (long long)epoch);
+        }
+    }
+    moe_placement_free(&p);
+    free(text);
+    cJSON_Delete(root);
+}
+
+static void on_placement_event(void *user, const struct moe_etcd_event *ev)
+{
+    if (ev->type == MOE_ETCD_EVENT_PUT)
+        follow_placement_value(user, ev->value);
+}
+
 static void unregister_worker(struct registration *reg)
 {
     moe_etcd_keeper_destroy(reg->keeper);
@@ -242,6 +289,7 @@ int main(int argc, char **argv)
     struct registration reg = {.endpoints = a.etcd, .ttl = a.lease_ttl};
     struct moe_group *group = NULL;
     struct moe_placement placement = {0};
+    struct moe_etcd_watch *placement_watch = NULL;
     rc = 1;
 
     if (moe_group_launched_by_mpi()) {
@@ -327,6 +375,7 @@ int main(int argc, char **argv)
         .model_name = name,
         .dtype_name = a.dtype == MOE_DTYPE_BF16 ? "bf16" : "f32",
         .world_size = group ? group->size : 1,
+        .group = group,
         .tp_size = group ? group->tp_size : 1,
         .role = !strcmp(a.role, "prefill")  ? MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL
                 : !strcmp(a.role, "decode") ? MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE
@@ -357,6 +406,22 @@ int main(int argc, char **argv)
                  id, address, a.role, be->name, name, eo.n_block, eo.block_size);
         if (moe_etcd_create(a.etcd, 2000, &reg.etcd, &err) || register_worker(&reg, &err)) {
             moe_error_prefix(&err, "registering in etcd");
+            goto fail;
+        }
+    }
+    struct placement_follow pf = {.group = group, .cfg = cfg};
+    if (a.etcd && group && group->size > 1) {
+        snprintf(pf.key, sizeof pf.key, "/moe/placement/%s", name);
+        struct moe_etcd_kv kv = {0};
+        int64_t rev = 0;
+        enum moe_status grc = moe_etcd_get(reg.etcd, pf.key, &kv, &rev, &err);
+        if (grc == MOE_OK && kv.value)
+            follow_placement_value(&pf, kv.value);
+        moe_etcd_kv_clear(&kv);
+        if ((grc && grc != MOE_ERR_NOT_FOUND) ||
+            moe_etcd_watch_create(a.etcd, 2000, pf.key, 0, rev + 1, on_placement_event, &pf,
+                                  &placement_watch, &err)) {
+            moe_error_prefix(&err, "watching %s", pf.key);
             goto fail;
         }
     }
@@ -398,6 +463,7 @@ int main(int argc, char **argv)
 fail:
     fprintf(stderr, "moe-worker: %s\n", err.msg);
 out:
+    moe_etcd_watch_destroy(placement_watch);
     worker_service_destroy(ws, 1000); /* joins the engine thread: MPI is ours again */
     if (group && group->rank == 0) {
         struct moe_error stop_err;
