@@ -228,12 +228,49 @@ void moe_group_destroy(struct moe_group *g)
     }
     join_prepare(g);
     free(g->rank_rows);
+    moe_comm_destroy(g->dev_tp);
+    moe_comm_destroy(g->dev_world);
     moe_placement_free(&g->proposal);
     moe_placement_free(&g->preparing_placement);
     moe_comm_destroy(g->tp);
     moe_comm_destroy(g->world);
     free(g);
     MPI_Finalize();
+}
+
+enum moe_status moe_group_attach_device(struct moe_group *g, struct moe_backend *be,
+                                        struct moe_error *err)
+{
+    if (be->device != MOE_DEVICE_CUDA)
+        return MOE_OK;
+    struct moe_comm_nccl_id id = {{0}};
+    enum moe_status rc = g->rank == 0 ? moe_comm_nccl_get_id(&id, err) : MOE_OK;
+    /* everyone takes part in the broadcast, even after a failure on rank 0 */
+    int failed = rc != MOE_OK;
+    if (moe_comm_broadcast(g->world, &failed, sizeof failed, 0, err) ||
+        moe_comm_broadcast(g->world, &id, sizeof id, 0, err))
+        return moe_error_prefix(err, "sharing the NCCL unique id");
+    if (failed)
+        return rc ? rc : moe_error_set(err, MOE_ERR_IO, "rank 0 could not create an NCCL id");
+    /* The default stream: the model synchronises the backend's stream before
+     * every collective, and each collective waits for its own completion. */
+    if ((rc = moe_comm_create_nccl(&id, g->size, g->rank, 0, NULL, g->world->timeout_ms,
+                                   &g->dev_world, err)))
+        return rc;
+    if (g->tp_size > 1 &&
+        (rc = moe_comm_split(g->dev_world, g->rank / g->tp_size, g->tp_rank, &g->dev_tp, err)))
+        return rc;
+    return MOE_OK;
+}
+
+struct moe_comm *moe_group_model_tp(const struct moe_group *g)
+{
+    return g->dev_tp ? g->dev_tp : g->tp;
+}
+
+struct moe_comm *moe_group_model_ep(const struct moe_group *g)
+{
+    return g->dev_world ? g->dev_world : g->world;
 }
 
 static size_t payload_ints(const struct plan_head *h)

@@ -31,6 +31,10 @@ struct moe_group {
     int tp_rank;
     struct moe_comm *world; /* all ranks: plan broadcast and expert parallel */
     struct moe_comm *tp;    /* this rank's tensor-parallel sub-group (NULL when tp_size 1) */
+    /* On GPUs the model's collectives run on device buffers over NCCL; the
+     * step plans stay on MPI (host memory). NULL on the CPU. */
+    struct moe_comm *dev_world;
+    struct moe_comm *dev_tp;
     struct moe_kv_cache *follower_kv;
     struct moe_model *follower_model;
 
@@ -65,6 +69,16 @@ bool moe_group_launched_by_mpi(void);
  * timeout_ms bounds every collective inside a step. */
 enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, int timeout_ms,
                                  struct moe_group **out, struct moe_error *err);
+
+/* For a CUDA backend: creates the NCCL communicators the model uses (the
+ * unique id travels by MPI broadcast). A no-op on the CPU. UNVERIFIED: no GPU
+ * has run this path yet. */
+enum moe_status moe_group_attach_device(struct moe_group *g, struct moe_backend *be,
+                                        struct moe_error *err);
+
+/* The communicators to give the model (struct moe_model_opts). */
+struct moe_comm *moe_group_model_tp(const struct moe_group *g);
+struct moe_comm *moe_group_model_ep(const struct moe_group *g);
 
 /* Frees the communicators and finalises MPI. NULL is a no-op. */
 void moe_group_destroy(struct moe_group *g);

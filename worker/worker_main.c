@@ -317,12 +317,14 @@ int main(int argc, char **argv)
     }
     if (moe_backend_create(a.device, a.threads, &be, &err))
         goto fail;
+    if (group && moe_group_attach_device(group, be, &err))
+        goto fail;
     struct moe_model_opts mo = {
         .dtype = a.dtype,
         .tp_rank = group ? group->tp_rank : 0,
         .tp_size = group ? group->tp_size : 1,
-        .tp_comm = group ? group->tp : NULL,
-        .ep_comm = group ? group->world : NULL,
+        .tp_comm = group ? moe_group_model_tp(group) : NULL,
+        .ep_comm = group ? moe_group_model_ep(group) : NULL,
         .placement = a.placement ? &placement : NULL,
     };
     if (moe_model_load(a.model, &mo, be, &model, &err))
