@@ -166,7 +166,8 @@ static bool str_append(char **buf, size_t *len, const char *s, size_t n)
     char *p = realloc(*buf, *len + n + 1);
     if (!p)
         return false;
-    memcpy(p + *len, s, n);
+    if (n)
+        memcpy(p + *len, s, n);
     *len += n;
     p[*len] = '\0';
     *buf = p;
@@ -206,7 +207,8 @@ static bool relay(struct fwd *f, Moe__V1__GenerateResponse *m, struct moe_detok 
         f->relayed = p;
         f->cap_relayed = cap;
     }
-    memcpy(f->relayed + f->n_tokens, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
+    if (m->n_token_ids) /* a message without tokens has token_ids == NULL */
+        memcpy(f->relayed + f->n_tokens, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
     f->n_tokens += (uint32_t)m->n_token_ids;
     if (rq->stream_text) {
         struct moe_error err = {0};

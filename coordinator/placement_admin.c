@@ -504,7 +504,8 @@ static void stats_record_locked(struct coord_placement *p, const char *id,
     }
     s->t[slot] = now;
     s->steps[slot] = load->stats_steps;
-    memcpy(s->tokens + (size_t)slot * n, load->expert_tokens, n * sizeof *s->tokens);
+    if (n && load->expert_tokens)
+        memcpy(s->tokens + (size_t)slot * n, load->expert_tokens, n * sizeof *s->tokens);
 }
 
 /* Sums the window of every worker into tokens (n_layer, n_expert), zeroed

@@ -278,7 +278,8 @@ void kvx_on_parked(struct kvx *x, const char *id, const struct moe_seq_export *e
     h->n_tokens = ex->n_tokens;
     memcpy(h->tokens, ex->tokens, (size_t)ex->n_tokens * sizeof *h->tokens);
     h->n_blocks = ex->n_blocks;
-    memcpy(h->blocks, ex->blocks, (size_t)ex->n_blocks * sizeof *h->blocks);
+    if (ex->n_blocks)
+        memcpy(h->blocks, ex->blocks, (size_t)ex->n_blocks * sizeof *h->blocks);
     h->rng = ex->rng;
     push_locked(x, h);
     pthread_mutex_unlock(&x->mu);
@@ -369,7 +370,8 @@ static void on_reserved(void *user, uint64_t key, const int32_t *blocks, int n_b
         rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory", NULL, 0);
         return;
     }
-    memcpy(copy, blocks, (size_t)n_blocks * sizeof *copy);
+    if (n_blocks)
+        memcpy(copy, blocks, (size_t)n_blocks * sizeof *copy);
     for (int i = 0; i < n_blocks; i++)
         ids[i] = (uint32_t)blocks[i];
     h->blocks = copy;
@@ -825,7 +827,8 @@ static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len,
     s->call = call;
     s->h = h;
     snprintf(s->target, sizeof s->target, "%s", rq->target_address);
-    memcpy(s->dst_blocks, rq->block_ids, (size_t)h->n_blocks * sizeof *s->dst_blocks);
+    if (h->n_blocks && rq->block_ids)
+        memcpy(s->dst_blocks, rq->block_ids, (size_t)h->n_blocks * sizeof *s->dst_blocks);
     int64_t left = rq->deadline_ms ? (int64_t)rq->deadline_ms : KVX_DEFAULT_SEND_MS;
     int64_t call_left = rpc_call_deadline_ms_left(call);
     if (call_left < left)
