@@ -6,7 +6,10 @@
 # 1. installs missing Debian packages when apt is usable (deploy/install-deps.sh;
 #    a failure there is only a warning: the machine may be offline);
 # 2. configures and builds with CUDA (Release, MOE_CUDA=ON, sm_90 only);
-# 3. runs the op tests (every op on CPU and CUDA, tests/ops/test_ops.c);
+# 3. runs the op tests (every op on CPU and CUDA, tests/ops/test_ops.c: one table row per
+#    op, the MoE ops grouped_matmul, unpermute_combine, argmax, sample_top_p,
+#    kv_gather/scatter_blocks and buf_zero included) and times the grouped expert GEMM and
+#    sampling (tests/ops/time_ops.c);
 # 4. runs the golden prompts with `moe-generate --device cuda` (both fixtures,
 #    f32 and bf16 weights) and checks the prompt logits (max rel err <= 1e-4)
 #    and the 32-token greedy paths with bench/compare_logits.c;
@@ -15,6 +18,9 @@
 #    sequences, and the device copy bandwidth (bench-copy-gpu);
 # 6. prints a table: op/golden pass-fail, tokens/s, achieved weight GB/s
 #    (weights streamed per decode step / step time) against the copy bandwidth.
+#
+# On a GPU machine without the project's other dependencies (gRPC, cJSON, ...), the op
+# tests alone: tests/ops/build_standalone.sh /tmp/b 90 && /tmp/b/test_ops && /tmp/b/time_ops
 #
 # For a dry run of the script itself on a machine without a GPU:
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_SMALL=1 BUILD=build-x bench/gpu_check.sh
@@ -62,8 +68,8 @@ done_step dependencies
 step "configure + build (Release, CUDA sm_90, -j$JOBS)"
 if cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DMOE_CUDA=ON \
      -DCMAKE_CUDA_ARCHITECTURES=90 >"$WORK/configure.log" 2>&1 &&
-   cmake --build "$BUILD" -j"$JOBS" --target test_ops moe-generate moe-mkmodel compare-logits \
-     bench-copy-gpu >"$WORK/build.log" 2>&1; then
+   cmake --build "$BUILD" -j"$JOBS" --target test_ops time_ops moe-generate moe-mkmodel \
+     compare-logits bench-copy-gpu >"$WORK/build.log" 2>&1; then
   row "build" "ok ($((SECONDS - STEP_T0))s)"
 else
   tail -40 "$WORK/configure.log" "$WORK/build.log" || true
@@ -87,6 +93,23 @@ case $rc in
   77) row "op tests" "SKIPPED (no usable GPU: $(tail -1 "$WORK/ops.log"))" ;;
   *) row "op tests" "FAIL (rc $rc, $n_fail failing cases, $n_ok ok)" ;;
 esac
+# one row per op: cases ok / failing (refusal cases count as cases of their op)
+if [ "$rc" != 77 ]; then
+  for op in matmul rmsnorm rope kv_write attention router swiglu gather_rows scatter_add_rows \
+            embed add grouped_matmul unpermute_combine argmax sample_top_p kv_gather_blocks \
+            kv_scatter_blocks buf_zero; do
+    o=$(grep -cE "^ok +$op \{" "$WORK/ops.log" || true)
+    f=$(grep -cE "^FAIL +$op \{" "$WORK/ops.log" || true)
+    if [ "$f" -eq 0 ] && [ "$o" -gt 0 ]; then row "  op $op" "pass ($o)"
+    else row "  op $op" "FAIL ($f failing, $o ok)"; fi
+  done
+fi
+# timings of the grouped expert GEMM and the sampling ops (tests/ops/time_ops.c)
+if [ "$rc" = 0 ] && [ -x "$BUILD/tests/time_ops" ]; then
+  timeout 120 "$BUILD/tests/time_ops" >"$WORK/time_ops.log" 2>&1 || true
+  cat "$WORK/time_ops.log"
+  [ -n "${OUT:-}" ] && cp "$WORK/time_ops.log" "$OUT/time_ops.log"
+fi
 [ -n "${OUT:-}" ] && mkdir -p "$OUT" && cp "$WORK/ops.log" "$OUT/ops.log"
 done_step "op tests"
 

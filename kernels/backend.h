@@ -64,6 +64,32 @@ struct moe_attn_params {
     float scale;              /* usually 1/sqrt(d_head) */
 };
 
+/* Grouped expert GEMM: for every expert e with rows,
+ *   y[off[e] .. off[e+1]) = x[off[e] .. off[e+1]) . W_e^T (+ y),
+ * x (n_rows, n_in) already permuted so the rows of expert e are contiguous,
+ * W_e (n_out, n_in) with row stride ldw, y (n_rows, n_out); f32 accumulation.
+ * Experts with no rows are skipped (their weight pointer may be NULL); an
+ * expert with rows and a NULL weight pointer is an error: the op records it
+ * (see `status`) and computes nothing. The host arrays are required (the
+ * backend checks them and sizes the launch from them); the device copies
+ * are optional: NULL makes the backend copy the host arrays itself on every
+ * call (which a CUDA graph capture cannot contain). */
+struct moe_grouped_matmul_params {
+    const float *x;                   /* (n_rows, n_in), rows grouped by expert */
+    int n_rows;
+    int n_in;
+    int n_out;
+    int n_expert;
+    const int32_t *expert_offsets;    /* host (n_expert + 1): off[0] = 0, off[n_expert] = n_rows */
+    const int32_t *expert_offsets_dev; /* backend memory copy of expert_offsets, or NULL */
+    const void *const *w;             /* host (n_expert): backend pointers to W_e, NULL if not held */
+    const void *const *w_dev;         /* backend memory copy of the pointer array `w`, or NULL */
+    enum moe_dtype w_dtype;           /* F32 or BF16 */
+    int64_t ldw;                      /* >= n_in */
+    float *y;                         /* (n_rows, n_out) */
+    bool accumulate;
+};
+
 struct moe_backend;
 
 struct moe_backend_ops {
@@ -123,6 +149,66 @@ struct moe_backend_ops {
 
     /* y[i] += x[i] for n elements. */
     void (*add)(struct moe_backend *be, float *y, const float *x, size_t n);
+
+    /* ---- Added for the GPU path (issue 6); every pointer is backend memory
+     * unless said otherwise. ---- */
+
+    /* Returns and clears the first error an op recorded since the last call
+     * (a launch or library failure, an unsupported shape, an invalid
+     * argument), its one-line message in err; MOE_OK when none. Ops queue
+     * work asynchronously: call it after `synchronize` to cover everything
+     * queued before. */
+    enum moe_status (*status)(struct moe_backend *be, struct moe_error *err);
+
+    /* Sets `bytes` bytes at p to zero (queued like an op). */
+    void (*buf_zero)(struct moe_backend *be, void *p, size_t bytes);
+
+    void (*grouped_matmul)(struct moe_backend *be, const struct moe_grouped_matmul_params *p);
+
+    /* Weighted combine of expert outputs back into token order, the inverse
+     * of gather_rows over the permuted rows: for each token t and j = 0, 1,
+     * ..., top_k - 1 in that order,
+     *   i = tok_rows[t * top_k + j]; if (i >= 0) y[t] += weights[i] * rows[i]
+     * (the product and the sum rounded separately, no FMA). tok_rows lists a
+     * token's row positions sorted by expert id, so with y zeroed first the
+     * result equals the per-expert scatter_add_rows loop bit for bit; -1
+     * skips an entry (an expert not computed here). Deterministic, no atomics.
+     * rows (n_rows, dim), weights (n_rows), tok_rows (n_tok, top_k),
+     * y (n_tok, dim). */
+    void (*unpermute_combine)(struct moe_backend *be, const float *rows, const float *weights,
+                              const int32_t *tok_rows, int n_tok, int top_k, int dim, float *y);
+
+    /* out_ids[r] = index of the largest of logits[r] (n rows of vocab), ties
+     * to the lower id (NaN logits: unspecified). out_ids (n). */
+    void (*argmax)(struct moe_backend *be, const float *logits, int n, int vocab,
+                   int32_t *out_ids);
+
+    /* Temperature + top-p sampling of one id per row, the semantics of
+     * worker/sampler.c's moe_sample with top_k and min_p off:
+     * temperature <= 0 is argmax; else p_i = expf((l_i - max) / temperature);
+     * with 0 < top_p < 1 the candidates are sorted by p descending (ties to
+     * the lower id) and the shortest prefix whose mass reaches top_p of the
+     * total is kept; the id is the first candidate (in that order, or in id
+     * order without top_p) whose running mass exceeds u * kept mass, with
+     * u = uniform[r] in [0, 1) from the caller. One difference, for
+     * determinism on a GPU: masses are summed in 2^-40 fixed point (integer
+     * sums are exact in any order) instead of doubles, which moves the
+     * boundaries by at most ~vocab * 2^-40 of the maximum p. logits
+     * (n, vocab), uniform (n) doubles, out_ids (n). */
+    void (*sample_top_p)(struct moe_backend *be, const float *logits, int n, int vocab,
+                         float temperature, float top_p, const double *uniform,
+                         int32_t *out_ids);
+
+    /* KV handoff, one layer per call: out[i][0] = the block_size rows of
+     * k_cache starting at slot block_ids[i] * block_size, out[i][1] = those
+     * of v_cache. k_cache, v_cache (n_slot, kv_dim); block_ids (n);
+     * out (n, 2, block_size, kv_dim). kv_scatter_blocks is the inverse
+     * (in -> caches); its block ids must be distinct. */
+    void (*kv_gather_blocks)(struct moe_backend *be, const float *k_cache, const float *v_cache,
+                             const int32_t *block_ids, int n, int block_size, int kv_dim,
+                             float *out);
+    void (*kv_scatter_blocks)(struct moe_backend *be, const float *in, const int32_t *block_ids,
+                              int n, int block_size, int kv_dim, float *k_cache, float *v_cache);
 };
 
 struct moe_backend {

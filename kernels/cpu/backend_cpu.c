@@ -8,6 +8,7 @@
 struct cpu_backend {
     struct moe_backend base; /* first: a struct moe_backend * is a struct cpu_backend * */
     struct moe_pool *pool;
+    struct moe_error first_error; /* code MOE_OK while none (ops are called from one thread) */
 };
 
 static struct moe_pool *be_pool(struct moe_backend *be)
@@ -106,6 +107,76 @@ static void cpu_op_add(struct moe_backend *be, float *y, const float *x, size_t 
     cpu_add(be_pool(be), y, x, n);
 }
 
+/* Keeps the first error of an op until `status` takes it. */
+static void cpu_record(struct moe_backend *be, enum moe_status st, const struct moe_error *e)
+{
+    struct cpu_backend *cb = (struct cpu_backend *)be;
+    if (st == MOE_OK || cb->first_error.code != MOE_OK)
+        return;
+    cb->first_error = *e;
+    cb->first_error.code = st;
+}
+
+static enum moe_status cpu_status(struct moe_backend *be, struct moe_error *err)
+{
+    struct cpu_backend *cb = (struct cpu_backend *)be;
+    enum moe_status st = cb->first_error.code;
+    if (st != MOE_OK)
+        moe_error_set(err, st, "cpu backend: %s", cb->first_error.msg);
+    cb->first_error.code = MOE_OK;
+    cb->first_error.msg[0] = '\0';
+    return st;
+}
+
+static void cpu_buf_zero(struct moe_backend *be, void *p, size_t bytes)
+{
+    if (bytes)
+        memset(p, 0, bytes);
+}
+
+static void cpu_op_grouped_matmul(struct moe_backend *be,
+                                  const struct moe_grouped_matmul_params *p)
+{
+    struct moe_error e = {0};
+    cpu_record(be, cpu_grouped_matmul(be_pool(be), p, &e), &e);
+}
+
+static void cpu_op_unpermute_combine(struct moe_backend *be, const float *rows,
+                                     const float *weights, const int32_t *tok_rows, int n_tok,
+                                     int top_k, int dim, float *y)
+{
+    cpu_unpermute_combine(rows, weights, tok_rows, n_tok, top_k, dim, y);
+}
+
+static void cpu_op_argmax(struct moe_backend *be, const float *logits, int n, int vocab,
+                          int32_t *out_ids)
+{
+    cpu_argmax(logits, n, vocab, out_ids);
+}
+
+static void cpu_op_sample_top_p(struct moe_backend *be, const float *logits, int n, int vocab,
+                                float temperature, float top_p, const double *uniform,
+                                int32_t *out_ids)
+{
+    struct moe_error e = {0};
+    cpu_record(be, cpu_sample_top_p(logits, n, vocab, temperature, top_p, uniform, out_ids, &e),
+               &e);
+}
+
+static void cpu_op_kv_gather_blocks(struct moe_backend *be, const float *k_cache,
+                                    const float *v_cache, const int32_t *block_ids, int n,
+                                    int block_size, int kv_dim, float *out)
+{
+    cpu_kv_gather_blocks(k_cache, v_cache, block_ids, n, block_size, kv_dim, out);
+}
+
+static void cpu_op_kv_scatter_blocks(struct moe_backend *be, const float *in,
+                                     const int32_t *block_ids, int n, int block_size, int kv_dim,
+                                     float *k_cache, float *v_cache)
+{
+    cpu_kv_scatter_blocks(in, block_ids, n, block_size, kv_dim, k_cache, v_cache);
+}
+
 static const struct moe_backend_ops cpu_ops = {
     .buf_alloc = cpu_buf_alloc,
     .buf_free = cpu_buf_free,
@@ -123,6 +194,14 @@ static const struct moe_backend_ops cpu_ops = {
     .scatter_add_rows = cpu_op_scatter_add_rows,
     .embed = cpu_op_embed,
     .add = cpu_op_add,
+    .status = cpu_status,
+    .buf_zero = cpu_buf_zero,
+    .grouped_matmul = cpu_op_grouped_matmul,
+    .unpermute_combine = cpu_op_unpermute_combine,
+    .argmax = cpu_op_argmax,
+    .sample_top_p = cpu_op_sample_top_p,
+    .kv_gather_blocks = cpu_op_kv_gather_blocks,
+    .kv_scatter_blocks = cpu_op_kv_scatter_blocks,
 };
 
 enum moe_status moe_backend_cpu_create(int n_threads, struct moe_backend **out,

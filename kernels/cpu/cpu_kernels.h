@@ -79,6 +79,30 @@ void cpu_embed(const void *table, enum moe_dtype dtype, const int32_t *ids, int 
                float *dst);
 void cpu_add(struct moe_pool *pool, float *y, const float *x, size_t n);
 
+/* ---- moe_ops.c: ops added for the GPU path (semantics in backend.h) ---- */
+
+/* Checks grouped-matmul parameters against the host arrays (offsets
+ * monotone from 0 to n_rows, weights for every expert with rows); shared by
+ * the CPU and CUDA backends so both refuse the same calls. */
+enum moe_status moe_grouped_matmul_check(const struct moe_grouped_matmul_params *p,
+                                         struct moe_error *err);
+/* Loops over the experts with rows calling cpu_matmul; computes nothing and
+ * returns the error when moe_grouped_matmul_check fails. */
+enum moe_status cpu_grouped_matmul(struct moe_pool *pool, const struct moe_grouped_matmul_params *p,
+                                   struct moe_error *err);
+void cpu_unpermute_combine(const float *rows, const float *weights, const int32_t *tok_rows,
+                           int n_tok, int top_k, int dim, float *y);
+int32_t cpu_argmax_row(const float *logits, int vocab);
+void cpu_argmax(const float *logits, int n, int vocab, int32_t *out_ids);
+/* Allocates vocab candidates of scratch per call (MOE_ERR_NOMEM on failure). */
+enum moe_status cpu_sample_top_p(const float *logits, int n, int vocab, float temperature,
+                                 float top_p, const double *uniform, int32_t *out_ids,
+                                 struct moe_error *err);
+void cpu_kv_gather_blocks(const float *k_cache, const float *v_cache, const int32_t *block_ids,
+                          int n, int block_size, int kv_dim, float *out);
+void cpu_kv_scatter_blocks(const float *in, const int32_t *block_ids, int n, int block_size,
+                           int kv_dim, float *k_cache, float *v_cache);
+
 /* ---- backend_cpu.c ---- */
 
 void cpu_backend_destroy(struct moe_backend *be);

@@ -14,8 +14,9 @@
  * shape the kernels do not support ("attention: d_head 96 not supported") —
  * is recorded: the first one is kept with its message and printed once to
  * stderr, nothing is launched for the failing op, and
- * cuda_backend_take_error() hands it to tests. The backend interface has no
- * status channel for the model code yet (see the report to the lead). */
+ * the `status` op (and cuda_backend_take_error() for tests) hands it over and
+ * clears it: cudaErrorNotSupported becomes MOE_ERR_UNSUPPORTED,
+ * cudaErrorInvalidValue MOE_ERR_INVALID, anything else MOE_ERR_INTERNAL. */
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -26,6 +27,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include "cpu/cpu_kernels.h" /* moe_grouped_matmul_check, shared with the CPU backend */
 #include "cuda_backend.h"
 #include "cuda_ops.h"
 
@@ -36,6 +38,8 @@ struct cuda_backend {
     cublasHandle_t blas;
     void *scratch; /* device scratch for matmul (bf16 x) and attention (split partials) */
     size_t scratch_cap;
+    void *meta; /* device copies of host arrays that ops were given (grouped_matmul) */
+    size_t meta_cap;
     _Atomic int first_error; /* 0 while none; else the cudaError_t (or -1 for non-CUDA errors) */
     char first_msg[256];
 };
@@ -100,6 +104,30 @@ static void *scratch_reserve(struct moe_backend *be, size_t bytes, const char *w
     }
     cb->scratch_cap = cap;
     return cb->scratch;
+}
+
+/* Grows the meta buffer to `bytes` (NULL, error recorded, on failure). */
+static void *meta_reserve(struct moe_backend *be, size_t bytes, const char *what)
+{
+    struct cuda_backend *cb = cuda_of(be);
+    if (bytes <= cb->meta_cap)
+        return cb->meta;
+    size_t cap = bytes < 4096 ? 4096 : bytes;
+    if (cb->meta) {
+        cuda_check(be, cudaStreamSynchronize(cb->stream), "meta: cudaStreamSynchronize");
+        cudaFree(cb->meta);
+        cb->meta = NULL;
+        cb->meta_cap = 0;
+    }
+    cudaError_t e = cudaMalloc(&cb->meta, cap);
+    if (e != cudaSuccess) {
+        cb->meta = NULL;
+        cuda_fail(be, (int)e, "%s: cannot allocate %zu bytes of metadata: %s", what, cap,
+                  cudaGetErrorString(e));
+        return NULL;
+    }
+    cb->meta_cap = cap;
+    return cb->meta;
 }
 
 static void *cuda_buf_alloc(struct moe_backend *be, size_t bytes)
@@ -268,6 +296,145 @@ static void cuda_op_add(struct moe_backend *be, float *y, const float *x, size_t
     cuda_check(be, moe_cuda_add(y, x, n, cuda_of(be)->stream), "add");
 }
 
+static enum moe_status status_of(int code)
+{
+    if (code == (int)cudaErrorNotSupported)
+        return MOE_ERR_UNSUPPORTED;
+    if (code == (int)cudaErrorInvalidValue)
+        return MOE_ERR_INVALID;
+    return MOE_ERR_INTERNAL;
+}
+
+static enum moe_status cuda_status(struct moe_backend *be, struct moe_error *err)
+{
+    char msg[256];
+    int code = cuda_backend_take_error(be, msg, sizeof msg);
+    if (!code)
+        return MOE_OK;
+    return moe_error_set(err, status_of(code), "cuda backend: %s", msg);
+}
+
+static void cuda_buf_zero(struct moe_backend *be, void *p, size_t bytes)
+{
+    if (bytes)
+        cuda_check(be, cudaMemsetAsync(p, 0, bytes, cuda_of(be)->stream), "buf_zero");
+}
+
+static void cuda_op_grouped_matmul(struct moe_backend *be,
+                                   const struct moe_grouped_matmul_params *p)
+{
+    struct moe_error e = {0};
+    enum moe_status st = moe_grouped_matmul_check(p, &e);
+    if (st != MOE_OK) {
+        cuda_fail(be, st == MOE_ERR_UNSUPPORTED ? (int)cudaErrorNotSupported
+                                                : (int)cudaErrorInvalidValue,
+                  "%s", e.msg);
+        return;
+    }
+    if (!moe_cuda_grouped_gemv_fits(p)) { /* prefill or f32: cuBLAS per expert */
+        for (int ex = 0; ex < p->n_expert; ex++) {
+            int r0 = p->expert_offsets[ex], cnt = p->expert_offsets[ex + 1] - r0;
+            if (!cnt)
+                continue;
+            struct moe_matmul_params mp = {
+                .x = p->x + (size_t)r0 * (size_t)p->n_in,
+                .n_tok = cnt,
+                .n_in = p->n_in,
+                .w = p->w[ex],
+                .w_dtype = p->w_dtype,
+                .ldw = p->ldw,
+                .n_out = p->n_out,
+                .y = p->y + (size_t)r0 * (size_t)p->n_out,
+                .accumulate = p->accumulate,
+            };
+            cuda_op_matmul(be, &mp);
+        }
+        return;
+    }
+    struct cuda_backend *cb = cuda_of(be);
+    const void *const *w_dev = p->w_dev;
+    const int32_t *off_dev = p->expert_offsets_dev;
+    if (!w_dev || !off_dev) { /* copy the host arrays: pointers first (8-byte aligned) */
+        size_t wb = (size_t)p->n_expert * sizeof(void *);
+        size_t ob = ((size_t)p->n_expert + 1) * sizeof(int32_t);
+        char *meta = meta_reserve(be, wb + ob, "grouped_matmul");
+        if (!meta)
+            return;
+        cudaError_t ce = cudaSuccess;
+        if (!w_dev) {
+            ce = cudaMemcpyAsync(meta, p->w, wb, cudaMemcpyHostToDevice, cb->stream);
+            w_dev = (const void *const *)meta;
+        }
+        if (!off_dev && ce == cudaSuccess) {
+            ce = cudaMemcpyAsync(meta + wb, p->expert_offsets, ob, cudaMemcpyHostToDevice,
+                                 cb->stream);
+            off_dev = (const int32_t *)(meta + wb);
+        }
+        if (ce != cudaSuccess) {
+            cuda_check(be, ce, "grouped_matmul: cudaMemcpyAsync of the host arrays");
+            return;
+        }
+    }
+    cudaError_t ce = moe_cuda_grouped_gemv(p, off_dev, w_dev, cb->stream);
+    if (ce == cudaErrorNotSupported)
+        cuda_fail(be, (int)ce, "grouped_matmul: n_out %d too large for the grouped GEMV grid",
+                  p->n_out);
+    else
+        cuda_check(be, ce, "grouped_matmul");
+}
+
+static void cuda_op_unpermute_combine(struct moe_backend *be, const float *rows,
+                                      const float *weights, const int32_t *tok_rows, int n_tok,
+                                      int top_k, int dim, float *y)
+{
+    cuda_check(be,
+               moe_cuda_unpermute_combine(rows, weights, tok_rows, n_tok, top_k, dim, y,
+                                          cuda_of(be)->stream),
+               "unpermute_combine");
+}
+
+static void cuda_op_argmax(struct moe_backend *be, const float *logits, int n, int vocab,
+                           int32_t *out_ids)
+{
+    cuda_check(be, moe_cuda_argmax(logits, n, vocab, out_ids, cuda_of(be)->stream), "argmax");
+}
+
+static void cuda_op_sample_top_p(struct moe_backend *be, const float *logits, int n, int vocab,
+                                 float temperature, float top_p, const double *uniform,
+                                 int32_t *out_ids)
+{
+    if (vocab < 1 || vocab > MOE_CUDA_SAMPLE_MAX_VOCAB) {
+        cuda_fail(be, (int)cudaErrorNotSupported,
+                  "sample_top_p: vocab %d not supported (1 .. %d)", vocab,
+                  MOE_CUDA_SAMPLE_MAX_VOCAB);
+        return;
+    }
+    cuda_check(be,
+               moe_cuda_sample_top_p(logits, n, vocab, temperature, top_p, uniform, out_ids,
+                                     cuda_of(be)->stream),
+               "sample_top_p");
+}
+
+static void cuda_op_kv_gather_blocks(struct moe_backend *be, const float *k_cache,
+                                     const float *v_cache, const int32_t *block_ids, int n,
+                                     int block_size, int kv_dim, float *out)
+{
+    cuda_check(be,
+               moe_cuda_kv_gather_blocks(k_cache, v_cache, block_ids, n, block_size, kv_dim, out,
+                                         cuda_of(be)->stream),
+               "kv_gather_blocks");
+}
+
+static void cuda_op_kv_scatter_blocks(struct moe_backend *be, const float *in,
+                                      const int32_t *block_ids, int n, int block_size, int kv_dim,
+                                      float *k_cache, float *v_cache)
+{
+    cuda_check(be,
+               moe_cuda_kv_scatter_blocks(in, block_ids, n, block_size, kv_dim, k_cache, v_cache,
+                                          cuda_of(be)->stream),
+               "kv_scatter_blocks");
+}
+
 static const struct moe_backend_ops cuda_ops = {
     .buf_alloc = cuda_buf_alloc,
     .buf_free = cuda_buf_free,
@@ -285,6 +452,14 @@ static const struct moe_backend_ops cuda_ops = {
     .scatter_add_rows = cuda_op_scatter_add_rows,
     .embed = cuda_op_embed,
     .add = cuda_op_add,
+    .status = cuda_status,
+    .buf_zero = cuda_buf_zero,
+    .grouped_matmul = cuda_op_grouped_matmul,
+    .unpermute_combine = cuda_op_unpermute_combine,
+    .argmax = cuda_op_argmax,
+    .sample_top_p = cuda_op_sample_top_p,
+    .kv_gather_blocks = cuda_op_kv_gather_blocks,
+    .kv_scatter_blocks = cuda_op_kv_scatter_blocks,
 };
 
 /* Writes the names of the NULL ops of `ops` into buf ("matmul, rope");
@@ -298,7 +473,9 @@ static int missing_ops(const struct moe_backend_ops *ops, char *buf, size_t cap)
 #define OP(f) {#f, ops->f != NULL}
         OP(buf_alloc), OP(buf_free), OP(buf_upload), OP(buf_download), OP(synchronize),
         OP(matmul), OP(rmsnorm), OP(rope), OP(kv_write), OP(attention), OP(router_topk),
-        OP(swiglu), OP(gather_rows), OP(scatter_add_rows), OP(embed), OP(add),
+        OP(swiglu), OP(gather_rows), OP(scatter_add_rows), OP(embed), OP(add), OP(status),
+        OP(buf_zero), OP(grouped_matmul), OP(unpermute_combine), OP(argmax), OP(sample_top_p),
+        OP(kv_gather_blocks), OP(kv_scatter_blocks),
 #undef OP
     };
     int n = 0;
@@ -406,6 +583,7 @@ void cuda_backend_destroy(struct moe_backend *be)
     cudaStreamSynchronize(cb->stream);
     cublasDestroy(cb->blas);
     cudaFree(cb->scratch);
+    cudaFree(cb->meta);
     cudaStreamDestroy(cb->stream);
     free(cb);
 }

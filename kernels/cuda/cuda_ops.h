@@ -105,6 +105,46 @@ cudaError_t moe_cuda_embed(const void *table, enum moe_dtype dtype, const int32_
 
 cudaError_t moe_cuda_add(float *y, const float *x, size_t n, cudaStream_t stream);
 
+/* ---- grouped_matmul.cu ---- */
+
+/* True when p takes the grouped GEMV (bf16 W, n_in > 0, at most
+ * MOE_CUDA_GEMV_MAX_TOK rows per expert); other calls the backend runs as a
+ * loop of moe_cuda_matmul over the experts with rows. */
+bool moe_cuda_grouped_gemv_fits(const struct moe_grouped_matmul_params *p);
+/* One launch for every expert with rows; the host arrays of p size the
+ * launch, off_dev and w_dev (device copies of p->expert_offsets and p->w)
+ * map the blocks. The caller has checked p (moe_grouped_matmul_check). */
+cudaError_t moe_cuda_grouped_gemv(const struct moe_grouped_matmul_params *p,
+                                  const int32_t *off_dev, const void *const *w_dev,
+                                  cudaStream_t stream);
+
+/* ---- combine.cu ---- */
+
+cudaError_t moe_cuda_unpermute_combine(const float *rows, const float *weights,
+                                       const int32_t *tok_rows, int n_tok, int top_k, int dim,
+                                       float *y, cudaStream_t stream);
+
+/* ---- sample.cu ---- */
+
+/* Largest vocabulary sample_top_p accepts (masses of 2^40 each sum below
+ * 2^63). */
+#define MOE_CUDA_SAMPLE_MAX_VOCAB (1 << 23)
+cudaError_t moe_cuda_argmax(const float *logits, int n, int vocab, int32_t *out_ids,
+                            cudaStream_t stream);
+/* uniform: device doubles (n). */
+cudaError_t moe_cuda_sample_top_p(const float *logits, int n, int vocab, float temperature,
+                                  float top_p, const double *uniform, int32_t *out_ids,
+                                  cudaStream_t stream);
+
+/* ---- kv_blocks.cu ---- */
+
+cudaError_t moe_cuda_kv_gather_blocks(const float *k_cache, const float *v_cache,
+                                      const int32_t *block_ids, int n, int block_size, int kv_dim,
+                                      float *out, cudaStream_t stream);
+cudaError_t moe_cuda_kv_scatter_blocks(const float *in, const int32_t *block_ids, int n,
+                                       int block_size, int kv_dim, float *k_cache, float *v_cache,
+                                       cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -659,6 +659,369 @@ static void test_backend_select(void)
     moe_backend_destroy(be);
 }
 
+/* ---- ops added for the GPU path: grouped matmul, combine, sampling, KV blocks ---- */
+
+/* Random expert offsets for n_rows rows over n_expert experts; mode 0:
+ * random, 1: one expert takes every row, 2: half the experts empty. */
+static void random_offsets(int32_t *off, int n_expert, int n_rows, int mode)
+{
+    int32_t *cnt = calloc((size_t)n_expert, sizeof *cnt);
+    int hot = rng_int(0, n_expert - 1);
+    for (int r = 0; r < n_rows; r++) {
+        int e = mode == 1 ? hot : rng_int(0, n_expert - 1);
+        if (mode == 2)
+            e &= ~1; /* odd experts stay empty */
+        cnt[e]++;
+    }
+    off[0] = 0;
+    for (int e = 0; e < n_expert; e++)
+        off[e + 1] = off[e] + cnt[e];
+    free(cnt);
+}
+
+static void test_grouped_matmul(void)
+{
+    static const struct {
+        int n_rows, n_expert, n_in, n_out, pad, mode;
+        enum moe_dtype dt;
+    } cases[] = {
+        {1, 1, 1, 1, 0, 0, MOE_DTYPE_F32},     {37, 8, 33, 17, 3, 0, MOE_DTYPE_BF16},
+        {64, 8, 64, 40, 0, 1, MOE_DTYPE_F32},  {50, 16, 48, 9, 5, 2, MOE_DTYPE_BF16},
+        {0, 4, 16, 16, 0, 0, MOE_DTYPE_F32},   {200, 60, 96, 70, 0, 0, MOE_DTYPE_BF16},
+    };
+    double worst = 0.0;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        int n_rows = cases[c].n_rows, n_e = cases[c].n_expert, n_in = cases[c].n_in;
+        int n_out = cases[c].n_out;
+        int64_t ldw = n_in + cases[c].pad;
+        bool bf16 = cases[c].dt == MOE_DTYPE_BF16;
+        size_t nw = (size_t)n_e * n_out * ldw;
+        float *x = rand_floats((size_t)n_rows * n_in), *wf = rand_floats(nw);
+        uint16_t *wb = malloc((nw + 1) * sizeof *wb);
+        for (size_t i = 0; i < nw; i++)
+            wb[i] = moe_f32_to_bf16(wf[i]);
+        int32_t *off = malloc(((size_t)n_e + 1) * sizeof *off);
+        random_offsets(off, n_e, n_rows, cases[c].mode);
+        const void **w = calloc((size_t)n_e, sizeof *w);
+        for (int e = 0; e < n_e; e++) {
+            size_t at = (size_t)e * n_out * ldw;
+            /* experts without rows get no weights, as on a rank that does not hold them */
+            if (off[e + 1] > off[e])
+                w[e] = bf16 ? (const void *)(wb + at) : (const void *)(wf + at);
+        }
+        size_t ny = (size_t)n_rows * n_out;
+        float *y = rand_floats(ny), *y_ref = malloc((ny + 1) * sizeof(float));
+        memcpy(y_ref, y, ny * sizeof(float));
+        bool acc = c % 2;
+        struct moe_grouped_matmul_params p = {
+            .x = x, .n_rows = n_rows, .n_in = n_in, .n_out = n_out, .n_expert = n_e,
+            .expert_offsets = off, .w = w, .w_dtype = cases[c].dt, .ldw = ldw, .y = y,
+            .accumulate = acc,
+        };
+        g_cpu->ops->grouped_matmul(g_cpu, &p);
+        struct moe_error err = {0};
+        CHECKF(g_cpu->ops->status(g_cpu, &err) == MOE_OK, "grouped_matmul case %zu: %s", c,
+               err.msg);
+        for (int e = 0; e < n_e; e++) { /* naive: the plain reference per expert */
+            int cnt = off[e + 1] - off[e];
+            if (!cnt)
+                continue;
+            struct moe_matmul_params mp = {
+                .x = x + (size_t)off[e] * n_in, .n_tok = cnt, .n_in = n_in, .w = w[e],
+                .w_dtype = cases[c].dt, .ldw = ldw, .n_out = n_out,
+                .y = y_ref + (size_t)off[e] * n_out, .accumulate = acc,
+            };
+            cpu_matmul_ref(&mp);
+        }
+        double num = 0, den = 1e-30;
+        for (size_t i = 0; i < ny; i++) {
+            num = fmax(num, fabs((double)y[i] - y_ref[i]));
+            den = fmax(den, fabs((double)y_ref[i]));
+        }
+        CHECKF(num / den < 1e-5, "grouped_matmul case %zu: err %.3g", c, num / den);
+        worst = fmax(worst, num / den);
+
+        /* an expert with rows and no weights: an error, and nothing computed */
+        if (n_rows > 0) {
+            int e = 0;
+            while (off[e + 1] == off[e])
+                e++;
+            const void *keep = w[e];
+            w[e] = NULL;
+            memcpy(y_ref, y, ny * sizeof(float));
+            g_cpu->ops->grouped_matmul(g_cpu, &p);
+            enum moe_status st = g_cpu->ops->status(g_cpu, &err);
+            CHECKF(st == MOE_ERR_INVALID && strstr(err.msg, "no weights"),
+                   "grouped_matmul NULL weights: status %d (%s)", (int)st, err.msg);
+            CHECK(memcmp(y, y_ref, ny * sizeof(float)) == 0);
+            CHECK(g_cpu->ops->status(g_cpu, &err) == MOE_OK); /* cleared by the first call */
+            w[e] = keep;
+            off[n_e] += 1; /* offsets that do not end at n_rows */
+            g_cpu->ops->grouped_matmul(g_cpu, &p);
+            CHECK(g_cpu->ops->status(g_cpu, &err) == MOE_ERR_INVALID);
+        }
+        free(x);
+        free(wf);
+        free(wb);
+        free(off);
+        free(w);
+        free(y);
+        free(y_ref);
+    }
+    printf("grouped_matmul: worst err %.3g vs the per-expert reference\n", worst);
+}
+
+/* Routes n_tok tokens to top_k distinct experts each, groups the (token, k)
+ * pairs by expert as the model does (stable counting sort), and fills
+ * route_tok / route_w (n_route, permuted order), tok_rows (n_tok, top_k:
+ * positions sorted by expert) and off (n_expert + 1). */
+static void random_routing(int n_tok, int top_k, int n_expert, int32_t *route_tok,
+                           float *route_w, int32_t *tok_rows, int32_t *off)
+{
+    int n_route = n_tok * top_k;
+    int32_t *ids = malloc(((size_t)n_route + 1) * sizeof *ids);
+    for (int t = 0; t < n_tok; t++)
+        for (int j = 0; j < top_k; j++) {
+            int e, dup;
+            do {
+                e = rng_int(0, n_expert - 1);
+                dup = 0;
+                for (int i = 0; i < j; i++)
+                    dup |= ids[t * top_k + i] == e;
+            } while (dup);
+            ids[t * top_k + j] = e;
+        }
+    memset(off, 0, ((size_t)n_expert + 1) * sizeof *off);
+    for (int i = 0; i < n_route; i++)
+        off[ids[i] + 1]++;
+    for (int e = 0; e < n_expert; e++)
+        off[e + 1] += off[e];
+    int32_t *cur = malloc(((size_t)n_expert + 1) * sizeof *cur);
+    memcpy(cur, off, (size_t)n_expert * sizeof *cur);
+    for (int i = 0; i < n_route; i++) {
+        int at = cur[ids[i]]++;
+        route_tok[at] = i / top_k;
+        route_w[at] = rng_float();
+    }
+    /* a token's positions, sorted by expert = sorted by position */
+    int32_t *fill = calloc((size_t)n_tok + 1, sizeof *fill);
+    for (int at = 0; at < n_route; at++) {
+        int t = route_tok[at];
+        tok_rows[(size_t)t * top_k + fill[t]++] = at;
+    }
+    free(fill);
+    free(cur);
+    free(ids);
+}
+
+static void test_unpermute_combine(void)
+{
+    static const int shapes[][4] = {{1, 1, 1, 1}, {13, 2, 8, 63}, {40, 8, 64, 100}, {5, 4, 4, 7}};
+    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
+        int n_tok = shapes[c][0], k = shapes[c][1], n_e = shapes[c][2], dim = shapes[c][3];
+        int n_route = n_tok * k;
+        int32_t *route_tok = malloc((size_t)n_route * 4), *tok_rows = malloc((size_t)n_route * 4);
+        int32_t *off = malloc(((size_t)n_e + 1) * 4);
+        float *route_w = malloc((size_t)n_route * 4);
+        random_routing(n_tok, k, n_e, route_tok, route_w, tok_rows, off);
+        float *rows = rand_floats((size_t)n_route * dim);
+        size_t ny = (size_t)n_tok * dim;
+        float *y = calloc(ny, sizeof(float)), *y_ref = calloc(ny, sizeof(float));
+        /* the model's loop: per expert, scatter-add its rows in order */
+        for (int e = 0; e < n_e; e++)
+            cpu_scatter_add_rows(rows + (size_t)off[e] * dim, route_tok + off[e],
+                                 route_w + off[e], off[e + 1] - off[e], dim, y_ref);
+        g_cpu->ops->unpermute_combine(g_cpu, rows, route_w, tok_rows, n_tok, k, dim, y);
+        CHECKF(memcmp(y, y_ref, ny * sizeof(float)) == 0,
+               "unpermute_combine case %zu differs from the scatter loop", c);
+        /* holes (-1) skip an entry: combine again over a random subset */
+        float *y2 = rand_floats(ny);
+        double *naive = malloc(ny * sizeof(double));
+        for (size_t i = 0; i < ny; i++)
+            naive[i] = y2[i];
+        for (int t = 0; t < n_tok; t++)
+            for (int j = 0; j < k; j++) {
+                int32_t *e = &tok_rows[(size_t)t * k + j];
+                if (rng_int(0, 2) == 0) {
+                    *e = -1;
+                    continue;
+                }
+                for (int d = 0; d < dim; d++)
+                    naive[(size_t)t * dim + d] +=
+                        (double)route_w[*e] * rows[(size_t)*e * dim + d];
+            }
+        g_cpu->ops->unpermute_combine(g_cpu, rows, route_w, tok_rows, n_tok, k, dim, y2);
+        double e = max_rel_err(y2, naive, ny);
+        CHECKF(e < 1e-6, "unpermute_combine holes case %zu: err %.3g", c, e);
+        free(route_tok);
+        free(tok_rows);
+        free(off);
+        free(route_w);
+        free(rows);
+        free(y);
+        free(y_ref);
+        free(y2);
+        free(naive);
+    }
+}
+
+/* moe_sample (worker/sampler.c) restricted to temperature and top-p, with
+ * its double sums: what sample_top_p must agree with. */
+static int32_t naive_sample(const float *l, int n, float temp, float top_p, double u)
+{
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (l[i] > l[best])
+            best = i;
+    if (temp <= 0.0f)
+        return best;
+    int32_t *ord = calloc((size_t)n, sizeof *ord);
+    float *p = malloc((size_t)n * sizeof *p);
+    for (int i = 0; i < n; i++) {
+        ord[i] = i;
+        p[i] = expf((l[i] - l[best]) / temp);
+    }
+    bool nucleus = top_p > 0.0f && top_p < 1.0f;
+    if (nucleus) /* insertion sort: p descending, ties to the lower id */
+        for (int i = 1; i < n; i++) {
+            int32_t v = ord[i];
+            int j = i;
+            while (j > 0 && (p[ord[j - 1]] < p[v] || (p[ord[j - 1]] == p[v] && ord[j - 1] > v))) {
+                ord[j] = ord[j - 1];
+                j--;
+            }
+            ord[j] = v;
+        }
+    int keep = n;
+    double sum = 0, acc = 0;
+    for (int i = 0; i < n; i++)
+        sum += p[ord[i]];
+    if (nucleus)
+        for (int i = 0; i < n; i++) {
+            acc += p[ord[i]];
+            if (acc >= top_p * sum) {
+                keep = i + 1;
+                sum = acc;
+                break;
+            }
+        }
+    double r = u * sum;
+    int32_t id = ord[keep - 1];
+    acc = 0;
+    for (int i = 0; i < keep; i++) {
+        acc += p[ord[i]];
+        if (r < acc) {
+            id = ord[i];
+            break;
+        }
+    }
+    free(ord);
+    free(p);
+    return id;
+}
+
+static void test_sampling(void)
+{
+    static const struct {
+        int n, vocab;
+        float temp, top_p, scale;
+        int ties;
+    } cases[] = {
+        {50, 1, 1.0f, 0.9f, 1.0f, 0},    {40, 300, 1.0f, 0.0f, 3.0f, 0},
+        {40, 300, 0.7f, 0.9f, 3.0f, 0},  {40, 1000, 1.3f, 0.5f, 8.0f, 0},
+        {40, 257, 1.0f, 0.95f, 1.0f, 1}, {20, 500, 0.0f, 0.9f, 2.0f, 1},
+        {30, 2000, 0.8f, 1.0f, 5.0f, 0}, {30, 100, 2.0f, 0.3f, 0.5f, 1},
+    };
+    int n_rows = 0, mismatch = 0, argmax_bad = 0;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        int n = cases[c].n, vocab = cases[c].vocab;
+        size_t nl = (size_t)n * vocab;
+        float *l = malloc(nl * sizeof(float));
+        for (size_t i = 0; i < nl; i++)
+            l[i] = cases[c].ties ? (float)rng_int(0, 4) : cases[c].scale * rng_float();
+        double *u = malloc((size_t)n * sizeof(double));
+        for (int r = 0; r < n; r++)
+            u[r] = (double)rng_u32() / 4294967296.0;
+        u[0] = 0.0;
+        if (n > 1)
+            u[1] = 1.0 - 0x1p-53; /* the top of [0, 1): the last-candidate fallback */
+        int32_t *got = malloc((size_t)n * 4), *again = malloc((size_t)n * 4);
+        int32_t *am = malloc((size_t)n * 4);
+        g_cpu->ops->sample_top_p(g_cpu, l, n, vocab, cases[c].temp, cases[c].top_p, u, got);
+        g_cpu->ops->sample_top_p(g_cpu, l, n, vocab, cases[c].temp, cases[c].top_p, u, again);
+        g_cpu->ops->argmax(g_cpu, l, n, vocab, am);
+        CHECK(memcmp(got, again, (size_t)n * 4) == 0); /* deterministic given u */
+        for (int r = 0; r < n; r++) {
+            const float *row = l + (size_t)r * vocab;
+            int32_t want = naive_sample(row, vocab, cases[c].temp, cases[c].top_p, u[r]);
+            mismatch += got[r] != want;
+            argmax_bad += am[r] != naive_sample(row, vocab, 0.0f, 0.0f, 0.0);
+            CHECKF(got[r] == want, "sample case %zu row %d: got %d, moe_sample's rule gives %d", c,
+                   r, got[r], want);
+            n_rows++;
+        }
+        free(l);
+        free(u);
+        free(got);
+        free(again);
+        free(am);
+    }
+    CHECK(argmax_bad == 0);
+    /* a dominant logit and a small top_p: only the argmax is ever kept */
+    float row[64];
+    for (int i = 0; i < 64; i++)
+        row[i] = rng_float();
+    row[37] = 20.0f;
+    int32_t id = -1;
+    double us[3] = {0.0, 0.5, 0.999999};
+    for (int i = 0; i < 3; i++) {
+        g_cpu->ops->sample_top_p(g_cpu, row, 1, 64, 1.0f, 0.5f, &us[i], &id);
+        CHECK(id == 37);
+    }
+    struct moe_error err = {0};
+    CHECK(g_cpu->ops->status(g_cpu, &err) == MOE_OK);
+    printf("sampling: %d rows, %d differ from moe_sample's rule with double sums\n", n_rows,
+           mismatch);
+}
+
+static void test_kv_blocks(void)
+{
+    int n_block = 9, bs = 4, kv_dim = 6, n = 5;
+    size_t nc = (size_t)n_block * bs * kv_dim, blk = (size_t)bs * kv_dim;
+    float *k = rand_floats(nc), *v = rand_floats(nc), *packed = rand_floats(2 * n * blk);
+    int32_t ids[5] = {7, 0, 3, 8, 2};
+    g_cpu->ops->kv_gather_blocks(g_cpu, k, v, ids, n, bs, kv_dim, packed);
+    int bad = 0;
+    for (int i = 0; i < n; i++)
+        for (size_t e = 0; e < blk; e++) {
+            bad += packed[(2 * i) * blk + e] != k[ids[i] * blk + e];
+            bad += packed[(2 * i + 1) * blk + e] != v[ids[i] * blk + e];
+        }
+    CHECK(bad == 0);
+    /* scatter into fresh caches at other blocks, then gather back */
+    float *k2 = calloc(nc, sizeof(float)), *v2 = calloc(nc, sizeof(float));
+    float *back = calloc(2 * n * blk, sizeof(float));
+    int32_t ids2[5] = {1, 4, 5, 6, 0};
+    g_cpu->ops->kv_scatter_blocks(g_cpu, packed, ids2, n, bs, kv_dim, k2, v2);
+    g_cpu->ops->kv_gather_blocks(g_cpu, k2, v2, ids2, n, bs, kv_dim, back);
+    CHECK(memcmp(back, packed, 2 * n * blk * sizeof(float)) == 0);
+    for (size_t e = 0; e < blk; e++) /* block 2, 3 untouched */
+        bad += k2[2 * blk + e] != 0.0f || v2[3 * blk + e] != 0.0f;
+    CHECK(bad == 0);
+    /* buf_zero clears exactly the range asked for */
+    unsigned char *b = g_cpu->ops->buf_alloc(g_cpu, 100);
+    memset(b, 0xab, 100);
+    g_cpu->ops->buf_zero(g_cpu, b + 3, 90);
+    CHECK(b[2] == 0xab && b[3] == 0 && b[92] == 0 && b[93] == 0xab);
+    g_cpu->ops->buf_free(g_cpu, b);
+    free(k);
+    free(v);
+    free(packed);
+    free(k2);
+    free(v2);
+    free(back);
+}
+
 /* ---- CUDA ops against the CPU ---- */
 
 static int test_cuda(void)
@@ -735,6 +1098,10 @@ int main(void)
     test_rope();
     test_router();
     test_elementwise();
+    test_grouped_matmul();
+    test_unpermute_combine();
+    test_sampling();
+    test_kv_blocks();
     test_buffers(g_cpu);
     test_backend_select();
     test_cuda();
