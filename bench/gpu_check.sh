@@ -19,8 +19,12 @@
 # 6. prints a table: op/golden pass-fail, tokens/s, achieved weight GB/s
 #    (weights streamed per decode step / step time) against the copy bandwidth.
 #
-# On a GPU machine without the project's other dependencies (gRPC, cJSON, ...), the op
-# tests alone: tests/ops/build_standalone.sh /tmp/b 90 && /tmp/b/test_ops && /tmp/b/time_ops
+# The build is the compute core (-DMOE_SERVING=OFF: no gRPC, etcd or MPI). A GPU machine
+# that cannot reach a package registry gets the core's three libraries as Debian
+# packages in .gpudeps/ (ignored by git), made beside the checkout with
+#   mkdir -p .gpudeps && cd .gpudeps && apt-get download libcjson1 libcjson-dev \
+#       libpcre2-8-0 libpcre2-dev libunistring2 libunistring-dev
+# and unpacked by this script into a private prefix (never into /).
 #
 # For a dry run of the script itself on a machine without a GPU:
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_SMALL=1 BUILD=build-x bench/gpu_check.sh
@@ -54,7 +58,15 @@ trap 'print_table; rm -rf "$WORK"' EXIT
 
 # ---- 1. dependencies --------------------------------------------------------------
 step "dependencies"
-if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+CMAKE_EXTRA=()
+if ls "$ROOT"/.gpudeps/*.deb >/dev/null 2>&1; then
+  DEPS=$WORK/deps
+  mkdir -p "$DEPS"
+  for f in "$ROOT"/.gpudeps/*.deb; do dpkg -x "$f" "$DEPS"; done
+  export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  CMAKE_EXTRA+=(-DCMAKE_PREFIX_PATH="$DEPS/usr" -DPKG_CONFIG_EXECUTABLE=/nonexistent)
+  echo "using the carried packages: $(ls "$ROOT"/.gpudeps | tr '\n' ' ')"
+elif command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
   timeout 300 "$ROOT/deploy/install-deps.sh" ||
     echo "warning: deploy/install-deps.sh failed; continuing with what is installed"
 else
@@ -66,8 +78,8 @@ done_step dependencies
 
 # ---- 2. build ---------------------------------------------------------------------
 step "configure + build (Release, CUDA sm_90, -j$JOBS)"
-if cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DMOE_CUDA=ON \
-     -DCMAKE_CUDA_ARCHITECTURES=90 >"$WORK/configure.log" 2>&1 &&
+if cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DMOE_CUDA=ON -DMOE_SERVING=OFF \
+     -DCMAKE_CUDA_ARCHITECTURES=90 "${CMAKE_EXTRA[@]}" >"$WORK/configure.log" 2>&1 &&
    cmake --build "$BUILD" -j"$JOBS" --target test_ops time_ops moe-generate moe-mkmodel \
      compare-logits bench-copy-gpu >"$WORK/build.log" 2>&1; then
   row "build" "ok ($((SECONDS - STEP_T0))s)"

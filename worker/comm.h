@@ -38,7 +38,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef MOE_HAVE_MPI
 #include <mpi.h>
+#endif
 
 #include "moe_error.h"
 
@@ -91,6 +93,7 @@ struct moe_comm {
  * it with moe_comm_destroy. On error *out is NULL. */
 enum moe_status moe_comm_create_local(struct moe_comm **out, struct moe_error *err);
 
+#ifdef MOE_HAVE_MPI
 /* A communicator over the processes of `mpi_comm` (host buffers). MPI must be
  * initialised by the caller (MPI_Init or MPI_Init_thread; every call is made
  * from one thread at a time) and finalised after the last destroy. The
@@ -99,6 +102,7 @@ enum moe_status moe_comm_create_local(struct moe_comm **out, struct moe_error *e
  * the duplicate uses MPI_ERRORS_RETURN. The caller owns *out. */
 enum moe_status moe_comm_create_mpi(MPI_Comm mpi_comm, int timeout_ms, struct moe_comm **out,
                                     struct moe_error *err);
+#endif
 
 /* The NCCL unique id that rank 0 creates and ships to the others (by
  * MPI_Bcast, or etcd for groups not started by mpirun). */
