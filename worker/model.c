@@ -893,6 +893,10 @@ enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
                           (size_t)b->n_logits * (size_t)c->vocab_size * sizeof(float));
     }
     ops->synchronize(be);
+    /* An op that failed on the device (launch error, unsupported shape) is
+     * reported here instead of returning wrong logits. */
+    if (ops->status && (rc = ops->status(be, err)))
+        return moe_error_prefix(err, "forward pass");
     double total = moe_model_clock() - t_start;
     double phases = (m->prof.attention_s - before.attention_s) + (m->prof.router_s - before.router_s) +
                     (m->prof.dispatch_s - before.dispatch_s) + (m->prof.experts_s - before.experts_s) +
