@@ -15,6 +15,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cli.h"
 #include "moe/v1/inference.pb-c.h"
 #include "rpc.h"
 
@@ -41,17 +42,6 @@ struct args {
     bool quiet;
 };
 
-__attribute__((format(printf, 1, 2))) static int fail(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "moe-client: ");
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-    return 2;
-}
-
 static double now_s(void)
 {
     struct timespec ts;
@@ -72,28 +62,6 @@ static void usage(FILE *f)
                "  --request-id ID   client request id (for Abort)\n"
                "  --model NAME      model name to ask for (default: the served one)\n"
                "  --quiet           print only the summary\n");
-}
-
-static bool parse_long(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi)
-        return false;
-    *out = v;
-    return true;
-}
-
-static bool parse_float(const char *s, float *out)
-{
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno || end == s || *end)
-        return false;
-    *out = v;
-    return true;
 }
 
 static int parse_args(int argc, char **argv, struct args *a)
@@ -118,7 +86,7 @@ static int parse_args(int argc, char **argv, struct args *a)
             continue;
         }
         if (i + 1 >= argc)
-            return fail("option '%s' needs a value", k);
+            return cli_fail("option '%s' needs a value", k);
         const char *v = argv[++i];
         if (!strcmp(k, "--addr")) {
             a->addr = v;
@@ -132,40 +100,40 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->model = v;
         } else if (!strcmp(k, "--stop")) {
             if (a->n_stop == MAX_STOP)
-                return fail("--stop: at most %d stop strings", MAX_STOP);
+                return cli_fail("--stop: at most %d stop strings", MAX_STOP);
             a->stop[a->n_stop++] = v;
         } else if (!strcmp(k, "-n") || !strcmp(k, "--max-tokens")) {
-            if (!parse_long(v, 0, 1 << 24, &a->max_tokens))
-                return fail("-n: '%s' is not a whole number >= 0", v);
+            if (!cli_parse_long(v, 0, 1 << 24, &a->max_tokens))
+                return cli_fail("-n: '%s' is not a whole number >= 0", v);
         } else if (!strcmp(k, "--temperature")) {
-            if (!parse_float(v, &a->temperature))
-                return fail("--temperature: '%s' is not a number", v);
+            if (!cli_parse_float(v, -3.4e38f, 3.4e38f, &a->temperature))
+                return cli_fail("--temperature: '%s' is not a number", v);
         } else if (!strcmp(k, "--top-p")) {
-            if (!parse_float(v, &a->top_p))
-                return fail("--top-p: '%s' is not a number", v);
+            if (!cli_parse_float(v, -3.4e38f, 3.4e38f, &a->top_p))
+                return cli_fail("--top-p: '%s' is not a number", v);
         } else if (!strcmp(k, "--top-k")) {
-            if (!parse_long(v, 0, 1L << 30, &a->top_k))
-                return fail("--top-k: '%s' is not a whole number >= 0", v);
+            if (!cli_parse_long(v, 0, 1L << 30, &a->top_k))
+                return cli_fail("--top-k: '%s' is not a whole number >= 0", v);
         } else if (!strcmp(k, "--seed")) {
             char *end;
             errno = 0;
             a->seed = strtoull(v, &end, 10);
             if (errno || end == v || *end || *v == '-')
-                return fail("--seed: '%s' is not a whole number >= 0", v);
+                return cli_fail("--seed: '%s' is not a whole number >= 0", v);
             a->has_seed = true;
         } else if (!strcmp(k, "--logprobs")) {
-            if (!parse_long(v, 0, 1000, &a->logprobs))
-                return fail("--logprobs: '%s' is not a whole number >= 0", v);
+            if (!cli_parse_long(v, 0, 1000, &a->logprobs))
+                return cli_fail("--logprobs: '%s' is not a whole number >= 0", v);
         } else if (!strcmp(k, "--timeout-ms")) {
-            if (!parse_long(v, 1, 1L << 31, &a->timeout_ms))
-                return fail("--timeout-ms: '%s' is not a positive whole number", v);
+            if (!cli_parse_long(v, 1, 1L << 31, &a->timeout_ms))
+                return cli_fail("--timeout-ms: '%s' is not a positive whole number", v);
         } else {
             usage(stderr);
-            return fail("unknown option '%s'", k);
+            return cli_fail("unknown option '%s'", k);
         }
     }
     if (!a->info && !a->prompt == !a->tokens)
-        return fail("give exactly one of --prompt TEXT, --tokens IDS or --info");
+        return cli_fail("give exactly one of --prompt TEXT, --tokens IDS or --info");
     return 0;
 }
 
@@ -177,13 +145,13 @@ static int run_info(struct rpc_client *client, const struct args *a)
     struct rpc_reply reply;
     if (rpc_client_call(client, "/moe.v1.Inference/GetModelInfo", buf, len,
                         a->timeout_ms ? a->timeout_ms : 5000, &reply) != RPC_OK) {
-        fail("%s: %s: %s", a->addr, rpc_code_name(reply.code), reply.message);
+        cli_fail("%s: %s: %s", a->addr, rpc_code_name(reply.code), reply.message);
         return 1;
     }
     Moe__V1__ModelInfo *info = moe__v1__model_info__unpack(NULL, reply.len, reply.data);
     rpc_reply_clear(&reply);
     if (!info)
-        return fail("%s: the ModelInfo reply does not parse", a->addr), 1;
+        return cli_fail("%s: the ModelInfo reply does not parse", a->addr), 1;
     printf("model %s (%s, %s): vocab %u, context %u, %u layers, d_model %u, %u heads / %u KV "
            "heads, %u experts top-%u\n",
            info->name, info->architecture, info->dtype, info->vocab_size, info->max_context,
@@ -206,6 +174,7 @@ static const char *finish_name(Moe__V1__FinishReason f)
 
 int main(int argc, char **argv)
 {
+    cli_init("moe-client");
     struct args a;
     int rc = parse_args(argc, argv, &a);
     if (rc)
@@ -213,7 +182,7 @@ int main(int argc, char **argv)
     struct moe_error err = {0};
     struct rpc_client *client = rpc_client_create(a.addr, NULL, &err);
     if (!client)
-        return fail("%s: %s", a.addr, err.msg), 1;
+        return cli_fail("%s: %s", a.addr, err.msg), 1;
     if (a.info) {
         rc = run_info(client, &a);
         rpc_client_destroy(client);
@@ -238,7 +207,7 @@ int main(int argc, char **argv)
             errno = 0;
             unsigned long v = strtoul(p, &end, 10);
             if (errno || end == p || v > UINT32_MAX || n == 4096)
-                return fail("--tokens: bad id list '%s'", a.tokens);
+                return cli_fail("--tokens: bad id list '%s'", a.tokens);
             tok_buf[n++] = (uint32_t)v;
             p = end;
             while (*p == ',' || *p == ' ')
@@ -268,7 +237,7 @@ int main(int argc, char **argv)
     size_t len = moe__v1__generate_request__get_packed_size(&rq);
     uint8_t *buf = malloc(len ? len : 1);
     if (!buf)
-        return fail("out of memory"), 1;
+        return cli_fail("out of memory"), 1;
     moe__v1__generate_request__pack(&rq, buf);
 
     double t0 = now_s(), t_first = 0, t_last = 0;
@@ -277,7 +246,7 @@ int main(int argc, char **argv)
     free(buf);
     if (!st) {
         rpc_client_destroy(client);
-        return fail("%s: %s", a.addr, err.msg), 1;
+        return cli_fail("%s: %s", a.addr, err.msg), 1;
     }
     const uint8_t *msg;
     size_t msg_len;
@@ -286,7 +255,7 @@ int main(int argc, char **argv)
     while (rpc_client_stream_next(st, &msg, &msg_len)) {
         Moe__V1__GenerateResponse *r = moe__v1__generate_response__unpack(NULL, msg_len, msg);
         if (!r) {
-            fail("the server sent a message that does not parse");
+            cli_fail("the server sent a message that does not parse");
             rpc_client_stream_cancel(st);
             continue;
         }
@@ -323,7 +292,7 @@ int main(int argc, char **argv)
         printf("\n");
     rc = 0;
     if (code != RPC_OK) {
-        fail("%s: %s", rpc_code_name(code), status_msg ? status_msg : "");
+        cli_fail("%s: %s", rpc_code_name(code), status_msg ? status_msg : "");
         rc = 1;
     }
     double ttft = n_tokens ? t_first - t0 : 0;

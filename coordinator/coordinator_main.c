@@ -18,6 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli.h"
 #include "coord.h"
 
 static volatile sig_atomic_t g_signal;
@@ -25,17 +26,6 @@ static volatile sig_atomic_t g_signal;
 static void on_signal(int sig)
 {
     g_signal = sig;
-}
-
-__attribute__((format(printf, 1, 2))) static int fail(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "moe-coordinator: ");
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-    return 2;
 }
 
 static void usage(FILE *f)
@@ -58,17 +48,6 @@ static void usage(FILE *f)
                "(default 2 x experts / ranks)\n");
 }
 
-static bool parse_int(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi)
-        return false;
-    *out = v;
-    return true;
-}
-
 static int parse_args(int argc, char **argv, struct coord_opts *o)
 {
     *o = (struct coord_opts){.listen = "127.0.0.1:50051",
@@ -83,13 +62,13 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
             exit(0);
         }
         if (i + 1 >= argc)
-            return fail("option '%s' needs a value", k);
+            return cli_fail("option '%s' needs a value", k);
         const char *v = argv[++i];
         long n;
 #define INT_OPT(name, lo, hi, field)                                                               \
     if (!strcmp(k, name)) {                                                                        \
-        if (!parse_int(v, lo, hi, &n))                                                             \
-            return fail(name ": '%s' is not a whole number in [%ld, %ld]", v, (long)(lo),          \
+        if (!cli_parse_long(v, lo, hi, &n))                                                             \
+            return cli_fail(name ": '%s' is not a whole number in [%ld, %ld]", v, (long)(lo),          \
                         (long)(hi));                                                               \
         o->field = (int)n;                                                                         \
         continue;                                                                                  \
@@ -110,18 +89,19 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
             o->etcd = v;
         else {
             usage(stderr);
-            return fail("unknown option '%s'", k);
+            return cli_fail("unknown option '%s'", k);
         }
     }
     if (!o->model_dir)
-        return fail("--model DIR is required (for config.json and tokenizer.json)");
+        return cli_fail("--model DIR is required (for config.json and tokenizer.json)");
     if (!o->workers == !o->etcd)
-        return fail("give exactly one of --workers HOST:PORT,... and --etcd URLS");
+        return cli_fail("give exactly one of --workers HOST:PORT,... and --etcd URLS");
     return 0;
 }
 
 int main(int argc, char **argv)
 {
+    cli_init("moe-coordinator");
     struct coord c;
     memset(&c, 0, sizeof c);
     int rc = parse_args(argc, argv, &c.opts);

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli.h"
 #include "moe/v1/admin.pb-c.h"
 #include "rpc.h"
 
@@ -97,17 +98,6 @@ static void usage(FILE *f)
             "exit codes: 0 ok, 1 the call failed, 2 bad command line or plan file\n");
 }
 
-static bool parse_long(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi)
-        return false;
-    *out = v;
-    return true;
-}
-
 static int parse_args(int argc, char **argv)
 {
     g = (struct args){.addr = "127.0.0.1:50051",
@@ -138,16 +128,16 @@ static int parse_args(int argc, char **argv)
             } else if (!strcmp(k, "-o") || !strcmp(k, "--output")) {
                 g.out = v;
             } else if (!strcmp(k, "--timeout-ms")) {
-                if (!parse_long(v, 1, 3600000, &g.timeout_ms))
+                if (!cli_parse_long(v, 1, 3600000, &g.timeout_ms))
                     return usage_err("--timeout-ms: '%s' is not a whole number in [1, 3600000]", v);
             } else if (!strcmp(k, "--layer")) {
-                if (!parse_long(v, 0, 65535, &g.layer))
+                if (!cli_parse_long(v, 0, 65535, &g.layer))
                     return usage_err("--layer: '%s' is not a layer number", v);
             } else if (!strcmp(k, "--window")) {
-                if (!parse_long(v, 1, 3600, &g.window_s))
+                if (!cli_parse_long(v, 1, 3600, &g.window_s))
                     return usage_err("--window: '%s' is not a number of seconds in [1, 3600]", v);
             } else if (!strcmp(k, "--redundant")) {
-                if (!parse_long(v, 0, 1 << 20, &g.redundant))
+                if (!cli_parse_long(v, 0, 1 << 20, &g.redundant))
                     return usage_err("--redundant: '%s' is not a whole number >= 0", v);
             } else if (!strcmp(k, "--tolerance")) {
                 char *end;
@@ -878,6 +868,7 @@ static int cmd_experts(void)
 
 int main(int argc, char **argv)
 {
+    cli_init("moectl");
     int rc = parse_args(argc, argv);
     if (rc)
         return rc;

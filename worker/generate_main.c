@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli.h"
 #include "backend.h"
 #include "generate.h"
 #include "engine.h"
@@ -90,39 +91,6 @@ static void usage(FILE *f)
 }
 
 /* Prints "moe-generate: <message>" and returns the exit code for bad usage. */
-__attribute__((format(printf, 1, 2))) static int fail(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "moe-generate: ");
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-    return 2;
-}
-
-static bool parse_long(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi)
-        return false;
-    *out = v;
-    return true;
-}
-
-static bool parse_float(const char *s, float lo, float hi, float *out)
-{
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno || end == s || *end || !(v >= lo && v <= hi))
-        return false;
-    *out = v;
-    return true;
-}
-
 static int parse_args(int argc, char **argv, struct args *a)
 {
     *a = (struct args){.n_predict = 32, .top_p = 1.0f, .dtype = MOE_DTYPE_BF16, .device = "auto",
@@ -150,7 +118,7 @@ static int parse_args(int argc, char **argv, struct args *a)
             continue;
         }
         if (i + 1 >= argc)
-            return fail("option '%s' needs a value", k);
+            return cli_fail("option '%s' needs a value", k);
         const char *v = argv[++i];
         long n;
         if (!strcmp(k, "--model")) {
@@ -164,81 +132,81 @@ static int parse_args(int argc, char **argv, struct args *a)
         } else if (!strcmp(k, "--device")) {
             a->device = v;
         } else if (!strcmp(k, "-n") || !strcmp(k, "--n-predict")) {
-            if (!parse_long(v, 0, 1 << 20, &n))
-                return fail("-n: '%s' is not a whole number in [0, 1048576]", v);
+            if (!cli_parse_long(v, 0, 1 << 20, &n))
+                return cli_fail("-n: '%s' is not a whole number in [0, 1048576]", v);
             a->n_predict = (int)n;
         } else if (!strcmp(k, "--temperature")) {
-            if (!parse_float(v, 0.0f, 100.0f, &a->temperature))
-                return fail("--temperature: '%s' is not a number in [0, 100]", v);
+            if (!cli_parse_float(v, 0.0f, 100.0f, &a->temperature))
+                return cli_fail("--temperature: '%s' is not a number in [0, 100]", v);
         } else if (!strcmp(k, "--top-p")) {
-            if (!parse_float(v, 0.0f, 1.0f, &a->top_p) || a->top_p == 0.0f)
-                return fail("--top-p: '%s' is not a number in (0, 1]", v);
+            if (!cli_parse_float(v, 0.0f, 1.0f, &a->top_p) || a->top_p == 0.0f)
+                return cli_fail("--top-p: '%s' is not a number in (0, 1]", v);
         } else if (!strcmp(k, "--top-k")) {
-            if (!parse_long(v, 0, INT_MAX, &n))
-                return fail("--top-k: '%s' is not a whole number >= 0", v);
+            if (!cli_parse_long(v, 0, INT_MAX, &n))
+                return cli_fail("--top-k: '%s' is not a whole number >= 0", v);
             a->top_k = (int)n;
         } else if (!strcmp(k, "--seed")) {
             char *end;
             errno = 0;
             a->seed = strtoull(v, &end, 10);
             if (errno || end == v || *end || *v == '-')
-                return fail("--seed: '%s' is not a whole number >= 0", v);
+                return cli_fail("--seed: '%s' is not a whole number >= 0", v);
         } else if (!strcmp(k, "--dtype")) {
             if (!strcmp(v, "f32"))
                 a->dtype = MOE_DTYPE_F32;
             else if (!strcmp(v, "bf16"))
                 a->dtype = MOE_DTYPE_BF16;
             else
-                return fail("--dtype: '%s' is not one of f32, bf16", v);
+                return cli_fail("--dtype: '%s' is not one of f32, bf16", v);
         } else if (!strcmp(k, "--threads")) {
-            if (!parse_long(v, 0, 1024, &n))
-                return fail("--threads: '%s' is not a whole number in [0, 1024]", v);
+            if (!cli_parse_long(v, 0, 1024, &n))
+                return cli_fail("--threads: '%s' is not a whole number in [0, 1024]", v);
             a->threads = (int)n;
         } else if (!strcmp(k, "--tp")) {
-            if (!parse_long(v, 1, 1024, &n))
-                return fail("--tp: '%s' is not a whole number in [1, 1024]", v);
+            if (!cli_parse_long(v, 1, 1024, &n))
+                return cli_fail("--tp: '%s' is not a whole number in [1, 1024]", v);
             a->tp = (int)n;
         } else if (!strcmp(k, "--placement")) {
             a->placement = v;
         } else if (!strcmp(k, "--placement-switch")) {
             a->placement_switch = v;
         } else if (!strcmp(k, "--comm-timeout-ms")) {
-            if (!parse_long(v, 100, 3600000, &n))
-                return fail("--comm-timeout-ms: '%s' is not a whole number in [100, 3600000]", v);
+            if (!cli_parse_long(v, 100, 3600000, &n))
+                return cli_fail("--comm-timeout-ms: '%s' is not a whole number in [100, 3600000]", v);
             a->comm_timeout_ms = (int)n;
         } else if (!strcmp(k, "--prompts-file")) {
             a->prompts_file = v;
         } else if (!strcmp(k, "--kv-blocks")) {
-            if (!parse_long(v, 1, 1 << 24, &n))
-                return fail("--kv-blocks: '%s' is not a whole number in [1, 16777216]", v);
+            if (!cli_parse_long(v, 1, 1 << 24, &n))
+                return cli_fail("--kv-blocks: '%s' is not a whole number in [1, 16777216]", v);
             a->kv_blocks = (int)n;
         } else if (!strcmp(k, "--kv-memory")) {
-            if (!parse_long(v, 1, 1 << 24, &n))
-                return fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
+            if (!cli_parse_long(v, 1, 1 << 24, &n))
+                return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
             a->kv_memory_mib = n;
         } else if (!strcmp(k, "--block-size")) {
-            if (!parse_long(v, 1, 1024, &n))
-                return fail("--block-size: '%s' is not a whole number in [1, 1024]", v);
+            if (!cli_parse_long(v, 1, 1024, &n))
+                return cli_fail("--block-size: '%s' is not a whole number in [1, 1024]", v);
             a->block_size = (int)n;
         } else if (!strcmp(k, "--max-batch-tokens")) {
-            if (!parse_long(v, 1, 1 << 20, &n))
-                return fail("--max-batch-tokens: '%s' is not a whole number in [1, 1048576]", v);
+            if (!cli_parse_long(v, 1, 1 << 20, &n))
+                return cli_fail("--max-batch-tokens: '%s' is not a whole number in [1, 1048576]", v);
             a->max_batch_tokens = (int)n;
         } else if (!strcmp(k, "--max-running")) {
-            if (!parse_long(v, 1, 1 << 16, &n))
-                return fail("--max-running: '%s' is not a whole number in [1, 65536]", v);
+            if (!cli_parse_long(v, 1, 1 << 16, &n))
+                return cli_fail("--max-running: '%s' is not a whole number in [1, 65536]", v);
             a->max_running = (int)n;
         } else {
             usage(stderr);
-            return fail("unknown option '%s'", k);
+            return cli_fail("unknown option '%s'", k);
         }
     }
     if (!a->model)
-        return fail("--model DIR is required");
+        return cli_fail("--model DIR is required");
     if ((a->prompt != NULL) + (a->tokens != NULL) + (a->prompts_file != NULL) != 1)
-        return fail("give exactly one of --prompt TEXT, --tokens IDS or --prompts-file FILE");
+        return cli_fail("give exactly one of --prompt TEXT, --tokens IDS or --prompts-file FILE");
     if (a->logits_out && a->prompts_file)
-        return fail("--logits-out works with one prompt, not with --prompts-file");
+        return cli_fail("--logits-out works with one prompt, not with --prompts-file");
     return 0;
 }
 
@@ -248,7 +216,7 @@ static int parse_tokens(const char *s, int vocab, int32_t **out, int *n_out)
     size_t cap = 16, n = 0;
     int32_t *ids = malloc(cap * sizeof *ids);
     if (!ids)
-        return fail("out of memory");
+        return cli_fail("out of memory");
     const char *p = s;
     while (*p) {
         while (*p == ' ' || *p == ',')
@@ -260,13 +228,13 @@ static int parse_tokens(const char *s, int vocab, int32_t **out, int *n_out)
         long v = strtol(p, &end, 10);
         if (errno || end == p || v < 0 || v >= vocab) {
             free(ids);
-            return fail("--tokens: '%.20s' is not a token id in [0, %d)", p, vocab);
+            return cli_fail("--tokens: '%.20s' is not a token id in [0, %d)", p, vocab);
         }
         if (n == cap) {
             int32_t *grown = realloc(ids, (cap *= 2) * sizeof *ids);
             if (!grown) {
                 free(ids);
-                return fail("out of memory");
+                return cli_fail("out of memory");
             }
             ids = grown;
         }
@@ -274,12 +242,12 @@ static int parse_tokens(const char *s, int vocab, int32_t **out, int *n_out)
         p = end;
         if (*p && *p != ',' && *p != ' ') {
             free(ids);
-            return fail("--tokens: unexpected character in '%s'", s);
+            return cli_fail("--tokens: unexpected character in '%s'", s);
         }
     }
     if (!n) {
         free(ids);
-        return fail("--tokens: no token ids in '%s'", s);
+        return cli_fail("--tokens: no token ids in '%s'", s);
     }
     *out = ids;
     *n_out = (int)n;
@@ -290,11 +258,11 @@ static int write_logits(const char *path, const float *logits, size_t n)
 {
     FILE *f = fopen(path, "wb");
     if (!f)
-        return fail("%s: %s", path, strerror(errno));
+        return cli_fail("%s: %s", path, strerror(errno));
     size_t w = fwrite(logits, sizeof *logits, n, f);
     int close_rc = fclose(f);
     if (w != n || close_rc)
-        return fail("%s: write failed: %s", path, strerror(errno));
+        return cli_fail("%s: write failed: %s", path, strerror(errno));
     return 0;
 }
 
@@ -320,7 +288,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
         eo.n_block = (int)(((size_t)mib << 20) / block_bytes);
         if (eo.n_block < 1)
-            return fail("--kv-memory: %ld MiB holds no KV block of %zu bytes", mib, block_bytes);
+            return cli_fail("--kv-memory: %ld MiB holds no KV block of %zu bytes", mib, block_bytes);
     }
     struct moe_request_params defaults;
     moe_request_params_init(&defaults);
@@ -404,6 +372,7 @@ static void print_profile(const struct moe_model *model, const struct moe_group 
 
 int main(int argc, char **argv)
 {
+    cli_init("moe-generate");
     struct args a;
     int rc = parse_args(argc, argv, &a);
     if (rc)
@@ -429,28 +398,17 @@ int main(int argc, char **argv)
         goto fail;
     }
     if (group && a.placement_switch && group->rank == 0) {
-        struct moe_config pc;
         struct moe_placement next;
-        char cpath[4096];
-        snprintf(cpath, sizeof cpath, "%s/config.json", a.model);
-        if (moe_config_load(cpath, &pc, &err) ||
-            moe_placement_load(a.placement_switch, pc.n_layer, pc.n_expert, group->size, &next,
-                               &err))
+        if (moe_placement_load_for_model(a.placement_switch, a.model, group->size, &next, &err))
             goto fail;
         enum moe_status prc = moe_group_propose_placement(group, &next, 1, &err);
         moe_placement_free(&next);
         if (prc)
             goto fail;
     }
-    if (group && a.placement) {
-        struct moe_config pc;
-        char cpath[4096];
-        snprintf(cpath, sizeof cpath, "%s/config.json", a.model);
-        if (moe_config_load(cpath, &pc, &err) ||
-            moe_placement_load(a.placement, pc.n_layer, pc.n_expert, group->size, &placement,
-                               &err))
-            goto fail;
-    }
+    if (group && a.placement &&
+        moe_placement_load_for_model(a.placement, a.model, group->size, &placement, &err))
+        goto fail;
     if (moe_backend_create(a.device, a.threads, &be, &err))
         goto fail;
     if (group && moe_group_attach_device(group, be, &err))

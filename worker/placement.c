@@ -1,5 +1,7 @@
 #include "placement.h"
 
+#include "model_config.h"
+
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <stdio.h>
@@ -41,6 +43,16 @@ enum moe_status moe_placement_default(int n_layer, int n_expert, int n_rank,
             p->ranks[((size_t)l * n_expert + e) * MOE_PLACEMENT_MAX_REPLICAS] = (int16_t)r;
         }
     return MOE_OK;
+}
+
+enum moe_status moe_placement_load_for_model(const char *path, const char *model_dir, int n_rank,
+                                             struct moe_placement *out, struct moe_error *err)
+{
+    struct moe_config c;
+    char cpath[4096];
+    snprintf(cpath, sizeof cpath, "%s/config.json", model_dir);
+    enum moe_status rc = moe_config_load(cpath, &c, err);
+    return rc ? rc : moe_placement_load(path, c.n_layer, c.n_expert, n_rank, out, err);
 }
 
 void moe_placement_free(struct moe_placement *p)

@@ -38,6 +38,11 @@ enum moe_status moe_placement_default(int n_layer, int n_expert, int n_rank,
 enum moe_status moe_placement_load(const char *path, int n_layer, int n_expert, int n_rank,
                                    struct moe_placement *out, struct moe_error *err);
 
+/* moe_placement_load for the model in `model_dir` (layers and experts read
+ * from its config.json). */
+enum moe_status moe_placement_load_for_model(const char *path, const char *model_dir, int n_rank,
+                                             struct moe_placement *out, struct moe_error *err);
+
 /* The same from JSON text; `name` (a file, an etcd key) is used in messages. */
 enum moe_status moe_placement_parse(const char *text, const char *name, int n_layer, int n_expert,
                                     int n_rank, struct moe_placement *out, struct moe_error *err);

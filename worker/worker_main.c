@@ -22,6 +22,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli.h"
 #include "backend.h"
 #include "engine.h"
 #include "etcd.h"
@@ -63,17 +64,6 @@ static void on_signal(int sig)
     g_signal = sig;
 }
 
-__attribute__((format(printf, 1, 2))) static int fail(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "moe-worker: ");
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-    return 2;
-}
-
 static void usage(FILE *f)
 {
     fprintf(f,
@@ -101,17 +91,6 @@ static void usage(FILE *f)
             "10000)\n");
 }
 
-static bool parse_int(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi)
-        return false;
-    *out = v;
-    return true;
-}
-
 static int parse_args(int argc, char **argv, struct args *a)
 {
     *a = (struct args){.listen = "127.0.0.1:0", .device = "auto", .dtype = MOE_DTYPE_BF16,
@@ -128,13 +107,13 @@ static int parse_args(int argc, char **argv, struct args *a)
             continue;
         }
         if (i + 1 >= argc)
-            return fail("option '%s' needs a value", k);
+            return cli_fail("option '%s' needs a value", k);
         const char *v = argv[++i];
         long n;
 #define INT_OPT(name, lo, hi, field)                                                              \
     if (!strcmp(k, name)) {                                                                       \
-        if (!parse_int(v, lo, hi, &n))                                                            \
-            return fail(name ": '%s' is not a whole number in [%ld, %ld]", v, (long)(lo),          \
+        if (!cli_parse_long(v, lo, hi, &n))                                                            \
+            return cli_fail(name ": '%s' is not a whole number in [%ld, %ld]", v, (long)(lo),          \
                         (long)(hi));                                                              \
         a->field = (int)n;                                                                        \
         continue;                                                                                 \
@@ -150,8 +129,8 @@ static int parse_args(int argc, char **argv, struct args *a)
         INT_OPT("--comm-timeout-ms", 100, 3600000, comm_timeout_ms)
 #undef INT_OPT
         if (!strcmp(k, "--kv-memory")) {
-            if (!parse_int(v, 1, 1 << 24, &n))
-                return fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
+            if (!cli_parse_long(v, 1, 1 << 24, &n))
+                return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
             a->kv_memory_mib = n;
         } else if (!strcmp(k, "--placement")) {
             a->placement = v;
@@ -169,7 +148,7 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->device = v;
         } else if (!strcmp(k, "--role")) {
             if (strcmp(v, "mixed") && strcmp(v, "prefill") && strcmp(v, "decode"))
-                return fail("--role: '%s' is not one of mixed, prefill, decode", v);
+                return cli_fail("--role: '%s' is not one of mixed, prefill, decode", v);
             a->role = v;
         } else if (!strcmp(k, "--dtype")) {
             if (!strcmp(v, "f32"))
@@ -177,16 +156,16 @@ static int parse_args(int argc, char **argv, struct args *a)
             else if (!strcmp(v, "bf16"))
                 a->dtype = MOE_DTYPE_BF16;
             else
-                return fail("--dtype: '%s' is not one of f32, bf16", v);
+                return cli_fail("--dtype: '%s' is not one of f32, bf16", v);
         } else {
             usage(stderr);
-            return fail("unknown option '%s'", k);
+            return cli_fail("unknown option '%s'", k);
         }
     }
     if (!a->model)
-        return fail("--model DIR is required");
+        return cli_fail("--model DIR is required");
     if (a->worker_id && strlen(a->worker_id) > 128)
-        return fail("--worker-id: longer than 128 characters");
+        return cli_fail("--worker-id: longer than 128 characters");
     return 0;
 }
 
@@ -274,6 +253,7 @@ static void unregister_worker(struct registration *reg)
 
 int main(int argc, char **argv)
 {
+    cli_init("moe-worker");
     struct args a;
     int rc = parse_args(argc, argv, &a);
     if (rc)
@@ -306,15 +286,9 @@ int main(int argc, char **argv)
         moe_error_set(&err, MOE_ERR_INVALID, "--tp and --placement need a group: run under mpirun");
         goto fail;
     }
-    if (group && a.placement) {
-        struct moe_config pc;
-        char cpath[4096];
-        snprintf(cpath, sizeof cpath, "%s/config.json", a.model);
-        if (moe_config_load(cpath, &pc, &err) ||
-            moe_placement_load(a.placement, pc.n_layer, pc.n_expert, group->size, &placement,
-                               &err))
-            goto fail;
-    }
+    if (group && a.placement &&
+        moe_placement_load_for_model(a.placement, a.model, group->size, &placement, &err))
+        goto fail;
     if (moe_backend_create(a.device, a.threads, &be, &err))
         goto fail;
     if (group && moe_group_attach_device(group, be, &err))

@@ -1,0 +1,22 @@
+/* Helpers shared by the command-line programs (moe-generate, moe-worker,
+ * moe-coordinator, moe-client, moectl): one place for how a bad flag is
+ * reported and how numbers are parsed. */
+#ifndef MOE_CLI_H
+#define MOE_CLI_H
+
+#include <stdbool.h>
+
+/* Names the program in messages ("moe-worker"); call first in main. */
+void cli_init(const char *program);
+
+/* Prints "<program>: <message>" on stderr and returns 2, the exit code for
+ * a bad command line. */
+int cli_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* A whole decimal number in [lo, hi], nothing else in the string. */
+bool cli_parse_long(const char *s, long lo, long hi, long *out);
+
+/* A number in [lo, hi] (NaN refused), nothing else in the string. */
+bool cli_parse_float(const char *s, float lo, float hi, float *out);
+
+#endif
