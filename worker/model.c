@@ -393,8 +393,8 @@ static void scratch_free(struct moe_model *m)
     struct scratch *s = &m->s;
     void *dev[] = {s->x,        s->h,          s->q,         s->k,        s->v,
                    s->att,      s->o,          s->ffn_out,   s->router_logits, s->topk_ids,
-                   s->topk_w,   s->xe,         s->gate_up,   s->act,      s->ye,
-                   s->route_idx, s->route_w,   s->ones,      s->iota,     s->tokens,
+                   s->xe,       s->gate_up,    s->act,       s->ye,
+                   s->route_idx, s->ones,      s->iota,      s->tokens,
                    s->pos,      s->seq,        s->slots,     s->block_tables, s->logit_rows,
                    s->logits,   s->ep_send,    s->ep_recv,   s->ep_out,   s->ep_ret,
                    s->ep_ids,   s->ep_rids,    s->ep_idx,    s->ep_w};
@@ -402,9 +402,7 @@ static void scratch_free(struct moe_model *m)
         if (dev[i])
             be->ops->buf_free(be, dev[i]);
     free(s->h_ids);
-    free(s->h_w);
     free(s->h_route_idx);
-    free(s->h_route_w);
     free(s->h_counts);
     free(s->h_zero);
     free(s->h_ep_tok);
@@ -484,6 +482,14 @@ const struct moe_config *moe_model_config(const struct moe_model *m)
 size_t moe_model_weight_bytes(const struct moe_model *m)
 {
     return m->weight_bytes;
+}
+
+void moe_model_zero(struct moe_model *m, void *p, size_t bytes)
+{
+    if (m->be->ops->buf_zero)
+        m->be->ops->buf_zero(m->be, p, bytes); /* a device memset, no host round trip */
+    else
+        m->be->ops->buf_upload(m->be, p, m->s.h_zero, bytes);
 }
 
 double moe_model_clock(void)
@@ -598,14 +604,13 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     ALLOC(o, n * c->d_model, float);
     ALLOC(ffn_out, (n + MOE_MAX_EP_RANKS) * c->d_model, float); /* + padding for all-gather */
     ALLOC(router_logits, n * (size_t)(c->n_expert > 0 ? c->n_expert : 1), float);
-    ALLOC(topk_ids, n_route, int32_t);
-    ALLOC(topk_w, n_route, float);
+    /* ids then weights in one buffer, so one copy moves both (see ffn_block) */
+    ALLOC(topk_ids, 2 * n_route, int32_t);
     ALLOC(xe, n * c->d_model, float);
     ALLOC(gate_up, n * 2 * (size_t)d_ff_max, float);
     ALLOC(act, n * (size_t)d_ff_max, float);
     ALLOC(ye, n * c->d_model, float);
-    ALLOC(route_idx, n_route, int32_t);
-    ALLOC(route_w, n_route, float);
+    ALLOC(route_idx, 2 * n_route, int32_t); /* token indexes then weights */
     ALLOC(ones, n, float);
     ALLOC(iota, n, int32_t);
     ALLOC(tokens, n, int32_t);
@@ -634,17 +639,15 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
              s->h_ep_w;
     }
 #undef ALLOC
-    s->h_ids = malloc(n_route * sizeof *s->h_ids);
-    s->h_w = malloc(n_route * sizeof *s->h_w);
-    s->h_route_idx = malloc(n_route * sizeof *s->h_route_idx);
-    s->h_route_w = malloc(n_route * sizeof *s->h_route_w);
+    s->h_ids = malloc(2 * n_route * sizeof *s->h_ids); /* ids then weights */
+    s->h_route_idx = malloc(2 * n_route * sizeof *s->h_route_idx);
     s->h_counts = malloc(((size_t)c->n_expert + 1) * sizeof *s->h_counts);
     s->h_zero = calloc((n_route > n + MOE_MAX_EP_RANKS ? n_route : n + MOE_MAX_EP_RANKS) *
                            (size_t)c->d_model,
                        sizeof *s->h_zero);
     float *h_ones = malloc(n * sizeof *h_ones);
     int32_t *h_iota = malloc(n * sizeof *h_iota);
-    ok = ok && s->h_ids && s->h_w && s->h_route_idx && s->h_route_w && s->h_counts && s->h_zero && h_ones &&
+    ok = ok && s->h_ids && s->h_route_idx && s->h_counts && s->h_zero && h_ones &&
          h_iota;
     if (!ok) {
         free(h_ones);
@@ -749,8 +752,10 @@ static void route_group(struct moe_model *m, int layer, int n)
     const struct moe_config *c = &m->cfg;
     struct scratch *s = &m->s;
     int n_route = n * c->top_k;
-    m->be->ops->buf_download(m->be, s->h_ids, s->topk_ids, (size_t)n_route * sizeof(int32_t));
-    m->be->ops->buf_download(m->be, s->h_w, s->topk_w, (size_t)n_route * sizeof(float));
+    /* one copy each way: [ids | weights] down, [token indexes | weights] up */
+    m->be->ops->buf_download(m->be, s->h_ids, s->topk_ids, 2 * (size_t)n_route * sizeof(int32_t));
+    s->h_route_w = (float *)(s->h_route_idx + n_route);
+    s->route_w = (float *)(s->route_idx + n_route);
     memset(s->h_counts, 0, ((size_t)c->n_expert + 1) * sizeof *s->h_counts);
     for (int i = 0; i < n_route; i++)
         s->h_counts[s->h_ids[i] + 1]++;
@@ -772,8 +777,8 @@ static void route_group(struct moe_model *m, int layer, int n)
     }
     if (cursor != next)
         free(cursor);
-    m->be->ops->buf_upload(m->be, s->route_idx, s->h_route_idx, (size_t)n_route * sizeof(int32_t));
-    m->be->ops->buf_upload(m->be, s->route_w, s->h_route_w, (size_t)n_route * sizeof(float));
+    m->be->ops->buf_upload(m->be, s->route_idx, s->h_route_idx,
+                           2 * (size_t)n_route * sizeof(int32_t));
 }
 
 static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_error *err)
@@ -791,6 +796,8 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
         return MOE_OK;
     }
     double t0 = moe_model_clock();
+    s->topk_w = (float *)(s->topk_ids + (size_t)n * c->top_k);
+    s->h_w = (float *)(s->h_ids + (size_t)n * c->top_k);
     matmul(m, s->h, n, c->d_model, w->router, c->n_expert, s->router_logits, false);
     ops->router_topk(m->be, s->router_logits, n, c->n_expert, c->top_k, c->norm_topk_prob,
                      s->topk_ids, s->topk_w);
@@ -809,7 +816,7 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
     m->prof.dispatch_s += t2 - t1;
     /* Sum of the experts' weighted outputs, then one residual add (the order
      * transformers uses). */
-    ops->buf_upload(m->be, s->ffn_out, s->h_zero, (size_t)n * row_bytes);
+    moe_model_zero(m, s->ffn_out, (size_t)n * row_bytes);
     for (int e = 0; e < c->n_expert; e++) {
         int begin = s->h_counts[e], cnt = s->h_counts[e + 1] - begin;
         if (!cnt || !w->w_gate_up[e])

@@ -58,8 +58,7 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
     double t_begin = moe_model_clock();
 
     /* 1. route this rank's shard */
-    ops->buf_download(be, s->h_ids, s->topk_ids, (size_t)n * k * sizeof(int32_t));
-    ops->buf_download(be, s->h_w, s->topk_w, (size_t)n * k * sizeof(float));
+    ops->buf_download(be, s->h_ids, s->topk_ids, 2 * (size_t)n * k * sizeof(int32_t)); /* + w */
     for (int i = 0; i < n * k; i++) /* statistics: every rank counts every token */
         __atomic_fetch_add(&m->expert_tokens[(size_t)l * c->n_expert + s->h_ids[i]], 1,
                            __ATOMIC_RELAXED);
@@ -201,8 +200,8 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
     m->ep_bytes_sent += (n_recv - recv_counts[me]) * row_bytes;
     /* clear what step 3 scattered into, for the next layer */
     if (n_recv)
-        ops->buf_upload(be, s->ep_out, s->h_zero, n_recv * row_bytes);
-    ops->buf_upload(be, s->ffn_out, s->h_zero, (size_t)chunk * W * row_bytes);
+        moe_model_zero(m, s->ep_out, n_recv * row_bytes);
+    moe_model_zero(m, s->ffn_out, (size_t)chunk * W * row_bytes);
     /* per expert, in id order: rows of that expert among the sent items */
     if (n_items) {
         int32_t *pos_by_exp = malloc((size_t)n_items * sizeof *pos_by_exp);

@@ -40,13 +40,13 @@ struct scratch {
     float *ffn_out;     /* (n, d_model) */
     float *router_logits; /* (n, n_expert) */
     int32_t *topk_ids;  /* (n, top_k) */
-    float *topk_w;      /* (n, top_k) */
+    float *topk_w;      /* (n, top_k): a view right after the n*top_k ids in topk_ids */
     float *xe;          /* (n, d_model) rows gathered for one expert */
     float *gate_up;     /* (n, 2*d_ff_max) */
     float *act;         /* (n, d_ff_max) */
     float *ye;          /* (n, d_model) */
     int32_t *route_idx; /* (n*top_k) token index, grouped by expert */
-    float *route_w;     /* (n*top_k) */
+    float *route_w;     /* (n*top_k): a view right after the indexes in route_idx */
     float *ones;        /* (n) all 1: dense FFN weights */
     int32_t *iota;      /* (n) 0..n-1 */
     int32_t *tokens;    /* (n) */
@@ -58,7 +58,7 @@ struct scratch {
     float *logits;      /* (n, vocab) */
     /* host mirrors for routing */
     int32_t *h_ids;     /* (n*top_k) */
-    float *h_w;         /* (n*top_k) */
+    float *h_w;         /* (n*top_k): a view after the ids in h_ids */
     int32_t *h_route_idx;
     float *h_route_w;
     int32_t *h_counts;  /* (n_expert + 1) */
@@ -113,6 +113,9 @@ struct moe_model {
  * order, and all-gathers the shards so every rank holds all rows. Reads
  * s->h, s->topk_ids, s->topk_w; writes s->ffn_out (n rows). */
 enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_error *err);
+
+/* Zeroes `bytes` of a backend buffer (at most the h_zero scratch size). */
+void moe_model_zero(struct moe_model *m, void *p, size_t bytes);
 
 /* Monotonic seconds (model.c). */
 double moe_model_clock(void);
