@@ -210,8 +210,10 @@ static void *engine_thread(void *arg)
     struct worker_service *ws = arg;
     struct moe_error err;
     for (;;) {
+        /* Idle: sleep until woken or for 50 ms, then run the timers below
+         * (request deadlines, handoff expiry) even if nothing arrived. */
         pthread_mutex_lock(&ws->mu);
-        while (!ws->stop && !ws->pending && !moe_engine_busy(ws->engine)) {
+        if (!ws->stop && !ws->pending && !moe_engine_busy(ws->engine)) {
             struct timespec until;
             clock_gettime(CLOCK_REALTIME, &until);
             until.tv_nsec += 50 * 1000 * 1000;

@@ -55,6 +55,7 @@ struct args {
     int tp;
     const char *placement;
     int comm_timeout_ms;
+    int handoff_ttl_ms;
 };
 
 static volatile sig_atomic_t g_signal;
@@ -86,6 +87,8 @@ static void usage(FILE *f)
             "                        prefill to decode workers; single-rank workers only)\n"
             "  --drain-timeout S     on SIGTERM, wait at most S seconds for running requests "
             "(default 60)\n"
+            "  --handoff-ttl-ms MS   a parked or reserved KV handoff nobody claims expires and "
+            "frees its blocks (default 30000)\n"
             "under mpirun: --tp T (attention tensor parallel), --placement F.json (experts),\n"
             "  --comm-timeout-ms MS (a collective slower than this fails the group, default "
             "10000)\n");
@@ -127,6 +130,7 @@ static int parse_args(int argc, char **argv, struct args *a)
         INT_OPT("--drain-timeout", 0, 86400, drain_timeout_s)
         INT_OPT("--tp", 1, 1024, tp)
         INT_OPT("--comm-timeout-ms", 100, 3600000, comm_timeout_ms)
+        INT_OPT("--handoff-ttl-ms", 50, 3600000, handoff_ttl_ms)
 #undef INT_OPT
         if (!strcmp(k, "--kv-memory")) {
             if (!cli_parse_long(v, 1, 1 << 24, &n))
@@ -357,6 +361,7 @@ int main(int argc, char **argv)
                 : !strcmp(a.role, "decode") ? MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE
                                             : MOE__V1__WORKER_ROLE__WORKER_ROLE_MIXED,
         .be = be,
+        .handoff_ttl_ms = a.handoff_ttl_ms,
     };
     if (worker_service_create(engine, model, tok, &so, &ws, &err))
         goto fail;
