@@ -23,7 +23,8 @@
 #define KVX_DEFAULT_SEND_MS 10000
 #define KVX_CALL_TIMEOUT_MS 5000
 #define KVX_ABORT_TIMEOUT_MS 500
-#define KVX_DEFAULT_CHUNK ((size_t)4 << 20)
+#define KVX_DEFAULT_CHUNK ((size_t)16 << 20) /* well under the 64 MiB message limit */
+#define KVX_MAX_PEERS 32
 
 struct handoff {
     char id[KVX_ID_MAX];
@@ -62,7 +63,38 @@ struct kvx {
     int n_senders;
     bool stopping;
     struct kvx_counters c;
+    /* One channel per decode worker, reused by every handoff to it (a new
+     * connection per handoff cost more than the data on small prompts). */
+    struct {
+        char target[300];
+        struct rpc_client *cl;
+    } peers[KVX_MAX_PEERS];
+    int n_peers;
 };
+
+/* The cached channel to `target`, or a new one; *owned tells whether the
+ * caller must destroy it (only when the cache is full). */
+static struct rpc_client *peer_client(struct kvx *x, const char *target, bool *owned,
+                                      struct moe_error *err)
+{
+    *owned = false;
+    pthread_mutex_lock(&x->mu);
+    for (int i = 0; i < x->n_peers; i++)
+        if (!strcmp(x->peers[i].target, target)) {
+            struct rpc_client *cl = x->peers[i].cl;
+            pthread_mutex_unlock(&x->mu);
+            return cl;
+        }
+    struct rpc_client *cl = rpc_client_create(target, NULL, err);
+    if (cl && x->n_peers < KVX_MAX_PEERS) {
+        snprintf(x->peers[x->n_peers].target, sizeof x->peers[0].target, "%s", target);
+        x->peers[x->n_peers++].cl = cl;
+    } else if (cl) {
+        *owned = true;
+    }
+    pthread_mutex_unlock(&x->mu);
+    return cl;
+}
 
 const char *kvx_state_name(enum kvx_state s)
 {
@@ -241,6 +273,8 @@ void kvx_destroy(struct kvx *x)
         handoff_free(h); /* a pending call was answered before the server went away */
     }
     pthread_mutex_unlock(&x->mu);
+    for (int i = 0; i < x->n_peers; i++)
+        rpc_client_destroy(x->peers[i].cl);
     pthread_mutex_destroy(&x->mu);
     pthread_cond_destroy(&x->cond);
     free(x);
@@ -714,7 +748,8 @@ static void *sender_thread(void *arg)
     uint64_t bytes = 0;
     uint32_t chunks = 0;
     struct moe_error err = {0};
-    struct rpc_client *cl = rpc_client_create(s->target, NULL, &err);
+    bool owned = false;
+    struct rpc_client *cl = peer_client(x, s->target, &owned, &err);
     enum rpc_code code = RPC_OK;
     if (!cl) {
         code = RPC_UNAVAILABLE;
@@ -738,7 +773,8 @@ static void *sender_thread(void *arg)
         rpc_reply_clear(&r);
         free(req);
     }
-    rpc_client_destroy(cl);
+    if (owned)
+        rpc_client_destroy(cl);
     double ms = 1e3 * (moe_now() - t0);
     char id[KVX_ID_MAX];
     snprintf(id, sizeof id, "%s", h->id);
