@@ -93,7 +93,8 @@ int main(int argc, char **argv)
                 size_t w_bytes = n_w * moe_dtype_size(dt);
                 int n_copies = (int)((cold_bytes + w_bytes - 1) / w_bytes);
                 if (quick || isas[ii] == CPU_ISA_SCALAR)
-                    n_copies = n_copies < 4 ? n_copies : 4; /* the scalar path is not bandwidth-bound */
+                    n_copies =
+                        n_copies < 4 ? n_copies : 4; /* the scalar path is not bandwidth-bound */
                 void **copies = calloc((size_t)n_copies, sizeof(void *));
                 for (int c = 0; c < n_copies; c++) {
                     copies[c] = malloc(w_bytes);
@@ -110,12 +111,18 @@ int main(int argc, char **argv)
                         if (isas[ii] == CPU_ISA_SCALAR && n_tok > 1 && (quick || th == 2))
                             continue;
                         struct moe_matmul_params p = {
-                            .x = x, .n_tok = n_tok, .n_in = sh->n_in, .w_dtype = dt,
-                            .ldw = sh->n_in, .n_out = sh->n_out, .y = y, .accumulate = false,
+                            .x = x,
+                            .n_tok = n_tok,
+                            .n_in = sh->n_in,
+                            .w_dtype = dt,
+                            .ldw = sh->n_in,
+                            .n_out = sh->n_out,
+                            .y = y,
+                            .accumulate = false,
                         };
                         double min_time = quick ? 0.05 : 0.25;
-                        double sec = time_matmul(be[th], &p, copies, n_tok == 1 ? n_copies : 1,
-                                                 min_time, 3);
+                        double sec =
+                            time_matmul(be[th], &p, copies, n_tok == 1 ? n_copies : 1, min_time, 3);
                         double gflops = 2.0 * n_tok * (double)n_w / sec * 1e-9;
                         double gbs = (double)w_bytes / sec * 1e-9;
                         printf("%-8s %-5s %-18s %-3d %6d %10.3f %10.1f %9.2f\n",

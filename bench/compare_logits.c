@@ -79,8 +79,7 @@ static int print_array(const char *dir, int p, const char *key, const char *sep)
     }
     int i = 0;
     const cJSON *v;
-    cJSON_ArrayForEach(v, arr)
-        printf("%s%d", i++ ? sep : "", (int)v->valuedouble);
+    cJSON_ArrayForEach(v, arr) printf("%s%d", i++ ? sep : "", (int)v->valuedouble);
     printf("\n");
     cJSON_Delete(root);
     return 0;
@@ -130,8 +129,8 @@ static int compare(const char *dir, const char *dtype, int p, const char *ours_p
             }
             double err = num / den;
             rc = err <= LOGIT_TOL ? 0 : 1;
-            printf("%s %s prompt %d: %u positions, max rel err %.3g (tol %.0e) %s\n", dir, dtype,
-                   p, n_pos, err, LOGIT_TOL, rc ? "FAIL" : "ok");
+            printf("%s %s prompt %d: %u positions, max rel err %.3g (tol %.0e) %s\n", dir, dtype, p,
+                   n_pos, err, LOGIT_TOL, rc ? "FAIL" : "ok");
             goto out;
         }
         off += n * 4;
@@ -154,6 +153,7 @@ int main(int argc, char **argv)
     }
     if (argc == 5)
         return compare(argv[1], argv[2], atoi(argv[3]), argv[4]);
-    fprintf(stderr, "usage: compare-logits --ids DIR P | --greedy DIR DTYPE P | DIR DTYPE P FILE\n");
+    fprintf(stderr,
+            "usage: compare-logits --ids DIR P | --greedy DIR DTYPE P | DIR DTYPE P FILE\n");
     return 2;
 }

@@ -58,8 +58,8 @@ struct mk_tensor {
     char name[MK_NAME_MAX];
     int64_t rows, cols; /* rows == 1 and is_1d for vectors */
     bool is_1d;
-    bool ones;          /* norm weight: all 1 */
-    int64_t offset;     /* byte offset inside its shard's data area */
+    bool ones;      /* norm weight: all 1 */
+    int64_t offset; /* byte offset inside its shard's data area */
     int shard;
 };
 
@@ -131,7 +131,8 @@ static void parse_layer_list(struct mk_opts *o, const char *s)
         long v = strtol(p, &end, 10);
         if (errno || end == p || v < 0 || v >= MK_MAX_LAYERS)
             die("--mlp-only-layers: bad layer index in '%s' (want comma-separated integers in "
-                "[0, %d))", s, MK_MAX_LAYERS);
+                "[0, %d))",
+                s, MK_MAX_LAYERS);
         o->mlp_only[v] = true;
         if (*end == '\0')
             break;
@@ -245,9 +246,10 @@ static void opts_parse(struct mk_opts *o, int argc, char **argv)
     struct {
         const char *opt;
         int val;
-    } req[] = {{"--vocab", o->vocab},     {"--hidden", o->d_model},   {"--layers", o->n_layer},
-               {"--heads", o->n_head},    {"--kv-heads", o->n_kv_head}, {"--experts", o->n_expert},
-               {"--top-k", o->top_k},     {"--ffn", o->d_ff}};
+    } req[] = {{"--vocab", o->vocab},        {"--hidden", o->d_model},
+               {"--layers", o->n_layer},     {"--heads", o->n_head},
+               {"--kv-heads", o->n_kv_head}, {"--experts", o->n_expert},
+               {"--top-k", o->top_k},        {"--ffn", o->d_ff}};
     for (size_t i = 0; i < sizeof(req) / sizeof(req[0]); i++)
         if (req[i].val <= 0)
             die("%s is required", req[i].opt);
@@ -287,7 +289,7 @@ static void opts_parse(struct mk_opts *o, int argc, char **argv)
         if (any_dense && o->d_ff_dense == 0)
             die("--mlp-only-layers needs --dense-ffn (the dense MLP width)");
         if (o->d_ff_dense == 0)
-            o->d_ff_dense = o->d_ff; /* config.json needs intermediate_size anyway */
+            o->d_ff_dense = o->d_ff;        /* config.json needs intermediate_size anyway */
         o->norm_topk_prob = norm_topk != 0; /* Qwen3-30B-A3B: true */
         if (o->rope_theta < 0)
             o->rope_theta = 1e6;
@@ -398,7 +400,8 @@ struct mk_buf {
     size_t n, cap;
 };
 
-static void buf_printf(struct mk_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void buf_printf(struct mk_buf *b, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 static void buf_printf(struct mk_buf *b, const char *fmt, ...)
 {
     for (;;) {
@@ -459,8 +462,8 @@ static void write_all(FILE *f, const void *p, size_t n, const char *path)
         die("%s: write failed: %s", path, strerror(errno));
 }
 
-static void tensor_stream(const struct mk_opts *o, const struct mk_tensor *t, size_t index,
-                          FILE *f, const char *path, void *chunk)
+static void tensor_stream(const struct mk_opts *o, const struct mk_tensor *t, size_t index, FILE *f,
+                          const char *path, void *chunk)
 {
     uint64_t mix = o->seed * 0x100000001b3ull + index;
     uint64_t s = splitmix64(&mix) | 1; /* xorshift state must be non-zero */
@@ -606,8 +609,7 @@ static void config_write(const struct mk_opts *o)
     else
         fprintf(f, "  \"bos_token_id\": null,\n");
     fprintf(f, "  \"eos_token_id\": %d,\n", o->eos_id);
-    fprintf(f, "  \"torch_dtype\": \"%s\",\n",
-            o->dtype == MOE_DTYPE_BF16 ? "bfloat16" : "float32");
+    fprintf(f, "  \"torch_dtype\": \"%s\",\n", o->dtype == MOE_DTYPE_BF16 ? "bfloat16" : "float32");
     fprintf(f, "  \"output_router_logits\": false\n");
     fprintf(f, "}\n");
     if (ferror(f) || fclose(f) != 0)

@@ -59,9 +59,9 @@ struct sim_result {
     double imb_predicted; /* the plan on its own window */
     double imb_next;      /* the plan on the next window */
     int moves_first;
-    double moves_later;   /* mean over later replans */
+    double moves_later; /* mean over later replans */
     int slots;
-    double plan_ms;       /* mean planner time */
+    double plan_ms; /* mean planner time */
     int n_scored;
 };
 
@@ -236,8 +236,9 @@ static int read_trace(const char *path, struct windows *w)
     }
     free(text);
     if (!rc && w->n < 2) {
-        fprintf(stderr, "sim-placement: %s: needs at least 2 windows (plan on one, score on "
-                        "the next)\n",
+        fprintf(stderr,
+                "sim-placement: %s: needs at least 2 windows (plan on one, score on "
+                "the next)\n",
                 path);
         rc = -1;
     }
@@ -255,8 +256,9 @@ static int write_trace(const char *path, const struct windows *w, int steps)
     }
     size_t n = (size_t)w->n_layer * w->n_expert;
     for (int i = 0; i < w->n; i++) {
-        fprintf(f, "{\"stats_layers\": %d, \"stats_experts\": %d, \"stats_steps\": %d, "
-                   "\"expert_tokens\": [",
+        fprintf(f,
+                "{\"stats_layers\": %d, \"stats_experts\": %d, \"stats_steps\": %d, "
+                "\"expert_tokens\": [",
                 w->n_layer, w->n_expert, steps);
         for (size_t k = 0; k < n; k++)
             fprintf(f, "%s%.0f", k ? ", " : "", w->counts[(size_t)i * n + k]);
@@ -335,8 +337,7 @@ static void print_header(void)
            "plan ms");
 }
 
-static void print_row(const struct sim_opts *o, const struct windows *w,
-                      const struct sim_result *r)
+static void print_row(const struct sim_opts *o, const struct windows *w, const struct sim_result *r)
 {
     char size[32];
     snprintf(size, sizeof size, "%de/%dr", w->n_expert, o->n_rank);
@@ -377,8 +378,8 @@ static const struct {
     int e, n, r;
     double zipf;
 } PRESETS[] = {
-    {8, 2, 0, 1.0},    {8, 2, 2, 1.0},    {64, 8, 0, 1.0},   {64, 8, 8, 0.8},
-    {64, 8, 8, 1.0},   {64, 8, 8, 1.2},   {64, 8, 16, 1.0},  {128, 16, 16, 1.0},
+    {8, 2, 0, 1.0},     {8, 2, 2, 1.0},     {64, 8, 0, 1.0},    {64, 8, 8, 0.8},
+    {64, 8, 8, 1.0},    {64, 8, 8, 1.2},    {64, 8, 16, 1.0},   {128, 16, 16, 1.0},
     {256, 32, 32, 1.0}, {256, 64, 32, 0.8}, {256, 64, 32, 1.0}, {256, 64, 64, 1.0},
 };
 
@@ -450,8 +451,7 @@ int main(int argc, char **argv)
             o.tolerance = x;
         else {
             usage(stderr);
-            fprintf(stderr, "sim-placement: unknown option or value out of range: %s %s\n", k,
-                    v);
+            fprintf(stderr, "sim-placement: unknown option or value out of range: %s %s\n", k, v);
             return 2;
         }
     }

@@ -39,8 +39,8 @@ static enum moe_status emit(struct moe_detok *d, bool final, char **delta, size_
      * strips the leading space of its output would otherwise strip the new
      * text's instead (e.g. a window of only skipped special tokens). */
     for (;;) {
-        rc = moe_tokenizer_decode(d->tok, d->ids + d->prefix, d->read - d->prefix,
-                                  d->skip_special, &before, &n_before, err);
+        rc = moe_tokenizer_decode(d->tok, d->ids + d->prefix, d->read - d->prefix, d->skip_special,
+                                  &before, &n_before, err);
         if (rc || n_before > 0 || d->prefix == 0)
             break;
         free(before);
@@ -48,8 +48,8 @@ static enum moe_status emit(struct moe_detok *d, bool final, char **delta, size_
         d->prefix--;
     }
     if (!rc)
-        rc = moe_tokenizer_decode(d->tok, d->ids + d->prefix, d->n_ids - d->prefix,
-                                  d->skip_special, &after, &n_after, err);
+        rc = moe_tokenizer_decode(d->tok, d->ids + d->prefix, d->n_ids - d->prefix, d->skip_special,
+                                  &after, &n_after, err);
     if (rc)
         goto out;
     if ((final || !ends_incomplete(after, n_after)) && n_after > n_before) {

@@ -20,10 +20,10 @@
 struct moe_detok {
     const struct moe_tokenizer *tok;
     bool skip_special;
-    int32_t *ids;       /* every id so far */
+    int32_t *ids; /* every id so far */
     size_t n_ids, cap_ids;
-    size_t prefix;      /* start of the decode window */
-    size_t read;        /* ids up to here have been emitted as text */
+    size_t prefix; /* start of the decode window */
+    size_t read;   /* ids up to here have been emitted as text */
 };
 
 void moe_detok_init(struct moe_detok *d, const struct moe_tokenizer *tok, bool skip_special);

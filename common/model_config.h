@@ -14,30 +14,30 @@
 #define MOE_MAX_EOS 8
 
 enum moe_arch {
-    MOE_ARCH_MIXTRAL = 0,   /* MixtralForCausalLM */
-    MOE_ARCH_QWEN3_MOE,     /* Qwen3MoeForCausalLM */
+    MOE_ARCH_MIXTRAL = 0, /* MixtralForCausalLM */
+    MOE_ARCH_QWEN3_MOE,   /* Qwen3MoeForCausalLM */
 };
 
 struct moe_config {
     enum moe_arch arch;
-    int d_model;            /* hidden_size */
-    int n_layer;            /* num_hidden_layers */
-    int n_head;             /* num_attention_heads */
-    int n_kv_head;          /* num_key_value_heads (defaults to n_head) */
-    int d_head;             /* head_dim (defaults to d_model / n_head) */
+    int d_model;   /* hidden_size */
+    int n_layer;   /* num_hidden_layers */
+    int n_head;    /* num_attention_heads */
+    int n_kv_head; /* num_key_value_heads (defaults to n_head) */
+    int d_head;    /* head_dim (defaults to d_model / n_head) */
     int vocab_size;
-    int n_expert;           /* num_local_experts (Mixtral) / num_experts (Qwen3) */
-    int top_k;              /* num_experts_per_tok */
-    int d_ff_expert;        /* Mixtral: intermediate_size; Qwen3: moe_intermediate_size */
-    int d_ff_dense;         /* Qwen3 dense-MLP layers: intermediate_size; 0 if none */
-    bool norm_topk_prob;    /* renormalise the top-k weights (always true for Mixtral) */
-    bool qk_norm;           /* per-head RMSNorm on q and k before RoPE (Qwen3) */
+    int n_expert;        /* num_local_experts (Mixtral) / num_experts (Qwen3) */
+    int top_k;           /* num_experts_per_tok */
+    int d_ff_expert;     /* Mixtral: intermediate_size; Qwen3: moe_intermediate_size */
+    int d_ff_dense;      /* Qwen3 dense-MLP layers: intermediate_size; 0 if none */
+    bool norm_topk_prob; /* renormalise the top-k weights (always true for Mixtral) */
+    bool qk_norm;        /* per-head RMSNorm on q and k before RoPE (Qwen3) */
     bool tie_word_embeddings;
-    float rms_eps;          /* rms_norm_eps */
+    float rms_eps; /* rms_norm_eps */
     float rope_theta;
-    int max_pos;            /* max_position_embeddings */
-    int bos_id;             /* -1 if absent */
-    int n_eos;              /* eos_token_id: int or list */
+    int max_pos; /* max_position_embeddings */
+    int bos_id;  /* -1 if absent */
+    int n_eos;   /* eos_token_id: int or list */
     int eos_ids[MOE_MAX_EOS];
     bool layer_is_moe[MOE_MAX_LAYERS]; /* from decoder_sparse_step + mlp_only_layers */
 };

@@ -46,12 +46,12 @@ const char *moe_status_name(enum moe_status code);
 
 /* Always-on assertion for invariants (never for bad input): prints file, line
  * and expression, then aborts. */
-#define MOE_ASSERT(cond)                                                                          \
-    do {                                                                                          \
-        if (!(cond)) {                                                                            \
-            fprintf(stderr, "%s:%d: assertion failed: %s\n", __FILE__, __LINE__, #cond);          \
-            abort();                                                                              \
-        }                                                                                         \
+#define MOE_ASSERT(cond)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: assertion failed: %s\n", __FILE__, __LINE__, #cond);           \
+            abort();                                                                               \
+        }                                                                                          \
     } while (0)
 
 #endif

@@ -4,10 +4,10 @@
 #include <stdio.h>
 #include <string.h>
 
-#define FAIL(...)                                                                                 \
-    do {                                                                                          \
-        snprintf(msg, cap, __VA_ARGS__);                                                          \
-        return -1;                                                                                \
+#define FAIL(...)                                                                                  \
+    do {                                                                                           \
+        snprintf(msg, cap, __VA_ARGS__);                                                           \
+        return -1;                                                                                 \
     } while (0)
 
 int moe_check_sampling(const Moe__V1__SamplingParams *sp, char *msg, size_t cap)

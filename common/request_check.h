@@ -8,12 +8,12 @@
 
 #include "moe/v1/inference.pb-c.h"
 
-#define MOE_REQ_MAX_STOP 8             /* stop strings */
-#define MOE_REQ_MAX_STOP_LEN 128       /* bytes per stop string */
+#define MOE_REQ_MAX_STOP 8       /* stop strings */
+#define MOE_REQ_MAX_STOP_LEN 128 /* bytes per stop string */
 #define MOE_REQ_MAX_STOP_IDS 16
 #define MOE_REQ_MAX_LOGPROBS 20
 #define MOE_REQ_MAX_PROMPT_BYTES (1u << 20)
-#define MOE_REQ_MAX_ID_LEN 128         /* request_id */
+#define MOE_REQ_MAX_ID_LEN 128 /* request_id */
 
 /* Checks the sampling parameters (NULL means all defaults). Returns 0 when
  * valid, else writes "field: why" into msg and returns -1. */

@@ -95,8 +95,8 @@ struct rpc_server *rpc_server_create(const char *addr, int n_threads,
  * the server. Calls to unregistered paths are answered UNIMPLEMENTED. */
 enum moe_status rpc_server_add_unary(struct rpc_server *server, const char *path, rpc_unary_fn fn,
                                      void *user, struct moe_error *err);
-enum moe_status rpc_server_add_stream(struct rpc_server *server, const char *path,
-                                      rpc_stream_fn fn, void *user, struct moe_error *err);
+enum moe_status rpc_server_add_stream(struct rpc_server *server, const char *path, rpc_stream_fn fn,
+                                      void *user, struct moe_error *err);
 
 /* Starts serving: spawns the queue threads. */
 enum moe_status rpc_server_start(struct rpc_server *server, struct moe_error *err);
@@ -192,8 +192,7 @@ enum moe_status rpc_health_register(struct rpc_server *server, struct moe_error 
 
 /* Sets the status of `service` ("" = the whole server; copied), adding it if
  * new, and notifies watchers. Any thread, also while serving. */
-void rpc_health_set(struct rpc_server *server, const char *service,
-                    enum rpc_health_status status);
+void rpc_health_set(struct rpc_server *server, const char *service, enum rpc_health_status status);
 
 /* ---- client ------------------------------------------------------------------------ */
 
@@ -239,8 +238,8 @@ void rpc_reply_clear(struct rpc_reply *reply);
  * deadline timeout_ms from now (<= 0: none). Returns NULL and fills err only
  * on local failure; server-side failures show up as the final status. */
 struct rpc_client_stream *rpc_client_stream_start(struct rpc_client *client, const char *method,
-                                                  const void *req, size_t len,
-                                                  int64_t timeout_ms, struct moe_error *err);
+                                                  const void *req, size_t len, int64_t timeout_ms,
+                                                  struct moe_error *err);
 
 /* Blocks for the next message. Returns 1 with data and len set (owned by the
  * stream, valid until the next call or destroy), or 0 at the end of the

@@ -116,9 +116,9 @@ enum rpc_code rpc_client_call(struct rpc_client *client, const char *method, con
     memset(reply, 0, sizeof(*reply));
     grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
     grpc_slice method_slice = grpc_slice_from_copied_string(method);
-    grpc_call *call = grpc_channel_create_call(client->channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
-                                               method_slice, NULL,
-                                               rpc_deadline_from_ms(timeout_ms), NULL);
+    grpc_call *call =
+        grpc_channel_create_call(client->channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq, method_slice,
+                                 NULL, rpc_deadline_from_ms(timeout_ms), NULL);
     grpc_slice_unref(method_slice);
     if (!call) {
         cq_drain_destroy(cq);
@@ -216,7 +216,8 @@ struct rpc_client_stream {
 static int stream_wait(struct rpc_client_stream *s, void *want)
 {
     for (;;) {
-        grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+        grpc_event ev =
+            grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
         if (ev.type != GRPC_OP_COMPLETE) {
             continue;
         }
@@ -234,8 +235,8 @@ static int stream_wait(struct rpc_client_stream *s, void *want)
 }
 
 struct rpc_client_stream *rpc_client_stream_start(struct rpc_client *client, const char *method,
-                                                  const void *req, size_t len,
-                                                  int64_t timeout_ms, struct moe_error *err)
+                                                  const void *req, size_t len, int64_t timeout_ms,
+                                                  struct moe_error *err)
 {
     struct rpc_client_stream *s = calloc(1, sizeof(*s));
     if (!s) {

@@ -151,8 +151,7 @@ enum moe_status rpc_health_register(struct rpc_server *server, struct moe_error 
     return st;
 }
 
-void rpc_health_set(struct rpc_server *server, const char *service,
-                    enum rpc_health_status status)
+void rpc_health_set(struct rpc_server *server, const char *service, enum rpc_health_status status)
 {
     struct rpc_health *h = *rpc_server_health_slot(server);
     if (!h) {

@@ -18,8 +18,8 @@ struct rpc_health **rpc_server_health_slot(struct rpc_server *server);
 /* Channel args shared by server and client: max message sizes and keepalive.
  * `args` must hold at least RPC_N_ARGS entries. */
 #define RPC_N_ARGS 8
-void rpc_channel_args_fill(grpc_arg *args, int *n, size_t max_message_bytes,
-                           int keepalive_time_ms, int keepalive_timeout_ms, int server);
+void rpc_channel_args_fill(grpc_arg *args, int *n, size_t max_message_bytes, int keepalive_time_ms,
+                           int keepalive_timeout_ms, int server);
 
 /* A monotonic gRPC deadline timeout_ms from now (<= 0: infinite). */
 gpr_timespec rpc_deadline_from_ms(int64_t timeout_ms);

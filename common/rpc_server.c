@@ -29,7 +29,7 @@ struct rpc_tag {
     enum tag_kind kind;
 };
 
-#define CONTAINER_OF(ptr, type, member) ((type *)(void *)((char *)(ptr) - offsetof(type, member)))
+#define CONTAINER_OF(ptr, type, member) ((type *)(void *)((char *)(ptr)-offsetof(type, member)))
 
 enum method_kind { METHOD_UNARY, METHOD_STREAM };
 
@@ -139,10 +139,22 @@ struct unimpl_call {
 const char *rpc_code_name(enum rpc_code code)
 {
     static const char *const names[] = {
-        "OK",          "CANCELLED",        "UNKNOWN",           "INVALID_ARGUMENT",
-        "DEADLINE_EXCEEDED", "NOT_FOUND",  "ALREADY_EXISTS",    "PERMISSION_DENIED",
-        "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-        "UNIMPLEMENTED", "INTERNAL",      "UNAVAILABLE",       "DATA_LOSS",
+        "OK",
+        "CANCELLED",
+        "UNKNOWN",
+        "INVALID_ARGUMENT",
+        "DEADLINE_EXCEEDED",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNIMPLEMENTED",
+        "INTERNAL",
+        "UNAVAILABLE",
+        "DATA_LOSS",
         "UNAUTHENTICATED",
     };
     if ((int)code < 0 || (size_t)code >= sizeof(names) / sizeof(names[0])) {
@@ -153,10 +165,10 @@ const char *rpc_code_name(enum rpc_code code)
 
 /* ---- shared helpers -------------------------------------------------------------- */
 
-void rpc_channel_args_fill(grpc_arg *args, int *n, size_t max_message_bytes,
-                           int keepalive_time_ms, int keepalive_timeout_ms, int server)
+void rpc_channel_args_fill(grpc_arg *args, int *n, size_t max_message_bytes, int keepalive_time_ms,
+                           int keepalive_timeout_ms, int server)
 {
-    int max = max_message_bytes == 0 ? (int)RPC_DEFAULT_MAX_MESSAGE
+    int max = max_message_bytes == 0        ? (int)RPC_DEFAULT_MAX_MESSAGE
               : max_message_bytes > INT_MAX ? INT_MAX
                                             : (int)max_message_bytes;
     int i = 0;
@@ -455,8 +467,8 @@ static void producer_release(struct rpc_call *c)
 
 /* ---- public call / stream functions -------------------------------------------------- */
 
-void rpc_call_finish(struct rpc_call *c, enum rpc_code code, const char *message,
-                     const void *bytes, size_t len)
+void rpc_call_finish(struct rpc_call *c, enum rpc_code code, const char *message, const void *bytes,
+                     size_t len)
 {
     pthread_mutex_lock(&c->mu);
     if (code == RPC_OK && !c->finish_queued && !c->cancelled && !c->closed) {
@@ -483,8 +495,14 @@ static int call_is_cancelled(struct rpc_call *c)
     return r;
 }
 
-int rpc_call_is_cancelled(struct rpc_call *call) { return call_is_cancelled(call); }
-int rpc_stream_is_cancelled(struct rpc_stream *stream) { return call_is_cancelled(&stream->c); }
+int rpc_call_is_cancelled(struct rpc_call *call)
+{
+    return call_is_cancelled(call);
+}
+int rpc_stream_is_cancelled(struct rpc_stream *stream)
+{
+    return call_is_cancelled(&stream->c);
+}
 int64_t rpc_call_deadline_ms_left(struct rpc_call *call)
 {
     return rpc_deadline_ms_left(call->deadline);
@@ -618,8 +636,8 @@ static void slot_post(struct rpc_slot *slot)
     grpc_call_error e;
     if (slot->method) {
         e = grpc_server_request_registered_call(s->srv, slot->method->handle, &slot->call,
-                                                &slot->deadline, &slot->md, &slot->payload, cq,
-                                                cq, &slot->tag);
+                                                &slot->deadline, &slot->md, &slot->payload, cq, cq,
+                                                &slot->tag);
     } else {
         e = grpc_server_request_call(s->srv, &slot->call, &slot->details, &slot->md, cq, cq,
                                      &slot->tag);
@@ -748,7 +766,8 @@ static void *queue_thread_main(void *arg)
     struct rpc_queue_thread *t = arg;
     struct rpc_server *s = t->server;
     for (;;) {
-        grpc_event ev = grpc_completion_queue_next(t->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+        grpc_event ev =
+            grpc_completion_queue_next(t->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
         if (ev.type == GRPC_QUEUE_SHUTDOWN) {
             break;
         }
@@ -764,9 +783,7 @@ static void *queue_thread_main(void *arg)
             }
             break;
         }
-        case TAG_CLOSE:
-            on_close(CONTAINER_OF(tag, struct rpc_call, close_tag));
-            break;
+        case TAG_CLOSE: on_close(CONTAINER_OF(tag, struct rpc_call, close_tag)); break;
         case TAG_SEND:
             on_send_done(CONTAINER_OF(tag, struct rpc_call, send_tag), ev.success);
             break;
@@ -891,8 +908,8 @@ enum moe_status rpc_server_add_unary(struct rpc_server *server, const char *path
     return add_method(server, path, METHOD_UNARY, fn, NULL, user, err);
 }
 
-enum moe_status rpc_server_add_stream(struct rpc_server *server, const char *path,
-                                      rpc_stream_fn fn, void *user, struct moe_error *err)
+enum moe_status rpc_server_add_stream(struct rpc_server *server, const char *path, rpc_stream_fn fn,
+                                      void *user, struct moe_error *err)
 {
     return add_method(server, path, METHOD_STREAM, NULL, fn, user, err);
 }
@@ -935,9 +952,15 @@ enum moe_status rpc_server_start(struct rpc_server *s, struct moe_error *err)
     return MOE_OK;
 }
 
-int rpc_server_port(const struct rpc_server *server) { return server->port; }
+int rpc_server_port(const struct rpc_server *server)
+{
+    return server->port;
+}
 
-struct rpc_health **rpc_server_health_slot(struct rpc_server *server) { return &server->health; }
+struct rpc_health **rpc_server_health_slot(struct rpc_server *server)
+{
+    return &server->health;
+}
 
 /* Waits on s->cv until `done` or the monotonic deadline (NULL = none). */
 static void wait_server_done(struct rpc_server *s, const struct timespec *until)

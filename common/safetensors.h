@@ -17,13 +17,13 @@
 #define ST_MAX_DIMS 8
 
 struct st_tensor {
-    const char *name;         /* owned by the st_model */
+    const char *name; /* owned by the st_model */
     enum moe_dtype dtype;
-    int n_dim;                /* 0 for a scalar */
+    int n_dim; /* 0 for a scalar */
     int64_t shape[ST_MAX_DIMS];
-    const void *data;         /* inside the mmapped file; may be unaligned */
+    const void *data; /* inside the mmapped file; may be unaligned */
     size_t nbytes;
-    const char *file;         /* path of the shard that holds it */
+    const char *file; /* path of the shard that holds it */
 };
 
 struct st_model;

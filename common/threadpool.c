@@ -40,13 +40,13 @@ struct moe_pool {
     _Atomic uint64_t ctl;
     _Atomic(moe_pool_fn) fn;
     _Atomic(void *) arg;
-    _Atomic int n_done;   /* tasks finished in the current run */
+    _Atomic int n_done; /* tasks finished in the current run */
     _Atomic int n_sleeping;
     _Atomic bool stop;
 
     pthread_mutex_t mutex;
     pthread_cond_t wake;
-    uint32_t gen;         /* caller's copy of the generation */
+    uint32_t gen; /* caller's copy of the generation */
 };
 
 static inline void cpu_relax(void)

@@ -241,8 +241,8 @@ int main(int argc, char **argv)
     moe__v1__generate_request__pack(&rq, buf);
 
     double t0 = now_s(), t_first = 0, t_last = 0;
-    struct rpc_client_stream *st = rpc_client_stream_start(client, "/moe.v1.Inference/Generate",
-                                                           buf, len, a.timeout_ms, &err);
+    struct rpc_client_stream *st =
+        rpc_client_stream_start(client, "/moe.v1.Inference/Generate", buf, len, a.timeout_ms, &err);
     free(buf);
     if (!st) {
         rpc_client_destroy(client);
@@ -303,11 +303,12 @@ int main(int argc, char **argv)
     printf("\nclient: TTFT %.1f ms, TPOT %.2f ms, end to end %.1f ms\n", ttft * 1e3, tpot * 1e3,
            (now_s() - t0) * 1e3);
     if (last && last->timings && last->usage)
-        printf("server: prompt %u tokens (%u cached), queue %.1f ms, prefill %.1f ms, TTFT %.1f ms, "
-               "decode %.1f ms, e2e %.1f ms\n",
-               last->usage->prompt_tokens, last->usage->cached_prompt_tokens,
-               last->timings->queue_ms, last->timings->prefill_ms, last->timings->ttft_ms,
-               last->timings->decode_ms, last->timings->e2e_ms);
+        printf(
+            "server: prompt %u tokens (%u cached), queue %.1f ms, prefill %.1f ms, TTFT %.1f ms, "
+            "decode %.1f ms, e2e %.1f ms\n",
+            last->usage->prompt_tokens, last->usage->cached_prompt_tokens, last->timings->queue_ms,
+            last->timings->prefill_ms, last->timings->ttft_ms, last->timings->decode_ms,
+            last->timings->e2e_ms);
     if (last)
         moe__v1__generate_response__free_unpacked(last, NULL);
     rpc_client_stream_destroy(st);

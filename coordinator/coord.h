@@ -74,7 +74,7 @@ struct coord_opts {
     int max_queue;       /* requests in flight cap */
     int poll_ms;         /* GetLoad polling interval */
     int rpc_threads;
-    int grace_ms; /* shutdown grace for running streams */
+    int grace_ms;     /* shutdown grace for running streams */
     int expert_slots; /* experts a rank may hold per layer; 0: 2 * ceil(n_expert / n_rank) */
 };
 

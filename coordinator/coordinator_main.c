@@ -67,9 +67,9 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
         long n;
 #define INT_OPT(name, lo, hi, field)                                                               \
     if (!strcmp(k, name)) {                                                                        \
-        if (!cli_parse_long(v, lo, hi, &n))                                                             \
-            return cli_fail(name ": '%s' is not a whole number in [%ld, %ld]", v, (long)(lo),          \
-                        (long)(hi));                                                               \
+        if (!cli_parse_long(v, lo, hi, &n))                                                        \
+            return cli_fail(name ": '%s' is not a whole number in [%ld, %ld]", v, (long)(lo),      \
+                            (long)(hi));                                                           \
         o->field = (int)n;                                                                         \
         continue;                                                                                  \
     }

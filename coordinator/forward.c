@@ -62,11 +62,11 @@ struct fwd {
     uint32_t skip_from; /* index in relayed of the next one to compare */
 
     /* disaggregated serving */
-    Moe__V1__SamplingParams sp;        /* rq->sampling with a fixed seed */
-    Moe__V1__SamplingParams *sampling; /* what workers get */
-    bool prefill_only;                 /* this attempt only prefills */
+    Moe__V1__SamplingParams sp;               /* rq->sampling with a fixed seed */
+    Moe__V1__SamplingParams *sampling;        /* what workers get */
+    bool prefill_only;                        /* this attempt only prefills */
     char handoff_id[MOE_REQ_MAX_ID_LEN + 64]; /* this attempt's handoff, or "" */
-    bool disagg;                       /* timings come from both workers */
+    bool disagg;                              /* timings come from both workers */
     double p_queue_ms, p_prefill_ms, transfer_ms;
 
     pthread_mutex_t mu;           /* guards the three fields below */
@@ -527,8 +527,8 @@ static void fix_seed(struct fwd *f)
  * On DISAGG_DECODE the caller runs the decode attempt on *d (one reference
  * and in_flight held, as from coord_router_pick). */
 static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
-                                         struct coord_worker **d, enum rpc_code *code,
-                                         char *msg, size_t cap)
+                                         struct coord_worker **d, enum rpc_code *code, char *msg,
+                                         size_t cap)
 {
     struct coord *c = f->c;
     *d = NULL;
@@ -580,8 +580,9 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
             coord_router_done(c, p);
             return DISAGG_SETTLED;
         }
-        fprintf(stderr, "moe-coordinator: request %s: prefill on %s failed (%s: %s); recomputing "
-                        "on a decode worker\n",
+        fprintf(stderr,
+                "moe-coordinator: request %s: prefill on %s failed (%s: %s); recomputing "
+                "on a decode worker\n",
                 f->request_id, p->id, rpc_code_name(at.code), at.message);
         handoff_release(p, hid, "prefill failed");
         coord_router_done(c, p);
@@ -602,9 +603,9 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     Moe__V1__KvReserveResponse *rr = NULL;
     char last[512] = "";
     while (n_tried < HANDOFF_DECODE_TRIES) {
-        struct coord_worker *w = coord_router_pick_role(
-            c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE, f->prompt, f->n_prompt, tried, n_tried,
-            n_blocks, bs, tp);
+        struct coord_worker *w =
+            coord_router_pick_role(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE, f->prompt,
+                                   f->n_prompt, tried, n_tried, n_blocks, bs, tp);
         if (!w)
             break;
         Moe__V1__KvReserveRequest rq = MOE__V1__KV_RESERVE_REQUEST__INIT;
@@ -660,9 +661,9 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     sq.deadline_ms = send_ms < 1 ? 1 : (uint32_t)send_ms;
     Moe__V1__KvSendResponse *sr = NULL;
     char m[512];
-    enum rpc_code rc = worker_call(p, "/moe.v1.Worker/KvSend", &sq,
-                                   &moe__v1__kv_send_response__descriptor, (void **)&sr,
-                                   send_ms + WORKER_DEADLINE_SLACK_MS, m, sizeof m);
+    enum rpc_code rc =
+        worker_call(p, "/moe.v1.Worker/KvSend", &sq, &moe__v1__kv_send_response__descriptor,
+                    (void **)&sr, send_ms + WORKER_DEADLINE_SLACK_MS, m, sizeof m);
     moe__v1__kv_reserve_response__free_unpacked(rr, NULL);
     f->transfer_ms = 1e3 * (coord_now() - t0);
     f->disagg = true;
@@ -756,8 +757,9 @@ static void *fwd_thread(void *arg)
             at.code != RPC_INVALID_ARGUMENT) {
             /* The handed-off KV is not there (expired, released): recompute
              * on the same worker (the tokens sent so far are skipped). */
-            fprintf(stderr, "moe-coordinator: request %s: decode from handoff on %s refused (%s: "
-                            "%s); recomputing there\n",
+            fprintf(stderr,
+                    "moe-coordinator: request %s: decode from handoff on %s refused (%s: "
+                    "%s); recomputing there\n",
                     f->request_id, w->id, rpc_code_name(at.code), at.message);
             f->skip = f->n_tokens;
             f->skip_from = 0;

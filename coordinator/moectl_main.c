@@ -42,7 +42,7 @@ struct args {
     int n_pos;
     long layer; /* -1: all */
     long window_s;
-    long redundant; /* -1: unset */
+    long redundant;   /* -1: unset */
     double tolerance; /* < 0: unset */
     bool dry_run;
     bool auto_plan;
@@ -77,25 +77,24 @@ __attribute__((format(printf, 1, 2))) static int fail(const char *fmt, ...)
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: moectl [--addr HOST:PORT] [--json] [--timeout-ms MS] COMMAND ...\n"
-            "  status                           model, workers, requests, placement epoch\n"
-            "  workers list                     every worker and its load\n"
-            "  workers drain ID | undrain ID    stop / resume routing new requests to ID\n"
-            "  experts stats [--layer L] [--window S]\n"
-            "                                   token load per expert over the window\n"
-            "  experts show                     the current placement and its epoch\n"
-            "  experts plan [--redundant N] [--tolerance T] [--dry-run] [-o PLAN.json] [--all]\n"
-            "                                   plan a placement (changes nothing): diff and\n"
-            "                                   predicted balance\n"
-            "  experts apply PLAN.json | --auto [--redundant N]\n"
-            "                                   install a plan as the next epoch\n"
-            "  experts rollback                 reinstall the previous placement\n"
-            "  experts scale --redundant N [--dry-run]\n"
-            "                                   plan and apply with N redundant replicas\n"
-            "  --addr HOST:PORT  the coordinator (default 127.0.0.1:50051)\n"
-            "  --json            machine-readable output\n"
-            "exit codes: 0 ok, 1 the call failed, 2 bad command line or plan file\n");
+    fprintf(f, "usage: moectl [--addr HOST:PORT] [--json] [--timeout-ms MS] COMMAND ...\n"
+               "  status                           model, workers, requests, placement epoch\n"
+               "  workers list                     every worker and its load\n"
+               "  workers drain ID | undrain ID    stop / resume routing new requests to ID\n"
+               "  experts stats [--layer L] [--window S]\n"
+               "                                   token load per expert over the window\n"
+               "  experts show                     the current placement and its epoch\n"
+               "  experts plan [--redundant N] [--tolerance T] [--dry-run] [-o PLAN.json] [--all]\n"
+               "                                   plan a placement (changes nothing): diff and\n"
+               "                                   predicted balance\n"
+               "  experts apply PLAN.json | --auto [--redundant N]\n"
+               "                                   install a plan as the next epoch\n"
+               "  experts rollback                 reinstall the previous placement\n"
+               "  experts scale --redundant N [--dry-run]\n"
+               "                                   plan and apply with N redundant replicas\n"
+               "  --addr HOST:PORT  the coordinator (default 127.0.0.1:50051)\n"
+               "  --json            machine-readable output\n"
+               "exit codes: 0 ok, 1 the call failed, 2 bad command line or plan file\n");
 }
 
 static int parse_args(int argc, char **argv)
@@ -174,8 +173,7 @@ static bool admin_call(const char *what, const char *method, const void *req, si
         fail("cannot reach the coordinator at %s: %s: %s", g.addr, rpc_code_name(code),
              reply->message[0] ? reply->message : "no answer");
     else if (code == RPC_UNIMPLEMENTED)
-        fail("%s: the coordinator at %s does not serve %s (an older version?)", what, g.addr,
-             path);
+        fail("%s: the coordinator at %s does not serve %s (an older version?)", what, g.addr, path);
     else
         fail("%s: %s: %s", what, rpc_code_name(code), reply->message);
     return false;
@@ -205,28 +203,20 @@ static void print_json(cJSON *o)
 static const char *role_name(int r)
 {
     switch (r) {
-    case MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL:
-        return "prefill";
-    case MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE:
-        return "decode";
-    case MOE__V1__WORKER_ROLE__WORKER_ROLE_MIXED:
-        return "mixed";
-    default:
-        return "-";
+    case MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL: return "prefill";
+    case MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE: return "decode";
+    case MOE__V1__WORKER_ROLE__WORKER_ROLE_MIXED: return "mixed";
+    default: return "-";
     }
 }
 
 static const char *state_name(int s)
 {
     switch (s) {
-    case MOE__V1__WORKER_STATE__WORKER_STATE_SERVING:
-        return "serving";
-    case MOE__V1__WORKER_STATE__WORKER_STATE_DRAINING:
-        return "draining";
-    case MOE__V1__WORKER_STATE__WORKER_STATE_DOWN:
-        return "down";
-    default:
-        return "unknown";
+    case MOE__V1__WORKER_STATE__WORKER_STATE_SERVING: return "serving";
+    case MOE__V1__WORKER_STATE__WORKER_STATE_DRAINING: return "draining";
+    case MOE__V1__WORKER_STATE__WORKER_STATE_DOWN: return "down";
+    default: return "unknown";
     }
 }
 
@@ -265,8 +255,8 @@ static void print_workers(Moe__V1__WorkerStatus **ws, size_t n)
         else
             snprintf(seen, sizeof seen, "%.1fs", (double)w->last_seen_ms_ago / 1e3);
         printf("%-24s %-22s %-8s %-9s %5u %5u %11s %5u %6s\n", w->id, w->address,
-               role_name(w->role), state_name(w->state), w->running, w->waiting, kv,
-               w->world_size, seen);
+               role_name(w->role), state_name(w->state), w->running, w->waiting, kv, w->world_size,
+               seen);
     }
 }
 
@@ -305,8 +295,8 @@ static int cmd_status(void)
             serving += r->workers[i]->state == MOE__V1__WORKER_STATE__WORKER_STATE_SERVING;
         printf("coordinator %s: model %s, up %.0f s\n", g.addr, r->model, r->uptime_s);
         printf("workers: %zu serving of %zu\n", serving, r->n_workers);
-        printf("requests: %u running, %" PRIu64 " total, %" PRIu64 " failed\n",
-               r->requests_running, r->requests_total, r->requests_failed);
+        printf("requests: %u running, %" PRIu64 " total, %" PRIu64 " failed\n", r->requests_running,
+               r->requests_total, r->requests_failed);
         printf("expert placement: epoch %" PRIu64 "%s\n", r->placement_epoch,
                r->placement_epoch ? "" : " (the default split)");
         if (r->n_workers) {
@@ -408,8 +398,8 @@ static void ranks_of(const cJSON *pl, int layer, int expert, char *buf, size_t c
 {
     char k[16];
     snprintf(k, sizeof k, "%d", layer);
-    const cJSON *arr = cJSON_GetObjectItemCaseSensitive(
-        cJSON_GetObjectItemCaseSensitive(pl, "layers"), k);
+    const cJSON *arr =
+        cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(pl, "layers"), k);
     if (!arr)
         arr = cJSON_GetObjectItemCaseSensitive(pl, "experts");
     const cJSON *ranks = cJSON_GetArrayItem(arr, expert);
@@ -521,8 +511,7 @@ static int cmd_stats(void)
                 if (s->tokens[l * E + e] > mx)
                     mx = s->tokens[l * E + e];
             }
-            printf("%5d %10" PRIu64 " %8.2f  ", l, lt,
-                   lt ? (double)mx * E / (double)lt : 0.0);
+            printf("%5d %10" PRIu64 " %8.2f  ", l, lt, lt ? (double)mx * E / (double)lt : 0.0);
             for (int e = 0; e < E; e++) {
                 uint64_t t = s->tokens[l * E + e];
                 int k = mx ? (int)((double)t / (double)mx * 9 + 0.5) : 0;

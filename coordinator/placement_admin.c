@@ -105,18 +105,12 @@ static enum rpc_code status_code(enum moe_status st)
 {
     switch (st) {
     case MOE_ERR_INVALID:
-    case MOE_ERR_FORMAT:
-        return RPC_INVALID_ARGUMENT;
-    case MOE_ERR_NOT_FOUND:
-        return RPC_NOT_FOUND;
-    case MOE_ERR_IO:
-        return RPC_UNAVAILABLE;
-    case MOE_ERR_NOMEM:
-        return RPC_RESOURCE_EXHAUSTED;
-    case MOE_ERR_AGAIN:
-        return RPC_FAILED_PRECONDITION;
-    default:
-        return RPC_INTERNAL;
+    case MOE_ERR_FORMAT: return RPC_INVALID_ARGUMENT;
+    case MOE_ERR_NOT_FOUND: return RPC_NOT_FOUND;
+    case MOE_ERR_IO: return RPC_UNAVAILABLE;
+    case MOE_ERR_NOMEM: return RPC_RESOURCE_EXHAUSTED;
+    case MOE_ERR_AGAIN: return RPC_FAILED_PRECONDITION;
+    default: return RPC_INTERNAL;
     }
 }
 
@@ -572,10 +566,9 @@ static void *stats_main(void *arg)
         for (size_t i = 0; ws && i < nw; i++) {
             struct rpc_reply reply;
             rpc_client_call(ws[i]->client, "/moe.v1.Worker/GetLoad", rq_buf, rq_len, 1000, &reply);
-            Moe__V1__WorkerLoad *load = reply.code == RPC_OK
-                                            ? moe__v1__worker_load__unpack(NULL, reply.len,
-                                                                           reply.data)
-                                            : NULL;
+            Moe__V1__WorkerLoad *load =
+                reply.code == RPC_OK ? moe__v1__worker_load__unpack(NULL, reply.len, reply.data)
+                                     : NULL;
             if (load) {
                 pthread_mutex_lock(&p->mu);
                 stats_record_locked(p, ws[i]->id, load, coord_now());
@@ -638,8 +631,7 @@ static void handle_stats(struct rpc_call *call, const uint8_t *req, size_t len, 
     struct coord_placement *p = c->placement;
     if (!need_experts(c, call))
         return;
-    Moe__V1__GetExpertStatsRequest *rq =
-        moe__v1__get_expert_stats_request__unpack(NULL, len, req);
+    Moe__V1__GetExpertStatsRequest *rq = moe__v1__get_expert_stats_request__unpack(NULL, len, req);
     if (!rq) {
         rpc_call_finish(call, RPC_INVALID_ARGUMENT,
                         "request: not a valid moe.v1.GetExpertStatsRequest", NULL, 0);
@@ -723,8 +715,8 @@ static void finish_info_unlock(struct coord_placement *p, struct rpc_call *call)
         size_t len;
         void *out = coord_pack(&info, &len); /* packs strings owned by p: under the lock */
         pthread_mutex_unlock(&p->mu);
-        rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED,
-                        out ? NULL : "out of memory", out, len);
+        rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory",
+                        out, len);
         free(out);
     }
     free(json);
@@ -814,8 +806,7 @@ static void handle_plan(struct rpc_call *call, const uint8_t *req, size_t len, v
         .keep_tolerance = rq->set_keep_tolerance ? rq->keep_tolerance : DEFAULT_KEEP_TOLERANCE,
     };
     if (rq->set_redundant && rq->redundant > (1u << 24)) {
-        rc = moe_error_set(&err, MOE_ERR_INVALID, "redundant %u: too many replicas",
-                           rq->redundant);
+        rc = moe_error_set(&err, MOE_ERR_INVALID, "redundant %u: too many replicas", rq->redundant);
         goto done;
     }
     if ((rc = planner_plan(&pp, &cur, load, &res, &err))) {
@@ -924,9 +915,8 @@ static void handle_apply(struct rpc_call *call, const uint8_t *req, size_t len, 
     const cJSON *obj = root;
     if (cJSON_IsObject(root) && cJSON_GetObjectItemCaseSensitive(root, "placement"))
         obj = cJSON_GetObjectItemCaseSensitive(root, "placement");
-    enum moe_status rc = root ? MOE_OK
-                              : moe_error_set(&err, MOE_ERR_INVALID,
-                                              "placement_json: not valid JSON");
+    enum moe_status rc =
+        root ? MOE_OK : moe_error_set(&err, MOE_ERR_INVALID, "placement_json: not valid JSON");
     if (!rc)
         rc = map_from_json(obj, c->cfg.n_layer, c->cfg.n_expert, n_rank, &next, &err);
     if (!rc && (rc = planner_map_check(&next, slot_capacity(c, n_rank), &err)))
@@ -1033,12 +1023,12 @@ enum moe_status coord_placement_start(struct coord *c, struct moe_error *err)
     if ((rc = rpc_server_add_unary(c->server, "/moe.v1.Admin/GetExpertStats", handle_stats, c,
                                    err)) ||
         (rc = rpc_server_add_unary(c->server, "/moe.v1.Admin/GetPlacement", handle_get, c, err)) ||
-        (rc = rpc_server_add_unary(c->server, "/moe.v1.Admin/PlanPlacement", handle_plan, c,
-                                   err)) ||
+        (rc =
+             rpc_server_add_unary(c->server, "/moe.v1.Admin/PlanPlacement", handle_plan, c, err)) ||
         (rc = rpc_server_add_unary(c->server, "/moe.v1.Admin/ApplyPlacement", handle_apply, c,
                                    err)) ||
-        (rc = rpc_server_add_unary(c->server, "/moe.v1.Admin/RollbackPlacement", handle_rollback,
-                                   c, err)))
+        (rc = rpc_server_add_unary(c->server, "/moe.v1.Admin/RollbackPlacement", handle_rollback, c,
+                                   err)))
         return rc;
     if (pthread_create(&p->thread, NULL, stats_main, p))
         return moe_error_set(err, MOE_ERR_INTERNAL, "cannot start the expert statistics thread");

@@ -103,9 +103,8 @@ enum moe_status planner_map_add(struct planner_map *m, int layer, int expert, in
         return moe_error_set(err, MOE_ERR_INVALID, "layer %d expert %d: rank %d listed twice",
                              layer, expert, rank);
     if (n >= PLANNER_MAX_REPLICAS)
-        return moe_error_set(err, MOE_ERR_INVALID,
-                             "layer %d expert %d: more than %d replicas", layer, expert,
-                             PLANNER_MAX_REPLICAS);
+        return moe_error_set(err, MOE_ERR_INVALID, "layer %d expert %d: more than %d replicas",
+                             layer, expert, PLANNER_MAX_REPLICAS);
     int16_t *r = m->ranks + i * PLANNER_MAX_REPLICAS;
     int j = n;
     while (j > 0 && r[j - 1] > rank) {
@@ -245,12 +244,12 @@ double planner_imbalance(const double *rank_load, int n_layer, int n_rank)
 /* Scratch for packing one layer. */
 struct pack {
     int n_rank, n_expert, slots;
-    double *load;    /* (n_rank) */
-    int *count;      /* (n_rank) */
-    int *item;       /* (n_rank, slots) expert of each filled slot */
-    double *item_w;  /* (n_rank, slots) its load */
-    uint8_t *held;   /* (n_rank, n_expert) */
-    uint8_t *home;   /* (n_rank, n_expert) held in the current placement */
+    double *load;   /* (n_rank) */
+    int *count;     /* (n_rank) */
+    int *item;      /* (n_rank, slots) expert of each filled slot */
+    double *item_w; /* (n_rank, slots) its load */
+    uint8_t *held;  /* (n_rank, n_expert) */
+    uint8_t *home;  /* (n_rank, n_expert) held in the current placement */
 };
 
 /* One replica to place. */
@@ -326,8 +325,7 @@ static bool pack_place(struct pack *pk, int e, double w, bool sticky, double bou
     if (sticky) {
         for (int r = 0; r < pk->n_rank; r++) {
             size_t i = (size_t)r * pk->n_expert + e;
-            if (!pk->home[i] || pk->held[i] || pk->count[r] >= pk->slots ||
-                pk->load[r] + w > bound)
+            if (!pk->home[i] || pk->held[i] || pk->count[r] >= pk->slots || pk->load[r] + w > bound)
                 continue;
             if (best < 0 || pk->load[r] < pk->load[best])
                 best = r;
@@ -455,11 +453,11 @@ static void pack_store(const struct pack *pk, struct planner_map *m, int l)
 /* Per-layer scratch owned by planner_plan. */
 struct scratch {
     struct pack pk;
-    int *n_rep;       /* (n_expert) replica counts */
+    int *n_rep;           /* (n_expert) replica counts */
     struct replica *reps; /* (n_expert + n_redundant) */
-    int *best_item;   /* (n_rank, slots) copy of the best packing */
-    int *best_count;  /* (n_rank) */
-    double *best_w;   /* (n_rank, slots) */
+    int *best_item;       /* (n_rank, slots) copy of the best packing */
+    int *best_count;      /* (n_rank) */
+    double *best_w;       /* (n_rank, slots) */
 };
 
 static void scratch_free(struct scratch *s)
@@ -517,9 +515,8 @@ static void pack_restore(struct scratch *s)
 
 /* Plans layer l into out->map. */
 static enum moe_status plan_layer(const struct planner_params *pp, const struct planner_map *cur,
-                                  const double *load, int l, int slots, int cap,
-                                  struct scratch *s, struct planner_map *out,
-                                  struct moe_error *err)
+                                  const double *load, int l, int slots, int cap, struct scratch *s,
+                                  struct planner_map *out, struct moe_error *err)
 {
     int E = cur->n_expert, N = cur->n_rank, R = pp->n_redundant;
     const double *w = load + (size_t)l * E;
@@ -561,8 +558,8 @@ static enum moe_status plan_layer(const struct planner_params *pp, const struct 
     /* step 2: the best packing */
     if (!pack_all(pk, s->reps, n_rep, false, 0))
         return moe_error_set(err, MOE_ERR_INTERNAL,
-                             "layer %d: cannot pack %d replicas into %d ranks x %d slots", l,
-                             n_rep, N, slots);
+                             "layer %d: cannot pack %d replicas into %d ranks x %d slots", l, n_rep,
+                             N, slots);
     pack_refine(pk, 0);
     double m_best = pack_max(pk);
     pack_save(s);
@@ -591,8 +588,7 @@ void planner_result_free(struct planner_result *r)
 }
 
 enum moe_status planner_plan(const struct planner_params *pp, const struct planner_map *cur,
-                             const double *load, struct planner_result *out,
-                             struct moe_error *err)
+                             const double *load, struct planner_result *out, struct moe_error *err)
 {
     memset(out, 0, sizeof *out);
     struct scratch s;
@@ -646,8 +642,7 @@ enum moe_status planner_plan(const struct planner_params *pp, const struct plann
         }
         double imb = planner_imbalance(out->load_before + (size_t)l * N, 1, N);
         if (fits && total == E + R && imb <= 1 + pp->keep_tolerance) {
-            memcpy(out->map.n_replicas + (size_t)l * E, cur->n_replicas + (size_t)l * E,
-                   (size_t)E);
+            memcpy(out->map.n_replicas + (size_t)l * E, cur->n_replicas + (size_t)l * E, (size_t)E);
             memcpy(out->map.ranks + (size_t)l * E * PLANNER_MAX_REPLICAS,
                    cur->ranks + (size_t)l * E * PLANNER_MAX_REPLICAS,
                    (size_t)E * PLANNER_MAX_REPLICAS * sizeof *cur->ranks);

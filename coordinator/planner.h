@@ -135,8 +135,7 @@ struct planner_result {
  * cannot fit ("redundant 40 needs 6 slots per rank, ranks have 5"), naming
  * the numbers; on error *out is zeroed. */
 enum moe_status planner_plan(const struct planner_params *params, const struct planner_map *current,
-                             const double *load, struct planner_result *out,
-                             struct moe_error *err);
+                             const double *load, struct planner_result *out, struct moe_error *err);
 
 /* Frees a result and zeroes it. NULL is a no-op. */
 void planner_result_free(struct planner_result *r);

@@ -84,8 +84,8 @@ static bool fits(const struct coord_worker *w, const struct pick_filter *pf)
         uint32_t tp = w->tp_size ? w->tp_size : 1;
         if (w->block_size != pf->block_size || tp != (pf->tp_size ? pf->tp_size : 1))
             return false;
-        if (w->kv_total && w->kv_total - (w->kv_used < w->kv_total ? w->kv_used : w->kv_total) <
-                               pf->need_blocks)
+        if (w->kv_total &&
+            w->kv_total - (w->kv_used < w->kv_total ? w->kv_used : w->kv_total) < pf->need_blocks)
             return false;
     }
     return true;
@@ -152,8 +152,11 @@ struct coord_worker *coord_router_pick_role(struct coord *c, int role, const int
                                             size_t n_exclude, uint32_t need_blocks,
                                             uint32_t block_size, uint32_t tp_size)
 {
-    struct pick_filter pf = {.role = role, .no_prefill = role == 0, .need_blocks = need_blocks,
-                             .block_size = block_size, .tp_size = tp_size};
+    struct pick_filter pf = {.role = role,
+                             .no_prefill = role == 0,
+                             .need_blocks = need_blocks,
+                             .block_size = block_size,
+                             .tp_size = tp_size};
     struct coord_worker *w = pick(c, ids, n_ids, exclude, n_exclude, &pf);
     if (!w && role == 0) {
         pf.no_prefill = false; /* only prefill workers left: they decode too */

@@ -48,20 +48,20 @@ struct moe_matmul_params {
  * The K/V of the current tokens must already be written (kv_write).
  * Query head h uses KV head h / (n_head / n_kv_head). */
 struct moe_attn_params {
-    const float *q;           /* (n_tok, n_head, d_head) */
-    float *out;               /* (n_tok, n_head, d_head) */
-    const float *k_cache;     /* (n_slot, n_kv_head, d_head), this layer */
-    const float *v_cache;     /* (n_slot, n_kv_head, d_head), this layer */
-    const int32_t *tok_seq;   /* (n_tok) */
-    const int32_t *tok_pos;   /* (n_tok) */
+    const float *q;              /* (n_tok, n_head, d_head) */
+    float *out;                  /* (n_tok, n_head, d_head) */
+    const float *k_cache;        /* (n_slot, n_kv_head, d_head), this layer */
+    const float *v_cache;        /* (n_slot, n_kv_head, d_head), this layer */
+    const int32_t *tok_seq;      /* (n_tok) */
+    const int32_t *tok_pos;      /* (n_tok) */
     const int32_t *block_tables; /* (n_seq, max_blocks): block ids, row per sequence */
-    int max_blocks;           /* row stride of block_tables */
+    int max_blocks;              /* row stride of block_tables */
     int n_tok;
     int n_head;
     int n_kv_head;
     int d_head;
     int block_size;
-    float scale;              /* usually 1/sqrt(d_head) */
+    float scale; /* usually 1/sqrt(d_head) */
 };
 
 /* Grouped expert GEMM: for every expert e with rows,
@@ -75,18 +75,18 @@ struct moe_attn_params {
  * are optional: NULL makes the backend copy the host arrays itself on every
  * call (which a CUDA graph capture cannot contain). */
 struct moe_grouped_matmul_params {
-    const float *x;                   /* (n_rows, n_in), rows grouped by expert */
+    const float *x; /* (n_rows, n_in), rows grouped by expert */
     int n_rows;
     int n_in;
     int n_out;
     int n_expert;
-    const int32_t *expert_offsets;    /* host (n_expert + 1): off[0] = 0, off[n_expert] = n_rows */
+    const int32_t *expert_offsets;     /* host (n_expert + 1): off[0] = 0, off[n_expert] = n_rows */
     const int32_t *expert_offsets_dev; /* backend memory copy of expert_offsets, or NULL */
-    const void *const *w;             /* host (n_expert): backend pointers to W_e, NULL if not held */
-    const void *const *w_dev;         /* backend memory copy of the pointer array `w`, or NULL */
-    enum moe_dtype w_dtype;           /* F32 or BF16 */
-    int64_t ldw;                      /* >= n_in */
-    float *y;                         /* (n_rows, n_out) */
+    const void *const *w;     /* host (n_expert): backend pointers to W_e, NULL if not held */
+    const void *const *w_dev; /* backend memory copy of the pointer array `w`, or NULL */
+    enum moe_dtype w_dtype;   /* F32 or BF16 */
+    int64_t ldw;              /* >= n_in */
+    float *y;                 /* (n_rows, n_out) */
     bool accumulate;
 };
 
@@ -180,8 +180,7 @@ struct moe_backend_ops {
 
     /* out_ids[r] = index of the largest of logits[r] (n rows of vocab), ties
      * to the lower id (NaN logits: unspecified). out_ids (n). */
-    void (*argmax)(struct moe_backend *be, const float *logits, int n, int vocab,
-                   int32_t *out_ids);
+    void (*argmax)(struct moe_backend *be, const float *logits, int n, int vocab, int32_t *out_ids);
 
     /* Temperature + top-p sampling of one id per row, the semantics of
      * worker/sampler.c's moe_sample with top_k and min_p off:
@@ -196,8 +195,7 @@ struct moe_backend_ops {
      * boundaries by at most ~vocab * 2^-40 of the maximum p. logits
      * (n, vocab), uniform (n) doubles, out_ids (n). */
     void (*sample_top_p)(struct moe_backend *be, const float *logits, int n, int vocab,
-                         float temperature, float top_p, const double *uniform,
-                         int32_t *out_ids);
+                         float temperature, float top_p, const double *uniform, int32_t *out_ids);
 
     /* KV handoff, one layer per call: out[i][0] = the block_size rows of
      * k_cache starting at slot block_ids[i] * block_size, out[i][1] = those
@@ -212,10 +210,10 @@ struct moe_backend_ops {
 };
 
 struct moe_backend {
-    const char *name;         /* "cpu", "cuda" */
+    const char *name; /* "cpu", "cuda" */
     enum moe_device device;
     const struct moe_backend_ops *ops;
-    void *ctx;                /* backend private state */
+    void *ctx; /* backend private state */
 };
 
 /* CPU backend with `n_threads` worker threads (0: one per online core). */

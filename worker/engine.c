@@ -12,7 +12,7 @@
 
 struct seq {
     uint64_t id;
-    int32_t *tokens;      /* (cap_tokens) prompt, then generated ids */
+    int32_t *tokens; /* (cap_tokens) prompt, then generated ids */
     int n_tokens;
     int cap_tokens;
     int n_prompt;
@@ -20,20 +20,20 @@ struct seq {
     int32_t *blocks;      /* (cap_blocks) block table */
     uint64_t *block_hash; /* (cap_blocks) chained hash of each full block */
     int n_blocks;
-    int n_hashed;         /* blocks [0, n_hashed) are full and hashed */
+    int n_hashed; /* blocks [0, n_hashed) are full and hashed */
     int cap_blocks;
     struct moe_request_params params;
     struct moe_rng rng;
     moe_token_cb cb;
     void *user;
-    uint8_t *seen;        /* (vocab) penalties: token in prompt or output */
-    int32_t *out_count;   /* (vocab) penalties: occurrences in the output */
-    char *text;           /* decoded output, kept when there are stop strings */
+    uint8_t *seen;      /* (vocab) penalties: token in prompt or output */
+    int32_t *out_count; /* (vocab) penalties: occurrences in the output */
+    char *text;         /* decoded output, kept when there are stop strings */
     size_t text_len;
     bool prompt_counted;
     double t_admitted;
     int n_cached;
-    bool import_pending;  /* started from a handoff: take reservation import_key */
+    bool import_pending; /* started from a handoff: take reservation import_key */
     uint64_t import_key;
 };
 
@@ -89,15 +89,15 @@ struct moe_engine {
     int cap_logits;
     void *sample_work;
 
-    pthread_mutex_t mu;      /* guards everything below */
+    pthread_mutex_t mu; /* guards everything below */
     struct seq_list inbox;
     uint64_t *aborts;
     int n_aborts, cap_aborts;
-    uint64_t *live;          /* ids of every request not yet finished */
+    uint64_t *live; /* ids of every request not yet finished */
     int n_live, cap_live;
-    struct engine_op *ops;   /* reservation requests and releases */
+    struct engine_op *ops; /* reservation requests and releases */
     int n_ops, cap_ops;
-    int n_parked;            /* live ids that are parked (not stepped) */
+    int n_parked; /* live ids that are parked (not stepped) */
     struct moe_engine_stats stats;
 };
 
@@ -267,18 +267,18 @@ void moe_engine_destroy(struct moe_engine *e)
 
 /* ---- submit / abort (any thread) --------------------------------------------------- */
 
-static enum moe_status check_params(const struct moe_engine *e, const int32_t *prompt,
-                                    int n_prompt, const struct moe_request_params *p,
-                                    struct moe_error *err)
+static enum moe_status check_params(const struct moe_engine *e, const int32_t *prompt, int n_prompt,
+                                    const struct moe_request_params *p, struct moe_error *err)
 {
     const struct moe_config *c = e->cfg;
     if (n_prompt < 1)
         return moe_error_set(err, MOE_ERR_INVALID, "prompt: empty");
     for (int i = 0; i < n_prompt; i++)
         if (prompt[i] < 0 || prompt[i] >= c->vocab_size)
-            return moe_error_set(err, MOE_ERR_INVALID,
-                                 "prompt: token id %d at index %d is outside the vocabulary [0, %d)",
-                                 prompt[i], i, c->vocab_size);
+            return moe_error_set(
+                err, MOE_ERR_INVALID,
+                "prompt: token id %d at index %d is outside the vocabulary [0, %d)", prompt[i], i,
+                c->vocab_size);
     if (p->max_tokens < 1)
         return moe_error_set(err, MOE_ERR_INVALID, "max_tokens: %d, must be >= 1", p->max_tokens);
     if ((int64_t)n_prompt + p->max_tokens > c->max_pos)
@@ -286,8 +286,8 @@ static enum moe_status check_params(const struct moe_engine *e, const int32_t *p
                              "max_tokens: prompt (%d tokens) + max_tokens (%d) exceeds the model "
                              "context of %d",
                              n_prompt, p->max_tokens, c->max_pos);
-    int64_t blocks = ((int64_t)n_prompt + p->max_tokens + e->opts.block_size - 1) /
-                     e->opts.block_size;
+    int64_t blocks =
+        ((int64_t)n_prompt + p->max_tokens + e->opts.block_size - 1) / e->opts.block_size;
     if (blocks > e->opts.n_block)
         return moe_error_set(err, MOE_ERR_INVALID,
                              "max_tokens: prompt + max_tokens need %lld KV blocks, the pool has %d",
@@ -341,9 +341,10 @@ static int live_find(const struct moe_engine *e, uint64_t id)
  * the prompt, and queues it. `rng` (may be NULL) is the sampler state to
  * continue from; `import_key` (with `import`) names a reservation. */
 static enum moe_status submit_seq(struct moe_engine *e, uint64_t req_id, const int32_t *tokens,
-                                  int n_tokens, int n_prompt, const struct moe_request_params *params,
-                                  moe_token_cb cb, void *user, const struct moe_rng *rng,
-                                  bool import, uint64_t import_key, struct moe_error *err)
+                                  int n_tokens, int n_prompt,
+                                  const struct moe_request_params *params, moe_token_cb cb,
+                                  void *user, const struct moe_rng *rng, bool import,
+                                  uint64_t import_key, struct moe_error *err)
 {
     struct seq *s = calloc(1, sizeof *s);
     if (!s)
@@ -388,8 +389,8 @@ static enum moe_status submit_seq(struct moe_engine *e, uint64_t req_id, const i
     if (rng) {
         s->rng = *rng;
     } else {
-        uint64_t seed = params->has_seed ? params->seed
-                                         : (uint64_t)(moe_rng_uniform(&e->seed_rng) * 0x1p53);
+        uint64_t seed =
+            params->has_seed ? params->seed : (uint64_t)(moe_rng_uniform(&e->seed_rng) * 0x1p53);
         moe_rng_seed(&s->rng, seed);
     }
     bool ok = grow((void **)&e->live, &e->cap_live, e->n_live + 1, sizeof *e->live) &&
@@ -411,8 +412,7 @@ enum moe_status moe_engine_submit(struct moe_engine *e, uint64_t req_id, const i
     enum moe_status rc = check_params(e, prompt, n_prompt, params, err);
     if (rc)
         return rc;
-    return submit_seq(e, req_id, prompt, n_prompt, n_prompt, params, cb, user, NULL, false, 0,
-                      err);
+    return submit_seq(e, req_id, prompt, n_prompt, n_prompt, params, cb, user, NULL, false, 0, err);
 }
 
 enum moe_status moe_engine_import(struct moe_engine *e, uint64_t req_id,
@@ -450,8 +450,8 @@ enum moe_status moe_engine_reserve(struct moe_engine *e, uint64_t key, int n_blo
     pthread_mutex_lock(&e->mu);
     bool ok = grow((void **)&e->ops, &e->cap_ops, e->n_ops + 1, sizeof *e->ops);
     if (ok)
-        e->ops[e->n_ops++] = (struct engine_op){.key = key, .n_blocks = n_blocks, .cb = cb,
-                                                .user = user};
+        e->ops[e->n_ops++] =
+            (struct engine_op){.key = key, .n_blocks = n_blocks, .cb = cb, .user = user};
     pthread_mutex_unlock(&e->mu);
     return ok ? MOE_OK : moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
 }
@@ -535,10 +535,15 @@ static void seq_finish(struct moe_engine *e, struct seq *s, struct moe_token_eve
 static void seq_finish_bare(struct moe_engine *e, struct seq *s, enum moe_finish f,
                             const char *error)
 {
-    struct moe_token_event ev = {
-        .req_id = s->id, .token = -1, .index = s->n_tokens - s->n_prompt, .finish = f,
-        .stop_string = -1, .error = error, .t_admitted = s->t_admitted, .n_prompt = s->n_prompt,
-        .n_cached = s->n_cached};
+    struct moe_token_event ev = {.req_id = s->id,
+                                 .token = -1,
+                                 .index = s->n_tokens - s->n_prompt,
+                                 .finish = f,
+                                 .stop_string = -1,
+                                 .error = error,
+                                 .t_admitted = s->t_admitted,
+                                 .n_prompt = s->n_prompt,
+                                 .n_cached = s->n_cached};
     seq_finish(e, s, &ev);
 }
 
@@ -716,8 +721,11 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row)
 {
     int vocab = e->cfg->vocab_size;
     const struct moe_request_params *p = &s->params;
-    struct moe_token_event ev = {.req_id = s->id, .stop_string = -1, .text_len = -1,
-                                 .t_admitted = s->t_admitted, .n_prompt = s->n_prompt,
+    struct moe_token_event ev = {.req_id = s->id,
+                                 .stop_string = -1,
+                                 .text_len = -1,
+                                 .t_admitted = s->t_admitted,
+                                 .n_prompt = s->n_prompt,
                                  .n_cached = s->n_cached};
     if (p->logprobs >= 0) {
         /* raw model distribution; the token is filled in after sampling */
@@ -764,10 +772,15 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row)
                 break;
             }
         MOE_ASSERT(list_push(&e->parked, s));
-        struct moe_seq_export ex = {
-            .req_id = s->id, .n_prompt = s->n_prompt, .n_tokens = s->n_tokens,
-            .tokens = s->tokens, .n_kv_tokens = s->n_computed, .n_blocks = s->n_blocks,
-            .blocks = s->blocks, .block_size = e->opts.block_size, .rng = s->rng};
+        struct moe_seq_export ex = {.req_id = s->id,
+                                    .n_prompt = s->n_prompt,
+                                    .n_tokens = s->n_tokens,
+                                    .tokens = s->tokens,
+                                    .n_kv_tokens = s->n_computed,
+                                    .n_blocks = s->n_blocks,
+                                    .blocks = s->blocks,
+                                    .block_size = e->opts.block_size,
+                                    .rng = s->rng};
         ev.parked = &ex;
         pthread_mutex_lock(&e->mu);
         e->n_parked++;
@@ -829,9 +842,8 @@ static void run_ops(struct moe_engine *e, const struct engine_op *ops, int n)
             snprintf(msg, sizeof msg, "reservation %llu: already held",
                      (unsigned long long)op->key);
         } else if (op->n_blocks > avail) {
-            snprintf(msg, sizeof msg,
-                     "no free KV blocks: the handoff needs %d, %d of %d are free", op->n_blocks,
-                     avail, e->opts.n_block);
+            snprintf(msg, sizeof msg, "no free KV blocks: the handoff needs %d, %d of %d are free",
+                     op->n_blocks, avail, e->opts.n_block);
         } else if (!grow((void **)&e->resv, &e->cap_resv, e->n_resv + 1, sizeof *e->resv) ||
                    !(blocks = malloc((size_t)op->n_blocks * sizeof *blocks))) {
             snprintf(msg, sizeof msg, "out of memory");
@@ -994,7 +1006,8 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
     for (int i = 0; i < n_sched; i++) {
         const struct sched_entry *en = &e->sched[i];
         const struct seq *s = en->s;
-        memcpy(e->b_tables + (size_t)i * max_blocks, s->blocks, (size_t)s->n_blocks * sizeof(int32_t));
+        memcpy(e->b_tables + (size_t)i * max_blocks, s->blocks,
+               (size_t)s->n_blocks * sizeof(int32_t));
         for (int j = s->n_blocks; j < max_blocks; j++)
             e->b_tables[(size_t)i * max_blocks + j] = 0;
         for (int j = 0; j < en->count; j++, t++) {
@@ -1019,9 +1032,9 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
         .n_logits = n_logits,
         .logit_rows = e->b_rows,
     };
-    enum moe_status rc = e->opts.forward
-                             ? e->opts.forward(e->opts.forward_ctx, e->model, e->kv, &b, e->logits, err)
-                             : moe_model_forward(e->model, e->kv, &b, e->logits, err);
+    enum moe_status rc =
+        e->opts.forward ? e->opts.forward(e->opts.forward_ctx, e->model, e->kv, &b, e->logits, err)
+                        : moe_model_forward(e->model, e->kv, &b, e->logits, err);
     if (rc) {
         /* The batch is lost: finish its requests with the error; the engine
          * keeps serving the others. */

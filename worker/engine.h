@@ -34,12 +34,12 @@ typedef void (*moe_logits_hook)(void *user, uint64_t req_id, int index, const fl
                                 int vocab);
 
 struct moe_engine_opts {
-    int n_block;          /* KV blocks in the pool */
-    int block_size;       /* tokens per block (default 16) */
-    int max_batch_tokens; /* token budget per step (default 512) */
-    int max_running;      /* cap on running sequences (default 64) */
-    bool no_prefix_cache; /* disable prefix caching */
-    moe_forward_fn forward;     /* NULL: moe_model_forward (one rank) */
+    int n_block;            /* KV blocks in the pool */
+    int block_size;         /* tokens per block (default 16) */
+    int max_batch_tokens;   /* token budget per step (default 512) */
+    int max_running;        /* cap on running sequences (default 64) */
+    bool no_prefix_cache;   /* disable prefix caching */
+    moe_forward_fn forward; /* NULL: moe_model_forward (one rank) */
     void *forward_ctx;
     moe_logits_hook logits_hook; /* optional */
     void *logits_hook_user;
@@ -54,9 +54,9 @@ struct moe_request_params {
     int32_t stop_ids[MOE_MAX_STOP_IDS]; /* finish when one is generated (kept in output) */
     int n_stop_strings;
     char stop_strings[MOE_MAX_STOP_STRINGS][MOE_MAX_STOP_LEN + 1]; /* needs a tokenizer */
-    bool ignore_eos;              /* do not finish at the model's EOS ids */
-    int logprobs;                 /* -1: none; 0: chosen token; n: plus the top n */
-    bool prefill_only;            /* disaggregated prefill: park after the first token */
+    bool ignore_eos;   /* do not finish at the model's EOS ids */
+    int logprobs;      /* -1: none; 0: chosen token; n: plus the top n */
+    bool prefill_only; /* disaggregated prefill: park after the first token */
 };
 
 enum moe_finish {
@@ -71,19 +71,19 @@ const char *moe_finish_name(enum moe_finish f);
 
 struct moe_token_event {
     uint64_t req_id;
-    int32_t token;        /* -1 when the event carries no token (abort, error) */
-    int index;            /* 0-based index of the token in the output */
-    float logprob;        /* of `token` under the model (raw logits), if asked */
+    int32_t token; /* -1 when the event carries no token (abort, error) */
+    int index;     /* 0-based index of the token in the output */
+    float logprob; /* of `token` under the model (raw logits), if asked */
     int n_top;
     int32_t top_ids[MOE_MAX_LOGPROBS];
     float top_logprobs[MOE_MAX_LOGPROBS];
     enum moe_finish finish;
-    int stop_string;      /* index of the matched stop string, or -1 */
-    int64_t text_len;     /* with stop strings: bytes of output text before the stop string */
-    const char *error;    /* for MOE_FINISH_ERROR */
-    double t_admitted;    /* moe_now() when the request was first scheduled (0: never) */
+    int stop_string;   /* index of the matched stop string, or -1 */
+    int64_t text_len;  /* with stop strings: bytes of output text before the stop string */
+    const char *error; /* for MOE_FINISH_ERROR */
+    double t_admitted; /* moe_now() when the request was first scheduled (0: never) */
     int n_prompt;
-    int n_cached;         /* prompt tokens served from the prefix cache at admission */
+    int n_cached; /* prompt tokens served from the prefix cache at admission */
     /* Non-NULL on the first token of a prefill_only request that did not
      * finish: the sequence is parked for a KV handoff (see below). Valid only
      * during the callback; the callback is never called again for it. */
@@ -96,23 +96,23 @@ struct moe_engine_stats {
     int running;
     int waiting;
     int kv_blocks_total;
-    int block_size;        /* tokens per KV block */
-    int kv_blocks_used;    /* held by sequences */
-    int kv_blocks_cached;  /* free but kept for prefix hits */
+    int block_size;       /* tokens per KV block */
+    int kv_blocks_used;   /* held by sequences */
+    int kv_blocks_cached; /* free but kept for prefix hits */
     int kv_blocks_free;
     int64_t kv_tokens_stored; /* tokens whose K/V the running sequences hold */
     int64_t steps;
     int64_t preemptions;
-    int64_t prompt_tokens;    /* prompt tokens admitted */
+    int64_t prompt_tokens;     /* prompt tokens admitted */
     int64_t prefix_hit_tokens; /* of those, served from the prefix cache */
-    int64_t computed_tokens;  /* tokens run through the model (incl. recompute) */
+    int64_t computed_tokens;   /* tokens run through the model (incl. recompute) */
     int64_t generated_tokens;
     int64_t finished;
     int64_t aborted;
-    int parked;            /* prefill_only sequences holding KV for a handoff */
-    int reservations;      /* block reservations held for incoming handoffs */
-    int64_t exported;      /* sequences parked for handoff, ever */
-    int64_t imported;      /* sequences started from a handoff, ever */
+    int parked;       /* prefill_only sequences holding KV for a handoff */
+    int reservations; /* block reservations held for incoming handoffs */
+    int64_t exported; /* sequences parked for handoff, ever */
+    int64_t imported; /* sequences started from a handoff, ever */
 };
 
 struct moe_engine;
@@ -178,13 +178,13 @@ enum moe_status moe_engine_check(struct moe_engine *e, struct moe_error *err);
 struct moe_seq_export {
     uint64_t req_id;
     int n_prompt;
-    int n_tokens;            /* prompt + generated (1 after prefill) */
-    const int32_t *tokens;   /* (n_tokens) */
-    int n_kv_tokens;         /* tokens whose K/V are in the blocks (n_tokens - 1) */
+    int n_tokens;          /* prompt + generated (1 after prefill) */
+    const int32_t *tokens; /* (n_tokens) */
+    int n_kv_tokens;       /* tokens whose K/V are in the blocks (n_tokens - 1) */
     int n_blocks;
-    const int32_t *blocks;   /* (n_blocks) block ids of this engine's KV cache */
+    const int32_t *blocks; /* (n_blocks) block ids of this engine's KV cache */
     int block_size;
-    struct moe_rng rng;      /* sampler state after the last token */
+    struct moe_rng rng; /* sampler state after the last token */
 };
 
 /* Called on the engine thread when a reservation was served: `blocks`
@@ -205,10 +205,10 @@ void moe_engine_unreserve(struct moe_engine *e, uint64_t key);
 
 struct moe_seq_import {
     int n_prompt;
-    int n_tokens;            /* > n_prompt: the generated tokens so far follow the prompt */
-    const int32_t *tokens;   /* (n_tokens), copied */
-    struct moe_rng rng;      /* sampler state to continue from */
-    uint64_t reservation;    /* key whose blocks hold the K/V of tokens [0, n_tokens - 1) */
+    int n_tokens;          /* > n_prompt: the generated tokens so far follow the prompt */
+    const int32_t *tokens; /* (n_tokens), copied */
+    struct moe_rng rng;    /* sampler state to continue from */
+    uint64_t reservation;  /* key whose blocks hold the K/V of tokens [0, n_tokens - 1) */
 };
 
 /* Starts a sequence whose first tokens were generated elsewhere (any

@@ -47,9 +47,10 @@ enum moe_status moe_generate(struct moe_model *m, const int32_t *prompt, int n_p
         return moe_error_set(err, MOE_ERR_INVALID, "n_predict %d is negative", opts->n_predict);
     int64_t total = (int64_t)n_prompt + opts->n_predict;
     if (total > c->max_pos)
-        return moe_error_set(err, MOE_ERR_INVALID,
-                             "prompt (%d tokens) + n_predict (%d) exceeds max_position_embeddings %d",
-                             n_prompt, opts->n_predict, c->max_pos);
+        return moe_error_set(
+            err, MOE_ERR_INVALID,
+            "prompt (%d tokens) + n_predict (%d) exceeds max_position_embeddings %d", n_prompt,
+            opts->n_predict, c->max_pos);
     int block_size = opts->block_size > 0 ? opts->block_size : 16;
     int chunk = opts->prefill_chunk > 0 ? opts->prefill_chunk : 512;
     int n_block = (int)((total + block_size - 1) / block_size);

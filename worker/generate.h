@@ -12,22 +12,22 @@
 #include "sampler.h"
 
 struct moe_gen_opts {
-    int n_predict;                 /* tokens to generate (>= 0) */
+    int n_predict; /* tokens to generate (>= 0) */
     struct moe_sampler_params sp;
     uint64_t seed;
-    bool ignore_eos;               /* keep going past an EOS id */
-    int prefill_chunk;             /* max prompt tokens per forward (0: 512) */
-    int block_size;                /* KV block size in tokens (0: 16) */
-    moe_forward_fn forward;        /* NULL: moe_model_forward */
+    bool ignore_eos;        /* keep going past an EOS id */
+    int prefill_chunk;      /* max prompt tokens per forward (0: 512) */
+    int block_size;         /* KV block size in tokens (0: 16) */
+    moe_forward_fn forward; /* NULL: moe_model_forward */
     void *forward_ctx;
 };
 
 struct moe_gen_result {
-    int32_t *tokens;               /* (n_tokens) generated ids, malloc'd; EOS included */
+    int32_t *tokens; /* (n_tokens) generated ids, malloc'd; EOS included */
     int n_tokens;
     int n_prompt;
-    double prefill_s;              /* wall time of the prompt's forward passes */
-    double decode_s;               /* wall time of the decode steps after the first token */
+    double prefill_s; /* wall time of the prompt's forward passes */
+    double decode_s;  /* wall time of the decode steps after the first token */
     bool stopped_at_eos;
 };
 

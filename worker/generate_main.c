@@ -58,43 +58,47 @@ struct args {
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: moe-generate --model DIR (--prompt TEXT | --tokens 1,2,3) [options]\n"
-            "  -n N                tokens to generate (default 32)\n"
-            "  --temperature T     0 = greedy (default 0)\n"
-            "  --top-p P           nucleus sampling, (0, 1] (default 1)\n"
-            "  --top-k K           keep the K most likely tokens, 0 = off (default 0)\n"
-            "  --seed S            sampling seed (default 0)\n"
-            "  --dtype f32|bf16    weight type in memory (default bf16)\n"
-            "  --threads N         CPU threads, 0 = all cores (default 0)\n"
-            "  --device D          auto|cpu|cuda (default auto)\n"
-            "  --logits-out FILE   write prompt logits: f32 LE, one row of vocab_size per position\n"
-            "  --ignore-eos        do not stop at an end-of-sequence token\n"
-            "offline batch (engine):\n"
-            "  --prompts-file F    JSON Lines: {\"prompt\": TEXT} or {\"tokens\": [..]}, optional\n"
-            "                      max_tokens, temperature, top_p, top_k, seed, stop, ...\n"
-            "                      (-n, --temperature, ... give the defaults)\n"
-            "  --kv-blocks N       KV cache blocks (default: from --kv-memory)\n"
-            "  --kv-memory MIB     KV cache budget in MiB (default 512)\n"
-            "  --block-size N      tokens per KV block (default 16)\n"
-            "  --max-batch-tokens N  token budget per step (default 512)\n"
-            "  --max-running N     cap on running sequences (default 64)\n"
-            "  --no-prefix-cache   disable prefix caching\n"
-            "  --print-outputs     print every request's tokens (and text)\n"
-            "  --profile           print where the forward time went, per rank (stderr)\n"
-            "under mpirun (one model replica over all ranks):\n"
-            "  --tp T              tensor-parallel size for attention (default 1)\n"
-            "  --placement F.json  expert placement (default: even contiguous split)\n"
-            "  --placement-switch F.json  move to this placement while running (epoch 1)\n"
-            "  --comm-timeout-ms MS  a collective that takes longer fails the group (default "
-            "10000)\n");
+    fprintf(
+        f, "usage: moe-generate --model DIR (--prompt TEXT | --tokens 1,2,3) [options]\n"
+           "  -n N                tokens to generate (default 32)\n"
+           "  --temperature T     0 = greedy (default 0)\n"
+           "  --top-p P           nucleus sampling, (0, 1] (default 1)\n"
+           "  --top-k K           keep the K most likely tokens, 0 = off (default 0)\n"
+           "  --seed S            sampling seed (default 0)\n"
+           "  --dtype f32|bf16    weight type in memory (default bf16)\n"
+           "  --threads N         CPU threads, 0 = all cores (default 0)\n"
+           "  --device D          auto|cpu|cuda (default auto)\n"
+           "  --logits-out FILE   write prompt logits: f32 LE, one row of vocab_size per position\n"
+           "  --ignore-eos        do not stop at an end-of-sequence token\n"
+           "offline batch (engine):\n"
+           "  --prompts-file F    JSON Lines: {\"prompt\": TEXT} or {\"tokens\": [..]}, optional\n"
+           "                      max_tokens, temperature, top_p, top_k, seed, stop, ...\n"
+           "                      (-n, --temperature, ... give the defaults)\n"
+           "  --kv-blocks N       KV cache blocks (default: from --kv-memory)\n"
+           "  --kv-memory MIB     KV cache budget in MiB (default 512)\n"
+           "  --block-size N      tokens per KV block (default 16)\n"
+           "  --max-batch-tokens N  token budget per step (default 512)\n"
+           "  --max-running N     cap on running sequences (default 64)\n"
+           "  --no-prefix-cache   disable prefix caching\n"
+           "  --print-outputs     print every request's tokens (and text)\n"
+           "  --profile           print where the forward time went, per rank (stderr)\n"
+           "under mpirun (one model replica over all ranks):\n"
+           "  --tp T              tensor-parallel size for attention (default 1)\n"
+           "  --placement F.json  expert placement (default: even contiguous split)\n"
+           "  --placement-switch F.json  move to this placement while running (epoch 1)\n"
+           "  --comm-timeout-ms MS  a collective that takes longer fails the group (default "
+           "10000)\n");
 }
 
 /* Prints "moe-generate: <message>" and returns the exit code for bad usage. */
 static int parse_args(int argc, char **argv, struct args *a)
 {
-    *a = (struct args){.n_predict = 32, .top_p = 1.0f, .dtype = MOE_DTYPE_BF16, .device = "auto",
-                       .tp = 1, .comm_timeout_ms = 10000};
+    *a = (struct args){.n_predict = 32,
+                       .top_p = 1.0f,
+                       .dtype = MOE_DTYPE_BF16,
+                       .device = "auto",
+                       .tp = 1,
+                       .comm_timeout_ms = 10000};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
         if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
@@ -172,7 +176,8 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->placement_switch = v;
         } else if (!strcmp(k, "--comm-timeout-ms")) {
             if (!cli_parse_long(v, 100, 3600000, &n))
-                return cli_fail("--comm-timeout-ms: '%s' is not a whole number in [100, 3600000]", v);
+                return cli_fail("--comm-timeout-ms: '%s' is not a whole number in [100, 3600000]",
+                                v);
             a->comm_timeout_ms = (int)n;
         } else if (!strcmp(k, "--prompts-file")) {
             a->prompts_file = v;
@@ -190,7 +195,8 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->block_size = (int)n;
         } else if (!strcmp(k, "--max-batch-tokens")) {
             if (!cli_parse_long(v, 1, 1 << 20, &n))
-                return cli_fail("--max-batch-tokens: '%s' is not a whole number in [1, 1048576]", v);
+                return cli_fail("--max-batch-tokens: '%s' is not a whole number in [1, 1048576]",
+                                v);
             a->max_batch_tokens = (int)n;
         } else if (!strcmp(k, "--max-running")) {
             if (!cli_parse_long(v, 1, 1 << 16, &n))
@@ -288,7 +294,8 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
         eo.n_block = (int)(((size_t)mib << 20) / block_bytes);
         if (eo.n_block < 1)
-            return cli_fail("--kv-memory: %ld MiB holds no KV block of %zu bytes", mib, block_bytes);
+            return cli_fail("--kv-memory: %ld MiB holds no KV block of %zu bytes", mib,
+                            block_bytes);
     }
     struct moe_request_params defaults;
     moe_request_params_init(&defaults);
@@ -319,7 +326,10 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         char *text = NULL;
         size_t len = 0;
         if (tok && !moe_tokenizer_decode(tok, r->out, (size_t)r->n_out, true, &text, &len, NULL))
-            printf("  text: %.*s\n", (int)(r->text_len >= 0 && r->text_len < (int64_t)len ? r->text_len : (int64_t)len), text);
+            printf(
+                "  text: %.*s\n",
+                (int)(r->text_len >= 0 && r->text_len < (int64_t)len ? r->text_len : (int64_t)len),
+                text);
         free(text);
     }
     printf("requests: %d, prompt tokens %lld (prefix-cache hits %lld), output tokens %lld\n", set.n,
@@ -353,21 +363,22 @@ static void print_profile(const struct moe_model *model, const struct moe_group 
     moe_model_profile(model, &p);
     uint64_t bytes, rows;
     moe_model_ep_traffic(model, &bytes, &rows);
-    double total = p.attention_s + p.router_s + p.dispatch_s + p.experts_s + p.combine_s + p.other_s;
+    double total =
+        p.attention_s + p.router_s + p.dispatch_s + p.experts_s + p.combine_s + p.other_s;
     if (total <= 0)
         total = 1e-9;
-    fprintf(stderr,
-            "profile rank %d: %llu forwards, %llu tokens, %.3f s: attention %.3f s (%.0f%%), router "
-            "%.3f s (%.0f%%), dispatch %.3f s (%.0f%%), experts %.3f s (%.0f%%), combine %.3f s "
-            "(%.0f%%), other %.3f s (%.0f%%); ep_bytes_sent %llu moe_layer_tokens %llu "
-            "rows_computed %llu\n",
-            group ? group->rank : 0, (unsigned long long)p.forwards, (unsigned long long)p.tokens,
-            total, p.attention_s, 100 * p.attention_s / total, p.router_s,
-            100 * p.router_s / total, p.dispatch_s, 100 * p.dispatch_s / total, p.experts_s,
-            100 * p.experts_s / total, p.combine_s, 100 * p.combine_s / total, p.other_s,
-            100 * p.other_s / total, (unsigned long long)bytes,
-            (unsigned long long)p.moe_layer_tokens,
-            (unsigned long long)moe_model_ep_rows_computed(model));
+    fprintf(
+        stderr,
+        "profile rank %d: %llu forwards, %llu tokens, %.3f s: attention %.3f s (%.0f%%), router "
+        "%.3f s (%.0f%%), dispatch %.3f s (%.0f%%), experts %.3f s (%.0f%%), combine %.3f s "
+        "(%.0f%%), other %.3f s (%.0f%%); ep_bytes_sent %llu moe_layer_tokens %llu "
+        "rows_computed %llu\n",
+        group ? group->rank : 0, (unsigned long long)p.forwards, (unsigned long long)p.tokens,
+        total, p.attention_s, 100 * p.attention_s / total, p.router_s, 100 * p.router_s / total,
+        p.dispatch_s, 100 * p.dispatch_s / total, p.experts_s, 100 * p.experts_s / total,
+        p.combine_s, 100 * p.combine_s / total, p.other_s, 100 * p.other_s / total,
+        (unsigned long long)bytes, (unsigned long long)p.moe_layer_tokens,
+        (unsigned long long)moe_model_ep_rows_computed(model));
 }
 
 int main(int argc, char **argv)
@@ -448,9 +459,8 @@ int main(int argc, char **argv)
         if (moe_tokenizer_load(tok_path, &tok, &err))
             goto fail;
         if (moe_tokenizer_n_vocab(tok) > cfg->vocab_size) {
-            moe_error_set(&err, MOE_ERR_FORMAT,
-                          "%s: %d token ids but config.json vocab_size is %d", tok_path,
-                          moe_tokenizer_n_vocab(tok), cfg->vocab_size);
+            moe_error_set(&err, MOE_ERR_FORMAT, "%s: %d token ids but config.json vocab_size is %d",
+                          tok_path, moe_tokenizer_n_vocab(tok), cfg->vocab_size);
             goto fail;
         }
     }
@@ -504,14 +514,16 @@ int main(int argc, char **argv)
             goto fail;
         printf("text: %s\n", text);
     }
-    double decode_tps = res.n_tokens > 1 && res.decode_s > 0 ? (res.n_tokens - 1) / res.decode_s : 0;
+    double decode_tps =
+        res.n_tokens > 1 && res.decode_s > 0 ? (res.n_tokens - 1) / res.decode_s : 0;
     printf("model: %s (%s, %.1f MiB of weights, loaded in %.2f s) on %s\n", a.model,
            a.dtype == MOE_DTYPE_BF16 ? "bf16" : "f32",
            (double)moe_model_weight_bytes(model) / (1024.0 * 1024.0), t_load, be->name);
     printf("prefill: %d tokens in %.3f s, %.1f tokens/s\n", n_prompt, res.prefill_s,
            res.prefill_s > 0 ? n_prompt / res.prefill_s : 0);
-    printf("decode: %d tokens in %.3f s, %.1f tokens/s%s\n", res.n_tokens > 0 ? res.n_tokens - 1 : 0,
-           res.decode_s, decode_tps, res.stopped_at_eos ? " (stopped at EOS)" : "");
+    printf("decode: %d tokens in %.3f s, %.1f tokens/s%s\n",
+           res.n_tokens > 0 ? res.n_tokens - 1 : 0, res.decode_s, decode_tps,
+           res.stopped_at_eos ? " (stopped at EOS)" : "");
     if (group) {
         uint64_t bytes, rows;
         moe_model_ep_traffic(model, &bytes, &rows);

@@ -15,11 +15,11 @@ struct plan_head {
     int32_t n_tok;
     int32_t n_seq;
     int32_t max_blocks;
-    int32_t kv_blocks;     /* shape of the leader's KV cache */
+    int32_t kv_blocks; /* shape of the leader's KV cache */
     int32_t kv_block_size;
-    int32_t prepare;       /* 1: a placement follows the batch; start preparing it */
+    int32_t prepare; /* 1: a placement follows the batch; start preparing it */
     int32_t pad;
-    int64_t epoch;         /* with prepare: its epoch */
+    int64_t epoch; /* with prepare: its epoch */
 };
 
 /* A placement on the wire: per (layer, expert) the replica count and ranks. */
@@ -34,7 +34,8 @@ static void placement_pack(const struct moe_placement *p, int32_t *out)
     for (size_t i = 0; i < n; i++) {
         out[i] = p->n_replicas[i];
         for (int r = 0; r < MOE_PLACEMENT_MAX_REPLICAS; r++)
-            out[n + i * MOE_PLACEMENT_MAX_REPLICAS + r] = p->ranks[i * MOE_PLACEMENT_MAX_REPLICAS + r];
+            out[n + i * MOE_PLACEMENT_MAX_REPLICAS + r] =
+                p->ranks[i * MOE_PLACEMENT_MAX_REPLICAS + r];
     }
 }
 
@@ -282,8 +283,8 @@ enum moe_status moe_group_forward(void *group, struct moe_model *m, struct moe_k
                                   const struct moe_batch *b, float *logits, struct moe_error *err)
 {
     struct moe_group *g = group;
-    struct plan_head h = {PLAN_FORWARD, b->n_tok, b->n_seq, b->max_blocks, kv->n_block,
-                          kv->block_size, 0, 0, 0};
+    struct plan_head h = {
+        PLAN_FORWARD, b->n_tok, b->n_seq, b->max_blocks, kv->n_block, kv->block_size, 0, 0, 0};
     struct moe_placement start = {0};
     pthread_mutex_lock(&g->mu);
     if (g->has_proposal && !g->preparing) {
@@ -389,10 +390,10 @@ enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struc
                                g->rank, h.op);
             break;
         }
-        size_t n = payload_ints(&h) + (h.prepare ? (size_t)moe_model_config(m)->n_layer *
-                                                         moe_model_config(m)->n_expert *
-                                                         (1 + MOE_PLACEMENT_MAX_REPLICAS)
-                                                   : 0);
+        size_t n = payload_ints(&h) +
+                   (h.prepare ? (size_t)moe_model_config(m)->n_layer *
+                                    moe_model_config(m)->n_expert * (1 + MOE_PLACEMENT_MAX_REPLICAS)
+                              : 0);
         if (n > cap) {
             free(pl);
             cap = n;
@@ -431,7 +432,7 @@ enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struc
             break;
     }
     free(pl);
-    join_prepare(g); /* it may still be loading into the model */
+    join_prepare(g);                      /* it may still be loading into the model */
     moe_kv_cache_free(m, g->follower_kv); /* before the caller frees the model */
     g->follower_kv = NULL;
     return rc;

@@ -39,25 +39,25 @@ struct moe_group {
     struct moe_model *follower_model;
 
     /* live placement changes (see moe_group_propose_placement) */
-    pthread_mutex_t mu;          /* guards proposal_* */
+    pthread_mutex_t mu; /* guards proposal_* */
     bool has_proposal;
     struct moe_placement proposal;
     int64_t proposal_epoch;
-    bool preparing;              /* a prepare is running on every rank */
+    bool preparing; /* a prepare is running on every rank */
     int64_t preparing_epoch;
     struct moe_placement preparing_placement;
     pthread_t prepare_thread;
     bool prepare_thread_live;
     enum moe_status prepare_status;
-    struct moe_model *model;     /* for the prepare thread */
-    int64_t epoch;               /* committed placement epoch (0: the initial one) */
-    double last_switch_s;        /* how long the last commit paused the step */
+    struct moe_model *model; /* for the prepare thread */
+    int64_t epoch;           /* committed placement epoch (0: the initial one) */
+    double last_switch_s;    /* how long the last commit paused the step */
     int64_t switches;
     /* measured expert load per rank: rows each rank ran through its experts,
      * summed over steps (every rank learns them by one small all-reduce per
      * step) */
-    uint64_t *rank_rows;         /* (size) */
-    uint64_t rows_seen;          /* this rank's moe_model_ep_rows_computed at the last step */
+    uint64_t *rank_rows; /* (size) */
+    uint64_t rows_seen;  /* this rank's moe_model_ep_rows_computed at the last step */
     uint64_t steps;
 };
 

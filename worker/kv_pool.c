@@ -281,9 +281,8 @@ void kv_pool_stats(const struct kv_pool *p, struct kv_pool_stats *out)
     out->evictions = p->evictions;
 }
 
-static enum moe_status check_list(const struct kv_pool *p, const struct list *l,
-                                  enum block_list id, const char *name, int *seen,
-                                  struct moe_error *err)
+static enum moe_status check_list(const struct kv_pool *p, const struct list *l, enum block_list id,
+                                  const char *name, int *seen, struct moe_error *err)
 {
     int n = 0;
     int32_t prev = NIL;
@@ -297,8 +296,8 @@ static enum moe_status check_list(const struct kv_pool *p, const struct list *l,
                                  "block %d on the %s list has refcount %d or a bad link", b, name,
                                  p->refcount[b]);
         if ((id == LIST_CACHED) != p->has_hash[b])
-            return moe_error_set(err, MOE_ERR_INTERNAL, "block %d on the %s list: hash flag %d",
-                                 b, name, p->has_hash[b]);
+            return moe_error_set(err, MOE_ERR_INTERNAL, "block %d on the %s list: hash flag %d", b,
+                                 name, p->has_hash[b]);
         prev = b;
         n++;
     }
@@ -337,8 +336,9 @@ enum moe_status kv_pool_check(const struct kv_pool *p, const int *expected_refs,
     for (uint32_t i = 0; !rc && i < p->index_cap; i++)
         n_entries += p->index[i] != NIL;
     if (!rc && n_entries != n_indexed)
-        rc = moe_error_set(err, MOE_ERR_INTERNAL, "hash index holds %d entries for %d hashed blocks",
-                           n_entries, n_indexed);
+        rc =
+            moe_error_set(err, MOE_ERR_INTERNAL, "hash index holds %d entries for %d hashed blocks",
+                          n_entries, n_indexed);
     free(seen);
     return rc;
 }

@@ -24,11 +24,11 @@ struct kv_pool;
 
 struct kv_pool_stats {
     int n_block;
-    int n_free;       /* on the free list */
-    int n_cached;     /* refcount 0, kept for prefix hits */
-    int n_used;       /* refcount > 0 */
-    int64_t lookups;  /* prefix-cache lookups */
-    int64_t hits;     /* ... that found a block */
+    int n_free;        /* on the free list */
+    int n_cached;      /* refcount 0, kept for prefix hits */
+    int n_used;        /* refcount > 0 */
+    int64_t lookups;   /* prefix-cache lookups */
+    int64_t hits;      /* ... that found a block */
     int64_t evictions; /* cached blocks reclaimed for new allocations */
 };
 

@@ -29,19 +29,19 @@
 struct handoff {
     char id[KVX_ID_MAX];
     enum kvx_state state;
-    bool prefill;          /* the sending side */
-    double deadline;       /* moe_now() seconds */
+    bool prefill;           /* the sending side */
+    double deadline;        /* moe_now() seconds */
     bool release_requested; /* SENDING / RESERVING: stop and free when you can */
     /* prefill side: the parked sequence */
     uint64_t req_id;
     int n_prompt, n_tokens;
-    int32_t *tokens;       /* (n_tokens) */
+    int32_t *tokens; /* (n_tokens) */
     struct moe_rng rng;
     /* both: block ids in this worker's cache (decode side: once reserved) */
-    int32_t *blocks;       /* (n_blocks) */
+    int32_t *blocks; /* (n_blocks) */
     int n_blocks;
     /* decode side */
-    uint64_t key;          /* engine reservation */
+    uint64_t key;             /* engine reservation */
     struct rpc_call *pending; /* KvReserve waiting for the engine */
     int next_layer;
     uint64_t bytes;
@@ -57,7 +57,7 @@ struct kvx {
     bool fault_die;
 
     pthread_mutex_t mu;
-    pthread_cond_t cond;   /* n_senders dropped */
+    pthread_cond_t cond; /* n_senders dropped */
     struct handoff *list;
     uint64_t next_key;
     int n_senders;
@@ -115,8 +115,7 @@ const char *kvx_state_name(enum kvx_state s)
 
 /* ---- host copies ---------------------------------------------------------------- */
 
-size_t kvx_layers_bytes(const struct moe_kv_cache *kv, int n_blocks, int layer_begin,
-                        int layer_end)
+size_t kvx_layers_bytes(const struct moe_kv_cache *kv, int n_blocks, int layer_begin, int layer_end)
 {
     return (size_t)(layer_end - layer_begin) * 2 * (size_t)n_blocks * (size_t)kv->block_size *
            (size_t)kv->kv_dim * sizeof(float);
@@ -341,8 +340,7 @@ void kvx_tick(struct kvx *x)
         wake(x);
 }
 
-enum rpc_code kvx_claim(struct kvx *x, const char *id, struct kvx_claim *out, char *msg,
-                        size_t cap)
+enum rpc_code kvx_claim(struct kvx *x, const char *id, struct kvx_claim *out, char *msg, size_t cap)
 {
     memset(out, 0, sizeof *out);
     pthread_mutex_lock(&x->mu);
@@ -350,8 +348,10 @@ enum rpc_code kvx_claim(struct kvx *x, const char *id, struct kvx_claim *out, ch
     enum rpc_code code = RPC_OK;
     if (!h) {
         code = RPC_NOT_FOUND;
-        snprintf(msg, cap, "handoff_id: '%.100s' is unknown here (never reserved, released or "
-                           "expired)", id);
+        snprintf(msg, cap,
+                 "handoff_id: '%.100s' is unknown here (never reserved, released or "
+                 "expired)",
+                 id);
     } else if (h->state != KVX_COMPLETE) {
         code = RPC_FAILED_PRECONDITION;
         snprintf(msg, cap, "handoff_id: '%.100s' is %s, not COMPLETE", id,
@@ -445,14 +445,15 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
                  rq->block_size, bs);
     } else if (tp != (uint32_t)x->o.tp_size) {
         code = RPC_FAILED_PRECONDITION;
-        snprintf(msg, sizeof msg, "tp_size: the sender has %u tensor-parallel ranks, this worker %d",
-                 tp, x->o.tp_size);
+        snprintf(msg, sizeof msg,
+                 "tp_size: the sender has %u tensor-parallel ranks, this worker %d", tp,
+                 x->o.tp_size);
     } else if ((rq->n_layer && rq->n_layer != (uint32_t)x->kv->n_layer) ||
                (rq->kv_dim && rq->kv_dim != (uint32_t)x->kv->kv_dim)) {
         code = RPC_FAILED_PRECONDITION;
         snprintf(msg, sizeof msg,
-                 "KV layout: the sender has %u layers x kv_dim %u, this worker %d x %d", rq->n_layer,
-                 rq->kv_dim, x->kv->n_layer, x->kv->kv_dim);
+                 "KV layout: the sender has %u layers x kv_dim %u, this worker %d x %d",
+                 rq->n_layer, rq->kv_dim, x->kv->n_layer, x->kv->kv_dim);
     } else if (rq->n_tokens < 1 || rq->n_blocks != (rq->n_tokens + bs - 1) / bs) {
         code = RPC_INVALID_ARGUMENT;
         snprintf(msg, sizeof msg, "n_blocks: %u blocks do not hold %u tokens of %u per block",
@@ -546,8 +547,8 @@ static enum rpc_code receive_locked(struct kvx *x, struct handoff *h,
             snprintf(msg, cap,
                      "last chunk: layers end at %u of %d, %zu tokens after a prompt of %u, %zu "
                      "RNG words: not a complete sequence for %d blocks",
-                     ch->layer_end, x->kv->n_layer, ch->n_token_ids, ch->n_prompt,
-                     ch->n_rng_state, h->n_blocks);
+                     ch->layer_end, x->kv->n_layer, ch->n_token_ids, ch->n_prompt, ch->n_rng_state,
+                     h->n_blocks);
             return RPC_INVALID_ARGUMENT;
         }
         int32_t *tokens = malloc(ch->n_token_ids * sizeof *tokens);
@@ -598,8 +599,7 @@ static void handle_transfer(struct rpc_call *call, const uint8_t *bytes, size_t 
         snprintf(msg, sizeof msg, "handoff %.100s: no reservation here (released or expired)",
                  ch->handoff_id);
     } else if (ch->abort) {
-        fprintf(stderr, "moe-worker: handoff %s aborted by the sender: %.200s\n", h->id,
-                ch->error);
+        fprintf(stderr, "moe-worker: handoff %s aborted by the sender: %.200s\n", h->id, ch->error);
         if (h->pending) { /* still reserving: on_reserved frees it */
             h->release_requested = true;
         } else {
@@ -635,9 +635,9 @@ static void handle_transfer(struct rpc_call *call, const uint8_t *bytes, size_t 
 struct sender {
     struct kvx *x;
     struct rpc_call *call;
-    struct handoff *h;     /* SENDING: owned by this sender until it ends */
+    struct handoff *h; /* SENDING: owned by this sender until it ends */
     char target[300];
-    uint32_t *dst_blocks;  /* (h->n_blocks) receiver ids */
+    uint32_t *dst_blocks; /* (h->n_blocks) receiver ids */
     double deadline;
 };
 
@@ -933,8 +933,7 @@ enum moe_status kvx_register(struct kvx *x, struct rpc_server *server, struct mo
 {
     enum moe_status rc;
     if ((rc = rpc_server_add_unary(server, "/moe.v1.Worker/KvReserve", handle_reserve, x, err)) ||
-        (rc = rpc_server_add_unary(server, "/moe.v1.Worker/KvTransfer", handle_transfer, x,
-                                   err)) ||
+        (rc = rpc_server_add_unary(server, "/moe.v1.Worker/KvTransfer", handle_transfer, x, err)) ||
         (rc = rpc_server_add_unary(server, "/moe.v1.Worker/KvSend", handle_send, x, err)) ||
         (rc = rpc_server_add_unary(server, "/moe.v1.Worker/KvRelease", handle_release, x, err)))
         return rc;

@@ -57,32 +57,32 @@ enum kvx_state {
     KVX_FAILED,        /* gave up (either side); blocks freed */
     KVX_EXPIRED,       /* deadline passed (either side); blocks freed */
     /* decode side */
-    KVX_RESERVING,     /* the engine is reserving blocks */
-    KVX_RESERVED,      /* blocks held, no data yet */
-    KVX_RECEIVING,     /* some layers written */
-    KVX_COMPLETE,      /* every layer and the sequence state arrived */
-    KVX_CLAIMED,       /* a Generate took it over */
+    KVX_RESERVING, /* the engine is reserving blocks */
+    KVX_RESERVED,  /* blocks held, no data yet */
+    KVX_RECEIVING, /* some layers written */
+    KVX_COMPLETE,  /* every layer and the sequence state arrived */
+    KVX_CLAIMED,   /* a Generate took it over */
 };
 
 const char *kvx_state_name(enum kvx_state s);
 
 struct kvx_opts {
-    struct moe_engine *engine;  /* borrowed */
-    struct moe_backend *be;     /* borrowed: the KV cache's backend */
-    int tp_size;                /* 0 = 1 */
-    int ttl_ms;                 /* lifetime of a parked / reserved handoff; 0 = 30000 */
-    void (*wake)(void *user);   /* wakes the engine thread (may be NULL) */
+    struct moe_engine *engine; /* borrowed */
+    struct moe_backend *be;    /* borrowed: the KV cache's backend */
+    int tp_size;               /* 0 = 1 */
+    int ttl_ms;                /* lifetime of a parked / reserved handoff; 0 = 30000 */
+    void (*wake)(void *user);  /* wakes the engine thread (may be NULL) */
     void *wake_user;
 };
 
 struct kvx_counters {
-    uint64_t transfers_out;   /* handoffs sent and acknowledged */
-    uint64_t transfers_in;    /* handoffs received completely */
+    uint64_t transfers_out; /* handoffs sent and acknowledged */
+    uint64_t transfers_in;  /* handoffs received completely */
     uint64_t bytes_out;
     uint64_t bytes_in;
-    double send_ms;           /* time spent in sends */
-    uint32_t failures;        /* failed, aborted or expired handoffs */
-    uint32_t pending;         /* handoffs in the table now */
+    double send_ms;    /* time spent in sends */
+    uint32_t failures; /* failed, aborted or expired handoffs */
+    uint32_t pending;  /* handoffs in the table now */
 };
 
 /* A completed handoff taken over by a decode request. */
@@ -90,7 +90,7 @@ struct kvx_claim {
     uint64_t reservation; /* engine reservation key */
     int n_prompt;
     int n_tokens;
-    int32_t *tokens;      /* (n_tokens), malloc'd: the caller frees it */
+    int32_t *tokens; /* (n_tokens), malloc'd: the caller frees it */
     struct moe_rng rng;
 };
 

@@ -274,27 +274,31 @@ static enum moe_status check_opts(const struct moe_config *c, const struct moe_m
                                   const char *dir, struct moe_error *err)
 {
     if (o->dtype != MOE_DTYPE_F32 && o->dtype != MOE_DTYPE_BF16)
-        return moe_error_set(err, MOE_ERR_INVALID, "weight dtype %s is not supported (use f32 or bf16)",
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "weight dtype %s is not supported (use f32 or bf16)",
                              moe_dtype_name(o->dtype));
     if (o->tp_size < 1 || o->tp_rank < 0 || o->tp_rank >= o->tp_size)
         return moe_error_set(err, MOE_ERR_INVALID, "tensor-parallel rank %d of %d is invalid",
                              o->tp_rank, o->tp_size);
     if (c->n_head % o->tp_size)
+        return moe_error_set(
+            err, MOE_ERR_INVALID,
+            "%s: num_attention_heads %d is not divisible by tensor-parallel size %d", dir,
+            c->n_head, o->tp_size);
+    if (o->tp_size > 1 &&
+        (!o->tp_comm || o->tp_comm->size != o->tp_size || o->tp_comm->rank != o->tp_rank))
         return moe_error_set(err, MOE_ERR_INVALID,
-                             "%s: num_attention_heads %d is not divisible by tensor-parallel size %d",
-                             dir, c->n_head, o->tp_size);
-    if (o->tp_size > 1 && (!o->tp_comm || o->tp_comm->size != o->tp_size ||
-                           o->tp_comm->rank != o->tp_rank))
-        return moe_error_set(err, MOE_ERR_INVALID,
-                             "tensor-parallel size %d needs a communicator of that size", o->tp_size);
+                             "tensor-parallel size %d needs a communicator of that size",
+                             o->tp_size);
     if (o->ep_comm && o->ep_comm->size > MOE_MAX_EP_RANKS)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED, "expert parallel over %d ranks (at most %d)",
                              o->ep_comm->size, MOE_MAX_EP_RANKS);
     if (c->n_kv_head % o->tp_size)
-        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                             "%s: num_key_value_heads %d is not divisible by tensor-parallel size %d "
-                             "(replicating KV heads is not implemented)",
-                             dir, c->n_kv_head, o->tp_size);
+        return moe_error_set(
+            err, MOE_ERR_UNSUPPORTED,
+            "%s: num_key_value_heads %d is not divisible by tensor-parallel size %d "
+            "(replicating KV heads is not implemented)",
+            dir, c->n_kv_head, o->tp_size);
     return MOE_OK;
 }
 
@@ -368,8 +372,8 @@ enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opt
         goto fail;
     }
     m->layers = calloc((size_t)c->n_layer, sizeof *m->layers);
-    m->expert_tokens = calloc((size_t)c->n_layer * (c->n_expert > 0 ? c->n_expert : 1),
-                              sizeof *m->expert_tokens);
+    m->expert_tokens =
+        calloc((size_t)c->n_layer * (c->n_expert > 0 ? c->n_expert : 1), sizeof *m->expert_tokens);
     if (!m->layers || !m->expert_tokens) {
         rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
         goto fail;
@@ -391,13 +395,38 @@ static void scratch_free(struct moe_model *m)
 {
     struct moe_backend *be = m->be;
     struct scratch *s = &m->s;
-    void *dev[] = {s->x,        s->h,          s->q,         s->k,        s->v,
-                   s->att,      s->o,          s->ffn_out,   s->router_logits, s->topk_ids,
-                   s->xe,       s->gate_up,    s->act,       s->ye,
-                   s->route_idx, s->ones,      s->iota,      s->tokens,
-                   s->pos,      s->seq,        s->slots,     s->block_tables, s->logit_rows,
-                   s->logits,   s->ep_send,    s->ep_recv,   s->ep_out,   s->ep_ret,
-                   s->ep_ids,   s->ep_rids,    s->ep_idx,    s->ep_w};
+    void *dev[] = {s->x,
+                   s->h,
+                   s->q,
+                   s->k,
+                   s->v,
+                   s->att,
+                   s->o,
+                   s->ffn_out,
+                   s->router_logits,
+                   s->topk_ids,
+                   s->xe,
+                   s->gate_up,
+                   s->act,
+                   s->ye,
+                   s->route_idx,
+                   s->ones,
+                   s->iota,
+                   s->tokens,
+                   s->pos,
+                   s->seq,
+                   s->slots,
+                   s->block_tables,
+                   s->logit_rows,
+                   s->logits,
+                   s->ep_send,
+                   s->ep_recv,
+                   s->ep_out,
+                   s->ep_ret,
+                   s->ep_ids,
+                   s->ep_rids,
+                   s->ep_idx,
+                   s->ep_w};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i])
             be->ops->buf_free(be, dev[i]);
@@ -414,10 +443,10 @@ static void scratch_free(struct moe_model *m)
     memset(s, 0, sizeof *s);
 }
 
-#define FREE_PENDING(p)                                                                           \
-    do {                                                                                          \
-        if (p)                                                                                    \
-            m->be->ops->buf_free(m->be, p);                                                       \
+#define FREE_PENDING(p)                                                                            \
+    do {                                                                                           \
+        if (p)                                                                                     \
+            m->be->ops->buf_free(m->be, p);                                                        \
     } while (0)
 
 void moe_model_free(struct moe_model *m)
@@ -425,10 +454,10 @@ void moe_model_free(struct moe_model *m)
     if (!m)
         return;
     struct moe_backend *be = m->be;
-#define FREE_BUF(p)                                                                               \
-    do {                                                                                          \
-        if (p)                                                                                    \
-            be->ops->buf_free(be, p);                                                             \
+#define FREE_BUF(p)                                                                                \
+    do {                                                                                           \
+        if (p)                                                                                     \
+            be->ops->buf_free(be, p);                                                              \
     } while (0)
     if (m->layers) {
         for (int l = 0; l < m->cfg.n_layer; l++) {
@@ -590,10 +619,10 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     int d_ff_max = c->d_ff_expert > c->d_ff_dense ? c->d_ff_expert : c->d_ff_dense;
     size_t n_route = n * (size_t)(c->top_k > 0 ? c->top_k : 1);
     bool ok = true;
-#define ALLOC(field, count, type)                                                                 \
-    do {                                                                                          \
-        s->field = be->ops->buf_alloc(be, (count) * sizeof(type));                                \
-        ok = ok && s->field;                                                                      \
+#define ALLOC(field, count, type)                                                                  \
+    do {                                                                                           \
+        s->field = be->ops->buf_alloc(be, (count) * sizeof(type));                                 \
+        ok = ok && s->field;                                                                       \
     } while (0)
     ALLOC(x, n * c->d_model, float);
     ALLOC(h, n * c->d_model, float);
@@ -647,8 +676,7 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
                        sizeof *s->h_zero);
     float *h_ones = malloc(n * sizeof *h_ones);
     int32_t *h_iota = malloc(n * sizeof *h_iota);
-    ok = ok && s->h_ids && s->h_route_idx && s->h_counts && s->h_zero && h_ones &&
-         h_iota;
+    ok = ok && s->h_ids && s->h_route_idx && s->h_counts && s->h_zero && h_ones && h_iota;
     if (!ok) {
         free(h_ones);
         free(h_iota);
@@ -836,28 +864,31 @@ static enum moe_status check_batch(const struct moe_model *m, const struct moe_k
 {
     const struct moe_config *c = &m->cfg;
     if (b->n_tok <= 0 || b->n_seq <= 0 || b->max_blocks <= 0)
-        return moe_error_set(err, MOE_ERR_INVALID, "empty batch (n_tok %d, n_seq %d, max_blocks %d)",
-                             b->n_tok, b->n_seq, b->max_blocks);
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "empty batch (n_tok %d, n_seq %d, max_blocks %d)", b->n_tok, b->n_seq,
+                             b->max_blocks);
     if (kv->kv_dim != m->kv_dim || kv->n_layer != c->n_layer)
         return moe_error_set(err, MOE_ERR_INVALID, "KV cache does not belong to this model");
     int n_slot = kv->n_block * kv->block_size;
     for (int t = 0; t < b->n_tok; t++) {
         if (b->tokens[t] < 0 || b->tokens[t] >= c->vocab_size)
-            return moe_error_set(err, MOE_ERR_INVALID, "token id %d at batch row %d is outside the vocabulary [0, %d)",
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "token id %d at batch row %d is outside the vocabulary [0, %d)",
                                  b->tokens[t], t, c->vocab_size);
         if (b->seq[t] < 0 || b->seq[t] >= b->n_seq)
             return moe_error_set(err, MOE_ERR_INVALID, "batch row %d: sequence %d out of range", t,
                                  b->seq[t]);
         if (b->pos[t] < 0 || b->pos[t] / kv->block_size >= b->max_blocks)
-            return moe_error_set(err, MOE_ERR_INVALID, "batch row %d: position %d beyond the block table",
-                                 t, b->pos[t]);
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "batch row %d: position %d beyond the block table", t, b->pos[t]);
         if (b->slots[t] < 0 || b->slots[t] >= n_slot)
             return moe_error_set(err, MOE_ERR_INVALID, "batch row %d: KV slot %d out of range", t,
                                  b->slots[t]);
     }
     for (int i = 0; i < b->n_logits; i++)
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tok)
-            return moe_error_set(err, MOE_ERR_INVALID, "logit row %d out of range", b->logit_rows[i]);
+            return moe_error_set(err, MOE_ERR_INVALID, "logit row %d out of range",
+                                 b->logit_rows[i]);
     return MOE_OK;
 }
 
@@ -905,9 +936,10 @@ enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
     if (ops->status && (rc = ops->status(be, err)))
         return moe_error_prefix(err, "forward pass");
     double total = moe_model_clock() - t_start;
-    double phases = (m->prof.attention_s - before.attention_s) + (m->prof.router_s - before.router_s) +
-                    (m->prof.dispatch_s - before.dispatch_s) + (m->prof.experts_s - before.experts_s) +
-                    (m->prof.combine_s - before.combine_s);
+    double phases = (m->prof.attention_s - before.attention_s) +
+                    (m->prof.router_s - before.router_s) +
+                    (m->prof.dispatch_s - before.dispatch_s) +
+                    (m->prof.experts_s - before.experts_s) + (m->prof.combine_s - before.combine_s);
     m->prof.other_s += total > phases ? total - phases : 0;
     m->prof.forwards++;
     m->prof.tokens += (uint64_t)n;
@@ -955,7 +987,8 @@ enum moe_status moe_model_prepare_placement(struct moe_model *m, const struct mo
                              m->ep_comm->size);
     drop_pending(m);
     size_t n = (size_t)c->n_layer * c->n_expert;
-    enum moe_status rc = moe_placement_default(c->n_layer, c->n_expert, p->n_rank, &m->pending, err);
+    enum moe_status rc =
+        moe_placement_default(c->n_layer, c->n_expert, p->n_rank, &m->pending, err);
     if (rc)
         return rc;
     memcpy(m->pending.n_replicas, p->n_replicas, n);

@@ -25,11 +25,11 @@ struct moe_placement;
  * each rank loading only its own experts. All ranks of ep_comm run every
  * forward on the same batch (lock-step, see group.h). NULL comms: one rank. */
 struct moe_model_opts {
-    enum moe_dtype dtype;      /* weights: F32 or BF16 (norms stay F32) */
+    enum moe_dtype dtype; /* weights: F32 or BF16 (norms stay F32) */
     int tp_rank;
     int tp_size;
-    struct moe_comm *tp_comm;  /* borrowed; NULL when tp_size == 1 */
-    struct moe_comm *ep_comm;  /* borrowed; NULL or size 1: all experts local */
+    struct moe_comm *tp_comm;              /* borrowed; NULL when tp_size == 1 */
+    struct moe_comm *ep_comm;              /* borrowed; NULL or size 1: all experts local */
     const struct moe_placement *placement; /* copied at load */
 };
 
@@ -58,12 +58,12 @@ void moe_model_ep_traffic(const struct moe_model *m, uint64_t *bytes_sent, uint6
  * the backend is synchronised at phase ends only on multi-rank groups, so on
  * an asynchronous device the split is approximate). */
 struct moe_model_profile {
-    double attention_s;   /* norms, QKV, RoPE, attention, o_proj (+ TP all-reduce) */
-    double router_s;      /* router matmul and top-k */
-    double dispatch_s;    /* grouping by expert; EP: routing + all-to-all out */
-    double experts_s;     /* expert FFNs (one rank: with gather/scatter) */
-    double combine_s;     /* EP: all-to-all back, weighted combine, all-gather */
-    double other_s;       /* embedding, dense layers, final norm, lm_head */
+    double attention_s; /* norms, QKV, RoPE, attention, o_proj (+ TP all-reduce) */
+    double router_s;    /* router matmul and top-k */
+    double dispatch_s;  /* grouping by expert; EP: routing + all-to-all out */
+    double experts_s;   /* expert FFNs (one rank: with gather/scatter) */
+    double combine_s;   /* EP: all-to-all back, weighted combine, all-gather */
+    double other_s;     /* embedding, dense layers, final norm, lm_head */
     uint64_t forwards;
     uint64_t tokens;
     uint64_t moe_layer_tokens; /* tokens x MoE layers */
@@ -100,8 +100,8 @@ struct moe_kv_cache {
     int n_layer;
     int n_block;
     int block_size;
-    int kv_dim;           /* n_kv_head_local * d_head */
-    float **k;            /* (n_layer) -> (n_block * block_size, kv_dim) on the backend */
+    int kv_dim; /* n_kv_head_local * d_head */
+    float **k;  /* (n_layer) -> (n_block * block_size, kv_dim) on the backend */
     float **v;
 };
 

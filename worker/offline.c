@@ -82,12 +82,12 @@ static enum moe_status parse_params(struct line_ctx *c, const cJSON *o,
     double d = 0;
     bool has = false;
     enum moe_status rc;
-#define NUM(field, lo, hi, integer, dst)                                                          \
-    do {                                                                                          \
-        if ((rc = get_num(c, o, field, lo, hi, integer, &d, &has)))                               \
-            return rc;                                                                            \
-        if (has)                                                                                  \
-            dst = d;                                                                              \
+#define NUM(field, lo, hi, integer, dst)                                                           \
+    do {                                                                                           \
+        if ((rc = get_num(c, o, field, lo, hi, integer, &d, &has)))                                \
+            return rc;                                                                             \
+        if (has)                                                                                   \
+            dst = d;                                                                               \
     } while (0)
     NUM("max_tokens", 1, 1 << 24, true, p->max_tokens);
     NUM("temperature", 0, 100, false, p->sp.temperature);
@@ -153,8 +153,8 @@ static enum moe_status parse_line(struct line_ctx *c, const char *text, struct m
     const cJSON *prompt = cJSON_GetObjectItemCaseSensitive(o, "prompt");
     const cJSON *tokens = cJSON_GetObjectItemCaseSensitive(o, "tokens");
     if (!rc && !prompt == !tokens)
-        rc = moe_error_set(c->err, MOE_ERR_FORMAT, "%s:%d: give exactly one of 'prompt' or 'tokens'",
-                           c->path, c->line);
+        rc = moe_error_set(c->err, MOE_ERR_FORMAT,
+                           "%s:%d: give exactly one of 'prompt' or 'tokens'", c->path, c->line);
     if (!rc && tokens)
         rc = get_int_array(c, tokens, "tokens", 0, vocab, 1 << 24, &r->prompt, &r->n_prompt);
     if (!rc && prompt) {
@@ -273,8 +273,8 @@ enum moe_status moe_offline_run(struct moe_engine *e, struct moe_offline_set *se
         if (!r->out)
             return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
         r->t_submit = moe_now();
-        enum moe_status rc = moe_engine_submit(e, (uint64_t)i, r->prompt, r->n_prompt, &r->params,
-                                               on_token, r, err);
+        enum moe_status rc =
+            moe_engine_submit(e, (uint64_t)i, r->prompt, r->n_prompt, &r->params, on_token, r, err);
         if (rc)
             return moe_error_prefix(err, "prompt on line %d", r->line);
         rep->prompt_tokens += r->n_prompt;

@@ -20,12 +20,12 @@ struct moe_offline_request {
     int32_t *prompt;
     int n_prompt;
     struct moe_request_params params;
-    int line;                 /* 1-based line in the file */
+    int line; /* 1-based line in the file */
     /* results */
-    int32_t *out;             /* generated ids */
+    int32_t *out; /* generated ids */
     int n_out;
     enum moe_finish finish;
-    int64_t text_len;         /* bytes of text before a stop string, or -1 */
+    int64_t text_len; /* bytes of text before a stop string, or -1 */
     double t_submit, t_first, t_done;
 };
 
@@ -51,10 +51,10 @@ struct moe_offline_report {
     int64_t preemptions;
     int64_t prefix_hit_tokens;
     int peak_running;
-    double kv_util_mean;      /* tokens stored / slots of the blocks held, averaged over steps */
+    double kv_util_mean; /* tokens stored / slots of the blocks held, averaged over steps */
     double kv_util_min;
     double ttft_mean_s, ttft_p50_s, ttft_p99_s;
-    double tpot_mean_s;       /* per output token after the first */
+    double tpot_mean_s; /* per output token after the first */
 };
 
 /* Submits every request at once and steps the engine until all finish. */

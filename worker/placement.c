@@ -162,8 +162,9 @@ enum moe_status moe_placement_parse(const char *text, const char *path, int n_la
             char *end;
             long l = strtol(it->string, &end, 10);
             if (*end || end == it->string || l < 0 || l >= n_layer) {
-                rc = moe_error_set(err, MOE_ERR_FORMAT, "%s: layers: '%s' is not a layer in [0, %d)",
-                                   path, it->string, n_layer);
+                rc =
+                    moe_error_set(err, MOE_ERR_FORMAT, "%s: layers: '%s' is not a layer in [0, %d)",
+                                  path, it->string, n_layer);
                 break;
             }
             char where[64];
@@ -187,8 +188,7 @@ bool moe_placement_holds(const struct moe_placement *p, int layer, int expert, i
     return false;
 }
 
-int moe_placement_pick(const struct moe_placement *p, int layer, int expert, int token,
-                       int my_rank)
+int moe_placement_pick(const struct moe_placement *p, int layer, int expert, int token, int my_rank)
 {
     (void)my_rank;
     int n = moe_placement_n_replicas(p, layer, expert);

@@ -25,7 +25,7 @@ struct moe_placement {
     int n_rank;
     /* (n_layer, n_expert): replica count and ranks of each expert */
     uint8_t *n_replicas;
-    int16_t *ranks;       /* (n_layer, n_expert, MOE_PLACEMENT_MAX_REPLICAS) */
+    int16_t *ranks; /* (n_layer, n_expert, MOE_PLACEMENT_MAX_REPLICAS) */
 };
 
 /* The default even, contiguous split. */

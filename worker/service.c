@@ -18,15 +18,15 @@
 struct req {
     struct worker_service *ws;
     struct rpc_stream *stream;
-    uint64_t id;                /* engine id */
+    uint64_t id; /* engine id */
     char request_id[MOE_REQ_MAX_ID_LEN + 1];
     double t_recv, t_first, t_last;
-    double deadline;            /* moe_now() seconds; 0: none */
+    double deadline; /* moe_now() seconds; 0: none */
     bool deadline_hit;
     bool aborted_by_deadline;
     bool want_logprobs;
-    int n_out;                  /* tokens of the output so far (incl. handed-off ones) */
-    int n_emitted;              /* tokens this worker sent */
+    int n_out;     /* tokens of the output so far (incl. handed-off ones) */
+    int n_emitted; /* tokens this worker sent */
     char handoff_id[KVX_ID_MAX];
     struct req *prev, *next;
 };
@@ -41,17 +41,17 @@ struct worker_service {
     char dtype_name[16];
     int world_size, tp_size, role;
     struct moe_group *group;
-    struct kvx *kvx;            /* KV handoff table (NULL: no backend given) */
+    struct kvx *kvx; /* KV handoff table (NULL: no backend given) */
 
     pthread_t thread;
     bool thread_started;
-    pthread_mutex_t mu;         /* guards the fields below and the req list */
+    pthread_mutex_t mu; /* guards the fields below and the req list */
     pthread_cond_t wake;
     bool stop;
     bool draining;
-    int pending;                /* submissions since the engine thread last looked */
+    int pending; /* submissions since the engine thread last looked */
     uint64_t next_id;
-    struct req *reqs;           /* doubly linked list of calls in flight */
+    struct req *reqs; /* doubly linked list of calls in flight */
     int n_reqs;
 };
 
@@ -288,8 +288,7 @@ static void to_engine_params(const Moe__V1__SamplingParams *sp, int n_prompt, in
         p->logprobs = (int)sp->logprobs;
 }
 
-static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, size_t len,
-                            void *user)
+static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, size_t len, void *user)
 {
     struct worker_service *ws = user;
     char msg[MOE_ERROR_MSG_MAX];
@@ -303,8 +302,9 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
     }
     if ((rq->prefill_only || rq->handoff_id[0]) && !ws->kvx) {
         code = RPC_UNIMPLEMENTED;
-        snprintf(msg, sizeof msg, "prefill_only / handoff_id: this worker cannot hand off KV "
-                                  "(multi-rank group)");
+        snprintf(msg, sizeof msg,
+                 "prefill_only / handoff_id: this worker cannot hand off KV "
+                 "(multi-rank group)");
         goto fail;
     }
     if (rq->prefill_only && !rq->handoff_id[0]) {
@@ -331,9 +331,8 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
     for (size_t i = 0; i < rq->n_prompt_token_ids; i++)
         if (rq->prompt_token_ids[i] >= (uint32_t)ws->cfg->vocab_size) {
             code = RPC_INVALID_ARGUMENT;
-            snprintf(msg, sizeof msg,
-                     "prompt_token_ids[%zu]: %u is outside the vocabulary [0, %d)", i,
-                     rq->prompt_token_ids[i], ws->cfg->vocab_size);
+            snprintf(msg, sizeof msg, "prompt_token_ids[%zu]: %u is outside the vocabulary [0, %d)",
+                     i, rq->prompt_token_ids[i], ws->cfg->vocab_size);
             goto fail;
         }
     if (rq->sampling && rq->sampling->n_stop && !ws->tok) {
@@ -399,8 +398,10 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
     r->id = ws->next_id++;
     enum moe_status rc;
     if (import) {
-        struct moe_seq_import im = {.n_prompt = claim.n_prompt, .n_tokens = claim.n_tokens,
-                                    .tokens = claim.tokens, .rng = claim.rng,
+        struct moe_seq_import im = {.n_prompt = claim.n_prompt,
+                                    .n_tokens = claim.n_tokens,
+                                    .tokens = claim.tokens,
+                                    .rng = claim.rng,
                                     .reservation = claim.reservation};
         rc = moe_engine_import(ws->engine, r->id, &im, &p, on_token, r, &err);
         if (rc)
@@ -595,13 +596,16 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
         (rc = rpc_server_add_unary(ws->server, "/moe.v1.Worker/Abort", handle_abort, ws, err)) ||
         (rc = rpc_server_add_unary(ws->server, "/moe.v1.Worker/GetLoad", handle_get_load, ws,
                                    err)) ||
-        (rc = rpc_server_add_unary(ws->server, "/moe.v1.Worker/GetModelInfo", handle_model_info,
-                                   ws, err)) ||
+        (rc = rpc_server_add_unary(ws->server, "/moe.v1.Worker/GetModelInfo", handle_model_info, ws,
+                                   err)) ||
         (rc = rpc_health_register(ws->server, err)))
         goto fail;
     if (opts->be && ws->world_size == 1) {
-        struct kvx_opts ko = {.engine = engine, .be = opts->be, .tp_size = ws->tp_size,
-                              .ttl_ms = opts->handoff_ttl_ms, .wake = wake_engine,
+        struct kvx_opts ko = {.engine = engine,
+                              .be = opts->be,
+                              .tp_size = ws->tp_size,
+                              .ttl_ms = opts->handoff_ttl_ms,
+                              .wake = wake_engine,
                               .wake_user = ws};
         if ((rc = kvx_create(&ko, &ws->kvx, err)) || (rc = kvx_register(ws->kvx, ws->server, err)))
             goto fail;

@@ -31,9 +31,9 @@ struct worker_service_opts {
     const char *dtype_name; /* "bf16", "f32" */
     int world_size;         /* ranks in the group (reported by GetLoad; 0 = 1) */
     int tp_size;
-    int role;               /* Moe__V1__WorkerRole (0 = mixed), reported by GetLoad */
-    struct moe_backend *be; /* the KV cache's backend (KV handoff); NULL: no handoff */
-    int handoff_ttl_ms;     /* lifetime of parked / reserved handoffs (0 = 30000) */
+    int role;                /* Moe__V1__WorkerRole (0 = mixed), reported by GetLoad */
+    struct moe_backend *be;  /* the KV cache's backend (KV handoff); NULL: no handoff */
+    int handoff_ttl_ms;      /* lifetime of parked / reserved handoffs (0 = 30000) */
     struct moe_group *group; /* worker group (placement epoch, per-rank load); NULL: one rank */
 };
 

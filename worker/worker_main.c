@@ -67,37 +67,41 @@ static void on_signal(int sig)
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: moe-worker --model DIR [options]\n"
-            "  --listen HOST:PORT    gRPC address (default 127.0.0.1:0 = a free port)\n"
-            "  --advertise HOST:PORT address registered in etcd (default: the bound one)\n"
-            "  --etcd URLS           etcd endpoints (http://127.0.0.1:2379,...); none = static\n"
-            "  --worker-id ID        name in etcd and Admin (default worker-PORT)\n"
-            "  --lease-ttl S         etcd lease TTL in seconds (default 5)\n"
-            "  --dtype f32|bf16      weights in memory (default bf16)\n"
-            "  --threads N           CPU threads, 0 = all cores (default 0)\n"
-            "  --device D            auto|cpu|cuda (default auto)\n"
-            "  --kv-blocks N | --kv-memory MIB   KV cache size (default 512 MiB)\n"
-            "  --block-size N        tokens per KV block (default 16)\n"
-            "  --max-batch-tokens N  token budget per step (default 512)\n"
-            "  --max-running N       running sequences cap (default 64)\n"
-            "  --no-prefix-cache     disable prefix caching\n"
-            "  --role R              mixed (default), prefill or decode: the pool this worker\n"
-            "                        serves in disaggregated serving (KV handed off from\n"
-            "                        prefill to decode workers; single-rank workers only)\n"
-            "  --drain-timeout S     on SIGTERM, wait at most S seconds for running requests "
-            "(default 60)\n"
-            "  --handoff-ttl-ms MS   a parked or reserved KV handoff nobody claims expires and "
-            "frees its blocks (default 30000)\n"
-            "under mpirun: --tp T (attention tensor parallel), --placement F.json (experts),\n"
-            "  --comm-timeout-ms MS (a collective slower than this fails the group, default "
-            "10000)\n");
+    fprintf(f, "usage: moe-worker --model DIR [options]\n"
+               "  --listen HOST:PORT    gRPC address (default 127.0.0.1:0 = a free port)\n"
+               "  --advertise HOST:PORT address registered in etcd (default: the bound one)\n"
+               "  --etcd URLS           etcd endpoints (http://127.0.0.1:2379,...); none = static\n"
+               "  --worker-id ID        name in etcd and Admin (default worker-PORT)\n"
+               "  --lease-ttl S         etcd lease TTL in seconds (default 5)\n"
+               "  --dtype f32|bf16      weights in memory (default bf16)\n"
+               "  --threads N           CPU threads, 0 = all cores (default 0)\n"
+               "  --device D            auto|cpu|cuda (default auto)\n"
+               "  --kv-blocks N | --kv-memory MIB   KV cache size (default 512 MiB)\n"
+               "  --block-size N        tokens per KV block (default 16)\n"
+               "  --max-batch-tokens N  token budget per step (default 512)\n"
+               "  --max-running N       running sequences cap (default 64)\n"
+               "  --no-prefix-cache     disable prefix caching\n"
+               "  --role R              mixed (default), prefill or decode: the pool this worker\n"
+               "                        serves in disaggregated serving (KV handed off from\n"
+               "                        prefill to decode workers; single-rank workers only)\n"
+               "  --drain-timeout S     on SIGTERM, wait at most S seconds for running requests "
+               "(default 60)\n"
+               "  --handoff-ttl-ms MS   a parked or reserved KV handoff nobody claims expires and "
+               "frees its blocks (default 30000)\n"
+               "under mpirun: --tp T (attention tensor parallel), --placement F.json (experts),\n"
+               "  --comm-timeout-ms MS (a collective slower than this fails the group, default "
+               "10000)\n");
 }
 
 static int parse_args(int argc, char **argv, struct args *a)
 {
-    *a = (struct args){.listen = "127.0.0.1:0", .device = "auto", .dtype = MOE_DTYPE_BF16,
-                       .lease_ttl = 5, .role = "mixed", .drain_timeout_s = 60, .tp = 1,
+    *a = (struct args){.listen = "127.0.0.1:0",
+                       .device = "auto",
+                       .dtype = MOE_DTYPE_BF16,
+                       .lease_ttl = 5,
+                       .role = "mixed",
+                       .drain_timeout_s = 60,
+                       .tp = 1,
                        .comm_timeout_ms = 10000};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
@@ -113,13 +117,13 @@ static int parse_args(int argc, char **argv, struct args *a)
             return cli_fail("option '%s' needs a value", k);
         const char *v = argv[++i];
         long n;
-#define INT_OPT(name, lo, hi, field)                                                              \
-    if (!strcmp(k, name)) {                                                                       \
-        if (!cli_parse_long(v, lo, hi, &n))                                                            \
-            return cli_fail(name ": '%s' is not a whole number in [%ld, %ld]", v, (long)(lo),          \
-                        (long)(hi));                                                              \
-        a->field = (int)n;                                                                        \
-        continue;                                                                                 \
+#define INT_OPT(name, lo, hi, field)                                                               \
+    if (!strcmp(k, name)) {                                                                        \
+        if (!cli_parse_long(v, lo, hi, &n))                                                        \
+            return cli_fail(name ": '%s' is not a whole number in [%ld, %ld]", v, (long)(lo),      \
+                            (long)(hi));                                                           \
+        a->field = (int)n;                                                                         \
+        continue;                                                                                  \
     }
         INT_OPT("--threads", 0, 1024, threads)
         INT_OPT("--lease-ttl", 2, 3600, lease_ttl)
@@ -192,8 +196,8 @@ static enum moe_status register_worker(struct registration *reg, struct moe_erro
         rc = moe_etcd_put(reg->etcd, reg->key, reg->value, strlen(reg->value), reg->lease, NULL,
                           err);
     if (!rc)
-        rc = moe_etcd_keeper_create(reg->endpoints, 2000, reg->lease, NULL, NULL, &reg->keeper,
-                                    err);
+        rc =
+            moe_etcd_keeper_create(reg->endpoints, 2000, reg->lease, NULL, NULL, &reg->keeper, err);
     return rc;
 }
 
@@ -221,8 +225,8 @@ static void follow_placement_value(struct placement_follow *pf, const char *valu
         fprintf(stderr, "moe-worker: %s: no 'epoch' and 'placement' in the value; ignored\n",
                 pf->key);
     } else if (epoch > pf->last_epoch) { /* a watch may repeat events after a reconnect */
-        if (moe_placement_parse(text, pf->key, pf->cfg->n_layer, pf->cfg->n_expert,
-                                pf->group->size, &p, &err) ||
+        if (moe_placement_parse(text, pf->key, pf->cfg->n_layer, pf->cfg->n_expert, pf->group->size,
+                                &p, &err) ||
             moe_group_propose_placement(pf->group, &p, epoch, &err)) {
             fprintf(stderr, "moe-worker: placement epoch %lld refused: %s\n", (long long)epoch,
                     err.msg);

@@ -70,9 +70,8 @@ static void cpu_op_attention(struct moe_backend *be, const struct moe_attn_param
     cpu_attention(be_pool(be), p);
 }
 
-static void cpu_op_router_topk(struct moe_backend *be, const float *logits, int n_tok,
-                               int n_expert, int top_k, bool renorm, int32_t *ids,
-                               float *weights)
+static void cpu_op_router_topk(struct moe_backend *be, const float *logits, int n_tok, int n_expert,
+                               int top_k, bool renorm, int32_t *ids, float *weights)
 {
     cpu_router_topk(logits, n_tok, n_expert, top_k, renorm, ids, weights);
 }
@@ -83,15 +82,14 @@ static void cpu_op_swiglu(struct moe_backend *be, const float *gate_up, float *o
     cpu_swiglu(be_pool(be), gate_up, out, n_rows, dim);
 }
 
-static void cpu_op_gather_rows(struct moe_backend *be, const float *src, const int32_t *idx,
-                               int n, int dim, float *dst)
+static void cpu_op_gather_rows(struct moe_backend *be, const float *src, const int32_t *idx, int n,
+                               int dim, float *dst)
 {
     cpu_gather_rows(src, idx, n, dim, dst);
 }
 
-static void cpu_op_scatter_add_rows(struct moe_backend *be, const float *src,
-                                    const int32_t *idx, const float *scale, int n, int dim,
-                                    float *dst)
+static void cpu_op_scatter_add_rows(struct moe_backend *be, const float *src, const int32_t *idx,
+                                    const float *scale, int n, int dim, float *dst)
 {
     cpu_scatter_add_rows(src, idx, scale, n, dim, dst);
 }
@@ -134,8 +132,7 @@ static void cpu_buf_zero(struct moe_backend *be, void *p, size_t bytes)
         memset(p, 0, bytes);
 }
 
-static void cpu_op_grouped_matmul(struct moe_backend *be,
-                                  const struct moe_grouped_matmul_params *p)
+static void cpu_op_grouped_matmul(struct moe_backend *be, const struct moe_grouped_matmul_params *p)
 {
     struct moe_error e = {0};
     cpu_record(be, cpu_grouped_matmul(be_pool(be), p, &e), &e);

@@ -73,8 +73,8 @@ void cpu_router_topk(const float *logits, int n_tok, int n_expert, int top_k, bo
 void cpu_swiglu(struct moe_pool *pool, const float *gate_up, float *out, int n_rows, int dim);
 void cpu_gather_rows(const float *src, const int32_t *idx, int n, int dim, float *dst);
 /* scale may be NULL (all ones). */
-void cpu_scatter_add_rows(const float *src, const int32_t *idx, const float *scale, int n,
-                          int dim, float *dst);
+void cpu_scatter_add_rows(const float *src, const int32_t *idx, const float *scale, int n, int dim,
+                          float *dst);
 void cpu_embed(const void *table, enum moe_dtype dtype, const int32_t *ids, int n_tok, int dim,
                float *dst);
 void cpu_add(struct moe_pool *pool, float *y, const float *x, size_t n);

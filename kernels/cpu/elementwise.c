@@ -48,8 +48,8 @@ void cpu_gather_rows(const float *src, const int32_t *idx, int n, int dim, float
         memcpy(dst + (size_t)i * dim, src + (size_t)idx[i] * dim, (size_t)dim * sizeof(float));
 }
 
-void cpu_scatter_add_rows(const float *src, const int32_t *idx, const float *scale, int n,
-                          int dim, float *dst)
+void cpu_scatter_add_rows(const float *src, const int32_t *idx, const float *scale, int n, int dim,
+                          float *dst)
 {
     for (int i = 0; i < n; i++) {
         float a = scale ? scale[i] : 1.0f;

@@ -20,13 +20,13 @@
 #define MATMUL_X86 1
 #endif
 
-#define MK_R 4          /* weight rows per register tile */
-#define MK_T 4          /* tokens per register tile (AVX-512, scalar) */
-#define MK_T_AVX2 2     /* tokens per register tile (AVX2: 16 ymm registers) */
-#define TOK_BLOCK 64    /* tokens per task */
-#define PK_R 32         /* AVX-512 prefill: weight rows per packed panel (2 zmm) */
-#define PK_T 8          /* AVX-512 prefill: tokens per register tile */
-#define PK_MIN_TOK 16   /* token blocks at least this wide use the packed path */
+#define MK_R 4           /* weight rows per register tile */
+#define MK_T 4           /* tokens per register tile (AVX-512, scalar) */
+#define MK_T_AVX2 2      /* tokens per register tile (AVX2: 16 ymm registers) */
+#define TOK_BLOCK 64     /* tokens per task */
+#define PK_R 32          /* AVX-512 prefill: weight rows per packed panel (2 zmm) */
+#define PK_T 8           /* AVX-512 prefill: tokens per register tile */
+#define PK_MIN_TOK 16    /* token blocks at least this wide use the packed path */
 #define PK_TOK_BLOCK 256 /* tokens per task on the packed path (amortises packing) */
 
 /* ---------------------------------------------------------------------------
@@ -168,8 +168,9 @@ mk_avx512(const int T, const int R, const bool BF, const float *x, int64_t ldx, 
             xv[t] = _mm512_loadu_ps(x + t * ldx + k);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            __m512 wv = BF ? bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(wbf + r * ldw + k)))
-                            : _mm512_loadu_ps(wf + r * ldw + k);
+            __m512 wv =
+                BF ? bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(wbf + r * ldw + k)))
+                   : _mm512_loadu_ps(wf + r * ldw + k);
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++)
                 acc[t][r] = _mm512_fmadd_ps(xv[t], wv, acc[t][r]);
@@ -184,7 +185,7 @@ mk_avx512(const int T, const int R, const bool BF, const float *x, int64_t ldx, 
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             __m512 wv = BF ? bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, wbf + r * ldw + k))
-                            : _mm512_maskz_loadu_ps(m, wf + r * ldw + k);
+                           : _mm512_maskz_loadu_ps(m, wf + r * ldw + k);
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++)
                 acc[t][r] = _mm512_fmadd_ps(xv[t], wv, acc[t][r]);
@@ -203,9 +204,9 @@ AVX512_TARGET static void mk_avx512_any(int T, int R, const float *x, int64_t ld
                                         const float *wf, const uint16_t *wbf, int64_t ldw,
                                         float out[MK_T][MK_R])
 {
-#define MK512_CASE(TT, RR)                                                                        \
-    case (TT) * 8 + (RR): mk_avx512(TT, RR, false, x, ldx, n_in, wf, wbf, ldw, out); return;     \
-    case 64 + (TT) * 8 + (RR): mk_avx512(TT, RR, true, x, ldx, n_in, wf, wbf, ldw, out); return;
+#define MK512_CASE(TT, RR)                                                                         \
+    case (TT)*8 + (RR): mk_avx512(TT, RR, false, x, ldx, n_in, wf, wbf, ldw, out); return;         \
+    case 64 + (TT)*8 + (RR): mk_avx512(TT, RR, true, x, ldx, n_in, wf, wbf, ldw, out); return;
     switch ((wbf ? 64 : 0) + T * 8 + R) {
         MK512_CASE(1, 4)
         MK512_CASE(2, 4)
@@ -254,9 +255,8 @@ AVX512_TARGET static void pack_panel_avx512(const struct moe_matmul_params *p, i
     }
 }
 
-AVX512_TARGET static void mk_packed_avx512(const float *x, int n_in, const float *panel,
-                                           float *y, int64_t ldy, __mmask16 m0, __mmask16 m1,
-                                           bool accumulate)
+AVX512_TARGET static void mk_packed_avx512(const float *x, int n_in, const float *panel, float *y,
+                                           int64_t ldy, __mmask16 m0, __mmask16 m1, bool accumulate)
 {
     __m512 acc[PK_T][2];
 #pragma GCC unroll 8
@@ -297,7 +297,7 @@ AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
         int R = o_end - o < PK_R ? o_end - o : PK_R;
         pack_panel_avx512(p, o, R, mt->scratch);
         __mmask16 m0 = R >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << R) - 1u);
-        __mmask16 m1 = R >= 32 ? (__mmask16)0xffff
+        __mmask16 m1 = R >= 32  ? (__mmask16)0xffff
                        : R > 16 ? (__mmask16)((1u << (R - 16)) - 1u)
                                 : (__mmask16)0;
         int t = mt->t0;
@@ -398,7 +398,7 @@ mk_avx2(const int T, const int R, const bool BF, const float *x, int64_t ldx, in
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             __m256 wv = BF ? bf16x8_to_f32(_mm_loadu_si128((const __m128i *)(wbf + r * ldw + k)))
-                            : _mm256_loadu_ps(wf + r * ldw + k);
+                           : _mm256_loadu_ps(wf + r * ldw + k);
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++)
                 acc[t][r] = _mm256_fmadd_ps(xv[t], wv, acc[t][r]);
@@ -422,9 +422,9 @@ AVX2_TARGET static void mk_avx2_any(int T, int R, const float *x, int64_t ldx, i
                                     const float *wf, const uint16_t *wbf, int64_t ldw,
                                     float out[MK_T][MK_R])
 {
-#define MK256_CASE(TT, RR)                                                                        \
-    case (TT) * 8 + (RR): mk_avx2(TT, RR, false, x, ldx, n_in, wf, wbf, ldw, out); return;       \
-    case 64 + (TT) * 8 + (RR): mk_avx2(TT, RR, true, x, ldx, n_in, wf, wbf, ldw, out); return;
+#define MK256_CASE(TT, RR)                                                                         \
+    case (TT)*8 + (RR): mk_avx2(TT, RR, false, x, ldx, n_in, wf, wbf, ldw, out); return;           \
+    case 64 + (TT)*8 + (RR): mk_avx2(TT, RR, true, x, ldx, n_in, wf, wbf, ldw, out); return;
     switch ((wbf ? 64 : 0) + T * 8 + R) {
         MK256_CASE(1, 4)
         MK256_CASE(2, 4)
@@ -536,8 +536,8 @@ void cpu_matmul(struct moe_pool *pool, const struct moe_matmul_params *p)
     job.n_row_blocks = (p->n_out + rb - 1) / rb;
     job.tok_block = p->n_tok < TOK_BLOCK ? p->n_tok : TOK_BLOCK;
     size_t scratch_rows = MK_R;
-    bool need_scratch = p->w_dtype == MOE_DTYPE_BF16 &&
-                        (job.isa == CPU_ISA_SCALAR || job.tok_block > MK_T_AVX2);
+    bool need_scratch =
+        p->w_dtype == MOE_DTYPE_BF16 && (job.isa == CPU_ISA_SCALAR || job.tok_block > MK_T_AVX2);
     if (job.isa == CPU_ISA_AVX512 && p->n_tok >= PK_MIN_TOK) {
         /* Packed path: row blocks of whole panels, wide token blocks. */
         job.row_block = rb <= PK_R ? PK_R : (rb + PK_R - 1) / PK_R * PK_R;

@@ -19,9 +19,10 @@ enum moe_status moe_grouped_matmul_check(const struct moe_grouped_matmul_params 
                              "grouped_matmul: w_dtype %s not supported (F32 or BF16)",
                              moe_dtype_name(p->w_dtype));
     if (p->n_rows < 0 || p->n_in < 0 || p->n_out < 0 || p->n_expert < 1)
-        return moe_error_set(err, MOE_ERR_INVALID,
-                             "grouped_matmul: bad sizes (n_rows %d, n_in %d, n_out %d, n_expert %d)",
-                             p->n_rows, p->n_in, p->n_out, p->n_expert);
+        return moe_error_set(
+            err, MOE_ERR_INVALID,
+            "grouped_matmul: bad sizes (n_rows %d, n_in %d, n_out %d, n_expert %d)", p->n_rows,
+            p->n_in, p->n_out, p->n_expert);
     if (p->ldw < p->n_in || p->ldw < 1)
         return moe_error_set(err, MOE_ERR_INVALID, "grouped_matmul: ldw %lld smaller than n_in %d",
                              (long long)p->ldw, p->n_in);
@@ -170,8 +171,8 @@ enum moe_status cpu_sample_top_p(const float *logits, int n, int vocab, float te
         return moe_error_set(err, MOE_ERR_NOMEM, "sample_top_p: no memory for %d candidates",
                              vocab);
     for (int r = 0; r < n; r++)
-        out_ids[r] = sample_row(logits + (size_t)r * vocab, vocab, temperature, top_p,
-                                uniform[r], c);
+        out_ids[r] =
+            sample_row(logits + (size_t)r * vocab, vocab, temperature, top_p, uniform[r], c);
     free(c);
     return MOE_OK;
 }

@@ -2,7 +2,8 @@
 // binary carries code for the current device.
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kThreads = 256;
 

@@ -32,7 +32,8 @@
 
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kTile = 32;
 constexpr int kThreads = 128;
@@ -49,7 +50,7 @@ struct attn_args {
     int max_blocks, n_head, n_kv_head, d_head, block_size;
     float scale;
     int chunk, n_split;
-    int t0; // first token of this launch (grids hold at most 65535 tokens)
+    int t0;          // first token of this launch (grids hold at most 65535 tokens)
     float *part_acc; // (n_tok, n_head, n_split, d_head) when n_split > 1
     float *part_ml;  // (n_tok, n_head, n_split, 2): m, l
 };
@@ -81,13 +82,13 @@ __global__ void __launch_bounds__(kThreads) attn_kernel(const attn_args a)
 {
     extern __shared__ float smem[];
     const int D = a.d_head, G = a.n_head / a.n_kv_head, ld = D + 1;
-    float *ks = smem;              // (kTile, ld)
-    float *vs = ks + kTile * ld;   // (kTile, ld)
-    float *qs = vs + kTile * ld;   // (G, D)
-    float *acc = qs + G * D;       // (G, D)
-    float *ps = acc + G * D;       // (G, kTile)
-    float *ms = ps + G * kTile;    // (G)
-    float *ls = ms + G;            // (G)
+    float *ks = smem;            // (kTile, ld)
+    float *vs = ks + kTile * ld; // (kTile, ld)
+    float *qs = vs + kTile * ld; // (G, D)
+    float *acc = qs + G * D;     // (G, D)
+    float *ps = acc + G * D;     // (G, kTile)
+    float *ms = ps + G * kTile;  // (G)
+    float *ls = ms + G;          // (G)
 
     const int split = blockIdx.x, kvh = blockIdx.y, t = a.t0 + (int)blockIdx.z;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -300,8 +301,8 @@ extern "C" cudaError_t moe_cuda_attention(const moe_attn_params *p, void *scratc
     }
     const size_t smem = smem_bytes(p->d_head, p->n_head / p->n_kv_head);
     if (smem > 48 * 1024) {
-        cudaError_t e = cudaFuncSetAttribute(attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             (int)smem);
+        cudaError_t e = cudaFuncSetAttribute(
+            attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess)
             return e;
     }

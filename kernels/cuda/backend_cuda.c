@@ -161,8 +161,7 @@ static void cuda_buf_upload(struct moe_backend *be, void *dst, const void *src_h
     cuda_check(be, cudaStreamSynchronize(s), "buf_upload: cudaStreamSynchronize");
 }
 
-static void cuda_buf_download(struct moe_backend *be, void *dst_host, const void *src,
-                              size_t bytes)
+static void cuda_buf_download(struct moe_backend *be, void *dst_host, const void *src, size_t bytes)
 {
     if (!bytes)
         return;
@@ -192,7 +191,8 @@ static void cuda_op_matmul(struct moe_backend *be, const struct moe_matmul_param
     if (need && !scratch)
         return;
     int blas_status = 0;
-    cudaError_t e = moe_cuda_matmul(cb->blas, p, scratch, cb->scratch_cap, cb->stream, &blas_status);
+    cudaError_t e =
+        moe_cuda_matmul(cb->blas, p, scratch, cb->scratch_cap, cb->stream, &blas_status);
     if (blas_status)
         cuda_fail(be, (int)e, "matmul: cuBLAS status %d (n_tok %d, n_in %d, n_out %d, dtype %s)",
                   blas_status, p->n_tok, p->n_in, p->n_out, moe_dtype_name(p->w_dtype));
@@ -266,11 +266,10 @@ static void cuda_op_swiglu(struct moe_backend *be, const float *gate_up, float *
     cuda_check(be, moe_cuda_swiglu(gate_up, out, n_rows, dim, cuda_of(be)->stream), "swiglu");
 }
 
-static void cuda_op_gather_rows(struct moe_backend *be, const float *src, const int32_t *idx,
-                                int n, int dim, float *dst)
+static void cuda_op_gather_rows(struct moe_backend *be, const float *src, const int32_t *idx, int n,
+                                int dim, float *dst)
 {
-    cuda_check(be, moe_cuda_gather_rows(src, idx, n, dim, dst, cuda_of(be)->stream),
-               "gather_rows");
+    cuda_check(be, moe_cuda_gather_rows(src, idx, n, dim, dst, cuda_of(be)->stream), "gather_rows");
 }
 
 static void cuda_op_scatter_add_rows(struct moe_backend *be, const float *src, const int32_t *idx,
@@ -326,9 +325,9 @@ static void cuda_op_grouped_matmul(struct moe_backend *be,
     struct moe_error e = {0};
     enum moe_status st = moe_grouped_matmul_check(p, &e);
     if (st != MOE_OK) {
-        cuda_fail(be, st == MOE_ERR_UNSUPPORTED ? (int)cudaErrorNotSupported
-                                                : (int)cudaErrorInvalidValue,
-                  "%s", e.msg);
+        cuda_fail(
+            be, st == MOE_ERR_UNSUPPORTED ? (int)cudaErrorNotSupported : (int)cudaErrorInvalidValue,
+            "%s", e.msg);
         return;
     }
     if (!moe_cuda_grouped_gemv_fits(p)) { /* prefill or f32: cuBLAS per expert */
@@ -404,9 +403,8 @@ static void cuda_op_sample_top_p(struct moe_backend *be, const float *logits, in
                                  int32_t *out_ids)
 {
     if (vocab < 1 || vocab > MOE_CUDA_SAMPLE_MAX_VOCAB) {
-        cuda_fail(be, (int)cudaErrorNotSupported,
-                  "sample_top_p: vocab %d not supported (1 .. %d)", vocab,
-                  MOE_CUDA_SAMPLE_MAX_VOCAB);
+        cuda_fail(be, (int)cudaErrorNotSupported, "sample_top_p: vocab %d not supported (1 .. %d)",
+                  vocab, MOE_CUDA_SAMPLE_MAX_VOCAB);
         return;
     }
     cuda_check(be,
@@ -471,11 +469,30 @@ static int missing_ops(const struct moe_backend_ops *ops, char *buf, size_t cap)
         int present;
     } table[] = {
 #define OP(f) {#f, ops->f != NULL}
-        OP(buf_alloc), OP(buf_free), OP(buf_upload), OP(buf_download), OP(synchronize),
-        OP(matmul), OP(rmsnorm), OP(rope), OP(kv_write), OP(attention), OP(router_topk),
-        OP(swiglu), OP(gather_rows), OP(scatter_add_rows), OP(embed), OP(add), OP(status),
-        OP(buf_zero), OP(grouped_matmul), OP(unpermute_combine), OP(argmax), OP(sample_top_p),
-        OP(kv_gather_blocks), OP(kv_scatter_blocks),
+        OP(buf_alloc),
+        OP(buf_free),
+        OP(buf_upload),
+        OP(buf_download),
+        OP(synchronize),
+        OP(matmul),
+        OP(rmsnorm),
+        OP(rope),
+        OP(kv_write),
+        OP(attention),
+        OP(router_topk),
+        OP(swiglu),
+        OP(gather_rows),
+        OP(scatter_add_rows),
+        OP(embed),
+        OP(add),
+        OP(status),
+        OP(buf_zero),
+        OP(grouped_matmul),
+        OP(unpermute_combine),
+        OP(argmax),
+        OP(sample_top_p),
+        OP(kv_gather_blocks),
+        OP(kv_scatter_blocks),
 #undef OP
     };
     int n = 0;
@@ -521,8 +538,8 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
                              "CUDA backend incomplete in this build: ops %s missing", missing);
     e = cudaSetDevice(ordinal);
     if (e != cudaSuccess)
-        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "cudaSetDevice(%d): error %d, %s",
-                             ordinal, (int)e, cudaGetErrorString(e));
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "cudaSetDevice(%d): error %d, %s", ordinal,
+                             (int)e, cudaGetErrorString(e));
     e = moe_cuda_probe();
     if (e != cudaSuccess) {
         struct cudaDeviceProp prop;

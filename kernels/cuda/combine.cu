@@ -5,13 +5,14 @@
 // the same result on every run.
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kThreads = 128;
 
 __global__ void __launch_bounds__(kThreads)
-combine_kernel(const float *__restrict__ rows, const float *__restrict__ weights,
-               const int32_t *__restrict__ tok_rows, int top_k, int dim, float *__restrict__ y)
+    combine_kernel(const float *__restrict__ rows, const float *__restrict__ weights,
+                   const int32_t *__restrict__ tok_rows, int top_k, int dim, float *__restrict__ y)
 {
     const int32_t *tr = tok_rows + (size_t)blockIdx.x * (size_t)top_k;
     float *d = y + (size_t)blockIdx.x * (size_t)dim;

@@ -114,9 +114,8 @@ bool moe_cuda_grouped_gemv_fits(const struct moe_grouped_matmul_params *p);
 /* One launch for every expert with rows; the host arrays of p size the
  * launch, off_dev and w_dev (device copies of p->expert_offsets and p->w)
  * map the blocks. The caller has checked p (moe_grouped_matmul_check). */
-cudaError_t moe_cuda_grouped_gemv(const struct moe_grouped_matmul_params *p,
-                                  const int32_t *off_dev, const void *const *w_dev,
-                                  cudaStream_t stream);
+cudaError_t moe_cuda_grouped_gemv(const struct moe_grouped_matmul_params *p, const int32_t *off_dev,
+                                  const void *const *w_dev, cudaStream_t stream);
 
 /* ---- combine.cu ---- */
 

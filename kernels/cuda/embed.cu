@@ -5,7 +5,8 @@
 
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kThreads = 128;
 

@@ -4,7 +4,8 @@
 // product and the sum are rounded separately (no FMA), as the CPU reference.
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kThreads = 128;
 

@@ -26,7 +26,8 @@
 
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kThreads = 256; // 8 warps = 8 output rows per block
 constexpr int kRowsPerBlock = kThreads / 32;
@@ -54,9 +55,9 @@ constexpr int kMaxRows = MOE_CUDA_GEMV_MAX_TOK;
 // kVec: n_in and ldw multiples of 8, every W_e and x 16-byte aligned.
 template <bool kVec>
 __global__ void __launch_bounds__(kThreads)
-grouped_gemv_kernel(const float *__restrict__ x, int n_in, int n_out, int n_expert,
-                    const int32_t *__restrict__ off, const void *const *__restrict__ w,
-                    int64_t ldw, float *__restrict__ y, bool accumulate, int blocks_per_expert)
+    grouped_gemv_kernel(const float *__restrict__ x, int n_in, int n_out, int n_expert,
+                        const int32_t *__restrict__ off, const void *const *__restrict__ w,
+                        int64_t ldw, float *__restrict__ y, bool accumulate, int blocks_per_expert)
 {
     __shared__ int s_row0, s_cnt;
     __shared__ const uint16_t *s_w;
@@ -175,11 +176,9 @@ extern "C" cudaError_t moe_cuda_grouped_gemv(const moe_grouped_matmul_params *p,
         return cudaErrorNotSupported;
     if (vec)
         grouped_gemv_kernel<true><<<(unsigned)blocks, kThreads, 0, stream>>>(
-            p->x, p->n_in, p->n_out, p->n_expert, off_dev, w_dev, p->ldw, p->y, p->accumulate,
-            bpe);
+            p->x, p->n_in, p->n_out, p->n_expert, off_dev, w_dev, p->ldw, p->y, p->accumulate, bpe);
     else
         grouped_gemv_kernel<false><<<(unsigned)blocks, kThreads, 0, stream>>>(
-            p->x, p->n_in, p->n_out, p->n_expert, off_dev, w_dev, p->ldw, p->y, p->accumulate,
-            bpe);
+            p->x, p->n_in, p->n_out, p->n_expert, off_dev, w_dev, p->ldw, p->y, p->accumulate, bpe);
     return cudaGetLastError();
 }

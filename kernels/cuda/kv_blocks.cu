@@ -5,14 +5,15 @@
 // is a multiple of 4, single floats otherwise.
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kThreads = 256;
 
 template <typename T, bool kGather>
 __global__ void __launch_bounds__(kThreads)
-kv_blocks_kernel(float *k_cache, float *v_cache, const int32_t *__restrict__ block_ids,
-                 size_t blk, float *packed) // blk: elements of T per block
+    kv_blocks_kernel(float *k_cache, float *v_cache, const int32_t *__restrict__ block_ids,
+                     size_t blk, float *packed) // blk: elements of T per block
 {
     const size_t i = blockIdx.x, half = blockIdx.y; // half 0: K, 1: V
     T *cache = (T *)(half ? v_cache : k_cache) + (size_t)block_ids[i] * blk;
@@ -39,11 +40,11 @@ cudaError_t kv_blocks(float *k_cache, float *v_cache, const int32_t *block_ids, 
     const size_t blk = (size_t)block_size * (size_t)kv_dim;
     const dim3 grid((unsigned)n, 2);
     if (blk % 4 == 0 && aligned16(k_cache) && aligned16(v_cache) && aligned16(packed))
-        kv_blocks_kernel<float4, kGather><<<grid, kThreads, 0, stream>>>(k_cache, v_cache,
-                                                                        block_ids, blk / 4, packed);
+        kv_blocks_kernel<float4, kGather>
+            <<<grid, kThreads, 0, stream>>>(k_cache, v_cache, block_ids, blk / 4, packed);
     else
-        kv_blocks_kernel<float, kGather><<<grid, kThreads, 0, stream>>>(k_cache, v_cache,
-                                                                       block_ids, blk, packed);
+        kv_blocks_kernel<float, kGather>
+            <<<grid, kThreads, 0, stream>>>(k_cache, v_cache, block_ids, blk, packed);
     return cudaGetLastError();
 }
 

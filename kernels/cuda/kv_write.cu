@@ -3,7 +3,8 @@
 // rows then stay 16-byte aligned, as buffers from cudaMalloc are).
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kThreads = 128;
 
@@ -44,9 +45,10 @@ extern "C" cudaError_t moe_cuda_kv_write(const float *k, const float *v, const i
     if (n_tok <= 0 || kv_dim <= 0)
         return cudaSuccess;
     if (kv_dim % 4 == 0 && aligned16(k) && aligned16(v) && aligned16(k_cache) && aligned16(v_cache))
-        kv_write_kernel<true><<<n_tok, kThreads, 0, stream>>>(k, v, slots, kv_dim, k_cache, v_cache);
+        kv_write_kernel<true>
+            <<<n_tok, kThreads, 0, stream>>>(k, v, slots, kv_dim, k_cache, v_cache);
     else
-        kv_write_kernel<false><<<n_tok, kThreads, 0, stream>>>(k, v, slots, kv_dim, k_cache,
-                                                               v_cache);
+        kv_write_kernel<false>
+            <<<n_tok, kThreads, 0, stream>>>(k, v, slots, kv_dim, k_cache, v_cache);
     return cudaGetLastError();
 }

@@ -25,7 +25,8 @@
 
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kGemvThreads = 256; // 8 warps = 8 output rows per block
 
@@ -50,8 +51,8 @@ __device__ __forceinline__ float bf16_hi(uint32_t u)
 // kVec: n_in and ldw multiples of 8, W and x 16-byte aligned.
 template <int NT, bool kVec>
 __global__ void __launch_bounds__(kGemvThreads)
-gemv_bf16_kernel(const float *__restrict__ x, int n_in, const uint16_t *__restrict__ w,
-                 int64_t ldw, int n_out, float *__restrict__ y, bool accumulate)
+    gemv_bf16_kernel(const float *__restrict__ x, int n_in, const uint16_t *__restrict__ w,
+                     int64_t ldw, int n_out, float *__restrict__ y, bool accumulate)
 {
     const int row = (int)((blockIdx.x * (unsigned)kGemvThreads + threadIdx.x) / 32u);
     const int lane = threadIdx.x % 32;
@@ -102,8 +103,7 @@ gemv_bf16_kernel(const float *__restrict__ x, int n_in, const uint16_t *__restri
     }
 }
 
-template <int NT>
-void gemv_launch(const moe_matmul_params *p, bool vec, cudaStream_t stream)
+template <int NT> void gemv_launch(const moe_matmul_params *p, bool vec, cudaStream_t stream)
 {
     const unsigned blocks = (unsigned)((p->n_out + kGemvThreads / 32 - 1) / (kGemvThreads / 32));
     const uint16_t *w = (const uint16_t *)p->w;
@@ -192,8 +192,8 @@ extern "C" cudaError_t moe_cuda_matmul(cublasHandle_t blas, const moe_matmul_par
     const float alpha = 1.0f, beta = p->accumulate ? 1.0f : 0.0f, one = 1.0f;
     cublasStatus_t st = cublasSetStream(blas, stream);
     if (st == CUBLAS_STATUS_SUCCESS && p->w_dtype == MOE_DTYPE_F32)
-        st = cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, p->n_out, p->n_tok, p->n_in, &alpha,
-                          p->w, CUDA_R_32F, (int)p->ldw, p->x, CUDA_R_32F, p->n_in, &beta, p->y,
+        st = cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, p->n_out, p->n_tok, p->n_in, &alpha, p->w,
+                          CUDA_R_32F, (int)p->ldw, p->x, CUDA_R_32F, p->n_in, &beta, p->y,
                           CUDA_R_32F, p->n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (st == CUBLAS_STATUS_SUCCESS && p->w_dtype == MOE_DTYPE_BF16) {
         const size_t n = (size_t)p->n_tok * (size_t)p->n_in;
@@ -207,14 +207,13 @@ extern "C" cudaError_t moe_cuda_matmul(cublasHandle_t blas, const moe_matmul_par
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess)
             return e;
-        st = cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, p->n_out, p->n_tok, p->n_in, &alpha,
-                          p->w, CUDA_R_16BF, (int)p->ldw, hi, CUDA_R_16BF, p->n_in, &beta, p->y,
+        st = cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, p->n_out, p->n_tok, p->n_in, &alpha, p->w,
+                          CUDA_R_16BF, (int)p->ldw, hi, CUDA_R_16BF, p->n_in, &beta, p->y,
                           CUDA_R_32F, p->n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
         if (st == CUBLAS_STATUS_SUCCESS)
             st = cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, p->n_out, p->n_tok, p->n_in, &alpha,
-                              p->w, CUDA_R_16BF, (int)p->ldw, lo, CUDA_R_16BF, p->n_in, &one,
-                              p->y, CUDA_R_32F, p->n_out, CUBLAS_COMPUTE_32F,
-                              CUBLAS_GEMM_DEFAULT);
+                              p->w, CUDA_R_16BF, (int)p->ldw, lo, CUDA_R_16BF, p->n_in, &one, p->y,
+                              CUDA_R_32F, p->n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     }
     if (st != CUBLAS_STATUS_SUCCESS) {
         *blas_status = (int)st;

@@ -6,7 +6,8 @@
 // by the same thread.
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -20,8 +21,7 @@ __device__ __forceinline__ float warp_sum(float v)
 }
 
 __global__ void __launch_bounds__(kThreads)
-rmsnorm_kernel(const float *x, const float *__restrict__ w, float *y, int dim,
-               float eps)
+    rmsnorm_kernel(const float *x, const float *__restrict__ w, float *y, int dim, float eps)
 {
     __shared__ float partial[kWarps];
     __shared__ float inv_rms;

@@ -10,7 +10,8 @@
 
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kThreads = 256;
 constexpr int kMaxHalf = MOE_CUDA_ROPE_MAX_DHEAD / 2;

@@ -10,7 +10,8 @@
 
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kThreads = 128; // 4 tokens per block
 constexpr int kNone = 0x7fffffff;
@@ -33,8 +34,8 @@ __device__ __forceinline__ float warp_sum(float v)
 
 template <int PER>
 __global__ void __launch_bounds__(kThreads)
-router_kernel(const float *__restrict__ logits, int n_tok, int n_expert, int top_k, bool renorm,
-              int32_t *__restrict__ ids, float *__restrict__ weights)
+    router_kernel(const float *__restrict__ logits, int n_tok, int n_expert, int top_k, bool renorm,
+                  int32_t *__restrict__ ids, float *__restrict__ weights)
 {
     const int t = (int)((blockIdx.x * (unsigned)kThreads + threadIdx.x) / 32u);
     const int lane = threadIdx.x % 32;
@@ -77,8 +78,7 @@ router_kernel(const float *__restrict__ logits, int n_tok, int n_expert, int top
         for (int off = 16; off > 0; off >>= 1) {
             const float ov = __shfl_xor_sync(0xffffffffu, best_v, off);
             const int oe = __shfl_xor_sync(0xffffffffu, best_e, off);
-            if (oe != kNone &&
-                (best_e == kNone || ov > best_v || (ov == best_v && oe < best_e))) {
+            if (oe != kNone && (best_e == kNone || ov > best_v || (ov == best_v && oe < best_e))) {
                 best_v = ov;
                 best_e = oe;
             }
@@ -101,8 +101,8 @@ router_kernel(const float *__restrict__ logits, int n_tok, int n_expert, int top
 
 } // namespace
 
-extern "C" cudaError_t moe_cuda_router_topk(const float *logits, int n_tok, int n_expert,
-                                            int top_k, bool renorm, int32_t *ids, float *weights,
+extern "C" cudaError_t moe_cuda_router_topk(const float *logits, int n_tok, int n_expert, int top_k,
+                                            bool renorm, int32_t *ids, float *weights,
                                             cudaStream_t stream)
 {
     if (n_expert < 1 || n_expert > MOE_CUDA_ROUTER_MAX_EXPERT || top_k < 1 || top_k > n_expert ||
@@ -112,16 +112,16 @@ extern "C" cudaError_t moe_cuda_router_topk(const float *logits, int n_tok, int 
         return cudaSuccess;
     const unsigned blocks = (unsigned)((n_tok + kThreads / 32 - 1) / (kThreads / 32));
     if (n_expert <= 32)
-        router_kernel<1><<<blocks, kThreads, 0, stream>>>(logits, n_tok, n_expert, top_k, renorm,
-                                                          ids, weights);
+        router_kernel<1>
+            <<<blocks, kThreads, 0, stream>>>(logits, n_tok, n_expert, top_k, renorm, ids, weights);
     else if (n_expert <= 64)
-        router_kernel<2><<<blocks, kThreads, 0, stream>>>(logits, n_tok, n_expert, top_k, renorm,
-                                                          ids, weights);
+        router_kernel<2>
+            <<<blocks, kThreads, 0, stream>>>(logits, n_tok, n_expert, top_k, renorm, ids, weights);
     else if (n_expert <= 128)
-        router_kernel<4><<<blocks, kThreads, 0, stream>>>(logits, n_tok, n_expert, top_k, renorm,
-                                                          ids, weights);
+        router_kernel<4>
+            <<<blocks, kThreads, 0, stream>>>(logits, n_tok, n_expert, top_k, renorm, ids, weights);
     else
-        router_kernel<8><<<blocks, kThreads, 0, stream>>>(logits, n_tok, n_expert, top_k, renorm,
-                                                          ids, weights);
+        router_kernel<8>
+            <<<blocks, kThreads, 0, stream>>>(logits, n_tok, n_expert, top_k, renorm, ids, weights);
     return cudaGetLastError();
 }

@@ -29,7 +29,8 @@
 #include "cpu/sample_math.h"
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -231,7 +232,7 @@ __device__ int first_over_in_id_order(const row_ctx &c, uint64_t r)
 }
 
 __global__ void __launch_bounds__(kThreads)
-argmax_kernel(const float *__restrict__ logits, int vocab, int32_t *__restrict__ out_ids)
+    argmax_kernel(const float *__restrict__ logits, int vocab, int32_t *__restrict__ out_ids)
 {
     float mx;
     const int best = block_argmax(logits + (size_t)blockIdx.x * (size_t)vocab, vocab, &mx);
@@ -240,8 +241,8 @@ argmax_kernel(const float *__restrict__ logits, int vocab, int32_t *__restrict__
 }
 
 __global__ void __launch_bounds__(kThreads)
-sample_kernel(const float *__restrict__ logits, int vocab, float temperature, float top_p,
-              const double *__restrict__ uniform, int32_t *__restrict__ out_ids)
+    sample_kernel(const float *__restrict__ logits, int vocab, float temperature, float top_p,
+                  const double *__restrict__ uniform, int32_t *__restrict__ out_ids)
 {
     row_ctx c;
     c.row = logits + (size_t)blockIdx.x * (size_t)vocab;
@@ -286,9 +287,8 @@ extern "C" cudaError_t moe_cuda_argmax(const float *logits, int n, int vocab, in
 }
 
 extern "C" cudaError_t moe_cuda_sample_top_p(const float *logits, int n, int vocab,
-                                             float temperature, float top_p,
-                                             const double *uniform, int32_t *out_ids,
-                                             cudaStream_t stream)
+                                             float temperature, float top_p, const double *uniform,
+                                             int32_t *out_ids, cudaStream_t stream)
 {
     if (vocab < 1 || vocab > MOE_CUDA_SAMPLE_MAX_VOCAB)
         return cudaErrorNotSupported;

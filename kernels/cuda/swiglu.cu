@@ -3,12 +3,13 @@
 // (IEEE division and expf, no fast math). One thread per output element.
 #include "cuda_ops.h"
 
-namespace {
+namespace
+{
 
 constexpr int kThreads = 256;
 
-__global__ void swiglu_kernel(const float *__restrict__ gate_up, float *__restrict__ out,
-                              int dim, size_t n)
+__global__ void swiglu_kernel(const float *__restrict__ gate_up, float *__restrict__ out, int dim,
+                              size_t n)
 {
     const size_t stride = (size_t)gridDim.x * kThreads;
     for (size_t i = (size_t)blockIdx.x * kThreads + threadIdx.x; i < n; i += stride) {

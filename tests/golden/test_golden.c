@@ -42,7 +42,7 @@ struct prompt {
     int n_ids;
     int32_t greedy[64];
     int n_greedy;
-    float *ref;  /* (n_ids, vocab) for the dtype under test */
+    float *ref; /* (n_ids, vocab) for the dtype under test */
     float *ref_f32;
 };
 
@@ -240,8 +240,8 @@ int main(int argc, char **argv)
         p[i].text = strdup(cJSON_GetObjectItemCaseSensitive(jp, "text")->valuestring);
         p[i].ids = json_ids(cJSON_GetObjectItemCaseSensitive(jp, "ids"), &p[i].n_ids);
         int n;
-        int32_t *g = json_ids(cJSON_GetObjectItemCaseSensitive(jp, bf16 ? "greedy_bf16" : "greedy_f32"),
-                              &n);
+        int32_t *g =
+            json_ids(cJSON_GetObjectItemCaseSensitive(jp, bf16 ? "greedy_bf16" : "greedy_f32"), &n);
         MOE_ASSERT(n <= 64);
         memcpy(p[i].greedy, g, (size_t)n * sizeof *g);
         p[i].n_greedy = n;
@@ -278,8 +278,8 @@ int main(int argc, char **argv)
                        MOE_OK,
                    "%s", err.msg);
             bool same = (int)n == p[i].n_ids && !memcmp(ids, p[i].ids, n * sizeof *ids);
-            CHECKF(same, "prompt %d: tokenizer gives %zu ids, reference %d (or different ids)", i, n,
-                   p[i].n_ids);
+            CHECKF(same, "prompt %d: tokenizer gives %zu ids, reference %d (or different ids)", i,
+                   n, p[i].n_ids);
             free(ids);
         }
         /* logits and greedy continuation in one pass */

@@ -20,10 +20,10 @@
 
 struct test_proc {
     pid_t pid;
-    int out_fd;      /* the child's stdout (stderr goes to ours) */
-    char buf[8192];  /* what it printed so far */
+    int out_fd;     /* the child's stdout (stderr goes to ours) */
+    char buf[8192]; /* what it printed so far */
     size_t len;
-    int status;      /* wait status once reaped */
+    int status; /* wait status once reaped */
     bool reaped;
 };
 

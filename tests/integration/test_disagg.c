@@ -121,8 +121,8 @@ static int kv_used(struct moe_engine *e)
 
 /* One handoff of `prompt` from engine a to b; the tokens continue in *out. */
 static void handoff_once(struct moe_backend *be, struct moe_engine *a, struct moe_engine *b,
-                         const int32_t *prompt, int n_prompt,
-                         const struct moe_request_params *p, uint64_t id, struct cap *out)
+                         const int32_t *prompt, int n_prompt, const struct moe_request_params *p,
+                         uint64_t id, struct cap *out)
 {
     struct moe_error err = {0};
     struct moe_request_params pp = *p;
@@ -153,8 +153,10 @@ static void handoff_once(struct moe_backend *be, struct moe_engine *a, struct mo
     CHECK(kv_used(a) == 0);
     check_engine(a, "after release");
 
-    struct moe_seq_import im = {.n_prompt = out->ex.n_prompt, .n_tokens = out->ex.n_tokens,
-                                .tokens = out->ex_tokens, .rng = out->ex.rng,
+    struct moe_seq_import im = {.n_prompt = out->ex.n_prompt,
+                                .n_tokens = out->ex.n_tokens,
+                                .tokens = out->ex_tokens,
+                                .rng = out->ex.rng,
                                 .reservation = 1000 + id};
     CHECKF(moe_engine_import(b, id, &im, p, cap_cb, out, &err) == MOE_OK, "%s", err.msg);
     run_until_idle(b);
@@ -240,8 +242,8 @@ static int run_engine(void)
     toks[9] = want.ids[0];
     struct moe_rng rng;
     moe_rng_seed(&rng, 0);
-    struct moe_seq_import im = {.n_prompt = 9, .n_tokens = 10, .tokens = toks, .rng = rng,
-                                .reservation = 12345};
+    struct moe_seq_import im = {
+        .n_prompt = 9, .n_tokens = 10, .tokens = toks, .rng = rng, .reservation = 12345};
     moe_engine_unreserve(b, 7);
     CHECK(moe_engine_import(b, 500, &im, &pg, cap_cb, &got, &err) == MOE_OK);
     run_until_idle(b);
@@ -363,13 +365,13 @@ struct proc {
     struct rpc_client *cl;
 };
 
-static int worker_start(struct proc *p, const char *role, const char *kv_blocks,
-                        char *const env[])
+static int worker_start(struct proc *p, const char *role, const char *kv_blocks, char *const env[])
 {
     char bin[600];
     snprintf(bin, sizeof bin, "%s/moe-worker", g_bin);
-    char *argv[20] = {bin, "--model", (char *)g_model, "--listen", "127.0.0.1:0", "--dtype",
-                      "f32", "--threads", "1", "--role", (char *)role};
+    char *argv[20] = {bin,           "--model", (char *)g_model, "--listen",
+                      "127.0.0.1:0", "--dtype", "f32",           "--threads",
+                      "1",           "--role",  (char *)role};
     int n = 11;
     argv[n++] = "--kv-blocks";
     argv[n++] = (char *)kv_blocks;
@@ -389,9 +391,9 @@ static int coordinator_start(struct proc *p, const char *workers)
 {
     char bin[600];
     snprintf(bin, sizeof bin, "%s/moe-coordinator", g_bin);
-    char *argv[] = {bin,       "--model",   (char *)g_model, "--listen", "127.0.0.1:0",
-                    "--workers", (char *)workers, "--poll-ms", "100", "--grace-ms", "1000",
-                    NULL};
+    char *argv[] = {bin,           "--model",    (char *)g_model, "--listen",
+                    "127.0.0.1:0", "--workers",  (char *)workers, "--poll-ms",
+                    "100",         "--grace-ms", "1000",          NULL};
     int fd;
     p->pid = spawn(argv, NULL, &fd);
     struct moe_error err;
@@ -597,8 +599,7 @@ static void test_equal(struct proc *cm, struct proc *cd, struct proc *pw, struct
             t_sum += b->transfer_ms;
             n_handoffs++;
         }
-    printf("equal: %d prompts identical, mean transfer %.2f ms\n", n_handoffs,
-           t_sum / n_handoffs);
+    printf("equal: %d prompts identical, mean transfer %.2f ms\n", n_handoffs, t_sum / n_handoffs);
     /* max_tokens 1: finishes on the prefill worker, no handoff. */
     Moe__V1__SamplingParams sp1 = sampling(1, false);
     gen_run(cd->cl, prompt, 10, &sp1, 0, b);
@@ -614,9 +615,11 @@ static void test_equal(struct proc *cm, struct proc *cd, struct proc *pw, struct
     Moe__V1__WorkerLoad *lp = get_load(pw->cl), *ld = get_load(dw->cl);
     CHECK(lp && ld);
     if (lp && ld) {
-        CHECKF(lp->kv_transfers_out >= (uint64_t)n_handoffs && ld->kv_transfers_in >= (uint64_t)n_handoffs,
+        CHECKF(lp->kv_transfers_out >= (uint64_t)n_handoffs &&
+                   ld->kv_transfers_in >= (uint64_t)n_handoffs,
                "transfers out %" PRIu64 " in %" PRIu64, lp->kv_transfers_out, ld->kv_transfers_in);
-        CHECK(lp->kv_transfer_bytes_out == ld->kv_transfer_bytes_in && lp->kv_transfer_bytes_out > 0);
+        CHECK(lp->kv_transfer_bytes_out == ld->kv_transfer_bytes_in &&
+              lp->kv_transfer_bytes_out > 0);
         CHECK(lp->role == MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL &&
               ld->role == MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE);
         CHECK(lp->kv_transfer_failures == 0 && ld->kv_transfer_failures == 0);
@@ -682,12 +685,11 @@ static void test_concurrent(struct proc *cm, struct proc *cd, struct proc *pw, s
     int ok = 0;
     for (int i = 0; i < N; i++) {
         pthread_join(th[i], NULL);
-        bool same = got[i].out.code == RPC_OK && got[i].out.n_ids == 16 &&
-                    ref[i].out.n_ids == 16 &&
+        bool same = got[i].out.code == RPC_OK && got[i].out.n_ids == 16 && ref[i].out.n_ids == 16 &&
                     !memcmp(got[i].out.ids, ref[i].out.ids, 16 * sizeof(uint32_t));
         if (!same)
-            fprintf(stderr, "concurrent %d: %s %s, %zu tokens\n", i,
-                    rpc_code_name(got[i].out.code), got[i].out.message, got[i].out.n_ids);
+            fprintf(stderr, "concurrent %d: %s %s, %zu tokens\n", i, rpc_code_name(got[i].out.code),
+                    got[i].out.message, got[i].out.n_ids);
         ok += same;
     }
     printf("concurrent: %d/%d identical to mixed in %" PRId64 " ms\n", ok, N, now_ms() - t0);
@@ -749,9 +751,9 @@ static void test_prefill_dies(struct proc *cm, struct proc *dw, char *const env[
                a.out.wall_ms, a.out.n_ids);
     } else {
         gen_run(co.cl, prompt, n, &sp, 30000, got);
-        CHECKF(got->code == RPC_OK ? got->n_ids == N_TOK &&
-                                         !memcmp(got->ids, want->ids, N_TOK * sizeof *got->ids)
-                                   : got->code == RPC_UNAVAILABLE && got->wall_ms < 15000,
+        CHECKF(got->code == RPC_OK
+                   ? got->n_ids == N_TOK && !memcmp(got->ids, want->ids, N_TOK * sizeof *got->ids)
+                   : got->code == RPC_UNAVAILABLE && got->wall_ms < 15000,
                "%s: %s %s after %" PRId64 " ms, %zu tokens", what, rpc_code_name(got->code),
                got->message, got->wall_ms, got->n_ids);
         printf("%s: %s in %" PRId64 " ms (%zu tokens)\n", what, rpc_code_name(got->code),
@@ -829,8 +831,10 @@ static void test_refuse(struct proc *cm, struct proc *pw, struct proc *dw)
     if (rr)
         moe__v1__kv_release_response__free_unpacked(rr, NULL);
     uint32_t used0, pend0;
-    CHECKF(wait_pool_whole(tiny.cl, 3000, &used0, &pend0), "tiny after release: %u used, %u "
-                                                           "pending", used0, pend0);
+    CHECKF(wait_pool_whole(tiny.cl, 3000, &used0, &pend0),
+           "tiny after release: %u used, %u "
+           "pending",
+           used0, pend0);
     rq.handoff_id = "direct-3";
     rq.block_size = 8;
     rq.n_tokens = 60;
@@ -921,8 +925,8 @@ static int run_cluster(void)
                 child_forget(all[i]->pid);
                 break;
             }
-        CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 0, "process %zu exit status %d after SIGTERM",
-               i, st);
+        CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 0, "process %zu exit status %d after SIGTERM", i,
+               st);
     }
     return 0;
 }

@@ -57,9 +57,10 @@ static int start_worker(struct test_proc *w, const char *bin, const char *model,
 {
     char ttl[16];
     snprintf(ttl, sizeof ttl, "%d", TTL_MS);
-    char *argv[] = {(char *)bin, "--model", (char *)model, "--dtype", "f32", "--threads", "1",
-                    "--listen", "127.0.0.1:0", "--kv-blocks", "256", "--role", (char *)role,
-                    "--handoff-ttl-ms", ttl, NULL};
+    char *argv[] = {(char *)bin,   "--model",          (char *)model, "--dtype",
+                    "f32",         "--threads",        "1",           "--listen",
+                    "127.0.0.1:0", "--kv-blocks",      "256",         "--role",
+                    (char *)role,  "--handoff-ttl-ms", ttl,           NULL};
     if (test_proc_start(w, argv))
         return -1;
     const char *line = test_proc_wait_for(w, " on 127.0.0.1:", 30);
@@ -112,8 +113,9 @@ static void test_parked_expires(struct rpc_client *c)
         moe__v1__worker_load__free_unpacked(l, NULL);
     double took = wait_released(c, 5.0);
     CHECKF(took >= 0 && took < 3.0, "parked handoff not released (%.2f s)", took);
-    printf("parked handoff expired and freed its blocks %.0f ms after the first token (ttl %d ms)\n",
-           took * 1e3, TTL_MS);
+    printf(
+        "parked handoff expired and freed its blocks %.0f ms after the first token (ttl %d ms)\n",
+        took * 1e3, TTL_MS);
     /* asking to send it now is refused: it is gone */
     Moe__V1__KvSendRequest sr = MOE__V1__KV_SEND_REQUEST__INIT;
     sr.handoff_id = "h-parked";

@@ -39,8 +39,8 @@ struct gen_result {
 
 /* Runs one Generate; with cancel_after > 0 cancels after that many tokens. */
 static void generate(struct rpc_client *c, const char *id, const uint32_t *prompt, size_t n_prompt,
-                     uint32_t max_tokens, uint32_t deadline_ms, float temperature,
-                     int cancel_after, struct gen_result *out)
+                     uint32_t max_tokens, uint32_t deadline_ms, float temperature, int cancel_after,
+                     struct gen_result *out)
 {
     memset(out, 0, sizeof *out);
     Moe__V1__WorkerGenerateRequest rq = MOE__V1__WORKER_GENERATE_REQUEST__INIT;
@@ -290,7 +290,8 @@ static void test_abort(struct rpc_client *c)
     for (int tries = 0; tries < 200 && !found; tries++) {
         struct rpc_reply reply;
         if (rpc_client_call(c, "/moe.v1.Worker/Abort", b, len, 5000, &reply) == RPC_OK) {
-            Moe__V1__AbortResponse *r = moe__v1__abort_response__unpack(NULL, reply.len, reply.data);
+            Moe__V1__AbortResponse *r =
+                moe__v1__abort_response__unpack(NULL, reply.len, reply.data);
             found = r && r->found;
             if (r)
                 moe__v1__abort_response__free_unpacked(r, NULL);
@@ -364,8 +365,8 @@ int main(int argc, char **argv)
     }
     model_dir = argv[2];
     struct test_proc w;
-    char *wargv[] = {argv[1], "--model", argv[2], "--dtype", "f32", "--threads", "1",
-                     "--listen", "127.0.0.1:0", "--kv-blocks", "512", NULL};
+    char *wargv[] = {argv[1], "--model",  argv[2],       "--dtype",     "f32", "--threads",
+                     "1",     "--listen", "127.0.0.1:0", "--kv-blocks", "512", NULL};
     CHECK(test_proc_start(&w, wargv) == 0);
     const char *line = test_proc_wait_for(&w, " on 127.0.0.1:", 30);
     CHECKF(line != NULL, "worker did not start: %s", w.buf);

@@ -129,8 +129,8 @@ typedef void (*op_run_fn)(struct run *r, const struct op_case *c);
 struct op_case {
     const char *op;
     op_run_fn run;
-    int a[7];      /* shape parameters, meaning per op (see each run_* function) */
-    double tol;    /* nmse threshold; 0: bit-exact */
+    int a[7];   /* shape parameters, meaning per op (see each run_* function) */
+    double tol; /* nmse threshold; 0: bit-exact */
 };
 
 /* matmul: a = {n_tok, n_in, n_out, ldw - n_in, bf16, accumulate} */
@@ -172,7 +172,8 @@ static void run_rmsnorm(struct run *r, const struct op_case *c)
 {
     int n_rows = c->a[0], dim = c->a[1];
     size_t n = (size_t)n_rows * dim;
-    float *x = calloc(1, (n + 1) * sizeof(float)), *w = calloc(1, ((size_t)dim + 1) * sizeof(float));
+    float *x = calloc(1, (n + 1) * sizeof(float)),
+          *w = calloc(1, ((size_t)dim + 1) * sizeof(float));
     fill_floats(x, n, 3.0f);
     fill_floats(w, (size_t)dim, 1.0f);
     float *dx = run_buf(r, x, n * 4), *dw = run_buf(r, w, (size_t)dim * 4);
@@ -206,7 +207,8 @@ static void run_kv_write(struct run *r, const struct op_case *c)
 {
     int n_tok = c->a[0], kv_dim = c->a[1], n_slot = c->a[2];
     size_t nt = (size_t)n_tok * kv_dim, nc = (size_t)n_slot * kv_dim;
-    float *k = calloc(1, (nt + 1) * 4), *v = calloc(1, (nt + 1) * 4), *cache = calloc(1, (2 * nc + 1) * 4);
+    float *k = calloc(1, (nt + 1) * 4), *v = calloc(1, (nt + 1) * 4),
+          *cache = calloc(1, (2 * nc + 1) * 4);
     int32_t *perm = calloc(1, ((size_t)n_slot + 1) * sizeof(int32_t));
     fill_floats(k, nt, 1.0f);
     fill_floats(v, nt, 1.0f);
@@ -238,7 +240,8 @@ static void run_attention(struct run *r, const struct op_case *c)
     size_t nc = (size_t)n_block * bs * kv_dim;
     int32_t *perm = calloc(1, (size_t)n_block * sizeof(int32_t));
     int32_t *table = calloc(1, (size_t)n_seq * max_blocks * sizeof(int32_t));
-    int *len = calloc(1, (size_t)n_seq * sizeof(int)), *n_new = calloc(1, (size_t)n_seq * sizeof(int));
+    int *len = calloc(1, (size_t)n_seq * sizeof(int)),
+        *n_new = calloc(1, (size_t)n_seq * sizeof(int));
     shuffle_ids(perm, n_block);
     int n_tok = 0;
     for (int s = 0; s < n_seq; s++) {
@@ -258,7 +261,8 @@ static void run_attention(struct run *r, const struct op_case *c)
         }
     }
     size_t nq = (size_t)n_tok * n_head * d;
-    float *q = calloc(1, (nq + 1) * 4), *kc = calloc(1, (nc + 1) * 4), *vc = calloc(1, (nc + 1) * 4);
+    float *q = calloc(1, (nq + 1) * 4), *kc = calloc(1, (nc + 1) * 4),
+          *vc = calloc(1, (nc + 1) * 4);
     fill_floats(q, nq, 1.0f);
     fill_floats(kc, nc, 1.0f);
     fill_floats(vc, nc, 1.0f);
@@ -339,8 +343,8 @@ static void run_gather(struct run *r, const struct op_case *c)
     for (int i = 0; i < n; i++)
         idx[i] = rng_int(0, n_src - 1); /* repeats allowed */
     float *dd = run_buf(r, dst, nd * 4);
-    r->be->ops->gather_rows(r->be, run_buf(r, src, ns * 4), run_buf(r, idx, ((size_t)n + 1) * 4),
-                            n, dim, dd);
+    r->be->ops->gather_rows(r->be, run_buf(r, src, ns * 4), run_buf(r, idx, ((size_t)n + 1) * 4), n,
+                            dim, dd);
     run_get_floats(r, dd, nd);
     free(src);
     free(dst);
@@ -361,10 +365,9 @@ static void run_scatter(struct run *r, const struct op_case *c)
     fill_floats(scale, (size_t)n, 1.0f);
     shuffle_ids(perm, n_dst);
     float *dd = run_buf(r, dst, nd * 4);
-    r->be->ops->scatter_add_rows(r->be, run_buf(r, src, ns * 4),
-                                 run_buf(r, perm, ((size_t)n_dst + 1) * 4),
-                                 c->a[3] ? NULL : run_buf(r, scale, ((size_t)n + 1) * 4), n, dim,
-                                 dd);
+    r->be->ops->scatter_add_rows(
+        r->be, run_buf(r, src, ns * 4), run_buf(r, perm, ((size_t)n_dst + 1) * 4),
+        c->a[3] ? NULL : run_buf(r, scale, ((size_t)n + 1) * 4), n, dim, dd);
     run_get_floats(r, dd, nd);
     free(src);
     free(dst);
@@ -638,9 +641,9 @@ static const struct op_case g_cases[] = {
     {"matmul", run_matmul, {0, 64, 32, 0, F32, 0}, 0},
     {"matmul", run_matmul, {1, 1024, 2816, 0, BF16, 0}, 1e-10},
     {"matmul", run_matmul, {2, 2816, 1024, 0, BF16, 1}, 1e-10},
-    {"matmul", run_matmul, {5, 257, 9, 0, BF16, 0}, 1e-10},  /* ragged: scalar GEMV path */
-    {"matmul", run_matmul, {8, 64, 65, 8, BF16, 1}, 1e-10},  /* ldw > n_in, vector path */
-    {"matmul", run_matmul, {7, 96, 33, 1, BF16, 0}, 1e-10},  /* odd ldw: scalar path */
+    {"matmul", run_matmul, {5, 257, 9, 0, BF16, 0}, 1e-10},   /* ragged: scalar GEMV path */
+    {"matmul", run_matmul, {8, 64, 65, 8, BF16, 1}, 1e-10},   /* ldw > n_in, vector path */
+    {"matmul", run_matmul, {7, 96, 33, 1, BF16, 0}, 1e-10},   /* odd ldw: scalar path */
     {"matmul", run_matmul, {9, 1024, 512, 0, BF16, 0}, 1e-9}, /* tensor-core path */
     {"matmul", run_matmul, {130, 200, 37, 5, BF16, 1}, 1e-9},
     {"matmul", run_matmul, {512, 1024, 256, 0, BF16, 0}, 1e-9},
@@ -661,10 +664,10 @@ static const struct op_case g_cases[] = {
     {"kv_write", run_kv_write, {0, 64, 4}, 0},
     /* attention {n_seq, max_len, n_head, n_kv_head, d_head, block_size, mode} */
     {"attention", run_attention, {1, 1, 1, 1, 16, 1, 0}, 1e-10},
-    {"attention", run_attention, {3, 40, 4, 2, 16, 4, 1}, 1e-10},   /* mixtral fixture shape */
-    {"attention", run_attention, {4, 70, 4, 2, 32, 16, 2}, 1e-10},  /* qwen3 fixture shape */
-    {"attention", run_attention, {8, 300, 16, 4, 64, 16, 0}, 1e-10}, /* bench shape, decode */
-    {"attention", run_attention, {2, 200, 16, 4, 64, 16, 1}, 1e-10}, /* bench shape, prefill */
+    {"attention", run_attention, {3, 40, 4, 2, 16, 4, 1}, 1e-10},     /* mixtral fixture shape */
+    {"attention", run_attention, {4, 70, 4, 2, 32, 16, 2}, 1e-10},    /* qwen3 fixture shape */
+    {"attention", run_attention, {8, 300, 16, 4, 64, 16, 0}, 1e-10},  /* bench shape, decode */
+    {"attention", run_attention, {2, 200, 16, 4, 64, 16, 1}, 1e-10},  /* bench shape, prefill */
     {"attention", run_attention, {1, 3000, 8, 1, 128, 16, 0}, 1e-10}, /* many splits, G 8 */
     {"attention", run_attention, {3, 500, 32, 2, 128, 32, 2}, 1e-10}, /* G 16 */
     {"attention", run_attention, {2, 90, 6, 6, 256, 7, 2}, 1e-10},    /* MHA, odd block size */
@@ -676,7 +679,7 @@ static const struct op_case g_cases[] = {
     {"router", run_router, {33, 60, 8, 0, 1}, 1e-10},  /* ties, two lanes' worth */
     {"router", run_router, {20, 128, 8, 1, 0}, 1e-10}, /* qwen3-30b shape */
     {"router", run_router, {7, 256, 32, 1, 1}, 1e-10},
-    {"router", run_router, {64, 8, 2, 1, 2}, 1e-10},   /* one expert takes every token */
+    {"router", run_router, {64, 8, 2, 1, 2}, 1e-10}, /* one expert takes every token */
     {"router", run_router, {0, 8, 2, 1, 0}, 0},
     /* swiglu {n_rows, dim} */
     {"swiglu", run_swiglu, {1, 1}, 1e-10},
@@ -686,7 +689,7 @@ static const struct op_case g_cases[] = {
     {"gather_rows", run_gather, {1, 1, 1}, 0},
     {"gather_rows", run_gather, {64, 1024, 64}, 0}, /* one expert takes all tokens */
     {"gather_rows", run_gather, {13, 63, 40}, 0},
-    {"gather_rows", run_gather, {0, 64, 8}, 0},     /* expert with no tokens */
+    {"gather_rows", run_gather, {0, 64, 8}, 0}, /* expert with no tokens */
     /* scatter_add_rows {n, dim, n_dst, no_scale} */
     {"scatter_add_rows", run_scatter, {1, 1, 1, 0}, 0},
     {"scatter_add_rows", run_scatter, {64, 1024, 64, 0}, 0},
@@ -706,10 +709,13 @@ static const struct op_case g_cases[] = {
     {"grouped_matmul", run_grouped, {1, 1, 1, 1, F32, 0, 0}, 1e-10},
     {"grouped_matmul", run_grouped, {37, 8, 129, 67, BF16, 0, 0}, 1e-9},   /* ragged */
     {"grouped_matmul", run_grouped, {300, 8, 256, 200, BF16, 1, 0}, 1e-9}, /* prefill */
-    {"grouped_matmul", run_grouped, {64, 8, 100, 70, F32, 0, 1}, 1e-10},    /* one takes all */
+    {"grouped_matmul", run_grouped, {64, 8, 100, 70, F32, 0, 1}, 1e-10},   /* one takes all */
     {"grouped_matmul", run_grouped, {50, 16, 64, 33, BF16, 1, 2}, 1e-9},   /* empty, NULL */
-    {"grouped_matmul", run_grouped, {16, 128, 1024, 96, BF16, 0, 3}, 1e-10}, /* decode, host arrays */
-    {"grouped_matmul", run_grouped, {0, 8, 64, 64, F32, 0, 0}, 0},          /* no rows */
+    {"grouped_matmul",
+     run_grouped,
+     {16, 128, 1024, 96, BF16, 0, 3},
+     1e-10},                                                       /* decode, host arrays */
+    {"grouped_matmul", run_grouped, {0, 8, 64, 64, F32, 0, 0}, 0}, /* no rows */
     /* CUDA's grouped GEMV (bf16, <= 8 rows per expert): vector, scalar (n_in 129, ldw 67)
      * and exactly 8 rows on one expert; 9 rows on one expert leaves it for cuBLAS */
     {"grouped_matmul", run_grouped, {1, 8, 1024, 5632, BF16, 0, 0}, 1e-10},
@@ -730,10 +736,10 @@ static const struct op_case g_cases[] = {
     /* sample_top_p {n, vocab, temp x 100, top_p x 100, scale, ties}: ids exact (may differ
      * only where expf differs by an ulp right at a boundary: see backend.h) */
     {"sample_top_p", run_sample, {4, 1, 100, 90, 1, 0}, 0},
-    {"sample_top_p", run_sample, {16, 32000, 0, 90, 5, 0}, 0},   /* temperature 0: argmax */
-    {"sample_top_p", run_sample, {16, 32000, 100, 0, 5, 0}, 0},  /* no top-p: id order */
+    {"sample_top_p", run_sample, {16, 32000, 0, 90, 5, 0}, 0},  /* temperature 0: argmax */
+    {"sample_top_p", run_sample, {16, 32000, 100, 0, 5, 0}, 0}, /* no top-p: id order */
     {"sample_top_p", run_sample, {16, 32000, 70, 90, 8, 0}, 0},
-    {"sample_top_p", run_sample, {16, 1000, 100, 50, 3, 1}, 0},  /* tied p */
+    {"sample_top_p", run_sample, {16, 1000, 100, 50, 3, 1}, 0},   /* tied p */
     {"sample_top_p", run_sample, {4, 151936, 120, 95, 10, 0}, 0}, /* qwen3 vocab */
     {"sample_top_p", run_sample, {9, 777, 30, 99, 20, 0}, 0},
     /* kv_gather_blocks / kv_scatter_blocks {n, block_size, kv_dim, n_block, scatter} */
@@ -755,7 +761,7 @@ static const struct op_case g_refused[] = {
     {"attention", run_attention, {1, 8, 34, 1, 64, 4, 0}, 0}, /* 34 heads per KV head */
     {"router", run_router, {3, 300, 2, 1, 0}, 0},             /* 300 experts */
     {"rope", run_rope, {2, 2, 1024, 10, 10000}, 0},           /* d_head 1024 */
-    /* first index of the refusals every backend makes (the CPU too: run in --cpu-vs-cpu) */
+/* first index of the refusals every backend makes (the CPU too: run in --cpu-vs-cpu) */
 #define REFUSED_ALL_FROM 4
     {"grouped_matmul", run_grouped, {20, 4, 32, 16, F32, 0, 4}, 0}, /* rows, NULL weights */
     {"sample_top_p", run_sample, {2, 0, 100, 90, 1, 0}, 0},         /* vocab 0 */
@@ -765,8 +771,8 @@ static const struct op_case g_refused[] = {
 
 static void case_name(const struct op_case *c, char *buf, size_t cap)
 {
-    snprintf(buf, cap, "%s {%d, %d, %d, %d, %d, %d, %d}", c->op, c->a[0], c->a[1], c->a[2],
-             c->a[3], c->a[4], c->a[5], c->a[6]);
+    snprintf(buf, cap, "%s {%d, %d, %d, %d, %d, %d, %d}", c->op, c->a[0], c->a[1], c->a[2], c->a[3],
+             c->a[4], c->a[5], c->a[6]);
 }
 
 static double nmse(const float *a, const float *ref, size_t n)
@@ -861,8 +867,7 @@ int main(int argc, char **argv)
         if (!filter || strstr(g_cases[i].op, filter))
             check_case(i, &g_cases[i], cpu, cuda, &worst);
     for (size_t i = 0; i < n_refused; i++)
-        if ((!cpu_vs_cpu || i >= REFUSED_ALL_FROM) &&
-            (!filter || strstr(g_refused[i].op, filter)))
+        if ((!cpu_vs_cpu || i >= REFUSED_ALL_FROM) && (!filter || strstr(g_refused[i].op, filter)))
             check_refused(&g_refused[i], cuda);
     printf("ops: worst nmse %.3g\n", worst);
     moe_backend_destroy(cpu);

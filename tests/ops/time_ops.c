@@ -77,9 +77,18 @@ static void time_experts(struct moe_backend *be, int n_tok, int iters)
     int32_t *d_off = upload(be, off, sizeof off);
     const void **d_gu = upload(be, gu, sizeof gu), **d_dn = upload(be, dn, sizeof dn);
     struct moe_grouped_matmul_params g1 = {
-        .x = x, .n_rows = n_rows, .n_in = D_MODEL, .n_out = 2 * D_FF, .n_expert = N_EXPERT,
-        .expert_offsets = off, .expert_offsets_dev = d_off, .w = gu, .w_dev = d_gu,
-        .w_dtype = MOE_DTYPE_BF16, .ldw = D_MODEL, .y = h,
+        .x = x,
+        .n_rows = n_rows,
+        .n_in = D_MODEL,
+        .n_out = 2 * D_FF,
+        .n_expert = N_EXPERT,
+        .expert_offsets = off,
+        .expert_offsets_dev = d_off,
+        .w = gu,
+        .w_dev = d_gu,
+        .w_dtype = MOE_DTYPE_BF16,
+        .ldw = D_MODEL,
+        .y = h,
     };
     struct moe_grouped_matmul_params g2 = g1;
     g2.x = h; /* the first D_FF columns stand in for swiglu's output: same traffic */
@@ -105,14 +114,24 @@ static void time_experts(struct moe_backend *be, int n_tok, int iters)
                     if (!cnt[e])
                         continue;
                     struct moe_matmul_params a = {
-                        .x = x + (size_t)off[e] * D_MODEL, .n_tok = cnt[e], .n_in = D_MODEL,
-                        .w = gu[e], .w_dtype = MOE_DTYPE_BF16, .ldw = D_MODEL,
-                        .n_out = 2 * D_FF, .y = h + (size_t)off[e] * 2 * D_FF,
+                        .x = x + (size_t)off[e] * D_MODEL,
+                        .n_tok = cnt[e],
+                        .n_in = D_MODEL,
+                        .w = gu[e],
+                        .w_dtype = MOE_DTYPE_BF16,
+                        .ldw = D_MODEL,
+                        .n_out = 2 * D_FF,
+                        .y = h + (size_t)off[e] * 2 * D_FF,
                     };
                     be->ops->matmul(be, &a);
                     struct moe_matmul_params b = {
-                        .x = h + (size_t)off[e] * D_FF, .n_tok = cnt[e], .n_in = D_FF,
-                        .w = dn[e], .w_dtype = MOE_DTYPE_BF16, .ldw = D_FF, .n_out = D_MODEL,
+                        .x = h + (size_t)off[e] * D_FF,
+                        .n_tok = cnt[e],
+                        .n_in = D_FF,
+                        .w = dn[e],
+                        .w_dtype = MOE_DTYPE_BF16,
+                        .ldw = D_FF,
+                        .n_out = D_MODEL,
                         .y = y + (size_t)off[e] * D_MODEL,
                     };
                     be->ops->matmul(be, &b);
@@ -187,8 +206,8 @@ int main(int argc, char **argv)
     bool cpu = argc > 1 && strcmp(argv[1], "--cpu") == 0;
     struct moe_backend *be = NULL;
     struct moe_error err = {0};
-    enum moe_status st = cpu ? moe_backend_cpu_create(0, &be, &err)
-                             : moe_backend_cuda_create(0, &be, &err);
+    enum moe_status st =
+        cpu ? moe_backend_cpu_create(0, &be, &err) : moe_backend_cuda_create(0, &be, &err);
     if (st != MOE_OK) {
         printf("time_ops: skipped: %s\n", err.msg);
         return 77;

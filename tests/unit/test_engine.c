@@ -183,7 +183,8 @@ static void test_preemption(void)
     memset(&big, 0, sizeof big);
     memset(&small, 0, sizeof small);
     struct moe_engine_stats st_big, st_small;
-    struct moe_engine *e = make_engine((struct moe_engine_opts){.n_block = 128, .block_size = 4}, &big);
+    struct moe_engine *e =
+        make_engine((struct moe_engine_opts){.n_block = 128, .block_size = 4}, &big);
     for (int i = 0; i < N; i++)
         moe_engine_submit(e, (uint64_t)i, prompts[i], lens[i], &p, on_token, &big, &err);
     run_to_end(e);
@@ -222,10 +223,10 @@ static void test_random_workload(void)
 {
     static struct capture c;
     memset(&c, 0, sizeof c);
-    struct moe_engine *e =
-        make_engine((struct moe_engine_opts){.n_block = 40, .block_size = 4, .max_batch_tokens = 32,
-                                             .max_running = 6},
-                    &c);
+    struct moe_engine *e = make_engine(
+        (struct moe_engine_opts){
+            .n_block = 40, .block_size = 4, .max_batch_tokens = 32, .max_running = 6},
+        &c);
     struct moe_error err = {0}, cerr = {0};
     unsigned seed = 4242;
     bool in_flight[MAX_REQ] = {0};
@@ -326,8 +327,8 @@ static void test_prefix_cache(void)
     CHECK(on.n[1] == 4 && !memcmp(on.tokens[1], off.tokens[1], 4 * sizeof(int32_t)));
     double worst = 0;
     for (int j = 0; j < 4 && on.logits[1] && off.logits[1]; j++)
-        worst = fmax(worst, max_rel(on.logits[1] + (size_t)j * vocab, off.logits[1] + (size_t)j * vocab,
-                                    vocab));
+        worst = fmax(worst, max_rel(on.logits[1] + (size_t)j * vocab,
+                                    off.logits[1] + (size_t)j * vocab, vocab));
     CHECKF(worst <= 1e-5, "prefix-cached logits rel err %.3g", worst);
     printf("prefix cache: second request computed %lld tokens (prompt %d), logits rel err %.3g\n",
            (long long)computed, 3 * BS + 9, worst);
@@ -369,7 +370,8 @@ static void test_seeded_sampling(void)
     moe_engine_submit(e, 0, prompt, 12, &p, on_token, &c2, &err);
     run_to_end(e);
     moe_engine_destroy(e);
-    CHECK(c1.n[0] == OUT && c2.n[0] == OUT && !memcmp(c1.tokens[0], c2.tokens[0], sizeof(int32_t) * OUT));
+    CHECK(c1.n[0] == OUT && c2.n[0] == OUT &&
+          !memcmp(c1.tokens[0], c2.tokens[0], sizeof(int32_t) * OUT));
     /* and a different seed gives a different stream */
     static struct capture c3;
     memset(&c3, 0, sizeof c3);

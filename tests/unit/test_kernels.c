@@ -75,8 +75,15 @@ static double matmul_case(enum moe_dtype dt, int n_tok, int n_in, int n_out, int
     float *y0 = malloc((ny + 16) * sizeof(float));
     memcpy(y0, y, (ny + 16) * sizeof(float));
     struct moe_matmul_params p = {
-        .x = x, .n_tok = n_tok, .n_in = n_in, .w = dt == MOE_DTYPE_BF16 ? (void *)wb : (void *)wf,
-        .w_dtype = dt, .ldw = ldw, .n_out = n_out, .y = y, .accumulate = accumulate,
+        .x = x,
+        .n_tok = n_tok,
+        .n_in = n_in,
+        .w = dt == MOE_DTYPE_BF16 ? (void *)wb : (void *)wf,
+        .w_dtype = dt,
+        .ldw = ldw,
+        .n_out = n_out,
+        .y = y,
+        .accumulate = accumulate,
     };
     if (which == 0)
         g_cpu->ops->matmul(g_cpu, &p);
@@ -122,10 +129,9 @@ static void test_matmul(const char *isa)
     const double tol = 2e-6;
     /* Fixed ragged and benchmark-like shapes, then random ones. */
     static const int shapes[][3] = {
-        {1, 1, 1},    {1, 15, 1},    {1, 16, 4},    {1, 17, 5},    {2, 33, 3},
-        {3, 100, 7},  {4, 64, 64},   {5, 257, 9},   {8, 1024, 33}, {1, 1024, 300},
-        {37, 129, 13}, {64, 64, 17}, {65, 48, 21},  {130, 200, 37}, {256, 96, 40},
-        {260, 40, 70}, {300, 33, 65},
+        {1, 1, 1},    {1, 15, 1},     {1, 16, 4},    {1, 17, 5},     {2, 33, 3},    {3, 100, 7},
+        {4, 64, 64},  {5, 257, 9},    {8, 1024, 33}, {1, 1024, 300}, {37, 129, 13}, {64, 64, 17},
+        {65, 48, 21}, {130, 200, 37}, {256, 96, 40}, {260, 40, 70},  {300, 33, 65},
     };
     double worst = 0.0;
     int n_cases = 0;
@@ -334,18 +340,18 @@ static void attention_case(const char *isa, int n_kv_head, int rep, int d_head, 
         for (int i = 0; i < n_new[s]; i++, t++) {
             tok_seq[t] = s;
             tok_pos[t] = seq_len[s] - n_new[s] + i;
-            slots[t] = bt[s * max_blocks + tok_pos[t] / block_size] * block_size +
-                       tok_pos[t] % block_size;
+            slots[t] =
+                bt[s * max_blocks + tok_pos[t] / block_size] * block_size + tok_pos[t] % block_size;
         }
     }
     float *k = rand_floats((size_t)n_tok * kv_dim), *v = rand_floats((size_t)n_tok * kv_dim);
     g_cpu->ops->kv_write(g_cpu, k, v, slots, n_tok, kv_dim, kc, vc);
     int kv_ok = 1;
     for (t = 0; t < n_tok; t++)
-        kv_ok &= memcmp(kc + (size_t)slots[t] * kv_dim, k + (size_t)t * kv_dim,
-                        (size_t)kv_dim * 4) == 0 &&
-                 memcmp(vc + (size_t)slots[t] * kv_dim, v + (size_t)t * kv_dim,
-                        (size_t)kv_dim * 4) == 0;
+        kv_ok &=
+            memcmp(kc + (size_t)slots[t] * kv_dim, k + (size_t)t * kv_dim, (size_t)kv_dim * 4) ==
+                0 &&
+            memcmp(vc + (size_t)slots[t] * kv_dim, v + (size_t)t * kv_dim, (size_t)kv_dim * 4) == 0;
     CHECK(kv_ok);
 
     float *q = rand_floats((size_t)n_tok * n_head * d_head);
@@ -385,15 +391,25 @@ static void attention_case(const char *isa, int n_kv_head, int rep, int d_head, 
         }
     }
     struct moe_attn_params ap = {
-        .q = q, .out = out, .k_cache = kc, .v_cache = vc, .tok_seq = tok_seq,
-        .tok_pos = tok_pos, .block_tables = bt, .max_blocks = max_blocks, .n_tok = n_tok,
-        .n_head = n_head, .n_kv_head = n_kv_head, .d_head = d_head, .block_size = block_size,
+        .q = q,
+        .out = out,
+        .k_cache = kc,
+        .v_cache = vc,
+        .tok_seq = tok_seq,
+        .tok_pos = tok_pos,
+        .block_tables = bt,
+        .max_blocks = max_blocks,
+        .n_tok = n_tok,
+        .n_head = n_head,
+        .n_kv_head = n_kv_head,
+        .d_head = d_head,
+        .block_size = block_size,
         .scale = scale,
     };
     g_cpu->ops->attention(g_cpu, &ap);
     double e = max_rel_err(out, ref, (size_t)n_tok * n_head * d_head);
-    CHECKF(e < 1e-5, "%s attention n_kv_head %d rep %d d_head %d block %d n_tok %d: err %.3g",
-           isa, n_kv_head, rep, d_head, block_size, n_tok, e);
+    CHECKF(e < 1e-5, "%s attention n_kv_head %d rep %d d_head %d block %d n_tok %d: err %.3g", isa,
+           n_kv_head, rep, d_head, block_size, n_tok, e);
     *worst = fmax(*worst, e);
     free(perm);
     free(bt);
@@ -546,7 +562,7 @@ static void test_elementwise(void)
             tb[i] = moe_f32_to_bf16(tf[i]);
             th[i] = (uint16_t)(0x3c00 + (i % 1024)); /* 1.0 + i/1024 */
         }
-        th[3 * dim] = 0x8001;  /* -2^-24, subnormal */
+        th[3 * dim] = 0x8001;     /* -2^-24, subnormal */
         th[3 * dim + 1] = 0x7bff; /* 65504 */
         float out[6 * 19];
         int ok_f = 1, ok_b = 1, ok_h = 1;
@@ -685,9 +701,9 @@ static void test_grouped_matmul(void)
         int n_rows, n_expert, n_in, n_out, pad, mode;
         enum moe_dtype dt;
     } cases[] = {
-        {1, 1, 1, 1, 0, 0, MOE_DTYPE_F32},     {37, 8, 33, 17, 3, 0, MOE_DTYPE_BF16},
-        {64, 8, 64, 40, 0, 1, MOE_DTYPE_F32},  {50, 16, 48, 9, 5, 2, MOE_DTYPE_BF16},
-        {0, 4, 16, 16, 0, 0, MOE_DTYPE_F32},   {200, 60, 96, 70, 0, 0, MOE_DTYPE_BF16},
+        {1, 1, 1, 1, 0, 0, MOE_DTYPE_F32},    {37, 8, 33, 17, 3, 0, MOE_DTYPE_BF16},
+        {64, 8, 64, 40, 0, 1, MOE_DTYPE_F32}, {50, 16, 48, 9, 5, 2, MOE_DTYPE_BF16},
+        {0, 4, 16, 16, 0, 0, MOE_DTYPE_F32},  {200, 60, 96, 70, 0, 0, MOE_DTYPE_BF16},
     };
     double worst = 0.0;
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
@@ -714,8 +730,16 @@ static void test_grouped_matmul(void)
         memcpy(y_ref, y, ny * sizeof(float));
         bool acc = c % 2;
         struct moe_grouped_matmul_params p = {
-            .x = x, .n_rows = n_rows, .n_in = n_in, .n_out = n_out, .n_expert = n_e,
-            .expert_offsets = off, .w = w, .w_dtype = cases[c].dt, .ldw = ldw, .y = y,
+            .x = x,
+            .n_rows = n_rows,
+            .n_in = n_in,
+            .n_out = n_out,
+            .n_expert = n_e,
+            .expert_offsets = off,
+            .w = w,
+            .w_dtype = cases[c].dt,
+            .ldw = ldw,
+            .y = y,
             .accumulate = acc,
         };
         g_cpu->ops->grouped_matmul(g_cpu, &p);
@@ -727,9 +751,15 @@ static void test_grouped_matmul(void)
             if (!cnt)
                 continue;
             struct moe_matmul_params mp = {
-                .x = x + (size_t)off[e] * n_in, .n_tok = cnt, .n_in = n_in, .w = w[e],
-                .w_dtype = cases[c].dt, .ldw = ldw, .n_out = n_out,
-                .y = y_ref + (size_t)off[e] * n_out, .accumulate = acc,
+                .x = x + (size_t)off[e] * n_in,
+                .n_tok = cnt,
+                .n_in = n_in,
+                .w = w[e],
+                .w_dtype = cases[c].dt,
+                .ldw = ldw,
+                .n_out = n_out,
+                .y = y_ref + (size_t)off[e] * n_out,
+                .accumulate = acc,
             };
             cpu_matmul_ref(&mp);
         }
@@ -775,8 +805,8 @@ static void test_grouped_matmul(void)
  * pairs by expert as the model does (stable counting sort), and fills
  * route_tok / route_w (n_route, permuted order), tok_rows (n_tok, top_k:
  * positions sorted by expert) and off (n_expert + 1). */
-static void random_routing(int n_tok, int top_k, int n_expert, int32_t *route_tok,
-                           float *route_w, int32_t *tok_rows, int32_t *off)
+static void random_routing(int n_tok, int top_k, int n_expert, int32_t *route_tok, float *route_w,
+                           int32_t *tok_rows, int32_t *off)
 {
     int n_route = n_tok * top_k;
     int32_t *ids = malloc(((size_t)n_route + 1) * sizeof *ids);
@@ -829,8 +859,8 @@ static void test_unpermute_combine(void)
         float *y = calloc(ny, sizeof(float)), *y_ref = calloc(ny, sizeof(float));
         /* the model's loop: per expert, scatter-add its rows in order */
         for (int e = 0; e < n_e; e++)
-            cpu_scatter_add_rows(rows + (size_t)off[e] * dim, route_tok + off[e],
-                                 route_w + off[e], off[e + 1] - off[e], dim, y_ref);
+            cpu_scatter_add_rows(rows + (size_t)off[e] * dim, route_tok + off[e], route_w + off[e],
+                                 off[e + 1] - off[e], dim, y_ref);
         g_cpu->ops->unpermute_combine(g_cpu, rows, route_w, tok_rows, n_tok, k, dim, y);
         CHECKF(memcmp(y, y_ref, ny * sizeof(float)) == 0,
                "unpermute_combine case %zu differs from the scatter loop", c);
@@ -847,8 +877,7 @@ static void test_unpermute_combine(void)
                     continue;
                 }
                 for (int d = 0; d < dim; d++)
-                    naive[(size_t)t * dim + d] +=
-                        (double)route_w[*e] * rows[(size_t)*e * dim + d];
+                    naive[(size_t)t * dim + d] += (double)route_w[*e] * rows[(size_t)*e * dim + d];
             }
         g_cpu->ops->unpermute_combine(g_cpu, rows, route_w, tok_rows, n_tok, k, dim, y2);
         double e = max_rel_err(y2, naive, ny);

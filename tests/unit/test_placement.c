@@ -10,8 +10,8 @@ static void expect_bad(const char *json, const char *needle)
     struct moe_placement p;
     struct moe_error err = {0};
     const char *path = test_write_temp("placement.json", json, strlen(json));
-    CHECKF(moe_placement_load(path, 2, 4, 2, &p, &err) == MOE_ERR_FORMAT && strstr(err.msg, needle) &&
-               strstr(err.msg, "placement.json"),
+    CHECKF(moe_placement_load(path, 2, 4, 2, &p, &err) == MOE_ERR_FORMAT &&
+               strstr(err.msg, needle) && strstr(err.msg, "placement.json"),
            "%s -> %s", json, err.msg);
 }
 

@@ -177,8 +177,9 @@ static void test_zipf_balance(void)
                 mean_sum += sum / N;
             }
             double bound = bound_sum / mean_sum;
-            fprintf(stderr, "zipf s=%.1f 64e/8r R=%2d: imbalance %.3f -> %.3f (bound %.3f), %d moves\n",
-                    s, R, r.imbalance_before, r.imbalance_after, bound, r.n_moves);
+            fprintf(stderr,
+                    "zipf s=%.1f 64e/8r R=%2d: imbalance %.3f -> %.3f (bound %.3f), %d moves\n", s,
+                    R, r.imbalance_before, r.imbalance_after, bound, r.n_moves);
             CHECK(r.imbalance_after <= r.imbalance_before);
             CHECKF(r.imbalance_after <= fmax(1.15, bound * 1.05), "s=%.1f R=%d: %.3f", s, R,
                    r.imbalance_after);

@@ -9,26 +9,26 @@
 extern int test_n_pass;
 extern int test_n_fail;
 
-#define CHECK(cond)                                                                               \
-    do {                                                                                          \
-        if (cond) {                                                                               \
-            test_n_pass++;                                                                        \
-        } else {                                                                                  \
-            test_n_fail++;                                                                        \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);              \
-        }                                                                                         \
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (cond) {                                                                                \
+            test_n_pass++;                                                                         \
+        } else {                                                                                   \
+            test_n_fail++;                                                                         \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);               \
+        }                                                                                          \
     } while (0)
 
-#define CHECKF(cond, ...)                                                                         \
-    do {                                                                                          \
-        if (cond) {                                                                               \
-            test_n_pass++;                                                                        \
-        } else {                                                                                  \
-            test_n_fail++;                                                                        \
-            fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond);              \
-            fprintf(stderr, __VA_ARGS__);                                                         \
-            fputc('\n', stderr);                                                                  \
-        }                                                                                         \
+#define CHECKF(cond, ...)                                                                          \
+    do {                                                                                           \
+        if (cond) {                                                                                \
+            test_n_pass++;                                                                         \
+        } else {                                                                                   \
+            test_n_fail++;                                                                         \
+            fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond);               \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fputc('\n', stderr);                                                                   \
+        }                                                                                          \
     } while (0)
 
 #define TEST_SKIP_CODE 77
