@@ -20,6 +20,7 @@
 #include "generate.h"
 #include "engine.h"
 #include "group.h"
+#include "launch.h"
 #include "model.h"
 #include "offline.h"
 #include "placement.h"
@@ -90,7 +91,6 @@ static void usage(FILE *f)
            "10000)\n");
 }
 
-/* Prints "moe-generate: <message>" and returns the exit code for bad usage. */
 static int parse_args(int argc, char **argv, struct args *a)
 {
     *a = (struct args){.n_predict = 32,
@@ -390,24 +390,28 @@ int main(int argc, char **argv)
         return rc;
 
     struct moe_error err = {0};
-    struct moe_backend *be = NULL;
     struct moe_model *model = NULL;
     struct moe_tokenizer *tok = NULL;
     int32_t *prompt = NULL;
     float *logits = NULL;
     char *text = NULL;
     struct moe_gen_result res = {0};
-    struct moe_group *group = NULL;
-    struct moe_placement placement = {0};
+    struct moe_launch launch = {0};
+    struct moe_group *group = NULL; /* = launch.group */
+    struct moe_backend *be = NULL;  /* = launch.be */
     rc = 1;
 
-    if (moe_group_launched_by_mpi()) {
-        if (moe_group_create(&argc, &argv, a.tp, a.comm_timeout_ms, &group, &err))
-            goto fail;
-    } else if (a.tp > 1 || a.placement) {
-        moe_error_set(&err, MOE_ERR_INVALID, "--tp and --placement need a group: run under mpirun");
+    struct moe_launch_args la = {.model = a.model,
+                                 .device = a.device,
+                                 .threads = a.threads,
+                                 .dtype = a.dtype,
+                                 .tp = a.tp,
+                                 .comm_timeout_ms = a.comm_timeout_ms,
+                                 .placement = a.placement};
+    if (moe_launch_start(&argc, &argv, &la, &launch, &err))
         goto fail;
-    }
+    group = launch.group;
+    be = launch.be;
     if (group && a.placement_switch && group->rank == 0) {
         struct moe_placement next;
         if (moe_placement_load_for_model(a.placement_switch, a.model, group->size, &next, &err))
@@ -417,21 +421,7 @@ int main(int argc, char **argv)
         if (prc)
             goto fail;
     }
-    if (group && a.placement &&
-        moe_placement_load_for_model(a.placement, a.model, group->size, &placement, &err))
-        goto fail;
-    if (moe_backend_create(a.device, a.threads, &be, &err))
-        goto fail;
-    if (group && moe_group_attach_device(group, be, &err))
-        goto fail;
-    struct moe_model_opts mo = {
-        .dtype = a.dtype,
-        .tp_rank = group ? group->tp_rank : 0,
-        .tp_size = group ? group->tp_size : 1,
-        .tp_comm = group ? moe_group_model_tp(group) : NULL,
-        .ep_comm = group ? moe_group_model_ep(group) : NULL,
-        .placement = a.placement ? &placement : NULL,
-    };
+    struct moe_model_opts mo = launch.model_opts;
     double t_load = moe_now();
     if (moe_model_load(a.model, &mo, be, &model, &err))
         goto fail;
@@ -567,14 +557,12 @@ out:
         if (moe_group_stop(group, &stop_err))
             fprintf(stderr, "moe-generate: stopping the group: %s\n", stop_err.msg);
     }
-    moe_placement_free(&placement);
     moe_gen_result_free(&res);
     free(text);
     free(logits);
     free(prompt);
     moe_tokenizer_free(tok);
     moe_model_free(model);
-    moe_backend_destroy(be);
-    moe_group_destroy(group);
+    moe_launch_finish(&launch);
     return rc;
 }

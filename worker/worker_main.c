@@ -28,6 +28,7 @@
 #include "etcd.h"
 #include "generate.h"
 #include "group.h"
+#include "launch.h"
 #include "model.h"
 #include "moe/v1/worker.pb-c.h"
 #include "placement.h"
@@ -269,46 +270,36 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
 
     struct moe_error err = {0};
-    struct moe_backend *be = NULL;
     struct moe_model *model = NULL;
     struct moe_tokenizer *tok = NULL;
     struct moe_engine *engine = NULL;
     struct worker_service *ws = NULL;
     struct registration reg = {.endpoints = a.etcd, .ttl = a.lease_ttl};
-    struct moe_group *group = NULL;
-    struct moe_placement placement = {0};
+    struct moe_launch launch = {0};
+    struct moe_group *group = NULL; /* = launch.group */
+    struct moe_backend *be = NULL;  /* = launch.be */
     struct moe_etcd_watch *placement_watch = NULL;
     rc = 1;
 
-    if (moe_group_launched_by_mpi()) {
-        if (moe_group_create(&argc, &argv, a.tp, a.comm_timeout_ms, &group, &err))
-            goto fail;
-        if (strcmp(a.role, "mixed") && group->size > 1) {
-            moe_error_set(&err, MOE_ERR_INVALID,
-                          "--role %s: the KV handoff (host path) needs a single-rank worker, "
-                          "this group has %d ranks",
-                          a.role, group->size);
-            goto fail;
-        }
-    } else if (a.tp > 1 || a.placement) {
-        moe_error_set(&err, MOE_ERR_INVALID, "--tp and --placement need a group: run under mpirun");
+    struct moe_launch_args la = {.model = a.model,
+                                 .device = a.device,
+                                 .threads = a.threads,
+                                 .dtype = a.dtype,
+                                 .tp = a.tp,
+                                 .comm_timeout_ms = a.comm_timeout_ms,
+                                 .placement = a.placement};
+    if (moe_launch_start(&argc, &argv, &la, &launch, &err))
+        goto fail;
+    group = launch.group;
+    be = launch.be;
+    if (group && strcmp(a.role, "mixed") && group->size > 1) {
+        moe_error_set(&err, MOE_ERR_INVALID,
+                      "--role %s: the KV handoff (host path) needs a single-rank worker, "
+                      "this group has %d ranks",
+                      a.role, group->size);
         goto fail;
     }
-    if (group && a.placement &&
-        moe_placement_load_for_model(a.placement, a.model, group->size, &placement, &err))
-        goto fail;
-    if (moe_backend_create(a.device, a.threads, &be, &err))
-        goto fail;
-    if (group && moe_group_attach_device(group, be, &err))
-        goto fail;
-    struct moe_model_opts mo = {
-        .dtype = a.dtype,
-        .tp_rank = group ? group->tp_rank : 0,
-        .tp_size = group ? group->tp_size : 1,
-        .tp_comm = group ? moe_group_model_tp(group) : NULL,
-        .ep_comm = group ? moe_group_model_ep(group) : NULL,
-        .placement = a.placement ? &placement : NULL,
-    };
+    struct moe_model_opts mo = launch.model_opts;
     if (moe_model_load(a.model, &mo, be, &model, &err))
         goto fail;
     const struct moe_config *cfg = moe_model_config(model);
@@ -455,13 +446,11 @@ out:
         if (moe_group_stop(group, &stop_err))
             fprintf(stderr, "moe-worker: stopping the group: %s\n", stop_err.msg);
     }
-    moe_placement_free(&placement);
     unregister_worker(&reg);
     moe_etcd_destroy(reg.etcd);
     moe_engine_destroy(engine);
     moe_tokenizer_free(tok);
     moe_model_free(model);
-    moe_backend_destroy(be);
-    moe_group_destroy(group);
+    moe_launch_finish(&launch);
     return rc;
 }
