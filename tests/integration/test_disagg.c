@@ -29,6 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "rpcutil.h"
 #include "backend.h"
 #include "engine.h"
 #include "kv_transfer.h"
@@ -416,40 +417,6 @@ static void proc_kill(struct proc *p)
 }
 
 /* ---- client helpers -------------------------------------------------------------------- */
-
-static void *pack(const void *msg, size_t *len)
-{
-    *len = protobuf_c_message_get_packed_size(msg);
-    void *b = malloc(*len ? *len : 1);
-    protobuf_c_message_pack(msg, b);
-    return b;
-}
-
-static void *call(struct rpc_client *cl, const char *method, const void *req,
-                  const ProtobufCMessageDescriptor *desc, enum rpc_code *code, char *msg,
-                  size_t cap)
-{
-    size_t len;
-    void *b = pack(req, &len);
-    struct rpc_reply r;
-    *code = rpc_client_call(cl, method, b, len, 5000, &r);
-    free(b);
-    if (msg)
-        snprintf(msg, cap, "%s", r.message);
-    void *out = NULL;
-    if (r.code == RPC_OK)
-        out = protobuf_c_message_unpack(desc, NULL, r.len, r.data);
-    rpc_reply_clear(&r);
-    return out;
-}
-
-static Moe__V1__WorkerLoad *get_load(struct rpc_client *cl)
-{
-    Moe__V1__GetLoadRequest rq = MOE__V1__GET_LOAD_REQUEST__INIT;
-    enum rpc_code code;
-    return call(cl, "/moe.v1.Worker/GetLoad", &rq, &moe__v1__worker_load__descriptor, &code, NULL,
-                0);
-}
 
 /* Waits until the worker holds no KV blocks and no handoff. */
 static bool wait_pool_whole(struct rpc_client *cl, int timeout_ms, uint32_t *used, uint32_t *pend)

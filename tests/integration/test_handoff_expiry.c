@@ -6,34 +6,13 @@
  *    arrive; after the TTL the reservation is freed.
  *
  *   test_handoff_expiry MOE_WORKER_BINARY MODEL_DIR */
+#include "rpcutil.h"
 #include "moe/v1/worker.pb-c.h"
 #include "proc.h"
 #include "rpc.h"
 #include "testlib.h"
 
 #define TTL_MS 400
-
-static uint8_t *pack(const ProtobufCMessage *m, size_t *len)
-{
-    *len = protobuf_c_message_get_packed_size(m);
-    uint8_t *b = malloc(*len + 1);
-    protobuf_c_message_pack(m, b);
-    return b;
-}
-
-static Moe__V1__WorkerLoad *get_load(struct rpc_client *c)
-{
-    Moe__V1__GetLoadRequest rq = MOE__V1__GET_LOAD_REQUEST__INIT;
-    size_t len;
-    uint8_t *b = pack(&rq.base, &len);
-    struct rpc_reply reply;
-    Moe__V1__WorkerLoad *load = NULL;
-    if (rpc_client_call(c, "/moe.v1.Worker/GetLoad", b, len, 5000, &reply) == RPC_OK)
-        load = moe__v1__worker_load__unpack(NULL, reply.len, reply.data);
-    rpc_reply_clear(&reply);
-    free(b);
-    return load;
-}
 
 /* Polls until the worker holds no blocks and no handoff; returns the seconds
  * it took, or -1 after timeout_s. */

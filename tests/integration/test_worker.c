@@ -10,6 +10,7 @@
  *   test_worker MOE_WORKER_BINARY MODEL_DIR */
 #include <pthread.h>
 
+#include "rpcutil.h"
 #include "backend.h"
 #include "generate.h"
 #include "moe/v1/health.pb-c.h"
@@ -20,14 +21,6 @@
 
 static const char *model_dir;
 static char addr[64];
-
-static uint8_t *pack(const ProtobufCMessage *m, size_t *len)
-{
-    *len = protobuf_c_message_get_packed_size(m);
-    uint8_t *b = malloc(*len + 1);
-    protobuf_c_message_pack(m, b);
-    return b;
-}
 
 struct gen_result {
     uint32_t tokens[512];
@@ -81,20 +74,6 @@ static void generate(struct rpc_client *c, const char *id, const uint32_t *promp
     out->code = rpc_client_stream_status(st, &msg);
     snprintf(out->message, sizeof out->message, "%s", msg ? msg : "");
     rpc_client_stream_destroy(st);
-}
-
-static Moe__V1__WorkerLoad *get_load(struct rpc_client *c)
-{
-    Moe__V1__GetLoadRequest rq = MOE__V1__GET_LOAD_REQUEST__INIT;
-    size_t len;
-    uint8_t *b = pack(&rq.base, &len);
-    struct rpc_reply reply;
-    Moe__V1__WorkerLoad *load = NULL;
-    if (rpc_client_call(c, "/moe.v1.Worker/GetLoad", b, len, 5000, &reply) == RPC_OK)
-        load = moe__v1__worker_load__unpack(NULL, reply.len, reply.data);
-    rpc_reply_clear(&reply);
-    free(b);
-    return load;
 }
 
 /* Waits until the worker holds no KV block and runs nothing. */
