@@ -156,13 +156,13 @@ struct coord_worker *coord_router_pick(struct coord *c, const int32_t *ids, size
 
 /* As coord_router_pick among the workers of one role (Moe__V1__WorkerRole;
  * 0: mixed and decode workers, i.e. any that decodes; a prefill worker only
- * if no other is serving). With need_blocks > 0 only workers with that many
- * free KV blocks, block size `block_size` and TP size `tp_size` qualify (a
- * decode worker able to take a handoff); they are picked by load alone. */
+ * if no other is serving). With need_tokens > 0 only workers with free KV
+ * blocks for that many tokens (in their own block size) qualify (a decode
+ * worker able to take a handoff: block and TP sizes may differ from the
+ * sender's, the KV data plane re-slices); they are picked by load alone. */
 struct coord_worker *coord_router_pick_role(struct coord *c, int role, const int32_t *ids,
                                             size_t n_ids, struct coord_worker *const *exclude,
-                                            size_t n_exclude, uint32_t need_blocks,
-                                            uint32_t block_size, uint32_t tp_size);
+                                            size_t n_exclude, uint32_t need_tokens);
 
 /* The request routed by coord_router_pick ended. Takes c->mu. */
 void coord_router_done(struct coord *c, struct coord_worker *w);

@@ -535,7 +535,7 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     if (!has_role_serving(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE))
         return DISAGG_NO;
     struct coord_worker *p = coord_router_pick_role(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL,
-                                                    f->prompt, f->n_prompt, NULL, 0, 0, 0, 0);
+                                                    f->prompt, f->n_prompt, NULL, 0, 0);
     if (!p)
         return DISAGG_NO;
     static uint64_t seq;
@@ -597,7 +597,6 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     uint32_t bs = p->block_size ? p->block_size : COORD_DEFAULT_BLOCK;
     uint32_t tp = p->tp_size ? p->tp_size : 1;
     pthread_mutex_unlock(&c->mu);
-    uint32_t n_blocks = (uint32_t)((f->n_prompt + bs - 1) / bs);
     struct coord_worker *tried[HANDOFF_DECODE_TRIES];
     size_t n_tried = 0;
     Moe__V1__KvReserveResponse *rr = NULL;
@@ -605,21 +604,22 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     while (n_tried < HANDOFF_DECODE_TRIES) {
         struct coord_worker *w =
             coord_router_pick_role(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE, f->prompt,
-                                   f->n_prompt, tried, n_tried, n_blocks, bs, tp);
+                                   f->n_prompt, tried, n_tried, (uint32_t)f->n_prompt);
         if (!w)
             break;
         Moe__V1__KvReserveRequest rq = MOE__V1__KV_RESERVE_REQUEST__INIT;
         rq.handoff_id = hid;
         rq.request_id = f->request_id;
-        rq.n_tokens = (uint32_t)f->n_prompt;
-        rq.n_blocks = n_blocks;
+        rq.n_tokens = (uint32_t)f->n_prompt; /* the receiver counts blocks in its own size */
         rq.block_size = bs;
         rq.tp_size = tp;
         char m[512];
         enum rpc_code rc = worker_call(w, "/moe.v1.Worker/KvReserve", &rq,
                                        &moe__v1__kv_reserve_response__descriptor, (void **)&rr,
                                        min64(HANDOFF_CALL_MS, ms_left(f)), m, sizeof m);
-        if (rc == RPC_OK && rr && rr->n_block_ids == n_blocks) {
+        uint32_t dbs = rr && rr->block_size ? rr->block_size : 0;
+        if (rc == RPC_OK && rr && dbs && rr->tp_size && rr->n_rank_endpoints &&
+            rr->n_block_ids == (f->n_prompt + dbs - 1) / dbs) {
             *d = w;
             break;
         }
@@ -640,14 +640,13 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
         *code = RPC_RESOURCE_EXHAUSTED;
         if (n_tried)
             snprintf(msg, cap,
-                     "no decode worker could take the KV of this request (%u blocks of %u "
-                     "tokens): last refusal from %s",
-                     n_blocks, bs, last);
+                     "no decode worker could take the KV of this request (%zu tokens): last "
+                     "refusal from %s",
+                     f->n_prompt, last);
         else
             snprintf(msg, cap,
-                     "no decode worker has %u free KV blocks of %u tokens (tp %u) for this "
-                     "request",
-                     n_blocks, bs, tp);
+                     "no decode worker has free KV blocks for the %zu tokens of this request",
+                     f->n_prompt);
         return DISAGG_SETTLED;
     }
 
@@ -657,6 +656,10 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     sq.target_address = (*d)->address;
     sq.n_block_ids = rr->n_block_ids;
     sq.block_ids = rr->block_ids;
+    sq.n_target_endpoints = rr->n_rank_endpoints;
+    sq.target_endpoints = rr->rank_endpoints;
+    sq.target_tp_size = rr->tp_size;
+    sq.target_block_size = rr->block_size;
     int64_t send_ms = min64(HANDOFF_SEND_MS, ms_left(f));
     sq.deadline_ms = send_ms < 1 ? 1 : (uint32_t)send_ms;
     Moe__V1__KvSendResponse *sr = NULL;

@@ -235,6 +235,10 @@ static cJSON *worker_json(const Moe__V1__WorkerStatus *w)
     cJSON_AddNumberToObject(o, "world_size", w->world_size);
     cJSON_AddNumberToObject(o, "tp_size", w->tp_size);
     cJSON_AddNumberToObject(o, "ep_size", w->ep_size);
+    cJSON_AddNumberToObject(o, "kv_transfers_out", (double)w->kv_transfers_out);
+    cJSON_AddNumberToObject(o, "kv_transfers_in", (double)w->kv_transfers_in);
+    cJSON_AddNumberToObject(o, "kv_transfer_bytes", (double)w->kv_transfer_bytes);
+    cJSON_AddNumberToObject(o, "kv_transfer_failures", w->kv_transfer_failures);
     if (w->last_seen_ms_ago != UINT64_MAX)
         cJSON_AddNumberToObject(o, "last_seen_ms_ago", (double)w->last_seen_ms_ago);
     else

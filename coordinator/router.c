@@ -69,9 +69,7 @@ static bool eligible(const struct coord_worker *w, struct coord_worker *const *e
 struct pick_filter {
     int role;             /* 0: any; else only this Moe__V1__WorkerRole */
     bool no_prefill;      /* skip prefill-role workers */
-    uint32_t need_blocks; /* > 0: a handoff target (free blocks, same layout) */
-    uint32_t block_size;
-    uint32_t tp_size;
+    uint32_t need_tokens; /* > 0: a handoff target with free blocks for them */
 };
 
 static bool fits(const struct coord_worker *w, const struct pick_filter *pf)
@@ -80,12 +78,11 @@ static bool fits(const struct coord_worker *w, const struct pick_filter *pf)
         return false;
     if (pf->no_prefill && w->role == MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL)
         return false;
-    if (pf->need_blocks) {
-        uint32_t tp = w->tp_size ? w->tp_size : 1;
-        if (w->block_size != pf->block_size || tp != (pf->tp_size ? pf->tp_size : 1))
-            return false;
+    if (pf->need_tokens) {
+        uint32_t bs = w->block_size ? w->block_size : COORD_DEFAULT_BLOCK;
+        uint32_t need = (pf->need_tokens + bs - 1) / bs;
         if (w->kv_total &&
-            w->kv_total - (w->kv_used < w->kv_total ? w->kv_used : w->kv_total) < pf->need_blocks)
+            w->kv_total - (w->kv_used < w->kv_total ? w->kv_used : w->kv_total) < need)
             return false;
     }
     return true;
@@ -96,7 +93,7 @@ static struct coord_worker *pick(struct coord *c, const int32_t *ids, size_t n_i
                                  const struct pick_filter *pf)
 {
     uint64_t hashes[COORD_AFFINITY_BLOCKS];
-    size_t n_levels = pf->need_blocks ? 0 : n_ids / COORD_DEFAULT_BLOCK;
+    size_t n_levels = pf->need_tokens ? 0 : n_ids / COORD_DEFAULT_BLOCK;
     if (n_levels > COORD_AFFINITY_BLOCKS)
         n_levels = COORD_AFFINITY_BLOCKS;
     uint64_t h = 1469598103934665603ull;
@@ -149,14 +146,9 @@ static struct coord_worker *pick(struct coord *c, const int32_t *ids, size_t n_i
 
 struct coord_worker *coord_router_pick_role(struct coord *c, int role, const int32_t *ids,
                                             size_t n_ids, struct coord_worker *const *exclude,
-                                            size_t n_exclude, uint32_t need_blocks,
-                                            uint32_t block_size, uint32_t tp_size)
+                                            size_t n_exclude, uint32_t need_tokens)
 {
-    struct pick_filter pf = {.role = role,
-                             .no_prefill = role == 0,
-                             .need_blocks = need_blocks,
-                             .block_size = block_size,
-                             .tp_size = tp_size};
+    struct pick_filter pf = {.role = role, .no_prefill = role == 0, .need_tokens = need_tokens};
     struct coord_worker *w = pick(c, ids, n_ids, exclude, n_exclude, &pf);
     if (!w && role == 0) {
         pf.no_prefill = false; /* only prefill workers left: they decode too */
@@ -168,7 +160,7 @@ struct coord_worker *coord_router_pick_role(struct coord *c, int role, const int
 struct coord_worker *coord_router_pick(struct coord *c, const int32_t *ids, size_t n_ids,
                                        struct coord_worker *const *exclude, size_t n_exclude)
 {
-    return coord_router_pick_role(c, 0, ids, n_ids, exclude, n_exclude, 0, 0, 0);
+    return coord_router_pick_role(c, 0, ids, n_ids, exclude, n_exclude, 0);
 }
 
 void coord_router_done(struct coord *c, struct coord_worker *w)

@@ -274,6 +274,35 @@ struct moe_comm *moe_group_model_ep(const struct moe_group *g)
     return g->dev_world ? g->dev_world : g->world;
 }
 
+enum moe_status moe_group_share_kv(struct moe_group *g, struct moe_model *m, int n_block,
+                                   int block_size, const char *endpoint, char *endpoints,
+                                   struct moe_kv_cache **kv_out, struct moe_error *err)
+{
+    *kv_out = NULL;
+    int32_t shape[2] = {n_block, block_size};
+    char mine[128] = "";
+    snprintf(mine, sizeof mine, "%s", endpoint ? endpoint : "");
+    /* the leader may still be loading its tokenizer and engine: wait for it */
+    int timeout = g->world->timeout_ms;
+    if (g->rank != 0)
+        g->world->timeout_ms = 0;
+    enum moe_status rc = moe_comm_broadcast(g->world, shape, sizeof shape, 0, err);
+    g->world->timeout_ms = timeout;
+    if (!rc)
+        rc = moe_comm_all_gather(g->world, mine, endpoints, sizeof mine, err);
+    if (rc)
+        return moe_error_prefix(err, "sharing the KV cache shape and endpoints");
+    if (g->rank == 0)
+        return MOE_OK;
+    moe_kv_cache_free(m, g->follower_kv);
+    g->follower_kv = NULL;
+    if ((rc = moe_kv_cache_create(m, shape[0], shape[1], &g->follower_kv, err)))
+        return rc;
+    g->kv_shared = true;
+    *kv_out = g->follower_kv;
+    return MOE_OK;
+}
+
 static size_t payload_ints(const struct plan_head *h)
 {
     return 4 * (size_t)h->n_tok + (size_t)h->n_seq * h->max_blocks;
@@ -408,6 +437,13 @@ enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struc
             break;
         struct moe_kv_cache *kv = g->follower_kv;
         if (!kv || kv->n_block != h.kv_blocks || kv->block_size != h.kv_block_size) {
+            if (g->kv_shared) { /* the KV data plane holds it */
+                rc = moe_error_set(err, MOE_ERR_INTERNAL,
+                                   "rank %d: the leader's KV cache changed shape after it "
+                                   "was shared",
+                                   g->rank);
+                break;
+            }
             moe_kv_cache_free(m, kv);
             g->follower_kv = NULL;
             if ((rc = moe_kv_cache_create(m, h.kv_blocks, h.kv_block_size, &g->follower_kv, err)))
@@ -432,8 +468,9 @@ enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struc
             break;
     }
     free(pl);
-    join_prepare(g);                      /* it may still be loading into the model */
-    moe_kv_cache_free(m, g->follower_kv); /* before the caller frees the model */
+    join_prepare(g);   /* it may still be loading into the model */
+    if (!g->kv_shared) /* a shared cache is the caller's to free (after its KV link) */
+        moe_kv_cache_free(m, g->follower_kv); /* before the caller frees the model */
     g->follower_kv = NULL;
     return rc;
 }

@@ -36,6 +36,7 @@ struct moe_group {
     struct moe_comm *dev_world;
     struct moe_comm *dev_tp;
     struct moe_kv_cache *follower_kv;
+    bool kv_shared; /* follower_kv was made by moe_group_share_kv: its shape is fixed */
     struct moe_model *follower_model;
 
     /* live placement changes (see moe_group_propose_placement) */
@@ -106,6 +107,18 @@ int64_t moe_group_placement_epoch(struct moe_group *g, double *last_switch_s);
 /* Rows each rank has run through its experts since start (n = group size),
  * and the steps counted. Any thread (a snapshot under the group's lock). */
 void moe_group_rank_rows(struct moe_group *g, uint64_t *rows, uint64_t *steps);
+
+/* Every rank, once, before serving (the leader after creating its engine,
+ * followers before moe_group_follow): the leader's KV cache shape reaches
+ * every rank, which creates its cache now rather than at the first step (the
+ * KV data plane of disaggregated serving writes into it before any step),
+ * and every rank's KV endpoint (`endpoint`, < 128 chars, may be "") is
+ * gathered into `endpoints` ((size) x 128 chars, every rank). Followers get
+ * their cache back in *kv_out (NULL on the leader): the caller frees it with
+ * moe_kv_cache_free after moe_group_follow returned and its KV link ended. */
+enum moe_status moe_group_share_kv(struct moe_group *g, struct moe_model *m, int n_block,
+                                   int block_size, const char *endpoint, char *endpoints,
+                                   struct moe_kv_cache **kv_out, struct moe_error *err);
 
 /* Leader: tells the followers to return from moe_group_follow. */
 enum moe_status moe_group_stop(struct moe_group *g, struct moe_error *err);

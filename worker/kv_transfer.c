@@ -1,12 +1,12 @@
 /* The KV handoff table and its RPCs. See kv_transfer.h for the protocol.
  *
  * Locking: x->mu guards the table, the counters and every handoff field.
- * Writes into reserved blocks happen under x->mu (a release or expiry can
- * then never free blocks being written); reads of a parked sequence's
- * blocks happen in its sender thread without the lock: while a handoff is
- * SENDING only its sender may free it (a release just asks it to stop).
+ * While a handoff is SENDING only its sender may free it, while RESERVING or
+ * RECEIVING only the control thread (a release just asks them to stop).
  * Engine calls made here only queue work (abort, reserve, unreserve), so
- * they are safe under x->mu, also from the engine thread. */
+ * they are safe under x->mu, also from the engine thread. Network calls to
+ * the group's ranks (expect, forget) run on the control thread, never under
+ * x->mu and never on the engine thread. */
 #include "kv_transfer.h"
 
 #include <pthread.h>
@@ -23,7 +23,6 @@
 #define KVX_DEFAULT_SEND_MS 10000
 #define KVX_CALL_TIMEOUT_MS 5000
 #define KVX_ABORT_TIMEOUT_MS 500
-#define KVX_DEFAULT_CHUNK ((size_t)16 << 20) /* well under the 64 MiB message limit */
 #define KVX_MAX_PEERS 32
 
 struct handoff {
@@ -31,7 +30,7 @@ struct handoff {
     enum kvx_state state;
     bool prefill;           /* the sending side */
     double deadline;        /* moe_now() seconds */
-    bool release_requested; /* SENDING / RESERVING: stop and free when you can */
+    bool release_requested; /* SENDING / RESERVING / RECEIVING: stop and free when you can */
     /* prefill side: the parked sequence */
     uint64_t req_id;
     int n_prompt, n_tokens;
@@ -42,29 +41,44 @@ struct handoff {
     int n_blocks;
     /* decode side */
     uint64_t key;             /* engine reservation */
-    struct rpc_call *pending; /* KvReserve waiting for the engine */
-    int next_layer;
+    int n_kv;                 /* KV positions expected */
+    struct rpc_call *pending; /* KvReserve or KvTransfer(commit) waiting for the control thread */
+    bool announced;           /* the ranks were told to expect it: forget before freeing */
     uint64_t bytes;
     struct handoff *next;
 };
 
+/* Work for the control thread. */
+enum job_kind {
+    JOB_ANNOUNCE, /* tell every rank to expect h, then answer its KvReserve */
+    JOB_COMMIT,   /* collect every rank's report, then answer the commit */
+    JOB_RELEASE,  /* h left the table: forget it on every rank, then free its blocks */
+};
+
+struct job {
+    enum job_kind kind;
+    struct handoff *h;
+    struct job *next;
+};
+
 struct kvx {
     struct kvx_opts o;
-    struct moe_kv_cache *kv;
+    char *endpoints; /* (world_size x KVL_ENDPOINT_MAX) */
     int block_size;
-    size_t chunk_limit;
-    int fault_delay_ms;
-    bool fault_die;
+    int n_layer;
 
     pthread_mutex_t mu;
-    pthread_cond_t cond; /* n_senders dropped */
+    pthread_cond_t cond; /* n_senders dropped; jobs queued */
     struct handoff *list;
     uint64_t next_key;
     int n_senders;
-    bool stopping;
+    bool stopping; /* no new handoffs; running ones are answered */
+    bool exiting;  /* the control thread ends once its queue is empty */
     struct kvx_counters c;
-    /* One channel per decode worker, reused by every handoff to it (a new
-     * connection per handoff cost more than the data on small prompts). */
+    struct job *jobs, **jobs_tail;
+    pthread_t control;
+    bool control_live;
+    /* One channel per decode worker, reused by every handoff to it. */
     struct {
         char target[300];
         struct rpc_client *cl;
@@ -96,6 +110,12 @@ static struct rpc_client *peer_client(struct kvx *x, const char *target, bool *o
     return cl;
 }
 
+/* Rank r's KV endpoint, or NULL for this process (rank 0). */
+static const char *rank_endpoint(const struct kvx *x, int r)
+{
+    return r == 0 ? NULL : x->endpoints + (size_t)r * KVL_ENDPOINT_MAX;
+}
+
 const char *kvx_state_name(enum kvx_state s)
 {
     switch (s) {
@@ -111,34 +131,6 @@ const char *kvx_state_name(enum kvx_state s)
     case KVX_CLAIMED: return "CLAIMED";
     }
     return "?";
-}
-
-/* ---- host copies ---------------------------------------------------------------- */
-
-size_t kvx_layers_bytes(const struct moe_kv_cache *kv, int n_blocks, int layer_begin, int layer_end)
-{
-    return (size_t)(layer_end - layer_begin) * 2 * (size_t)n_blocks * (size_t)kv->block_size *
-           (size_t)kv->kv_dim * sizeof(float);
-}
-
-void kvx_copy_layers(struct moe_backend *be, struct moe_kv_cache *kv, const int32_t *blocks,
-                     int n_blocks, int layer_begin, int layer_end, void *host, bool to_host)
-{
-    size_t blk = (size_t)kv->block_size * (size_t)kv->kv_dim * sizeof(float);
-    uint8_t *p = host;
-    for (int l = layer_begin; l < layer_end; l++)
-        for (int kind = 0; kind < 2; kind++) {
-            uint8_t *base = (uint8_t *)(kind ? kv->v[l] : kv->k[l]);
-            for (int b = 0; b < n_blocks; b++, p += blk) {
-                uint8_t *slot = base + (size_t)blocks[b] * blk;
-                if (to_host)
-                    be->ops->buf_download(be, p, slot, blk);
-                else
-                    be->ops->buf_upload(be, slot, p, blk);
-            }
-        }
-    if (!to_host)
-        be->ops->synchronize(be);
 }
 
 /* ---- table ------------------------------------------------------------------------ */
@@ -211,13 +203,232 @@ static void push_locked(struct kvx *x, struct handoff *h)
     x->c.pending++;
 }
 
-/* Frees the engine side of a handoff: the parked sequence or the reservation. */
-static void release_engine(struct kvx *x, const struct handoff *h)
+static void queue_job_locked(struct kvx *x, enum job_kind kind, struct handoff *h)
 {
-    if (h->prefill)
+    struct job *j = malloc(sizeof *j);
+    if (!j) { /* cannot happen in practice; keep the blocks rather than risk a late write */
+        fprintf(stderr,
+                "moe-worker: handoff %s: out of memory for its release: %d KV blocks "
+                "stay reserved\n",
+                h->id, h->n_blocks);
+        return;
+    }
+    j->kind = kind;
+    j->h = h;
+    j->next = NULL;
+    *x->jobs_tail = j;
+    x->jobs_tail = &j->next;
+    pthread_cond_broadcast(&x->cond);
+}
+
+/* Unlinks h from the table without freeing it; caller holds x->mu. */
+static void unlink_locked(struct kvx *x, struct handoff *h)
+{
+    for (struct handoff **p = &x->list; *p; p = &(*p)->next)
+        if (*p == h) {
+            *p = h->next;
+            break;
+        }
+    x->c.pending--;
+}
+
+/* Gives up h and frees its engine side: the parked sequence at once; a
+ * reservation once every rank confirmed it writes no more into it (on the
+ * control thread). Caller holds x->mu; h leaves the table. */
+static void drop_locked(struct kvx *x, struct handoff *h, enum kvx_state why)
+{
+    h->state = why;
+    if (h->prefill) {
         moe_engine_abort(x->o.engine, h->req_id);
-    else
+        remove_locked(x, h);
+        return;
+    }
+    unlink_locked(x, h);
+    if (h->n_blocks || h->announced)
+        queue_job_locked(x, JOB_RELEASE, h);
+    else {
         moe_engine_unreserve(x->o.engine, h->key);
+        handoff_free(h);
+    }
+}
+
+/* ---- the control thread: network calls to the group's ranks --------------------------- */
+
+/* Tells every rank to expect h; on failure forgets it where it was told. */
+static enum moe_status announce(struct kvx *x, struct handoff *h, struct moe_error *err)
+{
+    int ttl = (int)(1e3 * (h->deadline - moe_now())) + 1000; /* outlives the leader's */
+    for (int r = 0; r < x->o.world_size; r++) {
+        enum moe_status rc = kvl_expect(x->o.link, rank_endpoint(x, r), h->id, h->blocks,
+                                        h->n_blocks, h->n_kv, ttl, err);
+        if (rc) {
+            for (int q = 0; q < r; q++) {
+                uint64_t b;
+                bool c;
+                struct moe_error ignored = {0};
+                kvl_forget(x->o.link, rank_endpoint(x, q), h->id, &b, &c, &ignored);
+            }
+            return moe_error_prefix(err, "telling rank %d to expect the handoff", r);
+        }
+    }
+    return MOE_OK;
+}
+
+/* Forgets h on every rank: *bytes written in all, *complete when every rank
+ * got every row. A rank that cannot be asked fails the whole (its writes are
+ * bounded by its own socket timeouts). */
+static enum moe_status forget_all(struct kvx *x, struct handoff *h, uint64_t *bytes, bool *complete,
+                                  struct moe_error *err)
+{
+    *bytes = 0;
+    *complete = true;
+    enum moe_status first = MOE_OK;
+    for (int r = 0; r < x->o.world_size; r++) {
+        uint64_t b = 0;
+        bool c = false;
+        struct moe_error e = {0};
+        enum moe_status rc = kvl_forget(x->o.link, rank_endpoint(x, r), h->id, &b, &c, &e);
+        if (rc && !first) {
+            first = rc;
+            moe_error_set(err, rc, "rank %d: %s", r, e.msg);
+        }
+        *bytes += b;
+        *complete = *complete && c;
+    }
+    return first;
+}
+
+static void run_announce(struct kvx *x, struct handoff *h)
+{
+    struct moe_error err = {0};
+    enum moe_status rc = announce(x, h, &err);
+    uint32_t *ids = malloc((size_t)(h->n_blocks ? h->n_blocks : 1) * sizeof *ids);
+    char **eps = malloc((size_t)x->o.world_size * sizeof *eps);
+    pthread_mutex_lock(&x->mu);
+    struct rpc_call *call = h->pending;
+    h->pending = NULL;
+    h->announced = rc == MOE_OK;
+    if (rc || h->release_requested || !ids || !eps || x->stopping) {
+        const char *why = rc                     ? err.msg
+                          : h->release_requested ? "handoff released while reserving"
+                          : x->stopping          ? "the worker is shutting down"
+                                                 : "out of memory";
+        char msg[sizeof err.msg];
+        snprintf(msg, sizeof msg, "%s", why);
+        drop_locked(x, h, KVX_FAILED);
+        pthread_mutex_unlock(&x->mu);
+        free(ids);
+        free(eps);
+        rpc_call_finish(call, rc ? RPC_UNAVAILABLE : RPC_ABORTED, msg, NULL, 0);
+        return;
+    }
+    for (int i = 0; i < h->n_blocks; i++)
+        ids[i] = (uint32_t)h->blocks[i];
+    for (int r = 0; r < x->o.world_size; r++)
+        eps[r] = r == 0 ? (char *)kvl_endpoint(x->o.link) : (char *)rank_endpoint(x, r);
+    h->state = KVX_RESERVED;
+    h->deadline = moe_now() + x->o.ttl_ms / 1e3;
+    Moe__V1__KvReserveResponse resp = MOE__V1__KV_RESERVE_RESPONSE__INIT;
+    resp.handoff_id = h->id;
+    resp.ok = true;
+    resp.n_block_ids = (size_t)h->n_blocks;
+    resp.block_ids = ids;
+    resp.n_rank_endpoints = (size_t)x->o.world_size;
+    resp.rank_endpoints = eps;
+    resp.tp_size = (uint32_t)x->o.tp_size;
+    resp.block_size = (uint32_t)x->block_size;
+    finish_msg(call, &resp.base); /* packs under the lock: h->id stays valid */
+    pthread_mutex_unlock(&x->mu);
+    free(ids);
+    free(eps);
+}
+
+static void run_commit(struct kvx *x, struct handoff *h)
+{
+    struct moe_error err = {0};
+    uint64_t bytes = 0;
+    bool complete = false;
+    enum moe_status rc = forget_all(x, h, &bytes, &complete, &err);
+    pthread_mutex_lock(&x->mu);
+    h->announced = false; /* forgotten everywhere (or a rank is unreachable) */
+    struct rpc_call *call = h->pending;
+    h->pending = NULL;
+    char msg[600] = "";
+    enum rpc_code code = RPC_OK;
+    if (rc) {
+        code = RPC_UNAVAILABLE;
+        snprintf(msg, sizeof msg, "handoff %.100s: %.450s", h->id, err.msg);
+    } else if (!complete) {
+        code = RPC_FAILED_PRECONDITION;
+        snprintf(msg, sizeof msg,
+                 "handoff %.100s: committed, but the ranks hold %llu bytes, not every row of "
+                 "every layer",
+                 h->id, (unsigned long long)bytes);
+    } else if (h->release_requested || x->stopping) {
+        code = RPC_ABORTED;
+        snprintf(msg, sizeof msg, "handoff %.100s: released while committing", h->id);
+    }
+    if (code) {
+        fprintf(stderr, "moe-worker: %s\n", msg);
+        x->c.failures++;
+        drop_locked(x, h, KVX_FAILED);
+        pthread_mutex_unlock(&x->mu);
+        wake(x);
+        rpc_call_finish(call, code, msg, NULL, 0);
+        return;
+    }
+    h->bytes = bytes;
+    h->state = KVX_COMPLETE;
+    h->deadline = moe_now() + x->o.ttl_ms / 1e3; /* now wait for the Generate */
+    x->c.transfers_in++;
+    x->c.bytes_in += bytes;
+    Moe__V1__KvTransferResponse resp = MOE__V1__KV_TRANSFER_RESPONSE__INIT;
+    resp.handoff_id = h->id;
+    resp.ok = true;
+    resp.bytes_received = bytes;
+    finish_msg(call, &resp.base);
+    pthread_mutex_unlock(&x->mu);
+}
+
+static void run_release(struct kvx *x, struct handoff *h)
+{
+    if (h->announced) {
+        uint64_t bytes;
+        bool complete;
+        struct moe_error err = {0};
+        if (forget_all(x, h, &bytes, &complete, &err))
+            fprintf(stderr, "moe-worker: handoff %s: %s (freeing its blocks anyway)\n", h->id,
+                    err.msg);
+    }
+    moe_engine_unreserve(x->o.engine, h->key);
+    handoff_free(h);
+    wake(x);
+}
+
+static void *control_main(void *arg)
+{
+    struct kvx *x = arg;
+    pthread_mutex_lock(&x->mu);
+    for (;;) {
+        while (!x->jobs && !x->exiting)
+            pthread_cond_wait(&x->cond, &x->mu);
+        if (!x->jobs)
+            break; /* exiting and nothing left */
+        struct job *j = x->jobs;
+        x->jobs = j->next;
+        if (!x->jobs)
+            x->jobs_tail = &x->jobs;
+        pthread_mutex_unlock(&x->mu);
+        switch (j->kind) {
+        case JOB_ANNOUNCE: run_announce(x, j->h); break;
+        case JOB_COMMIT: run_commit(x, j->h); break;
+        case JOB_RELEASE: run_release(x, j->h); break;
+        }
+        free(j);
+        pthread_mutex_lock(&x->mu);
+    }
+    pthread_mutex_unlock(&x->mu);
+    return NULL;
 }
 
 enum moe_status kvx_create(const struct kvx_opts *opts, struct kvx **out, struct moe_error *err)
@@ -229,22 +440,29 @@ enum moe_status kvx_create(const struct kvx_opts *opts, struct kvx **out, struct
     x->o = *opts;
     if (x->o.tp_size <= 0)
         x->o.tp_size = 1;
+    if (x->o.world_size <= 0)
+        x->o.world_size = 1;
     if (x->o.ttl_ms <= 0)
         x->o.ttl_ms = KVX_DEFAULT_TTL_MS;
-    x->kv = moe_engine_kv_cache(opts->engine);
+    size_t eb = (size_t)x->o.world_size * KVL_ENDPOINT_MAX;
+    if (!(x->endpoints = calloc(1, eb))) {
+        free(x);
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    }
+    if (opts->endpoints)
+        memcpy(x->endpoints, opts->endpoints, eb);
+    x->o.endpoints = NULL;
     x->block_size = moe_engine_block_size(opts->engine);
+    x->n_layer = moe_engine_kv_cache(opts->engine)->n_layer;
     x->next_key = 1;
-    x->chunk_limit = KVX_DEFAULT_CHUNK;
-    const char *v = getenv("MOE_KV_CHUNK_BYTES");
-    if (v && atol(v) > 0)
-        x->chunk_limit = (size_t)atol(v);
-    v = getenv("MOE_FAULT_TRANSFER_DELAY_MS");
-    if (v && atoi(v) > 0)
-        x->fault_delay_ms = atoi(v);
-    v = getenv("MOE_FAULT_DIE_DURING_TRANSFER");
-    x->fault_die = v && atoi(v) > 0;
+    x->jobs_tail = &x->jobs;
     pthread_mutex_init(&x->mu, NULL);
     pthread_cond_init(&x->cond, NULL);
+    if (pthread_create(&x->control, NULL, control_main, x)) {
+        kvx_destroy(x);
+        return moe_error_set(err, MOE_ERR_INTERNAL, "cannot start the KV handoff thread");
+    }
+    x->control_live = true;
     *out = x;
     return MOE_OK;
 }
@@ -255,6 +473,7 @@ void kvx_shutdown(struct kvx *x)
         return;
     pthread_mutex_lock(&x->mu);
     x->stopping = true;
+    pthread_cond_broadcast(&x->cond);
     pthread_mutex_unlock(&x->mu);
 }
 
@@ -264,18 +483,23 @@ void kvx_destroy(struct kvx *x)
         return;
     pthread_mutex_lock(&x->mu);
     x->stopping = true;
+    x->exiting = true; /* the engine thread ended: no job comes after this */
+    pthread_cond_broadcast(&x->cond);
     while (x->n_senders > 0)
         pthread_cond_wait(&x->cond, &x->mu);
+    pthread_mutex_unlock(&x->mu);
+    if (x->control_live) /* it runs what is queued, then ends */
+        pthread_join(x->control, NULL);
     while (x->list) {
         struct handoff *h = x->list;
         x->list = h->next;
         handoff_free(h); /* a pending call was answered before the server went away */
     }
-    pthread_mutex_unlock(&x->mu);
     for (int i = 0; i < x->n_peers; i++)
         rpc_client_destroy(x->peers[i].cl);
     pthread_mutex_destroy(&x->mu);
     pthread_cond_destroy(&x->cond);
+    free(x->endpoints);
     free(x);
 }
 
@@ -325,14 +549,13 @@ void kvx_tick(struct kvx *x)
     pthread_mutex_lock(&x->mu);
     for (struct handoff *h = x->list, *next; h; h = next) {
         next = h->next;
-        if (now <= h->deadline || h->state == KVX_SENDING || h->pending)
+        if (now <= h->deadline || h->state == KVX_SENDING || h->state == KVX_RESERVING ||
+            h->state == KVX_RECEIVING)
             continue;
         fprintf(stderr, "moe-worker: handoff %s expired in state %s; %d KV blocks freed\n", h->id,
                 kvx_state_name(h->state), h->n_blocks);
-        h->state = KVX_EXPIRED;
-        release_engine(x, h);
         x->c.failures++;
-        remove_locked(x, h);
+        drop_locked(x, h, KVX_EXPIRED);
         woke = true;
     }
     pthread_mutex_unlock(&x->mu);
@@ -372,54 +595,38 @@ enum rpc_code kvx_claim(struct kvx *x, const char *id, struct kvx_claim *out, ch
 
 /* ---- KvReserve (decode side) --------------------------------------------------------- */
 
-/* Engine thread: the reservation of `key` was served. */
+/* Engine thread: the reservation of `key` was served. The ranks are told
+ * to expect the handoff on the control thread, which then answers. */
 static void on_reserved(void *user, uint64_t key, const int32_t *blocks, int n_blocks,
                         const char *error)
 {
     struct kvx *x = user;
     pthread_mutex_lock(&x->mu);
     struct handoff *h = find_key_locked(x, key);
-    struct rpc_call *call = h ? h->pending : NULL;
-    if (h)
-        h->pending = NULL;
-    if (!h || h->release_requested || error) {
+    int32_t *copy = blocks ? malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof *copy) : NULL;
+    if (!h || h->release_requested || error || !copy) {
+        struct rpc_call *call = h ? h->pending : NULL;
+        if (h) {
+            h->pending = NULL;
+            remove_locked(x, h);
+        }
         if (blocks)
             moe_engine_unreserve(x->o.engine, key);
-        if (h)
-            remove_locked(x, h);
-        pthread_mutex_unlock(&x->mu);
-        if (call)
-            rpc_call_finish(call, error ? RPC_RESOURCE_EXHAUSTED : RPC_ABORTED,
-                            error ? error : "handoff released while reserving", NULL, 0);
-        return;
-    }
-    int32_t *copy = malloc((size_t)n_blocks * sizeof *copy);
-    uint32_t *ids = malloc((size_t)n_blocks * sizeof *ids);
-    if (!copy || !ids) {
-        moe_engine_unreserve(x->o.engine, key);
-        remove_locked(x, h);
         pthread_mutex_unlock(&x->mu);
         free(copy);
-        free(ids);
-        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory", NULL, 0);
+        if (call)
+            rpc_call_finish(call, error || !copy ? RPC_RESOURCE_EXHAUSTED : RPC_ABORTED,
+                            error  ? error
+                            : copy ? "handoff released while reserving"
+                                   : "out of memory",
+                            NULL, 0);
         return;
     }
-    if (n_blocks)
-        memcpy(copy, blocks, (size_t)n_blocks * sizeof *copy);
-    for (int i = 0; i < n_blocks; i++)
-        ids[i] = (uint32_t)blocks[i];
+    memcpy(copy, blocks, (size_t)n_blocks * sizeof *copy);
     h->blocks = copy;
     h->n_blocks = n_blocks;
-    h->state = KVX_RESERVED;
-    h->deadline = moe_now() + x->o.ttl_ms / 1e3;
-    Moe__V1__KvReserveResponse resp = MOE__V1__KV_RESERVE_RESPONSE__INIT;
-    resp.handoff_id = h->id;
-    resp.ok = true;
-    resp.n_block_ids = (size_t)n_blocks;
-    resp.block_ids = ids;
-    finish_msg(call, &resp.base); /* packs under the lock: h->id stays valid */
+    queue_job_locked(x, JOB_ANNOUNCE, h); /* h->pending stays: the job answers */
     pthread_mutex_unlock(&x->mu);
-    free(ids);
 }
 
 static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t len, void *user)
@@ -431,37 +638,32 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
     Moe__V1__KvReserveRequest *rq = moe__v1__kv_reserve_request__unpack(NULL, len, bytes);
     uint32_t tp = rq && rq->tp_size ? rq->tp_size : 1;
     uint32_t bs = (uint32_t)x->block_size;
+    uint32_t heads = (uint32_t)x->o.n_kv_head, dh = (uint32_t)x->o.d_head;
     if (!rq) {
         code = RPC_INVALID_ARGUMENT;
         snprintf(msg, sizeof msg, "request: not a valid KvReserveRequest message");
     } else if (!rq->handoff_id[0] || strlen(rq->handoff_id) >= KVX_ID_MAX) {
         code = RPC_INVALID_ARGUMENT;
         snprintf(msg, sizeof msg, "handoff_id: empty or longer than %d bytes", KVX_ID_MAX - 1);
-    } else if (rq->block_size != bs) {
+    } else if ((rq->n_layer && rq->n_layer != (uint32_t)x->n_layer) ||
+               (rq->n_kv_heads && rq->n_kv_heads != heads) ||
+               (rq->head_dim && rq->head_dim != dh) ||
+               (rq->kv_dim && rq->kv_dim * tp != heads * dh)) {
         code = RPC_FAILED_PRECONDITION;
         snprintf(msg, sizeof msg,
-                 "block_size: the sender uses %u tokens per KV block, this worker %u (re-slicing "
-                 "is not supported)",
-                 rq->block_size, bs);
-    } else if (tp != (uint32_t)x->o.tp_size) {
-        code = RPC_FAILED_PRECONDITION;
-        snprintf(msg, sizeof msg,
-                 "tp_size: the sender has %u tensor-parallel ranks, this worker %d", tp,
-                 x->o.tp_size);
-    } else if ((rq->n_layer && rq->n_layer != (uint32_t)x->kv->n_layer) ||
-               (rq->kv_dim && rq->kv_dim != (uint32_t)x->kv->kv_dim)) {
-        code = RPC_FAILED_PRECONDITION;
-        snprintf(msg, sizeof msg,
-                 "KV layout: the sender has %u layers x kv_dim %u, this worker %d x %d",
-                 rq->n_layer, rq->kv_dim, x->kv->n_layer, x->kv->kv_dim);
-    } else if (rq->n_tokens < 1 || rq->n_blocks != (rq->n_tokens + bs - 1) / bs) {
+                 "KV layout: the sender has %u layers x %u KV heads x head dim %u (kv_dim %u on "
+                 "each of %u TP ranks), this worker %d x %u x %u: not the same model",
+                 rq->n_layer, rq->n_kv_heads, rq->head_dim, rq->kv_dim, tp, x->n_layer, heads, dh);
+    } else if (rq->n_tokens < 1 || (rq->n_blocks && rq->n_blocks != (rq->n_tokens + bs - 1) / bs)) {
         code = RPC_INVALID_ARGUMENT;
-        snprintf(msg, sizeof msg, "n_blocks: %u blocks do not hold %u tokens of %u per block",
+        snprintf(msg, sizeof msg,
+                 "n_blocks: %u blocks do not hold %u tokens of %u per block (this worker's "
+                 "block size)",
                  rq->n_blocks, rq->n_tokens, bs);
-    } else if (rq->n_blocks > (uint32_t)moe_engine_n_block(x->o.engine)) {
+    } else if ((rq->n_tokens + bs - 1) / bs > (uint32_t)moe_engine_n_block(x->o.engine)) {
         code = RPC_RESOURCE_EXHAUSTED;
         snprintf(msg, sizeof msg, "no free KV blocks: the handoff needs %u, the whole pool has %d",
-                 rq->n_blocks, moe_engine_n_block(x->o.engine));
+                 (rq->n_tokens + bs - 1) / bs, moe_engine_n_block(x->o.engine));
     } else if (!(h = calloc(1, sizeof *h))) {
         code = RPC_RESOURCE_EXHAUSTED;
         snprintf(msg, sizeof msg, "out of memory");
@@ -475,8 +677,8 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
     snprintf(h->id, sizeof h->id, "%s", rq->handoff_id);
     h->state = KVX_RESERVING;
     h->pending = call;
-    h->n_tokens = (int)rq->n_tokens;
-    int n_blocks = (int)rq->n_blocks;
+    h->n_kv = (int)rq->n_tokens;
+    int n_blocks = (int)((rq->n_tokens + bs - 1) / bs);
     int ttl = rq->ttl_ms ? (int)rq->ttl_ms : x->o.ttl_ms;
     h->deadline = moe_now() + ttl / 1e3;
     moe__v1__kv_reserve_request__free_unpacked(rq, NULL);
@@ -505,15 +707,15 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
     wake(x);
 }
 
-/* ---- KvTransfer (decode side) -------------------------------------------------------- */
+/* ---- KvTransfer: commit or abort (decode side) ------------------------------------ */
 
-/* Validates and writes one chunk into h's blocks; caller holds x->mu.
+/* Checks a commit against h and takes the sequence state; caller holds x->mu.
  * Returns RPC_OK or a code with msg set. */
-static enum rpc_code receive_locked(struct kvx *x, struct handoff *h,
-                                    const Moe__V1__KvTransferChunk *ch, char *msg, size_t cap)
+static enum rpc_code commit_locked(struct kvx *x, struct handoff *h,
+                                   const Moe__V1__KvTransferChunk *ch, char *msg, size_t cap)
 {
-    if (h->state != KVX_RESERVED && h->state != KVX_RECEIVING) {
-        snprintf(msg, cap, "handoff %s is %s, not receiving", h->id, kvx_state_name(h->state));
+    if (h->state != KVX_RESERVED) {
+        snprintf(msg, cap, "handoff %s is %s, not RESERVED", h->id, kvx_state_name(h->state));
         return RPC_FAILED_PRECONDITION;
     }
     if (ch->n_block_ids != (size_t)h->n_blocks) {
@@ -527,54 +729,27 @@ static enum rpc_code receive_locked(struct kvx *x, struct handoff *h,
                      h->blocks[i]);
             return RPC_INVALID_ARGUMENT;
         }
-    if (ch->tp_rank != 0 || ch->layer_begin != (uint32_t)h->next_layer ||
-        ch->layer_end <= ch->layer_begin || ch->layer_end > (uint32_t)x->kv->n_layer) {
-        snprintf(msg, cap, "layers [%u, %u) of rank %u: expected [%d, ...) of rank 0, at most %d",
-                 ch->layer_begin, ch->layer_end, ch->tp_rank, h->next_layer, x->kv->n_layer);
+    if (!ch->last || ch->n_rng_state != 4 || ch->n_prompt < 1 || ch->n_token_ids <= ch->n_prompt ||
+        (int)ch->n_token_ids - 1 != h->n_kv) {
+        snprintf(msg, cap,
+                 "commit: %zu tokens after a prompt of %u, %zu RNG words: not a complete "
+                 "sequence for %d KV positions",
+                 ch->n_token_ids, ch->n_prompt, ch->n_rng_state, h->n_kv);
         return RPC_INVALID_ARGUMENT;
     }
-    size_t want = kvx_layers_bytes(x->kv, h->n_blocks, (int)ch->layer_begin, (int)ch->layer_end);
-    if (ch->data.len != want) {
-        snprintf(msg, cap, "data: %zu bytes for layers [%u, %u), expected %zu", ch->data.len,
-                 ch->layer_begin, ch->layer_end, want);
-        return RPC_INVALID_ARGUMENT;
+    int32_t *tokens = malloc(ch->n_token_ids * sizeof *tokens);
+    if (!tokens) {
+        snprintf(msg, cap, "out of memory");
+        return RPC_RESOURCE_EXHAUSTED;
     }
-    if (ch->last) {
-        int n_kv = (int)ch->n_token_ids - 1;
-        if (ch->layer_end != (uint32_t)x->kv->n_layer || ch->n_rng_state != 4 || ch->n_prompt < 1 ||
-            ch->n_token_ids <= ch->n_prompt ||
-            (n_kv + x->block_size - 1) / x->block_size != h->n_blocks) {
-            snprintf(msg, cap,
-                     "last chunk: layers end at %u of %d, %zu tokens after a prompt of %u, %zu "
-                     "RNG words: not a complete sequence for %d blocks",
-                     ch->layer_end, x->kv->n_layer, ch->n_token_ids, ch->n_prompt, ch->n_rng_state,
-                     h->n_blocks);
-            return RPC_INVALID_ARGUMENT;
-        }
-        int32_t *tokens = malloc(ch->n_token_ids * sizeof *tokens);
-        if (!tokens) {
-            snprintf(msg, cap, "out of memory");
-            return RPC_RESOURCE_EXHAUSTED;
-        }
-        for (size_t i = 0; i < ch->n_token_ids; i++)
-            tokens[i] = (int32_t)ch->token_ids[i];
-        free(h->tokens);
-        h->tokens = tokens;
-        h->n_tokens = (int)ch->n_token_ids;
-        h->n_prompt = (int)ch->n_prompt;
-        for (int i = 0; i < 4; i++)
-            h->rng.s[i] = ch->rng_state[i];
-    }
-    kvx_copy_layers(x->o.be, x->kv, h->blocks, h->n_blocks, (int)ch->layer_begin,
-                    (int)ch->layer_end, ch->data.data, false);
-    h->next_layer = (int)ch->layer_end;
-    h->bytes += ch->data.len;
-    h->state = ch->last ? KVX_COMPLETE : KVX_RECEIVING;
-    if (ch->last) {
-        h->deadline = moe_now() + x->o.ttl_ms / 1e3; /* now wait for the Generate */
-        x->c.transfers_in++;
-        x->c.bytes_in += h->bytes;
-    }
+    for (size_t i = 0; i < ch->n_token_ids; i++)
+        tokens[i] = (int32_t)ch->token_ids[i];
+    free(h->tokens);
+    h->tokens = tokens;
+    h->n_tokens = (int)ch->n_token_ids;
+    h->n_prompt = (int)ch->n_prompt;
+    for (int i = 0; i < 4; i++)
+        h->rng.s[i] = ch->rng_state[i];
     return RPC_OK;
 }
 
@@ -588,10 +763,8 @@ static void handle_transfer(struct rpc_call *call, const uint8_t *bytes, size_t 
                         0);
         return;
     }
-    Moe__V1__KvTransferResponse resp = MOE__V1__KV_TRANSFER_RESPONSE__INIT;
-    resp.handoff_id = ch->handoff_id;
     enum rpc_code code = RPC_OK;
-    bool woke = false;
+    bool woke = false, answered_later = false;
     pthread_mutex_lock(&x->mu);
     struct handoff *h = find_locked(x, ch->handoff_id, false);
     if (!h) {
@@ -600,44 +773,49 @@ static void handle_transfer(struct rpc_call *call, const uint8_t *bytes, size_t 
                  ch->handoff_id);
     } else if (ch->abort) {
         fprintf(stderr, "moe-worker: handoff %s aborted by the sender: %.200s\n", h->id, ch->error);
-        if (h->pending) { /* still reserving: on_reserved frees it */
+        if (h->state == KVX_RESERVING || h->state == KVX_RECEIVING) /* its job frees it */
             h->release_requested = true;
-        } else {
-            h->state = KVX_FAILED;
-            release_engine(x, h);
-            remove_locked(x, h);
-        }
+        else
+            drop_locked(x, h, KVX_FAILED);
         x->c.failures++;
         woke = true;
-    } else if ((code = receive_locked(x, h, ch, msg, sizeof msg)) != RPC_OK) {
+    } else if ((code = commit_locked(x, h, ch, msg, sizeof msg)) != RPC_OK) {
         fprintf(stderr, "moe-worker: handoff %s failed: %s\n", h->id, msg);
-        h->state = KVX_FAILED;
-        release_engine(x, h);
-        remove_locked(x, h);
+        drop_locked(x, h, KVX_FAILED);
         x->c.failures++;
         woke = true;
     } else {
-        resp.ok = true;
-        resp.bytes_received = h->bytes;
+        /* every rank reports what it got before the handoff is COMPLETE */
+        h->state = KVX_RECEIVING;
+        h->pending = call;
+        queue_job_locked(x, JOB_COMMIT, h);
+        answered_later = true;
     }
     pthread_mutex_unlock(&x->mu);
     if (woke)
         wake(x);
     if (code)
         rpc_call_finish(call, code, msg, NULL, 0);
-    else
+    else if (!answered_later) {
+        Moe__V1__KvTransferResponse resp = MOE__V1__KV_TRANSFER_RESPONSE__INIT;
+        resp.handoff_id = ch->handoff_id;
+        resp.ok = true;
         finish_msg(call, &resp.base);
+    }
     moe__v1__kv_transfer_chunk__free_unpacked(ch, NULL);
 }
 
-/* ---- KvSend (prefill side) --------------------------------------------------------------- */
+/* ---- KvSend (prefill side) ------------------------------------------------------------ */
 
 struct sender {
     struct kvx *x;
     struct rpc_call *call;
-    struct handoff *h; /* SENDING: owned by this sender until it ends */
-    char target[300];
-    uint32_t *dst_blocks; /* (h->n_blocks) receiver ids */
+    struct handoff *h;    /* SENDING: owned by this sender until it ends */
+    char target[300];     /* the decode leader's Worker service */
+    uint32_t *dst_blocks; /* (h->n_blocks of the receiver) */
+    int n_dst_blocks, dst_block_size;
+    struct kvl_target *targets; /* the decode group's ranks */
+    int n_targets;
     double deadline;
 };
 
@@ -647,94 +825,110 @@ static int64_t ms_until(double t)
     return left < 1 ? 1 : (int64_t)left;
 }
 
-/* Pushes every chunk; returns RPC_OK or the failure with msg set. */
-static enum rpc_code send_all(struct sender *s, struct rpc_client *cl, uint64_t *bytes,
-                              uint32_t *chunks, char *msg, size_t cap)
+/* Every rank of the first TP group pushes its heads (rank 0 here, the others
+ * by order); returns RPC_OK or the failure with msg set. */
+static enum rpc_code push_slices(struct sender *s, uint64_t *bytes, uint32_t *slices, char *msg,
+                                 size_t cap)
 {
     struct kvx *x = s->x;
     struct handoff *h = s->h;
-    int n_layer = x->kv->n_layer;
-    size_t per_layer = kvx_layers_bytes(x->kv, h->n_blocks, 0, 1);
-    int step = per_layer ? (int)(x->chunk_limit / per_layer) : n_layer;
-    if (step < 1)
-        step = 1;
-    void *buf = malloc(per_layer * (size_t)(step < n_layer ? step : n_layer));
+    int32_t *dst = malloc((size_t)(s->n_dst_blocks ? s->n_dst_blocks : 1) * sizeof *dst);
+    if (!dst) {
+        snprintf(msg, cap, "out of memory");
+        return RPC_RESOURCE_EXHAUSTED;
+    }
+    for (int i = 0; i < s->n_dst_blocks; i++)
+        dst[i] = (int32_t)s->dst_blocks[i];
+    struct kvl_push p = {.id = h->id,
+                         .src_blocks = h->blocks,
+                         .n_src_blocks = h->n_blocks,
+                         .n_tokens = h->n_tokens - 1, /* the last token has no KV yet */
+                         .dst_blocks = dst,
+                         .n_dst_blocks = s->n_dst_blocks,
+                         .dst_block_size = s->dst_block_size,
+                         .targets = s->targets,
+                         .n_targets = s->n_targets,
+                         .deadline_ms = (int)ms_until(s->deadline)};
+    struct kvl_order *orders[KVL_MAX_RANKS] = {0};
+    struct moe_error err = {0};
+    enum moe_status rc = MOE_OK;
+    int n_orders = x->o.tp_size < KVL_MAX_RANKS ? x->o.tp_size : KVL_MAX_RANKS;
+    for (int r = 1; r < n_orders && !rc; r++)
+        rc = kvl_order_start(x->o.link, rank_endpoint(x, r), &p, &orders[r], &err);
+    uint64_t mine = 0;
+    if (!rc)
+        rc = kvl_push(x->o.link, &p, &mine, &err);
+    *bytes += mine;
+    for (int r = 1; r < n_orders; r++) {
+        if (!orders[r])
+            continue;
+        uint64_t theirs = 0;
+        struct moe_error e = {0};
+        enum moe_status orc = kvl_order_wait(orders[r], &theirs, &e);
+        *bytes += theirs;
+        if (orc && !rc) {
+            rc = orc;
+            moe_error_set(&err, orc, "rank %d: %s", r, e.msg);
+        }
+    }
+    free(dst);
+    /* one slice per (sender, receiver) pair whose heads overlap */
+    for (int r = 0; r < x->o.tp_size; r++)
+        for (int t = 0; t < s->n_targets; t++) {
+            int a, b;
+            kvl_heads(x->o.n_kv_head, x->o.tp_size, r, &a, &b);
+            if (s->targets[t].head_begin < b && a < s->targets[t].head_end)
+                (*slices)++;
+        }
+    if (rc) {
+        snprintf(msg, cap, "%.700s", err.msg);
+        return RPC_UNAVAILABLE;
+    }
+    return RPC_OK;
+}
+
+/* The commit: the sequence state to the decode leader, after every slice. */
+static enum rpc_code commit(struct sender *s, struct rpc_client *cl, char *msg, size_t cap)
+{
+    struct handoff *h = s->h;
     uint32_t *tok = malloc((size_t)h->n_tokens * sizeof *tok);
-    if (!buf || !tok) {
-        free(buf);
-        free(tok);
+    if (!tok) {
         snprintf(msg, cap, "out of memory");
         return RPC_RESOURCE_EXHAUSTED;
     }
     for (int i = 0; i < h->n_tokens; i++)
         tok[i] = (uint32_t)h->tokens[i];
-    enum rpc_code code = RPC_OK;
-    for (int lb = 0; lb < n_layer && code == RPC_OK; lb += step) {
-        int le = lb + step < n_layer ? lb + step : n_layer;
-        if (x->fault_delay_ms)
-            usleep((useconds_t)x->fault_delay_ms * 1000);
-        pthread_mutex_lock(&x->mu);
-        bool stop = x->stopping || h->release_requested;
-        pthread_mutex_unlock(&x->mu);
-        if (stop) {
-            snprintf(msg, cap, "released or shutting down before layer %d", lb);
-            code = RPC_ABORTED;
-            break;
-        }
-        if (moe_now() > s->deadline) {
-            snprintf(msg, cap, "send deadline passed before layer %d", lb);
-            code = RPC_DEADLINE_EXCEEDED;
-            break;
-        }
-        size_t n = kvx_layers_bytes(x->kv, h->n_blocks, lb, le);
-        kvx_copy_layers(x->o.be, x->kv, h->blocks, h->n_blocks, lb, le, buf, true);
-        Moe__V1__KvTransferChunk ch = MOE__V1__KV_TRANSFER_CHUNK__INIT;
-        ch.handoff_id = h->id;
-        ch.layer_begin = (uint32_t)lb;
-        ch.layer_end = (uint32_t)le;
-        ch.n_block_ids = (size_t)h->n_blocks;
-        ch.block_ids = s->dst_blocks;
-        ch.data.data = buf;
-        ch.data.len = n;
-        ch.last = le == n_layer;
-        if (ch.last) {
-            ch.n_token_ids = (size_t)h->n_tokens;
-            ch.token_ids = tok;
-            ch.n_prompt = (uint32_t)h->n_prompt;
-            ch.n_rng_state = 4;
-            ch.rng_state = h->rng.s;
-        }
-        size_t len;
-        void *req = pack_msg(&ch.base, &len);
-        if (!req) {
-            snprintf(msg, cap, "out of memory");
-            code = RPC_RESOURCE_EXHAUSTED;
-            break;
-        }
-        int64_t left = ms_until(s->deadline);
-        struct rpc_reply r;
-        rpc_client_call(cl, "/moe.v1.Worker/KvTransfer", req, len,
-                        left < KVX_CALL_TIMEOUT_MS ? left : KVX_CALL_TIMEOUT_MS, &r);
-        free(req);
-        if (r.code != RPC_OK) {
-            code = r.code == RPC_DEADLINE_EXCEEDED ? RPC_DEADLINE_EXCEEDED
-                   : r.code == RPC_UNAVAILABLE     ? RPC_UNAVAILABLE
-                                                   : RPC_ABORTED;
-            snprintf(msg, cap, "KvTransfer of layers [%d, %d) to %.200s: %s %.200s", lb, le,
-                     s->target, rpc_code_name(r.code), r.message);
-        } else {
-            *bytes += n;
-            (*chunks)++;
-        }
-        rpc_reply_clear(&r);
-        if (code == RPC_OK && x->fault_die) {
-            fprintf(stderr, "moe-worker: MOE_FAULT_DIE_DURING_TRANSFER: exiting after chunk %u\n",
-                    *chunks);
-            _exit(3);
-        }
-    }
-    free(buf);
+    Moe__V1__KvTransferChunk ch = MOE__V1__KV_TRANSFER_CHUNK__INIT;
+    ch.handoff_id = h->id;
+    ch.n_block_ids = (size_t)s->n_dst_blocks;
+    ch.block_ids = s->dst_blocks;
+    ch.last = true;
+    ch.n_token_ids = (size_t)h->n_tokens;
+    ch.token_ids = tok;
+    ch.n_prompt = (uint32_t)h->n_prompt;
+    ch.n_rng_state = 4;
+    ch.rng_state = h->rng.s;
+    size_t len;
+    void *req = pack_msg(&ch.base, &len);
     free(tok);
+    if (!req) {
+        snprintf(msg, cap, "out of memory");
+        return RPC_RESOURCE_EXHAUSTED;
+    }
+    int64_t left = ms_until(s->deadline);
+    struct rpc_reply r;
+    rpc_client_call(cl, "/moe.v1.Worker/KvTransfer", req, len,
+                    left < KVX_CALL_TIMEOUT_MS ? left : KVX_CALL_TIMEOUT_MS, &r);
+    free(req);
+    enum rpc_code code = RPC_OK;
+    if (r.code != RPC_OK) {
+        code = r.code == RPC_DEADLINE_EXCEEDED ? RPC_DEADLINE_EXCEEDED
+               : r.code == RPC_UNAVAILABLE     ? RPC_UNAVAILABLE
+                                               : RPC_ABORTED;
+        snprintf(msg, cap, "KvTransfer (commit) to %.200s: %s %.200s", s->target,
+                 rpc_code_name(r.code), r.message);
+    }
+    rpc_reply_clear(&r);
     return code;
 }
 
@@ -744,9 +938,9 @@ static void *sender_thread(void *arg)
     struct kvx *x = s->x;
     struct handoff *h = s->h;
     double t0 = moe_now();
-    char msg[600] = "";
+    char msg[800] = "";
     uint64_t bytes = 0;
-    uint32_t chunks = 0;
+    uint32_t slices = 0;
     struct moe_error err = {0};
     bool owned = false;
     struct rpc_client *cl = peer_client(x, s->target, &owned, &err);
@@ -755,7 +949,16 @@ static void *sender_thread(void *arg)
         code = RPC_UNAVAILABLE;
         snprintf(msg, sizeof msg, "target %.200s: %.300s", s->target, err.msg);
     } else {
-        code = send_all(s, cl, &bytes, &chunks, msg, sizeof msg);
+        code = push_slices(s, &bytes, &slices, msg, sizeof msg);
+        pthread_mutex_lock(&x->mu);
+        bool stop = x->stopping || h->release_requested;
+        pthread_mutex_unlock(&x->mu);
+        if (code == RPC_OK && stop) {
+            code = RPC_ABORTED;
+            snprintf(msg, sizeof msg, "released or shutting down before the commit");
+        }
+        if (code == RPC_OK)
+            code = commit(s, cl, msg, sizeof msg);
     }
     if (code != RPC_OK && cl) {
         /* Tell the receiver at once (best effort); its ttl covers the rest. */
@@ -779,8 +982,6 @@ static void *sender_thread(void *arg)
     char id[KVX_ID_MAX];
     snprintf(id, sizeof id, "%s", h->id);
     pthread_mutex_lock(&x->mu);
-    h->state = code == RPC_OK ? KVX_DONE : KVX_FAILED;
-    release_engine(x, h); /* either way the prefill side is done with the blocks */
     if (code == RPC_OK) {
         x->c.transfers_out++;
         x->c.bytes_out += bytes;
@@ -788,7 +989,8 @@ static void *sender_thread(void *arg)
         x->c.failures++;
     }
     x->c.send_ms += ms;
-    remove_locked(x, h);
+    /* either way the prefill side is done with the blocks */
+    drop_locked(x, h, code == RPC_OK ? KVX_DONE : KVX_FAILED);
     pthread_mutex_unlock(&x->mu);
     wake(x);
     if (code == RPC_OK) {
@@ -797,21 +999,63 @@ static void *sender_thread(void *arg)
         resp.ok = true;
         resp.bytes = bytes;
         resp.transfer_ms = ms;
-        resp.chunks = chunks;
+        resp.chunks = slices;
         finish_msg(s->call, &resp.base);
     } else {
-        fprintf(stderr, "moe-worker: handoff %s failed after %u chunks: %s\n", id, chunks, msg);
-        char full[800];
+        fprintf(stderr, "moe-worker: handoff %s failed: %s\n", id, msg);
+        char full[1000];
         snprintf(full, sizeof full, "handoff %.100s: %s", id, msg);
         rpc_call_finish(s->call, code, full, NULL, 0);
     }
     free(s->dst_blocks);
+    free(s->targets);
     free(s);
     pthread_mutex_lock(&x->mu);
     x->n_senders--;
     pthread_cond_broadcast(&x->cond);
     pthread_mutex_unlock(&x->mu);
     return NULL;
+}
+
+/* Checks the decode group's description in rq; fills s's targets. */
+static enum rpc_code take_targets(struct kvx *x, const Moe__V1__KvSendRequest *rq, struct sender *s,
+                                  int n_kv, char *msg, size_t cap)
+{
+    uint32_t tp = rq->target_tp_size, bs = rq->target_block_size;
+    size_t n = rq->n_target_endpoints;
+    if (n < 1 || n > KVL_MAX_RANKS || tp < 1 || n % tp || (uint32_t)x->o.n_kv_head % tp) {
+        snprintf(msg, cap,
+                 "target_endpoints / target_tp_size: %zu ranks with tp %u cannot hold %d KV "
+                 "heads",
+                 n, tp, x->o.n_kv_head);
+        return RPC_INVALID_ARGUMENT;
+    }
+    if (bs < 1 || rq->n_block_ids != (size_t)((n_kv + (int)bs - 1) / (int)bs)) {
+        snprintf(msg, cap, "block_ids: %zu receiver blocks of %u tokens for %d KV positions",
+                 rq->n_block_ids, bs, n_kv);
+        return RPC_INVALID_ARGUMENT;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (!rq->target_endpoints[i][0] || strlen(rq->target_endpoints[i]) >= KVL_ENDPOINT_MAX) {
+            snprintf(msg, cap, "target_endpoints[%zu]: empty or too long", i);
+            return RPC_INVALID_ARGUMENT;
+        }
+    s->targets = calloc(n, sizeof *s->targets);
+    s->dst_blocks = malloc((rq->n_block_ids ? rq->n_block_ids : 1) * sizeof *s->dst_blocks);
+    if (!s->targets || !s->dst_blocks) {
+        snprintf(msg, cap, "out of memory");
+        return RPC_RESOURCE_EXHAUSTED;
+    }
+    for (size_t i = 0; i < n; i++) {
+        snprintf(s->targets[i].endpoint, KVL_ENDPOINT_MAX, "%s", rq->target_endpoints[i]);
+        kvl_heads(x->o.n_kv_head, (int)tp, (int)(i % tp), &s->targets[i].head_begin,
+                  &s->targets[i].head_end);
+    }
+    s->n_targets = (int)n;
+    memcpy(s->dst_blocks, rq->block_ids, rq->n_block_ids * sizeof *s->dst_blocks);
+    s->n_dst_blocks = (int)rq->n_block_ids;
+    s->dst_block_size = (int)bs;
+    return RPC_OK;
 }
 
 static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len, void *user)
@@ -838,22 +1082,21 @@ static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len,
         code = RPC_FAILED_PRECONDITION;
         snprintf(msg, sizeof msg, "handoff_id: '%.100s' is %s, not PREFILLED", h->id,
                  kvx_state_name(h->state));
-    } else if (rq->n_block_ids != (size_t)h->n_blocks) {
-        code = RPC_INVALID_ARGUMENT;
-        snprintf(msg, sizeof msg, "block_ids: %zu receiver blocks for %d parked blocks",
-                 rq->n_block_ids, h->n_blocks);
     } else if (!rq->target_address[0] || strlen(rq->target_address) >= 300) {
         code = RPC_INVALID_ARGUMENT;
         snprintf(msg, sizeof msg, "target_address: empty or too long");
-    } else if (!(s = calloc(1, sizeof *s)) ||
-               !(s->dst_blocks = malloc((size_t)h->n_blocks * sizeof *s->dst_blocks))) {
+    } else if (!(s = calloc(1, sizeof *s))) {
         code = RPC_RESOURCE_EXHAUSTED;
         snprintf(msg, sizeof msg, "out of memory");
+    } else {
+        code = take_targets(x, rq, s, h->n_tokens - 1, msg, sizeof msg);
     }
     if (code) {
         pthread_mutex_unlock(&x->mu);
-        if (s)
+        if (s) {
             free(s->dst_blocks);
+            free(s->targets);
+        }
         free(s);
         moe__v1__kv_send_request__free_unpacked(rq, NULL);
         rpc_call_finish(call, code, msg, NULL, 0);
@@ -863,8 +1106,6 @@ static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len,
     s->call = call;
     s->h = h;
     snprintf(s->target, sizeof s->target, "%s", rq->target_address);
-    if (h->n_blocks && rq->block_ids)
-        memcpy(s->dst_blocks, rq->block_ids, (size_t)h->n_blocks * sizeof *s->dst_blocks);
     int64_t left = rq->deadline_ms ? (int64_t)rq->deadline_ms : KVX_DEFAULT_SEND_MS;
     int64_t call_left = rpc_call_deadline_ms_left(call);
     if (call_left < left)
@@ -888,6 +1129,7 @@ static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len,
         pthread_cond_broadcast(&x->cond);
         pthread_mutex_unlock(&x->mu);
         free(s->dst_blocks);
+        free(s->targets);
         free(s);
         rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "cannot start a sender thread", NULL, 0);
     }
@@ -911,17 +1153,13 @@ static void handle_release(struct rpc_call *call, const uint8_t *bytes, size_t l
         if (!h)
             continue;
         resp.found = true;
-        if (h->state == KVX_SENDING || h->state == KVX_RESERVING) {
-            h->release_requested = true; /* its sender / on_reserved frees it */
+        if (h->state == KVX_SENDING || h->state == KVX_RESERVING || h->state == KVX_RECEIVING) {
+            h->release_requested = true; /* its sender / job frees it */
             continue;
         }
         fprintf(stderr, "moe-worker: handoff %s released in state %s (%.200s)\n", h->id,
                 kvx_state_name(h->state), rq->reason);
-        if (h->state == KVX_RECEIVING)
-            x->c.failures++;
-        h->state = KVX_FAILED;
-        release_engine(x, h);
-        remove_locked(x, h);
+        drop_locked(x, h, KVX_FAILED);
     }
     pthread_mutex_unlock(&x->mu);
     moe__v1__kv_release_request__free_unpacked(rq, NULL);

@@ -1,39 +1,36 @@
-/* The KV handoff of disaggregated serving, on one worker: the table of
- * handoffs in flight, their state machine with deadlines, the four
- * moe.v1.Worker RPCs that move KV blocks (KvReserve, KvTransfer, KvSend,
- * KvRelease) and the host copy of blocks between the engine's KV cache and
- * wire chunks.
+/* The KV handoff of disaggregated serving, on a group leader: the table of
+ * handoffs in flight, their state machine with deadlines, and the four
+ * moe.v1.Worker RPCs that steer it (KvReserve, KvSend, KvTransfer,
+ * KvRelease). The bytes move rank to rank over the KV data plane
+ * (kv_link.h): every TP rank of the prefill group sends its own heads to the
+ * decode ranks that hold them, re-sliced when the TP or block sizes differ.
  *
  * The flow (driven by the coordinator, see coordinator/forward.c):
- *   prefill worker P                      decode worker D
+ *   prefill group P                       decode group D
  *   Generate(prefill_only, H): prompt ->  .
  *   first token, sequence parked          .
- *   [PREFILLED]                           KvReserve(H, n_blocks): [RESERVING]
- *                                         -> engine reserves -> [RESERVED]
- *   KvSend(H, D, block ids): [SENDING]    .
- *   KvTransfer chunk (layers a..b) ---->  [RECEIVING] data written to blocks
- *   ... last chunk + tokens + RNG ----->  [COMPLETE]
+ *   [PREFILLED]                           KvReserve(H, n_tokens): [RESERVING]
+ *                                         engine reserves, every rank is told
+ *                                         to expect H in those blocks
+ *                                         -> [RESERVED] (+ rank endpoints)
+ *   KvSend(H, D's endpoints, blocks):     .
+ *   [SENDING] ranks push their slices --> each rank writes its heads on arrival
+ *   all slices acknowledged:              .
+ *   KvTransfer(commit, tokens, RNG) ----> [RECEIVING] every rank reports what
+ *                                         it got; all rows there -> [COMPLETE]
  *   [DONE] blocks freed, KvSend answered  Generate(H): [CLAIMED] the sequence
  *                                         continues from its first token
- * Failures: a chunk that fails or times out makes P send an abort chunk to D
- * (best effort) and free its blocks ([FAILED]); KvSend answers the failure to
- * the coordinator, which releases D (KvRelease) and recomputes there. Every
- * state but SENDING and RESERVING has a deadline (ttl): when it passes, the
- * handoff is [EXPIRED] and its blocks are freed, so a crashed peer or
+ * Failures: a slice that fails or times out makes P send an abort to D (best
+ * effort) and free its blocks ([FAILED]); KvSend answers the failure to the
+ * coordinator, which releases D (KvRelease) and recomputes there. Every state
+ * but SENDING, RESERVING and RECEIVING has a deadline (ttl): when it passes,
+ * the handoff is [EXPIRED] and its blocks are freed, so a crashed peer or
  * coordinator never leaks blocks. SENDING is bounded by the send deadline,
- * RESERVING by the engine's next step.
+ * RESERVING and RECEIVING by the data plane's socket timeouts. Before a
+ * decode group frees reserved blocks, every rank confirms that no write into
+ * them is running (kvl_forget), so a late slice never lands in reused blocks.
  *
- * Transport: this is the host path (KV staged through host memory, unary
- * gRPC calls, whole layers per chunk). A GPU path would move the same block
- * lists with NCCL send/recv on a per-pair communicator (unique id passed in
- * KvReserve / KvSend), one slice per TP rank; the table and the states stay.
- * Only single-rank workers (tp_size 1) hand off here; a block size, TP size
- * or KV layout mismatch is refused at KvReserve.
- *
- * Fault injection (tests): MOE_FAULT_TRANSFER_DELAY_MS=N sleeps N ms before
- * each chunk a prefill worker sends; MOE_FAULT_DIE_DURING_TRANSFER=1 makes it
- * exit right after its first chunk was acknowledged; MOE_KV_CHUNK_BYTES caps
- * a chunk (default 4 MiB, at least one layer). */
+ * Fault injection (tests): see kvl_push. */
 #ifndef MOE_KV_TRANSFER_H
 #define MOE_KV_TRANSFER_H
 
@@ -43,6 +40,7 @@
 
 #include "backend.h"
 #include "engine.h"
+#include "kv_link.h"
 #include "model.h"
 #include "moe_error.h"
 #include "rpc.h"
@@ -68,10 +66,15 @@ const char *kvx_state_name(enum kvx_state s);
 
 struct kvx_opts {
     struct moe_engine *engine; /* borrowed */
-    struct moe_backend *be;    /* borrowed: the KV cache's backend */
-    int tp_size;               /* 0 = 1 */
-    int ttl_ms;                /* lifetime of a parked / reserved handoff; 0 = 30000 */
-    void (*wake)(void *user);  /* wakes the engine thread (may be NULL) */
+    struct kvl *link;          /* borrowed: this rank's KV data plane */
+    /* the KV endpoints of the group's ranks, by rank (world_size x
+     * KVL_ENDPOINT_MAX chars; copied) */
+    const char *endpoints;
+    int world_size; /* 0 = 1 */
+    int tp_size;    /* 0 = 1 */
+    int n_kv_head, d_head;
+    int ttl_ms;               /* lifetime of a parked / reserved handoff; 0 = 30000 */
+    void (*wake)(void *user); /* wakes the engine thread (may be NULL) */
     void *wake_user;
 };
 
@@ -122,21 +125,9 @@ void kvx_counters(struct kvx *x, struct kvx_counters *out);
 /* Makes senders stop at their next chunk (before the server shuts down). */
 void kvx_shutdown(struct kvx *x);
 
-/* Waits for the sender threads and frees the table (the engine's blocks are
+/* Waits for the sender and control threads and frees the table (the engine's blocks are
  * not touched: call before destroying the engine, after its thread ended).
  * NULL is a no-op. */
 void kvx_destroy(struct kvx *x);
-
-/* ---- host copies of KV blocks (exposed for tests) ---------------------------------- */
-
-/* Bytes of layers [layer_begin, layer_end) of n_blocks blocks: per layer, K
- * of each block (block_size * kv_dim f32, contiguous) then V of each block. */
-size_t kvx_layers_bytes(const struct moe_kv_cache *kv, int n_blocks, int layer_begin,
-                        int layer_end);
-
-/* Copies those layers of `blocks` out of the cache into host (to_host) or
- * from host into the cache. */
-void kvx_copy_layers(struct moe_backend *be, struct moe_kv_cache *kv, const int32_t *blocks,
-                     int n_blocks, int layer_begin, int layer_end, void *host, bool to_host);
 
 #endif

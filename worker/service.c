@@ -303,8 +303,8 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
     if ((rq->prefill_only || rq->handoff_id[0]) && !ws->kvx) {
         code = RPC_UNIMPLEMENTED;
         snprintf(msg, sizeof msg,
-                 "prefill_only / handoff_id: this worker cannot hand off KV "
-                 "(multi-rank group)");
+                 "prefill_only / handoff_id: this worker cannot hand off KV (started "
+                 "with --role mixed)");
         goto fail;
     }
     if (rq->prefill_only && !rq->handoff_id[0]) {
@@ -600,10 +600,14 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
                                    err)) ||
         (rc = rpc_health_register(ws->server, err)))
         goto fail;
-    if (opts->be && ws->world_size == 1) {
+    if (opts->be && opts->kv_link) {
         struct kvx_opts ko = {.engine = engine,
-                              .be = opts->be,
+                              .link = opts->kv_link,
+                              .endpoints = opts->kv_endpoints,
+                              .world_size = ws->world_size,
                               .tp_size = ws->tp_size,
+                              .n_kv_head = ws->cfg->n_kv_head,
+                              .d_head = ws->cfg->d_head,
                               .ttl_ms = opts->handoff_ttl_ms,
                               .wake = wake_engine,
                               .wake_user = ws};

@@ -19,6 +19,7 @@
 #include <stdbool.h>
 
 #include "engine.h"
+#include "kv_link.h"
 #include "group.h"
 #include "model.h"
 #include "moe_error.h"
@@ -31,10 +32,12 @@ struct worker_service_opts {
     const char *dtype_name; /* "bf16", "f32" */
     int world_size;         /* ranks in the group (reported by GetLoad; 0 = 1) */
     int tp_size;
-    int role;                /* Moe__V1__WorkerRole (0 = mixed), reported by GetLoad */
-    struct moe_backend *be;  /* the KV cache's backend (KV handoff); NULL: no handoff */
-    int handoff_ttl_ms;      /* lifetime of parked / reserved handoffs (0 = 30000) */
-    struct moe_group *group; /* worker group (placement epoch, per-rank load); NULL: one rank */
+    int role;                 /* Moe__V1__WorkerRole (0 = mixed), reported by GetLoad */
+    struct moe_backend *be;   /* the KV cache's backend (KV handoff); NULL: no handoff */
+    struct kvl *kv_link;      /* this rank's KV data plane (KV handoff); NULL: no handoff */
+    const char *kv_endpoints; /* every rank's KV endpoint (world_size x KVL_ENDPOINT_MAX) */
+    int handoff_ttl_ms;       /* lifetime of parked / reserved handoffs (0 = 30000) */
+    struct moe_group *group;  /* worker group (placement epoch, per-rank load); NULL: one rank */
 };
 
 struct worker_service;

@@ -8,7 +8,8 @@
  *              [--etcd URLS --worker-id ID --lease-ttl S] [--dtype f32|bf16]
  *              [--threads N] [--device auto|cpu|cuda] [--kv-blocks N | --kv-memory MIB]
  *              [--block-size N] [--max-batch-tokens N] [--max-running N]
- *              [--no-prefix-cache] [--role mixed] [--drain-timeout S]
+ *              [--no-prefix-cache] [--role mixed|prefill|decode] [--kv-listen HOST:PORT]
+ *              [--drain-timeout S]
  *   mpirun -np W moe-worker ... [--tp T] [--placement F.json]
  *              one model replica over W ranks: rank 0 serves gRPC and runs the
  *              scheduler, every rank runs each step (tensor + expert parallel)
@@ -28,6 +29,7 @@
 #include "etcd.h"
 #include "generate.h"
 #include "group.h"
+#include "kv_link.h"
 #include "launch.h"
 #include "model.h"
 #include "moe/v1/worker.pb-c.h"
@@ -43,6 +45,7 @@ struct args {
     const char *worker_id;
     const char *device;
     const char *role;
+    const char *kv_listen;
     enum moe_dtype dtype;
     int threads;
     int lease_ttl;
@@ -84,7 +87,10 @@ static void usage(FILE *f)
                "  --no-prefix-cache     disable prefix caching\n"
                "  --role R              mixed (default), prefill or decode: the pool this worker\n"
                "                        serves in disaggregated serving (KV handed off from\n"
-               "                        prefill to decode workers; single-rank workers only)\n"
+               "                        prefill to decode workers, rank to rank)\n"
+               "  --kv-listen HOST:PORT where this rank's KV data plane listens (prefill and\n"
+               "                        decode roles; default: the --listen host, a free port;\n"
+               "                        under mpirun every rank takes a free port)\n"
                "  --drain-timeout S     on SIGTERM, wait at most S seconds for running requests "
                "(default 60)\n"
                "  --handoff-ttl-ms MS   a parked or reserved KV handoff nobody claims expires and "
@@ -159,6 +165,8 @@ static int parse_args(int argc, char **argv, struct args *a)
             if (strcmp(v, "mixed") && strcmp(v, "prefill") && strcmp(v, "decode"))
                 return cli_fail("--role: '%s' is not one of mixed, prefill, decode", v);
             a->role = v;
+        } else if (!strcmp(k, "--kv-listen")) {
+            a->kv_listen = v;
         } else if (!strcmp(k, "--dtype")) {
             if (!strcmp(v, "f32"))
                 a->dtype = MOE_DTYPE_F32;
@@ -279,6 +287,9 @@ int main(int argc, char **argv)
     struct moe_group *group = NULL; /* = launch.group */
     struct moe_backend *be = NULL;  /* = launch.be */
     struct moe_etcd_watch *placement_watch = NULL;
+    struct kvl *kv_link = NULL;              /* disaggregated roles only */
+    char *kv_endpoints = NULL;               /* every rank's, by rank */
+    struct moe_kv_cache *follower_kv = NULL; /* a follower's cache, shared with kv_link */
     rc = 1;
 
     struct moe_launch_args la = {.model = a.model,
@@ -292,17 +303,44 @@ int main(int argc, char **argv)
         goto fail;
     group = launch.group;
     be = launch.be;
-    if (group && strcmp(a.role, "mixed") && group->size > 1) {
-        moe_error_set(&err, MOE_ERR_INVALID,
-                      "--role %s: the KV handoff (host path) needs a single-rank worker, "
-                      "this group has %d ranks",
-                      a.role, group->size);
-        goto fail;
-    }
     struct moe_model_opts mo = launch.model_opts;
     if (moe_model_load(a.model, &mo, be, &model, &err))
         goto fail;
     const struct moe_config *cfg = moe_model_config(model);
+    int world = group ? group->size : 1;
+    if (strcmp(a.role, "mixed")) {
+        /* the KV data plane: every rank moves its own heads */
+        char listen[300];
+        if (a.kv_listen && (!group || group->size == 1)) {
+            snprintf(listen, sizeof listen, "%s", a.kv_listen);
+        } else {
+            const char *src = a.kv_listen ? a.kv_listen : a.listen;
+            const char *colon = strrchr(src, ':');
+            int host_len = colon ? (int)(colon - src) : (int)strlen(src);
+            snprintf(listen, sizeof listen, "%.*s:0", host_len, src);
+        }
+        char adv_host[KVL_ENDPOINT_MAX] = "";
+        if (a.advertise) {
+            const char *colon = strrchr(a.advertise, ':');
+            snprintf(adv_host, sizeof adv_host, "%.*s",
+                     colon ? (int)(colon - a.advertise) : (int)strlen(a.advertise), a.advertise);
+        }
+        struct kvl_opts ko = {.be = be,
+                              .listen = listen,
+                              .advertise_host = adv_host[0] ? adv_host : NULL,
+                              .layout = {.n_layer = cfg->n_layer,
+                                         .n_kv_head = cfg->n_kv_head,
+                                         .d_head = cfg->d_head,
+                                         .tp_size = group ? group->tp_size : 1,
+                                         .tp_rank = group ? group->tp_rank : 0}};
+        if (!(kv_endpoints = calloc((size_t)world, KVL_ENDPOINT_MAX))) {
+            moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
+            goto fail;
+        }
+        if (kvl_create(&ko, &kv_link, &err))
+            goto fail;
+        snprintf(kv_endpoints, KVL_ENDPOINT_MAX, "%s", kvl_endpoint(kv_link));
+    }
     if (group && group->rank != 0) {
         /* Followers run the leader's step plans until it stops the group. */
         fprintf(stderr, "moe-worker: rank %d of %d (tp %d/%d) following, %.1f MiB of weights\n",
@@ -312,6 +350,12 @@ int main(int argc, char **argv)
          * stops the group, so a SIGTERM that mpirun forwards here is ignored. */
         signal(SIGTERM, SIG_IGN);
         signal(SIGINT, SIG_IGN);
+        if (kv_link) {
+            if (moe_group_share_kv(group, model, 0, 0, kvl_endpoint(kv_link), kv_endpoints,
+                                   &follower_kv, &err))
+                goto fail;
+            kvl_attach_kv(kv_link, follower_kv);
+        }
         if (moe_group_follow(group, model, &err))
             goto fail;
         rc = 0;
@@ -343,6 +387,13 @@ int main(int argc, char **argv)
     }
     if (moe_engine_create(model, tok, &eo, &engine, &err))
         goto fail;
+    if (kv_link) {
+        struct moe_kv_cache *none;
+        if (group && moe_group_share_kv(group, model, eo.n_block, eo.block_size,
+                                        kvl_endpoint(kv_link), kv_endpoints, &none, &err))
+            goto fail;
+        kvl_attach_kv(kv_link, moe_engine_kv_cache(engine));
+    }
     const char *name = strrchr(a.model, '/');
     name = name && name[1] ? name + 1 : a.model;
     struct worker_service_opts so = {
@@ -356,6 +407,8 @@ int main(int argc, char **argv)
                 : !strcmp(a.role, "decode") ? MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE
                                             : MOE__V1__WORKER_ROLE__WORKER_ROLE_MIXED,
         .be = be,
+        .kv_link = kv_link,
+        .kv_endpoints = kv_endpoints,
         .handoff_ttl_ms = a.handoff_ttl_ms,
     };
     if (worker_service_create(engine, model, tok, &so, &ws, &err))
@@ -448,6 +501,9 @@ out:
     }
     unregister_worker(&reg);
     moe_etcd_destroy(reg.etcd);
+    kvl_destroy(kv_link); /* before the cache it writes into goes */
+    free(kv_endpoints);
+    moe_kv_cache_free(model, follower_kv);
     moe_engine_destroy(engine);
     moe_tokenizer_free(tok);
     moe_model_free(model);

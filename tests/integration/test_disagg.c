@@ -32,6 +32,7 @@
 #include "rpcutil.h"
 #include "backend.h"
 #include "engine.h"
+#include "kv_link.h"
 #include "kv_transfer.h"
 #include "model.h"
 #include "moe/v1/admin.pb-c.h"
@@ -120,10 +121,11 @@ static int kv_used(struct moe_engine *e)
     return st.kv_blocks_used;
 }
 
-/* One handoff of `prompt` from engine a to b; the tokens continue in *out. */
-static void handoff_once(struct moe_backend *be, struct moe_engine *a, struct moe_engine *b,
-                         const int32_t *prompt, int n_prompt, const struct moe_request_params *p,
-                         uint64_t id, struct cap *out)
+/* One handoff of `prompt` from engine a to b over a pair of KV links (the
+ * data plane; b may use another block size); the tokens continue in *out. */
+static void handoff_once(struct moe_backend *be, const struct moe_config *cfg, struct moe_engine *a,
+                         struct moe_engine *b, const int32_t *prompt, int n_prompt,
+                         const struct moe_request_params *p, uint64_t id, struct cap *out)
 {
     struct moe_error err = {0};
     struct moe_request_params pp = *p;
@@ -137,18 +139,42 @@ static void handoff_once(struct moe_backend *be, struct moe_engine *a, struct mo
     check_engine(a, "after parking");
     CHECK(kv_used(a) == out->ex.n_blocks);
 
+    int bs = moe_engine_block_size(b), n_dst = (n_prompt + bs - 1) / bs;
     struct resv_cap rc = {0};
-    CHECK(moe_engine_reserve(b, 1000 + id, out->ex.n_blocks, resv_cb, &rc, &err) == MOE_OK);
+    CHECK(moe_engine_reserve(b, 1000 + id, n_dst, resv_cb, &rc, &err) == MOE_OK);
     run_until_idle(b);
-    CHECKF(rc.done && rc.n == out->ex.n_blocks, "reservation: %s", rc.error);
+    CHECKF(rc.done && rc.n == n_dst, "reservation: %s", rc.error);
     check_engine(b, "after reserving");
 
-    struct moe_kv_cache *ka = moe_engine_kv_cache(a), *kb = moe_engine_kv_cache(b);
-    size_t bytes = kvx_layers_bytes(ka, out->ex.n_blocks, 0, ka->n_layer);
-    void *buf = malloc(bytes);
-    kvx_copy_layers(be, ka, out->ex_blocks, out->ex.n_blocks, 0, ka->n_layer, buf, true);
-    kvx_copy_layers(be, kb, rc.blocks, rc.n, 0, kb->n_layer, buf, false);
-    free(buf);
+    struct kvl_opts lo = {.be = be,
+                          .listen = "127.0.0.1:0",
+                          .layout = {cfg->n_layer, cfg->n_kv_head, cfg->d_head, 1, 0}};
+    struct kvl *la = NULL, *lb = NULL;
+    CHECK(kvl_create(&lo, &la, &err) == MOE_OK && kvl_create(&lo, &lb, &err) == MOE_OK);
+    kvl_attach_kv(la, moe_engine_kv_cache(a));
+    kvl_attach_kv(lb, moe_engine_kv_cache(b));
+    CHECK(kvl_expect(lb, NULL, "h", rc.blocks, rc.n, n_prompt, 5000, &err) == MOE_OK);
+    struct kvl_target t = {.head_begin = 0, .head_end = cfg->n_kv_head};
+    snprintf(t.endpoint, sizeof t.endpoint, "%s", kvl_endpoint(lb));
+    struct kvl_push push = {.id = "h",
+                            .src_blocks = out->ex_blocks,
+                            .n_src_blocks = out->ex.n_blocks,
+                            .n_tokens = n_prompt,
+                            .dst_blocks = rc.blocks,
+                            .n_dst_blocks = rc.n,
+                            .dst_block_size = bs,
+                            .targets = &t,
+                            .n_targets = 1,
+                            .deadline_ms = 5000};
+    uint64_t sent = 0, got = 0;
+    bool complete = false;
+    CHECKF(kvl_push(la, &push, &sent, &err) == MOE_OK, "%s", err.msg);
+    CHECK(kvl_forget(lb, NULL, "h", &got, &complete, &err) == MOE_OK);
+    CHECKF(complete && got == sent &&
+               sent == (uint64_t)n_prompt * cfg->n_layer * 2 * cfg->n_kv_head * cfg->d_head * 4,
+           "sent %" PRIu64 " bytes, %" PRIu64 " arrived (complete %d)", sent, got, complete);
+    kvl_destroy(la);
+    kvl_destroy(lb);
     moe_engine_abort(a, id); /* the prefill side lets go */
     run_until_idle(a);
     CHECK(kv_used(a) == 0);
@@ -182,6 +208,7 @@ static int run_engine(void)
     struct moe_engine_opts o = {.n_block = 64, .block_size = 4};
     CHECK(moe_engine_create(model, NULL, &o, &ref, &err) == MOE_OK);
     CHECK(moe_engine_create(model, NULL, &o, &a, &err) == MOE_OK);
+    o.block_size = 8; /* the receiver re-blocks the tokens */
     CHECK(moe_engine_create(model, NULL, &o, &b, &err) == MOE_OK);
     int32_t prompt[40];
     for (int i = 0; i < 40; i++)
@@ -204,7 +231,7 @@ static int run_engine(void)
             uint64_t id = 10 * k + (uint64_t)mode;
             CHECK(moe_engine_submit(ref, id, prompt, lens[k], &p, cap_cb, &want, &err) == MOE_OK);
             run_until_idle(ref);
-            handoff_once(be, a, b, prompt, lens[k], &p, id, &got);
+            handoff_once(be, moe_model_config(model), a, b, prompt, lens[k], &p, id, &got);
             CHECKF(want.n == 12 && got.n == 12 && !memcmp(want.ids, got.ids, sizeof want.ids),
                    "%s prompt of %d: handed-off tokens differ", mode ? "seeded" : "greedy",
                    lens[k]);
@@ -802,14 +829,34 @@ static void test_refuse(struct proc *cm, struct proc *pw, struct proc *dw)
            "tiny after release: %u used, %u "
            "pending",
            used0, pend0);
+    /* Another model's KV layout is refused by name; another block size is not
+     * (the receiver counts blocks in its own size). */
     rq.handoff_id = "direct-3";
     rq.block_size = 8;
     rq.n_tokens = 60;
-    rq.n_blocks = 8;
+    rq.n_blocks = 0;
+    rq.n_kv_heads = 3;
     r = call(dw->cl, "/moe.v1.Worker/KvReserve", &rq, &moe__v1__kv_reserve_response__descriptor,
              &code, msg, sizeof msg);
-    CHECKF(!r && code == RPC_FAILED_PRECONDITION && strstr(msg, "block_size"),
-           "block size mismatch: %s %s", rpc_code_name(code), msg);
+    CHECKF(!r && code == RPC_FAILED_PRECONDITION && strstr(msg, "KV layout"),
+           "KV layout mismatch: %s %s", rpc_code_name(code), msg);
+    rq.n_kv_heads = 0;
+    r = call(dw->cl, "/moe.v1.Worker/KvReserve", &rq, &moe__v1__kv_reserve_response__descriptor,
+             &code, msg, sizeof msg);
+    Moe__V1__KvReserveResponse *ok = r;
+    CHECKF(ok && ok->n_block_ids == (60 + ok->block_size - 1) / ok->block_size &&
+               ok->n_rank_endpoints == 1 && ok->tp_size == 1,
+           "another block size: %s %s", rpc_code_name(code), msg);
+    if (ok)
+        moe__v1__kv_reserve_response__free_unpacked(ok, NULL);
+    rel.handoff_id = "direct-3";
+    rr = call(dw->cl, "/moe.v1.Worker/KvRelease", &rel, &moe__v1__kv_release_response__descriptor,
+              &code, msg, sizeof msg);
+    CHECK(rr && rr->found);
+    if (rr)
+        moe__v1__kv_release_response__free_unpacked(rr, NULL);
+    CHECKF(wait_pool_whole(dw->cl, 3000, &used0, &pend0),
+           "decode after release: %u used, %u pending", used0, pend0);
 
     char list[400];
     snprintf(list, sizeof list, "%s,%s", pw->addr, tiny.addr);

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Disaggregated serving between multi-rank worker groups (mpirun): each TP
+# rank of the prefill group sends its own KV heads to the decode ranks that
+# hold them, across different TP sizes and block sizes:
+#   A: prefill 2 ranks tp 2 (16-token blocks)  -> decode 1 rank (8-token blocks)
+#   B: prefill 1 rank (16)                     -> decode 2 ranks tp 2 (4)
+#   C: prefill 2 ranks tp 2 (16)               -> decode 2 ranks tp 2 (4)
+# Greedy tokens through each pair equal moe-generate's on one process, every
+# request is handed off (no recompute), the transfer counters agree, and the
+# block pools are whole afterwards.
+#
+#   disagg_groups.sh BIN_DIR MODEL_DIR MPIRUN...
+set -uo pipefail
+bin=$1 model=$2
+shift 2
+tmp=$(mktemp -d /tmp/moe-dg-XXXXXX)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
+  sleep 0.5
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+pass=0 fail=0
+ok() { pass=$((pass + 1)); echo "ok   $*"; }
+bad() { fail=$((fail + 1)); echo "FAIL $*"; }
+wait_for() { # FILE PATTERN
+  for _ in $(seq 300); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
+  return 1
+}
+finish() { echo "$pass passed, $fail failed"; [ $fail -eq 0 ]; exit; }
+
+# start NAME ROLE RANKS BLOCK_SIZE [MPIRUN...]: a worker (a group under mpirun when RANKS > 1)
+start() {
+  local name=$1 role=$2 np=$3 bs=$4
+  shift 4
+  local args=(--model "$model" --dtype f32 --threads 1 --kv-memory 16 --block-size "$bs"
+              --role "$role" --listen 127.0.0.1:0 --worker-id "$name")
+  if [ "$np" -gt 1 ]; then
+    "$@" -np "$np" "$bin/moe-worker" "${args[@]}" --tp "$np" >"$tmp/$name.log" 2>"$tmp/$name.err" &
+  else
+    "$bin/moe-worker" "${args[@]}" >"$tmp/$name.log" 2>"$tmp/$name.err" &
+  fi
+  pids+=($!)
+}
+mpirun=("$@")
+start P2 prefill 2 16 "${mpirun[@]}"
+start D1 decode 1 8
+start P1 prefill 1 16
+start D2 decode 2 4 "${mpirun[@]}"
+declare -A addr
+for w in P2 D1 P1 D2; do
+  wait_for "$tmp/$w.log" "serving" || { bad "$w did not start: $(grep -v CUDA "$tmp/$w.err" | tail -3)"; finish; }
+  addr[$w]=$(grep -o 'on 127\.0\.0\.1:[0-9]*' "$tmp/$w.log" | head -1 | cut -c4-)
+done
+ok "workers up: P2 ${addr[P2]} D1 ${addr[D1]} P1 ${addr[P1]} D2 ${addr[D2]}"
+
+# coordinator NAME WORKER... -> its address in caddr[NAME]
+declare -A caddr
+coordinator() {
+  local name=$1
+  shift
+  local list
+  list=$(for w in "$@"; do printf '%s,' "${addr[$w]}"; done)
+  "$bin/moe-coordinator" --model "$model" --listen 127.0.0.1:0 --workers "${list%,}" \
+    >"$tmp/c$name.log" 2>&1 &
+  pids+=($!)
+  wait_for "$tmp/c$name.log" "serving on" || bad "coordinator $name did not start"
+  caddr[$name]=$(grep -o 'serving on 127\.0\.0\.1:[0-9]*' "$tmp/c$name.log" | grep -o '127.*')
+}
+coordinator A P2 D1
+coordinator B P1 D2
+coordinator C P2 D2
+
+# Prompts of 3, 17 and 41 tokens: inside one block, across blocks of every size.
+prompts=("5,6,7" "$(seq -s, 20 36)" "$(seq -s, 100 3 220)")
+declare -A want
+for i in "${!prompts[@]}"; do
+  want[$i]=$("$bin/moe-generate" --model "$model" --tokens "${prompts[$i]}" -n 10 --dtype f32 \
+             --ignore-eos 2>/dev/null | grep '^tokens:' | cut -d' ' -f2-)
+done
+ask() { # COORD PROMPT -> token ids on stdout
+  timeout 60 "$bin/moe-client" --addr "${caddr[$1]}" --tokens "$2" -n 10 --ignore-eos \
+    --logprobs 0 2>&1 >/dev/null | grep -o '^\[token [0-9]*' | grep -o '[0-9]*$' | tr '\n' ' ' |
+    sed 's/ $//'
+}
+for c in A B C; do
+  for i in "${!prompts[@]}"; do
+    got=$(ask "$c" "${prompts[$i]}")
+    [ -n "${want[$i]}" ] && [ "$got" = "${want[$i]}" ] &&
+      ok "$c: prompt of $(echo "${prompts[$i]}" | tr ',' '\n' | wc -l) tokens: $got" ||
+      bad "$c: prompt $i: got '$got', one process: '${want[$i]}'"
+  done
+done
+
+# 8 concurrent requests through C.
+clients=()
+for i in 1 2 3 4 5 6 7 8; do
+  timeout 60 "$bin/moe-client" --addr "${caddr[C]}" --prompt "concurrent request number $i" -n 6 \
+    --ignore-eos --quiet >"$tmp/r$i.out" 2>&1 &
+  clients+=($!)
+done
+wait "${clients[@]}"
+n_ok=$(grep -l "finish: length, 6 tokens" "$tmp"/r*.out | wc -l)
+[ "$n_ok" = 8 ] && ok "8 concurrent requests through C" || bad "$n_ok of 8 concurrent requests"
+
+if grep -q "recomputing" "$tmp"/c*.log; then
+  bad "a handoff failed and was recomputed: $(grep -h recomputing "$tmp"/c*.log | head -2)"
+else
+  ok "every request was handed off (no recompute)"
+fi
+
+# The counters (the coordinators poll the workers) and whole pools.
+sleep 1.5
+stats() { # COORD -> "ID in out bytes failures used" per worker
+  "$bin/moectl" --addr "${caddr[$1]}" --json workers list | python3 -c '
+import json, sys
+for w in json.load(sys.stdin)["workers"]:
+    print(w["id"], w["kv_transfers_in"], w["kv_transfers_out"], w["kv_transfer_bytes"],
+          w["kv_transfer_failures"], w["kv_blocks_used"])'
+}
+stats A >"$tmp/sA"
+stats B >"$tmp/sB"
+stats C >"$tmp/sC"
+cat "$tmp/sA" "$tmp/sB" "$tmp/sC" | sort -u >"$tmp/s"
+echo "worker in out bytes failures used:"
+sed 's/^/  /' "$tmp/s"
+read -r _ p2in p2out p2bytes p2fail _ < <(grep '^P2 ' "$tmp/s")
+read -r _ p1in p1out p1bytes p1fail _ < <(grep '^P1 ' "$tmp/s")
+read -r _ d1in d1out d1bytes d1fail _ < <(grep '^D1 ' "$tmp/s")
+read -r _ d2in d2out d2bytes d2fail _ < <(grep '^D2 ' "$tmp/s")
+[ "$d1in" = 3 ] && [ "$d2in" = 14 ] && [ "$p1out" = 3 ] && [ "$p2out" = 14 ] &&
+  ok "handoffs: P2 -> 14 out, P1 -> 3 out, D1 <- 3 in, D2 <- 14 in" ||
+  bad "handoff counts: P2 out $p2out, P1 out $p1out, D1 in $d1in, D2 in $d2in"
+[ $((p1bytes + p2bytes)) = $((d1bytes + d2bytes)) ] && [ "$p2bytes" -gt 0 ] &&
+  ok "bytes sent ($((p1bytes + p2bytes))) = bytes received" ||
+  bad "bytes sent $((p1bytes + p2bytes)), received $((d1bytes + d2bytes))"
+[ $((p1fail + p2fail + d1fail + d2fail)) = 0 ] && ok "no transfer failures" ||
+  bad "transfer failures: $p2fail $p1fail $d1fail $d2fail"
+whole=1
+for _ in $(seq 30); do
+  whole=1
+  for c in A B C; do stats $c | awk '$6 != 0 { exit 1 }' || whole=0; done
+  [ $whole = 1 ] && break
+  sleep 0.2
+done
+[ $whole = 1 ] && ok "every block pool is whole" || bad "blocks still used: $(stats C)"
+finish
