@@ -113,23 +113,23 @@ fi
 
 # The counters (the coordinators poll the workers) and whole pools.
 sleep 1.5
-stats() { # COORD -> "ID in out bytes failures used" per worker
+stats() { # COORD -> "ADDRESS in out bytes failures used" per worker (static workers: id = address)
   "$bin/moectl" --addr "${caddr[$1]}" --json workers list | python3 -c '
 import json, sys
 for w in json.load(sys.stdin)["workers"]:
-    print(w["id"], w["kv_transfers_in"], w["kv_transfers_out"], w["kv_transfer_bytes"],
+    print(w["address"], w["kv_transfers_in"], w["kv_transfers_out"], w["kv_transfer_bytes"],
           w["kv_transfer_failures"], w["kv_blocks_used"])'
 }
 stats A >"$tmp/sA"
 stats B >"$tmp/sB"
 stats C >"$tmp/sC"
 cat "$tmp/sA" "$tmp/sB" "$tmp/sC" | sort -u >"$tmp/s"
-echo "worker in out bytes failures used:"
+echo "worker in out bytes failures blocks-used:"
 sed 's/^/  /' "$tmp/s"
-read -r _ p2in p2out p2bytes p2fail _ < <(grep '^P2 ' "$tmp/s")
-read -r _ p1in p1out p1bytes p1fail _ < <(grep '^P1 ' "$tmp/s")
-read -r _ d1in d1out d1bytes d1fail _ < <(grep '^D1 ' "$tmp/s")
-read -r _ d2in d2out d2bytes d2fail _ < <(grep '^D2 ' "$tmp/s")
+read -r _ p2in p2out p2bytes p2fail _ < <(grep "^${addr[P2]} " "$tmp/s" | head -1)
+read -r _ p1in p1out p1bytes p1fail _ < <(grep "^${addr[P1]} " "$tmp/s" | head -1)
+read -r _ d1in d1out d1bytes d1fail _ < <(grep "^${addr[D1]} " "$tmp/s" | head -1)
+read -r _ d2in d2out d2bytes d2fail _ < <(grep "^${addr[D2]} " "$tmp/s" | head -1)
 [ "$d1in" = 3 ] && [ "$d2in" = 14 ] && [ "$p1out" = 3 ] && [ "$p2out" = 14 ] &&
   ok "handoffs: P2 -> 14 out, P1 -> 3 out, D1 <- 3 in, D2 <- 14 in" ||
   bad "handoff counts: P2 out $p2out, P1 out $p1out, D1 in $d1in, D2 in $d2in"
