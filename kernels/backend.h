@@ -99,6 +99,9 @@ struct moe_backend_ops {
     void (*buf_free)(struct moe_backend *be, void *p);
     void (*buf_upload)(struct moe_backend *be, void *dst, const void *src_host, size_t bytes);
     void (*buf_download)(struct moe_backend *be, void *dst_host, const void *src, size_t bytes);
+    /* Backend memory to backend memory, queued like an op (CUDA: async on
+     * the backend's stream; synchronize before another stream reads it). */
+    void (*buf_copy)(struct moe_backend *be, void *dst, const void *src, size_t bytes);
     void (*synchronize)(struct moe_backend *be);
 
     void (*matmul)(struct moe_backend *be, const struct moe_matmul_params *p);

@@ -28,6 +28,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "comm.h"
 #include "generate.h" /* moe_now */
 
 #define KVL_MAGIC 0x4b454f4du /* "MOEK" */
@@ -388,8 +389,22 @@ struct expected {
     struct expected *next;
 };
 
+/* A two-rank NCCL communicator with one peer (the device path): rank 0 is
+ * the sending side. Its mutex makes the slices of the pair go one at a time,
+ * in the same order on both sides, as NCCL's point-to-point matching needs. */
+struct pair {
+    char peer[KVL_ENDPOINT_MAX];
+    bool sending;
+    struct moe_comm *comm; /* NULL until the first slice, or after a failure */
+    bool broken;           /* NCCL could not connect: this pair uses the socket */
+    pthread_mutex_t mu;
+    struct pair *next;
+};
+
 struct kvl {
     struct kvl_opts o;
+    bool nccl;          /* payloads device to device when the peer agrees */
+    struct pair *pairs; /* under mu */
     char endpoint[KVL_ENDPOINT_MAX];
     int head_begin, head_end;
     int listen_fd;
@@ -533,12 +548,14 @@ enum moe_status kvl_forget(struct kvl *l, const char *endpoint, const char *id, 
 
 /* ---- slices ------------------------------------------------------------------------- */
 
-/* Copies rows [t0, t0 + n) of heads [hb, he) of cache array `base` (one
- * layer's K or V) between the cache and the token-major host buffer `host`
- * (n x (he - hb) x d_head). Runs of whole rows inside a block move in one
- * copy; a part of a row moves row by row. */
+enum copy_dir { TO_HOST, FROM_HOST, TO_STAGE, FROM_STAGE };
+
+/* Copies rows [0, n) of heads [hb, he) of cache array `base` (one layer's K
+ * or V) between the cache and the token-major buffer `buf` (n x (he - hb) x
+ * d_head): host memory, or a staging buffer in backend memory. Runs of whole
+ * rows inside a block move in one copy; a part of a row moves row by row. */
 static void copy_rows(struct kvl *l, struct moe_kv_cache *kv, float *base, const int32_t *blocks,
-                      int n, int hb, int he, float *host, bool to_host)
+                      int n, int hb, int he, float *buf, enum copy_dir dir)
 {
     struct moe_backend *be = l->o.be;
     int dh = l->o.layout.d_head, bs = kv->block_size;
@@ -550,25 +567,119 @@ static void copy_rows(struct kvl *l, struct moe_kv_cache *kv, float *base, const
         if (run > n - t)
             run = n - t;
         float *slot = base + ((size_t)blocks[t / bs] * bs + (size_t)(t % bs)) * kv->kv_dim + off;
-        float *h = host + (size_t)t * row;
+        float *b = buf + (size_t)t * row;
         size_t bytes = (size_t)run * row * sizeof(float);
-        if (to_host)
-            be->ops->buf_download(be, h, slot, bytes);
-        else
-            be->ops->buf_upload(be, slot, h, bytes);
+        switch (dir) {
+        case TO_HOST: be->ops->buf_download(be, b, slot, bytes); break;
+        case FROM_HOST: be->ops->buf_upload(be, slot, b, bytes); break;
+        case TO_STAGE: be->ops->buf_copy(be, b, slot, bytes); break;
+        case FROM_STAGE: be->ops->buf_copy(be, slot, b, bytes); break;
+        }
         t += run;
     }
+}
+
+/* The pair with `peer` on this side (made on first use). */
+static struct pair *pair_get(struct kvl *l, const char *peer, bool sending)
+{
+    pthread_mutex_lock(&l->mu);
+    struct pair *p = l->pairs;
+    while (p && (p->sending != sending || strcmp(p->peer, peer)))
+        p = p->next;
+    if (!p && (p = calloc(1, sizeof *p))) {
+        snprintf(p->peer, sizeof p->peer, "%s", peer);
+        p->sending = sending;
+        pthread_mutex_init(&p->mu, NULL);
+        p->next = l->pairs;
+        l->pairs = p;
+    }
+    pthread_mutex_unlock(&l->mu);
+    return p;
+}
+
+/* Moves one layer's K or V payload (`bytes`) of a slice: over the socket
+ * through the host buffer `host`, or over the pair's NCCL communicator
+ * through the staging buffer `stage`. */
+static enum moe_status move_payload(struct kvl *l, int fd, struct pair *pr, bool sending,
+                                    float *host, float *stage, size_t bytes, double deadline,
+                                    struct moe_error *err)
+{
+    if (!pr)
+        return sending ? send_bytes(fd, host, bytes, deadline, err)
+                       : recv_bytes(fd, host, bytes, deadline, err);
+    l->o.be->ops->synchronize(l->o.be); /* the staging copies are on the backend's stream */
+    return sending ? moe_comm_send(pr->comm, stage, bytes, 1, err)
+                   : moe_comm_recv(pr->comm, stage, bytes, 0, err);
+}
+
+/* Both sides of a pair's first slice: the communicator, from the id the
+ * sender made. */
+static enum moe_status pair_connect(struct kvl *l, struct pair *pr,
+                                    const struct moe_comm_nccl_id *id, struct moe_error *err)
+{
+    moe_comm_destroy(pr->comm);
+    pr->comm = NULL;
+    enum moe_status rc = moe_comm_create_nccl(id, 2, pr->sending ? 0 : 1, l->o.device, NULL,
+                                              l->o.io_timeout_ms, &pr->comm, err);
+    return rc ? moe_error_prefix(err, "NCCL communicator with %.120s", pr->peer) : MOE_OK;
+}
+
+/* The device path's handshake, once both sides know whether they try it:
+ * after connecting (first slice of a pair), each side tells whether its
+ * communicator is up and NCCL carries the payload only if both are. A pair
+ * that could not connect (e.g. both ranks on one GPU) falls back to the
+ * socket for good. Returns whether NCCL carries this slice. */
+static bool pair_agree(struct kvl *l, int fd, struct pair *pr, bool init,
+                       const struct moe_comm_nccl_id *id, double deadline)
+{
+    bool up = true;
+    struct moe_error err = {0};
+    if (init && pair_connect(l, pr, id, &err)) {
+        fprintf(stderr, "moe-worker: KV link: %s; using the socket with %s\n", err.msg, pr->peer);
+        up = false;
+    }
+    /* receiver speaks first, then the sender answers the verdict */
+    bool theirs = false, ok = true;
+    struct moe_error ignored = {0};
+    if (pr->sending) {
+        ok = recv_status(fd, pr->peer, deadline, NULL, &theirs, &ignored) == MOE_OK;
+        send_status(fd, MOE_OK, 0, up && theirs && ok, "", deadline);
+    } else {
+        send_status(fd, MOE_OK, 0, up, "", deadline);
+        ok = recv_status(fd, pr->peer, deadline, NULL, &theirs, &ignored) == MOE_OK;
+    }
+    bool use = up && theirs && ok;
+    if (!use) {
+        moe_comm_destroy(pr->comm);
+        pr->comm = NULL;
+        pr->broken = true;
+    }
+    return use;
+}
+
+static void unpin(struct kvl *l, struct expected *e, uint64_t bytes)
+{
+    pthread_mutex_lock(&l->mu);
+    e->writers--;
+    e->bytes += bytes;
+    e->floats += bytes / sizeof(float);
+    pthread_cond_broadcast(&l->cond);
+    pthread_mutex_unlock(&l->mu);
 }
 
 /* The receiving side of one SLICE whose header is in r. */
 static void serve_slice(struct kvl *l, int fd, struct rbuf *r)
 {
     double deadline = moe_now() + l->o.io_timeout_ms / 1e3; /* for refusals */
-    char id[KVL_ID_MAX], msg[512] = "";
+    char id[KVL_ID_MAX], sender[KVL_ENDPOINT_MAX], msg[512] = "";
     get_str(r, id, sizeof id);
     int n_layer = get_i32(r), d_head = get_i32(r), hb = get_i32(r), he = get_i32(r);
     int n_tokens = get_i32(r), dst_bs = get_i32(r), n_dst;
     int32_t *dst = get_ints(r, &n_dst, 1 << 22);
+    int transport = get_i32(r), init = get_i32(r);
+    struct moe_comm_nccl_id nid;
+    get(r, &nid, sizeof nid);
+    get_str(r, sender, sizeof sender);
     enum moe_status st = MOE_ERR_INVALID;
     struct expected *e = NULL;
     struct moe_kv_cache *kv = NULL;
@@ -599,50 +710,84 @@ static void serve_slice(struct kvl *l, int fd, struct rbuf *r)
         kv = l->kv;
     }
     pthread_mutex_unlock(&l->mu);
-    send_status(fd, st, 0, false, msg, deadline); /* go ahead, or why not */
+    struct pair *pr = st == MOE_OK && transport == 1 && l->nccl ? pair_get(l, sender, false) : NULL;
+    if (pr) {
+        pthread_mutex_lock(&pr->mu);
+        if (pr->broken || (!init && !pr->comm)) { /* the sender re-initialises next time */
+            pthread_mutex_unlock(&pr->mu);
+            pr = NULL;
+        }
+    }
+    send_status(fd, st, 0, pr != NULL, msg, deadline); /* go ahead (and how), or why not */
     if (st != MOE_OK) {
         free(dst);
         return;
     }
-    size_t per = (size_t)n_tokens * (size_t)(he - hb) * (size_t)d_head;
-    float *buf = malloc((per ? per : 1) * sizeof *buf);
     struct moe_error err = {0};
+    if (pr && !pair_agree(l, fd, pr, init, &nid, deadline)) {
+        pthread_mutex_unlock(&pr->mu);
+        pr = NULL;
+    }
+    size_t per = (size_t)n_tokens * (size_t)(he - hb) * (size_t)d_head;
+    float *host = pr ? NULL : malloc((per ? per : 1) * sizeof *host);
+    float *stage = pr ? l->o.be->ops->buf_alloc(l->o.be, (per ? per : 1) * sizeof *stage) : NULL;
     uint64_t bytes = 0;
-    if (!buf)
+    if (!host && !stage)
         st = moe_error_set(&err, MOE_ERR_NOMEM, "out of memory for a slice");
     for (int layer = 0; layer < n_layer && !st; layer++)
         for (int kind = 0; kind < 2 && !st; kind++) {
             /* a sender that stops making progress fails the slice */
             double step = moe_now() + l->o.io_timeout_ms / 1e3;
-            if ((st = recv_bytes(fd, buf, per * sizeof *buf, step, &err)))
+            if ((st = move_payload(l, fd, pr, false, host, stage, per * sizeof(float), step, &err)))
                 break;
             float *base = kind ? kv->v[layer] : kv->k[layer];
-            copy_rows(l, kv, base, dst, n_tokens, hb, he, buf, false);
-            bytes += per * sizeof *buf;
+            copy_rows(l, kv, base, dst, n_tokens, hb, he, pr ? stage : host,
+                      pr ? FROM_STAGE : FROM_HOST);
+            bytes += per * sizeof(float);
         }
-    if (!st)
-        l->o.be->ops->synchronize(l->o.be);
-    free(buf);
-    free(dst);
-    pthread_mutex_lock(&l->mu);
-    e->writers--;
-    if (!st) {
-        e->bytes += bytes;
-        e->floats += bytes / sizeof(float);
+    l->o.be->ops->synchronize(l->o.be);
+    if (stage)
+        l->o.be->ops->buf_free(l->o.be, stage);
+    if (pr) {
+        if (st) { /* a failed NCCL exchange leaves the communicator unusable */
+            moe_comm_destroy(pr->comm);
+            pr->comm = NULL;
+        }
+        pthread_mutex_unlock(&pr->mu);
     }
-    pthread_cond_broadcast(&l->cond);
-    pthread_mutex_unlock(&l->mu);
+    free(host);
+    free(dst);
+    unpin(l, e, st ? 0 : bytes);
     send_status(fd, st, bytes, false, st ? err.msg : "", moe_now() + l->o.io_timeout_ms / 1e3);
 }
 
-/* Sends heads [hb, he) of `p` to one target over fd. */
+/* Sends heads [hb, he) of `p` to one target. */
 static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const struct kvl_push *p,
                                 const struct kvl_target *t, int hb, int he, double deadline,
                                 uint64_t *bytes, struct moe_error *err)
 {
+    struct pair *pr = l->nccl ? pair_get(l, t->endpoint, true) : NULL;
+    if (pr) {
+        pthread_mutex_lock(&pr->mu); /* held to the end: slices of a pair go in order */
+        if (pr->broken) {
+            pthread_mutex_unlock(&pr->mu);
+            pr = NULL;
+        }
+    }
+    bool init = pr && !pr->comm;
+    struct moe_comm_nccl_id nid = {{0}};
+    if (init && moe_comm_nccl_get_id(&nid, err)) {
+        pr->broken = true;
+        pthread_mutex_unlock(&pr->mu);
+        pr = NULL;
+        init = false;
+    }
     int fd = connect_to(t->endpoint, deadline, err);
-    if (fd < 0)
+    if (fd < 0) {
+        if (pr)
+            pthread_mutex_unlock(&pr->mu);
         return MOE_ERR_IO;
+    }
     int dh = l->o.layout.d_head;
     struct wbuf b = {0};
     put_str(&b, p->id);
@@ -653,21 +798,39 @@ static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const st
     put_i32(&b, p->n_tokens);
     put_i32(&b, p->dst_block_size);
     put_ints(&b, p->dst_blocks, p->n_dst_blocks);
+    put_i32(&b, pr ? 1 : 0);
+    put_i32(&b, init);
+    put(&b, &nid, sizeof nid);
+    put_str(&b, l->endpoint);
     enum moe_status rc = send_msg(fd, T_SLICE, &b, deadline, err);
     free(b.p);
+    bool nccl = false;
     if (!rc) /* the receiver checks the header against its reservation first */
-        rc = recv_status(fd, t->endpoint, deadline, NULL, NULL, err);
+        rc = recv_status(fd, t->endpoint, deadline, NULL, &nccl, err);
+    if (pr && !rc && nccl && !pair_agree(l, fd, pr, init, &nid, deadline))
+        nccl = false;
+    if (pr && !nccl) {
+        pthread_mutex_unlock(&pr->mu);
+        pr = NULL;
+    }
     size_t per = (size_t)p->n_tokens * (size_t)(he - hb) * (size_t)dh;
-    float *buf = rc ? NULL : malloc((per ? per : 1) * sizeof *buf);
-    if (!rc && !buf)
-        rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a slice");
+    float *host = NULL, *stage = NULL;
+    if (!rc) {
+        if (pr)
+            stage = l->o.be->ops->buf_alloc(l->o.be, (per ? per : 1) * sizeof *stage);
+        else
+            host = malloc((per ? per : 1) * sizeof *host);
+        if (!host && !stage)
+            rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a slice");
+    }
     for (int layer = 0; layer < l->o.layout.n_layer && !rc; layer++) {
         if (l->fault_delay_ms)
             usleep((useconds_t)l->fault_delay_ms * 1000);
         for (int kind = 0; kind < 2 && !rc; kind++) {
             float *base = kind ? kv->v[layer] : kv->k[layer];
-            copy_rows(l, kv, base, p->src_blocks, p->n_tokens, hb, he, buf, true);
-            rc = send_bytes(fd, buf, per * sizeof *buf, deadline, err);
+            copy_rows(l, kv, base, p->src_blocks, p->n_tokens, hb, he, pr ? stage : host,
+                      pr ? TO_STAGE : TO_HOST);
+            rc = move_payload(l, fd, pr, true, host, stage, per * sizeof(float), deadline, err);
         }
         if (!rc && l->fault_die) {
             fprintf(stderr,
@@ -677,12 +840,21 @@ static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const st
             _exit(3);
         }
     }
-    free(buf);
+    free(host);
+    if (stage)
+        l->o.be->ops->buf_free(l->o.be, stage);
     uint64_t got = 0;
     if (!rc)
         rc = recv_status(fd, t->endpoint, deadline, &got, NULL, err);
     else if (!strstr(err->msg, "KV endpoint"))
         moe_error_prefix(err, "KV endpoint %.120s", t->endpoint);
+    if (pr) {
+        if (rc) {
+            moe_comm_destroy(pr->comm);
+            pr->comm = NULL;
+        }
+        pthread_mutex_unlock(&pr->mu);
+    }
     close(fd);
     if (!rc)
         *bytes += got;
@@ -944,6 +1116,7 @@ enum moe_status kvl_create(const struct kvl_opts *o, struct kvl **out, struct mo
     if (l->o.io_timeout_ms <= 0)
         l->o.io_timeout_ms = 5000;
     kvl_heads(lay->n_kv_head, lay->tp_size, lay->tp_rank, &l->head_begin, &l->head_end);
+    l->nccl = o->nccl && o->be->device == MOE_DEVICE_CUDA;
     const char *v = getenv("MOE_FAULT_TRANSFER_DELAY_MS");
     l->fault_delay_ms = v && atoi(v) > 0 ? atoi(v) : 0;
     v = getenv("MOE_FAULT_DIE_DURING_TRANSFER");
@@ -1027,6 +1200,13 @@ void kvl_destroy(struct kvl *l)
         l->table = e->next;
         free(e->blocks);
         free(e);
+    }
+    while (l->pairs) {
+        struct pair *p = l->pairs;
+        l->pairs = p->next;
+        moe_comm_destroy(p->comm);
+        pthread_mutex_destroy(&p->mu);
+        free(p);
     }
     pthread_mutex_unlock(&l->mu);
     pthread_mutex_destroy(&l->mu);

@@ -25,9 +25,11 @@
  * before a byte of it is written. Every socket operation has a timeout, so a
  * dead or stuck peer fails the handoff instead of hanging it.
  *
- * The wire is host memory over TCP: on a GPU the slices are staged through
- * host buffers (a device-to-device transport, NCCL send/recv on a communicator
- * per rank pair, would replace the payload of SLICE and keep the messages). */
+ * Payloads: over the same TCP connection through host memory (the host path,
+ * and the fallback), or between GPUs over NCCL (kvl_opts.nccl: staged in a
+ * device buffer, sent on a two-rank communicator per rank pair whose unique
+ * id travels in the pair's first SLICE header). UNVERIFIED: no machine with
+ * two GPUs has run the NCCL payload path yet. */
 #ifndef MOE_KV_LINK_H
 #define MOE_KV_LINK_H
 
@@ -57,6 +59,13 @@ struct kvl_opts {
     const char *advertise_host;
     struct kvl_layout layout;
     int io_timeout_ms; /* per socket operation; 0 = 5000 */
+    /* The device path: with a CUDA cache, slice payloads go device to device
+     * over NCCL (a two-rank communicator per rank pair, made on the pair's
+     * first slice from a unique id the sender passes in the SLICE header);
+     * the messages stay on the socket. A peer without it, or a pair whose
+     * communicator cannot connect, uses the socket. */
+    bool nccl;
+    int device; /* CUDA device ordinal of the cache */
 };
 
 struct kvl;

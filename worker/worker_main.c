@@ -46,6 +46,7 @@ struct args {
     const char *device;
     const char *role;
     const char *kv_listen;
+    bool kv_socket_only;
     enum moe_dtype dtype;
     int threads;
     int lease_ttl;
@@ -91,6 +92,8 @@ static void usage(FILE *f)
                "  --kv-listen HOST:PORT where this rank's KV data plane listens (prefill and\n"
                "                        decode roles; default: the --listen host, a free port;\n"
                "                        under mpirun every rank takes a free port)\n"
+               "  --kv-transport T      auto (default: NCCL between GPUs, else the socket) or\n"
+               "                        socket (KV payloads always through host memory)\n"
                "  --drain-timeout S     on SIGTERM, wait at most S seconds for running requests "
                "(default 60)\n"
                "  --handoff-ttl-ms MS   a parked or reserved KV handoff nobody claims expires and "
@@ -167,6 +170,10 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->role = v;
         } else if (!strcmp(k, "--kv-listen")) {
             a->kv_listen = v;
+        } else if (!strcmp(k, "--kv-transport")) {
+            if (strcmp(v, "auto") && strcmp(v, "socket"))
+                return cli_fail("--kv-transport: '%s' is not one of auto, socket", v);
+            a->kv_socket_only = !strcmp(v, "socket");
         } else if (!strcmp(k, "--dtype")) {
             if (!strcmp(v, "f32"))
                 a->dtype = MOE_DTYPE_F32;
@@ -332,7 +339,8 @@ int main(int argc, char **argv)
                                          .n_kv_head = cfg->n_kv_head,
                                          .d_head = cfg->d_head,
                                          .tp_size = group ? group->tp_size : 1,
-                                         .tp_rank = group ? group->tp_rank : 0}};
+                                         .tp_rank = group ? group->tp_rank : 0},
+                              .nccl = !a.kv_socket_only};
         if (!(kv_endpoints = calloc((size_t)world, KVL_ENDPOINT_MAX))) {
             moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
             goto fail;

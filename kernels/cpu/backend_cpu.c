@@ -179,6 +179,7 @@ static const struct moe_backend_ops cpu_ops = {
     .buf_free = cpu_buf_free,
     .buf_upload = cpu_buf_copy,
     .buf_download = cpu_buf_copy,
+    .buf_copy = cpu_buf_copy,
     .synchronize = cpu_synchronize,
     .matmul = cpu_op_matmul,
     .rmsnorm = cpu_op_rmsnorm,

@@ -171,6 +171,14 @@ static void cuda_buf_download(struct moe_backend *be, void *dst_host, const void
     cuda_check(be, cudaStreamSynchronize(s), "buf_download: cudaStreamSynchronize");
 }
 
+static void cuda_buf_copy(struct moe_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (bytes)
+        cuda_check(be,
+                   cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda_of(be)->stream),
+                   "buf_copy: cudaMemcpyAsync");
+}
+
 static void cuda_synchronize(struct moe_backend *be)
 {
     cuda_check(be, cudaStreamSynchronize(cuda_of(be)->stream), "synchronize");
@@ -438,6 +446,7 @@ static const struct moe_backend_ops cuda_ops = {
     .buf_free = cuda_buf_free,
     .buf_upload = cuda_buf_upload,
     .buf_download = cuda_buf_download,
+    .buf_copy = cuda_buf_copy,
     .synchronize = cuda_synchronize,
     .matmul = cuda_op_matmul,
     .rmsnorm = cuda_op_rmsnorm,
@@ -473,6 +482,7 @@ static int missing_ops(const struct moe_backend_ops *ops, char *buf, size_t cap)
         OP(buf_free),
         OP(buf_upload),
         OP(buf_download),
+        OP(buf_copy),
         OP(synchronize),
         OP(matmul),
         OP(rmsnorm),
