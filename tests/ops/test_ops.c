@@ -623,6 +623,22 @@ static void run_buf_zero(struct run *r, const struct op_case *c)
     free(h);
 }
 
+/* buf_copy: a = {bytes, src offset, dst offset, length}; the whole
+ * destination buffer is compared (untouched bytes included). */
+static void run_buf_copy(struct run *r, const struct op_case *c)
+{
+    size_t bytes = (size_t)c->a[0];
+    MOE_ASSERT(c->a[1] + c->a[3] <= c->a[0] && c->a[2] + c->a[3] <= c->a[0] && bytes % 4 == 0);
+    float *h = calloc(bytes / 4 + 1, 4);
+    fill_floats(h, bytes / 4, 1.0f);
+    char *src = run_buf(r, h, bytes);
+    fill_floats(h, bytes / 4, 1.0f);
+    char *dst = run_buf(r, h, bytes);
+    r->be->ops->buf_copy(r->be, dst + c->a[2], src + c->a[1], (size_t)c->a[3]);
+    run_get_floats(r, (const float *)dst, bytes / 4);
+    free(h);
+}
+
 #define BF16 1
 #define F32 0
 
@@ -753,6 +769,10 @@ static const struct op_case g_cases[] = {
     {"buf_zero", run_buf_zero, {4096, 0, 4096}, 0},
     {"buf_zero", run_buf_zero, {1000, 3, 990}, 0},
     {"buf_zero", run_buf_zero, {64, 8, 0}, 0},
+    /* buf_copy {bytes, src offset, dst offset, length} */
+    {"buf_copy", run_buf_copy, {4096, 0, 0, 4096}, 0},
+    {"buf_copy", run_buf_copy, {1000, 12, 400, 520}, 0},
+    {"buf_copy", run_buf_copy, {64, 8, 4, 0}, 0},
 };
 
 /* Shapes CUDA must refuse loudly: the op records an error and computes nothing. */
