@@ -257,7 +257,8 @@ static void drop_locked(struct kvx *x, struct handoff *h, enum kvx_state why)
 /* Tells every rank to expect h; on failure forgets it where it was told. */
 static enum moe_status announce(struct kvx *x, struct handoff *h, struct moe_error *err)
 {
-    int ttl = (int)(1e3 * (h->deadline - moe_now())) + 1000; /* outlives the leader's */
+    /* the ranks' entries outlive the RESERVED deadline (set after this) */
+    int ttl = x->o.ttl_ms + 1000;
     for (int r = 0; r < x->o.world_size; r++) {
         enum moe_status rc = kvl_expect(x->o.link, rank_endpoint(x, r), h->id, h->blocks,
                                         h->n_blocks, h->n_kv, ttl, err);

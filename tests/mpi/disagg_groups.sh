@@ -5,6 +5,8 @@
 #   A: prefill 2 ranks tp 2 (16-token blocks)  -> decode 1 rank (8-token blocks)
 #   B: prefill 1 rank (16)                     -> decode 2 ranks tp 2 (4)
 #   C: prefill 2 ranks tp 2 (16)               -> decode 2 ranks tp 2 (4)
+#   D: prefill 2 ranks tp 2 (16)               -> decode 2 ranks tp 1 (16): attention
+#      replicated, both decode ranks hold every head
 # Greedy tokens through each pair equal moe-generate's on one process, every
 # request is handed off (no recompute), the transfer counters agree, and the
 # block pools are whole afterwards.
@@ -31,30 +33,31 @@ wait_for() { # FILE PATTERN
 }
 finish() { echo "$pass passed, $fail failed"; [ $fail -eq 0 ]; exit; }
 
-# start NAME ROLE RANKS BLOCK_SIZE [MPIRUN...]: a worker (a group under mpirun when RANKS > 1)
+# start NAME ROLE RANKS TP BLOCK_SIZE [MPIRUN...]: a worker (a group under mpirun when RANKS > 1)
 start() {
-  local name=$1 role=$2 np=$3 bs=$4
-  shift 4
+  local name=$1 role=$2 np=$3 tp=$4 bs=$5
+  shift 5
   local args=(--model "$model" --dtype f32 --threads 1 --kv-memory 16 --block-size "$bs"
               --role "$role" --listen 127.0.0.1:0 --worker-id "$name")
   if [ "$np" -gt 1 ]; then
-    "$@" -np "$np" "$bin/moe-worker" "${args[@]}" --tp "$np" >"$tmp/$name.log" 2>"$tmp/$name.err" &
+    "$@" -np "$np" "$bin/moe-worker" "${args[@]}" --tp "$tp" >"$tmp/$name.log" 2>"$tmp/$name.err" &
   else
     "$bin/moe-worker" "${args[@]}" >"$tmp/$name.log" 2>"$tmp/$name.err" &
   fi
   pids+=($!)
 }
 mpirun=("$@")
-start P2 prefill 2 16 "${mpirun[@]}"
-start D1 decode 1 8
-start P1 prefill 1 16
-start D2 decode 2 4 "${mpirun[@]}"
+start P2 prefill 2 2 16 "${mpirun[@]}"
+start D1 decode 1 1 8
+start P1 prefill 1 1 16
+start D2 decode 2 2 4 "${mpirun[@]}"
+start D3 decode 2 1 16 "${mpirun[@]}"
 declare -A addr
-for w in P2 D1 P1 D2; do
+for w in P2 D1 P1 D2 D3; do
   wait_for "$tmp/$w.log" "serving" || { bad "$w did not start: $(grep -v CUDA "$tmp/$w.err" | tail -3)"; finish; }
   addr[$w]=$(grep -o 'on 127\.0\.0\.1:[0-9]*' "$tmp/$w.log" | head -1 | cut -c4-)
 done
-ok "workers up: P2 ${addr[P2]} D1 ${addr[D1]} P1 ${addr[P1]} D2 ${addr[D2]}"
+ok "workers up: P2 ${addr[P2]} D1 ${addr[D1]} P1 ${addr[P1]} D2 ${addr[D2]} D3 ${addr[D3]}"
 
 # coordinator NAME WORKER... -> its address in caddr[NAME]
 declare -A caddr
@@ -72,6 +75,7 @@ coordinator() {
 coordinator A P2 D1
 coordinator B P1 D2
 coordinator C P2 D2
+coordinator D P2 D3
 
 # Prompts of 3, 17 and 41 tokens: inside one block, across blocks of every size.
 prompts=("5,6,7" "$(seq -s, 20 36)" "$(seq -s, 100 3 220)")
@@ -85,7 +89,7 @@ ask() { # COORD PROMPT -> token ids on stdout
     --logprobs 0 2>&1 >/dev/null | grep -o '^\[token [0-9]*' | grep -o '[0-9]*$' | tr '\n' ' ' |
     sed 's/ $//'
 }
-for c in A B C; do
+for c in A B C D; do
   for i in "${!prompts[@]}"; do
     got=$(ask "$c" "${prompts[$i]}")
     [ -n "${want[$i]}" ] && [ "$got" = "${want[$i]}" ] &&
@@ -123,25 +127,28 @@ for w in json.load(sys.stdin)["workers"]:
 stats A >"$tmp/sA"
 stats B >"$tmp/sB"
 stats C >"$tmp/sC"
-cat "$tmp/sA" "$tmp/sB" "$tmp/sC" | sort -u >"$tmp/s"
+stats D >"$tmp/sD"
+cat "$tmp/sA" "$tmp/sB" "$tmp/sC" "$tmp/sD" | sort -u >"$tmp/s"
 echo "worker in out bytes failures blocks-used:"
 sed 's/^/  /' "$tmp/s"
 read -r _ p2in p2out p2bytes p2fail _ < <(grep "^${addr[P2]} " "$tmp/s" | head -1)
 read -r _ p1in p1out p1bytes p1fail _ < <(grep "^${addr[P1]} " "$tmp/s" | head -1)
 read -r _ d1in d1out d1bytes d1fail _ < <(grep "^${addr[D1]} " "$tmp/s" | head -1)
 read -r _ d2in d2out d2bytes d2fail _ < <(grep "^${addr[D2]} " "$tmp/s" | head -1)
-[ "$d1in" = 3 ] && [ "$d2in" = 14 ] && [ "$p1out" = 3 ] && [ "$p2out" = 14 ] &&
-  ok "handoffs: P2 -> 14 out, P1 -> 3 out, D1 <- 3 in, D2 <- 14 in" ||
-  bad "handoff counts: P2 out $p2out, P1 out $p1out, D1 in $d1in, D2 in $d2in"
-[ $((p1bytes + p2bytes)) = $((d1bytes + d2bytes)) ] && [ "$p2bytes" -gt 0 ] &&
-  ok "bytes sent ($((p1bytes + p2bytes))) = bytes received" ||
-  bad "bytes sent $((p1bytes + p2bytes)), received $((d1bytes + d2bytes))"
-[ $((p1fail + p2fail + d1fail + d2fail)) = 0 ] && ok "no transfer failures" ||
-  bad "transfer failures: $p2fail $p1fail $d1fail $d2fail"
+read -r _ d3in d3out d3bytes d3fail _ < <(grep "^${addr[D3]} " "$tmp/s" | head -1)
+[ "$d1in" = 3 ] && [ "$d2in" = 14 ] && [ "$d3in" = 3 ] && [ "$p1out" = 3 ] && [ "$p2out" = 17 ] &&
+  ok "handoffs: P2 -> 17 out, P1 -> 3 out, D1 <- 3 in, D2 <- 14 in, D3 <- 3 in" ||
+  bad "handoff counts: P2 out $p2out, P1 out $p1out, D1 in $d1in, D2 in $d2in, D3 in $d3in"
+# D3's two ranks both hold every head: it receives twice what was computed once
+sent=$((p1bytes + p2bytes)) got=$((d1bytes + d2bytes + d3bytes))
+[ "$sent" = "$got" ] && [ "$p2bytes" -gt 0 ] && [ "$d3bytes" -gt 0 ] &&
+  ok "bytes sent ($sent) = bytes received" || bad "bytes sent $sent, received $got"
+[ $((p1fail + p2fail + d1fail + d2fail + d3fail)) = 0 ] && ok "no transfer failures" ||
+  bad "transfer failures: $p2fail $p1fail $d1fail $d2fail $d3fail"
 whole=1
 for _ in $(seq 30); do
   whole=1
-  for c in A B C; do stats $c | awk '$6 != 0 { exit 1 }' || whole=0; done
+  for c in A B C D; do stats $c | awk '$6 != 0 { exit 1 }' || whole=0; done
   [ $whole = 1 ] && break
   sleep 0.2
 done
