@@ -807,6 +807,14 @@ static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const st
     bool nccl = false;
     if (!rc) /* the receiver checks the header against its reservation first */
         rc = recv_status(fd, t->endpoint, deadline, NULL, &nccl, err);
+    if (pr && !rc && !nccl) {
+        if (init) { /* the peer has no device path: the socket for good */
+            pr->broken = true;
+        } else { /* the peer lost its side (restarted?): connect again next time */
+            moe_comm_destroy(pr->comm);
+            pr->comm = NULL;
+        }
+    }
     if (pr && !rc && nccl && !pair_agree(l, fd, pr, init, &nid, deadline))
         nccl = false;
     if (pr && !nccl) {
