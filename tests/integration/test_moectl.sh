@@ -15,26 +15,12 @@
 set -uo pipefail
 bin=$1 model=$2
 shift 2
-tmp=$(mktemp -d /tmp/moe-ctl-XXXXXX)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  sleep 0.5
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-pass=0 fail=0
-ok() { pass=$((pass + 1)); echo "ok   $*"; }
-bad() { fail=$((fail + 1)); echo "FAIL $*"; }
+. "$(dirname "$0")/../lib.sh"
+test_begin moe-ctl
 check() { # DESCRIPTION COMMAND...: passes when the command succeeds
   local what=$1
   shift
   if "$@"; then ok "$what"; else bad "$what"; fi
-}
-wait_for() { # FILE PATTERN
-  for _ in $(seq 300); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
-  return 1
 }
 stop_clean() { # PID LOG NAME: SIGTERM, exit 0 and no sanitizer report in LOG
   kill -TERM "$1"
@@ -42,11 +28,6 @@ stop_clean() { # PID LOG NAME: SIGTERM, exit 0 and no sanitizer report in LOG
   local st=$?
   if [ $st = 0 ] && ! grep -qE "Sanitizer|runtime error" "$2"; then ok "$3 exits cleanly"
   else bad "$3: exit $st $(grep -E -A5 "Sanitizer|runtime error" "$2" | head -20)"; fi
-}
-finish() {
-  echo "$pass passed, $fail failed"
-  [ "$fail" = 0 ]
-  exit $?
 }
 py=python3
 jq_() { # FILE EXPR: prints a Python expression over the JSON in FILE (as d)
@@ -71,12 +52,12 @@ rc=$?
 "$@" -np 2 "$bin/moe-worker" --model "$model" --dtype f32 --tp 2 --threads 1 --kv-memory 32 \
   --listen 127.0.0.1:0 >"$tmp/w.log" 2>"$tmp/w.err" &
 pids+=($!)
-wait_for "$tmp/w.log" "serving" || { bad "group did not start: $(cat "$tmp/w.err")"; finish; }
+wait_for "$tmp/w.log" "serving" || { bad "group did not start: $(cat "$tmp/w.err")"; test_end; }
 waddr=$(grep -o '127\.0\.0\.1:[0-9]*' "$tmp/w.log" | head -1)
 "$bin/moe-coordinator" --model "$model" --listen 127.0.0.1:0 --workers "$waddr" \
   --expert-slots 6 >"$tmp/c.log" 2>&1 &
 pids+=($!)
-wait_for "$tmp/c.log" "serving on" || { bad "coordinator did not start: $(cat "$tmp/c.log")"; finish; }
+wait_for "$tmp/c.log" "serving on" || { bad "coordinator did not start: $(cat "$tmp/c.log")"; test_end; }
 caddr=$(grep -o 'serving on 127\.0\.0\.1:[0-9]*' "$tmp/c.log" | grep -o '127.*')
 # until the first GetLoad poll the group size is unknown
 for _ in $(seq 50); do
@@ -182,7 +163,7 @@ stop_clean "${pids[1]}" "$tmp/c.log" "static coordinator"
 # ---- etcd: two coordinators, one placement key -----------------------------------
 if ! command -v etcd >/dev/null; then
   echo "skip etcd part: no etcd binary"
-  finish
+  test_end
 fi
 p1=$($py -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 p2=$($py -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
@@ -196,11 +177,11 @@ for _ in $(seq 100); do curl -sf "$eurl/health" >/dev/null && break; sleep 0.1; 
 "$bin/moe-worker" --model "$model" --dtype f32 --threads 1 --kv-memory 16 --listen 127.0.0.1:0 \
   --etcd "$eurl" --worker-id w1 >"$tmp/w1.log" 2>&1 &
 pids+=($!)
-wait_for "$tmp/w1.log" "serving" || { bad "etcd worker did not start: $(cat "$tmp/w1.log")"; finish; }
+wait_for "$tmp/w1.log" "serving" || { bad "etcd worker did not start: $(cat "$tmp/w1.log")"; test_end; }
 for i in 1 2; do
   "$bin/moe-coordinator" --model "$model" --listen 127.0.0.1:0 --etcd "$eurl" >"$tmp/e$i.log" 2>&1 &
   pids+=($!)
-  wait_for "$tmp/e$i.log" "serving on" || { bad "etcd coordinator $i: $(cat "$tmp/e$i.log")"; finish; }
+  wait_for "$tmp/e$i.log" "serving on" || { bad "etcd coordinator $i: $(cat "$tmp/e$i.log")"; test_end; }
 done
 a1=$(grep -o 'serving on 127\.0\.0\.1:[0-9]*' "$tmp/e1.log" | grep -o '127.*')
 a2=$(grep -o 'serving on 127\.0\.0\.1:[0-9]*' "$tmp/e2.log" | grep -o '127.*')
@@ -224,4 +205,4 @@ ETCDCTL_API=3 etcdctl --endpoints "$eurl" get /moe/placement/qwen3_moe --print-v
 n=${#pids[@]}
 stop_clean "${pids[$((n - 2))]}" "$tmp/e1.log" "etcd coordinator 1"
 stop_clean "${pids[$((n - 1))]}" "$tmp/e2.log" "etcd coordinator 2"
-finish
+test_end

@@ -15,23 +15,8 @@
 set -uo pipefail
 bin=$1 model=$2
 shift 2
-tmp=$(mktemp -d /tmp/moe-dg-XXXXXX)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  sleep 0.5
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-pass=0 fail=0
-ok() { pass=$((pass + 1)); echo "ok   $*"; }
-bad() { fail=$((fail + 1)); echo "FAIL $*"; }
-wait_for() { # FILE PATTERN
-  for _ in $(seq 300); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
-  return 1
-}
-finish() { echo "$pass passed, $fail failed"; [ $fail -eq 0 ]; exit; }
+. "$(dirname "$0")/../lib.sh"
+test_begin moe-dg
 
 # start NAME ROLE RANKS TP BLOCK_SIZE [MPIRUN...]: a worker (a group under mpirun when RANKS > 1)
 start() {
@@ -54,7 +39,7 @@ start D2 decode 2 2 4 "${mpirun[@]}"
 start D3 decode 2 1 16 "${mpirun[@]}"
 declare -A addr
 for w in P2 D1 P1 D2 D3; do
-  wait_for "$tmp/$w.log" "serving" || { bad "$w did not start: $(grep -v CUDA "$tmp/$w.err" | tail -3)"; finish; }
+  wait_for "$tmp/$w.log" "serving" || { bad "$w did not start: $(grep -v CUDA "$tmp/$w.err" | tail -3)"; test_end; }
   addr[$w]=$(grep -o 'on 127\.0\.0\.1:[0-9]*' "$tmp/$w.log" | head -1 | cut -c4-)
 done
 ok "workers up: P2 ${addr[P2]} D1 ${addr[D1]} P1 ${addr[P1]} D2 ${addr[D2]} D3 ${addr[D3]}"
@@ -153,4 +138,4 @@ for _ in $(seq 30); do
   sleep 0.2
 done
 [ $whole = 1 ] && ok "every block pool is whole" || bad "blocks still used: $(stats C)"
-finish
+test_end

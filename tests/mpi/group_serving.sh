@@ -7,27 +7,13 @@
 set -uo pipefail
 bin=$1 model=$2
 shift 2
-tmp=$(mktemp -d /tmp/moe-gs-XXXXXX)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  sleep 0.5
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-pass=0 fail=0
-ok() { pass=$((pass + 1)); echo "ok   $*"; }
-bad() { fail=$((fail + 1)); echo "FAIL $*"; }
-wait_for() { # FILE PATTERN
-  for _ in $(seq 300); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
-  return 1
-}
+. "$(dirname "$0")/../lib.sh"
+test_begin moe-gs
 
 "$@" -np 2 "$bin/moe-worker" --model "$model" --dtype f32 --tp 2 --threads 1 --kv-memory 32 \
   --listen 127.0.0.1:0 >"$tmp/w.log" 2>"$tmp/w.err" &
 pids+=($!)
-wait_for "$tmp/w.log" "serving" || { bad "group did not start: $(cat "$tmp/w.err")"; echo "$pass passed, $fail failed"; exit 1; }
+wait_for "$tmp/w.log" "serving" || { bad "group did not start: $(cat "$tmp/w.err")"; test_end; }
 grep -q "2 ranks, tp 2" "$tmp/w.log" && ok "group up: $(cat "$tmp/w.log")" || bad "group: $(cat "$tmp/w.log")"
 waddr=$(grep -o '127\.0\.0\.1:[0-9]*' "$tmp/w.log" | head -1)
 "$bin/moe-coordinator" --model "$model" --listen 127.0.0.1:0 --workers "$waddr" >"$tmp/c.log" 2>&1 &
@@ -63,5 +49,4 @@ else
   grep -q "draining" "$tmp/w.err" && [ $rc -eq 0 ] && ok "SIGTERM: the group drained and exited 0" \
     || bad "SIGTERM: exit $rc: $(grep -v CUDA "$tmp/w.err" | tail -3)"
 fi
-echo "$pass passed, $fail failed"
-[ $fail -eq 0 ]
+test_end

@@ -12,11 +12,8 @@ set -uo pipefail
 bin=$1 fixtures=$2 cmp=$3
 shift 3
 mpirun=("$@")
-tmp=$(mktemp -d /tmp/moe-mp-XXXXXX)
-trap 'rm -rf "$tmp"' EXIT
-pass=0 fail=0
-ok() { pass=$((pass + 1)); echo "ok   $*"; }
-bad() { fail=$((fail + 1)); echo "FAIL $*"; }
+. "$(dirname "$0")/../lib.sh"
+test_begin moe-mp
 
 gen() { # gen OUTFILE LOGITS W ARGS...: tokens line into OUTFILE
   local out=$1 logits=$2 w=$3; shift 3
@@ -123,5 +120,4 @@ else
   bad "dead rank: rc $rc after ${took}s"; grep -v CUDA "$tmp/dead.out" | head -8
 fi
 
-echo "$pass passed, $fail failed"
-[ $fail -eq 0 ]
+test_end
