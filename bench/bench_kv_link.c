@@ -19,32 +19,17 @@ static struct moe_backend *be;
 
 static struct moe_kv_cache *cache_new(int n_block, int block_size, int heads)
 {
-    struct moe_kv_cache *kv = calloc(1, sizeof *kv);
-    kv->n_layer = N_LAYER;
-    kv->n_block = n_block;
-    kv->block_size = block_size;
-    kv->kv_dim = heads * D_HEAD;
-    kv->k = calloc(N_LAYER, sizeof *kv->k);
-    kv->v = calloc(N_LAYER, sizeof *kv->v);
+    struct moe_kv_cache *kv = NULL;
+    struct moe_error err = {0};
+    if (moe_kv_cache_alloc(be, N_LAYER, n_block, block_size, heads * D_HEAD, &kv, &err)) {
+        fprintf(stderr, "bench-kv-link: %s\n", err.msg);
+        exit(1);
+    }
     size_t n = (size_t)n_block * block_size * kv->kv_dim;
-    for (int l = 0; l < N_LAYER; l++) {
-        kv->k[l] = calloc(n, sizeof(float));
-        kv->v[l] = calloc(n, sizeof(float));
+    for (int l = 0; l < N_LAYER; l++)
         for (size_t i = 0; i < n; i += 97)
             kv->k[l][i] = kv->v[l][i] = (float)i;
-    }
     return kv;
-}
-
-static void cache_free(struct moe_kv_cache *kv)
-{
-    for (int l = 0; l < N_LAYER; l++) {
-        free(kv->k[l]);
-        free(kv->v[l]);
-    }
-    free(kv->k);
-    free(kv->v);
-    free(kv);
 }
 
 struct side {
@@ -86,7 +71,7 @@ static void side_close(struct side *s)
 {
     for (int r = 0; r < s->tp; r++) {
         kvl_destroy(s->link[r]);
-        cache_free(s->kv[r]);
+        moe_kv_cache_release(be, s->kv[r]);
     }
     free(s->blocks);
 }

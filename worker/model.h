@@ -109,6 +109,12 @@ enum moe_status moe_kv_cache_create(const struct moe_model *m, int n_block, int 
                                     struct moe_kv_cache **out, struct moe_error *err);
 void moe_kv_cache_free(const struct moe_model *m, struct moe_kv_cache *kv);
 
+/* The same for any shape on backend `be`, without a model (the KV data
+ * plane's tests and benchmark); memory is zeroed. */
+enum moe_status moe_kv_cache_alloc(struct moe_backend *be, int n_layer, int n_block, int block_size,
+                                   int kv_dim, struct moe_kv_cache **out, struct moe_error *err);
+void moe_kv_cache_release(struct moe_backend *be, struct moe_kv_cache *kv);
+
 /* One forward step. Host arrays; n_tok tokens from n_seq sequences.
  * Token t is tokens[t] of sequence seq[t] at position pos[t]; its K/V go to
  * cache slot slots[t]; sequence s's blocks are block_tables[s * max_blocks ..].
