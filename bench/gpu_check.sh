@@ -8,8 +8,9 @@
 # 2. configures and builds with CUDA (Release, MOE_CUDA=ON, sm_90 only);
 # 3. runs the op tests (every op on CPU and CUDA, tests/ops/test_ops.c: one table row per
 #    op, the MoE ops grouped_matmul, unpermute_combine, argmax, sample_top_p,
-#    kv_gather/scatter_blocks and buf_zero included) and times the grouped expert GEMM and
-#    sampling (tests/ops/time_ops.c);
+#    kv_gather/scatter_blocks, buf_zero and buf_copy included) and times the grouped expert
+#    GEMM and sampling (tests/ops/time_ops.c); 3b. runs the KV data plane test
+#    (tests/unit/test_kv_link.c) on CPU and CUDA caches;
 # 4. runs the golden prompts with `moe-generate --device cuda` (both fixtures,
 #    f32 and bf16 weights) and checks the prompt logits (max rel err <= 1e-4)
 #    and the 32-token greedy paths with bench/compare_logits.c;
@@ -81,7 +82,7 @@ step "configure + build (Release, CUDA sm_90, -j$JOBS)"
 if cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DMOE_CUDA=ON -DMOE_SERVING=OFF \
      -DCMAKE_CUDA_ARCHITECTURES=90 "${CMAKE_EXTRA[@]}" >"$WORK/configure.log" 2>&1 &&
    cmake --build "$BUILD" -j"$JOBS" --target test_ops time_ops moe-generate moe-mkmodel \
-     compare-logits bench-copy-gpu >"$WORK/build.log" 2>&1; then
+     compare-logits bench-copy-gpu test_kv_link >"$WORK/build.log" 2>&1; then
   row "build" "ok ($((SECONDS - STEP_T0))s)"
 else
   tail -40 "$WORK/configure.log" "$WORK/build.log" || true
@@ -109,7 +110,7 @@ esac
 if [ "$rc" != 77 ]; then
   for op in matmul rmsnorm rope kv_write attention router swiglu gather_rows scatter_add_rows \
             embed add grouped_matmul unpermute_combine argmax sample_top_p kv_gather_blocks \
-            kv_scatter_blocks buf_zero; do
+            kv_scatter_blocks buf_zero buf_copy; do
     o=$(grep -cE "^ok +$op \{" "$WORK/ops.log" || true)
     f=$(grep -cE "^FAIL +$op \{" "$WORK/ops.log" || true)
     if [ "$f" -eq 0 ] && [ "$o" -gt 0 ]; then row "  op $op" "pass ($o)"
@@ -124,6 +125,23 @@ if [ "$rc" = 0 ] && [ -x "$BUILD/tests/time_ops" ]; then
 fi
 [ -n "${OUT:-}" ] && mkdir -p "$OUT" && cp "$WORK/ops.log" "$OUT/ops.log"
 done_step "op tests"
+
+# ---- 3b. the KV data plane on device caches ----------------------------------------
+step "KV data plane (disaggregated handoff) on CUDA caches"
+set +e
+timeout 120 "$BUILD/tests/test_kv_link" >"$WORK/kv_link.log" 2>&1
+rc=$?
+set -e
+tail -3 "$WORK/kv_link.log"
+if grep -q '^cuda: skipped' "$WORK/kv_link.log"; then
+  row "KV data plane" "cuda SKIPPED ($(grep '^cuda: skipped' "$WORK/kv_link.log" | cut -c15- | head -c 80))"
+elif [ "$rc" = 0 ] && grep -q '^cuda: the same cases' "$WORK/kv_link.log"; then
+  row "KV data plane" "PASS on CPU and CUDA caches ($(tail -1 "$WORK/kv_link.log"))"
+else
+  row "KV data plane" "FAIL (rc $rc): $(grep -m3 'FAIL\|CHECK' "$WORK/kv_link.log" | head -c 200)"
+fi
+[ -n "${OUT:-}" ] && cp "$WORK/kv_link.log" "$OUT/kv_link.log"
+done_step "KV data plane"
 
 # ---- 4. golden prompts on CUDA -----------------------------------------------------
 step "golden prompts with --device $DEVICE"

@@ -14,7 +14,23 @@
 
 enum { N_LAYER = 3, N_HEAD = 4, D_HEAD = 8, N_TOK = 23, N_BLOCK = 32 };
 
-static struct moe_backend *be;
+static struct moe_backend *be; /* the backend under test: CPU, then CUDA where a GPU is */
+
+static size_t layer_floats(const struct moe_kv_cache *kv)
+{
+    return (size_t)kv->n_block * kv->block_size * kv->kv_dim;
+}
+
+/* One layer's K or V between the cache (backend memory) and host memory. */
+static void layer_io(struct moe_kv_cache *kv, int l, int kind, float *host, bool down)
+{
+    float *dev = kind ? kv->v[l] : kv->k[l];
+    size_t bytes = layer_floats(kv) * sizeof(float);
+    if (down)
+        be->ops->buf_download(be, host, dev, bytes);
+    else
+        be->ops->buf_upload(be, dev, host, bytes);
+}
 
 /* A cache holding heads [hb, he) of the model, NaN-filled (unwritten = NaN). */
 static struct moe_kv_cache *cache_new(int block_size, int hb, int he)
@@ -25,10 +41,13 @@ static struct moe_kv_cache *cache_new(int block_size, int hb, int he)
         fprintf(stderr, "%s\n", err.msg);
         exit(1);
     }
-    size_t n = (size_t)N_BLOCK * block_size * kv->kv_dim;
+    float *host = malloc(layer_floats(kv) * sizeof *host);
+    for (size_t i = 0; i < layer_floats(kv); i++)
+        host[i] = 0.0f / 0.0f;
     for (int l = 0; l < N_LAYER; l++)
-        for (size_t i = 0; i < n; i++)
-            kv->k[l][i] = kv->v[l][i] = 0.0f / 0.0f;
+        for (int kind = 0; kind < 2; kind++)
+            layer_io(kv, l, kind, host, false);
+    free(host);
     return kv;
 }
 
@@ -38,34 +57,43 @@ static float value(int l, int kind, int t, int h, int d)
     return (float)(((l * 2 + kind) * 1000 + t) * 100 + h * 10 + d) + 0.25f;
 }
 
-static float *at(struct moe_kv_cache *kv, int kind, int l, const int32_t *blocks, int t, int h,
+/* Where (token t, head h) lives in a host copy of one layer. */
+static float *at(const struct moe_kv_cache *kv, float *layer, const int32_t *blocks, int t, int h,
                  int hb)
 {
-    float *base = kind ? kv->v[l] : kv->k[l];
     size_t slot = (size_t)blocks[t / kv->block_size] * kv->block_size + t % kv->block_size;
-    return base + slot * kv->kv_dim + (size_t)(h - hb) * D_HEAD;
+    return layer + slot * kv->kv_dim + (size_t)(h - hb) * D_HEAD;
 }
 
 static void fill(struct moe_kv_cache *kv, const int32_t *blocks, int hb, int he)
 {
+    float *host = malloc(layer_floats(kv) * sizeof *host);
     for (int l = 0; l < N_LAYER; l++)
-        for (int kind = 0; kind < 2; kind++)
+        for (int kind = 0; kind < 2; kind++) {
+            layer_io(kv, l, kind, host, true);
             for (int t = 0; t < N_TOK; t++)
                 for (int h = hb; h < he; h++)
                     for (int d = 0; d < D_HEAD; d++)
-                        at(kv, kind, l, blocks, t, h, hb)[d] = value(l, kind, t, h, d);
+                        at(kv, host, blocks, t, h, hb)[d] = value(l, kind, t, h, d);
+            layer_io(kv, l, kind, host, false);
+        }
+    free(host);
 }
 
 /* Number of (layer, kind, token, head, dim) values that differ. */
 static long mismatches(struct moe_kv_cache *kv, const int32_t *blocks, int hb, int he)
 {
     long bad = 0;
+    float *host = malloc(layer_floats(kv) * sizeof *host);
     for (int l = 0; l < N_LAYER; l++)
-        for (int kind = 0; kind < 2; kind++)
+        for (int kind = 0; kind < 2; kind++) {
+            layer_io(kv, l, kind, host, true);
             for (int t = 0; t < N_TOK; t++)
                 for (int h = hb; h < he; h++)
                     for (int d = 0; d < D_HEAD; d++)
-                        bad += at(kv, kind, l, blocks, t, h, hb)[d] != value(l, kind, t, h, d);
+                        bad += at(kv, host, blocks, t, h, hb)[d] != value(l, kind, t, h, d);
+        }
+    free(host);
     return bad;
 }
 
@@ -269,6 +297,16 @@ static void test_refusals(void)
     side_close(&other);
 }
 
+static void run_all(void)
+{
+    test_reslice(1, 4, 1, 4);
+    test_reslice(2, 4, 1, 8); /* two senders fill one receiver's halves */
+    test_reslice(1, 16, 2, 3);
+    test_reslice(2, 5, 4, 2); /* each sender feeds two receivers */
+    test_reslice(4, 1, 2, 7);
+    test_refusals();
+}
+
 int main(void)
 {
     struct moe_error err = {0};
@@ -276,12 +314,15 @@ int main(void)
         fprintf(stderr, "%s\n", err.msg);
         return 1;
     }
-    test_reslice(1, 4, 1, 4);
-    test_reslice(2, 4, 1, 8); /* two senders fill one receiver's halves */
-    test_reslice(1, 16, 2, 3);
-    test_reslice(2, 5, 4, 2); /* each sender feeds two receivers */
-    test_reslice(4, 1, 2, 7);
-    test_refusals();
+    run_all();
     moe_backend_destroy(be);
+    /* The same on device memory (slices staged through host buffers). */
+    if (moe_backend_create("cuda", 1, &be, &err) == MOE_OK) {
+        printf("cuda: the same cases on device caches\n");
+        run_all();
+        moe_backend_destroy(be);
+    } else {
+        printf("cuda: skipped (%s)\n", err.msg);
+    }
     return test_summary();
 }
