@@ -85,7 +85,7 @@ if cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DMOE_CUDA=ON -DMOE_S
      compare-logits bench-copy-gpu test_kv_link >"$WORK/build.log" 2>&1; then
   row "build" "ok ($((SECONDS - STEP_T0))s)"
 else
-  tail -40 "$WORK/configure.log" "$WORK/build.log" || true
+  tail -n 40 "$WORK/configure.log" "$WORK/build.log" || true
   row "build" "FAIL"
   exit 1
 fi
@@ -134,7 +134,7 @@ rc=$?
 set -e
 tail -3 "$WORK/kv_link.log"
 if grep -q '^cuda: skipped' "$WORK/kv_link.log"; then
-  row "KV data plane" "cuda SKIPPED ($(grep '^cuda: skipped' "$WORK/kv_link.log" | cut -c15- | head -c 80))"
+  row "KV data plane" "cuda SKIPPED ($(grep '^cuda: skipped' "$WORK/kv_link.log" | cut -c16- | head -c 80)"
 elif [ "$rc" = 0 ] && grep -q '^cuda: the same cases' "$WORK/kv_link.log"; then
   row "KV data plane" "PASS on CPU and CUDA caches ($(tail -1 "$WORK/kv_link.log"))"
 else

@@ -329,13 +329,12 @@ enum moe_status moe_comm_create_local(struct moe_comm **out, struct moe_error *e
     return MOE_OK;
 }
 
-/* ---- NCCL entry points in builds without CUDA ------------------------------------- */
+/* ---- NCCL entry points in builds without NCCL (no CUDA, or the compute core) ------- */
 
-#ifndef MOE_HAVE_CUDA
+#ifndef MOE_HAVE_NCCL
 enum moe_status moe_comm_nccl_get_id(struct moe_comm_nccl_id *id, struct moe_error *err)
 {
-    return moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                         "comm_nccl_get_id: this build has no CUDA/NCCL backend");
+    return moe_error_set(err, MOE_ERR_UNSUPPORTED, "comm_nccl_get_id: this build has no NCCL");
 }
 
 enum moe_status moe_comm_create_nccl(const struct moe_comm_nccl_id *id, int size, int rank,
@@ -344,7 +343,6 @@ enum moe_status moe_comm_create_nccl(const struct moe_comm_nccl_id *id, int size
 {
     if (out)
         *out = NULL;
-    return moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                         "comm_create_nccl: this build has no CUDA/NCCL backend");
+    return moe_error_set(err, MOE_ERR_UNSUPPORTED, "comm_create_nccl: this build has no NCCL");
 }
 #endif

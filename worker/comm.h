@@ -5,7 +5,7 @@
  *   local  W = 1, no peers: every operation is a copy or a no-op;
  *   mpi    host buffers, for CPU groups and tests under mpirun;
  *   nccl   device buffers on a caller-given CUDA stream (built only with
- *          MOE_HAVE_CUDA; elsewhere moe_comm_create_nccl answers UNSUPPORTED).
+ *          MOE_HAVE_NCCL; elsewhere moe_comm_create_nccl answers UNSUPPORTED).
  *
  * Every operation is blocking for the caller: it returns when this rank's
  * part is complete, or with MOE_ERR_IO when the communicator's timeout passes

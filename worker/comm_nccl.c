@@ -13,8 +13,8 @@
  * through a small device buffer and a pinned host buffer (a device-to-pageable
  * copy would block the host and escape the timeout).
  *
- * Built only with MOE_HAVE_CUDA. Compiled and linked on machines without a
- * GPU; it needs a GPU to run. */
+ * Built only with MOE_HAVE_CUDA and MOE_SERVING (defines MOE_HAVE_NCCL). Compiled and linked on
+ * machines without a GPU; it needs a GPU to run. */
 #include "comm.h"
 
 #include <cuda_runtime.h>

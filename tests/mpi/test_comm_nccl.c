@@ -11,7 +11,7 @@
 #include "comm.h"
 #include "testlib.h"
 
-#ifdef MOE_HAVE_CUDA
+#ifdef MOE_HAVE_NCCL
 #include <cuda_runtime.h>
 
 static void run_on_gpu(struct moe_comm *c)
@@ -58,7 +58,7 @@ int main(void)
     memset(&id, 0, sizeof(id));
     static struct moe_comm dummy;
     struct moe_comm *c = &dummy; /* must be reset to NULL */
-#ifndef MOE_HAVE_CUDA
+#ifndef MOE_HAVE_NCCL
     CHECK(moe_comm_nccl_get_id(&id, &err) == MOE_ERR_UNSUPPORTED);
     CHECK(moe_comm_create_nccl(&id, 1, 0, 0, NULL, 1000, &c, &err) == MOE_ERR_UNSUPPORTED);
     CHECK(c == NULL);
