@@ -10,21 +10,32 @@ enum moe_dtype {
     MOE_DTYPE_F32 = 0,
     MOE_DTYPE_F16,
     MOE_DTYPE_BF16,
+    /* Symmetric int8 weights with one f32 scale per output row (W8A16):
+     * w ~= q * scale[row]. Made at load from f32/bf16 checkpoints (common/quant.h);
+     * never read from or written to a file. */
+    MOE_DTYPE_I8,
 };
 
-/* Bytes per element. */
+/* Bytes per element (I8: the int8 values alone, not the row scales). */
 static inline size_t moe_dtype_size(enum moe_dtype t)
 {
-    return t == MOE_DTYPE_F32 ? 4 : 2;
+    switch (t) {
+    case MOE_DTYPE_F32: return 4;
+    case MOE_DTYPE_F16:
+    case MOE_DTYPE_BF16: return 2;
+    case MOE_DTYPE_I8: return 1;
+    }
+    return 0;
 }
 
-/* "F32", "F16", "BF16": the spelling safetensors uses. */
+/* "F32", "F16", "BF16", "I8": the spelling safetensors uses. */
 static inline const char *moe_dtype_name(enum moe_dtype t)
 {
     switch (t) {
     case MOE_DTYPE_F32: return "F32";
     case MOE_DTYPE_F16: return "F16";
     case MOE_DTYPE_BF16: return "BF16";
+    case MOE_DTYPE_I8: return "I8";
     }
     return "?";
 }

@@ -7,7 +7,8 @@
  *
  * Conventions (one glossary everywhere):
  *   n_tok rows of activations, row-major, f32 unless said otherwise;
- *   weights are Hugging Face Linear layout W (n_out, n_in), f32 or bf16;
+ *   weights are Hugging Face Linear layout W (n_out, n_in), f32 or bf16, or
+ *   int8 with one f32 scale per output row (CPU only; common/quant.h);
  *   y = x W^T, accumulated in f32.
  * Plain parameter structs cross the interface (pointers, shapes, strides),
  * so adding a field does not change every call site. */
@@ -34,11 +35,12 @@ struct moe_matmul_params {
     int n_tok;
     int n_in;
     const void *w;
-    enum moe_dtype w_dtype; /* F32 or BF16 */
+    enum moe_dtype w_dtype; /* F32, BF16 or I8 (I8: the CPU backend only) */
     int64_t ldw;
     int n_out;
     float *y;
     bool accumulate;
+    const float *w_scale; /* I8: (n_out) row scales, W[o] = q[o] * w_scale[o]; else NULL */
 };
 
 /* Causal grouped-query attention over a paged KV cache.
@@ -84,10 +86,13 @@ struct moe_grouped_matmul_params {
     const int32_t *expert_offsets_dev; /* backend memory copy of expert_offsets, or NULL */
     const void *const *w;     /* host (n_expert): backend pointers to W_e, NULL if not held */
     const void *const *w_dev; /* backend memory copy of the pointer array `w`, or NULL */
-    enum moe_dtype w_dtype;   /* F32 or BF16 */
+    enum moe_dtype w_dtype;   /* F32, BF16 or I8 (I8: the CPU backend only) */
     int64_t ldw;              /* >= n_in */
     float *y;                 /* (n_rows, n_out) */
     bool accumulate;
+    /* I8: host (n_expert) pointers to each expert's (n_out) row scales, NULL
+     * where the expert is not held; NULL for F32 and BF16. */
+    const float *const *w_scale;
 };
 
 struct moe_backend;

@@ -30,6 +30,26 @@
 #define PK_TOK_BLOCK 256 /* tokens per task on the packed path (amortises packing) */
 
 /* ---------------------------------------------------------------------------
+ * Weight access shared by every path */
+
+/* Weight element `i` (row * ldw + col) as f32: exact for every type (bf16
+ * widens by a shift, int8 converts); int8 is NOT scaled here. */
+static inline float w_elem(enum moe_dtype wt, const void *w, int64_t i)
+{
+    if (wt == MOE_DTYPE_BF16)
+        return moe_bf16_to_f32(((const uint16_t *)w)[i]);
+    if (wt == MOE_DTYPE_I8)
+        return (float)((const int8_t *)w)[i];
+    return ((const float *)w)[i];
+}
+
+/* Address of weight element `i`. */
+static inline const void *w_at(enum moe_dtype wt, const void *w, int64_t i)
+{
+    return (const char *)w + i * (int64_t)moe_dtype_size(wt);
+}
+
+/* ---------------------------------------------------------------------------
  * Reference */
 
 void cpu_matmul_ref(const struct moe_matmul_params *p)
@@ -38,15 +58,10 @@ void cpu_matmul_ref(const struct moe_matmul_params *p)
         const float *x = p->x + (size_t)t * p->n_in;
         for (int o = 0; o < p->n_out; o++) {
             float acc = 0.0f;
-            if (p->w_dtype == MOE_DTYPE_BF16) {
-                const uint16_t *w = (const uint16_t *)p->w + o * p->ldw;
-                for (int k = 0; k < p->n_in; k++)
-                    acc += x[k] * moe_bf16_to_f32(w[k]);
-            } else {
-                const float *w = (const float *)p->w + o * p->ldw;
-                for (int k = 0; k < p->n_in; k++)
-                    acc += x[k] * w[k];
-            }
+            for (int k = 0; k < p->n_in; k++)
+                acc += x[k] * w_elem(p->w_dtype, p->w, o * p->ldw + k);
+            if (p->w_dtype == MOE_DTYPE_I8)
+                acc *= p->w_scale[o];
             float *y = p->y + (size_t)t * p->n_out + o;
             *y = p->accumulate ? *y + acc : acc;
         }
@@ -55,7 +70,7 @@ void cpu_matmul_ref(const struct moe_matmul_params *p)
 
 /* ---------------------------------------------------------------------------
  * One task: y[t0 .. t0+nt) x [o0 .. o0+no). `scratch` holds MK_R * n_in
- * floats for widened bf16 rows. */
+ * floats for widened bf16 / int8 rows (PK_R * n_in on the packed path). */
 
 struct mm_tile {
     const struct moe_matmul_params *p;
@@ -69,12 +84,35 @@ static inline void store_out(const struct moe_matmul_params *p, int t, int o, fl
     *y = p->accumulate ? *y + v : v;
 }
 
+/* Stores a T x R register tile at (t, o). `scale` (R row scales) is non-NULL
+ * when the tile was computed on raw int8 values and still needs them. */
+static inline void store_tile(const struct moe_matmul_params *p, int t, int T, int o, int R,
+                              const float *scale, float out[MK_T][MK_R])
+{
+    for (int tt = 0; tt < T; tt++)
+        for (int r = 0; r < R; r++)
+            store_out(p, t + tt, o + r, scale ? out[tt][r] * scale[r] : out[tt][r]);
+}
+
+/* Row scales a tile computed on raw weights at row o must apply. */
+static inline const float *raw_scales(const struct moe_matmul_params *p, int o)
+{
+    return p->w_dtype == MOE_DTYPE_I8 ? p->w_scale + o : NULL;
+}
+
 /* ---- portable path ---- */
 
-static void widen_bf16_scalar(const uint16_t *w, int n, float *dst)
+/* Rows [o, o+R) as f32 into dst (R, n_in). int8 rows come out dequantized
+ * (q * scale, as the reference dequantizes), so results from widened rows
+ * need no scale at the end. */
+static void widen_rows_scalar(const struct moe_matmul_params *p, int o, int R, float *dst)
 {
-    for (int k = 0; k < n; k++)
-        dst[k] = moe_bf16_to_f32(w[k]);
+    for (int r = 0; r < R; r++) {
+        float sc = p->w_dtype == MOE_DTYPE_I8 ? p->w_scale[o + r] : 1.0f;
+        for (int k = 0; k < p->n_in; k++)
+            dst[(size_t)r * p->n_in + k] =
+                w_elem(p->w_dtype, p->w, (int64_t)(o + r) * p->ldw + k) * sc;
+    }
 }
 
 /* acc[t][r] over rows w[r] (f32, stride ldw) for T tokens, R rows. */
@@ -102,10 +140,8 @@ static void tile_scalar(const struct mm_tile *mt)
         int R = mt->o0 + mt->no - o < MK_R ? mt->o0 + mt->no - o : MK_R;
         const float *w;
         int64_t ldw;
-        if (p->w_dtype == MOE_DTYPE_BF16) {
-            for (int r = 0; r < R; r++)
-                widen_bf16_scalar((const uint16_t *)p->w + (o + r) * p->ldw, n_in,
-                                  mt->scratch + (size_t)r * n_in);
+        if (p->w_dtype != MOE_DTYPE_F32) {
+            widen_rows_scalar(p, o, R, mt->scratch);
             w = mt->scratch;
             ldw = n_in;
         } else {
@@ -115,9 +151,7 @@ static void tile_scalar(const struct mm_tile *mt)
         for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T) {
             int T = mt->t0 + mt->nt - t < MK_T ? mt->t0 + mt->nt - t : MK_T;
             mk_scalar_f32(T, R, p->x + (size_t)t * n_in, n_in, w, ldw, acc);
-            for (int tt = 0; tt < T; tt++)
-                for (int r = 0; r < R; r++)
-                    store_out(p, t + tt, o + r, acc[tt][r]);
+            store_tile(p, t, T, o, R, NULL, acc);
         }
     }
 }
@@ -133,16 +167,46 @@ AVX512_TARGET static inline __m512 bf16x16_to_f32(__m256i h)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+AVX512_TARGET static inline __m512 i8x16_to_f32(__m128i q)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+}
+
+/* 16 weights from element i of w as f32 (int8 unscaled); WT is a constant
+ * in every caller, so the branches fold away. */
+AVX512_TARGET static inline __attribute__((always_inline)) __m512 load_w16(const enum moe_dtype WT,
+                                                                           const void *w, int64_t i)
+{
+    if (WT == MOE_DTYPE_BF16)
+        return bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i)));
+    if (WT == MOE_DTYPE_I8)
+        return i8x16_to_f32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + i)));
+    return _mm512_loadu_ps((const float *)w + i);
+}
+
+/* The first popcount(m) of those 16 weights, zeros after (no read past them). */
+AVX512_TARGET static inline __attribute__((always_inline)) __m512
+load_w16_mask(const enum moe_dtype WT, const void *w, int64_t i, __mmask16 m)
+{
+    if (WT == MOE_DTYPE_BF16)
+        return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i));
+    if (WT == MOE_DTYPE_I8)
+        return i8x16_to_f32(_mm_maskz_loadu_epi8(m, (const int8_t *)w + i));
+    return _mm512_maskz_loadu_ps(m, (const float *)w + i);
+}
+
 /* Sum of each of the R x T accumulators. */
 AVX512_TARGET static inline float hsum512(__m512 v)
 {
     return _mm512_reduce_add_ps(v);
 }
 
-/* W rows: f32 when wbf == NULL, else bf16 rows wbf (stride ldw). */
+/* T tokens x R rows of w (type WT, row stride ldw elements): one pass over
+ * n_in, one accumulator per (token, row), each weight vector converted once
+ * and used by all T tokens. */
 AVX512_TARGET static inline __attribute__((always_inline)) void
-mk_avx512(const int T, const int R, const bool BF, const float *x, int64_t ldx, int n_in,
-          const float *wf, const uint16_t *wbf, int64_t ldw, float out[MK_T][MK_R])
+mk_avx512(const int T, const int R, const enum moe_dtype WT, const float *x, int64_t ldx, int n_in,
+          const void *w, int64_t ldw, float out[MK_T][MK_R])
 {
     __m512 acc[MK_T][MK_R];
 #pragma GCC unroll 4
@@ -151,26 +215,25 @@ mk_avx512(const int T, const int R, const bool BF, const float *x, int64_t ldx, 
         for (int r = 0; r < R; r++)
             acc[t][r] = _mm512_setzero_ps();
     int k = 0;
-    /* bf16 decode streams W once: prefetch the next register tile's rows (the
-     * rows after these R), 64 bytes of each per 16 elements. */
-    const char *pf = BF ? (const char *)(wbf + R * ldw) : (const char *)(wf + R * ldw);
-    const int64_t pf_ld = ldw * (BF ? 2 : 4);
-    const int pf_step = BF ? 32 : 64;
+    /* Narrow-weight decode streams W once: prefetch the next register tile's
+     * rows (the rows after these R) as far ahead as this tile has read. */
+    const bool narrow = WT != MOE_DTYPE_F32;
+    const int64_t esz = (int64_t)moe_dtype_size(WT);
+    const char *pf = (const char *)w + R * ldw * esz;
+    const int64_t pf_ld = ldw * esz;
     for (; k + 16 <= n_in; k += 16) {
         __m512 xv[MK_T];
-        if (BF && T <= 2) {
+        if (narrow && T <= 2) {
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++)
-                _mm_prefetch(pf + r * pf_ld + (int64_t)k * pf_step / 16, _MM_HINT_T0);
+                _mm_prefetch(pf + r * pf_ld + (int64_t)k * esz, _MM_HINT_T0);
         }
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++)
             xv[t] = _mm512_loadu_ps(x + t * ldx + k);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            __m512 wv =
-                BF ? bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(wbf + r * ldw + k)))
-                   : _mm512_loadu_ps(wf + r * ldw + k);
+            __m512 wv = load_w16(WT, w, r * ldw + k);
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++)
                 acc[t][r] = _mm512_fmadd_ps(xv[t], wv, acc[t][r]);
@@ -184,8 +247,7 @@ mk_avx512(const int T, const int R, const bool BF, const float *x, int64_t ldx, 
             xv[t] = _mm512_maskz_loadu_ps(m, x + t * ldx + k);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            __m512 wv = BF ? bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, wbf + r * ldw + k))
-                           : _mm512_maskz_loadu_ps(m, wf + r * ldw + k);
+            __m512 wv = load_w16_mask(WT, w, r * ldw + k, m);
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++)
                 acc[t][r] = _mm512_fmadd_ps(xv[t], wv, acc[t][r]);
@@ -198,16 +260,18 @@ mk_avx512(const int T, const int R, const bool BF, const float *x, int64_t ldx, 
             out[t][r] = hsum512(acc[t][r]);
 }
 
-/* Dispatches to a register tile with compile-time T, R (MK_R or 1) and weight
- * type (bf16 when wbf != NULL). */
-AVX512_TARGET static void mk_avx512_any(int T, int R, const float *x, int64_t ldx, int n_in,
-                                        const float *wf, const uint16_t *wbf, int64_t ldw,
+/* Dispatches to a register tile with compile-time T, R (MK_R or 1) and
+ * weight type. */
+AVX512_TARGET static void mk_avx512_any(int T, int R, enum moe_dtype wt, const float *x,
+                                        int64_t ldx, int n_in, const void *w, int64_t ldw,
                                         float out[MK_T][MK_R])
 {
 #define MK512_CASE(TT, RR)                                                                         \
-    case (TT)*8 + (RR): mk_avx512(TT, RR, false, x, ldx, n_in, wf, wbf, ldw, out); return;         \
-    case 64 + (TT)*8 + (RR): mk_avx512(TT, RR, true, x, ldx, n_in, wf, wbf, ldw, out); return;
-    switch ((wbf ? 64 : 0) + T * 8 + R) {
+    case (TT)*8 + (RR): mk_avx512(TT, RR, MOE_DTYPE_F32, x, ldx, n_in, w, ldw, out); return;       \
+    case 64 + (TT)*8 + (RR): mk_avx512(TT, RR, MOE_DTYPE_BF16, x, ldx, n_in, w, ldw, out); return; \
+    case 128 + (TT)*8 + (RR): mk_avx512(TT, RR, MOE_DTYPE_I8, x, ldx, n_in, w, ldw, out); return;
+    int kind = wt == MOE_DTYPE_BF16 ? 64 : wt == MOE_DTYPE_I8 ? 128 : 0;
+    switch (kind + T * 8 + R) {
         MK512_CASE(1, 4)
         MK512_CASE(2, 4)
         MK512_CASE(3, 4)
@@ -222,20 +286,35 @@ AVX512_TARGET static void mk_avx512_any(int T, int R, const float *x, int64_t ld
     MOE_ASSERT(0 && "mk_avx512_any: unsupported tile");
 }
 
-AVX512_TARGET static void widen_bf16_avx512(const uint16_t *w, int n, float *dst)
+/* Rows [o, o+R) as f32 into dst (R, n_in); int8 rows dequantized (q * scale). */
+AVX512_TARGET static void widen_rows_avx512(const struct moe_matmul_params *p, int o, int R,
+                                            float *dst)
 {
-    int k = 0;
-    for (; k + 16 <= n; k += 16)
-        _mm512_storeu_ps(dst + k, bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(w + k))));
-    for (; k < n; k++)
-        dst[k] = moe_bf16_to_f32(w[k]);
+    const int n = p->n_in;
+    for (int r = 0; r < R; r++) {
+        int64_t row = (int64_t)(o + r) * p->ldw;
+        float *d = dst + (size_t)r * n;
+        int k = 0;
+        if (p->w_dtype == MOE_DTYPE_I8) {
+            const __m512 sc = _mm512_set1_ps(p->w_scale[o + r]);
+            for (; k + 16 <= n; k += 16)
+                _mm512_storeu_ps(d + k, _mm512_mul_ps(load_w16(MOE_DTYPE_I8, p->w, row + k), sc));
+            for (; k < n; k++)
+                d[k] = w_elem(MOE_DTYPE_I8, p->w, row + k) * p->w_scale[o + r];
+        } else {
+            for (; k + 16 <= n; k += 16)
+                _mm512_storeu_ps(d + k, load_w16(MOE_DTYPE_BF16, p->w, row + k));
+            for (; k < n; k++)
+                d[k] = w_elem(MOE_DTYPE_BF16, p->w, row + k);
+        }
+    }
 }
 
 /* Prefill path: W rows [o, o+R) (R <= PK_R) are packed k-major into `panel`
- * (n_in, PK_R), widened to f32, zero-padded; then each register tile of PK_T
- * tokens x PK_R outputs broadcasts one x element per token and k against two
- * weight vectors: 16 FMAs per 2 weight loads + 8 broadcasts, and no
- * horizontal sums. */
+ * (n_in, PK_R), widened to f32 (int8 dequantized), zero-padded; then each
+ * register tile of PK_T tokens x PK_R outputs broadcasts one x element per
+ * token and k against two weight vectors: 16 FMAs per 2 weight loads + 8
+ * broadcasts, and no horizontal sums. */
 AVX512_TARGET static void pack_panel_avx512(const struct moe_matmul_params *p, int o, int R,
                                             float *panel)
 {
@@ -243,14 +322,15 @@ AVX512_TARGET static void pack_panel_avx512(const struct moe_matmul_params *p, i
     if (R < PK_R)
         memset(panel, 0, (size_t)n_in * PK_R * sizeof(float));
     for (int r = 0; r < R; r++) {
-        if (p->w_dtype == MOE_DTYPE_BF16) {
-            const uint16_t *w = (const uint16_t *)p->w + (o + r) * p->ldw;
-            for (int k = 0; k < n_in; k++)
-                panel[(size_t)k * PK_R + r] = moe_bf16_to_f32(w[k]);
-        } else {
-            const float *w = (const float *)p->w + (o + r) * p->ldw;
+        const int64_t row = (int64_t)(o + r) * p->ldw;
+        if (p->w_dtype == MOE_DTYPE_F32) {
+            const float *w = (const float *)p->w + row;
             for (int k = 0; k < n_in; k++)
                 panel[(size_t)k * PK_R + r] = w[k];
+        } else {
+            float sc = p->w_dtype == MOE_DTYPE_I8 ? p->w_scale[o + r] : 1.0f;
+            for (int k = 0; k < n_in; k++)
+                panel[(size_t)k * PK_R + r] = w_elem(p->w_dtype, p->w, row + k) * sc;
         }
     }
 }
@@ -290,7 +370,6 @@ AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
 {
     const struct moe_matmul_params *p = mt->p;
     const int n_in = p->n_in;
-    const bool bf16 = p->w_dtype == MOE_DTYPE_BF16;
     const int o_end = mt->o0 + mt->no, t_end = mt->t0 + mt->nt;
     float out[MK_T][MK_R];
     for (int o = mt->o0; o < o_end; o += PK_R) {
@@ -309,12 +388,9 @@ AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
             int T = t_end - t < MK_T ? t_end - t : MK_T;
             for (int oo = o; oo < o + R;) {
                 int RR = o + R - oo >= MK_R ? MK_R : 1;
-                const float *wf = bf16 ? NULL : (const float *)p->w + oo * p->ldw;
-                const uint16_t *wbf = bf16 ? (const uint16_t *)p->w + oo * p->ldw : NULL;
-                mk_avx512_any(T, RR, p->x + (size_t)t * n_in, n_in, n_in, wf, wbf, p->ldw, out);
-                for (int tt = 0; tt < T; tt++)
-                    for (int r = 0; r < RR; r++)
-                        store_out(p, t + tt, oo + r, out[tt][r]);
+                mk_avx512_any(T, RR, p->w_dtype, p->x + (size_t)t * n_in, n_in, n_in,
+                              w_at(p->w_dtype, p->w, oo * p->ldw), p->ldw, out);
+                store_tile(p, t, T, oo, RR, raw_scales(p, oo), out);
                 oo += RR;
             }
         }
@@ -329,34 +405,28 @@ AVX512_TARGET static void tile_avx512(const struct mm_tile *mt)
     }
     const struct moe_matmul_params *p = mt->p;
     const int n_in = p->n_in;
-    const bool bf16 = p->w_dtype == MOE_DTYPE_BF16;
-    /* Widen bf16 rows once when more than one register tile of tokens reuses them. */
-    const bool widen = bf16 && mt->nt > MK_T;
+    /* Widen narrow rows once when more than one register tile of tokens reuses them. */
+    const bool widen = p->w_dtype != MOE_DTYPE_F32 && mt->nt > MK_T;
     float out[MK_T][MK_R];
     int o = mt->o0;
     const int o_end = mt->o0 + mt->no;
     while (o < o_end) {
         int R = o_end - o >= MK_R ? MK_R : 1;
-        const float *wf = NULL;
-        const uint16_t *wbf = NULL;
+        enum moe_dtype wt = p->w_dtype;
+        const void *w = w_at(wt, p->w, o * p->ldw);
         int64_t ldw = p->ldw;
-        if (!bf16) {
-            wf = (const float *)p->w + o * p->ldw;
-        } else if (widen) {
-            for (int r = 0; r < R; r++)
-                widen_bf16_avx512((const uint16_t *)p->w + (o + r) * p->ldw, n_in,
-                                  mt->scratch + (size_t)r * n_in);
-            wf = mt->scratch;
+        const float *sc = raw_scales(p, o);
+        if (widen) {
+            widen_rows_avx512(p, o, R, mt->scratch);
+            wt = MOE_DTYPE_F32;
+            w = mt->scratch;
             ldw = n_in;
-        } else {
-            wbf = (const uint16_t *)p->w + o * p->ldw;
+            sc = NULL;
         }
         for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T) {
             int T = mt->t0 + mt->nt - t < MK_T ? mt->t0 + mt->nt - t : MK_T;
-            mk_avx512_any(T, R, p->x + (size_t)t * n_in, n_in, n_in, wf, wbf, ldw, out);
-            for (int tt = 0; tt < T; tt++)
-                for (int r = 0; r < R; r++)
-                    store_out(p, t + tt, o + r, out[tt][r]);
+            mk_avx512_any(T, R, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, out);
+            store_tile(p, t, T, o, R, sc, out);
         }
         o += R;
     }
@@ -366,9 +436,19 @@ AVX512_TARGET static void tile_avx512(const struct mm_tile *mt)
 
 #define AVX2_TARGET __attribute__((target("avx2,fma")))
 
-AVX2_TARGET static inline __m256 bf16x8_to_f32(__m128i h)
+/* 8 weights from element i of w as f32 (int8 unscaled). */
+AVX2_TARGET static inline __attribute__((always_inline)) __m256 load_w8(const enum moe_dtype WT,
+                                                                        const void *w, int64_t i)
 {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    if (WT == MOE_DTYPE_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    if (WT == MOE_DTYPE_I8) {
+        __m128i q = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + i));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+    }
+    return _mm256_loadu_ps((const float *)w + i);
 }
 
 AVX2_TARGET static inline float hsum256(__m256 v)
@@ -380,8 +460,8 @@ AVX2_TARGET static inline float hsum256(__m256 v)
 }
 
 AVX2_TARGET static inline __attribute__((always_inline)) void
-mk_avx2(const int T, const int R, const bool BF, const float *x, int64_t ldx, int n_in,
-        const float *wf, const uint16_t *wbf, int64_t ldw, float out[MK_T][MK_R])
+mk_avx2(const int T, const int R, const enum moe_dtype WT, const float *x, int64_t ldx, int n_in,
+        const void *w, int64_t ldw, float out[MK_T][MK_R])
 {
     __m256 acc[MK_T_AVX2][MK_R];
 #pragma GCC unroll 4
@@ -397,8 +477,7 @@ mk_avx2(const int T, const int R, const bool BF, const float *x, int64_t ldx, in
             xv[t] = _mm256_loadu_ps(x + t * ldx + k);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            __m256 wv = BF ? bf16x8_to_f32(_mm_loadu_si128((const __m128i *)(wbf + r * ldw + k)))
-                           : _mm256_loadu_ps(wf + r * ldw + k);
+            __m256 wv = load_w8(WT, w, r * ldw + k);
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++)
                 acc[t][r] = _mm256_fmadd_ps(xv[t], wv, acc[t][r]);
@@ -409,23 +488,22 @@ mk_avx2(const int T, const int R, const bool BF, const float *x, int64_t ldx, in
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             float s = hsum256(acc[t][r]);
-            for (int kk = k; kk < n_in; kk++) {
-                float wv = BF ? moe_bf16_to_f32(wbf[r * ldw + kk]) : wf[r * ldw + kk];
-                s += x[t * ldx + kk] * wv;
-            }
+            for (int kk = k; kk < n_in; kk++)
+                s += x[t * ldx + kk] * w_elem(WT, w, r * ldw + kk);
             out[t][r] = s;
         }
     }
 }
 
-AVX2_TARGET static void mk_avx2_any(int T, int R, const float *x, int64_t ldx, int n_in,
-                                    const float *wf, const uint16_t *wbf, int64_t ldw,
-                                    float out[MK_T][MK_R])
+AVX2_TARGET static void mk_avx2_any(int T, int R, enum moe_dtype wt, const float *x, int64_t ldx,
+                                    int n_in, const void *w, int64_t ldw, float out[MK_T][MK_R])
 {
 #define MK256_CASE(TT, RR)                                                                         \
-    case (TT)*8 + (RR): mk_avx2(TT, RR, false, x, ldx, n_in, wf, wbf, ldw, out); return;           \
-    case 64 + (TT)*8 + (RR): mk_avx2(TT, RR, true, x, ldx, n_in, wf, wbf, ldw, out); return;
-    switch ((wbf ? 64 : 0) + T * 8 + R) {
+    case (TT)*8 + (RR): mk_avx2(TT, RR, MOE_DTYPE_F32, x, ldx, n_in, w, ldw, out); return;         \
+    case 64 + (TT)*8 + (RR): mk_avx2(TT, RR, MOE_DTYPE_BF16, x, ldx, n_in, w, ldw, out); return;   \
+    case 128 + (TT)*8 + (RR): mk_avx2(TT, RR, MOE_DTYPE_I8, x, ldx, n_in, w, ldw, out); return;
+    int kind = wt == MOE_DTYPE_BF16 ? 64 : wt == MOE_DTYPE_I8 ? 128 : 0;
+    switch (kind + T * 8 + R) {
         MK256_CASE(1, 4)
         MK256_CASE(2, 4)
         MK256_CASE(1, 1)
@@ -440,33 +518,27 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
 {
     const struct moe_matmul_params *p = mt->p;
     const int n_in = p->n_in;
-    const bool bf16 = p->w_dtype == MOE_DTYPE_BF16;
-    const bool widen = bf16 && mt->nt > MK_T_AVX2;
+    const bool widen = p->w_dtype != MOE_DTYPE_F32 && mt->nt > MK_T_AVX2;
     float out[MK_T][MK_R];
     int o = mt->o0;
     const int o_end = mt->o0 + mt->no;
     while (o < o_end) {
         int R = o_end - o >= MK_R ? MK_R : 1;
-        const float *wf = NULL;
-        const uint16_t *wbf = NULL;
+        enum moe_dtype wt = p->w_dtype;
+        const void *w = w_at(wt, p->w, o * p->ldw);
         int64_t ldw = p->ldw;
-        if (!bf16) {
-            wf = (const float *)p->w + o * p->ldw;
-        } else if (widen) {
-            for (int r = 0; r < R; r++)
-                widen_bf16_scalar((const uint16_t *)p->w + (o + r) * p->ldw, n_in,
-                                  mt->scratch + (size_t)r * n_in);
-            wf = mt->scratch;
+        const float *sc = raw_scales(p, o);
+        if (widen) {
+            widen_rows_scalar(p, o, R, mt->scratch);
+            wt = MOE_DTYPE_F32;
+            w = mt->scratch;
             ldw = n_in;
-        } else {
-            wbf = (const uint16_t *)p->w + o * p->ldw;
+            sc = NULL;
         }
         for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_AVX2) {
             int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
-            mk_avx2_any(T, R, p->x + (size_t)t * n_in, n_in, n_in, wf, wbf, ldw, out);
-            for (int tt = 0; tt < T; tt++)
-                for (int r = 0; r < R; r++)
-                    store_out(p, t + tt, o + r, out[tt][r]);
+            mk_avx2_any(T, R, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, out);
+            store_tile(p, t, T, o, R, sc, out);
         }
         o += R;
     }
@@ -522,7 +594,8 @@ void cpu_matmul(struct moe_pool *pool, const struct moe_matmul_params *p)
     if (p->n_tok <= 0 || p->n_out <= 0)
         return;
     MOE_ASSERT(p->ldw >= p->n_in && p->n_in >= 0);
-    MOE_ASSERT(p->w_dtype == MOE_DTYPE_F32 || p->w_dtype == MOE_DTYPE_BF16);
+    MOE_ASSERT(p->w_dtype == MOE_DTYPE_F32 || p->w_dtype == MOE_DTYPE_BF16 ||
+               (p->w_dtype == MOE_DTYPE_I8 && p->w_scale != NULL));
     int n_threads = moe_pool_size(pool);
     struct mm_job job = {.p = p, .isa = cpu_kernels_isa()};
 
@@ -537,7 +610,7 @@ void cpu_matmul(struct moe_pool *pool, const struct moe_matmul_params *p)
     job.tok_block = p->n_tok < TOK_BLOCK ? p->n_tok : TOK_BLOCK;
     size_t scratch_rows = MK_R;
     bool need_scratch =
-        p->w_dtype == MOE_DTYPE_BF16 && (job.isa == CPU_ISA_SCALAR || job.tok_block > MK_T_AVX2);
+        p->w_dtype != MOE_DTYPE_F32 && (job.isa == CPU_ISA_SCALAR || job.tok_block > MK_T_AVX2);
     if (job.isa == CPU_ISA_AVX512 && p->n_tok >= PK_MIN_TOK) {
         /* Packed path: row blocks of whole panels, wide token blocks. */
         job.row_block = rb <= PK_R ? PK_R : (rb + PK_R - 1) / PK_R * PK_R;

@@ -14,10 +14,13 @@
 enum moe_status moe_grouped_matmul_check(const struct moe_grouped_matmul_params *p,
                                          struct moe_error *err)
 {
-    if (p->w_dtype != MOE_DTYPE_F32 && p->w_dtype != MOE_DTYPE_BF16)
+    if (p->w_dtype != MOE_DTYPE_F32 && p->w_dtype != MOE_DTYPE_BF16 && p->w_dtype != MOE_DTYPE_I8)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                             "grouped_matmul: w_dtype %s not supported (F32 or BF16)",
+                             "grouped_matmul: w_dtype %s not supported (F32, BF16 or I8)",
                              moe_dtype_name(p->w_dtype));
+    if (p->w_dtype == MOE_DTYPE_I8 && !p->w_scale)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "grouped_matmul: I8 weights need the host w_scale array");
     if (p->n_rows < 0 || p->n_in < 0 || p->n_out < 0 || p->n_expert < 1)
         return moe_error_set(
             err, MOE_ERR_INVALID,
@@ -43,6 +46,10 @@ enum moe_status moe_grouped_matmul_check(const struct moe_grouped_matmul_params 
             return moe_error_set(err, MOE_ERR_INVALID,
                                  "grouped_matmul: expert %d has %d rows but no weights (NULL)", e,
                                  off[e + 1] - off[e]);
+        if (off[e + 1] > off[e] && p->w_dtype == MOE_DTYPE_I8 && !p->w_scale[e])
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "grouped_matmul: I8 expert %d has %d rows but no scales (NULL)", e,
+                                 off[e + 1] - off[e]);
     }
     return MOE_OK;
 }
@@ -67,6 +74,7 @@ enum moe_status cpu_grouped_matmul(struct moe_pool *pool, const struct moe_group
             .n_out = p->n_out,
             .y = p->y + (size_t)r0 * p->n_out,
             .accumulate = p->accumulate,
+            .w_scale = p->w_dtype == MOE_DTYPE_I8 ? p->w_scale[e] : NULL,
         };
         cpu_matmul(pool, &mp);
     }

@@ -338,6 +338,11 @@ static void cuda_op_grouped_matmul(struct moe_backend *be,
             "%s", e.msg);
         return;
     }
+    if (p->w_dtype == MOE_DTYPE_I8) {
+        cuda_fail(be, (int)cudaErrorNotSupported,
+                  "grouped_matmul: I8 weights (the CUDA backend has no int8 kernels yet)");
+        return;
+    }
     if (!moe_cuda_grouped_gemv_fits(p)) { /* prefill or f32: cuBLAS per expert */
         for (int ex = 0; ex < p->n_expert; ex++) {
             int r0 = p->expert_offsets[ex], cnt = p->expert_offsets[ex + 1] - r0;
