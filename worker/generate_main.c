@@ -3,7 +3,7 @@
  *
  *   moe-generate --model DIR (--prompt TEXT | --tokens 1,2,3) [-n N]
  *                [--temperature T] [--top-p P] [--top-k K] [--seed S]
- *                [--dtype f32|bf16] [--threads N] [--device auto|cpu|cuda]
+ *                [--dtype f32|bf16|int8] [--threads N] [--device auto|cpu|cuda]
  *                [--logits-out FILE] [--ignore-eos]
  *   moe-generate --model DIR --prompts-file FILE.jsonl [scheduler options]
  *                runs many prompts through the engine as one offline batch
@@ -66,7 +66,8 @@ static void usage(FILE *f)
            "  --top-p P           nucleus sampling, (0, 1] (default 1)\n"
            "  --top-k K           keep the K most likely tokens, 0 = off (default 0)\n"
            "  --seed S            sampling seed (default 0)\n"
-           "  --dtype f32|bf16    weight type in memory (default bf16)\n"
+           "  --dtype T           weights in memory: f32, bf16 (default) or int8 (Linear\n"
+           "                      weights quantized per output row at load; CPU only)\n"
            "  --threads N         CPU threads, 0 = all cores (default 0)\n"
            "  --device D          auto|cpu|cuda (default auto)\n"
            "  --logits-out FILE   write prompt logits: f32 LE, one row of vocab_size per position\n"
@@ -156,12 +157,8 @@ static int parse_args(int argc, char **argv, struct args *a)
             if (errno || end == v || *end || *v == '-')
                 return cli_fail("--seed: '%s' is not a whole number >= 0", v);
         } else if (!strcmp(k, "--dtype")) {
-            if (!strcmp(v, "f32"))
-                a->dtype = MOE_DTYPE_F32;
-            else if (!strcmp(v, "bf16"))
-                a->dtype = MOE_DTYPE_BF16;
-            else
-                return cli_fail("--dtype: '%s' is not one of f32, bf16", v);
+            if (!moe_launch_parse_dtype(v, &a->dtype))
+                return cli_fail("--dtype: '%s' is not one of f32, bf16, int8", v);
         } else if (!strcmp(k, "--threads")) {
             if (!cli_parse_long(v, 0, 1024, &n))
                 return cli_fail("--threads: '%s' is not a whole number in [0, 1024]", v);
@@ -507,7 +504,7 @@ int main(int argc, char **argv)
     double decode_tps =
         res.n_tokens > 1 && res.decode_s > 0 ? (res.n_tokens - 1) / res.decode_s : 0;
     printf("model: %s (%s, %.1f MiB of weights, loaded in %.2f s) on %s\n", a.model,
-           a.dtype == MOE_DTYPE_BF16 ? "bf16" : "f32",
+           moe_launch_dtype_flag(a.dtype),
            (double)moe_model_weight_bytes(model) / (1024.0 * 1024.0), t_load, be->name);
     printf("prefill: %d tokens in %.3f s, %.1f tokens/s\n", n_prompt, res.prefill_s,
            res.prefill_s > 0 ? n_prompt / res.prefill_s : 0);

@@ -2,6 +2,30 @@
 
 #include <string.h>
 
+bool moe_launch_parse_dtype(const char *s, enum moe_dtype *out)
+{
+    if (!strcmp(s, "f32"))
+        *out = MOE_DTYPE_F32;
+    else if (!strcmp(s, "bf16"))
+        *out = MOE_DTYPE_BF16;
+    else if (!strcmp(s, "int8"))
+        *out = MOE_DTYPE_I8;
+    else
+        return false;
+    return true;
+}
+
+const char *moe_launch_dtype_flag(enum moe_dtype dtype)
+{
+    switch (dtype) {
+    case MOE_DTYPE_F32: return "f32";
+    case MOE_DTYPE_BF16: return "bf16";
+    case MOE_DTYPE_I8: return "int8";
+    case MOE_DTYPE_F16: break;
+    }
+    return "?";
+}
+
 enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launch_args *a,
                                  struct moe_launch *l, struct moe_error *err)
 {

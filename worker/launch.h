@@ -27,6 +27,11 @@ struct moe_launch {
     struct moe_model_opts model_opts; /* this rank's shard; points into `placement` */
 };
 
+/* The --dtype spellings: "f32", "bf16", "int8" (weights quantized to int8
+ * at load, see moe_model_opts). parse returns false for anything else. */
+bool moe_launch_parse_dtype(const char *s, enum moe_dtype *out);
+const char *moe_launch_dtype_flag(enum moe_dtype dtype);
+
 /* Fills *l. On error what was made is kept for moe_launch_finish. */
 enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launch_args *args,
                                  struct moe_launch *l, struct moe_error *err);

@@ -27,6 +27,7 @@
 #include <time.h>
 
 #include "placement.h"
+#include "quant.h"
 #include "safetensors.h"
 
 /* ---- loading ------------------------------------------------------------------ */
@@ -67,31 +68,19 @@ static enum moe_status find_tensor(struct loader *ld, const char *name, int n_di
     return MOE_OK;
 }
 
-/* Allocates a backend buffer and fills it with rows [row0, row0+n_rows) and
- * cols [col0, col0+n_cols) of tensor `name` (full shape rows x cols). */
-static enum moe_status load_block(struct loader *ld, const char *name, int64_t rows, int64_t cols,
-                                  int64_t row0, int64_t n_rows, int64_t col0, int64_t n_cols,
-                                  enum moe_dtype dtype, void **out, struct moe_error *err)
+/* Bytes of a Linear weight (n_rows, n_cols) as the model stores it. */
+static size_t linear_bytes(const struct moe_model *m, int64_t n_rows, int64_t n_cols)
 {
-    const struct st_tensor *t;
-    enum moe_status rc = find_tensor(ld, name, cols ? 2 : 1, rows, cols, &t, err);
-    if (rc)
-        return rc;
-    if (!cols) { /* 1-D: one row of `rows` elements */
-        n_cols = n_rows;
-        col0 = row0;
-        n_rows = 1;
-        row0 = 0;
-    }
-    size_t bytes = (size_t)n_rows * (size_t)n_cols * moe_dtype_size(dtype);
-    void *host = malloc(bytes ? bytes : 1);
-    if (!host)
-        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
-    rc = st_read_block(t, row0, n_rows, col0, n_cols, dtype, host, err);
-    if (rc) {
-        free(host);
-        return rc;
-    }
+    if (m->lin_dtype == MOE_DTYPE_I8)
+        return moe_i8_weight_bytes(n_rows, n_cols);
+    return (size_t)n_rows * (size_t)n_cols * moe_dtype_size(m->lin_dtype);
+}
+
+/* Copies `bytes` of host memory into a new backend buffer (*out), counted in
+ * the model's weight bytes. Frees `host` in every case. */
+static enum moe_status upload_weight(struct loader *ld, const char *name, void *host, size_t bytes,
+                                     void **out, struct moe_error *err)
+{
     struct moe_backend *be = ld->m->be;
     void *buf = be->ops->buf_alloc(be, bytes);
     if (!buf) {
@@ -106,6 +95,71 @@ static enum moe_status load_block(struct loader *ld, const char *name, int64_t r
     return MOE_OK;
 }
 
+/* Quantizes the f32 values of a Linear weight (n_rows, n_cols) to the int8
+ * image (values, then row scales) and uploads it; under the i8_dequantized
+ * test hook, uploads q * scale as f32 instead. Frees `f32` in every case. */
+static enum moe_status upload_quantized(struct loader *ld, const char *name, float *f32,
+                                        int64_t n_rows, int64_t n_cols, void **out,
+                                        struct moe_error *err)
+{
+    size_t img_bytes = moe_i8_weight_bytes(n_rows, n_cols);
+    char *img = calloc(1, img_bytes);
+    if (!img) {
+        free(f32);
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory quantizing '%s'", ld->dir,
+                             name);
+    }
+    float *scale = (float *)(img + moe_i8_scale_offset(n_rows, n_cols));
+    if (!moe_quant_i8_rows(f32, n_rows, n_cols, (int8_t *)img, scale)) {
+        free(img);
+        free(f32);
+        return moe_error_set(err, MOE_ERR_FORMAT,
+                             "%s: tensor '%s' holds a NaN or infinite weight; --dtype int8 "
+                             "cannot quantize it",
+                             ld->dir, name);
+    }
+    if (!ld->m->opts.i8_dequantized) {
+        free(f32);
+        return upload_weight(ld, name, img, img_bytes, out, err);
+    }
+    moe_dequant_i8_rows((const int8_t *)img, scale, n_rows, n_cols, f32);
+    free(img);
+    return upload_weight(ld, name, f32, (size_t)n_rows * (size_t)n_cols * sizeof(float), out, err);
+}
+
+/* Allocates a backend buffer and fills it with rows [row0, row0+n_rows) and
+ * cols [col0, col0+n_cols) of tensor `name` (full shape rows x cols), in
+ * `dtype`; I8 quantizes the block (read as f32) row by row. */
+static enum moe_status load_block(struct loader *ld, const char *name, int64_t rows, int64_t cols,
+                                  int64_t row0, int64_t n_rows, int64_t col0, int64_t n_cols,
+                                  enum moe_dtype dtype, void **out, struct moe_error *err)
+{
+    const struct st_tensor *t;
+    enum moe_status rc = find_tensor(ld, name, cols ? 2 : 1, rows, cols, &t, err);
+    if (rc)
+        return rc;
+    if (!cols) { /* 1-D: one row of `rows` elements */
+        n_cols = n_rows;
+        col0 = row0;
+        n_rows = 1;
+        row0 = 0;
+    }
+    enum moe_dtype read_dtype = dtype == MOE_DTYPE_I8 ? MOE_DTYPE_F32 : dtype;
+    size_t bytes = (size_t)n_rows * (size_t)n_cols * moe_dtype_size(read_dtype);
+    void *host = malloc(bytes ? bytes : 1);
+    if (!host)
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
+    rc = st_read_block(t, row0, n_rows, col0, n_cols, read_dtype, host, err);
+    if (rc) {
+        free(host);
+        return rc;
+    }
+    if (dtype == MOE_DTYPE_I8)
+        return upload_quantized(ld, name, host, n_rows, n_cols, out, err);
+    return upload_weight(ld, name, host, bytes, out, err);
+}
+
+/* A whole Linear weight (rows, cols), in the model's weight dtype (I8: quantized). */
 static enum moe_status load_matrix(struct loader *ld, const char *name, int64_t rows, int64_t cols,
                                    void **out, struct moe_error *err)
 {
@@ -114,7 +168,8 @@ static enum moe_status load_matrix(struct loader *ld, const char *name, int64_t 
 
 /* Norm weights stay f32 on the device; with bf16 weights they are rounded to
  * bf16 first, so "--dtype bf16" means every weight of the model in bf16, as
- * model.to(torch.bfloat16) does. */
+ * model.to(torch.bfloat16) does (int8 models keep their unquantized weights
+ * as bf16 models do). */
 static enum moe_status load_norm(struct loader *ld, const char *name, int64_t dim, float **out,
                                  struct moe_error *err)
 {
@@ -126,7 +181,7 @@ static enum moe_status load_norm(struct loader *ld, const char *name, int64_t di
     if (!host)
         return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
     rc = st_read_block(t, 0, 1, 0, dim, MOE_DTYPE_F32, host, err);
-    if (!rc && ld->m->opts.dtype == MOE_DTYPE_BF16)
+    if (!rc && ld->m->base_dtype == MOE_DTYPE_BF16)
         for (int64_t i = 0; i < dim; i++)
             host[i] = moe_bf16_to_f32(moe_f32_to_bf16(host[i]));
     struct moe_backend *be = ld->m->be;
@@ -143,7 +198,8 @@ static enum moe_status load_norm(struct loader *ld, const char *name, int64_t di
 }
 
 /* Loads gate and up projections (each (d_ff, d_model)) into one (2*d_ff, d_model)
- * buffer: gate rows first, then up rows, matching the backend's swiglu. */
+ * buffer: gate rows first, then up rows, matching the backend's swiglu. With
+ * I8 the fused weight is quantized as one (rows are independent). */
 static enum moe_status load_gate_up(struct loader *ld, const char *gate_name, const char *up_name,
                                     int64_t d_ff, int64_t d_model, void **out,
                                     struct moe_error *err)
@@ -154,7 +210,7 @@ static enum moe_status load_gate_up(struct loader *ld, const char *gate_name, co
         rc = find_tensor(ld, up_name, 2, d_ff, d_model, &tu, err);
     if (rc)
         return rc;
-    enum moe_dtype dt = ld->m->opts.dtype;
+    enum moe_dtype dt = ld->m->opts.dtype == MOE_DTYPE_I8 ? MOE_DTYPE_F32 : ld->m->opts.dtype;
     size_t half = (size_t)d_ff * (size_t)d_model * moe_dtype_size(dt);
     char *host = malloc(2 * half);
     if (!host)
@@ -167,18 +223,9 @@ static enum moe_status load_gate_up(struct loader *ld, const char *gate_name, co
         free(host);
         return rc;
     }
-    struct moe_backend *be = ld->m->be;
-    void *buf = be->ops->buf_alloc(be, 2 * half);
-    if (!buf) {
-        free(host);
-        return moe_error_set(err, MOE_ERR_NOMEM, "%s: cannot allocate %zu bytes for '%s'", ld->dir,
-                             2 * half, gate_name);
-    }
-    be->ops->buf_upload(be, buf, host, 2 * half);
-    free(host);
-    ld->m->weight_bytes += 2 * half;
-    *out = buf;
-    return MOE_OK;
+    if (ld->m->opts.dtype == MOE_DTYPE_I8)
+        return upload_quantized(ld, gate_name, (float *)host, 2 * d_ff, d_model, out, err);
+    return upload_weight(ld, gate_name, host, 2 * half, out, err);
 }
 
 /* Loads expert e of MoE layer l: gate and up fused, and down. */
@@ -253,8 +300,12 @@ static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *er
         NAME(name, "model.layers.%d.mlp.down_proj.weight", l);
         return load_matrix(ld, name, d, c->d_ff_dense, &w->dense_down, err);
     }
+    /* The router stays unquantized (base_dtype): int8 noise on its logits
+     * could flip an expert choice, which changes a token's output far more
+     * than the noise itself; it is also tiny. */
     NAME(name, "model.layers.%d.%s.gate.weight", l, moe);
-    if ((rc = load_matrix(ld, name, c->n_expert, d, &w->router, err)))
+    if ((rc = load_block(ld, name, c->n_expert, d, 0, c->n_expert, 0, d, m->base_dtype, &w->router,
+                         err)))
         return rc;
     w->w_gate_up = calloc((size_t)c->n_expert, sizeof *w->w_gate_up);
     w->w_down = calloc((size_t)c->n_expert, sizeof *w->w_down);
@@ -273,9 +324,12 @@ static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *er
 static enum moe_status check_opts(const struct moe_config *c, const struct moe_model_opts *o,
                                   const char *dir, struct moe_error *err)
 {
-    if (o->dtype != MOE_DTYPE_F32 && o->dtype != MOE_DTYPE_BF16)
+    if (o->dtype != MOE_DTYPE_F32 && o->dtype != MOE_DTYPE_BF16 && o->dtype != MOE_DTYPE_I8)
         return moe_error_set(err, MOE_ERR_INVALID,
-                             "weight dtype %s is not supported (use f32 or bf16)",
+                             "weight dtype %s is not supported (use f32, bf16 or int8)",
+                             moe_dtype_name(o->dtype));
+    if (o->i8_dequantized && o->dtype != MOE_DTYPE_I8)
+        return moe_error_set(err, MOE_ERR_INVALID, "i8_dequantized needs weight dtype I8, not %s",
                              moe_dtype_name(o->dtype));
     if (o->tp_size < 1 || o->tp_rank < 0 || o->tp_rank >= o->tp_size)
         return moe_error_set(err, MOE_ERR_INVALID, "tensor-parallel rank %d of %d is invalid",
@@ -312,6 +366,12 @@ enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opt
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     m->be = be;
     m->opts = *opts;
+    m->lin_dtype = opts->dtype;
+    m->base_dtype = opts->dtype;
+    if (opts->dtype == MOE_DTYPE_I8) {
+        m->lin_dtype = opts->i8_dequantized ? MOE_DTYPE_F32 : MOE_DTYPE_I8;
+        m->base_dtype = MOE_DTYPE_BF16;
+    }
     struct loader ld = {.m = m, .dir = dir};
     enum moe_status rc;
     if (!(m->dir = strdup(dir))) {
@@ -326,6 +386,14 @@ enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opt
     const struct moe_config *c = &m->cfg;
     if ((rc = check_opts(c, opts, dir, err)))
         goto fail;
+    if (m->lin_dtype == MOE_DTYPE_I8 && be->device != MOE_DEVICE_CPU) {
+        /* Refused here, before any weight moves: the CUDA matmuls would
+         * reject every call and the forward pass would only fail later. */
+        rc = moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                           "--dtype int8: the %s backend has no int8 kernels yet; use --device cpu",
+                           be->name);
+        goto fail;
+    }
     m->tp_comm = opts->tp_size > 1 ? opts->tp_comm : NULL;
     m->ep_comm = opts->ep_comm && opts->ep_comm->size > 1 ? opts->ep_comm : NULL;
     if (m->ep_comm) {
@@ -360,13 +428,17 @@ enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opt
 
     if ((rc = st_open(dir, &ld.st, err)))
         goto fail;
-    if ((rc = load_matrix(&ld, "model.embed_tokens.weight", c->vocab_size, c->d_model, &m->embed,
-                          err)))
+    if ((rc = load_block(&ld, "model.embed_tokens.weight", c->vocab_size, c->d_model, 0,
+                         c->vocab_size, 0, c->d_model, m->base_dtype, &m->embed, err)))
         goto fail;
     if ((rc = load_norm(&ld, "model.norm.weight", c->d_model, &m->final_norm, err)))
         goto fail;
-    if (c->tie_word_embeddings) {
+    if (c->tie_word_embeddings && m->lin_dtype == m->base_dtype) {
         m->lm_head = m->embed;
+    } else if (c->tie_word_embeddings) { /* int8 lm_head: a quantized copy of the table */
+        if ((rc = load_matrix(&ld, "model.embed_tokens.weight", c->vocab_size, c->d_model,
+                              &m->lm_head, err)))
+            goto fail;
     } else if ((rc = load_matrix(&ld, "lm_head.weight", c->vocab_size, c->d_model, &m->lm_head,
                                  err))) {
         goto fail;
@@ -709,21 +781,32 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     return MOE_OK;
 }
 
-static void matmul(struct moe_model *m, const float *x, int n_tok, int n_in, const void *w,
-                   int n_out, float *y, bool accumulate)
+/* y (n_tok, n_out) (+)= x W^T, W (n_out, n_in) a whole weight in `dtype`
+ * (I8: its row scales follow the values in the same buffer). */
+static void matmul_dtype(struct moe_model *m, enum moe_dtype dtype, const float *x, int n_tok,
+                         int n_in, const void *w, int n_out, float *y, bool accumulate)
 {
     struct moe_matmul_params p = {
         .x = x,
         .n_tok = n_tok,
         .n_in = n_in,
         .w = w,
-        .w_dtype = m->opts.dtype,
+        .w_dtype = dtype,
         .ldw = n_in,
         .n_out = n_out,
         .y = y,
         .accumulate = accumulate,
     };
+    if (dtype == MOE_DTYPE_I8)
+        p.w_scale = (const float *)((const char *)w + moe_i8_scale_offset(n_out, n_in));
     m->be->ops->matmul(m->be, &p);
+}
+
+/* A Linear weight (stored in lin_dtype). */
+static void matmul(struct moe_model *m, const float *x, int n_tok, int n_in, const void *w,
+                   int n_out, float *y, bool accumulate)
+{
+    matmul_dtype(m, m->lin_dtype, x, n_tok, n_in, w, n_out, y, accumulate);
 }
 
 /* SwiGLU FFN on n rows of xe: ye = down(silu(gate(xe)) * up(xe)). */
@@ -839,7 +922,8 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
     double t0 = moe_model_clock();
     s->topk_w = (float *)(s->topk_ids + (size_t)n * c->top_k);
     s->h_w = (float *)(s->h_ids + (size_t)n * c->top_k);
-    matmul(m, s->h, n, c->d_model, w->router, c->n_expert, s->router_logits, false);
+    matmul_dtype(m, m->base_dtype, s->h, n, c->d_model, w->router, c->n_expert, s->router_logits,
+                 false);
     ops->router_topk(m->be, s->router_logits, n, c->n_expert, c->top_k, c->norm_topk_prob,
                      s->topk_ids, s->topk_w);
     m->prof.moe_layer_tokens += (uint64_t)n;
@@ -927,7 +1011,7 @@ enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
 
     double t_start = moe_model_clock();
     struct moe_model_profile before = m->prof;
-    ops->embed(be, m->embed, m->opts.dtype, s->tokens, n, c->d_model, s->x);
+    ops->embed(be, m->embed, m->base_dtype, s->tokens, n, c->d_model, s->x);
     for (int l = 0; l < c->n_layer; l++) {
         double t = moe_model_clock();
         rc = attention_block(m, kv, l, b, err);
@@ -1054,7 +1138,8 @@ void moe_model_commit_placement(struct moe_model *m)
         return;
     const struct moe_config *c = &m->cfg;
     int me = m->ep_comm->rank;
-    size_t expert_bytes = (size_t)3 * c->d_ff_expert * c->d_model * moe_dtype_size(m->opts.dtype);
+    size_t expert_bytes = linear_bytes(m, 2 * (int64_t)c->d_ff_expert, c->d_model) +
+                          linear_bytes(m, c->d_model, c->d_ff_expert);
     for (int l = 0; l < c->n_layer; l++) {
         struct layer_weights *w = &m->layers[l];
         if (!w->is_moe)

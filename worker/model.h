@@ -25,7 +25,16 @@ struct moe_placement;
  * each rank loading only its own experts. All ranks of ep_comm run every
  * forward on the same batch (lock-step, see group.h). NULL comms: one rank. */
 struct moe_model_opts {
-    enum moe_dtype dtype; /* weights: F32 or BF16 (norms stay F32) */
+    /* Weights: F32, BF16 or I8 (norms stay F32). I8 quantizes every Linear
+     * weight that goes through matmul (q/k/v/o projections, expert and dense
+     * FFNs, lm_head) to int8 with per-output-row scales at load (W8A16, CPU
+     * backend only); the router, norms and the embedding table are kept as
+     * with BF16. */
+    enum moe_dtype dtype;
+    /* Test hook, with dtype I8 only: store each quantized weight as its f32
+     * dequantization (q * scale) and run the f32 kernels, so a test can hold
+     * the int8 kernels to an f32 model with exactly the same weights. */
+    bool i8_dequantized;
     int tp_rank;
     int tp_size;
     struct moe_comm *tp_comm;              /* borrowed; NULL when tp_size == 1 */

@@ -82,8 +82,15 @@ struct moe_model {
     struct moe_backend *be;
     int n_head_local;
     int n_kv_head_local;
-    int q_dim;         /* n_head_local * d_head */
-    int kv_dim;        /* n_kv_head_local * d_head */
+    int q_dim;  /* n_head_local * d_head */
+    int kv_dim; /* n_kv_head_local * d_head */
+    /* Linear weights (everything through matmul but the router) are stored
+     * in lin_dtype; the router and embedding table in base_dtype. Both equal
+     * opts.dtype except with I8: lin I8 (F32 under opts.i8_dequantized), base
+     * BF16. An I8 weight (n_out, n_in) is one buffer with its row scales
+     * after the values (common/quant.h). */
+    enum moe_dtype lin_dtype;
+    enum moe_dtype base_dtype;
     void *embed;       /* (vocab, d_model) */
     float *final_norm; /* (d_model) */
     void *lm_head;     /* (vocab, d_model); == embed when tied */

@@ -29,7 +29,7 @@ struct worker_service_opts {
     const char *listen;     /* "127.0.0.1:0" picks a free port */
     int rpc_threads;        /* completion-queue threads (default 2) */
     const char *model_name; /* reported by GetModelInfo */
-    const char *dtype_name; /* "bf16", "f32" */
+    const char *dtype_name; /* "bf16", "f32", "int8" */
     int world_size;         /* ranks in the group (reported by GetLoad; 0 = 1) */
     int tp_size;
     int role;                 /* Moe__V1__WorkerRole (0 = mixed), reported by GetLoad */

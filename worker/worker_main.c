@@ -5,7 +5,7 @@
  * UNAVAILABLE, running requests finish, then it exits 0.
  *
  *   moe-worker --model DIR [--listen HOST:PORT] [--advertise HOST:PORT]
- *              [--etcd URLS --worker-id ID --lease-ttl S] [--dtype f32|bf16]
+ *              [--etcd URLS --worker-id ID --lease-ttl S] [--dtype f32|bf16|int8]
  *              [--threads N] [--device auto|cpu|cuda] [--kv-blocks N | --kv-memory MIB]
  *              [--block-size N] [--max-batch-tokens N] [--max-running N]
  *              [--no-prefix-cache] [--role mixed|prefill|decode] [--kv-listen HOST:PORT]
@@ -78,7 +78,8 @@ static void usage(FILE *f)
                "  --etcd URLS           etcd endpoints (http://127.0.0.1:2379,...); none = static\n"
                "  --worker-id ID        name in etcd and Admin (default worker-PORT)\n"
                "  --lease-ttl S         etcd lease TTL in seconds (default 5)\n"
-               "  --dtype f32|bf16      weights in memory (default bf16)\n"
+               "  --dtype T             weights in memory: f32, bf16 (default) or int8\n"
+               "                        (Linear weights quantized per row at load; CPU only)\n"
                "  --threads N           CPU threads, 0 = all cores (default 0)\n"
                "  --device D            auto|cpu|cuda (default auto)\n"
                "  --kv-blocks N | --kv-memory MIB   KV cache size (default 512 MiB)\n"
@@ -175,12 +176,8 @@ static int parse_args(int argc, char **argv, struct args *a)
                 return cli_fail("--kv-transport: '%s' is not one of auto, socket", v);
             a->kv_socket_only = !strcmp(v, "socket");
         } else if (!strcmp(k, "--dtype")) {
-            if (!strcmp(v, "f32"))
-                a->dtype = MOE_DTYPE_F32;
-            else if (!strcmp(v, "bf16"))
-                a->dtype = MOE_DTYPE_BF16;
-            else
-                return cli_fail("--dtype: '%s' is not one of f32, bf16", v);
+            if (!moe_launch_parse_dtype(v, &a->dtype))
+                return cli_fail("--dtype: '%s' is not one of f32, bf16, int8", v);
         } else {
             usage(stderr);
             return cli_fail("unknown option '%s'", k);
@@ -407,7 +404,7 @@ int main(int argc, char **argv)
     struct worker_service_opts so = {
         .listen = a.listen,
         .model_name = name,
-        .dtype_name = a.dtype == MOE_DTYPE_BF16 ? "bf16" : "f32",
+        .dtype_name = moe_launch_dtype_flag(a.dtype),
         .world_size = group ? group->size : 1,
         .group = group,
         .tp_size = group ? group->tp_size : 1,
