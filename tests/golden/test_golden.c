@@ -1,6 +1,6 @@
 /* Golden test: the C forward pass against Hugging Face transformers.
  *
- *   test_golden FIXTURE_DIR f32|bf16
+ *   test_golden FIXTURE_DIR f32|bf16|int8
  *
  * FIXTURE_DIR holds a checkpoint written by tests/golden/make_fixtures.py with
  * golden.json (prompts, ids, greedy continuations) and logits_f32.bin /
@@ -19,7 +19,16 @@
  * it is the cost of bf16 weights, not a property of the engine. It is not
  * held to a bound: on these tiny random models a rounded router weight can
  * flip an expert choice (the Qwen3 fixture's router margins are ~1e-4),
- * which changes logits by tens of percent in any bf16 implementation. */
+ * which changes logits by tens of percent in any bf16 implementation.
+ *
+ * "int8" (--dtype int8: Linear weights quantized per output row) has no
+ * transformers reference; it is held instead to an f32 model whose weights
+ * ARE the dequantized int8 weights (the model's i8_dequantized hook, loaded
+ * in the same process): the prompt logits, in one pass (AVX-512 packed
+ * prefill on the long prompt) and one token per pass (the GEMV tiles), must
+ * match to 1e-4 relative and the greedy continuations must be identical. The
+ * int8-vs-f32 logits error and the int8-vs-bf16 greedy agreement are printed
+ * as information: they measure quantization, not the engine. */
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
@@ -213,13 +222,102 @@ static void check_batched(struct moe_model *m, struct prompt *p, int n_prompt, i
     free(logits);
 }
 
+static struct moe_model *load_model(const char *dir, struct moe_backend *be, enum moe_dtype dtype,
+                                    bool i8_dequantized)
+{
+    struct moe_error err = {0};
+    struct moe_model *m = NULL;
+    struct moe_model_opts mo = {.dtype = dtype, .tp_size = 1, .i8_dequantized = i8_dequantized};
+    CHECKF(moe_model_load(dir, &mo, be, &m, &err) == MOE_OK, "%s (%s%s): %s", dir,
+           moe_dtype_name(dtype), i8_dequantized ? ", dequantized" : "", err.msg);
+    return m;
+}
+
+/* Prompt logits (n_ids, vocab) of `m`, the prompt run `chunk` tokens per
+ * forward pass (0: all at once), and the greedy continuation in *res. */
+static float *prompt_logits(struct moe_model *m, const struct prompt *p, int vocab, int chunk,
+                            struct moe_gen_result *res)
+{
+    struct moe_error err = {0};
+    float *logits = malloc((size_t)p->n_ids * vocab * sizeof *logits);
+    struct moe_gen_opts go = {.n_predict = p->n_greedy, .ignore_eos = true, .prefill_chunk = chunk};
+    CHECKF(moe_generate(m, p->ids, p->n_ids, &go, logits, res, &err) == MOE_OK, "%s", err.msg);
+    return logits;
+}
+
+/* Number of leading tokens two continuations share. */
+static int same_prefix(const struct moe_gen_result *a, const struct moe_gen_result *b)
+{
+    int n = 0;
+    while (n < a->n_tokens && n < b->n_tokens && a->tokens[n] == b->tokens[n])
+        n++;
+    return n;
+}
+
+/* The int8 mode: see the comment at the top. */
+static void check_int8(const char *dir, struct moe_backend *be, const struct prompt *p,
+                       int n_prompt)
+{
+    struct moe_model *m8 = load_model(dir, be, MOE_DTYPE_I8, false);
+    struct moe_model *md = load_model(dir, be, MOE_DTYPE_I8, true);
+    struct moe_model *mf = load_model(dir, be, MOE_DTYPE_F32, false);
+    struct moe_model *mb = load_model(dir, be, MOE_DTYPE_BF16, false);
+    if (!m8 || !md || !mf || !mb)
+        goto done;
+    int vocab = moe_model_config(m8)->vocab_size;
+    printf("%s (int8): %d prompts; weights %.1f KiB int8, %.1f KiB bf16\n", dir, n_prompt,
+           moe_model_weight_bytes(m8) / 1024.0, moe_model_weight_bytes(mb) / 1024.0);
+    CHECK(moe_model_weight_bytes(m8) < moe_model_weight_bytes(mb));
+    for (int i = 0; i < n_prompt; i++) {
+        size_t n_logit = (size_t)p[i].n_ids * vocab;
+        struct moe_gen_result r8, r8c, rd, rf, rb;
+        float *l8 = prompt_logits(m8, &p[i], vocab, 0, &r8);
+        float *l8c = prompt_logits(m8, &p[i], vocab, 1, &r8c);
+        float *ld = prompt_logits(md, &p[i], vocab, 0, &rd);
+        float *lf = prompt_logits(mf, &p[i], vocab, 0, &rf);
+        float *lb = prompt_logits(mb, &p[i], vocab, 0, &rb);
+        double e = rel_err(l8, ld, n_logit), ec = rel_err(l8c, ld, n_logit);
+        CHECKF(e <= LOGIT_TOL, "prompt %d: int8 vs dequantized f32 logits rel err %.3g > %.1g", i,
+               e, LOGIT_TOL);
+        CHECKF(ec <= LOGIT_TOL,
+               "prompt %d: int8 (1 token per pass) vs dequantized f32 logits rel err %.3g > %.1g",
+               i, ec, LOGIT_TOL);
+        int same = same_prefix(&r8, &rd);
+        CHECKF(same == rd.n_tokens && r8.n_tokens == rd.n_tokens,
+               "prompt %d: int8 greedy differs from the dequantized f32 model at token %d", i,
+               same);
+        printf("  prompt %d: %d tokens, int8 vs dequantized f32: logits rel err %.3g (one pass), "
+               "%.3g (token by token), greedy %d/%d identical; info: int8 vs f32 logits %.3g, "
+               "int8 vs bf16 greedy %d/%d identical\n",
+               i, p[i].n_ids, e, ec, same, rd.n_tokens, rel_err(l8, lf, n_logit),
+               same_prefix(&r8, &rb), rb.n_tokens);
+        free(l8);
+        free(l8c);
+        free(ld);
+        free(lf);
+        free(lb);
+        moe_gen_result_free(&r8);
+        moe_gen_result_free(&r8c);
+        moe_gen_result_free(&rd);
+        moe_gen_result_free(&rf);
+        moe_gen_result_free(&rb);
+    }
+done:
+    moe_model_free(m8);
+    moe_model_free(md);
+    moe_model_free(mf);
+    moe_model_free(mb);
+}
+
 int main(int argc, char **argv)
 {
-    if (argc != 3 || (strcmp(argv[2], "f32") && strcmp(argv[2], "bf16"))) {
-        fprintf(stderr, "usage: test_golden FIXTURE_DIR f32|bf16\n");
+    if (argc != 3 ||
+        (strcmp(argv[2], "f32") && strcmp(argv[2], "bf16") && strcmp(argv[2], "int8"))) {
+        fprintf(stderr, "usage: test_golden FIXTURE_DIR f32|bf16|int8\n");
         return 2;
     }
     const char *dir = argv[1];
+    bool int8 = !strcmp(argv[2], "int8");
     bool bf16 = !strcmp(argv[2], "bf16");
     char path[4096];
     struct moe_error err = {0};
@@ -252,6 +350,18 @@ int main(int argc, char **argv)
     struct moe_model *m = NULL;
     struct moe_tokenizer *tok = NULL;
     CHECKF(moe_backend_create("cpu", 0, &be, &err) == MOE_OK, "%s", err.msg);
+    if (int8) {
+        if (be)
+            check_int8(dir, be, p, n_prompt);
+        for (int i = 0; i < n_prompt; i++) {
+            free(p[i].text);
+            free(p[i].ids);
+        }
+        cJSON_Delete(root);
+        free(json_text);
+        moe_backend_destroy(be);
+        return test_summary();
+    }
     struct moe_model_opts mo = {.dtype = bf16 ? MOE_DTYPE_BF16 : MOE_DTYPE_F32, .tp_size = 1};
     CHECKF(be && moe_model_load(dir, &mo, be, &m, &err) == MOE_OK, "%s", err.msg);
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
