@@ -1,6 +1,7 @@
 /* Matmul throughput of the CPU backend on the benchmark model's shapes
  * (d_model 1024, expert FFN 2816): W 2816x1024 (gate/up), 1024x2816 (down),
- * 1536x1024 (QKV), f32 and bf16 weights, 1 and 2 threads, GEMV (n_tok 1) and
+ * 1536x1024 (QKV), f32, bf16 and int8 weights (per-row scales, laid out as
+ * the model stores them), 1 and 2 threads, GEMV (n_tok 1) and
  * GEMM (n_tok 256), on the best SIMD path and on the portable path as a
  * baseline measured in the same run.
  *
@@ -16,6 +17,7 @@
 
 #include "backend.h"
 #include "cpu/cpu_kernels.h"
+#include "quant.h"
 
 static double now_s(void)
 {
@@ -29,28 +31,52 @@ struct shape {
     int n_out, n_in;
 };
 
-static void fill_weights(void *w, enum moe_dtype dt, size_t n, unsigned seed)
+/* Bytes of one weight copy (I8: values, padding, row scales). */
+static size_t weight_bytes(enum moe_dtype dt, const struct shape *sh)
 {
+    if (dt == MOE_DTYPE_I8)
+        return moe_i8_weight_bytes(sh->n_out, sh->n_in);
+    return (size_t)sh->n_out * sh->n_in * moe_dtype_size(dt);
+}
+
+static void fill_weights(void *w, enum moe_dtype dt, const struct shape *sh, unsigned seed)
+{
+    size_t n = (size_t)sh->n_out * sh->n_in;
     for (size_t i = 0; i < n; i++) {
         seed = seed * 1664525u + 1013904223u;
         float v = (float)(seed >> 8) / 16777216.0f - 0.5f;
         if (dt == MOE_DTYPE_BF16)
             ((uint16_t *)w)[i] = moe_f32_to_bf16(v);
+        else if (dt == MOE_DTYPE_I8)
+            ((int8_t *)w)[i] = (int8_t)(v * 254.0f);
         else
             ((float *)w)[i] = v;
     }
+    if (dt == MOE_DTYPE_I8) {
+        float *sc = (float *)((char *)w + moe_i8_scale_offset(sh->n_out, sh->n_in));
+        for (int r = 0; r < sh->n_out; r++)
+            sc[r] = 0.5f / 127.0f;
+    }
+}
+
+/* Points p at weight copy `w` (and its row scales when I8). */
+static void set_weights(struct moe_matmul_params *p, void *w)
+{
+    p->w = w;
+    if (p->w_dtype == MOE_DTYPE_I8)
+        p->w_scale = (const float *)((const char *)w + moe_i8_scale_offset(p->n_out, p->n_in));
 }
 
 /* Seconds per call: runs until min_time has passed (at least min_reps). */
 static double time_matmul(struct moe_backend *be, struct moe_matmul_params *p, void **copies,
                           int n_copies, double min_time, int min_reps)
 {
-    p->w = copies[0];
+    set_weights(p, copies[0]);
     be->ops->matmul(be, p); /* warm-up */
     int reps = 0;
     double t0 = now_s(), t;
     do {
-        p->w = copies[reps % n_copies];
+        set_weights(p, copies[reps % n_copies]);
         be->ops->matmul(be, p);
         reps++;
         t = now_s();
@@ -85,12 +111,13 @@ int main(int argc, char **argv)
            "ms/call", "GFLOP/s", "W GB/s");
     for (int ii = 0; ii < n_isa; ii++) {
         cpu_kernels_force_isa(isas[ii]);
-        for (int dti = 0; dti < 2; dti++) {
-            enum moe_dtype dt = dti ? MOE_DTYPE_BF16 : MOE_DTYPE_F32;
+        static const enum moe_dtype dts[] = {MOE_DTYPE_F32, MOE_DTYPE_BF16, MOE_DTYPE_I8};
+        for (int dti = 0; dti < 3; dti++) {
+            enum moe_dtype dt = dts[dti];
             for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
                 const struct shape *sh = &shapes[s];
                 size_t n_w = (size_t)sh->n_out * sh->n_in;
-                size_t w_bytes = n_w * moe_dtype_size(dt);
+                size_t w_bytes = weight_bytes(dt, sh);
                 int n_copies = (int)((cold_bytes + w_bytes - 1) / w_bytes);
                 if (quick || isas[ii] == CPU_ISA_SCALAR)
                     n_copies =
@@ -98,7 +125,7 @@ int main(int argc, char **argv)
                 void **copies = calloc((size_t)n_copies, sizeof(void *));
                 for (int c = 0; c < n_copies; c++) {
                     copies[c] = malloc(w_bytes);
-                    fill_weights(copies[c], dt, n_w, 12345u + (unsigned)c);
+                    fill_weights(copies[c], dt, sh, 12345u + (unsigned)c);
                 }
                 int max_tok = 256;
                 float *x = malloc((size_t)max_tok * sh->n_in * sizeof(float));

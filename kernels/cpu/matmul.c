@@ -1,4 +1,4 @@
-/* y (n_tok, n_out) = x (n_tok, n_in) . W^T for f32 or bf16 weights W
+/* y (n_tok, n_out) = x (n_tok, n_in) . W^T for f32, bf16 or int8 weights W
  * (n_out, n_in, row stride ldw), f32 activations and accumulation.
  *
  * cpu_matmul_ref is the plain reference. cpu_matmul splits y into tasks of
@@ -9,7 +9,18 @@
  * passes over it). bf16 weights are widened to f32 exactly (a 16-bit shift)
  * and multiplied in f32, so the result equals an f32 matmul with the
  * bf16-rounded weights up to summation order. For token blocks wider than one
- * register tile, bf16 rows are widened once into per-thread scratch. */
+ * register tile, bf16 rows are widened once into per-thread scratch.
+ *
+ * int8 weights (MOE_DTYPE_I8, W8A16: W[o] = q[o] * w_scale[o], common/quant.h)
+ * take the same tiles. Streaming tiles (decode) sign-extend 16 (AVX-512) or
+ * 8 (AVX2) int8 values, convert them to f32 (exact), FMA in f32 with one
+ * accumulator per (token, row) and multiply each output by its row scale
+ * once at the end: half the bytes of bf16 per weight for the same FMAs, and
+ * decode is bound by those bytes. Where rows are reused by many tokens
+ * (widened scratch rows, the AVX-512 packed prefill panels, the scalar path)
+ * they are dequantized to q * scale while widening, which costs nothing
+ * extra there. Either way the result equals an f32 matmul on the
+ * dequantized weights up to summation order (tests/unit/test_matmul_i8.c). */
 #include <stdlib.h>
 #include <string.h>
 

@@ -95,6 +95,26 @@ if batch "$tmp/b.out" 2 "${bcommon[@]}" --placement-switch "$tmp/replicated.json
 else
   bad "live placement switch: $(grep -v CUDA "$tmp/b.out.err" | head -3)"; diff "$tmp/b.out" "$tmp/bref.out" | head -4
 fi
+# int8 weights: W = 2 equals W = 1 (the same quantized rows, summed in the
+# one-rank order), and experts gained by a live placement change are
+# quantized as at load (outputs unchanged).
+common8=(--model "$m" --tokens 3,14,15,92,65,35,89,79,32,38,46 -n 16 --dtype int8 --ignore-eos)
+if gen "$tmp/ref8.out" "$tmp/ref8.bin" 1 "${common8[@]}" &&
+   gen "$tmp/w8.out" "$tmp/w8.bin" 2 "${common8[@]}" &&
+   [ "$(grep '^tokens:' "$tmp/w8.out")" = "$(grep '^tokens:' "$tmp/ref8.out")" ] &&
+   r=$("$cmp" "$tmp/w8.bin" "$tmp/ref8.bin" 1e-5); then
+  ok "int8 W=2: tokens identical to W=1, $r"
+else
+  bad "int8 W=2: $(grep -v CUDA "$tmp/w8.out.err" | head -3) $(grep '^tokens:' "$tmp/w8.out")"
+fi
+bcommon8=(--model "$m" --prompts-file "$tmp/prompts.jsonl" --dtype int8 --ignore-eos --max-batch-tokens 16)
+batch "$tmp/bref8.out" 1 "${bcommon8[@]}"
+if batch "$tmp/b8.out" 2 "${bcommon8[@]}" --placement-switch "$tmp/replicated.json" &&
+   cmp -s "$tmp/b8.out" "$tmp/bref8.out" && grep -q "placement: epoch 1 in force" "$tmp/b8.out.all"; then
+  ok "int8 live placement switch: outputs unchanged"
+else
+  bad "int8 live placement switch: $(grep -v CUDA "$tmp/b8.out.err" | head -3)"; diff "$tmp/b8.out" "$tmp/bref8.out" | head -4
+fi
 echo '{"n_rank": 2, "experts": [[0],[0],[0],[0],[0],[1],[1],[7]]}' >"$tmp/bad.json"
 if gen "$tmp/w.out" "$tmp/w.bin" 2 "${common[@]}" --placement "$tmp/bad.json"; then
   bad "a placement naming rank 7 was accepted"
