@@ -232,6 +232,45 @@ mk_avx512(const int T, const int R, const enum moe_dtype WT, const float *x, int
     const int64_t esz = (int64_t)moe_dtype_size(WT);
     const char *pf = (const char *)w + R * ldw * esz;
     const int64_t pf_ld = ldw * esz;
+    if (WT == MOE_DTYPE_I8 && T <= 2) {
+        /* int8 decode: a whole cache line (64 weights) of every row per step,
+         * into two accumulator sets. At 16 int8 weights per step too few
+         * lines are in flight to reach the memory bandwidth. */
+        __m512 acc2[MK_T][MK_R];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                acc2[t][r] = _mm512_setzero_ps();
+        for (; k + 64 <= n_in; k += 64) {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                _mm_prefetch(pf + r * pf_ld + k, _MM_HINT_T0);
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; u++) {
+                __m512 xv[MK_T];
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++)
+                    xv[t] = _mm512_loadu_ps(x + t * ldx + k + 16 * u);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    __m512 wv = load_w16(WT, w, r * ldw + k + 16 * u);
+#pragma GCC unroll 4
+                    for (int t = 0; t < T; t++) {
+                        if (u % 2)
+                            acc2[t][r] = _mm512_fmadd_ps(xv[t], wv, acc2[t][r]);
+                        else
+                            acc[t][r] = _mm512_fmadd_ps(xv[t], wv, acc[t][r]);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                acc[t][r] = _mm512_add_ps(acc[t][r], acc2[t][r]);
+    }
     for (; k + 16 <= n_in; k += 16) {
         __m512 xv[MK_T];
         if (narrow && T <= 2) {
