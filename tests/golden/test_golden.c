@@ -254,6 +254,25 @@ static int same_prefix(const struct moe_gen_result *a, const struct moe_gen_resu
     return n;
 }
 
+/* A backend that says it is a GPU must refuse int8 at load, naming the flag,
+ * before touching a weight: the CPU ops table under a CUDA device tag stands
+ * in for one (no GPU here), so nothing can be computed by mistake. */
+static void check_int8_refused_off_cpu(const char *dir, struct moe_backend *cpu)
+{
+    struct moe_backend fake = *cpu;
+    fake.name = "cuda";
+    fake.device = MOE_DEVICE_CUDA;
+    struct moe_model_opts mo = {.dtype = MOE_DTYPE_I8, .tp_size = 1};
+    struct moe_model *m = NULL;
+    struct moe_error err = {0};
+    enum moe_status st = moe_model_load(dir, &mo, &fake, &m, &err);
+    CHECKF(st == MOE_ERR_UNSUPPORTED && !m && strstr(err.msg, "--dtype int8") &&
+               strstr(err.msg, "--device cpu"),
+           "int8 on a CUDA backend: status %d, message '%s'", (int)st, err.msg);
+    printf("  int8 on a CUDA backend refused: %s\n", err.msg);
+    moe_model_free(m);
+}
+
 /* The int8 mode: see the comment at the top. */
 static void check_int8(const char *dir, struct moe_backend *be, const struct prompt *p,
                        int n_prompt)
@@ -262,6 +281,7 @@ static void check_int8(const char *dir, struct moe_backend *be, const struct pro
     struct moe_model *md = load_model(dir, be, MOE_DTYPE_I8, true);
     struct moe_model *mf = load_model(dir, be, MOE_DTYPE_F32, false);
     struct moe_model *mb = load_model(dir, be, MOE_DTYPE_BF16, false);
+    check_int8_refused_off_cpu(dir, be);
     if (!m8 || !md || !mf || !mb)
         goto done;
     int vocab = moe_model_config(m8)->vocab_size;
