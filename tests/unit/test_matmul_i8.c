@@ -7,7 +7,7 @@
  * so the error of each output is held to 1e-5 of sum_k |x_k w_k| (what f32
  * summation in another order can differ by), far below the quantization
  * error itself (~1e-2). Shapes cover odd n_in / n_out, a row stride wider
- * than n_in, and 1, 3, 16 and 70 tokens: the GEMV tiles, the widened-row
+ * than n_in, and 1, 3, 16, 70 and 130 tokens: the GEMV tiles, the widened-row
  * tiles and the AVX-512 packed prefill path with its leftover tokens. */
 #include <math.h>
 #include <stdlib.h>
@@ -188,8 +188,8 @@ static double i8_case(int n_tok, int n_in, int n_out, int64_t ldw, bool accumula
 
 static void test_matmul_i8(const char *isa)
 {
-    /* n_tok 1, 3 (GEMV tiles), 16 (packed or widened), 70 (packed + leftovers) */
-    static const int toks[] = {1, 3, 16, 70, 5, 2};
+    /* n_tok 1, 3 (GEMV tiles), 16 and 70 (widened rows), 130 (packed + leftovers) */
+    static const int toks[] = {1, 3, 16, 70, 130, 5, 2};
     static const int dims[][2] = {
         {1, 1}, {15, 3}, {16, 4}, {17, 5}, {33, 37}, {100, 7}, {129, 65}, {257, 33}, {1024, 66},
     };
