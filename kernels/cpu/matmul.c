@@ -370,22 +370,79 @@ AVX512_TARGET static void widen_rows_avx512(const struct moe_matmul_params *p, i
  * register tile of PK_T tokens x PK_R outputs broadcasts one x element per
  * token and k against two weight vectors: 16 FMAs per 2 weight loads + 8
  * broadcasts, and no horizontal sums. */
+/* In-register transpose of a 16 x 16 f32 block: v[i] lane j <-> v[j] lane i.
+ * 32-bit, then 64-bit interleaves within 128-bit lanes, then two rounds of
+ * 128-bit lane shuffles. */
+AVX512_TARGET static inline __attribute__((always_inline)) void transpose16_avx512(__m512 v[16])
+{
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_castpd_ps(
+            _mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        u[i + 1] = _mm512_castpd_ps(
+            _mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        u[i + 2] = _mm512_castpd_ps(
+            _mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        u[i + 3] = _mm512_castpd_ps(
+            _mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    /* u[4q + c] holds, in 128-bit lane L, column 4L + c of rows 4q..4q+3. */
+    for (int c = 0; c < 4; c++) {
+        t[c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);     /* lanes 0, 2 of each */
+        t[4 + c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd); /* lanes 1, 3 */
+        t[8 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+        t[12 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+    }
+    for (int c = 0; c < 4; c++) {
+        v[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);           /* columns c */
+        v[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);  /* columns 4 + c */
+        v[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xdd);       /* columns 8 + c */
+        v[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xdd); /* columns 12 + c */
+    }
+}
+
+/* One panel: rows [o, o + R) (R <= PK_R) as f32 (int8 rows scaled), k-major:
+ * panel[k * PK_R + r]. Blocks of 16 rows x 16 columns are converted and
+ * transposed in registers; rows past R are zero. */
 AVX512_TARGET static void pack_panel_avx512(const struct moe_matmul_params *p, int o, int R,
                                             float *panel)
 {
     const int n_in = p->n_in;
-    if (R < PK_R)
-        memset(panel, 0, (size_t)n_in * PK_R * sizeof(float));
-    for (int r = 0; r < R; r++) {
-        const int64_t row = (int64_t)(o + r) * p->ldw;
-        if (p->w_dtype == MOE_DTYPE_F32) {
-            const float *w = (const float *)p->w + row;
-            for (int k = 0; k < n_in; k++)
-                panel[(size_t)k * PK_R + r] = w[k];
-        } else {
-            float sc = p->w_dtype == MOE_DTYPE_I8 ? p->w_scale[o + r] : 1.0f;
-            for (int k = 0; k < n_in; k++)
-                panel[(size_t)k * PK_R + r] = w_elem(p->w_dtype, p->w, row + k) * sc;
+    const enum moe_dtype wt = p->w_dtype;
+    if (R <= PK_R - 16) /* the upper half is never written below */
+        for (int k = 0; k < n_in; k++)
+            _mm512_storeu_ps(panel + (size_t)k * PK_R + 16, _mm512_setzero_ps());
+    for (int r0 = 0; r0 < R; r0 += 16) {
+        const int rr = R - r0 < 16 ? R - r0 : 16;
+        float sc[16];
+        for (int i = 0; i < 16; i++)
+            sc[i] = i >= rr ? 0.0f : wt == MOE_DTYPE_I8 ? p->w_scale[o + r0 + i] : 1.0f;
+        for (int k = 0; k < n_in; k += 16) {
+            const int kk = n_in - k < 16 ? n_in - k : 16;
+            const __mmask16 m = (__mmask16)((1u << kk) - 1u);
+            __m512 v[16];
+            for (int i = 0; i < 16; i++) {
+                if (i >= rr) {
+                    v[i] = _mm512_setzero_ps();
+                    continue;
+                }
+                const int64_t at = (int64_t)(o + r0 + i) * p->ldw + k;
+                __m512 x =
+                    wt == MOE_DTYPE_BF16 ? (kk == 16 ? load_w16(MOE_DTYPE_BF16, p->w, at)
+                                                     : load_w16_mask(MOE_DTYPE_BF16, p->w, at, m))
+                    : wt == MOE_DTYPE_I8 ? (kk == 16 ? load_w16(MOE_DTYPE_I8, p->w, at)
+                                                     : load_w16_mask(MOE_DTYPE_I8, p->w, at, m))
+                                         : (kk == 16 ? load_w16(MOE_DTYPE_F32, p->w, at)
+                                                     : load_w16_mask(MOE_DTYPE_F32, p->w, at, m));
+                v[i] = _mm512_mul_ps(x, _mm512_set1_ps(sc[i]));
+            }
+            transpose16_avx512(v);
+            for (int j = 0; j < kk; j++)
+                _mm512_storeu_ps(panel + (size_t)(k + j) * PK_R + r0, v[j]);
         }
     }
 }
