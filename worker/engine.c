@@ -9,6 +9,7 @@
 
 #include "generate.h"
 #include "kv_pool.h"
+#include "spec.h"
 
 struct seq {
     uint64_t id;
@@ -35,6 +36,7 @@ struct seq {
     int n_cached;
     bool import_pending; /* started from a handoff: take reservation import_key */
     uint64_t import_key;
+    int32_t draft[MOE_SPEC_TOKENS_MAX]; /* this step's draft tokens, after tokens[n_tokens - 1] */
 };
 
 /* A queued reservation request or release (from any thread). */
@@ -53,11 +55,13 @@ struct reservation {
     int n_blocks;
 };
 
-/* One scheduled piece of work: tokens [start, start + count) of a sequence. */
+/* One scheduled piece of work: tokens [start, start + count) of a sequence;
+ * the last n_draft of them are s->draft, guesses beyond its real tokens. */
 struct sched_entry {
     struct seq *s;
     int start;
     int count;
+    int n_draft;
 };
 
 struct seq_list {
@@ -199,6 +203,9 @@ enum moe_status moe_engine_create(struct moe_model *model, struct moe_tokenizer 
     if (o.block_size < 1 || o.block_size > 1024)
         return moe_error_set(err, MOE_ERR_INVALID, "--block-size: %d is not in [1, 1024]",
                              o.block_size);
+    if (o.spec_tokens < 0 || o.spec_tokens > MOE_SPEC_TOKENS_MAX)
+        return moe_error_set(err, MOE_ERR_INVALID, "--spec-tokens: %d is not in [0, %d]",
+                             o.spec_tokens, MOE_SPEC_TOKENS_MAX);
     if (o.max_batch_tokens < 1 || o.max_running < 1)
         return moe_error_set(err, MOE_ERR_INVALID,
                              "--max-batch-tokens %d and --max-running %d must be positive",
@@ -607,8 +614,50 @@ static bool sched_add(struct moe_engine *e, int *n, struct seq *s, int count)
 {
     if (!grow((void **)&e->sched, &e->cap_sched, *n + 1, sizeof *e->sched))
         return false;
-    e->sched[(*n)++] = (struct sched_entry){s, s->n_computed, count};
+    e->sched[(*n)++] = (struct sched_entry){s, s->n_computed, count, 0};
     return true;
+}
+
+/* How many draft tokens entry `en` may carry this step: 0 unless it is a
+ * plain decode row (one token, the sequence's last, after its prompt: a
+ * prefill or a prefill_only sequence never speculates). Drafts get only what
+ * the step leaves over: the token budget and blocks on the free list (a
+ * guess never evicts a prefix-cache block nor preempts anyone). The draft
+ * plus the token sampled after it must fit max_tokens. */
+static int draft_limit(const struct moe_engine *e, const struct sched_entry *en, int budget)
+{
+    const struct seq *s = en->s;
+    if (en->count != 1 || en->start != s->n_tokens - 1 || s->n_tokens <= s->n_prompt ||
+        s->params.prefill_only)
+        return 0;
+    int k = e->opts.spec_tokens;
+    if (k > budget)
+        k = budget;
+    if (k > s->cap_tokens - s->n_tokens - 1)
+        k = s->cap_tokens - s->n_tokens - 1;
+    int bs = e->opts.block_size;
+    int slots = (s->n_blocks + kv_pool_free_count(e->pool)) * bs - s->n_tokens;
+    return k < slots ? k : slots;
+}
+
+/* Appends n-gram drafts to this step's decode rows (after everything else
+ * was scheduled) and takes the blocks their positions need. A sequence with
+ * no match this step stays an ordinary one-token decode row. */
+static void schedule_drafts(struct moe_engine *e, int n, int budget)
+{
+    for (int i = 0; i < n && budget > 0; i++) {
+        struct sched_entry *en = &e->sched[i];
+        struct seq *s = en->s;
+        int k = draft_limit(e, en, budget);
+        if (k <= 0 || !(k = spec_ngram_draft(s->tokens, s->n_tokens, k, s->draft)))
+            continue;
+        for (int need = blocks_for(e, s->n_tokens + k) - s->n_blocks; need > 0; need--)
+            s->blocks[s->n_blocks++] = kv_pool_alloc(e->pool);
+        en->count += k;
+        en->n_draft = k;
+        budget -= k;
+        e->stats.spec_draft_tokens += k;
+    }
 }
 
 /* Picks this step's work; returns the number of entries. */
@@ -666,6 +715,8 @@ static int schedule(struct moe_engine *e)
             break;
         budget -= count;
     }
+    if (e->opts.spec_tokens > 0)
+        schedule_drafts(e, n, budget);
     return n;
 }
 
@@ -805,7 +856,55 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row)
     return true;
 }
 
+/* Releases blocks past the ones the committed tokens use: those taken for
+ * rejected drafts. They were never published (only committed full blocks
+ * are), so they go back to the free list; the sequence is left holding what
+ * plain decoding would hold. */
+static void seq_trim_blocks(struct moe_engine *e, struct seq *s)
+{
+    int keep = blocks_for(e, s->n_computed);
+    while (s->n_blocks > keep)
+        kv_pool_release(e->pool, s->blocks[--s->n_blocks]);
+}
+
+/* Verifies a decode row that carried k drafts: rows[i] (i = 0..k) are the
+ * logits after [last token, d_0 .. d_{i-1}].
+ *
+ * Exact by construction: at row i the token x_i is drawn exactly as plain
+ * decoding draws it (seq_emit: same sampler, the sequence's own RNG stream,
+ * penalties that have seen x_0 .. x_{i-1}, logprobs, stop ids / strings,
+ * max_tokens), and row i + 1 is used only when x_i == d_i, i.e. when its
+ * inputs are the tokens plain decoding would have fed. For a point-mass draft
+ * this is speculative sampling (d is kept with probability p(d), otherwise a
+ * token is drawn from p without d), and the RNG is consumed once per emitted
+ * token as in plain decoding, so for every sampling mode the output is the
+ * one plain decoding gives from the same logits. The K/V of the kept drafts
+ * are committed; the slots of rejected ones are overwritten by later steps. */
+static void seq_verify(struct moe_engine *e, struct seq *s, int k, float *rows)
+{
+    size_t vocab = (size_t)e->cfg->vocab_size;
+    for (int i = 0;; i++) {
+        if (seq_emit(e, s, rows + (size_t)i * vocab))
+            return; /* finished: s is freed with all its blocks */
+        if (i == k || s->draft[i] != s->tokens[s->n_tokens - 1])
+            break;
+        s->n_computed++; /* d_i's K/V were computed from the token now emitted */
+        e->stats.spec_accepted_tokens++;
+    }
+    seq_publish_blocks(e, s);
+    seq_trim_blocks(e, s);
+}
+
 /* ---- step ---------------------------------------------------------------------------- */
+
+/* Logits rows an entry needs: one per draft plus the row after the last
+ * real token; none for a prompt chunk that does not reach the end. */
+static int entry_rows(const struct sched_entry *en)
+{
+    if (en->start + en->count - en->n_draft != en->s->n_tokens)
+        return 0;
+    return 1 + en->n_draft;
+}
 
 static int resv_find(const struct moe_engine *e, uint64_t key)
 {
@@ -992,15 +1091,16 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
         update_stats(e);
         return MOE_OK;
     }
-    int bs = e->opts.block_size, n_tok = 0, max_blocks = 1, n_logits = 0;
+    int bs = e->opts.block_size, n_tok = 0, max_blocks = 1, n_logits = 0, n_rows = 0;
     for (int i = 0; i < n_sched; i++) {
         n_tok += e->sched[i].count;
+        n_rows += entry_rows(&e->sched[i]);
         if (e->sched[i].s->n_blocks > max_blocks)
             max_blocks = e->sched[i].s->n_blocks;
     }
     int vocab = e->cfg->vocab_size;
     if (!reserve_batch(e, n_tok, n_sched * max_blocks) ||
-        !grow((void **)&e->logits, &e->cap_logits, n_sched * vocab, sizeof(float)))
+        !grow((void **)&e->logits, &e->cap_logits, n_rows * vocab, sizeof(float)))
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a batch of %d tokens", n_tok);
     int t = 0;
     for (int i = 0; i < n_sched; i++) {
@@ -1012,13 +1112,13 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
             e->b_tables[(size_t)i * max_blocks + j] = 0;
         for (int j = 0; j < en->count; j++, t++) {
             int p = en->start + j;
-            e->b_tokens[t] = s->tokens[p];
+            e->b_tokens[t] = p < s->n_tokens ? s->tokens[p] : s->draft[p - s->n_tokens];
             e->b_pos[t] = p;
             e->b_seq[t] = i;
             e->b_slots[t] = s->blocks[p / bs] * bs + p % bs;
         }
-        if (en->start + en->count == s->n_tokens)
-            e->b_rows[n_logits++] = t - 1;
+        for (int r = entry_rows(en); r > 0; r--)
+            e->b_rows[n_logits++] = t - r;
     }
     struct moe_batch b = {
         .n_tok = n_tok,
@@ -1054,12 +1154,16 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
     e->stats.computed_tokens += n_tok;
     int row = 0;
     for (int i = 0; i < n_sched; i++) {
-        struct seq *s = e->sched[i].s;
-        bool has_logits = e->sched[i].start + e->sched[i].count == s->n_tokens;
-        s->n_computed += e->sched[i].count;
+        const struct sched_entry *en = &e->sched[i];
+        struct seq *s = en->s;
+        int rows = entry_rows(en);
+        s->n_computed += en->count - en->n_draft;
         seq_publish_blocks(e, s);
-        if (has_logits)
-            seq_emit(e, s, e->logits + (size_t)row++ * vocab);
+        if (en->n_draft)
+            seq_verify(e, s, en->n_draft, e->logits + (size_t)row * vocab);
+        else if (rows)
+            seq_emit(e, s, e->logits + (size_t)row * vocab);
+        row += rows;
     }
     update_stats(e);
     if (n_tokens)

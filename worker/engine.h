@@ -8,6 +8,15 @@
  * later, producing exactly the tokens it would have). Full KV blocks are
  * shared between sequences with the same prefix (prefix caching).
  *
+ * Speculative decoding (opts.spec_tokens > 0, off by default) needs no draft
+ * model: each step a decoding sequence looks up the most recent earlier
+ * occurrence of its last 1..4 tokens (prompt and output) and appends up to
+ * spec_tokens of the tokens that followed it to its decode row. All of them
+ * are verified in the same forward pass; the output is exactly what plain
+ * decoding gives for every sampling mode (see seq_verify in engine.c), only
+ * the number of steps changes. Drafts use what the step leaves over (token
+ * budget, free KV blocks) and never preempt or delay another sequence.
+ *
  * Threads: submit / abort / stats may be called from any thread; step is
  * called by one engine thread and never blocks on I/O. Token callbacks run on
  * the engine thread inside step: they must be quick and must not call back
@@ -39,6 +48,7 @@ struct moe_engine_opts {
     int max_batch_tokens;   /* token budget per step (default 512) */
     int max_running;        /* cap on running sequences (default 64) */
     bool no_prefix_cache;   /* disable prefix caching */
+    int spec_tokens;        /* n-gram draft tokens per decode step, 0 (off) .. 16 */
     moe_forward_fn forward; /* NULL: moe_model_forward (one rank) */
     void *forward_ctx;
     moe_logits_hook logits_hook; /* optional */
@@ -105,8 +115,10 @@ struct moe_engine_stats {
     int64_t preemptions;
     int64_t prompt_tokens;     /* prompt tokens admitted */
     int64_t prefix_hit_tokens; /* of those, served from the prefix cache */
-    int64_t computed_tokens;   /* tokens run through the model (incl. recompute) */
+    int64_t computed_tokens;   /* tokens run through the model (incl. recompute, drafts) */
     int64_t generated_tokens;
+    int64_t spec_draft_tokens;    /* draft tokens put into decode steps */
+    int64_t spec_accepted_tokens; /* of those, confirmed by the model and kept */
     int64_t finished;
     int64_t aborted;
     int parked;       /* prefill_only sequences holding KV for a handoff */

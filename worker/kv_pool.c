@@ -126,6 +126,11 @@ int kv_pool_available(const struct kv_pool *p)
     return p->free_list.n + p->cached.n;
 }
 
+int kv_pool_free_count(const struct kv_pool *p)
+{
+    return p->free_list.n;
+}
+
 /* ---- hash index (linear probing, backward-shift deletion) -------------------------- */
 
 static uint32_t index_slot(const struct kv_pool *p, uint64_t hash)

@@ -41,6 +41,10 @@ int kv_pool_block_size(const struct kv_pool *p);
 /* Blocks that an allocation can take now (free + cached). */
 int kv_pool_available(const struct kv_pool *p);
 
+/* Blocks on the free list alone: what can be taken without evicting a
+ * prefix-cache block. */
+int kv_pool_free_count(const struct kv_pool *p);
+
 /* A block with refcount 1, or -1 when none is free or cached. A reclaimed
  * cached block loses its hash. */
 int32_t kv_pool_alloc(struct kv_pool *p);
