@@ -24,6 +24,7 @@
 #include "model.h"
 #include "offline.h"
 #include "placement.h"
+#include "spec.h"
 #include "tokenizer.h"
 
 struct args {
@@ -48,6 +49,7 @@ struct args {
     int max_batch_tokens;
     int max_running;
     bool no_prefix_cache;
+    int spec_tokens;
     bool print_outputs;
     /* worker group under mpirun */
     int tp;
@@ -82,6 +84,8 @@ static void usage(FILE *f)
            "  --max-batch-tokens N  token budget per step (default 512)\n"
            "  --max-running N     cap on running sequences (default 64)\n"
            "  --no-prefix-cache   disable prefix caching\n"
+           "  --spec-tokens K     n-gram speculative decoding: up to K draft tokens per decode\n"
+           "                      step, 0..16, 0 = off (default 0); same output, fewer steps\n"
            "  --print-outputs     print every request's tokens (and text)\n"
            "  --profile           print where the forward time went, per rank (stderr)\n"
            "under mpirun (one model replica over all ranks):\n"
@@ -195,6 +199,11 @@ static int parse_args(int argc, char **argv, struct args *a)
                 return cli_fail("--max-batch-tokens: '%s' is not a whole number in [1, 1048576]",
                                 v);
             a->max_batch_tokens = (int)n;
+        } else if (!strcmp(k, "--spec-tokens")) {
+            if (!cli_parse_long(v, 0, MOE_SPEC_TOKENS_MAX, &n))
+                return cli_fail("--spec-tokens: '%s' is not a whole number in [0, %d]", v,
+                                MOE_SPEC_TOKENS_MAX);
+            a->spec_tokens = (int)n;
         } else if (!strcmp(k, "--max-running")) {
             if (!cli_parse_long(v, 1, 1 << 16, &n))
                 return cli_fail("--max-running: '%s' is not a whole number in [1, 65536]", v);
@@ -282,6 +291,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         .max_batch_tokens = a->max_batch_tokens,
         .max_running = a->max_running,
         .no_prefix_cache = a->no_prefix_cache,
+        .spec_tokens = a->spec_tokens,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
     };
@@ -337,6 +347,12 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
            eo.max_batch_tokens ? eo.max_batch_tokens : 512, eo.max_running ? eo.max_running : 64);
     printf("time: %.2f s, %lld steps, %lld preemptions, peak running %d\n", rep.wall_s,
            (long long)rep.steps, (long long)rep.preemptions, rep.peak_running);
+    if (eo.spec_tokens)
+        printf(
+            "speculation: up to %d draft tokens per step, %lld proposed, %lld accepted "
+            "(%.1f%%)\n",
+            eo.spec_tokens, (long long)rep.spec_draft_tokens, (long long)rep.spec_accepted_tokens,
+            rep.spec_draft_tokens ? 100.0 * rep.spec_accepted_tokens / rep.spec_draft_tokens : 0.0);
     printf("throughput: %.1f output tokens/s, %.1f total tokens/s\n",
            rep.output_tokens / rep.wall_s, (rep.prompt_tokens + rep.output_tokens) / rep.wall_s);
     printf("latency: TTFT mean %.3f s p50 %.3f s p99 %.3f s, TPOT mean %.1f ms\n", rep.ttft_mean_s,

@@ -303,6 +303,8 @@ enum moe_status moe_offline_run(struct moe_engine *e, struct moe_offline_set *se
     rep->steps = st.steps;
     rep->preemptions = st.preemptions;
     rep->prefix_hit_tokens = st.prefix_hit_tokens;
+    rep->spec_draft_tokens = st.spec_draft_tokens;
+    rep->spec_accepted_tokens = st.spec_accepted_tokens;
     rep->kv_util_mean = util_n ? util_sum / util_n : 0;
     double *ttft = malloc((size_t)set->n * sizeof *ttft);
     double tpot_sum = 0;

@@ -50,6 +50,8 @@ struct moe_offline_report {
     int64_t steps;
     int64_t preemptions;
     int64_t prefix_hit_tokens;
+    int64_t spec_draft_tokens;    /* speculative decoding: drafts proposed */
+    int64_t spec_accepted_tokens; /* ... and kept */
     int peak_running;
     double kv_util_mean; /* tokens stored / slots of the blocks held, averaged over steps */
     double kv_util_min;

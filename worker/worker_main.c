@@ -35,6 +35,7 @@
 #include "moe/v1/worker.pb-c.h"
 #include "placement.h"
 #include "service.h"
+#include "spec.h"
 #include "tokenizer.h"
 
 struct args {
@@ -56,6 +57,7 @@ struct args {
     int max_batch_tokens;
     int max_running;
     bool no_prefix_cache;
+    int spec_tokens;
     int drain_timeout_s;
     int tp;
     const char *placement;
@@ -87,6 +89,8 @@ static void usage(FILE *f)
                "  --max-batch-tokens N  token budget per step (default 512)\n"
                "  --max-running N       running sequences cap (default 64)\n"
                "  --no-prefix-cache     disable prefix caching\n"
+               "  --spec-tokens K       n-gram speculative decoding: up to K draft tokens per\n"
+               "                        decode step, 0..16, 0 = off (default 0)\n"
                "  --role R              mixed (default), prefill or decode: the pool this worker\n"
                "                        serves in disaggregated serving (KV handed off from\n"
                "                        prefill to decode workers, rank to rank)\n"
@@ -142,6 +146,7 @@ static int parse_args(int argc, char **argv, struct args *a)
         INT_OPT("--block-size", 1, 1024, block_size)
         INT_OPT("--max-batch-tokens", 1, 1 << 20, max_batch_tokens)
         INT_OPT("--max-running", 1, 1 << 16, max_running)
+        INT_OPT("--spec-tokens", 0, MOE_SPEC_TOKENS_MAX, spec_tokens)
         INT_OPT("--drain-timeout", 0, 86400, drain_timeout_s)
         INT_OPT("--tp", 1, 1024, tp)
         INT_OPT("--comm-timeout-ms", 100, 3600000, comm_timeout_ms)
@@ -377,6 +382,7 @@ int main(int argc, char **argv)
         .max_batch_tokens = a.max_batch_tokens,
         .max_running = a.max_running,
         .no_prefix_cache = a.no_prefix_cache,
+        .spec_tokens = a.spec_tokens,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
     };
