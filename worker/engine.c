@@ -1192,6 +1192,12 @@ enum moe_status moe_engine_check(struct moe_engine *e, struct moe_error *err)
                 rc = moe_error_set(err, MOE_ERR_INTERNAL,
                                    "request %llu: %d tokens computed in %d blocks",
                                    (unsigned long long)s->id, s->n_computed, s->n_blocks);
+            /* between steps nothing is held ahead of the K/V: no block
+             * taken for a step's drafts outlives it */
+            if (!rc && l > 0 && s->n_blocks != blocks_for(e, s->n_computed))
+                rc = moe_error_set(err, MOE_ERR_INTERNAL,
+                                   "request %llu holds %d blocks for %d computed tokens",
+                                   (unsigned long long)s->id, s->n_blocks, s->n_computed);
             for (int j = 0; j < s->n_blocks; j++)
                 refs[s->blocks[j]]++;
         }

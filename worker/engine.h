@@ -164,7 +164,8 @@ bool moe_engine_busy(struct moe_engine *e);
 /* A consistent snapshot (thread-safe). */
 void moe_engine_stats(struct moe_engine *e, struct moe_engine_stats *out);
 
-/* Checks the KV pool against the sequences' block tables (for tests).
+/* Checks the KV pool against the sequences' block tables, and that every
+ * sequence holds exactly the blocks its computed tokens fill (for tests).
  * Returns MOE_OK or MOE_ERR_INTERNAL with the broken invariant. Call only
  * from the engine thread. */
 enum moe_status moe_engine_check(struct moe_engine *e, struct moe_error *err);
