@@ -82,6 +82,8 @@ static bool snap_fill_locked(struct coord *c, struct status_snap *s)
         st->kv_transfers_in = w->kv_in;
         st->kv_transfer_bytes = w->kv_bytes;
         st->kv_transfer_failures = w->kv_failures;
+        st->spec_draft_tokens = w->spec_draft;
+        st->spec_accepted_tokens = w->spec_accepted;
         s->ptr[i] = st;
     }
     s->n = n;

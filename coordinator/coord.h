@@ -55,6 +55,7 @@ struct coord_worker {
     uint32_t world_size, tp_size, ep_size;
     uint64_t kv_out, kv_in, kv_bytes; /* KV handoffs (disaggregated serving) */
     uint32_t kv_failures;
+    uint64_t spec_draft, spec_accepted; /* speculative decoding */
     /* mu: the coordinator's own counters */
     int in_flight;     /* forwarded requests running on it now */
     uint64_t n_routed; /* requests ever routed to it */

@@ -239,6 +239,8 @@ static cJSON *worker_json(const Moe__V1__WorkerStatus *w)
     cJSON_AddNumberToObject(o, "kv_transfers_in", (double)w->kv_transfers_in);
     cJSON_AddNumberToObject(o, "kv_transfer_bytes", (double)w->kv_transfer_bytes);
     cJSON_AddNumberToObject(o, "kv_transfer_failures", w->kv_transfer_failures);
+    cJSON_AddNumberToObject(o, "spec_draft_tokens", (double)w->spec_draft_tokens);
+    cJSON_AddNumberToObject(o, "spec_accepted_tokens", (double)w->spec_accepted_tokens);
     if (w->last_seen_ms_ago != UINT64_MAX)
         cJSON_AddNumberToObject(o, "last_seen_ms_ago", (double)w->last_seen_ms_ago);
     else

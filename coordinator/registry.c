@@ -325,6 +325,8 @@ static void poll_one(struct coord *c, struct coord_worker *w)
         w->kv_in = load->kv_transfers_in;
         w->kv_bytes = load->kv_transfer_bytes_out + load->kv_transfer_bytes_in;
         w->kv_failures = load->kv_transfer_failures;
+        w->spec_draft = load->spec_draft_tokens;
+        w->spec_accepted = load->spec_accepted_tokens;
         need_dtype = !c->model_dtype[0];
     } else {
         if (!w->down)

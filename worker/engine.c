@@ -101,8 +101,10 @@ struct moe_engine {
     int n_live, cap_live;
     struct engine_op *ops; /* reservation requests and releases */
     int n_ops, cap_ops;
-    int n_parked; /* live ids that are parked (not stepped) */
-    struct moe_engine_stats stats;
+    int n_parked;                   /* live ids that are parked (not stepped) */
+    struct moe_engine_stats stats;  /* under mu: what moe_engine_stats reads */
+    struct moe_engine_stats counts; /* the engine thread's running counters, published to
+                                       stats by update_stats */
 };
 
 const char *moe_finish_name(enum moe_finish f)
@@ -532,9 +534,9 @@ static void seq_finish(struct moe_engine *e, struct seq *s, struct moe_token_eve
     if (i >= 0)
         e->live[i] = e->live[--e->n_live];
     if (ev->finish == MOE_FINISH_ABORT)
-        e->stats.aborted++;
+        e->counts.aborted++;
     else
-        e->stats.finished++;
+        e->counts.finished++;
     pthread_mutex_unlock(&e->mu);
     seq_free(s);
 }
@@ -605,7 +607,7 @@ static void preempt_newest(struct moe_engine *e)
     memmove(e->waiting.v + 1, e->waiting.v, (size_t)e->waiting.n * sizeof *e->waiting.v);
     e->waiting.v[0] = s;
     e->waiting.n++;
-    e->stats.preemptions++;
+    e->counts.preemptions++;
 }
 
 /* ---- scheduling ------------------------------------------------------------------------ */
@@ -656,7 +658,7 @@ static void schedule_drafts(struct moe_engine *e, int n, int budget)
         en->count += k;
         en->n_draft = k;
         budget -= k;
-        e->stats.spec_draft_tokens += k;
+        e->counts.spec_draft_tokens += k;
     }
 }
 
@@ -706,8 +708,8 @@ static int schedule(struct moe_engine *e)
             s->prompt_counted = true;
             s->t_admitted = moe_now();
             s->n_cached = s->n_computed;
-            e->stats.prompt_tokens += s->n_prompt;
-            e->stats.prefix_hit_tokens += s->n_computed;
+            e->counts.prompt_tokens += s->n_prompt;
+            e->counts.prefix_hit_tokens += s->n_computed;
         }
         list_remove_at(&e->waiting, 0);
         MOE_ASSERT(list_push(&e->running, s));
@@ -803,7 +805,7 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row)
         s->seen[t] = 1;
         s->out_count[t]++;
     }
-    e->stats.generated_tokens++;
+    e->counts.generated_tokens++;
     ev.token = t;
     ev.index = s->n_tokens - s->n_prompt - 1;
     if (is_stop_id(e, s, t))
@@ -835,7 +837,7 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row)
         ev.parked = &ex;
         pthread_mutex_lock(&e->mu);
         e->n_parked++;
-        e->stats.exported++;
+        e->counts.exported++;
         pthread_mutex_unlock(&e->mu);
         if (s->cb)
             s->cb(s->user, &ev);
@@ -889,7 +891,7 @@ static void seq_verify(struct moe_engine *e, struct seq *s, int k, float *rows)
         if (i == k || s->draft[i] != s->tokens[s->n_tokens - 1])
             break;
         s->n_computed++; /* d_i's K/V were computed from the token now emitted */
-        e->stats.spec_accepted_tokens++;
+        e->counts.spec_accepted_tokens++;
     }
     seq_publish_blocks(e, s);
     seq_trim_blocks(e, s);
@@ -977,7 +979,7 @@ static void admit_import(struct moe_engine *e, struct seq *s)
         free(r->blocks);
         e->resv[i] = e->resv[--e->n_resv];
         MOE_ASSERT(list_push(&e->running, s));
-        e->stats.imported++;
+        e->counts.imported++;
         return;
     }
     if (i >= 0)
@@ -1056,6 +1058,19 @@ static void update_stats(struct moe_engine *e)
     e->stats.kv_tokens_stored = stored;
     e->stats.parked = e->parked.n;
     e->stats.reservations = e->n_resv;
+    /* the cumulative counters, kept by the engine thread alone */
+    e->stats.steps = e->counts.steps;
+    e->stats.preemptions = e->counts.preemptions;
+    e->stats.prompt_tokens = e->counts.prompt_tokens;
+    e->stats.prefix_hit_tokens = e->counts.prefix_hit_tokens;
+    e->stats.computed_tokens = e->counts.computed_tokens;
+    e->stats.generated_tokens = e->counts.generated_tokens;
+    e->stats.spec_draft_tokens = e->counts.spec_draft_tokens;
+    e->stats.spec_accepted_tokens = e->counts.spec_accepted_tokens;
+    e->stats.finished = e->counts.finished;
+    e->stats.aborted = e->counts.aborted;
+    e->stats.exported = e->counts.exported;
+    e->stats.imported = e->counts.imported;
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -1150,8 +1165,8 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
         update_stats(e);
         return rc;
     }
-    e->stats.steps++;
-    e->stats.computed_tokens += n_tok;
+    e->counts.steps++;
+    e->counts.computed_tokens += n_tok;
     int row = 0;
     for (int i = 0; i < n_sched; i++) {
         const struct sched_entry *en = &e->sched[i];

@@ -478,6 +478,8 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
     load.prefix_hit_tokens = (uint64_t)st.prefix_hit_tokens;
     load.prefix_cached_blocks = (uint32_t)st.kv_blocks_cached;
     load.role = ws->role ? (Moe__V1__WorkerRole)ws->role : MOE__V1__WORKER_ROLE__WORKER_ROLE_MIXED;
+    load.spec_draft_tokens = (uint64_t)st.spec_draft_tokens;
+    load.spec_accepted_tokens = (uint64_t)st.spec_accepted_tokens;
     if (ws->kvx) {
         struct kvx_counters kc;
         kvx_counters(ws->kvx, &kc);
