@@ -9,7 +9,9 @@
  * passes over it). bf16 weights are widened to f32 exactly (a 16-bit shift)
  * and multiplied in f32, so the result equals an f32 matmul with the
  * bf16-rounded weights up to summation order. For token blocks wider than one
- * register tile, bf16 rows are widened once into per-thread scratch.
+ * register tile the AVX2 and scalar paths widen bf16 rows once into
+ * per-thread scratch; AVX-512 reads the narrow rows in every tile (cheaper
+ * there, see tile_avx512).
  *
  * int8 weights (MOE_DTYPE_I8, W8A16: W[o] = q[o] * w_scale[o], common/quant.h)
  * take the same tiles. Streaming tiles (decode) sign-extend 16 (AVX-512) or
@@ -17,7 +19,7 @@
  * accumulator per (token, row) and multiply each output by its row scale
  * once at the end: half the bytes of bf16 per weight for the same FMAs, and
  * decode is bound by those bytes. Where rows are reused by many tokens
- * (widened scratch rows, the AVX-512 packed prefill panels, the scalar path)
+ * (AVX2 / scalar widened scratch rows, the AVX-512 packed prefill panels)
  * they are dequantized to q * scale while widening, which costs nothing
  * extra there. Either way the result equals an f32 matmul on the
  * dequantized weights up to summation order (tests/unit/test_matmul_i8.c). */
@@ -341,30 +343,6 @@ AVX512_TARGET static void mk_avx512_any(int T, int R, enum moe_dtype wt, const f
     MOE_ASSERT(0 && "mk_avx512_any: unsupported tile");
 }
 
-/* Rows [o, o+R) as f32 into dst (R, n_in); int8 rows dequantized (q * scale). */
-AVX512_TARGET static void widen_rows_avx512(const struct moe_matmul_params *p, int o, int R,
-                                            float *dst)
-{
-    const int n = p->n_in;
-    for (int r = 0; r < R; r++) {
-        int64_t row = (int64_t)(o + r) * p->ldw;
-        float *d = dst + (size_t)r * n;
-        int k = 0;
-        if (p->w_dtype == MOE_DTYPE_I8) {
-            const __m512 sc = _mm512_set1_ps(p->w_scale[o + r]);
-            for (; k + 16 <= n; k += 16)
-                _mm512_storeu_ps(d + k, _mm512_mul_ps(load_w16(MOE_DTYPE_I8, p->w, row + k), sc));
-            for (; k < n; k++)
-                d[k] = w_elem(MOE_DTYPE_I8, p->w, row + k) * p->w_scale[o + r];
-        } else {
-            for (; k + 16 <= n; k += 16)
-                _mm512_storeu_ps(d + k, load_w16(MOE_DTYPE_BF16, p->w, row + k));
-            for (; k < n; k++)
-                d[k] = w_elem(MOE_DTYPE_BF16, p->w, row + k);
-        }
-    }
-}
-
 /* Prefill path: W rows [o, o+R) (R <= PK_R) are packed k-major into `panel`
  * (n_in, PK_R), widened to f32 (int8 dequantized), zero-padded; then each
  * register tile of PK_T tokens x PK_R outputs broadcasts one x element per
@@ -517,27 +495,21 @@ AVX512_TARGET static void tile_avx512(const struct mm_tile *mt)
     }
     const struct moe_matmul_params *p = mt->p;
     const int n_in = p->n_in;
-    /* Widen narrow rows once when more than one register tile of tokens reuses them. */
-    const bool widen = p->w_dtype != MOE_DTYPE_F32 && mt->nt > MK_T;
+    /* Narrow rows are read as they are by every 4-token tile: a 4-row tile
+     * of bf16 / int8 stays in L1, and converting it again per tile is cheaper
+     * than widening it to f32 scratch first (measured: widening made
+     * 16-sequence decode 13% (bf16) / 22% (int8) slower, 64-token prefill
+     * 20% slower, and won nowhere below the packed path). */
     float out[MK_T][MK_R];
     int o = mt->o0;
     const int o_end = mt->o0 + mt->no;
     while (o < o_end) {
         int R = o_end - o >= MK_R ? MK_R : 1;
-        enum moe_dtype wt = p->w_dtype;
-        const void *w = w_at(wt, p->w, o * p->ldw);
-        int64_t ldw = p->ldw;
+        const void *w = w_at(p->w_dtype, p->w, o * p->ldw);
         const float *sc = raw_scales(p, o);
-        if (widen) {
-            widen_rows_avx512(p, o, R, mt->scratch);
-            wt = MOE_DTYPE_F32;
-            w = mt->scratch;
-            ldw = n_in;
-            sc = NULL;
-        }
         for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T) {
             int T = mt->t0 + mt->nt - t < MK_T ? mt->t0 + mt->nt - t : MK_T;
-            mk_avx512_any(T, R, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, out);
+            mk_avx512_any(T, R, p->w_dtype, p->x + (size_t)t * n_in, n_in, n_in, w, p->ldw, out);
             store_tile(p, t, T, o, R, sc, out);
         }
         o += R;
@@ -722,7 +694,8 @@ void cpu_matmul(struct moe_pool *pool, const struct moe_matmul_params *p)
     job.tok_block = p->n_tok < TOK_BLOCK ? p->n_tok : TOK_BLOCK;
     size_t scratch_rows = MK_R;
     bool need_scratch =
-        p->w_dtype != MOE_DTYPE_F32 && (job.isa == CPU_ISA_SCALAR || job.tok_block > MK_T_AVX2);
+        p->w_dtype != MOE_DTYPE_F32 &&
+        (job.isa == CPU_ISA_SCALAR || (job.isa == CPU_ISA_AVX2 && job.tok_block > MK_T_AVX2));
     if (job.isa == CPU_ISA_AVX512 && p->n_tok >= PK_MIN_TOK) {
         /* Packed path: row blocks of whole panels, wide token blocks. */
         job.row_block = rb <= PK_R ? PK_R : (rb + PK_R - 1) / PK_R * PK_R;
