@@ -1,7 +1,12 @@
 /* Child processes for integration tests: start a server binary, read its
  * stdout until it says where it listens, signal it, wait for it with a
  * timeout. Children die with the test (PR_SET_PDEATHSIG), so a crashed test
- * leaves no server behind. Header-only: each test is one .c file. */
+ * leaves no server behind. Header-only: each test is one .c file.
+ *
+ * Two styles: struct test_proc (one handle per child, its output buffered),
+ * and the pid registry below (child_spawn / read_address / child_wait), whose
+ * children_kill_all and children_on_fatal clean up after an exit, a crash or
+ * a time limit. */
 #ifndef MOE_TEST_PROC_H
 #define MOE_TEST_PROC_H
 
@@ -10,6 +15,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,6 +127,169 @@ static inline void test_proc_kill(struct test_proc *p)
         close(p->out_fd);
         p->out_fd = -1;
     }
+}
+
+/* ---- the pid registry --------------------------------------------------------------- */
+
+#define MAX_CHILD 24
+static pid_t g_children[MAX_CHILD];
+
+static inline int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static inline void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* atexit handler: SIGKILL and reap every registered child. */
+static inline void children_kill_all(void)
+{
+    for (int i = 0; i < MAX_CHILD; i++)
+        if (g_children[i] > 0) {
+            kill(g_children[i], SIGKILL);
+            waitpid(g_children[i], NULL, 0);
+            g_children[i] = 0;
+        }
+}
+
+/* Signal handler (SIGALRM time limit, crashes): kill the children, then die
+ * of the same signal. */
+static inline void children_on_fatal(int sig)
+{
+    for (int i = 0; i < MAX_CHILD; i++)
+        if (g_children[i] > 0)
+            kill(g_children[i], SIGKILL);
+    if (sig == SIGALRM)
+        fprintf(stderr, "integration test: time limit reached\n");
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+/* Installs the two above for exit, SIGALRM, SIGINT, SIGTERM, SIGSEGV and SIGABRT. */
+static inline void children_guard(void)
+{
+    atexit(children_kill_all);
+    signal(SIGALRM, children_on_fatal);
+    signal(SIGINT, children_on_fatal);
+    signal(SIGTERM, children_on_fatal);
+    signal(SIGSEGV, children_on_fatal);
+    signal(SIGABRT, children_on_fatal);
+}
+
+/* The child was reaped elsewhere: stop tracking it. */
+static inline void child_forget(pid_t pid)
+{
+    for (int i = 0; i < MAX_CHILD; i++)
+        if (g_children[i] == pid)
+            g_children[i] = 0;
+}
+
+/* Starts argv (NULL-terminated) with `env` (NAME=VALUE, NULL-ended, may be
+ * NULL) added to its environment; stdout on a pipe returned in *out_fd
+ * (NULL: not wanted), stderr inherited, or both into the file `log` (when
+ * not NULL). Returns the pid, or -1. */
+static inline pid_t child_spawn(char *const argv[], char *const env[], int *out_fd, const char *log)
+{
+    int p[2] = {-1, -1};
+    if (out_fd && pipe(p))
+        return -1;
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0)
+        return -1;
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent)
+            _exit(1);
+        for (int i = 0; env && env[i]; i++)
+            putenv(env[i]);
+        if (out_fd) {
+            dup2(p[1], 1);
+            close(p[0]);
+            close(p[1]);
+        }
+        if (log) {
+            int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+            if (fd >= 0) {
+                dup2(fd, 1);
+                dup2(fd, 2);
+                close(fd);
+            }
+        }
+        execv(argv[0], argv);
+        fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
+        _exit(127);
+    }
+    for (int i = 0; i < MAX_CHILD; i++)
+        if (!g_children[i]) {
+            g_children[i] = pid;
+            break;
+        }
+    if (out_fd) {
+        close(p[1]);
+        *out_fd = p[0];
+    }
+    return pid;
+}
+
+/* Reads a child's stdout until a line contains " on HOST:PORT"; copies
+ * HOST:PORT into addr and closes fd. Returns 0 on success. */
+static inline int read_address(int fd, char *addr, size_t cap, int timeout_ms)
+{
+    char buf[2048];
+    size_t n = 0;
+    int64_t t0 = now_ms();
+    fcntl(fd, F_SETFL, O_NONBLOCK);
+    while (now_ms() - t0 < timeout_ms && n < sizeof buf - 1) {
+        ssize_t r = read(fd, buf + n, sizeof buf - 1 - n);
+        if (r == 0)
+            break;
+        if (r < 0) {
+            sleep_ms(10);
+            continue;
+        }
+        n += (size_t)r;
+        buf[n] = '\0';
+        char *on = strstr(buf, " on ");
+        if (on && strchr(on, '\n')) {
+            on += 4;
+            size_t k = strcspn(on, " \n");
+            snprintf(addr, cap, "%.*s", (int)k, on);
+            close(fd);
+            return 0;
+        }
+    }
+    close(fd);
+    return -1;
+}
+
+/* Waits for a child to exit; returns its exit status, or -1 on timeout
+ * (then it is killed) or a signal. */
+static inline int child_wait(pid_t pid, int timeout_ms)
+{
+    int st;
+    for (int64_t t0 = now_ms(); now_ms() - t0 < timeout_ms; sleep_ms(20))
+        if (waitpid(pid, &st, WNOHANG) == pid) {
+            child_forget(pid);
+            return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    child_forget(pid);
+    return -1;
+}
+
+static inline void child_kill9(pid_t pid)
+{
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    child_forget(pid);
 }
 
 #endif

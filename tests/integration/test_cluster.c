@@ -26,6 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "proc.h"
 #include "rpcutil.h"
 #include "etcd.h"
 #include "moe/v1/health.pb-c.h"
@@ -41,157 +42,6 @@
 static const char *g_bin;
 static char g_model[600]; /* the long-context copy: DIR/qwen3_moe */
 static char g_tmp[512];
-
-/* ---- time --------------------------------------------------------------------------- */
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
-/* ---- child processes ------------------------------------------------------------------ */
-
-#define MAX_CHILD 16
-static pid_t g_children[MAX_CHILD];
-
-static void children_kill_all(void)
-{
-    for (int i = 0; i < MAX_CHILD; i++)
-        if (g_children[i] > 0) {
-            kill(g_children[i], SIGKILL);
-            waitpid(g_children[i], NULL, 0);
-            g_children[i] = 0;
-        }
-}
-
-static void on_fatal(int sig)
-{
-    for (int i = 0; i < MAX_CHILD; i++)
-        if (g_children[i] > 0)
-            kill(g_children[i], SIGKILL);
-    if (sig == SIGALRM)
-        fprintf(stderr, "test_cluster: time limit reached\n");
-    signal(sig, SIG_DFL);
-    raise(sig);
-}
-
-static void child_forget(pid_t pid)
-{
-    for (int i = 0; i < MAX_CHILD; i++)
-        if (g_children[i] == pid)
-            g_children[i] = 0;
-}
-
-/* Starts argv with stdout on a pipe (returned in *out_fd; NULL: not wanted)
- * and stderr inherited, or both into the file `log` (when not NULL). */
-static pid_t spawn_log(char *const argv[], int *out_fd, const char *log)
-{
-    int p[2] = {-1, -1};
-    if (out_fd && pipe(p))
-        return -1;
-    pid_t parent = getpid();
-    pid_t pid = fork();
-    if (pid < 0)
-        return -1;
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (getppid() != parent)
-            _exit(1);
-        if (out_fd) {
-            dup2(p[1], 1);
-            close(p[0]);
-            close(p[1]);
-        }
-        if (log) {
-            int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
-            if (fd >= 0) {
-                dup2(fd, 1);
-                dup2(fd, 2);
-                close(fd);
-            }
-        }
-        execv(argv[0], argv);
-        fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
-        _exit(127);
-    }
-    for (int i = 0; i < MAX_CHILD; i++)
-        if (!g_children[i]) {
-            g_children[i] = pid;
-            break;
-        }
-    if (out_fd) {
-        close(p[1]);
-        *out_fd = p[0];
-    }
-    return pid;
-}
-
-static pid_t spawn(char *const argv[], int *out_fd)
-{
-    return spawn_log(argv, out_fd, NULL);
-}
-
-/* Reads stdout lines of a child until one contains " on HOST:PORT"; copies
- * HOST:PORT into addr. Returns 0 on success. */
-static int read_address(int fd, char *addr, size_t cap, int timeout_ms)
-{
-    char buf[2048];
-    size_t n = 0;
-    int64_t t0 = now_ms();
-    fcntl(fd, F_SETFL, O_NONBLOCK);
-    while (now_ms() - t0 < timeout_ms && n < sizeof buf - 1) {
-        ssize_t r = read(fd, buf + n, sizeof buf - 1 - n);
-        if (r == 0)
-            break;
-        if (r < 0) {
-            sleep_ms(10);
-            continue;
-        }
-        n += (size_t)r;
-        buf[n] = '\0';
-        char *on = strstr(buf, " on ");
-        if (on && strchr(on, '\n')) {
-            on += 4;
-            size_t k = strcspn(on, " \n");
-            snprintf(addr, cap, "%.*s", (int)k, on);
-            close(fd);
-            return 0;
-        }
-    }
-    close(fd);
-    return -1;
-}
-
-/* Waits for a child to exit; returns its exit status, or -1 on timeout
- * (then it is killed) or a signal. */
-static int child_wait(pid_t pid, int timeout_ms)
-{
-    int st;
-    for (int64_t t0 = now_ms(); now_ms() - t0 < timeout_ms; sleep_ms(20))
-        if (waitpid(pid, &st, WNOHANG) == pid) {
-            child_forget(pid);
-            return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-        }
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
-    child_forget(pid);
-    return -1;
-}
-
-static void child_kill9(pid_t pid)
-{
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
-    child_forget(pid);
-}
 
 struct proc {
     pid_t pid;
@@ -218,7 +68,7 @@ static int worker_start(struct proc *p, const char *id, const char *listen, cons
     argv[n] = NULL;
     int fd;
     snprintf(p->id, sizeof p->id, "%s", id);
-    p->pid = spawn(argv, &fd);
+    p->pid = child_spawn(argv, NULL, &fd, NULL);
     if (p->pid < 0 || read_address(fd, p->addr, sizeof p->addr, 20000)) {
         fprintf(stderr, "worker %s did not start\n", id);
         return -1;
@@ -246,7 +96,7 @@ static int coordinator_start_poll(struct proc *p, const char *flag, const char *
                     (char *)max_queue,
                     NULL};
     int fd;
-    p->pid = spawn(argv, &fd);
+    p->pid = child_spawn(argv, NULL, &fd, NULL);
     if (p->pid < 0 || read_address(fd, p->addr, sizeof p->addr, 20000)) {
         fprintf(stderr, "coordinator did not start\n");
         return -1;
@@ -1196,7 +1046,7 @@ static int run_etcd(void)
                     "error", NULL};
     char log[700];
     snprintf(log, sizeof log, "%s/etcd.log", g_tmp);
-    pid_t etcd = spawn_log(argv, NULL, log);
+    pid_t etcd = child_spawn(argv, NULL, NULL, log);
     struct moe_etcd *ec = NULL;
     struct moe_error err;
     bool ready = false;
@@ -1272,12 +1122,7 @@ int main(int argc, char **argv)
     }
     g_bin = argv[2];
     setvbuf(stdout, NULL, _IOLBF, 0);
-    atexit(children_kill_all);
-    signal(SIGALRM, on_fatal);
-    signal(SIGINT, on_fatal);
-    signal(SIGTERM, on_fatal);
-    signal(SIGSEGV, on_fatal);
-    signal(SIGABRT, on_fatal);
+    children_guard();
     signal(SIGPIPE, SIG_IGN);
     alarm(170);
     if (make_model_copy()) {

@@ -29,6 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "proc.h"
 #include "rpcutil.h"
 #include "backend.h"
 #include "engine.h"
@@ -43,19 +44,6 @@
 
 static const char *g_bin;
 static const char *g_model;
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
 
 /* ---- in-process engine handoff ------------------------------------------------------ */
 
@@ -291,102 +279,6 @@ static int run_engine(void)
     return 0;
 }
 
-/* ---- child processes ------------------------------------------------------------------ */
-
-#define MAX_CHILD 24
-static pid_t g_children[MAX_CHILD];
-
-static void children_kill_all(void)
-{
-    for (int i = 0; i < MAX_CHILD; i++)
-        if (g_children[i] > 0) {
-            kill(g_children[i], SIGKILL);
-            waitpid(g_children[i], NULL, 0);
-            g_children[i] = 0;
-        }
-}
-
-static void on_fatal(int sig)
-{
-    for (int i = 0; i < MAX_CHILD; i++)
-        if (g_children[i] > 0)
-            kill(g_children[i], SIGKILL);
-    if (sig == SIGALRM)
-        fprintf(stderr, "test_disagg: time limit reached\n");
-    signal(sig, SIG_DFL);
-    raise(sig);
-}
-
-static void child_forget(pid_t pid)
-{
-    for (int i = 0; i < MAX_CHILD; i++)
-        if (g_children[i] == pid)
-            g_children[i] = 0;
-}
-
-/* Starts argv with stdout on a pipe and `env` (NAME=VALUE list, NULL-ended,
- * may be NULL) added to the environment. */
-static pid_t spawn(char *const argv[], char *const env[], int *out_fd)
-{
-    int p[2];
-    if (pipe(p))
-        return -1;
-    pid_t parent = getpid();
-    pid_t pid = fork();
-    if (pid < 0)
-        return -1;
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (getppid() != parent)
-            _exit(1);
-        for (int i = 0; env && env[i]; i++)
-            putenv(env[i]);
-        dup2(p[1], 1);
-        close(p[0]);
-        close(p[1]);
-        execv(argv[0], argv);
-        fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
-        _exit(127);
-    }
-    for (int i = 0; i < MAX_CHILD; i++)
-        if (!g_children[i]) {
-            g_children[i] = pid;
-            break;
-        }
-    close(p[1]);
-    *out_fd = p[0];
-    return pid;
-}
-
-static int read_address(int fd, char *addr, size_t cap, int timeout_ms)
-{
-    char buf[2048];
-    size_t n = 0;
-    int64_t t0 = now_ms();
-    fcntl(fd, F_SETFL, O_NONBLOCK);
-    while (now_ms() - t0 < timeout_ms && n < sizeof buf - 1) {
-        ssize_t r = read(fd, buf + n, sizeof buf - 1 - n);
-        if (r == 0)
-            break;
-        if (r < 0) {
-            sleep_ms(10);
-            continue;
-        }
-        n += (size_t)r;
-        buf[n] = '\0';
-        char *on = strstr(buf, " on ");
-        if (on && strchr(on, '\n')) {
-            on += 4;
-            size_t k = strcspn(on, " \n");
-            snprintf(addr, cap, "%.*s", (int)k, on);
-            close(fd);
-            return 0;
-        }
-    }
-    close(fd);
-    return -1;
-}
-
 struct proc {
     pid_t pid;
     char addr[128];
@@ -405,7 +297,7 @@ static int worker_start(struct proc *p, const char *role, const char *kv_blocks,
     argv[n++] = (char *)kv_blocks;
     argv[n] = NULL;
     int fd;
-    p->pid = spawn(argv, env, &fd);
+    p->pid = child_spawn(argv, env, &fd, NULL);
     struct moe_error err;
     if (p->pid < 0 || read_address(fd, p->addr, sizeof p->addr, 20000) ||
         !(p->cl = rpc_client_create(p->addr, NULL, &err))) {
@@ -423,7 +315,7 @@ static int coordinator_start(struct proc *p, const char *workers)
                     "127.0.0.1:0", "--workers",  (char *)workers, "--poll-ms",
                     "100",         "--grace-ms", "1000",          NULL};
     int fd;
-    p->pid = spawn(argv, NULL, &fd);
+    p->pid = child_spawn(argv, NULL, &fd, NULL);
     struct moe_error err;
     if (p->pid < 0 || read_address(fd, p->addr, sizeof p->addr, 20000) ||
         !(p->cl = rpc_client_create(p->addr, NULL, &err))) {
@@ -959,12 +851,7 @@ int main(int argc, char **argv)
     static char model[1024];
     snprintf(model, sizeof model, "%s", g_model);
     g_model = model;
-    atexit(children_kill_all);
-    signal(SIGALRM, on_fatal);
-    signal(SIGINT, on_fatal);
-    signal(SIGTERM, on_fatal);
-    signal(SIGSEGV, on_fatal);
-    signal(SIGABRT, on_fatal);
+    children_guard();
     signal(SIGPIPE, SIG_IGN);
     alarm(170);
     int rc = run_cluster();
