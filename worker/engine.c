@@ -104,7 +104,7 @@ struct moe_engine {
     int n_parked;                   /* live ids that are parked (not stepped) */
     struct moe_engine_stats stats;  /* under mu: what moe_engine_stats reads */
     struct moe_engine_stats counts; /* the engine thread's running counters, published to
-                                       stats by update_stats */
+                                       stats by publish_stats */
 };
 
 const char *moe_finish_name(enum moe_finish f)
@@ -511,6 +511,45 @@ void moe_engine_stats(struct moe_engine *e, struct moe_engine_stats *out)
     pthread_mutex_unlock(&e->mu);
 }
 
+/* ---- statistics ------------------------------------------------------------------ */
+
+/* Publishes the snapshot that moe_engine_stats returns (engine thread). Called
+ * at the end of every step and just before every callback that finishes a
+ * request, parks it or serves a reservation, so that whoever hears of such an
+ * event and then asks for the statistics sees the event's blocks already
+ * freed or held (see moe_engine_stats). */
+static void publish_stats(struct moe_engine *e)
+{
+    struct kv_pool_stats ps;
+    kv_pool_stats(e->pool, &ps);
+    int64_t stored = 0;
+    for (int i = 0; i < e->running.n; i++)
+        stored += e->running.v[i]->n_computed;
+    pthread_mutex_lock(&e->mu);
+    e->stats.running = e->running.n;
+    e->stats.waiting = e->waiting.n + e->inbox.n;
+    e->stats.kv_blocks_used = ps.n_used;
+    e->stats.kv_blocks_cached = ps.n_cached;
+    e->stats.kv_blocks_free = ps.n_free;
+    e->stats.kv_tokens_stored = stored;
+    e->stats.parked = e->parked.n;
+    e->stats.reservations = e->n_resv;
+    /* the cumulative counters, kept by the engine thread alone */
+    e->stats.steps = e->counts.steps;
+    e->stats.preemptions = e->counts.preemptions;
+    e->stats.prompt_tokens = e->counts.prompt_tokens;
+    e->stats.prefix_hit_tokens = e->counts.prefix_hit_tokens;
+    e->stats.computed_tokens = e->counts.computed_tokens;
+    e->stats.generated_tokens = e->counts.generated_tokens;
+    e->stats.spec_draft_tokens = e->counts.spec_draft_tokens;
+    e->stats.spec_accepted_tokens = e->counts.spec_accepted_tokens;
+    e->stats.finished = e->counts.finished;
+    e->stats.aborted = e->counts.aborted;
+    e->stats.exported = e->counts.exported;
+    e->stats.imported = e->counts.imported;
+    pthread_mutex_unlock(&e->mu);
+}
+
 /* ---- blocks ---------------------------------------------------------------------- */
 
 static void seq_release_blocks(struct moe_engine *e, struct seq *s)
@@ -527,8 +566,6 @@ static void seq_release_blocks(struct moe_engine *e, struct seq *s)
 static void seq_finish(struct moe_engine *e, struct seq *s, struct moe_token_event *ev)
 {
     seq_release_blocks(e, s);
-    if (s->cb)
-        s->cb(s->user, ev);
     pthread_mutex_lock(&e->mu);
     int i = live_find(e, s->id);
     if (i >= 0)
@@ -538,6 +575,9 @@ static void seq_finish(struct moe_engine *e, struct seq *s, struct moe_token_eve
     else
         e->counts.finished++;
     pthread_mutex_unlock(&e->mu);
+    publish_stats(e); /* before the caller hears of it */
+    if (s->cb)
+        s->cb(s->user, ev);
     seq_free(s);
 }
 
@@ -839,6 +879,7 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row)
         e->n_parked++;
         e->counts.exported++;
         pthread_mutex_unlock(&e->mu);
+        publish_stats(e); /* the parked blocks, before the caller hears of them */
         if (s->cb)
             s->cb(s->user, &ev);
         s->cb = NULL;
@@ -952,6 +993,7 @@ static void run_ops(struct moe_engine *e, const struct engine_op *ops, int n)
             for (int j = 0; j < op->n_blocks; j++)
                 blocks[j] = kv_pool_alloc(e->pool);
             e->resv[e->n_resv++] = (struct reservation){op->key, blocks, op->n_blocks};
+            publish_stats(e); /* the reserved blocks, before the caller hears of them */
             if (op->cb)
                 op->cb(op->user, op->key, blocks, op->n_blocks, NULL);
             continue;
@@ -1042,38 +1084,6 @@ static void take_inbox_and_aborts(struct moe_engine *e)
         free(ids);
 }
 
-static void update_stats(struct moe_engine *e)
-{
-    struct kv_pool_stats ps;
-    kv_pool_stats(e->pool, &ps);
-    int64_t stored = 0;
-    for (int i = 0; i < e->running.n; i++)
-        stored += e->running.v[i]->n_computed;
-    pthread_mutex_lock(&e->mu);
-    e->stats.running = e->running.n;
-    e->stats.waiting = e->waiting.n + e->inbox.n;
-    e->stats.kv_blocks_used = ps.n_used;
-    e->stats.kv_blocks_cached = ps.n_cached;
-    e->stats.kv_blocks_free = ps.n_free;
-    e->stats.kv_tokens_stored = stored;
-    e->stats.parked = e->parked.n;
-    e->stats.reservations = e->n_resv;
-    /* the cumulative counters, kept by the engine thread alone */
-    e->stats.steps = e->counts.steps;
-    e->stats.preemptions = e->counts.preemptions;
-    e->stats.prompt_tokens = e->counts.prompt_tokens;
-    e->stats.prefix_hit_tokens = e->counts.prefix_hit_tokens;
-    e->stats.computed_tokens = e->counts.computed_tokens;
-    e->stats.generated_tokens = e->counts.generated_tokens;
-    e->stats.spec_draft_tokens = e->counts.spec_draft_tokens;
-    e->stats.spec_accepted_tokens = e->counts.spec_accepted_tokens;
-    e->stats.finished = e->counts.finished;
-    e->stats.aborted = e->counts.aborted;
-    e->stats.exported = e->counts.exported;
-    e->stats.imported = e->counts.imported;
-    pthread_mutex_unlock(&e->mu);
-}
-
 static bool reserve_batch(struct moe_engine *e, int n_tok, int n_tables)
 {
     int cap = e->cap_tok;
@@ -1103,7 +1113,7 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
     take_inbox_and_aborts(e);
     int n_sched = schedule(e);
     if (!n_sched) {
-        update_stats(e);
+        publish_stats(e);
         return MOE_OK;
     }
     int bs = e->opts.block_size, n_tok = 0, max_blocks = 1, n_logits = 0, n_rows = 0;
@@ -1162,7 +1172,7 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
                 }
             seq_finish_bare(e, s, MOE_FINISH_ERROR, err ? err->msg : "model forward failed");
         }
-        update_stats(e);
+        publish_stats(e);
         return rc;
     }
     e->counts.steps++;
@@ -1180,7 +1190,7 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
             seq_emit(e, s, e->logits + (size_t)row * vocab);
         row += rows;
     }
-    update_stats(e);
+    publish_stats(e);
     if (n_tokens)
         *n_tokens = n_tok;
     return MOE_OK;

@@ -161,7 +161,17 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
  * releases wait for a step (parked sequences alone do not count). Thread-safe. */
 bool moe_engine_busy(struct moe_engine *e);
 
-/* A consistent snapshot (thread-safe). */
+/* The engine's load snapshot (thread-safe). What it promises:
+ *  - every field describes one moment of the engine thread: the snapshot is
+ *    published whole, under one lock, at the end of every step (idle steps
+ *    too) and just before every callback that finishes a request, parks it
+ *    (prefill_only) or serves a reservation;
+ *  - so a caller that heard of such an event (a stream ended, a handoff was
+ *    parked, a reservation was answered) and then asks sees that event's
+ *    blocks already freed or held, and `parked` / `reservations` counting it;
+ *  - what other threads asked for (submit, abort, unreserve) shows only once
+ *    a step took it in: the snapshot never runs ahead of the engine.
+ * Cumulative counters never go backwards between snapshots. */
 void moe_engine_stats(struct moe_engine *e, struct moe_engine_stats *out);
 
 /* Checks the KV pool against the sequences' block tables, and that every

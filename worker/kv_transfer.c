@@ -192,7 +192,6 @@ static void remove_locked(struct kvx *x, struct handoff *h)
             *p = h->next;
             break;
         }
-    x->c.pending--;
     handoff_free(h);
 }
 
@@ -200,7 +199,6 @@ static void push_locked(struct kvx *x, struct handoff *h)
 {
     h->next = x->list;
     x->list = h;
-    x->c.pending++;
 }
 
 static void queue_job_locked(struct kvx *x, enum job_kind kind, struct handoff *h)
@@ -229,7 +227,6 @@ static void unlink_locked(struct kvx *x, struct handoff *h)
             *p = h->next;
             break;
         }
-    x->c.pending--;
 }
 
 /* Gives up h and frees its engine side: the parked sequence at once; a

@@ -85,7 +85,6 @@ struct kvx_counters {
     uint64_t bytes_in;
     double send_ms;    /* time spent in sends */
     uint32_t failures; /* failed, aborted or expired handoffs */
-    uint32_t pending;  /* handoffs in the table now */
 };
 
 /* A completed handoff taken over by a decode request. */

@@ -489,8 +489,9 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
         load.kv_transfer_bytes_in = kc.bytes_in;
         load.kv_transfer_ms = kc.send_ms;
         load.kv_transfer_failures = kc.failures;
-        load.handoffs_pending = kc.pending;
     }
+    /* from the same snapshot as the blocks they hold (see moe_engine_stats) */
+    load.handoffs_pending = (uint32_t)(st.parked + st.reservations);
     pthread_mutex_lock(&ws->mu);
     load.draining = ws->draining;
     pthread_mutex_unlock(&ws->mu);
