@@ -7,6 +7,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "test_fault.h"
+
 enum plan_op { PLAN_FORWARD = 1, PLAN_STOP = 2 };
 
 /* The fixed-size head of a step plan; the arrays follow in one broadcast. */
@@ -383,13 +385,13 @@ int64_t moe_group_placement_epoch(struct moe_group *g, double *last_switch_s)
     return e;
 }
 
-/* Fault injection for the tests (SQLite style, always compiled):
- * MOE_FAULT_RANK=r MOE_FAULT_AFTER_STEPS=n makes rank r die by SIGKILL after
- * running n steps, as a crashed or OOM-killed process would. */
-static void maybe_die(const struct moe_group *g, int steps)
+/* Fault injection for the tests (test_fault.h: armed only with
+ * MOE_TEST_FAULTS=1): MOE_FAULT_RANK=r MOE_FAULT_AFTER_STEPS=n makes rank r
+ * die by SIGKILL after running n steps, as a crashed or OOM-killed process
+ * would. */
+static void maybe_die(const struct moe_group *g, int fault_rank, int fault_after, int steps)
 {
-    const char *r = getenv("MOE_FAULT_RANK"), *n = getenv("MOE_FAULT_AFTER_STEPS");
-    if (r && n && atoi(r) == g->rank && steps >= atoi(n)) {
+    if (fault_rank == g->rank && fault_after >= 0 && steps >= fault_after) {
         fprintf(stderr, "moe: rank %d: MOE_FAULT_RANK: dying after %d steps\n", g->rank, steps);
         fflush(stderr);
         raise(SIGKILL);
@@ -403,8 +405,10 @@ enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struc
     enum moe_status rc = MOE_OK;
     int steps = 0;
     g->follower_model = m;
+    int fault_rank = moe_fault_int("MOE_FAULT_RANK", -1);
+    int fault_after = fault_rank >= 0 ? moe_fault_int("MOE_FAULT_AFTER_STEPS", -1) : -1;
     for (;;) {
-        maybe_die(g, steps++);
+        maybe_die(g, fault_rank, fault_after, steps++);
         struct plan_head h;
         /* Idle groups wait for the next plan as long as it takes. */
         int timeout = g->world->timeout_ms;

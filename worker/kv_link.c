@@ -30,6 +30,7 @@
 
 #include "comm.h"
 #include "generate.h" /* moe_now */
+#include "test_fault.h"
 
 #define KVL_MAGIC 0x4b454f4du /* "MOEK" */
 #define KVL_MAX_BODY (1u << 24)
@@ -1125,10 +1126,11 @@ enum moe_status kvl_create(const struct kvl_opts *o, struct kvl **out, struct mo
         l->o.io_timeout_ms = 5000;
     kvl_heads(lay->n_kv_head, lay->tp_size, lay->tp_rank, &l->head_begin, &l->head_end);
     l->nccl = o->nccl && o->be->device == MOE_DEVICE_CUDA;
-    const char *v = getenv("MOE_FAULT_TRANSFER_DELAY_MS");
-    l->fault_delay_ms = v && atoi(v) > 0 ? atoi(v) : 0;
-    v = getenv("MOE_FAULT_DIE_DURING_TRANSFER");
-    l->fault_die = v && atoi(v) > 0;
+    /* test-only hooks, armed by MOE_TEST_FAULTS=1 alone (test_fault.h) */
+    l->fault_delay_ms = moe_fault_int("MOE_FAULT_TRANSFER_DELAY_MS", 0);
+    if (l->fault_delay_ms < 0)
+        l->fault_delay_ms = 0;
+    l->fault_die = moe_fault_int("MOE_FAULT_DIE_DURING_TRANSFER", 0) > 0;
     pthread_mutex_init(&l->mu, NULL);
     pthread_cond_init(&l->cond, NULL);
     l->listen_fd = -1;

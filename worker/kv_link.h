@@ -120,9 +120,10 @@ struct kvl_push {
 };
 
 /* Pushes this rank's slice to every target whose heads overlap it; returns
- * the payload bytes sent. Fault injection (tests): MOE_FAULT_TRANSFER_DELAY_MS
- * sleeps before each layer; MOE_FAULT_DIE_DURING_TRANSFER exits after the
- * first layer went out. */
+ * the payload bytes sent. Fault injection (tests only: armed by
+ * MOE_TEST_FAULTS=1, see test_fault.h): MOE_FAULT_TRANSFER_DELAY_MS sleeps
+ * before each layer; MOE_FAULT_DIE_DURING_TRANSFER exits after the first
+ * layer went out. */
 enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *bytes,
                          struct moe_error *err);
 

@@ -6,12 +6,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "generate.h"
 #include "kv_transfer.h"
 #include "moe/v1/worker.pb-c.h"
 #include "request_check.h"
 #include "rpc.h"
+#include "test_fault.h"
 
 /* One Generate call in flight. Freed by the engine thread after the final
  * event, under ws->mu, so a handler holding ws->mu can still touch it. */
@@ -209,6 +211,9 @@ static void *engine_thread(void *arg)
 {
     struct worker_service *ws = arg;
     struct moe_error err;
+    /* test-only (test_fault.h): every step that ran tokens takes this much
+     * longer, so a test can keep a request in flight for as long as it needs */
+    int fault_step_ms = moe_fault_int("MOE_FAULT_STEP_DELAY_MS", 0);
     for (;;) {
         /* Idle: sleep until woken or for 50 ms, then run the timers below
          * (request deadlines, handoff expiry) even if nothing arrived. */
@@ -231,9 +236,12 @@ static void *engine_thread(void *arg)
         check_deadlines(ws);
         if (ws->kvx)
             kvx_tick(ws->kvx);
-        if (moe_engine_step(ws->engine, NULL, &err) != MOE_OK)
+        int n_tok = 0;
+        if (moe_engine_step(ws->engine, &n_tok, &err) != MOE_OK)
             fprintf(stderr, "moe-worker: step failed (requests of that batch ended): %s\n",
                     err.msg);
+        if (fault_step_ms > 0 && n_tok > 0)
+            usleep((useconds_t)fault_step_ms * 1000);
     }
     return NULL;
 }
