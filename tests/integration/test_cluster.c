@@ -1115,7 +1115,7 @@ int main(int argc, char **argv)
     setvbuf(stdout, NULL, _IOLBF, 0);
     children_guard();
     signal(SIGPIPE, SIG_IGN);
-    alarm(170);
+    alarm(900); /* bounds a hang; a sanitized run on two loaded cores is slow */
     if (make_model_copy()) {
         fprintf(stderr, "cannot make the model copy in %s\n", g_tmp);
         remove_model_copy();

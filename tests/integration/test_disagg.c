@@ -853,7 +853,7 @@ int main(int argc, char **argv)
     g_model = model;
     children_guard();
     signal(SIGPIPE, SIG_IGN);
-    alarm(170);
+    alarm(900); /* bounds a hang; a sanitized run on two loaded cores is slow */
     int rc = run_cluster();
     children_kill_all();
     if (rc)

@@ -60,7 +60,7 @@ pids+=($!)
 wait_for "$tmp/c.log" "serving on" || { bad "coordinator did not start: $(cat "$tmp/c.log")"; test_end; }
 caddr=$(grep -o 'serving on 127\.0\.0\.1:[0-9]*' "$tmp/c.log" | grep -o '127.*')
 # until the first GetLoad poll the group size is unknown
-for _ in $(seq 50); do
+for _ in $(seq 600); do
   ctl workers list --json
   [ "$(jq_ "$tmp/out" 'd["workers"][0]["ep_size"]' 2>/dev/null)" = 2 ] && break
   sleep 0.1
@@ -173,7 +173,7 @@ etcd --name n --data-dir "$tmp/etcd" --listen-client-urls "$eurl" --advertise-cl
   --initial-cluster "n=http://127.0.0.1:$p2" --heartbeat-interval 10 --election-timeout 100 \
   --log-level error >"$tmp/etcd.log" 2>&1 &
 pids+=($!)
-for _ in $(seq 100); do curl -sf "$eurl/health" >/dev/null && break; sleep 0.1; done
+for _ in $(seq 600); do curl -sf "$eurl/health" >/dev/null && break; sleep 0.1; done
 "$bin/moe-worker" --model "$model" --dtype f32 --threads 1 --kv-memory 16 --listen 127.0.0.1:0 \
   --etcd "$eurl" --worker-id w1 >"$tmp/w1.log" 2>&1 &
 pids+=($!)

@@ -38,8 +38,8 @@ for p in "${prompts[@]}"; do
   done
 done
 
-sleep 1.5 # the coordinator polls GetLoad
-read -r drafts accepted < <("$bin/moectl" --addr "$caddr" --json workers list | python3 -c '
+# the coordinator's view, polled after the last request ended
+read -r drafts accepted < <(fresh_workers "$bin/moectl" "$caddr" | python3 -c '
 import json, sys
 w = json.load(sys.stdin)["workers"][0]
 print(w["spec_draft_tokens"], w["spec_accepted_tokens"])')

@@ -122,7 +122,7 @@ def main():
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="moe-live-")
     tc._tmpdir.append(tmp)
-    watchdog = threading.Timer(110, tc._watchdog)
+    watchdog = threading.Timer(570, tc._watchdog)  # bounds a hang (CTest: 600 s)
     watchdog.daemon = True
     watchdog.start()
     res = tc.Results()
@@ -153,7 +153,7 @@ def main():
 
         def apply_auto():
             # the coordinator polls the workers' expert counters once a second
-            t_end = time.monotonic() + 10
+            t_end = time.monotonic() + 60
             while time.monotonic() < t_end:
                 rc, out = c.moectl("--json", "experts", "stats")
                 try:
@@ -204,7 +204,10 @@ def main():
                 rc, out = c.moectl("experts", "apply", "--auto")
                 tc.expect(rc == 0, "moectl experts apply --auto: %s", out)
                 wait_epoch(c, e0 + 2)
-                time.sleep(0.3)
+                # a few requests served wholly after the last switch
+                n_after, t_end = len(results) + 3, time.monotonic() + 60
+                while len(results) < n_after and not errors and time.monotonic() < t_end:
+                    time.sleep(0.02)
             finally:
                 stop.set()
                 for t in ths:
