@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
 # The test command of README.md (and of CI): installs the Debian packages,
 # builds with warnings as errors (the CUDA backend too when nvcc is present,
-# so every .cu file is compiled for sm_80 and sm_90), runs every CTest test,
-# then rebuilds with AddressSanitizer + UndefinedBehaviorSanitizer and runs
-# the unit and golden tests again.
+# so every .cu file is compiled for sm_80 and sm_90) and runs every CTest
+# test, then two sanitizer passes, each a CPU-only build of its own:
+#   ASan + UBSan: the unit, golden, cli, integration and mpi labels (memory
+#                 errors, leaks, undefined behaviour in every process);
+#   TSan:         the unit, integration and mpi labels (data races and lock
+#                 misuse in every process: test binaries, workers,
+#                 coordinators, mpirun ranks). Suppressions, third-party
+#                 libraries only, are in tests/sanitize/tsan.supp; a report
+#                 from any process, even one a test killed, fails the pass.
 #
 #   tests/run.sh            everything
-#   tests/run.sh --no-asan  skip the sanitizer pass
+#   tests/run.sh --no-asan  skip the ASan + UBSan pass
+#   tests/run.sh --no-tsan  skip the ThreadSanitizer pass
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 asan=1
+tsan=1
 for arg in "$@"; do
   case "$arg" in
     --no-asan) asan=0 ;;
+    --no-tsan) tsan=0 ;;
     *) echo "tests/run.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
 done
@@ -37,4 +46,26 @@ if [ "$asan" = 1 ]; then
   echo "== tests under ASan + UBSan =="
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan --output-on-failure -j"$jobs" -L 'unit|golden|cli|integration|mpi'
+fi
+
+if [ "$tsan" = 1 ]; then
+  echo "== build (ThreadSanitizer, CPU only) =="
+  cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_WERROR=ON -DMOE_SANITIZE=thread \
+    -DMOE_CUDA=OFF
+  cmake --build build-tsan -j"$jobs"
+  echo "== tests under ThreadSanitizer =="
+  reports=$(mktemp -d /tmp/moe-tsan-XXXXXX)
+  # Every process writes its reports to $reports/tsan.PID (also the ones a
+  # test SIGKILLs, whose exit code nobody sees); exit code 66 fails a test
+  # binary at once.
+  tsan_rc=0
+  TSAN_OPTIONS="suppressions=$PWD/tests/sanitize/tsan.supp halt_on_error=0 second_deadlock_stack=1 log_path=$reports/tsan" \
+    ctest --test-dir build-tsan --output-on-failure -j"$jobs" -L 'unit|integration|mpi' || tsan_rc=$?
+  if grep -l "ThreadSanitizer" "$reports"/tsan.* >/dev/null 2>&1; then
+    echo "== ThreadSanitizer reports =="
+    for f in $(grep -l "ThreadSanitizer" "$reports"/tsan.*); do echo "--- $f"; cat "$f"; done
+    tsan_rc=1
+  fi
+  rm -rf "$reports"
+  [ "$tsan_rc" = 0 ] || { echo "tests/run.sh: the ThreadSanitizer pass failed" >&2; exit 1; }
 fi

@@ -4,8 +4,8 @@
 #include <string.h>
 #include <unistd.h>
 
-int test_n_pass;
-int test_n_fail;
+_Atomic int test_n_pass; /* CHECK runs on many threads in some tests */
+_Atomic int test_n_fail;
 
 static char temp_dir[256];
 
@@ -34,7 +34,7 @@ const char *test_temp_dir(void)
 
 int test_summary(void)
 {
-    printf("%d passed, %d failed\n", test_n_pass, test_n_fail);
+    printf("%d passed, %d failed\n", (int)test_n_pass, (int)test_n_fail);
     return test_n_fail ? 1 : 0;
 }
 

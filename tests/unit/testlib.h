@@ -6,8 +6,8 @@
 
 #include <stdio.h>
 
-extern int test_n_pass;
-extern int test_n_fail;
+extern _Atomic int test_n_pass; /* atomic: CHECK may run on any thread */
+extern _Atomic int test_n_fail;
 
 #define CHECK(cond)                                                                                \
     do {                                                                                           \
