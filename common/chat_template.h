@@ -95,7 +95,9 @@
  * Limits (a hostile template or message cannot hang or exhaust memory):
  * CHAT_TEMPLATE_MAX_OUTPUT bytes of output, CHAT_TEMPLATE_MAX_STEPS loop
  * iterations plus macro calls in one render, CHAT_TEMPLATE_MAX_DEPTH nested
- * macro calls, CHAT_TEMPLATE_MAX_NEST nesting of the parsed template. */
+ * macro calls, CHAT_TEMPLATE_MAX_NEST nesting of the parsed template
+ * (operator chains such as a + b + c count one level per operator), 1000
+ * frames of evaluation: a render needs at most ~512 KiB of stack. */
 #ifndef MOE_CHAT_TEMPLATE_H
 #define MOE_CHAT_TEMPLATE_H
 

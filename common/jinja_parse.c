@@ -166,6 +166,15 @@ static void leave(struct parser *P)
     P->nest--;
 }
 
+/* Loops that wrap the node built so far (a + b + c, x|f|g, a.b.c) make the
+ * tree one level deeper per turn: each turn counts as a nesting level,
+ * released by leave_n() when the loop ends, so no tree is deeper than
+ * CHAT_TEMPLATE_MAX_NEST and every walk over it stays shallow. */
+static void leave_n(struct parser *P, int n)
+{
+    P->nest -= n;
+}
+
 static void note_call(struct parser *P, const char *name, int line)
 {
     if (P->n_calls == P->cap_calls) {
@@ -277,7 +286,10 @@ static void check_named_callable(struct parser *P, struct jnode *f)
 /* `| name(args) | name ...`; in == NULL for a block set's filters. */
 static struct jnode *parse_filter(struct parser *P, struct jnode *in, bool start_inline)
 {
+    int depth = 0;
     while (is_op(cur(P), "|") || start_inline) {
+        enter(P, cur(P)->line);
+        depth++;
         if (!start_inline)
             next(P);
         start_inline = false;
@@ -297,6 +309,7 @@ static struct jnode *parse_filter(struct parser *P, struct jnode *in, bool start
         check_named_callable(P, f);
         in = f;
     }
+    leave_n(P, depth);
     return in;
 }
 
@@ -448,19 +461,25 @@ static struct jnode *parse_call(struct parser *P, struct jnode *callee)
 
 static struct jnode *parse_postfix(struct parser *P, struct jnode *n)
 {
-    for (;;) {
+    int depth = 0;
+    for (;; depth++) {
+        enter(P, cur(P)->line);
         if (is_op(cur(P), ".") || is_op(cur(P), "["))
             n = parse_subscript(P, n);
         else if (is_op(cur(P), "("))
             n = parse_call(P, n);
         else
-            return n;
+            break;
     }
+    leave_n(P, depth + 1);
+    return n;
 }
 
 static struct jnode *parse_filter_expr(struct parser *P, struct jnode *n)
 {
-    for (;;) {
+    int depth = 0;
+    for (;; depth++) {
+        enter(P, cur(P)->line);
         if (is_op(cur(P), "|"))
             n = parse_filter(P, n, false);
         else if (is_name(cur(P), "is"))
@@ -468,8 +487,10 @@ static struct jnode *parse_filter_expr(struct parser *P, struct jnode *n)
         else if (is_op(cur(P), "("))
             n = parse_call(P, n);
         else
-            return n;
+            break;
     }
+    leave_n(P, depth + 1);
+    return n;
 }
 
 /* Comma-separated expressions: one, or a tuple. `simplified`: primaries
@@ -620,26 +641,33 @@ static struct jnode *binop(struct parser *P, int op, struct jnode *a, struct jno
 static struct jnode *parse_pow(struct parser *P)
 {
     struct jnode *left = parse_unary(P, true);
+    int depth = 0;
     while (is_op(cur(P), "**")) {
         int line = cur(P)->line;
+        enter(P, line);
+        depth++;
         next(P);
         left = binop(P, JOP_POW, left, parse_unary(P, true), line);
     }
+    leave_n(P, depth);
     return left;
 }
 
 static struct jnode *parse_math2(struct parser *P)
 {
     struct jnode *left = parse_pow(P);
-    for (;;) {
+    for (int depth = 0;; depth++) {
         const struct jtoken *t = cur(P);
         int op = is_op(t, "*")    ? JOP_MUL
                  : is_op(t, "/")  ? JOP_DIV
                  : is_op(t, "//") ? JOP_FLOORDIV
                  : is_op(t, "%")  ? JOP_MOD
                                   : -1;
-        if (op < 0)
+        if (op < 0) {
+            leave_n(P, depth);
             return left;
+        }
+        enter(P, t->line);
         next(P);
         left = binop(P, op, left, parse_pow(P), t->line);
     }
@@ -666,11 +694,14 @@ static struct jnode *parse_concat(struct parser *P)
 static struct jnode *parse_math1(struct parser *P)
 {
     struct jnode *left = parse_concat(P);
-    for (;;) {
+    for (int depth = 0;; depth++) {
         const struct jtoken *t = cur(P);
         int op = is_op(t, "+") ? JOP_ADD : is_op(t, "-") ? JOP_SUB : -1;
-        if (op < 0)
+        if (op < 0) {
+            leave_n(P, depth);
             return left;
+        }
+        enter(P, t->line);
         next(P);
         left = binop(P, op, left, parse_concat(P), t->line);
     }
@@ -743,28 +774,36 @@ static struct jnode *parse_not(struct parser *P)
 static struct jnode *parse_and(struct parser *P)
 {
     struct jnode *left = parse_not(P);
+    int depth = 0;
     while (is_name(cur(P), "and")) {
         int line = cur(P)->line;
+        enter(P, line);
+        depth++;
         next(P);
         struct jnode *n = node(P, JE_AND, line);
         n->a = left;
         n->b = parse_not(P);
         left = n;
     }
+    leave_n(P, depth);
     return left;
 }
 
 static struct jnode *parse_or(struct parser *P)
 {
     struct jnode *left = parse_and(P);
+    int depth = 0;
     while (is_name(cur(P), "or")) {
         int line = cur(P)->line;
+        enter(P, line);
+        depth++;
         next(P);
         struct jnode *n = node(P, JE_OR, line);
         n->a = left;
         n->b = parse_and(P);
         left = n;
     }
+    leave_n(P, depth);
     return left;
 }
 
@@ -773,8 +812,11 @@ static struct jnode *parse_condexpr(struct parser *P)
     int line = cur(P)->line;
     enter(P, line);
     struct jnode *e1 = parse_or(P);
+    int depth = 0;
     while (is_name(cur(P), "if")) {
         int l = cur(P)->line;
+        enter(P, l);
+        depth++;
         next(P);
         struct jnode *n = node(P, JE_COND, l);
         n->a = e1;
@@ -785,6 +827,7 @@ static struct jnode *parse_condexpr(struct parser *P)
         }
         e1 = n;
     }
+    leave_n(P, depth);
     leave(P);
     return e1;
 }

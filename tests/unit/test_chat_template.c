@@ -353,6 +353,15 @@ static void test_errors(void)
     strcat(deep, " }}");
     t = chat_template_parse(deep, "t.jinja", &err);
     CHECKF(!t && strstr(err.msg, "template nests deeper than 200 (the limit)"), "%s", err.msg);
+    /* so does a long operator chain (a left-deep tree) */
+    memset(deep, 0, sizeof(deep));
+    strcpy(deep, "{{ 1");
+    for (int i = 0; i < 250; i++)
+        strcat(deep, " + 1");
+    strcat(deep, " }}");
+    t = chat_template_parse(deep, "t.jinja", &err);
+    CHECKF(!t && strstr(err.msg, "template nests deeper than 200 (the limit)"), "%s", err.msg);
+    /* recursion through macros stops at the frame limit: test_small_stack */
     cJSON_Delete(msgs);
 }
 
@@ -596,6 +605,53 @@ static void test_threads(void)
     cJSON_Delete(j);
 }
 
+/* The worst case the limits allow (macros recursing inside a deep
+ * expression until the frame limit) fits a 512 KiB thread stack, as the
+ * header promises. Sanitizers need bigger frames. */
+#ifdef __SANITIZE_ADDRESS__
+#define SMALL_STACK (4u << 20)
+#else
+#define SMALL_STACK (512u << 10)
+#endif
+
+static void *deep_render(void *p)
+{
+    char expr[1024] = "";
+    for (int i = 0; i < 60; i++)
+        strcat(expr, "(");
+    strcat(expr, "(f(n + 1) if n < 100 else '')");
+    for (int i = 0; i < 60; i++)
+        strcat(expr, " ~ '')");
+    char src[2048];
+    snprintf(src, sizeof(src), "{%% macro f(n) %%}{{ %s }}{%% endmacro %%}{{ f(0) }}", expr);
+    struct moe_error err = {0};
+    struct chat_template *t = chat_template_parse(src, "deep", &err);
+    cJSON *msgs = cJSON_Parse("[]");
+    struct chat_template_vars vars = {.messages = msgs};
+    char *out = NULL;
+    enum moe_status st = t ? chat_template_render(t, &vars, &out, &err) : MOE_ERR_INTERNAL;
+    *(bool *)p = st == MOE_ERR_INVALID && strstr(err.msg, "evaluation nests deeper than 1000");
+    if (!*(bool *)p)
+        fprintf(stderr, "deep render: %s\n", err.msg);
+    free(out);
+    cJSON_Delete(msgs);
+    chat_template_destroy(t);
+    return NULL;
+}
+
+static void test_small_stack(void)
+{
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, SMALL_STACK);
+    pthread_t th;
+    bool ok = false;
+    CHECK(pthread_create(&th, &attr, deep_render, &ok) == 0);
+    pthread_join(th, NULL);
+    pthread_attr_destroy(&attr);
+    CHECKF(ok, "the frame limit did not stop the render in a %u KiB stack", SMALL_STACK >> 10);
+}
+
 int main(void)
 {
     test_corpus();
@@ -605,5 +661,6 @@ int main(void)
     test_semantics();
     test_load();
     test_threads();
+    test_small_stack();
     return test_summary();
 }
