@@ -6,9 +6,17 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
@@ -962,8 +970,9 @@ struct rpc_health **rpc_server_health_slot(struct rpc_server *server)
     return &server->health;
 }
 
-/* Waits on s->cv until `done` or the monotonic deadline (NULL = none). */
-static void wait_server_done(struct rpc_server *s, const struct timespec *until)
+/* Waits on s->cv until `done` or the monotonic deadline (NULL = none).
+ * Returns true when done. */
+static bool wait_server_done(struct rpc_server *s, const struct timespec *until)
 {
     pthread_mutex_lock(&s->mu);
     while (!(s->shutdown_done && s->n_calls == 0)) {
@@ -975,7 +984,65 @@ static void wait_server_done(struct rpc_server *s, const struct timespec *until)
             pthread_cond_wait(&s->cv, &s->mu);
         }
     }
+    bool done = s->shutdown_done && s->n_calls == 0;
     pthread_mutex_unlock(&s->mu);
+    return done;
+}
+
+/* Waits, at most timeout_ms, until no client connection to `port` is still
+ * open from the client's side (TCP_ESTABLISHED) with bytes of ours in
+ * flight or still to come. gRPC completes a call before its last frames
+ * are on the wire, and moves them only while a queue thread polls; if the
+ * process then closed the connection, the client would lose the end of a
+ * stream that was finished just before a drained shutdown (and a close
+ * with unread input answers with RST, dropping what was unsent). The
+ * server sent GOAWAY at shutdown, so a client closes its side once it has
+ * read everything; the wait ends then. Call while the queue threads still
+ * poll. */
+static void wait_clients_done(int port, int timeout_ms)
+{
+    struct timespec t0, now;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        bool open = false;
+        DIR *d = opendir("/proc/self/fd");
+        if (!d)
+            return;
+        struct dirent *de;
+        while (!open && (de = readdir(d))) {
+            char *end;
+            long fd = strtol(de->d_name, &end, 10);
+            if (*end || fd < 0 || fd == dirfd(d))
+                continue;
+            struct sockaddr_storage a;
+            socklen_t alen = sizeof a;
+            int type = 0;
+            socklen_t len = sizeof type;
+            if (getsockopt((int)fd, SOL_SOCKET, SO_TYPE, &type, &len) || type != SOCK_STREAM ||
+                getsockname((int)fd, (struct sockaddr *)&a, &alen))
+                continue;
+            int local;
+            if (a.ss_family == AF_INET)
+                local = ntohs(((struct sockaddr_in *)&a)->sin_port);
+            else if (a.ss_family == AF_INET6)
+                local = ntohs(((struct sockaddr_in6 *)&a)->sin6_port);
+            else
+                continue;
+            struct tcp_info ti;
+            len = sizeof ti;
+            if (local == port && !getsockopt((int)fd, IPPROTO_TCP, TCP_INFO, &ti, &len) &&
+                ti.tcpi_state == TCP_ESTABLISHED)
+                open = true;
+        }
+        closedir(d);
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        double ms =
+            1e3 * (double)(now.tv_sec - t0.tv_sec) + 1e-6 * (double)(now.tv_nsec - t0.tv_nsec);
+        if (!open || ms >= timeout_ms)
+            return;
+        struct timespec nap = {0, 2 * 1000 * 1000};
+        nanosleep(&nap, NULL);
+    }
 }
 
 void rpc_server_destroy(struct rpc_server *s, int grace_ms)
@@ -995,9 +1062,16 @@ void rpc_server_destroy(struct rpc_server *s, int grace_ms)
             long long ns = until.tv_nsec + (long long)(grace_ms > 0 ? grace_ms : 0) * 1000000LL;
             until.tv_sec += (time_t)(ns / 1000000000LL);
             until.tv_nsec = (long)(ns % 1000000000LL);
-            wait_server_done(s, &until);
-            grpc_server_cancel_all_calls(s->srv);
-            wait_server_done(s, NULL);
+            if (!wait_server_done(s, &until)) {
+                /* Grace over: cancel what still runs. Only then: it also
+                 * drops every connection at once, with whatever gRPC had
+                 * not written yet (the end of a call that just finished). */
+                grpc_server_cancel_all_calls(s->srv);
+                wait_server_done(s, NULL);
+            }
+            /* Every call ended: let the clients read their last bytes and
+             * leave (2 s at most, for a client that stopped reading). */
+            wait_clients_done(s->port, 2000);
         } else {
             /* Never started (or no thread): nothing but the shutdown tag can come. */
             grpc_server_cancel_all_calls(s->srv);
