@@ -30,6 +30,7 @@
 // most ~2048 blocks, and one split is used when the chunk covers the bound.
 #include <math.h>
 
+#include "common.cuh"
 #include "cuda_ops.h"
 
 namespace
@@ -54,22 +55,6 @@ struct attn_args {
     float *part_acc; // (n_tok, n_head, n_split, d_head) when n_split > 1
     float *part_ml;  // (n_tok, n_head, n_split, 2): m, l
 };
-
-__device__ __forceinline__ float warp_max(float v)
-{
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-    return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v)
-{
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
 
 size_t smem_bytes(int d_head, int group)
 {

@@ -24,6 +24,7 @@
 // the f32 activations the CPU reference keeps) and host arrays per call.
 #include <cuda_bf16.h>
 
+#include "common.cuh"
 #include "cuda_ops.h"
 
 namespace
@@ -31,24 +32,6 @@ namespace
 
 constexpr int kThreads = 256; // 8 warps = 8 output rows per block
 constexpr int kRowsPerBlock = kThreads / 32;
-
-__device__ __forceinline__ float warp_sum(float v)
-{
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
-
-__device__ __forceinline__ float bf16_lo(uint32_t u)
-{
-    return __uint_as_float(u << 16);
-}
-
-__device__ __forceinline__ float bf16_hi(uint32_t u)
-{
-    return __uint_as_float(u & 0xffff0000u);
-}
 
 constexpr int kMaxRows = MOE_CUDA_GEMV_MAX_TOK;
 
@@ -89,43 +72,7 @@ __global__ void __launch_bounds__(kThreads)
     const float *xe = x + (size_t)s_row0 * (size_t)n_in;
     const uint16_t *wr = s_w + (size_t)row * (size_t)ldw;
     float acc[kMaxRows];
-#pragma unroll
-    for (int t = 0; t < kMaxRows; t++)
-        acc[t] = 0.0f;
-    if (kVec) {
-#pragma unroll 2
-        for (int k = lane * 8; k < n_in; k += 32 * 8) {
-            const uint4 raw = __ldg((const uint4 *)(wr + k));
-            const float wf[8] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y),
-                                 bf16_lo(raw.z), bf16_hi(raw.z), bf16_lo(raw.w), bf16_hi(raw.w)};
-#pragma unroll
-            for (int t = 0; t < kMaxRows; t++) {
-                if (t < cnt) {
-                    const float4 a = __ldg((const float4 *)(xe + (size_t)t * n_in + k));
-                    const float4 b = __ldg((const float4 *)(xe + (size_t)t * n_in + k + 4));
-                    acc[t] = fmaf(a.x, wf[0], acc[t]);
-                    acc[t] = fmaf(a.y, wf[1], acc[t]);
-                    acc[t] = fmaf(a.z, wf[2], acc[t]);
-                    acc[t] = fmaf(a.w, wf[3], acc[t]);
-                    acc[t] = fmaf(b.x, wf[4], acc[t]);
-                    acc[t] = fmaf(b.y, wf[5], acc[t]);
-                    acc[t] = fmaf(b.z, wf[6], acc[t]);
-                    acc[t] = fmaf(b.w, wf[7], acc[t]);
-                }
-            }
-        }
-    } else {
-        for (int k = lane; k < n_in; k += 32) {
-            const float wv = __uint_as_float((uint32_t)wr[k] << 16);
-#pragma unroll
-            for (int t = 0; t < kMaxRows; t++)
-                if (t < cnt)
-                    acc[t] = fmaf(xe[(size_t)t * n_in + k], wv, acc[t]);
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < kMaxRows; t++)
-        acc[t] = warp_sum(acc[t]);
+    bf16_row_dot<kMaxRows, kVec, 2>(xe, n_in, wr, lane, cnt, acc);
     if (lane == 0) {
 #pragma unroll
         for (int t = 0; t < kMaxRows; t++) {

@@ -23,30 +23,13 @@
 // B = x seen as (n_in x n_tok, ld n_in), op = N.
 #include <cuda_bf16.h>
 
+#include "common.cuh"
 #include "cuda_ops.h"
 
 namespace
 {
 
 constexpr int kGemvThreads = 256; // 8 warps = 8 output rows per block
-
-__device__ __forceinline__ float warp_sum(float v)
-{
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
-
-__device__ __forceinline__ float bf16_lo(uint32_t u)
-{
-    return __uint_as_float(u << 16);
-}
-
-__device__ __forceinline__ float bf16_hi(uint32_t u)
-{
-    return __uint_as_float(u & 0xffff0000u);
-}
 
 // kVec: n_in and ldw multiples of 8, W and x 16-byte aligned.
 template <int NT, bool kVec>
@@ -60,40 +43,7 @@ __global__ void __launch_bounds__(kGemvThreads)
         return;
     const uint16_t *wr = w + (size_t)row * (size_t)ldw;
     float acc[NT];
-#pragma unroll
-    for (int t = 0; t < NT; t++)
-        acc[t] = 0.0f;
-    if (kVec) {
-#pragma unroll 4
-        for (int k = lane * 8; k < n_in; k += 32 * 8) {
-            const uint4 raw = __ldg((const uint4 *)(wr + k));
-            const float wf[8] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y),
-                                 bf16_lo(raw.z), bf16_hi(raw.z), bf16_lo(raw.w), bf16_hi(raw.w)};
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                const float4 a = __ldg((const float4 *)(x + (size_t)t * n_in + k));
-                const float4 b = __ldg((const float4 *)(x + (size_t)t * n_in + k + 4));
-                acc[t] = fmaf(a.x, wf[0], acc[t]);
-                acc[t] = fmaf(a.y, wf[1], acc[t]);
-                acc[t] = fmaf(a.z, wf[2], acc[t]);
-                acc[t] = fmaf(a.w, wf[3], acc[t]);
-                acc[t] = fmaf(b.x, wf[4], acc[t]);
-                acc[t] = fmaf(b.y, wf[5], acc[t]);
-                acc[t] = fmaf(b.z, wf[6], acc[t]);
-                acc[t] = fmaf(b.w, wf[7], acc[t]);
-            }
-        }
-    } else {
-        for (int k = lane; k < n_in; k += 32) {
-            const float wv = __uint_as_float((uint32_t)wr[k] << 16);
-#pragma unroll
-            for (int t = 0; t < NT; t++)
-                acc[t] = fmaf(x[(size_t)t * n_in + k], wv, acc[t]);
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < NT; t++)
-        acc[t] = warp_sum(acc[t]);
+    bf16_row_dot<NT, kVec, 4>(x, n_in, wr, lane, NT, acc);
     if (lane == 0) {
 #pragma unroll
         for (int t = 0; t < NT; t++) {

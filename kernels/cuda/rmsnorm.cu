@@ -4,6 +4,7 @@
 // the order of operations of the CPU reference and of Hugging Face. x may
 // equal y (in place): after the barrier each element is read and then written
 // by the same thread.
+#include "common.cuh"
 #include "cuda_ops.h"
 
 namespace
@@ -11,14 +12,6 @@ namespace
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-
-__device__ __forceinline__ float warp_sum(float v)
-{
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
 
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_kernel(const float *x, const float *__restrict__ w, float *y, int dim, float eps)

@@ -8,6 +8,7 @@
 // divided by the sum of the top_k weights taken in order k = 0, 1, ...
 #include <math.h>
 
+#include "common.cuh"
 #include "cuda_ops.h"
 
 namespace
@@ -15,22 +16,6 @@ namespace
 
 constexpr int kThreads = 128; // 4 tokens per block
 constexpr int kNone = 0x7fffffff;
-
-__device__ __forceinline__ float warp_max(float v)
-{
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-    return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v)
-{
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
 
 template <int PER>
 __global__ void __launch_bounds__(kThreads)
