@@ -24,7 +24,7 @@
 
 #include "coord.h"
 
-static const double TOKEN_BUCKETS[] = {1,   2,   5,    10,   20,   50,    100,   200,
+static const double TOKEN_BUCKETS[] = {1,   2,    5,    10,   20,    50,    100,   200,
                                        500, 1000, 2000, 5000, 10000, 20000, 50000, 100000};
 
 struct coord_metrics {
@@ -86,8 +86,7 @@ static void collect(void *user, struct moe_metrics_out *out)
     pthread_mutex_unlock(&c->mu);
     moe_metrics_out_family(out, "moe_placement_epoch", "gauge",
                            "Expert placement epoch last read by the coordinator (0: default).");
-    moe_metrics_out_sample(out, "moe_placement_epoch", NULL,
-                           (double)coord_placement_epoch(c));
+    moe_metrics_out_sample(out, "moe_placement_epoch", NULL, (double)coord_placement_epoch(c));
 }
 
 struct coord_metrics *coord_metrics_create(struct coord *c)
@@ -117,24 +116,24 @@ struct coord_metrics *coord_metrics_create(struct coord *c)
                                    "Time between two relayed chunks of tokens.", MOE_BUCKETS_ITL,
                                    MOE_N_BUCKETS_ITL, NULL);
     m->e2e = moe_metrics_histogram(r, "vllm:e2e_request_latency_seconds",
-                                   "Receipt at the coordinator to the last token.",
-                                   MOE_BUCKETS_E2E, MOE_N_BUCKETS_E2E, NULL);
+                                   "Receipt at the coordinator to the last token.", MOE_BUCKETS_E2E,
+                                   MOE_N_BUCKETS_E2E, NULL);
     m->queue = moe_metrics_histogram(r, "vllm:request_queue_time_seconds",
                                      "Time a request waited on its worker before its first step.",
                                      MOE_BUCKETS_E2E, MOE_N_BUCKETS_E2E, NULL);
     m->prefill = moe_metrics_histogram(r, "vllm:request_prefill_time_seconds",
-                                       "First step to first token on the worker.",
-                                       MOE_BUCKETS_E2E, MOE_N_BUCKETS_E2E, NULL);
+                                       "First step to first token on the worker.", MOE_BUCKETS_E2E,
+                                       MOE_N_BUCKETS_E2E, NULL);
     m->decode = moe_metrics_histogram(r, "vllm:request_decode_time_seconds",
-                                      "First token to last token on the worker.",
-                                      MOE_BUCKETS_E2E, MOE_N_BUCKETS_E2E, NULL);
+                                      "First token to last token on the worker.", MOE_BUCKETS_E2E,
+                                      MOE_N_BUCKETS_E2E, NULL);
     int n_tb = (int)(sizeof TOKEN_BUCKETS / sizeof TOKEN_BUCKETS[0]);
-    m->prompt_len = moe_metrics_histogram(r, "vllm:request_prompt_tokens",
-                                          "Prompt tokens per finished request.", TOKEN_BUCKETS,
-                                          n_tb, NULL);
-    m->gen_len = moe_metrics_histogram(r, "vllm:request_generation_tokens",
-                                       "Generated tokens per finished request.", TOKEN_BUCKETS,
-                                       n_tb, NULL);
+    m->prompt_len =
+        moe_metrics_histogram(r, "vllm:request_prompt_tokens",
+                              "Prompt tokens per finished request.", TOKEN_BUCKETS, n_tb, NULL);
+    m->gen_len =
+        moe_metrics_histogram(r, "vllm:request_generation_tokens",
+                              "Generated tokens per finished request.", TOKEN_BUCKETS, n_tb, NULL);
     m->handoffs = moe_metrics_counter(r, "moe_kv_handoff_total",
                                       "KV handoffs from a prefill to a decode worker that "
                                       "completed.",
@@ -156,22 +155,19 @@ void coord_metrics_destroy(struct coord_metrics *m)
     free(m);
 }
 
-void coord_metrics_itl(struct coord_metrics *m, double seconds)
+void coord_metrics_token(struct coord_metrics *m, bool first, double seconds)
 {
     if (m)
-        moe_histogram_observe(m->itl, seconds);
+        moe_histogram_observe(first ? m->ttft : m->itl, seconds);
 }
 
-void coord_metrics_final(struct coord_metrics *m, const Moe__V1__GenerateResponse *last,
-                         double ttft_s)
+void coord_metrics_final(struct coord_metrics *m, const Moe__V1__GenerateResponse *last)
 {
     if (!m)
         return;
     int fr = (int)last->finish_reason;
     if (fr >= 1 && fr <= 4)
         moe_counter_inc(m->success[fr]);
-    if (ttft_s >= 0)
-        moe_histogram_observe(m->ttft, ttft_s);
     if (last->usage) {
         moe_counter_add(m->prompt_tokens, last->usage->prompt_tokens);
         moe_counter_add(m->generation_tokens, last->usage->completion_tokens);
@@ -191,6 +187,8 @@ void coord_metrics_failed(struct coord_metrics *m, enum rpc_code code)
 {
     if (!m)
         return;
+    if (code == RPC_CANCELLED)
+        moe_counter_inc(m->success[MOE__V1__FINISH_REASON__FINISH_REASON_ABORT]);
     moe_counter_inc(moe_metrics_counter(m->reg, "moe_request_failures_total",
                                         "Requests that ended with a status other than OK, by "
                                         "gRPC code.",
