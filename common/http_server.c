@@ -90,7 +90,8 @@ struct http_request {
     http_close_fn on_close; /* mu */
     void *on_close_user;
     bool close_fired, in_close;
-    double last_peek; /* mu: http_request_client_gone's last look */
+    pthread_t close_thread; /* mu: the thread running on_close */
+    double last_peek;       /* mu: http_request_client_gone's last look */
 
     struct http_request *next; /* srv->mu: srv->reqs */
 };
@@ -130,7 +131,8 @@ static void maybe_resume(struct http_request *rq)
  * drops the application's reference. Caller holds rq->mu (released). */
 static void app_end_locked(struct http_request *rq)
 {
-    while (rq->in_close)
+    /* An end from inside on_close itself must not wait for it. */
+    while (rq->in_close && !pthread_equal(rq->close_thread, pthread_self()))
         pthread_cond_wait(&rq->cond, &rq->mu);
     rq->app_done = true;
     maybe_resume(rq);
@@ -154,6 +156,7 @@ static void fire_close_locked(struct http_request *rq)
         return;
     rq->close_fired = true;
     rq->in_close = true;
+    rq->close_thread = pthread_self();
     http_close_fn fn = rq->on_close;
     void *user = rq->on_close_user;
     pthread_mutex_unlock(&rq->mu);
@@ -491,8 +494,12 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         s->n_live++;
         pthread_mutex_unlock(&s->mu);
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Length");
-        if (cl && strtoull(cl, NULL, 10) > s->opts.max_body_bytes) {
-            /* Answered before the body is read; libmicrohttpd then closes. */
+        if (cl && strtoull(cl, NULL, 10) / 16 > s->opts.max_body_bytes) {
+            /* Far too large: answered before the body is read, and
+             * libmicrohttpd closes the connection (a client still sending
+             * may see the reset rather than the 413). Bodies up to 16 times
+             * the limit are read and dropped instead, so that the 413
+             * reaches the client on an intact connection. */
             rq->too_large = true;
             rq->dispatched = true;
             dispatch(s, rq);
@@ -567,7 +574,7 @@ struct http_server *http_server_create(const struct http_server_opts *opts, stru
     }
     s->opts = *opts;
     snprintf(s->listen, sizeof s->listen, "%s", opts->listen);
-    snprintf(s->name, sizeof s->name, "%s", opts->name ? opts->name : "http");
+    snprintf(s->name, sizeof s->name, "%s", opts->name ? opts->name : "http-server");
     s->opts.listen = s->listen;
     s->opts.name = s->name;
     if (!s->opts.threads)
@@ -643,6 +650,22 @@ static enum moe_status parse_listen(const char *listen, struct sockaddr_storage 
     return MOE_OK;
 }
 
+/* libmicrohttpd's own messages, named; a client that went away mid-answer
+ * is normal for a server and not logged. */
+static void on_log(void *cls, const char *fmt, va_list ap)
+{
+    struct http_server *s = cls;
+    char msg[512];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    if (strstr(msg, "closed by remote peer") || strstr(msg, "no longer available") ||
+        strstr(msg, "Connection reset"))
+        return;
+    size_t n = strlen(msg);
+    while (n && (msg[n - 1] == '\n' || msg[n - 1] == ' '))
+        msg[--n] = '\0';
+    fprintf(stderr, "%s: http: %s\n", s->name, msg);
+}
+
 enum moe_status http_server_start(struct http_server *s, struct moe_error *err)
 {
     struct sockaddr_storage ss;
@@ -654,9 +677,12 @@ enum moe_status http_server_start(struct http_server *s, struct moe_error *err)
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
                      MHD_USE_ERROR_LOG | (v6 ? MHD_USE_IPv6 : 0);
     /* One polling thread is the daemon's own; more are a thread pool. */
-    unsigned pool = s->opts.threads > 1 ? (unsigned)s->opts.threads : 0;
-    s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_access, s, MHD_OPTION_SOCK_ADDR,
-                            (struct sockaddr *)&ss, MHD_OPTION_THREAD_POOL_SIZE, pool,
+    struct MHD_OptionItem pool[] = {
+        {s->opts.threads > 1 ? MHD_OPTION_THREAD_POOL_SIZE : MHD_OPTION_END,
+         (intptr_t)s->opts.threads, NULL},
+        {MHD_OPTION_END, 0, NULL}};
+    s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_access, s, MHD_OPTION_EXTERNAL_LOGGER, on_log,
+                            s, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_ARRAY, pool,
                             MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)s->opts.idle_timeout_s,
                             MHD_OPTION_CONNECTION_LIMIT, s->opts.max_connections,
                             MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_END);

@@ -20,9 +20,9 @@
  *   answers  -> copied.
  *   on_close -> fires at most once, on a polling thread, when the client
  *               goes away before the answer was complete (writes then fail);
- *               the application must still end the request. It never fires
- *               after the answer's end; an end from another thread waits
- *               while it runs.
+ *               the application must still end the request (also from inside
+ *               on_close). It never fires after the answer's end; an end
+ *               from another thread waits while it runs.
  *
  * TLS and a bearer token (issue 14) belong in struct http_server_opts: the
  * certificate and key go to libmicrohttpd in http_server_start, and the
@@ -49,7 +49,7 @@ struct http_server_opts {
     size_t max_body_bytes;    /* larger request bodies get 413; 0 = 4 MiB */
     int idle_timeout_s;       /* idle connections are closed after this; 0 = 60 */
     unsigned max_connections; /* 0 = 1024 */
-    const char *name;         /* for log lines ("moe-coordinator"); NULL = "http" */
+    const char *name;         /* for log lines ("moe-coordinator"); NULL = "http-server" */
 };
 
 /* A handler: rq is owned by the handler from here on (see above). */

@@ -20,9 +20,9 @@ done
 
 jobs=$(nproc 2>/dev/null || echo 2)
 deploy/install-deps.sh
-# Python packages of tests/python (integration/python_client), unless present.
-python3 -c 'import grpc, grpc_tools, google.protobuf' 2>/dev/null ||
-  python3 -m pip install --quiet grpcio grpcio-tools protobuf
+# Python packages of tests/python (python_client, http_api), unless present.
+python3 -c 'import grpc, grpc_tools, google.protobuf, openai, prometheus_client' 2>/dev/null ||
+  python3 -m pip install --quiet grpcio grpcio-tools protobuf openai prometheus_client
 
 echo "== build (Release, -Werror) =="
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMOE_WERROR=ON
