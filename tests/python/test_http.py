@@ -24,6 +24,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -719,6 +720,34 @@ def check_prometheus(c):
         kv = query('sum(vllm:kv_cache_usage_perc{job="moe-worker"})')
         expect(kv and float(kv[0]["value"][1]) >= 0, "worker series through Prometheus: %s", kv)
         log("  Prometheus: %s = %d (%d sent); both workers scraped" % (q, got, sent))
+        # Every query of the Grafana dashboard runs, on series that exist.
+        with open(os.path.join(c.src, "deploy/dashboards/moe-serve.json")) as f:
+            dash = json.load(f)
+        exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+        text = "".join(http_req(a, "GET", "/metrics")[2].decode()
+                       for a in [c.http] + [w[2] for w in c.workers])
+        conditional = {"moe_rank_expert_rows_total",  # groups of several ranks only
+                       "moe_kv_handoff_failures_total",  # after a failed handoff
+                       "moe_kv_transfer_failures_total",  # prefill / decode workers only
+                       "moe_kv_transfer_bytes_total"}
+        bad = []
+        for e in exprs:
+            for name in set(re.findall(r"\b((?:vllm:|moe_)[a-z0-9_:]+)", e)):
+                fam = re.sub(r"_bucket$", "", name)
+                if "# TYPE %s " % fam not in text and fam not in conditional:
+                    bad.append("%s: no series %s" % (e, fam))
+            qe = (e.replace("$model", ".*").replace("$layer", ".*")
+                  .replace("$__rate_interval", "10s"))
+            url = base + "/api/v1/query?" + urllib.parse.urlencode({"query": qe})
+            try:
+                with no_proxy.open(url, timeout=5) as r:
+                    st = json.loads(r.read())["status"]
+            except OSError as err:
+                st = str(err)
+            if st != "success":
+                bad.append("%s: %s" % (qe, st))
+        expect(not bad, "dashboard queries:\n  %s", "\n  ".join(bad))
+        log("  the dashboard's %d queries run on Prometheus" % len(exprs))
     finally:
         kill_group(p, 15)
         try:
