@@ -188,12 +188,13 @@ class Cluster:
             running += sample_sum(f, "vllm:num_requests_running")
         return used, running
 
-    def wait_idle(self, timeout, what):
+    def wait_idle(self, timeout, what, coordinator=True):
         t0 = time.monotonic()
         last = None
         while time.monotonic() - t0 < timeout:
             last = self.worker_load()
-            coord = sample_sum(metrics_of(self.http), "moe_coordinator_requests_running")
+            coord = sample_sum(metrics_of(self.http), "moe_coordinator_requests_running") \
+                if coordinator else 0
             if last == (0, 0) and coord == 0:
                 return time.monotonic() - t0
             time.sleep(0.05)
@@ -756,6 +757,27 @@ def check_prometheus(c):
             kill_group(p)
 
 
+def check_sigterm(c):
+    """Last: SIGTERM with a stream in flight ends it within the grace period
+    (--grace-ms 1000) and the coordinator exits 0."""
+    s, f = open_stream(c, prompt="interrupted")
+    t0 = time.monotonic()
+    kill_group(c.coord, 15)
+    ended = None
+    while time.monotonic() - t0 < 15:
+        line = f.readline()
+        if not line:
+            ended = time.monotonic() - t0
+            break
+    f.close()
+    s.close()
+    expect(ended is not None, "the stream did not end within 15 s of SIGTERM")
+    rc = c.coord.wait(timeout=15)
+    log("  stream ended %.2f s after SIGTERM; coordinator exit %d" % (ended, rc))
+    expect(rc == 0, "the coordinator exited with %d, want 0:\n%s", rc, read_log(c.coord)[-2000:])
+    c.wait_idle(10, "after the coordinator stopped", coordinator=False)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin-dir", required=True)
@@ -786,6 +808,7 @@ def main():
              check_metrics_parse),
             ("a real Prometheus scrapes them; its query returns the requests sent",
              check_prometheus),
+            ("SIGTERM with an HTTP stream in flight: it ends, exit 0", check_sigterm),
         ]
         for name, fn in checks:
             if up:
