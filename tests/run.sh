@@ -23,6 +23,10 @@ deploy/install-deps.sh
 # Python packages of tests/python (python_client, http_api), unless present.
 python3 -c 'import grpc, grpc_tools, google.protobuf, openai, prometheus_client' 2>/dev/null ||
   python3 -m pip install --quiet grpcio grpcio-tools protobuf openai prometheus_client
+# jinja2: the oracle of the chat-template tests (golden/chat_templates_live,
+# golden/chat_fuzz); transformers' apply_chat_template needs >= 3.1.6.
+python3 -c 'import jinja2, sys; sys.exit(tuple(map(int, jinja2.__version__.split(".")[:3])) < (3, 1, 6))' 2>/dev/null ||
+  python3 -m pip install --quiet 'jinja2>=3.1.6'
 
 echo "== build (Release, -Werror) =="
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMOE_WERROR=ON
