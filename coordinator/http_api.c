@@ -9,10 +9,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "request_check.h"
-#ifdef MOE_HAVE_CHAT_TEMPLATE
 #include "chat_template.h"
-#endif
+#include "request_check.h"
 
 #ifndef MOE_VERSION
 #define MOE_VERSION "0.0.0"
@@ -488,7 +486,6 @@ enum moe_status coord_chat_prompt(struct coord_http *h, const cJSON *messages,
     cJSON *norm = normalize_messages(messages, err);
     if (!norm)
         return err->code;
-#ifdef MOE_HAVE_CHAT_TEMPLATE
     enum moe_status st;
     if (!h->tmpl) {
         cJSON_Delete(norm);
@@ -505,8 +502,9 @@ enum moe_status coord_chat_prompt(struct coord_http *h, const cJSON *messages,
     if (st) {
         moe_error_prefix(err, "messages: rendering the chat template");
         /* A raise_exception in the template is about the conversation. */
-        err->code = MOE_ERR_INVALID;
-        return MOE_ERR_INVALID;
+        if (st != MOE_ERR_NOMEM)
+            err->code = MOE_ERR_INVALID;
+        return err->code;
     }
     size_t len = strlen(text);
     if (len > MOE_REQ_MAX_PROMPT_BYTES) {
@@ -524,18 +522,6 @@ enum moe_status coord_chat_prompt(struct coord_http *h, const cJSON *messages,
         return MOE_ERR_INVALID;
     }
     return MOE_OK;
-#else
-    (void)add_generation_prompt;
-    (void)template_kwargs;
-    (void)ids;
-    (void)n_ids;
-    cJSON_Delete(norm);
-    return moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                         "messages: this build of moe-coordinator has no chat template "
-                         "interpreter (common/chat_template.c), so model '%s' cannot be "
-                         "prompted with messages",
-                         h->c->model_name);
-#endif
 }
 
 /* ---- the server ---------------------------------------------------------------------------- */
@@ -548,7 +534,6 @@ enum moe_status coord_http_start(struct coord *c, struct moe_error *err)
     h->c = c;
     h->created = (long)time(NULL);
     c->http = h;
-#ifdef MOE_HAVE_CHAT_TEMPLATE
     if (c->opts.chat_template) {
         h->tmpl = chat_template_load_file(c->opts.chat_template, err);
         if (!h->tmpl)
@@ -567,11 +552,6 @@ enum moe_status coord_http_start(struct coord *c, struct moe_error *err)
                     "requests (give one with --chat-template FILE)\n",
                     c->opts.model_dir);
     }
-#else
-    if (c->opts.chat_template)
-        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                             "--chat-template: this build has no chat template interpreter");
-#endif
     struct http_server_opts o = {.listen = c->opts.http_listen,
                                  .threads = c->opts.http_threads,
                                  .max_body_bytes = c->opts.http_max_body,
@@ -609,9 +589,7 @@ void coord_http_stop(struct coord *c, int grace_ms)
     if (!h)
         return;
     http_server_destroy(h->srv, grace_ms);
-#ifdef MOE_HAVE_CHAT_TEMPLATE
     chat_template_destroy(h->tmpl);
-#endif
     free(h);
     c->http = NULL;
 }

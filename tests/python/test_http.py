@@ -4,15 +4,15 @@
     test_http.py --bin-dir BUILD/bin --source-dir SRC
 
 Starts two moe-workers (--metrics-listen) serving a copy of the bundled
-Qwen3-MoE model with a long context, and a moe-coordinator with
---http-listen (and --chat-template tests/python/chatml.jinja when the build
-has the template interpreter), then checks with the official `openai`
+Qwen3-MoE model (with its chat template) with a long context, and a
+moe-coordinator with --http-listen, then checks with the official `openai`
 package, raw HTTP and `curl -N`: completions and chat, streamed and not,
 n = 2, logprobs, stop strings, seed reproducibility, include_usage; greedy
 text equal to the gRPC path's; usage counts; SSE chunks arriving one by one;
 a table of bad requests (status and OpenAI-shaped error body naming the
 field, the server still serving); 429 at --max-queue; 503 with no worker;
-a client that goes away mid-stream (and one waiting for a whole answer)
+--chat-template overriding the checkpoint's; a client that goes away
+mid-stream (and one waiting for a whole answer)
 frees the workers' KV blocks; /metrics of the coordinator and the workers
 parsed by prometheus_client; a real Prometheus server scraping them answers
 a query with the request count the test sent.
@@ -127,7 +127,6 @@ class Cluster:
         self.fixture = os.path.join(self.src, "tests/golden/fixtures/qwen3_moe")
         self.workers = []  # (Popen, grpc address, metrics address)
         self.coord = None
-        self.chat = False
 
     def start(self):
         self.pb, self.pb_grpc = make_stubs(self.src, self.tmp)
@@ -141,29 +140,14 @@ class Cluster:
             m = wait_line(p, r"/metrics on (\S+:\d+)", "moe-worker")
             self.workers.append((p, g, m))
             log("worker %d: gRPC %s, metrics %s" % (i, g, m))
-        tmpl = os.path.join(self.src, "tests/python/chatml.jinja")
-        for with_template in (True, False):
-            argv = [os.path.join(self.bin, "moe-coordinator"), "--model", self.model, "--listen",
-                    "127.0.0.1:0", "--workers", ",".join(w[1] for w in self.workers),
-                    "--http-listen", "127.0.0.1:0", "--poll-ms", "100", "--grace-ms", "1000",
-                    "--max-queue", str(MAX_QUEUE)]
-            if with_template:
-                argv += ["--chat-template", tmpl]
-            self.coord = spawn(argv, os.path.join(self.tmp, "coordinator.log"))
-            try:
-                self.http = wait_line(self.coord, r"/metrics on (\S+:\d+)", "moe-coordinator")
-                self.grpc = wait_line(self.coord, r"serving on (\S+:\d+)", "moe-coordinator")
-                self.chat = with_template
-                break
-            except RuntimeError:
-                out = read_log(self.coord)
-                if with_template and "no chat template interpreter" in out:
-                    log("NOTE: this build has no chat template interpreter: chat checks are "
-                        "SKIPPED (the 501 answer is checked instead)")
-                    continue
-                raise
-        log("coordinator: gRPC %s, HTTP %s, chat template %s" %
-            (self.grpc, self.http, "yes" if self.chat else "no"))
+        argv = [os.path.join(self.bin, "moe-coordinator"), "--model", self.model, "--listen",
+                "127.0.0.1:0", "--workers", ",".join(w[1] for w in self.workers),
+                "--http-listen", "127.0.0.1:0", "--poll-ms", "100", "--grace-ms", "1000",
+                "--max-queue", str(MAX_QUEUE)]
+        self.coord = spawn(argv, os.path.join(self.tmp, "coordinator.log"))
+        self.http = wait_line(self.coord, r"/metrics on (\S+:\d+)", "moe-coordinator")
+        self.grpc = wait_line(self.coord, r"serving on (\S+:\d+)", "moe-coordinator")
+        log("coordinator: gRPC %s, HTTP %s" % (self.grpc, self.http))
         self.client = openai.OpenAI(base_url="http://%s/v1" % self.http, api_key="unused",
                                     max_retries=0, timeout=60,
                                     http_client=openai.DefaultHttpxClient(trust_env=False))
@@ -332,12 +316,6 @@ def check_stop(c):
 
 
 def check_chat(c):
-    if not c.chat:
-        st, body = http_json(c.http, "POST", "/v1/chat/completions",
-                             {"messages": [{"role": "user", "content": "hi"}]})
-        expect(st == 501 and body["error"]["param"] == "messages", "chat without an "
-               "interpreter: %d %s", st, body)
-        raise Skipped("no chat template interpreter in this build (501 naming messages checked)")
     msgs = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Say something."}]
     r = c.client.chat.completions.create(model=c.model_name(), messages=msgs, temperature=0,
@@ -482,8 +460,6 @@ def bad_requests(c):
         ("detokenize: tokens out of vocabulary", "/detokenize", {"tokens": [1 << 20]}, 400,
          "tokens"),
     ]
-    if not c.chat:  # chat fields are checked after the messages are rendered
-        rows = [r for r in rows if not (r[1] == C and r[4] == "messages")]
     return rows
 
 
@@ -597,7 +573,7 @@ def check_queue_full(c):
 def check_no_worker(c):
     argv = [os.path.join(c.bin, "moe-coordinator"), "--model", c.model, "--listen", "127.0.0.1:0",
             "--workers", "127.0.0.1:%d" % free_port(), "--http-listen", "127.0.0.1:0",
-            "--poll-ms", "50"]
+            "--poll-ms", "50", "--chat-template", os.path.join(c.src, "tests/python/chat_override.jinja")]
     p = spawn(argv, os.path.join(c.tmp, "coordinator-alone.log"))
     try:
         addr = wait_line(p, r"/metrics on (\S+:\d+)", "lone moe-coordinator")
@@ -609,6 +585,18 @@ def check_no_worker(c):
                st, body)
         st, _ = http_json(addr, "GET", "/v1/models")
         expect(st == 200, "/v1/models with no worker: %d", st)
+        # --chat-template overrides the checkpoint's template.
+        msgs = [{"role": "user", "content": "hi"}]
+        want = http_json(addr, "POST", "/tokenize", {
+            "prompt": "<|im_start|>system\nYou are a test.<|im_end|>\n<|im_start|>user\nhi"
+                      "<|im_end|>\n<|im_start|>assistant\n",
+            "add_special_tokens": False})[1]["tokens"]
+        got = http_json(addr, "POST", "/tokenize", {"messages": msgs})[1]["tokens"]
+        ckpt = http_json(c.http, "POST", "/tokenize", {"messages": msgs})[1]["tokens"]
+        expect(got == want and got != ckpt, "--chat-template: messages tokenize to %s, want %s "
+               "(the checkpoint's template: %s)", got, want, ckpt)
+        log("  --chat-template: %d prompt tokens (the checkpoint's template: %d)" %
+            (len(got), len(ckpt)))
     finally:
         kill_group(p, 15)
         p.wait(timeout=10)
@@ -803,7 +791,7 @@ def main():
              check_bad_requests),
             ("client disconnect frees the workers' KV blocks", check_disconnect),
             ("429 when --max-queue requests run", check_queue_full),
-            ("503 and /health 503 with no worker", check_no_worker),
+            ("503 and /health 503 with no worker; --chat-template overrides", check_no_worker),
             ("/metrics of coordinator and workers parsed by prometheus_client",
              check_metrics_parse),
             ("a real Prometheus scrapes them; its query returns the requests sent",
