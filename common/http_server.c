@@ -136,6 +136,9 @@ static void app_end_locked(struct http_request *rq)
         pthread_cond_wait(&rq->cond, &rq->mu);
     rq->app_done = true;
     maybe_resume(rq);
+    /* Lock order is srv->mu before rq->mu (destroy scans the list): our
+     * reference keeps rq while neither is held. */
+    pthread_mutex_unlock(&rq->mu);
     struct http_server *s = rq->srv;
     pthread_mutex_lock(&s->mu);
     for (struct http_request **p = &s->reqs; *p; p = &(*p)->next)
@@ -146,6 +149,7 @@ static void app_end_locked(struct http_request *rq)
     s->n_app--;
     pthread_cond_broadcast(&s->cond);
     pthread_mutex_unlock(&s->mu);
+    pthread_mutex_lock(&rq->mu);
     req_unref_unlock(rq);
 }
 
