@@ -1,13 +1,18 @@
 /* The HTTP server helper against libcurl: answers in the handler and later
  * from another thread, streams (chunked, in order), 404 / 405 / 413 in
- * OpenAI's error shape, HEAD, keep-alive, many suspended requests at once,
+ * OpenAI's error shape, HEAD, keep-alive and the idle timeout, many
+ * suspended requests at once,
  * a client that goes away (seen by a write, by on_close and by
  * http_request_client_gone), and destroy with requests still held. */
+#include <arpa/inet.h>
 #include <curl/curl.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -350,6 +355,43 @@ int main(void)
     CHECKF(wait_count(&g_gone_seen, 1, 5) == 1, "http_request_client_gone never said so");
     CHECK(fetch(c, "GET", "/sync", NULL, 0, 5000, &r) == CURLE_OK && r.status == 200);
     curl_easy_cleanup(c);
+
+    /* An idle keep-alive connection is closed after idle_timeout_s. */
+    {
+        struct http_server_opts io = {.listen = "127.0.0.1:0", .idle_timeout_s = 1};
+        struct http_server *is = http_server_create(&io, &err);
+        CHECK(is && http_server_route(is, "GET", "/sync", h_sync, NULL, &err) == MOE_OK &&
+              http_server_start(is, &err) == MOE_OK);
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in sa = {.sin_family = AF_INET,
+                                 .sin_port = htons((uint16_t)http_server_port(is)),
+                                 .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        CHECK(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+        static const char get[] = "GET /sync HTTP/1.1\r\nHost: x\r\n\r\n";
+        CHECK(write(fd, get, sizeof get - 1) == (ssize_t)(sizeof get - 1));
+        double t_idle = 0, t_end = now_s() + 10;
+        char buf[512];
+        size_t got = 0;
+        for (;;) { /* the answer, then EOF once the idle timeout passes */
+            struct pollfd pfd = {.fd = fd, .events = POLLIN};
+            if (poll(&pfd, 1, 100) <= 0) {
+                if (now_s() > t_end)
+                    break;
+                continue;
+            }
+            ssize_t n = read(fd, buf, sizeof buf);
+            if (n <= 0)
+                break;
+            got += (size_t)n;
+            t_idle = now_s();
+        }
+        double closed_after = now_s() - t_idle;
+        CHECKF(got > 0 && closed_after > 0.5 && closed_after < 5,
+               "idle connection closed %.2f s after the answer (timeout 1 s, %zu bytes)",
+               closed_after, got);
+        close(fd);
+        http_server_destroy(is, 0);
+    }
 
     /* Destroy with a request held: on_close ends it after the grace. */
     CURL *hc = curl_easy_init();
