@@ -15,7 +15,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "metrics.h"
 #include "model_config.h"
+#include "moe/v1/inference.pb-c.h"
 #include "moe_error.h"
 #include "rpc.h"
 #include "tokenizer.h"
@@ -69,6 +71,11 @@ struct coord_affinity {
 
 struct coord_opts {
     const char *listen;
+    const char *http_listen;   /* OpenAI HTTP API + /metrics (NULL: off) */
+    const char *chat_template; /* --chat-template FILE (NULL: the checkpoint's) */
+    int http_threads;
+    size_t http_max_body;
+    int http_timeout_s;
     const char *model_dir;
     const char *workers; /* static list "host:port,host:port" (or NULL) */
     const char *etcd;    /* etcd endpoints (or NULL) */
@@ -81,6 +88,8 @@ struct coord_opts {
 
 struct fwd;
 struct coord_placement;
+struct coord_metrics;
+struct coord_http;
 
 struct coord {
     struct coord_opts opts;
@@ -91,6 +100,8 @@ struct coord {
     double t_start;
 
     struct rpc_server *server;
+    struct coord_http *http;       /* http_api.c (NULL: no --http-listen) */
+    struct coord_metrics *metrics; /* metrics.c; never NULL after start-up */
 
     pthread_mutex_t mu;
     pthread_cond_t cond;           /* signalled when n_threads drops, and to stop the poller */
@@ -173,9 +184,49 @@ double coord_worker_load_locked(const struct coord_worker *w);
 
 /* ---- forward.c ------------------------------------------------------------------- */
 
-/* Starts forwarding one Generate (request bytes borrowed). Takes ownership
- * of the stream reference: it always finishes and releases the stream,
- * also on failure. */
+/* Where a forwarded request's output goes: the gRPC stream (forward.c) or an
+ * HTTP response (openai.c). The one path that validates, tokenizes, routes
+ * and relays a request (coord_request_start) talks to its client only
+ * through these, so gRPC and HTTP requests are handled alike. */
+struct coord_sink {
+    /* Called once, before any other call and before coord_request_start
+     * returns: from now on coord_request_cancel(f) may be called (client
+     * gone) until finish returns. */
+    void (*attach)(void *user, struct fwd *f);
+    /* One message for the client: tokens (text deltas when stream_text),
+     * logprobs; the last one has finish_reason, usage and timings. Borrowed
+     * for the call. Returns false once the client is gone. Called from the
+     * forwarding thread, one call at a time. */
+    bool (*send)(void *user, const Moe__V1__GenerateResponse *m);
+    /* The end, exactly once, last: RPC_OK after the message with the finish
+     * reason (or an Abort's), else an error code and a one-line message
+     * naming the field or the failure. The handle f is invalid afterwards. */
+    void (*finish)(void *user, enum rpc_code code, const char *msg);
+};
+
+/* Validates `rq` (owned from here on, also on failure), then forwards it on
+ * a thread of its own: tokenizes a text prompt, checks the lengths, routes
+ * (prefix affinity, disaggregated prefill / decode), retries a worker that
+ * fails before the first token and relays the worker's messages to `sink`.
+ * deadline_ms_left: the client's deadline (INT64_MAX: none; rq->deadline_ms
+ * applies too). Returns RPC_OK when started (sink gets attach, sends, one
+ * finish), or the code of a refusal with `msg` set ("field: why") and no
+ * call on the sink: INVALID_ARGUMENT, NOT_FOUND (model), ALREADY_EXISTS
+ * (request_id) or RESOURCE_EXHAUSTED (--max-queue). Failures found later
+ * (prompt length, no worker serving) arrive through finish, before any
+ * send. */
+enum rpc_code coord_request_start(struct coord *c, Moe__V1__GenerateRequest *rq,
+                                  int64_t deadline_ms_left, const struct coord_sink *sink,
+                                  void *sink_user, char *msg, size_t cap);
+
+/* The client went away: cancels the worker call (the worker frees the KV
+ * blocks) and ends the request with RPC_CANCELLED. Only between attach and
+ * the end of finish. */
+void coord_request_cancel(struct fwd *f);
+
+/* The gRPC Generate: parses the request bytes (borrowed) and calls
+ * coord_request_start with a sink over `stream`. Takes ownership of the
+ * stream reference: it always finishes and releases the stream. */
 void coord_generate_start(struct coord *c, struct rpc_stream *stream, const uint8_t *req,
                           size_t len);
 
@@ -195,6 +246,39 @@ enum moe_status coord_admin_register(struct coord *c, struct moe_error *err);
 
 /* Packs a protobuf-c message into a malloc'd buffer (NULL on no memory). */
 void *coord_pack(const void *msg, size_t *len);
+
+/* ---- metrics.c: the coordinator's Prometheus series --------------------------------- */
+
+/* Creates the registry (constant label model_name) with the request-level
+ * vLLM series and the cluster collector. NULL on no memory. */
+struct coord_metrics *coord_metrics_create(struct coord *c);
+void coord_metrics_destroy(struct coord_metrics *m);
+struct moe_metrics *coord_metrics_registry(struct coord_metrics *m);
+
+/* One line where each thing happens (forward.c); NULL m is a no-op. */
+/* Tokens relayed: the first ones of a request (seconds since receipt:
+ * TTFT) or later ones (seconds since the previous: inter-token latency). */
+void coord_metrics_token(struct coord_metrics *m, bool first, double seconds);
+/* The last message of a request (finish reason, usage, timings). */
+void coord_metrics_final(struct coord_metrics *m, const Moe__V1__GenerateResponse *last);
+/* A request that ended with a status other than OK (CANCELLED: the client
+ * went away, also counted as finished_reason "abort"). */
+void coord_metrics_failed(struct coord_metrics *m, enum rpc_code code);
+/* A KV handoff: failure `reason`, or NULL for a transfer that took seconds. */
+void coord_metrics_handoff(struct coord_metrics *m, const char *reason, double seconds);
+/* An HTTP request answered (http_api.c, openai.c). */
+void coord_metrics_http(struct coord_metrics *m, const char *path, int status);
+
+/* ---- http_api.c / openai.c: the OpenAI-compatible HTTP API ------------------------ */
+
+/* Starts the HTTP server on opts.http_listen (routes of http_api.c and
+ * openai.c, and /metrics). */
+enum moe_status coord_http_start(struct coord *c, struct moe_error *err);
+int coord_http_port(struct coord *c);
+/* Stops accepting HTTP connections (shutdown begins). */
+void coord_http_quiesce(struct coord *c);
+/* Stops it: running requests get grace_ms, then are cancelled. */
+void coord_http_stop(struct coord *c, int grace_ms);
 
 /* ---- placement_admin.c ------------------------------------------------------------ */
 

@@ -6,7 +6,12 @@
  *   moe-coordinator --model DIR [--listen HOST:PORT]
  *                   (--workers HOST:PORT,... | --etcd URLS)
  *                   [--max-queue N] [--poll-ms MS] [--threads N] [--grace-ms MS]
- *                   [--expert-slots N]
+ *                   [--expert-slots N] [--http-listen HOST:PORT [--chat-template FILE]
+ *                   --http-threads N --http-max-body BYTES --http-timeout S]
+ *
+ * --http-listen adds the OpenAI-compatible HTTP API (/v1/completions,
+ * /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health,
+ * /version) and Prometheus /metrics on that address (off unless given).
  *
  * On SIGTERM or SIGINT: health NOT_SERVING, no new calls, running streams
  * get --grace-ms to finish (then they are cancelled), exit 0. */
@@ -45,7 +50,15 @@ static void usage(FILE *f)
                "  --grace-ms MS       on SIGTERM, time given to running streams (default "
                "10000)\n"
                "  --expert-slots N    experts a rank may hold per layer, for placement plans "
-               "(default 2 x experts / ranks)\n");
+               "(default 2 x experts / ranks)\n"
+               "  --http-listen HOST:PORT  OpenAI-compatible HTTP API and /metrics (default: "
+               "off; port 0 = a free one)\n"
+               "  --chat-template FILE     Jinja chat template (default: the checkpoint's)\n"
+               "  --http-threads N    HTTP polling threads (default 2)\n"
+               "  --http-max-body B   largest HTTP request body in bytes, else 413 (default "
+               "4194304)\n"
+               "  --http-timeout S    close idle HTTP connections after S seconds (default "
+               "60)\n");
 }
 
 static int parse_args(int argc, char **argv, struct coord_opts *o)
@@ -54,7 +67,10 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
                              .max_queue = 256,
                              .poll_ms = 200,
                              .rpc_threads = 2,
-                             .grace_ms = 10000};
+                             .grace_ms = 10000,
+                             .http_threads = 2,
+                             .http_max_body = (size_t)4 << 20,
+                             .http_timeout_s = 60};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
         if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
@@ -78,6 +94,15 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
         INT_OPT("--threads", 1, 64, rpc_threads)
         INT_OPT("--grace-ms", 0, 3600000, grace_ms)
         INT_OPT("--expert-slots", 0, 32767, expert_slots)
+        INT_OPT("--http-threads", 1, 64, http_threads)
+        INT_OPT("--http-timeout", 1, 86400, http_timeout_s)
+        if (!strcmp(k, "--http-max-body")) {
+            if (!cli_parse_long(v, 1024, 1L << 30, &n))
+                return cli_fail("--http-max-body: '%s' is not a whole number in [1024, %ld]", v,
+                                1L << 30);
+            o->http_max_body = (size_t)n;
+            continue;
+        }
 #undef INT_OPT
         if (!strcmp(k, "--listen"))
             o->listen = v;
@@ -87,6 +112,10 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
             o->workers = v;
         else if (!strcmp(k, "--etcd"))
             o->etcd = v;
+        else if (!strcmp(k, "--http-listen"))
+            o->http_listen = v;
+        else if (!strcmp(k, "--chat-template"))
+            o->chat_template = v;
         else {
             usage(stderr);
             return cli_fail("unknown option '%s'", k);
@@ -96,6 +125,8 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
         return cli_fail("--model DIR is required (for config.json and tokenizer.json)");
     if (!o->workers == !o->etcd)
         return cli_fail("give exactly one of --workers HOST:PORT,... and --etcd URLS");
+    if (o->chat_template && !o->http_listen)
+        return cli_fail("--chat-template: only used by the HTTP API (give --http-listen)");
     return 0;
 }
 
@@ -135,7 +166,8 @@ int main(int argc, char **argv)
         base--;
     snprintf(c.model_name, sizeof c.model_name, "%.*s", (int)(c.opts.model_dir + dl - base), base);
     c.affinity = calloc(COORD_AFFINITY_SLOTS, sizeof *c.affinity);
-    if (!c.affinity) {
+    c.metrics = coord_metrics_create(&c);
+    if (!c.affinity || !c.metrics) {
         moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
         goto fail;
     }
@@ -149,6 +181,8 @@ int main(int argc, char **argv)
     c.server = rpc_server_create(c.opts.listen, c.opts.rpc_threads, NULL, &err);
     if (!c.server || coord_frontend_register(&c, &err) || coord_admin_register(&c, &err) ||
         coord_placement_start(&c, &err) || rpc_server_start(c.server, &err))
+        goto fail;
+    if (c.opts.http_listen && coord_http_start(&c, &err))
         goto fail;
     rpc_health_set(c.server, "moe.v1.Inference", RPC_HEALTH_SERVING);
     rpc_health_set(c.server, "moe.v1.Admin", RPC_HEALTH_SERVING);
@@ -165,6 +199,11 @@ int main(int argc, char **argv)
     printf("moe-coordinator: serving on %.*s:%d (model %s, %zu workers %s)\n", host_len,
            c.opts.listen, rpc_server_port(c.server), c.model_name, n_workers,
            c.opts.etcd ? "from etcd" : "listed");
+    if (c.http) {
+        const char *hc = strrchr(c.opts.http_listen, ':');
+        printf("moe-coordinator: OpenAI HTTP API and /metrics on %.*s:%d\n",
+               (int)(hc - c.opts.http_listen), c.opts.http_listen, coord_http_port(&c));
+    }
     fflush(stdout);
 
     while (!g_signal)
@@ -174,6 +213,7 @@ int main(int argc, char **argv)
     pthread_mutex_unlock(&c.mu);
     fprintf(stderr, "moe-coordinator: %s: shutting down (%d requests in flight, grace %d ms)\n",
             g_signal == SIGTERM ? "SIGTERM" : "SIGINT", running, c.opts.grace_ms);
+    coord_http_quiesce(&c);
     rpc_health_set(c.server, "", RPC_HEALTH_NOT_SERVING);
     rpc_health_set(c.server, "moe.v1.Inference", RPC_HEALTH_NOT_SERVING);
     rpc_health_set(c.server, "moe.v1.Admin", RPC_HEALTH_NOT_SERVING);
@@ -185,12 +225,17 @@ fail:
 out:
     /* Waits for every stream (cancelled after the grace period); the
      * forwarding threads then end on their own. */
+    double t_stop = coord_now();
     rpc_server_destroy(c.server, c.opts.grace_ms);
+    /* HTTP requests had the same grace, running alongside the gRPC ones. */
+    int left_ms = c.opts.grace_ms - (int)(1e3 * (coord_now() - t_stop));
+    coord_http_stop(&c, left_ms > 0 ? left_ms : 0);
     coord_wait_threads(&c);
     coord_placement_stop(&c);
     coord_registry_stop(&c);
     free(c.workers);
     free(c.affinity);
+    coord_metrics_destroy(c.metrics);
     moe_tokenizer_free(c.tok);
     pthread_cond_destroy(&c.cond);
     pthread_mutex_destroy(&c.mu);

@@ -48,10 +48,11 @@
 
 struct fwd {
     struct coord *c;
-    struct rpc_stream *stream;    /* the client's call (one reference) */
+    const struct coord_sink *sink; /* where the output goes (gRPC stream, HTTP response) */
+    void *sink_user;
     Moe__V1__GenerateRequest *rq; /* owned */
     char request_id[MOE_REQ_MAX_ID_LEN + 32];
-    double t_recv, t_first;
+    double t_recv, t_first, t_last; /* t_last: the last token relayed */
     double deadline; /* coord_now() seconds; 0: none */
     int32_t *prompt; /* (n_prompt) */
     size_t n_prompt;
@@ -99,9 +100,8 @@ static void fwd_free(struct fwd *f)
     free(f);
 }
 
-static void on_client_cancel(struct rpc_stream *stream, void *user)
+void coord_request_cancel(struct fwd *f)
 {
-    struct fwd *f = user;
     pthread_mutex_lock(&f->mu);
     f->cancelled = true;
     if (f->ws)
@@ -149,13 +149,7 @@ static int64_t ms_left(const struct fwd *f)
 /* Sends one message to the client; false once the client is gone. */
 static bool client_send(struct fwd *f, const Moe__V1__GenerateResponse *m)
 {
-    size_t len;
-    void *bytes = coord_pack(m, &len);
-    if (!bytes)
-        return false;
-    enum moe_status st = rpc_stream_send(f->stream, bytes, len);
-    free(bytes);
-    return st == MOE_OK;
+    return f->sink->send(f->sink_user, m);
 }
 
 /* Appends `s` (n bytes) to the growing string *buf. */
@@ -192,8 +186,14 @@ static bool relay(struct fwd *f, Moe__V1__GenerateResponse *m, struct moe_detok 
     char *text = NULL;
     size_t text_len = 0;
     bool ok = true;
-    if (m->n_token_ids && f->n_tokens == 0)
-        f->t_first = coord_now();
+    if (m->n_token_ids) {
+        double now = coord_now();
+        if (f->n_tokens == 0)
+            f->t_first = now;
+        coord_metrics_token(f->c->metrics, f->n_tokens == 0,
+                            now - (f->n_tokens ? f->t_last : f->t_recv));
+        f->t_last = now;
+    }
     if (f->n_tokens + m->n_token_ids > f->cap_relayed) {
         size_t cap = f->cap_relayed ? 2 * f->cap_relayed : 64;
         while (cap < f->n_tokens + m->n_token_ids)
@@ -255,6 +255,7 @@ static bool relay(struct fwd *f, Moe__V1__GenerateResponse *m, struct moe_detok 
         }
         m->timings = &timings;
         at->saw_final = true;
+        coord_metrics_final(f->c->metrics, m);
     }
     bool sent = client_send(f, m);
     m->request_id = saved_id;
@@ -585,6 +586,7 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
                 "on a decode worker\n",
                 f->request_id, p->id, rpc_code_name(at.code), at.message);
         handoff_release(p, hid, "prefill failed");
+        coord_metrics_handoff(c->metrics, "prefill_failed", 0);
         coord_router_done(c, p);
         f->skip = f->n_tokens;
         f->skip_from = 0;
@@ -636,6 +638,7 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     }
     if (!*d) {
         handoff_release(p, hid, "no decode worker could reserve");
+        coord_metrics_handoff(c->metrics, "no_decode_worker", 0);
         coord_router_done(c, p);
         *code = RPC_RESOURCE_EXHAUSTED;
         if (n_tried)
@@ -671,6 +674,7 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     f->transfer_ms = 1e3 * (coord_now() - t0);
     f->disagg = true;
     if (rc == RPC_OK && sr && sr->ok) {
+        coord_metrics_handoff(c->metrics, NULL, f->transfer_ms / 1e3);
         snprintf(f->handoff_id, sizeof f->handoff_id, "%s", hid);
         res = DISAGG_DECODE;
     } else {
@@ -681,6 +685,7 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
                 f->request_id, hid, p->id, (*d)->id, rpc_code_name(rc), m);
         if (rc == RPC_UNAVAILABLE && !strstr(m, "KvTransfer"))
             mark_down(c, p, "KvSend", m);
+        coord_metrics_handoff(c->metrics, "send_failed", 0);
         handoff_release(*d, hid, "handoff failed");
         handoff_release(p, hid, "handoff failed");
         coord_router_done(c, *d);
@@ -764,6 +769,7 @@ static void *fwd_thread(void *arg)
                     "moe-coordinator: request %s: decode from handoff on %s refused (%s: "
                     "%s); recomputing there\n",
                     f->request_id, w->id, rpc_code_name(at.code), at.message);
+            coord_metrics_handoff(c->metrics, "decode_refused", 0);
             f->skip = f->n_tokens;
             f->skip_from = 0;
             attempt_run(f, w, &dt, &at);
@@ -841,8 +847,9 @@ static void *fwd_thread(void *arg)
         c->n_failed++;
     pthread_mutex_unlock(&c->mu);
 
-    rpc_stream_finish(f->stream, code, code == RPC_OK ? NULL : msg);
-    rpc_stream_release(f->stream); /* waits for a running on_cancel; none fires after */
+    if (code != RPC_OK)
+        coord_metrics_failed(c->metrics, code);
+    f->sink->finish(f->sink_user, code, code == RPC_OK ? NULL : msg); /* no cancel after this */
     fwd_free(f);
 
     pthread_mutex_lock(&c->mu);
@@ -914,32 +921,27 @@ static enum rpc_code check_request(struct coord *c, const Moe__V1__GenerateReque
     return RPC_OK;
 }
 
-void coord_generate_start(struct coord *c, struct rpc_stream *stream, const uint8_t *req,
-                          size_t len)
+enum rpc_code coord_request_start(struct coord *c, Moe__V1__GenerateRequest *rq,
+                                  int64_t deadline_ms_left, const struct coord_sink *sink,
+                                  void *sink_user, char *msg, size_t cap)
 {
-    char msg[1024];
     enum rpc_code code = RPC_OK;
     struct fwd *f = NULL;
-    Moe__V1__GenerateRequest *rq = moe__v1__generate_request__unpack(NULL, len, req);
-    if (!rq) {
-        code = RPC_INVALID_ARGUMENT;
-        snprintf(msg, sizeof msg, "request: not a valid moe.v1.GenerateRequest message");
-        goto fail;
-    }
-    if ((code = check_request(c, rq, msg, sizeof msg)))
+    if ((code = check_request(c, rq, msg, cap)))
         goto fail;
     f = calloc(1, sizeof *f);
     if (!f) {
         code = RPC_RESOURCE_EXHAUSTED;
-        snprintf(msg, sizeof msg, "out of memory");
+        snprintf(msg, cap, "out of memory");
         goto fail;
     }
     pthread_mutex_init(&f->mu, NULL);
     f->c = c;
-    f->stream = stream;
+    f->sink = sink;
+    f->sink_user = sink_user;
     f->rq = rq;
     f->t_recv = coord_now();
-    int64_t left = rpc_stream_deadline_ms_left(stream);
+    int64_t left = deadline_ms_left;
     if (rq->deadline_ms && (int64_t)rq->deadline_ms < left)
         left = rq->deadline_ms;
     if (left != INT64_MAX)
@@ -949,7 +951,7 @@ void coord_generate_start(struct coord *c, struct rpc_stream *stream, const uint
     if (c->n_running >= c->opts.max_queue) {
         pthread_mutex_unlock(&c->mu);
         code = RPC_RESOURCE_EXHAUSTED;
-        snprintf(msg, sizeof msg, "%d requests in flight (--max-queue %d): try again later",
+        snprintf(msg, cap, "%d requests in flight (--max-queue %d): try again later",
                  c->opts.max_queue, c->opts.max_queue);
         goto fail;
     }
@@ -958,7 +960,7 @@ void coord_generate_start(struct coord *c, struct rpc_stream *stream, const uint
             if (!strcmp(o->request_id, rq->request_id)) {
                 pthread_mutex_unlock(&c->mu);
                 code = RPC_ALREADY_EXISTS;
-                snprintf(msg, sizeof msg, "request_id: '%s' is already running", rq->request_id);
+                snprintf(msg, cap, "request_id: '%s' is already running", rq->request_id);
                 goto fail;
             }
         snprintf(f->request_id, sizeof f->request_id, "%s", rq->request_id);
@@ -973,7 +975,7 @@ void coord_generate_start(struct coord *c, struct rpc_stream *stream, const uint
     c->n_total++;
     pthread_mutex_unlock(&c->mu);
 
-    rpc_stream_set_on_cancel(stream, on_client_cancel, f);
+    sink->attach(sink_user, f);
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
@@ -981,8 +983,9 @@ void coord_generate_start(struct coord *c, struct rpc_stream *stream, const uint
     int rc = pthread_create(&th, &attr, fwd_thread, f);
     pthread_attr_destroy(&attr);
     if (rc == 0)
-        return;
-    /* No thread: undo the registration and answer here. */
+        return RPC_OK;
+    /* No thread: undo the registration and end it here (attached: the sink
+     * hears the end). */
     pthread_mutex_lock(&c->mu);
     for (struct fwd **p = &c->reqs; *p; p = &(*p)->next)
         if (*p == f) {
@@ -994,21 +997,76 @@ void coord_generate_start(struct coord *c, struct rpc_stream *stream, const uint
     c->n_failed++;
     pthread_cond_broadcast(&c->cond);
     pthread_mutex_unlock(&c->mu);
-    rpc_stream_finish(stream, RPC_RESOURCE_EXHAUSTED, "cannot start a forwarding thread");
-    rpc_stream_release(stream); /* no on_cancel runs after this */
+    coord_metrics_failed(c->metrics, RPC_RESOURCE_EXHAUSTED);
+    sink->finish(sink_user, RPC_RESOURCE_EXHAUSTED, "cannot start a forwarding thread");
     fwd_free(f);
-    return;
+    return RPC_OK;
 
 fail:
     pthread_mutex_lock(&c->mu);
     c->n_total++;
     c->n_failed++;
     pthread_mutex_unlock(&c->mu);
+    coord_metrics_failed(c->metrics, code);
     if (f)
-        f->rq = NULL; /* rq is freed below */
+        f->rq = NULL; /* freed below */
     fwd_free(f);
-    if (rq)
-        moe__v1__generate_request__free_unpacked(rq, NULL);
+    moe__v1__generate_request__free_unpacked(rq, NULL);
+    return code;
+}
+
+/* ---- the gRPC face: Generate ---------------------------------------------------------- */
+
+static void grpc_on_cancel(struct rpc_stream *stream, void *user)
+{
+    (void)stream;
+    coord_request_cancel(user);
+}
+
+static void grpc_attach(void *user, struct fwd *f)
+{
+    rpc_stream_set_on_cancel(user, grpc_on_cancel, f);
+}
+
+static bool grpc_send(void *user, const Moe__V1__GenerateResponse *m)
+{
+    size_t len;
+    void *bytes = coord_pack(m, &len);
+    if (!bytes)
+        return false;
+    enum moe_status st = rpc_stream_send(user, bytes, len);
+    free(bytes);
+    return st == MOE_OK;
+}
+
+static void grpc_finish(void *user, enum rpc_code code, const char *msg)
+{
+    rpc_stream_finish(user, code, msg);
+    rpc_stream_release(user); /* waits for a running on_cancel; none fires after */
+}
+
+static const struct coord_sink grpc_sink = {grpc_attach, grpc_send, grpc_finish};
+
+void coord_generate_start(struct coord *c, struct rpc_stream *stream, const uint8_t *req,
+                          size_t len)
+{
+    char msg[1024];
+    Moe__V1__GenerateRequest *rq = moe__v1__generate_request__unpack(NULL, len, req);
+    enum rpc_code code;
+    if (!rq) {
+        code = RPC_INVALID_ARGUMENT;
+        snprintf(msg, sizeof msg, "request: not a valid moe.v1.GenerateRequest message");
+        pthread_mutex_lock(&c->mu);
+        c->n_total++;
+        c->n_failed++;
+        pthread_mutex_unlock(&c->mu);
+        coord_metrics_failed(c->metrics, code);
+    } else {
+        code = coord_request_start(c, rq, rpc_stream_deadline_ms_left(stream), &grpc_sink, stream,
+                                   msg, sizeof msg);
+    }
+    if (code == RPC_OK)
+        return;
     rpc_stream_finish(stream, code, msg);
     rpc_stream_release(stream);
 }

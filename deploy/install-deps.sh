@@ -17,6 +17,8 @@ PACKAGES=(
   libcurl4-openssl-dev                     # etcd v3 HTTP/JSON gateway
   etcd-server etcd-client                  # cluster membership (tests start their own)
   libopenmpi-dev openmpi-bin               # worker groups under mpirun on the CPU
+  libmicrohttpd-dev                        # HTTP front door (OpenAI API) and /metrics
+  prometheus                               # tests: a real Prometheus scrapes /metrics
 )
 
 missing=()

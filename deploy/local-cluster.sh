@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # A local cluster on the embedded defaults: etcd (when installed), two CPU
-# workers on the bundled tiny model and a coordinator, all on 127.0.0.1;
-# sends one streaming request with moe-client, prints the answer and the
-# timings, then shuts everything down cleanly (SIGTERM: workers drain).
+# workers on the bundled tiny model (Prometheus /metrics each) and a
+# coordinator (gRPC, and the OpenAI-compatible HTTP API with /metrics), all
+# on 127.0.0.1; sends one streaming request with moe-client and one with
+# curl to /v1/completions, prints the answers and the timings, then shuts
+# everything down cleanly (SIGTERM: workers drain).
 #
 #   deploy/local-cluster.sh [--build DIR] [--model DIR] [--prompt TEXT] [--serve]
 #     --serve   keep the cluster running until Ctrl-C (prints the address)
@@ -83,22 +85,27 @@ fi
 
 workers=()
 for i in 1 2; do
-  wargs=(--model "$model" --listen 127.0.0.1:0 --worker-id "worker-$i" --threads 1 --kv-memory 64)
+  wargs=(--model "$model" --listen 127.0.0.1:0 --worker-id "worker-$i" --threads 1 --kv-memory 64
+         --metrics-listen 127.0.0.1:0)
   [ -n "$etcd_url" ] && wargs+=(--etcd "$etcd_url" --lease-ttl 3)
   "$bin/moe-worker" "${wargs[@]}" >"$tmp/worker-$i.log" 2>"$tmp/worker-$i.err" &
   pids+=($!)
   line=$(wait_line "$tmp/worker-$i.log" "serving" "$!")
   echo "$line"
+  wait_line "$tmp/worker-$i.log" "/metrics on" "$!"
   workers+=("$(echo "$line" | grep -o '127\.0\.0\.1:[0-9]*' | head -1)")
 done
 
-cargs=(--model "$model" --listen 127.0.0.1:0)
+cargs=(--model "$model" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0)
 if [ -n "$etcd_url" ]; then cargs+=(--etcd "$etcd_url"); else cargs+=(--workers "$(IFS=,; echo "${workers[*]}")"); fi
 "$bin/moe-coordinator" "${cargs[@]}" >"$tmp/coordinator.log" 2>"$tmp/coordinator.err" &
 pids+=($!)
 line=$(wait_line "$tmp/coordinator.log" "serving on" "$!")
 echo "$line"
 addr=$(echo "$line" | grep -o '127\.0\.0\.1:[0-9]*' | head -1)
+line=$(wait_line "$tmp/coordinator.log" "HTTP API" "${pids[-1]}")
+echo "$line"
+http=$(echo "$line" | grep -o '127\.0\.0\.1:[0-9]*' | head -1)
 
 # Wait until the coordinator sees both workers (etcd watch or first poll).
 for _ in $(seq 50); do
@@ -108,7 +115,12 @@ done
 echo "== moe-client --addr $addr --prompt \"$prompt\" =="
 "$bin/moe-client" --addr "$addr" --prompt "$prompt" -n 32 --ignore-eos
 
+echo "== curl http://$http/v1/completions =="
+curl -s --noproxy '*' "http://$http/v1/completions" -H 'Content-Type: application/json' \
+  -d "{\"model\": \"$(basename "$model")\", \"prompt\": \"$prompt\", \"max_tokens\": 16}"
+echo
+
 if [ $serve = 1 ]; then
-  echo "cluster serving on $addr (Ctrl-C to stop)"
+  echo "cluster serving: gRPC on $addr, OpenAI HTTP API and /metrics on http://$http (Ctrl-C to stop)"
   wait "${pids[0]}"
 fi

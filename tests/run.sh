@@ -29,9 +29,9 @@ done
 
 jobs=$(nproc 2>/dev/null || echo 2)
 deploy/install-deps.sh
-# Python packages of tests/python (integration/python_client), unless present.
-python3 -c 'import grpc, grpc_tools, google.protobuf' 2>/dev/null ||
-  python3 -m pip install --quiet grpcio grpcio-tools protobuf
+# Python packages of tests/python (python_client, http_api), unless present.
+python3 -c 'import grpc, grpc_tools, google.protobuf, openai, prometheus_client' 2>/dev/null ||
+  python3 -m pip install --quiet grpcio grpcio-tools protobuf openai prometheus_client
 # jinja2: the oracle of the chat-template tests (golden/chat_templates_live,
 # golden/chat_fuzz); transformers' apply_chat_template needs >= 3.1.6.
 python3 -c 'import jinja2, sys; sys.exit(tuple(map(int, jinja2.__version__.split(".")[:3])) < (3, 1, 6))' 2>/dev/null ||

@@ -662,6 +662,19 @@ int worker_service_in_flight(struct worker_service *ws)
     return n;
 }
 
+struct kvx *worker_service_kvx(struct worker_service *ws)
+{
+    return ws->kvx;
+}
+
+bool worker_service_draining(struct worker_service *ws)
+{
+    pthread_mutex_lock(&ws->mu);
+    bool d = ws->draining;
+    pthread_mutex_unlock(&ws->mu);
+    return d;
+}
+
 void worker_service_destroy(struct worker_service *ws, int grace_ms)
 {
     if (!ws)

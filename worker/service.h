@@ -58,6 +58,11 @@ void worker_service_drain(struct worker_service *ws);
 /* Requests in flight (accepted and not finished). Thread-safe. */
 int worker_service_in_flight(struct worker_service *ws);
 
+/* For metrics: the KV handoff table (NULL without one) and whether the
+ * worker drains. Thread-safe. */
+struct kvx *worker_service_kvx(struct worker_service *ws);
+bool worker_service_draining(struct worker_service *ws);
+
 /* Stops the engine thread and the server (running calls are cancelled after
  * grace_ms). NULL is a no-op. */
 void worker_service_destroy(struct worker_service *ws, int grace_ms);

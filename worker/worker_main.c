@@ -9,7 +9,7 @@
  *              [--threads N] [--device auto|cpu|cuda] [--kv-blocks N | --kv-memory MIB]
  *              [--block-size N] [--max-batch-tokens N] [--max-running N]
  *              [--no-prefix-cache] [--role mixed|prefill|decode] [--kv-listen HOST:PORT]
- *              [--drain-timeout S]
+ *              [--drain-timeout S] [--metrics-listen HOST:PORT]
  *   mpirun -np W moe-worker ... [--tp T] [--placement F.json]
  *              one model replica over W ranks: rank 0 serves gRPC and runs the
  *              scheduler, every rank runs each step (tensor + expert parallel)
@@ -37,6 +37,7 @@
 #include "service.h"
 #include "spec.h"
 #include "tokenizer.h"
+#include "worker_metrics.h"
 
 struct args {
     const char *model;
@@ -47,6 +48,7 @@ struct args {
     const char *device;
     const char *role;
     const char *kv_listen;
+    const char *metrics_listen;
     bool kv_socket_only;
     enum moe_dtype dtype;
     int threads;
@@ -101,6 +103,8 @@ static void usage(FILE *f)
                "                        socket (KV payloads always through host memory)\n"
                "  --drain-timeout S     on SIGTERM, wait at most S seconds for running requests "
                "(default 60)\n"
+               "  --metrics-listen HOST:PORT  Prometheus /metrics (and /health) over HTTP "
+               "(default: off; port 0 = a free one)\n"
                "  --handoff-ttl-ms MS   a parked or reserved KV handoff nobody claims expires and "
                "frees its blocks (default 30000)\n"
                "under mpirun: --tp T (attention tensor parallel), --placement F.json (experts),\n"
@@ -176,6 +180,8 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->role = v;
         } else if (!strcmp(k, "--kv-listen")) {
             a->kv_listen = v;
+        } else if (!strcmp(k, "--metrics-listen")) {
+            a->metrics_listen = v;
         } else if (!strcmp(k, "--kv-transport")) {
             if (strcmp(v, "auto") && strcmp(v, "socket"))
                 return cli_fail("--kv-transport: '%s' is not one of auto, socket", v);
@@ -291,6 +297,7 @@ int main(int argc, char **argv)
     struct moe_tokenizer *tok = NULL;
     struct moe_engine *engine = NULL;
     struct worker_service *ws = NULL;
+    struct worker_metrics *metrics = NULL;
     struct registration reg = {.endpoints = a.etcd, .ttl = a.lease_ttl};
     struct moe_launch launch = {0};
     struct moe_group *group = NULL; /* = launch.group */
@@ -386,6 +393,15 @@ int main(int argc, char **argv)
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
     };
+    const char *name = strrchr(a.model, '/');
+    name = name && name[1] ? name + 1 : a.model;
+    if (a.metrics_listen) { /* times every step: the engine calls through it */
+        if (worker_metrics_create(name, model, group, eo.forward, eo.forward_ctx, &metrics,
+                                  &err))
+            goto fail;
+        eo.forward = worker_metrics_forward;
+        eo.forward_ctx = metrics;
+    }
     if (!eo.n_block) {
         size_t block_bytes = (size_t)eo.block_size * cfg->n_layer * 2 * (size_t)cfg->n_kv_head *
                              cfg->d_head * sizeof(float);
@@ -405,8 +421,6 @@ int main(int argc, char **argv)
             goto fail;
         kvl_attach_kv(kv_link, moe_engine_kv_cache(engine));
     }
-    const char *name = strrchr(a.model, '/');
-    name = name && name[1] ? name + 1 : a.model;
     struct worker_service_opts so = {
         .listen = a.listen,
         .model_name = name,
@@ -423,6 +437,8 @@ int main(int argc, char **argv)
         .handoff_ttl_ms = a.handoff_ttl_ms,
     };
     if (worker_service_create(engine, model, tok, &so, &ws, &err))
+        goto fail;
+    if (metrics && worker_metrics_serve(metrics, a.metrics_listen, engine, ws, &err))
         goto fail;
     int port = worker_service_port(ws);
 
@@ -474,6 +490,11 @@ int main(int argc, char **argv)
            id, name, address, a.role, be->name, eo.n_block, eo.block_size, group ? group->size : 1,
            group && group->size > 1 ? "s" : "", group ? group->tp_size : 1, (int)getpid(),
            a.etcd ? ", registered in etcd" : "");
+    if (metrics) {
+        const char *mc = strrchr(a.metrics_listen, ':');
+        printf("moe-worker: /metrics on %.*s:%d\n", mc ? (int)(mc - a.metrics_listen) : 0,
+               a.metrics_listen, worker_metrics_port(metrics));
+    }
     fflush(stdout);
 
     while (!g_signal) {
@@ -504,6 +525,7 @@ fail:
     fprintf(stderr, "moe-worker: %s\n", err.msg);
 out:
     moe_etcd_watch_destroy(placement_watch);
+    worker_metrics_destroy(metrics); /* reads the service and the engine */
     worker_service_destroy(ws, 1000); /* joins the engine thread: MPI is ours again */
     if (group && group->rank == 0) {
         struct moe_error stop_err;
