@@ -17,7 +17,7 @@ PACKAGES=(
   libcurl4-openssl-dev                     # etcd v3 HTTP/JSON gateway
   etcd-server etcd-client                  # cluster membership (tests start their own)
   libopenmpi-dev openmpi-bin               # worker groups under mpirun on the CPU
-  libcairo2-dev fonts-dejavu-core         # moe-bench --plot: PNG charts and their labels
+  libcairo2-dev libfontconfig-dev fonts-dejavu-core  # moe-bench --plot: PNG charts, labels
 )
 
 missing=()

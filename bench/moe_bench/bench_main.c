@@ -880,7 +880,9 @@ int main(int argc, char **argv)
         for (int r = 0; r < n_runs; r++)
             pr[r] = (struct plot_run){
                 .name = runs[r].name, .recs = runs[r].recs, .n = runs[r].n, .m = &runs[r].m};
-        if (plot_runs(a.plot_dir, pr, n_runs, &err)) {
+        enum moe_status pst = plot_runs(a.plot_dir, pr, n_runs, &err);
+        plot_shutdown();
+        if (pst) {
             cli_fail("%s", err.msg);
             goto out;
         }

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include <cairo.h>
+#include <fontconfig/fontconfig.h>
 
 #include "plot.h"
 
@@ -452,4 +453,10 @@ enum moe_status plot_runs(const char *dir, const struct plot_run *runs, int n_ru
     if (!st && n_runs > 1)
         st = plot_sweep(dir, runs, n_runs, err);
     return st;
+}
+
+void plot_shutdown(void)
+{
+    cairo_debug_reset_static_data();
+    FcFini();
 }
