@@ -11,7 +11,7 @@
 #
 #   bench/bench_serving.sh [BUILD_DIR] [OUT_DIR]
 #   env: MODEL (/tmp/moe-bench-640M), THREADS (2), IN (128), OUT_LEN (32),
-#        RATES ("0.5,1,2,4"), N_SWEEP (16), N_CONC (24), N_DISAGG (24), DTYPE (bf16)
+#        RATES ("1,2,4,8"), N_SWEEP (24), N_CONC (24), N_DISAGG (24), DTYPE (bf16)
 set -euo pipefail
 build=$(cd "${1:-build}" && pwd)
 out=${2:-/tmp/moe-bench-serving}
@@ -19,7 +19,7 @@ model=${MODEL:-/tmp/moe-bench-640M}
 threads=${THREADS:-2}
 in_len=${IN:-128}
 out_len=${OUT_LEN:-32}
-rates=${RATES:-0.5,1,2,4}
+rates=${RATES:-1,2,4,8}
 dtype=${DTYPE:-bf16}
 mkdir -p "$out"
 if [ ! -f "$model/config.json" ]; then
@@ -66,7 +66,7 @@ bench() { # NAME ADDR ARGS...
   echo "== $name: moe-bench --base-url $addr $*"
   "$build/bin/moe-bench" --quiet --base-url "$addr" --vocab-size 32000 --ignore-eos \
     --random-input-len "$in_len" --random-output-len "$out_len" --random-range-ratio 0.5 \
-    --seed 1 --warmup 2 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
+    --warmup 8 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
     --goodput ttft:150 tpot:50 --save-result "$out/$name.json" --save-requests "$out/$name.jsonl" \
     --plot "$out/$name" "$@"
 }
@@ -76,19 +76,20 @@ echo "model: $model ($dtype), workload: random $in_len +-50% prompt tokens, $out
 
 worker w1 mixed "$threads"
 start c1 c1 "$build/bin/moe-coordinator" --model "$model" --listen 127.0.0.1:0 --workers "$w1" --poll-ms 50
-bench sweep "$c1" --num-prompts "${N_SWEEP:-16}" --sweep-rates "$rates"
-bench conc8 "$c1" --num-prompts "${N_CONC:-24}" --max-concurrency 8
+bench sweep "$c1" --num-prompts "${N_SWEEP:-24}" --sweep-rates "$rates" --seed 1
+# other seeds: prompts the prefix cache has not seen
+bench conc8 "$c1" --num-prompts "${N_CONC:-24}" --max-concurrency 8 --seed 2
 stop_all
 
 half=$(( threads > 1 ? threads / 2 : 1 ))
 worker m1 mixed "$half"
 worker m2 mixed "$half"
 start cm cm "$build/bin/moe-coordinator" --model "$model" --listen 127.0.0.1:0 --workers "$m1,$m2" --poll-ms 50
-bench mixed2 "$cm" --num-prompts "${N_DISAGG:-24}" --max-concurrency 8
+bench mixed2 "$cm" --num-prompts "${N_DISAGG:-24}" --max-concurrency 8 --seed 3
 stop_all
 worker pw prefill "$half"
 worker dw decode "$half"
 start cd cd_ "$build/bin/moe-coordinator" --model "$model" --listen 127.0.0.1:0 --workers "$pw,$dw" --poll-ms 50
-bench disagg "$cd_" --num-prompts "${N_DISAGG:-24}" --max-concurrency 8
+bench disagg "$cd_" --num-prompts "${N_DISAGG:-24}" --max-concurrency 8 --seed 3
 stop_all
 echo "results and charts in $out"

@@ -785,6 +785,9 @@ int main(int argc, char **argv)
             .closed_loop = closed,
             .duration_s = a.duration,
             .max_concurrency = my_conc,
+            /* every run of a sweep sends other prompts: a prefix cache must not
+             * remember the previous run's */
+            .item_base = (int64_t)ri << 32,
             .rid_prefix = a.rid_prefix,
             .progress = g_rank == 0 && !a.quiet,
             .label = ro_out->name,

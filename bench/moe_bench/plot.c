@@ -118,11 +118,18 @@ enum moe_status plot_lines(const char *path, const struct plot_spec *spec,
             yh += (yh - yl) * 0.05;
             break;
         }
+    if (spec->cdf) {
+        yl = 0;
+        yh = 1;
+    } else {
+        yh += (yh - (spec->y_from_zero && yl > 0 ? 0 : yl)) * 0.15; /* room for the legend */
+    }
     double xs = axis_fit(&xl, &xh, spec->y_from_zero);
     double ys = axis_fit(&yl, &yh, spec->y_from_zero);
     double zs = 1;
     if (y2) {
         range_of(s, n_series, true, false, &zl, &zh);
+        zh += (zh - (zl > 0 ? 0 : zl)) * 0.15;
         zs = axis_fit(&zl, &zh, true);
     }
 #define PX(v) (x0 + ((v)-xl) / (xh - xl) * (x1 - x0))
@@ -233,7 +240,9 @@ enum moe_status plot_lines(const char *path, const struct plot_spec *spec,
             cairo_text_extents(cr, s[i].name ? s[i].name : "", &e);
             lw = fmax(lw, e.x_advance);
         }
-        double bx = x0 + 12, by = y1 + 12, bh = 20.0 * n_series + 10;
+        double bh = 20.0 * n_series + 10;
+        double bx = spec->cdf ? x1 - 12 - (lw + 52) : x0 + 12;
+        double by = spec->cdf ? y0 - 12 - bh : y1 + 12;
         cairo_set_source_rgba(cr, 1, 1, 1, 0.85);
         cairo_rectangle(cr, bx, by, lw + 52, bh);
         cairo_fill_preserve(cr);
@@ -349,6 +358,7 @@ static enum moe_status plot_cdf(const char *dir, const struct plot_run *runs, in
         .xlabel = kind == CDF_TTFT ? "TTFT (ms)" : "ITL (ms)",
         .ylabel = "fraction of requests at or below",
         .y_from_zero = true,
+        .cdf = true,
     };
     if (kind == CDF_ITL)
         spec.ylabel = "fraction of token gaps at or below";

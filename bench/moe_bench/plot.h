@@ -23,6 +23,7 @@ struct plot_series {
 struct plot_spec {
     const char *title, *xlabel, *ylabel, *y2label; /* y2label: NULL = no right axis */
     bool y_from_zero;
+    bool cdf; /* y fixed to [0, 1], legend bottom right; else headroom above the data */
 };
 
 /* Writes a 960x600 PNG to path. */

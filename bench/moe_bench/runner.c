@@ -145,14 +145,15 @@ static enum moe_status push(struct pool *p, struct job *j, struct moe_error *err
 
 static void progress_line(struct pool *p, size_t n_sent, size_t n_total, double t)
 {
+    const char *label = p->o->label ? p->o->label : "", *sep = p->o->label ? ": " : "";
+    const char *share = p->o->size > 1 ? " (this rank's share)" : "";
     if (n_total)
-        fprintf(stderr, "moe-bench: %s%s%zu/%zu done (%zu failed), %d in flight, %.1f s\n",
-                p->o->label ? p->o->label : "", p->o->label ? ": " : "", p->done, n_total,
-                p->failed, p->in_flight, t);
+        fprintf(stderr, "moe-bench: %s%s%zu/%zu done%s (%zu failed), %d in flight, %.1f s\n", label,
+                sep, p->done, n_total, share, p->failed, p->in_flight, t);
     else
-        fprintf(stderr, "moe-bench: %s%s%zu done (%zu failed) of %zu sent, %d in flight, %.1f s\n",
-                p->o->label ? p->o->label : "", p->o->label ? ": " : "", p->done, p->failed, n_sent,
-                p->in_flight, t);
+        fprintf(stderr,
+                "moe-bench: %s%s%zu done (%zu failed) of %zu sent%s, %d in flight, %.1f s\n", label,
+                sep, p->done, p->failed, n_sent, share, p->in_flight, t);
 }
 
 enum moe_status bench_run(const struct bench_run_opts *o, double t_origin,
@@ -190,8 +191,9 @@ enum moe_status bench_run(const struct bench_run_opts *o, double t_origin,
             }
             jobs[k]->index = idx;
             jobs[k]->arrival_s = o->arrivals ? o->arrivals[idx] : 0;
-            st = o->warmup ? bench_workload_warmup_item(o->w, idx, &jobs[k]->item, err)
-                           : bench_workload_item(o->w, idx, &jobs[k]->item, err);
+            st = o->warmup
+                     ? bench_workload_warmup_item(o->w, o->item_base + idx, &jobs[k]->item, err)
+                     : bench_workload_item(o->w, o->item_base + idx, &jobs[k]->item, err);
             if (st) {
                 moe_error_prefix(err, "request %lld", (long long)idx);
                 goto out;
@@ -265,8 +267,8 @@ enum moe_status bench_run(const struct bench_run_opts *o, double t_origin,
             }
             j->index = idx;
             j->arrival_s = now;
-            st = o->warmup ? bench_workload_warmup_item(o->w, idx, &j->item, err)
-                           : bench_workload_item(o->w, idx, &j->item, err);
+            st = o->warmup ? bench_workload_warmup_item(o->w, o->item_base + idx, &j->item, err)
+                           : bench_workload_item(o->w, o->item_base + idx, &j->item, err);
             if (st) {
                 free(j);
                 break;

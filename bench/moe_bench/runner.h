@@ -30,6 +30,7 @@ struct bench_run_opts {
     bool closed_loop;
     double duration_s;
     int max_concurrency; /* this rank's threads; 0: as needed */
+    int64_t item_base;   /* request i sends workload item item_base + i (fresh prompts per run) */
     bool warmup;         /* warm-up prompts (bench_workload_warmup_item), ids "warmup-" */
     const char *rid_prefix;
     bool progress; /* a progress line on stderr every second */

@@ -123,12 +123,14 @@ run trace --base-url "$ADDR_grpc" --dataset-name trace --dataset-path "$src/benc
   --trace-block-size 16 --fixed-schedule
 check "$tmp/trace.json" "trace --fixed-schedule: every line at its timestamp, its lengths" \
   'd["completed"] == 12 and all(abs(x["arrival_s"] - t / 1e3) < 1e-6 and x["start_s"] - x["arrival_s"] < 0.05 for x, t in zip(r, [0, 120, 250, 260, 400, 610, 700, 905, 1000, 1150, 1400, 1420])) and [x["input_len"] for x in r][:3] == [40, 36, 20] and [x["output_len"] for x in r][:3] == [6, 4, 8]'
-"$bench" --quiet --base-url "$ADDR_grpc" "${common[@]}" --sweep-rates 8,16 --save-result "$tmp/sweep.json" \
-  --plot "$tmp/sweep" >"$tmp/sweep.out" 2>&1
+"$bench" --quiet --base-url "$ADDR_grpc" "${common[@]}" --random-range-ratio 0.5 --sweep-rates 8,16 \
+  --save-result "$tmp/sweep.json" --save-requests "$tmp/sweep.jsonl" --plot "$tmp/sweep" >"$tmp/sweep.out" 2>&1
 [ $? = 0 ] && [ -f "$tmp/sweep-rate8.json" ] && [ -f "$tmp/sweep-rate16.json" ] && [ -s "$tmp/sweep/sweep.png" ] &&
   [ -s "$tmp/sweep/throughput_2.png" ] && grep -q "out tok/s" "$tmp/sweep.out" &&
   ok "--sweep-rates 8,16: a result per rate, sweep.png, the sweep table" || bad "sweep: $(ls "$tmp" "$tmp/sweep"; cat "$tmp/sweep.out")"
 check "$tmp/sweep-rate8.json" "sweep: rate 8 recorded" 'd["request_rate"] == 8 and d["completed"] == 8'
+check "$tmp/sweep-rate8.json" "sweep: each rate sends other prompts (no prefix-cache carry-over)" \
+  'd["input_lens"] != json.load(open(sys.argv[1].replace("rate8", "rate16")))["input_lens"]'
 
 # ---- failing targets are counted, not fatal --------------------------------------------
 run gfail --base-url "$ADDR_grpcfail" "${common[@]}"
