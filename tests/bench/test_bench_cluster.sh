@@ -19,7 +19,11 @@ model=$src/tests/golden/fixtures/qwen3_moe
 pids+=($!)
 wait_for "$tmp/w.log" "serving" || { bad "worker did not start: $(cat "$tmp/w.log")"; test_end; }
 waddr=$(grep -o 'on 127\.0\.0\.1:[0-9]*' "$tmp/w.log" | head -1 | grep -o '127.*')
-"$bin/moe-coordinator" --model "$model" --listen 127.0.0.1:0 --workers "$waddr" >"$tmp/c.log" 2>&1 &
+# The OpenAI HTTP API too, where this moe-coordinator has it.
+http=()
+"$bin/moe-coordinator" --help 2>&1 | grep -q -- --http-listen && http=(--http-listen 127.0.0.1:0)
+"$bin/moe-coordinator" --model "$model" --listen 127.0.0.1:0 --workers "$waddr" "${http[@]}" \
+  >"$tmp/c.log" 2>&1 &
 pids+=($!)
 wait_for "$tmp/c.log" "serving on" || { bad "coordinator did not start: $(cat "$tmp/c.log")"; test_end; }
 caddr=$(grep -o 'serving on 127\.0\.0\.1:[0-9]*' "$tmp/c.log" | grep -o '127.*')
@@ -28,8 +32,8 @@ caddr=$(grep -o 'serving on 127\.0\.0\.1:[0-9]*' "$tmp/c.log" | grep -o '127.*')
 run() {
   local name=$1
   shift
-  "$bin/moe-bench" --quiet --base-url "$caddr" --tokenizer "$model" --ignore-eos \
-    --save-result "$tmp/$name.json" --save-requests "$tmp/$name.jsonl" "$@" \
+  "$bin/moe-bench" --quiet --base-url "$caddr" --tokenizer "$model" --ignore-eos "$@" \
+    --save-result "$tmp/$name.json" --save-requests "$tmp/$name.jsonl" \
     >"$tmp/$name.out" 2>"$tmp/$name.err"
   local rc=$?
   [ $rc = 0 ] && ! grep -qE "Sanitizer|runtime error" "$tmp/$name.err" && ok "$name: exit 0" ||
@@ -75,4 +79,21 @@ run trace --dataset-name trace --dataset-path "$src/bench/workloads/trace_sample
   --trace-block-size 16 --fixed-schedule
 check trace "12 complete at the trace's times, counts equal the server's usage" \
   "d['completed'] == 12 and $usage_ok and [x['input_len'] for x in r][:3] == [40, 36, 20]"
+
+# ---- the same cluster through its OpenAI HTTP API ------------------------------------------
+if [ ${#http[@]} -gt 0 ]; then
+  wait_for "$tmp/c.log" "OpenAI HTTP API" || bad "no HTTP address in $(cat "$tmp/c.log")"
+  haddr=$(grep -o 'OpenAI HTTP API.* on 127\.0\.0\.1:[0-9]*' "$tmp/c.log" | grep -o '127\.0\.0\.1:[0-9]*$')
+  # text prompts that re-tokenize to their length; token-id prompts
+  run openai_text --backend openai --base-url "http://$haddr" --random-input-len 24 \
+    --random-output-len 12 --num-prompts 12 --request-rate 20 --seed 4
+  check openai_text "12 complete, counts equal the server's usage" \
+    'd["completed"] == 12 and all(x["success"] and x["output_len"] == x["server_completion_tokens"] == x["expected_output_len"] and x["input_len"] == x["server_prompt_tokens"] == 24 for x in r)'
+  run openai_ids --backend openai --prompt-format tokens --base-url "http://$haddr" \
+    --random-input-len 24 --random-output-len 12 --num-prompts 12 --max-concurrency 4 --seed 5
+  check openai_ids "token-id prompts: 12 complete, counts equal the server's usage" \
+    'd["completed"] == 12 and all(x["success"] and x["output_len"] == x["server_completion_tokens"] == 12 and x["server_prompt_tokens"] == 24 for x in r)'
+else
+  echo "SKIPPED (part): this moe-coordinator has no --http-listen; the openai backend was not run"
+fi
 test_end

