@@ -63,7 +63,7 @@ stop_all() {
 bench() { # NAME ADDR ARGS...
   local name=$1 addr=$2
   shift 2
-  echo "== $name: moe-bench --base-url $addr $*"
+  echo "== $name: moe-bench --base-url $addr $* (load before: $(cut -d' ' -f1-3 /proc/loadavg))"
   "$build/bin/moe-bench" --quiet --base-url "$addr" --vocab-size 32000 --ignore-eos \
     --random-input-len "$in_len" --random-output-len "$out_len" --random-range-ratio 0.5 \
     --warmup 8 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
