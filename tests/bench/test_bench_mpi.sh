@@ -20,6 +20,12 @@ $py "$src/tests/bench/fake_server.py" grpc --stubs "$tmp" --ttft-ms 50 --slow-tt
 pids+=($!)
 wait_for "$tmp/fake.log" "listening on" || { bad "fake server: $(cat "$tmp/fake.log")"; test_end; }
 addr=$(sed -n 's/listening on //p' "$tmp/fake.log")
+# a second target, told apart by its slower first token
+$py "$src/tests/bench/fake_server.py" grpc --stubs "$tmp" --ttft-ms 400 --slow-ttft-ms 400 \
+  --itl-ms 20 >"$tmp/fake2.log" 2>&1 &
+pids+=($!)
+wait_for "$tmp/fake2.log" "listening on" || { bad "fake server 2: $(cat "$tmp/fake2.log")"; test_end; }
+addr2=$(sed -n 's/listening on //p' "$tmp/fake2.log")
 
 args=(--base-url "$addr" --random-input-len 16 --random-output-len 5 --num-prompts 24
       --request-rate 12 --seed 7 --quiet)
@@ -29,6 +35,10 @@ for np in 1 3; do
   rc=$?
   [ $rc = 0 ] && ok "mpirun -np $np: exit 0" || bad "mpirun -np $np: exit $rc: $(tail -20 "$tmp/np$np.err")"
 done
+# --base-url A,B: ranks 0 and 2 drive A, rank 1 drives B
+timeout 120 "$@" -np 3 "$bin/moe-bench" "${args[@]}" --base-url "$addr,$addr2" \
+  --save-result "$tmp/two.json" --save-requests "$tmp/two.jsonl" >"$tmp/two.out" 2>"$tmp/two.err" ||
+  bad "two targets: $(tail -5 "$tmp/two.err")"
 grep -q "Ranks / targets:  *3 / " "$tmp/np3.out" && ok "the table names 3 ranks" || bad "table: $(head -5 "$tmp/np3.out")"
 cat >"$tmp/check.py" <<'PYEOF'
 import json, sys
@@ -57,6 +67,10 @@ check("requests left on time on every rank (start - arrival < 250 ms)",
 rt1, rt3 = d1["request_throughput"], d3["request_throughput"]
 check(f"request throughput independent of the rank count ({rt1:.2f} vs {rt3:.2f} req/s)",
       abs(rt1 - rt3) / rt1 < 0.25)
+r2 = [json.loads(l) for l in open(f"{t}/two.jsonl")]
+check("--base-url A,B: rank r drives target r % 2 (B's first tokens come 350 ms later)",
+      len(r2) == 24 and all(x["success"] and x["target"] == x["rank"] % 2 for x in r2)
+      and all((x["ttft_ms"] > 380) == (x["rank"] == 1) for x in r2))
 check("same prompts (input lengths) whichever rank sent them",
       [x["input_len"] for x in r1] == [x["input_len"] for x in sorted(r3, key=lambda x: x["index"])])
 PYEOF
