@@ -19,6 +19,7 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin               # worker groups under mpirun on the CPU
   libmicrohttpd-dev                        # HTTP front door (OpenAI API) and /metrics
   prometheus                               # tests: a real Prometheus scrapes /metrics
+  libcairo2-dev libfontconfig-dev fonts-dejavu-core  # moe-bench --plot: PNG charts, labels
 )
 
 missing=()

@@ -179,9 +179,11 @@ static void collect(void *user, struct moe_metrics_out *out)
         family_value(out, "moe_kv_transfer_failures_total", "counter",
                      "KV handoffs that failed, were aborted or expired on this worker.",
                      (double)kc.failures);
-        family_value(out, "moe_kv_handoffs_pending", "gauge",
-                     "KV handoffs parked or reserved here now.", (double)kc.pending);
     }
+    /* from the engine's snapshot, like the blocks they hold (engine.h) */
+    family_value(out, "moe_kv_handoffs_pending", "gauge",
+                 "KV handoffs parked or reserved here now.",
+                 (double)(st.parked + st.reservations));
     family_value(out, "moe_placement_epoch", "gauge",
                  "Expert placement epoch the group runs (0: the default placement).",
                  wm->group ? (double)moe_group_placement_epoch(wm->group, NULL) : 0.0);
