@@ -10,8 +10,8 @@
 #include <string.h>
 
 #include "backend.h"
-#include "generate.h" /* moe_now */
-#include "kv_link.h"
+#include "engine/generate.h" /* moe_now */
+#include "disagg/kv_link.h"
 
 enum { N_LAYER = 8, N_HEAD = 4, D_HEAD = 64 };
 

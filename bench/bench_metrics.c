@@ -17,11 +17,11 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine.h"
-#include "launch.h"
+#include "engine/engine.h"
+#include "group/launch.h"
 #include "metrics.h"
-#include "model.h"
-#include "worker_metrics.h"
+#include "model/model.h"
+#include "serve/worker_metrics.h"
 
 static double now_s(void)
 {

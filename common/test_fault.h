@@ -7,10 +7,10 @@
  * deploy/local-cluster.sh, the container images, the Helm chart) sets
  * MOE_TEST_FAULTS, so a stray MOE_FAULT_* variable in a production
  * environment does nothing. The hooks in the tree:
- *   MOE_FAULT_RANK, MOE_FAULT_AFTER_STEPS   worker/group.c: a rank dies by SIGKILL
- *   MOE_FAULT_TRANSFER_DELAY_MS             worker/kv_link.c: a sender sleeps per layer
- *   MOE_FAULT_DIE_DURING_TRANSFER           worker/kv_link.c: a sender exits mid-handoff
- *   MOE_FAULT_STEP_DELAY_MS                 worker/service.c: every engine step is slower */
+ *   MOE_FAULT_RANK, MOE_FAULT_AFTER_STEPS   worker/group/group.c: a rank dies by SIGKILL
+ *   MOE_FAULT_TRANSFER_DELAY_MS             worker/disagg/kv_link.c: a sender sleeps per layer
+ *   MOE_FAULT_DIE_DURING_TRANSFER           worker/disagg/kv_link.c: a sender exits mid-handoff
+ *   MOE_FAULT_STEP_DELAY_MS                 worker/serve/service.c: every engine step is slower */
 #ifndef MOE_TEST_FAULT_H
 #define MOE_TEST_FAULT_H
 

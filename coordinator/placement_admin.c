@@ -11,7 +11,7 @@
  *                  "layers": {"0": [[0], [0, 1], ...], "1": [...], ...}},
  *    "previous": {"epoch": 3, "placement": {...same format...}}}
  *
- * "placement" is exactly a worker placement file (worker/placement.h):
+ * "placement" is exactly a worker placement file (worker/model/placement.h):
  * "experts" repeats layer 0 and "layers" lists every layer explicitly, so
  * moe_placement_load reads it as it is. "previous" is the map a rollback
  * restores. The key changes only by compare-and-swap on its mod revision

@@ -26,7 +26,7 @@
 
 #include "moe_error.h"
 
-/* Same limit as MOE_PLACEMENT_MAX_REPLICAS in worker/placement.h (the
+/* Same limit as MOE_PLACEMENT_MAX_REPLICAS in worker/model/placement.h (the
  * worker's file format). */
 #define PLANNER_MAX_REPLICAS 8
 
@@ -44,7 +44,7 @@ struct planner_map {
 enum moe_status planner_map_alloc(int n_layer, int n_expert, int n_rank, struct planner_map *m,
                                   struct moe_error *err);
 
-/* The default placement, the same as the worker's (worker/placement.c):
+/* The default placement, the same as the worker's (worker/model/placement.c):
  * expert e on rank e * n_rank / n_expert, one replica each. */
 enum moe_status planner_map_default(int n_layer, int n_expert, int n_rank, struct planner_map *m,
                                     struct moe_error *err);

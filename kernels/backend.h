@@ -191,7 +191,7 @@ struct moe_backend_ops {
     void (*argmax)(struct moe_backend *be, const float *logits, int n, int vocab, int32_t *out_ids);
 
     /* Temperature + top-p sampling of one id per row, the semantics of
-     * worker/sampler.c's moe_sample with top_k and min_p off:
+     * worker/engine/sampler.c's moe_sample with top_k and min_p off:
      * temperature <= 0 is argmax; else p_i = expf((l_i - max) / temperature);
      * with 0 < top_p < 1 the candidates are sorted by p descending (ties to
      * the lower id) and the shortest prefix whose mass reaches top_p of the

@@ -17,14 +17,14 @@
 
 #include "cli.h"
 #include "backend.h"
-#include "generate.h"
-#include "engine.h"
-#include "group.h"
-#include "launch.h"
-#include "model.h"
-#include "offline.h"
-#include "placement.h"
-#include "spec.h"
+#include "engine/generate.h"
+#include "engine/engine.h"
+#include "group/group.h"
+#include "group/launch.h"
+#include "model/model.h"
+#include "engine/offline.h"
+#include "model/placement.h"
+#include "engine/spec.h"
 #include "tokenizer.h"
 
 struct args {

@@ -25,19 +25,19 @@
 
 #include "cli.h"
 #include "backend.h"
-#include "engine.h"
+#include "engine/engine.h"
 #include "etcd.h"
-#include "generate.h"
-#include "group.h"
-#include "kv_link.h"
-#include "launch.h"
-#include "model.h"
+#include "engine/generate.h"
+#include "group/group.h"
+#include "disagg/kv_link.h"
+#include "group/launch.h"
+#include "model/model.h"
 #include "moe/v1/worker.pb-c.h"
-#include "placement.h"
-#include "service.h"
-#include "spec.h"
+#include "model/placement.h"
+#include "serve/service.h"
+#include "engine/spec.h"
 #include "tokenizer.h"
-#include "worker_metrics.h"
+#include "serve/worker_metrics.h"
 
 struct args {
     const char *model;
@@ -396,8 +396,7 @@ int main(int argc, char **argv)
     const char *name = strrchr(a.model, '/');
     name = name && name[1] ? name + 1 : a.model;
     if (a.metrics_listen) { /* times every step: the engine calls through it */
-        if (worker_metrics_create(name, model, group, eo.forward, eo.forward_ctx, &metrics,
-                                  &err))
+        if (worker_metrics_create(name, model, group, eo.forward, eo.forward_ctx, &metrics, &err))
             goto fail;
         eo.forward = worker_metrics_forward;
         eo.forward_ctx = metrics;
@@ -525,7 +524,7 @@ fail:
     fprintf(stderr, "moe-worker: %s\n", err.msg);
 out:
     moe_etcd_watch_destroy(placement_watch);
-    worker_metrics_destroy(metrics); /* reads the service and the engine */
+    worker_metrics_destroy(metrics);  /* reads the service and the engine */
     worker_service_destroy(ws, 1000); /* joins the engine thread: MPI is ours again */
     if (group && group->rank == 0) {
         struct moe_error stop_err;

@@ -36,8 +36,8 @@
 #include <string.h>
 
 #include "backend.h"
-#include "generate.h"
-#include "model.h"
+#include "engine/generate.h"
+#include "model/model.h"
 #include "testlib.h"
 #include "tokenizer.h"
 

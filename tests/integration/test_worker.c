@@ -12,7 +12,7 @@
 
 #include "rpcutil.h"
 #include "backend.h"
-#include "generate.h"
+#include "engine/generate.h"
 #include "moe/v1/health.pb-c.h"
 #include "moe/v1/worker.pb-c.h"
 #include "proc.h"

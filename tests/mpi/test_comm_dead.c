@@ -13,7 +13,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "comm.h"
+#include "comm/comm.h"
 
 enum { N_STEP = 2000, DIE_AT = 20, A2A_BYTES = 65536 };
 

@@ -8,7 +8,7 @@
  * barrier, split). */
 #include <string.h>
 
-#include "comm.h"
+#include "comm/comm.h"
 #include "testlib.h"
 
 #ifdef MOE_HAVE_NCCL

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "comm.h"
+#include "comm/comm.h"
 #include "testlib.h"
 
 enum { N_WARM = 3, N_ITER = 15 };

@@ -12,8 +12,8 @@
 #include <string.h>
 
 #include "backend.h"
-#include "engine.h"
-#include "generate.h"
+#include "engine/engine.h"
+#include "engine/generate.h"
 #include "testlib.h"
 
 #define MAX_REQ 64

@@ -894,7 +894,7 @@ static void test_unpermute_combine(void)
     }
 }
 
-/* moe_sample (worker/sampler.c) restricted to temperature and top-p, with
+/* moe_sample (worker/engine/sampler.c) restricted to temperature and top-p, with
  * its double sums: what sample_top_p must agree with. */
 static int32_t naive_sample(const float *l, int n, float temp, float top_p, double u)
 {

@@ -1,4 +1,4 @@
-/* The KV data plane (worker/kv_link.c) on synthetic caches, in one process
+/* The KV data plane (worker/disagg/kv_link.c) on synthetic caches, in one process
  * over loopback TCP: slices re-sliced across TP sizes and re-blocked across
  * block sizes arrive bit-exact; refusals name what is wrong and write
  * nothing; FORGET reports completeness; orders push from another rank;
@@ -9,7 +9,7 @@
 #include <unistd.h>
 
 #include "backend.h"
-#include "kv_link.h"
+#include "disagg/kv_link.h"
 #include "testlib.h"
 
 enum { N_LAYER = 3, N_HEAD = 4, D_HEAD = 8, N_TOK = 23, N_BLOCK = 32 };

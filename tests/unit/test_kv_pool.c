@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kv_pool.h"
+#include "kv/kv_pool.h"
 #include "testlib.h"
 
 #define BS 4

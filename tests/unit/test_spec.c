@@ -17,8 +17,8 @@
 #include <string.h>
 
 #include "backend.h"
-#include "engine.h"
-#include "spec.h"
+#include "engine/engine.h"
+#include "engine/spec.h"
 #include "testlib.h"
 
 #define MAX_OUT 96

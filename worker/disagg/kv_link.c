@@ -1,0 +1,1225 @@
+/* The KV data plane: see kv_link.h.
+ *
+ * Wire: every message is a head {magic, type, body length} and a body of
+ * little-endian 32/64-bit words and length-prefixed strings; SLICE is
+ * followed by its payload. Each request is answered by one STATUS message on
+ * the same connection, which then closes (a connection per request: on
+ * loopback a connect costs tens of microseconds, far below a slice). A SLICE
+ * is answered twice: once its header was checked against the reservation
+ * (so a refusal arrives before any payload is sent), and at the end.
+ *
+ * Locking: l->mu guards the table of expected handoffs. A SLICE pins its
+ * handoff (writers++) while it writes, without the lock; FORGET waits for
+ * the pins to drop, so once it answered no byte is written into the blocks,
+ * which the leader may then give back to its pool. */
+#define _GNU_SOURCE /* accept4 */
+#include "disagg/kv_link.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "comm/comm.h"
+#include "engine/generate.h" /* moe_now */
+#include "test_fault.h"
+
+#define KVL_MAGIC 0x4b454f4du /* "MOEK" */
+#define KVL_MAX_BODY (1u << 24)
+
+enum kvl_type { T_EXPECT = 1, T_FORGET, T_ORDER, T_SLICE, T_STATUS };
+
+struct wire_head {
+    uint32_t magic, type, len;
+};
+
+/* ---- body encoding ------------------------------------------------------------------ */
+
+struct wbuf {
+    uint8_t *p;
+    size_t n, cap;
+    bool oom;
+};
+
+static void put(struct wbuf *b, const void *v, size_t n)
+{
+    if (b->oom)
+        return;
+    if (b->n + n > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 256;
+        while (cap < b->n + n)
+            cap *= 2;
+        uint8_t *q = realloc(b->p, cap);
+        if (!q) {
+            b->oom = true;
+            return;
+        }
+        b->p = q;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, v, n);
+    b->n += n;
+}
+
+static void put_i32(struct wbuf *b, int32_t v)
+{
+    put(b, &v, sizeof v);
+}
+
+static void put_u64(struct wbuf *b, uint64_t v)
+{
+    put(b, &v, sizeof v);
+}
+
+static void put_str(struct wbuf *b, const char *s)
+{
+    int32_t n = (int32_t)strlen(s);
+    put_i32(b, n);
+    put(b, s, (size_t)n);
+}
+
+static void put_ints(struct wbuf *b, const int32_t *v, int n)
+{
+    put_i32(b, n);
+    put(b, v, (size_t)n * sizeof *v);
+}
+
+struct rbuf {
+    const uint8_t *p;
+    size_t n, at;
+    bool bad;
+};
+
+static void get(struct rbuf *r, void *v, size_t n)
+{
+    if (r->bad || r->n - r->at < n) {
+        r->bad = true;
+        memset(v, 0, n);
+        return;
+    }
+    memcpy(v, r->p + r->at, n);
+    r->at += n;
+}
+
+static int32_t get_i32(struct rbuf *r)
+{
+    int32_t v;
+    get(r, &v, sizeof v);
+    return v;
+}
+
+static uint64_t get_u64(struct rbuf *r)
+{
+    uint64_t v;
+    get(r, &v, sizeof v);
+    return v;
+}
+
+static void get_str(struct rbuf *r, char *out, size_t cap)
+{
+    int32_t n = get_i32(r);
+    if (n < 0 || (size_t)n >= cap || r->n - r->at < (size_t)n) {
+        r->bad = true;
+        out[0] = '\0';
+        return;
+    }
+    get(r, out, (size_t)n);
+    out[n] = '\0';
+}
+
+/* A malloc'd array of at most `max` ints (NULL with r->bad on error). */
+static int32_t *get_ints(struct rbuf *r, int *n, int max)
+{
+    *n = get_i32(r);
+    if (r->bad || *n < 0 || *n > max || r->n - r->at < (size_t)*n * 4) {
+        r->bad = true;
+        *n = 0;
+        return NULL;
+    }
+    int32_t *v = malloc((size_t)(*n ? *n : 1) * sizeof *v);
+    if (!v) {
+        r->bad = true;
+        return NULL;
+    }
+    get(r, v, (size_t)*n * sizeof *v);
+    return v;
+}
+
+/* ---- sockets ------------------------------------------------------------------------ */
+
+static int64_t ms_left(double deadline)
+{
+    double left = (deadline - moe_now()) * 1e3;
+    return left < 0 ? 0 : (int64_t)left;
+}
+
+/* Waits until fd is readable (in) or writable; false on timeout/error. */
+static bool wait_fd(int fd, bool in, double deadline)
+{
+    for (;;) {
+        struct pollfd p = {.fd = fd, .events = in ? POLLIN : POLLOUT};
+        int64_t left = ms_left(deadline);
+        int rc = poll(&p, 1, left > 0x7fffffff ? 0x7fffffff : (int)left);
+        if (rc > 0)
+            return true;
+        if (rc == 0 || errno != EINTR)
+            return false;
+    }
+}
+
+static enum moe_status send_bytes(int fd, const void *buf, size_t n, double deadline,
+                                  struct moe_error *err)
+{
+    const uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k > 0) {
+            p += k;
+            n -= (size_t)k;
+        } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            if (!wait_fd(fd, false, deadline))
+                return moe_error_set(err, MOE_ERR_IO, "sending timed out");
+        } else {
+            return moe_error_set(err, MOE_ERR_IO, "send: %s", strerror(errno));
+        }
+    }
+    return MOE_OK;
+}
+
+static enum moe_status recv_bytes(int fd, void *buf, size_t n, double deadline,
+                                  struct moe_error *err)
+{
+    uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t k = recv(fd, p, n, MSG_DONTWAIT);
+        if (k > 0) {
+            p += k;
+            n -= (size_t)k;
+        } else if (k == 0) {
+            return moe_error_set(err, MOE_ERR_IO, "the peer closed the connection");
+        } else if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+            if (!wait_fd(fd, true, deadline))
+                return moe_error_set(err, MOE_ERR_IO, "receiving timed out");
+        } else {
+            return moe_error_set(err, MOE_ERR_IO, "recv: %s", strerror(errno));
+        }
+    }
+    return MOE_OK;
+}
+
+/* Splits "host:port" (the last colon; [v6] brackets dropped). */
+static bool split_hostport(const char *s, char *host, size_t cap, int *port)
+{
+    const char *colon = strrchr(s, ':');
+    if (!colon || colon == s || !colon[1])
+        return false;
+    size_t hl = (size_t)(colon - s);
+    const char *h = s;
+    if (hl >= 2 && h[0] == '[' && h[hl - 1] == ']') {
+        h++;
+        hl -= 2;
+    }
+    if (hl >= cap)
+        return false;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    char *end;
+    long p = strtol(colon + 1, &end, 10);
+    if (*end || p < 0 || p > 65535)
+        return false;
+    *port = (int)p;
+    return true;
+}
+
+static int connect_to(const char *endpoint, double deadline, struct moe_error *err)
+{
+    char host[KVL_ENDPOINT_MAX], port_s[16];
+    int port;
+    if (!split_hostport(endpoint, host, sizeof host, &port) || port == 0) {
+        moe_error_set(err, MOE_ERR_INVALID, "KV endpoint '%.120s': not host:port", endpoint);
+        return -1;
+    }
+    snprintf(port_s, sizeof port_s, "%d", port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+    int grc = getaddrinfo(host, port_s, &hints, &res);
+    if (grc) {
+        moe_error_set(err, MOE_ERR_IO, "KV endpoint %.120s: %s", endpoint, gai_strerror(grc));
+        return -1;
+    }
+    int fd = -1;
+    for (struct addrinfo *a = res; a && fd < 0; a = a->ai_next) {
+        fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+        if (fd < 0)
+            continue;
+        if (connect(fd, a->ai_addr, a->ai_addrlen) == 0)
+            break;
+        int so = 0;
+        socklen_t sl = sizeof so;
+        if (errno == EINPROGRESS && wait_fd(fd, false, deadline) &&
+            getsockopt(fd, SOL_SOCKET, SO_ERROR, &so, &sl) == 0 && so == 0)
+            break;
+        if (so)
+            errno = so;
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    if (fd < 0) {
+        moe_error_set(err, MOE_ERR_IO, "KV endpoint %.120s: cannot connect (%s)", endpoint,
+                      strerror(errno ? errno : ETIMEDOUT));
+        return -1;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    return fd;
+}
+
+static enum moe_status send_msg(int fd, uint32_t type, const struct wbuf *b, double deadline,
+                                struct moe_error *err)
+{
+    if (b->oom)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a KV link message");
+    struct wire_head h = {KVL_MAGIC, type, (uint32_t)b->n};
+    enum moe_status rc = send_bytes(fd, &h, sizeof h, deadline, err);
+    return rc ? rc : send_bytes(fd, b->p, b->n, deadline, err);
+}
+
+/* Reads one message; *body is malloc'd (the caller frees it). */
+static enum moe_status recv_msg(int fd, uint32_t *type, uint8_t **body, size_t *len,
+                                double deadline, struct moe_error *err)
+{
+    struct wire_head h;
+    *body = NULL;
+    *type = 0;
+    *len = 0;
+    enum moe_status rc = recv_bytes(fd, &h, sizeof h, deadline, err);
+    if (rc)
+        return rc;
+    if (h.magic != KVL_MAGIC || h.len > KVL_MAX_BODY)
+        return moe_error_set(err, MOE_ERR_INVALID, "not a KV link message (magic %08x, %u bytes)",
+                             h.magic, h.len);
+    if (!(*body = malloc(h.len ? h.len : 1)))
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    if ((rc = recv_bytes(fd, *body, h.len, deadline, err))) {
+        free(*body);
+        *body = NULL;
+        return rc;
+    }
+    *type = h.type;
+    *len = h.len;
+    return MOE_OK;
+}
+
+/* STATUS: {status, value, flag, message}. */
+static void send_status(int fd, enum moe_status st, uint64_t value, bool flag, const char *msg,
+                        double deadline)
+{
+    struct wbuf b = {0};
+    put_i32(&b, (int32_t)st);
+    put_u64(&b, value);
+    put_i32(&b, flag);
+    put_str(&b, msg ? msg : "");
+    struct moe_error ignored = {0};
+    send_msg(fd, T_STATUS, &b, deadline, &ignored);
+    free(b.p);
+}
+
+static enum moe_status recv_status(int fd, const char *endpoint, double deadline, uint64_t *value,
+                                   bool *flag, struct moe_error *err)
+{
+    uint32_t type = 0;
+    uint8_t *body;
+    size_t len = 0;
+    enum moe_status rc = recv_msg(fd, &type, &body, &len, deadline, err);
+    if (rc)
+        return moe_error_prefix(err, "KV endpoint %.120s", endpoint);
+    struct rbuf r = {body, len, 0, false};
+    enum moe_status st = (enum moe_status)get_i32(&r);
+    uint64_t v = get_u64(&r);
+    bool f = get_i32(&r) != 0;
+    char msg[sizeof err->msg];
+    get_str(&r, msg, sizeof msg);
+    free(body);
+    if (type != T_STATUS || r.bad)
+        return moe_error_set(err, MOE_ERR_INVALID, "KV endpoint %.120s: malformed answer",
+                             endpoint);
+    if (value)
+        *value = v;
+    if (flag)
+        *flag = f;
+    if (st != MOE_OK)
+        return moe_error_set(err, st, "KV endpoint %.120s: %s", endpoint, msg);
+    return MOE_OK;
+}
+
+/* One request, one STATUS answer. */
+static enum moe_status call(const char *endpoint, uint32_t type, const struct wbuf *b,
+                            int timeout_ms, uint64_t *value, bool *flag, struct moe_error *err)
+{
+    double deadline = moe_now() + timeout_ms / 1e3;
+    int fd = connect_to(endpoint, deadline, err);
+    if (fd < 0)
+        return MOE_ERR_IO;
+    enum moe_status rc = send_msg(fd, type, b, deadline, err);
+    if (rc)
+        moe_error_prefix(err, "KV endpoint %.120s", endpoint);
+    else
+        rc = recv_status(fd, endpoint, deadline, value, flag, err);
+    close(fd);
+    return rc;
+}
+
+/* ---- the link ----------------------------------------------------------------------- */
+
+struct expected {
+    char id[KVL_ID_MAX];
+    int32_t *blocks;
+    int n_blocks, n_tokens;
+    double deadline;
+    int writers;     /* SLICEs writing now */
+    uint64_t bytes;  /* payload bytes written */
+    uint64_t floats; /* K and V floats written, to tell completeness */
+    struct expected *next;
+};
+
+/* A two-rank NCCL communicator with one peer (the device path): rank 0 is
+ * the sending side. Its mutex makes the slices of the pair go one at a time,
+ * in the same order on both sides, as NCCL's point-to-point matching needs. */
+struct pair {
+    char peer[KVL_ENDPOINT_MAX];
+    bool sending;
+    struct moe_comm *comm; /* NULL until the first slice, or after a failure */
+    bool broken;           /* NCCL could not connect: this pair uses the socket */
+    pthread_mutex_t mu;
+    struct pair *next;
+};
+
+struct kvl {
+    struct kvl_opts o;
+    bool nccl;          /* payloads device to device when the peer agrees */
+    struct pair *pairs; /* under mu */
+    char endpoint[KVL_ENDPOINT_MAX];
+    int head_begin, head_end;
+    int listen_fd;
+    pthread_t acceptor;
+    bool acceptor_live;
+    int fault_delay_ms;
+    bool fault_die;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cond; /* writers or n_conns dropped */
+    struct moe_kv_cache *kv;
+    struct expected *table;
+    int n_conns;
+    bool stopping;
+};
+
+void kvl_heads(int n_kv_head, int tp_size, int tp_rank, int *begin, int *end)
+{
+    int per = n_kv_head / (tp_size > 0 ? tp_size : 1);
+    *begin = tp_rank * per;
+    *end = *begin + per;
+}
+
+const char *kvl_endpoint(const struct kvl *l)
+{
+    return l->endpoint;
+}
+
+void kvl_attach_kv(struct kvl *l, struct moe_kv_cache *kv)
+{
+    pthread_mutex_lock(&l->mu);
+    l->kv = kv;
+    pthread_mutex_unlock(&l->mu);
+}
+
+static struct expected *find_locked(struct kvl *l, const char *id)
+{
+    double now = moe_now();
+    for (struct expected **p = &l->table; *p;) {
+        struct expected *e = *p;
+        if (e->deadline < now && e->writers == 0) { /* a leader that never said FORGET */
+            *p = e->next;
+            free(e->blocks);
+            free(e);
+            continue;
+        }
+        if (!strcmp(e->id, id))
+            return e;
+        p = &e->next;
+    }
+    return NULL;
+}
+
+static enum moe_status expect_local(struct kvl *l, const char *id, const int32_t *blocks,
+                                    int n_blocks, int n_tokens, int ttl_ms, struct moe_error *err)
+{
+    struct expected *e = calloc(1, sizeof *e);
+    if (!e || !(e->blocks = malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof *e->blocks))) {
+        free(e);
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    }
+    snprintf(e->id, sizeof e->id, "%s", id);
+    memcpy(e->blocks, blocks, (size_t)n_blocks * sizeof *blocks);
+    e->n_blocks = n_blocks;
+    e->n_tokens = n_tokens;
+    e->deadline = moe_now() + ttl_ms / 1e3;
+    pthread_mutex_lock(&l->mu);
+    enum moe_status rc = MOE_OK;
+    if (find_locked(l, id)) {
+        rc = moe_error_set(err, MOE_ERR_INVALID, "handoff %.100s is already expected here", id);
+    } else {
+        e->next = l->table;
+        l->table = e;
+        e = NULL;
+    }
+    pthread_mutex_unlock(&l->mu);
+    if (e) {
+        free(e->blocks);
+        free(e);
+    }
+    return rc;
+}
+
+static void forget_local(struct kvl *l, const char *id, uint64_t *bytes, bool *complete)
+{
+    *bytes = 0;
+    *complete = false;
+    pthread_mutex_lock(&l->mu);
+    struct expected *e = find_locked(l, id);
+    while (e && e->writers > 0) {
+        pthread_cond_wait(&l->cond, &l->mu);
+        e = find_locked(l, id);
+    }
+    if (e) {
+        for (struct expected **p = &l->table; *p; p = &(*p)->next)
+            if (*p == e) {
+                *p = e->next;
+                break;
+            }
+        *bytes = e->bytes;
+        uint64_t want = (uint64_t)l->o.layout.n_layer * 2 * (uint64_t)e->n_tokens *
+                        (uint64_t)(l->head_end - l->head_begin) * (uint64_t)l->o.layout.d_head;
+        *complete = e->floats == want;
+        free(e->blocks);
+        free(e);
+    }
+    pthread_mutex_unlock(&l->mu);
+}
+
+enum moe_status kvl_expect(struct kvl *l, const char *endpoint, const char *id,
+                           const int32_t *blocks, int n_blocks, int n_tokens, int ttl_ms,
+                           struct moe_error *err)
+{
+    if (!endpoint)
+        return expect_local(l, id, blocks, n_blocks, n_tokens, ttl_ms, err);
+    struct wbuf b = {0};
+    put_str(&b, id);
+    put_i32(&b, n_tokens);
+    put_i32(&b, ttl_ms);
+    put_ints(&b, blocks, n_blocks);
+    enum moe_status rc = call(endpoint, T_EXPECT, &b, l->o.io_timeout_ms, NULL, NULL, err);
+    free(b.p);
+    return rc;
+}
+
+enum moe_status kvl_forget(struct kvl *l, const char *endpoint, const char *id, uint64_t *bytes,
+                           bool *complete, struct moe_error *err)
+{
+    if (!endpoint) {
+        forget_local(l, id, bytes, complete);
+        return MOE_OK;
+    }
+    struct wbuf b = {0};
+    put_str(&b, id);
+    *bytes = 0;
+    *complete = false;
+    enum moe_status rc = call(endpoint, T_FORGET, &b, l->o.io_timeout_ms, bytes, complete, err);
+    free(b.p);
+    return rc;
+}
+
+/* ---- slices ------------------------------------------------------------------------- */
+
+enum copy_dir { TO_HOST, FROM_HOST, TO_STAGE, FROM_STAGE };
+
+/* Copies rows [0, n) of heads [hb, he) of cache array `base` (one layer's K
+ * or V) between the cache and the token-major buffer `buf` (n x (he - hb) x
+ * d_head): host memory, or a staging buffer in backend memory. Runs of whole
+ * rows inside a block move in one copy; a part of a row moves row by row. */
+static void copy_rows(struct kvl *l, struct moe_kv_cache *kv, float *base, const int32_t *blocks,
+                      int n, int hb, int he, float *buf, enum copy_dir dir)
+{
+    struct moe_backend *be = l->o.be;
+    int dh = l->o.layout.d_head, bs = kv->block_size;
+    size_t row = (size_t)(he - hb) * dh;
+    bool whole = he - hb == l->head_end - l->head_begin;
+    size_t off = (size_t)(hb - l->head_begin) * dh;
+    for (int t = 0; t < n;) {
+        int run = whole ? bs - t % bs : 1;
+        if (run > n - t)
+            run = n - t;
+        float *slot = base + ((size_t)blocks[t / bs] * bs + (size_t)(t % bs)) * kv->kv_dim + off;
+        float *b = buf + (size_t)t * row;
+        size_t bytes = (size_t)run * row * sizeof(float);
+        switch (dir) {
+        case TO_HOST: be->ops->buf_download(be, b, slot, bytes); break;
+        case FROM_HOST: be->ops->buf_upload(be, slot, b, bytes); break;
+        case TO_STAGE: be->ops->buf_copy(be, b, slot, bytes); break;
+        case FROM_STAGE: be->ops->buf_copy(be, slot, b, bytes); break;
+        }
+        t += run;
+    }
+}
+
+/* The pair with `peer` on this side (made on first use). */
+static struct pair *pair_get(struct kvl *l, const char *peer, bool sending)
+{
+    pthread_mutex_lock(&l->mu);
+    struct pair *p = l->pairs;
+    while (p && (p->sending != sending || strcmp(p->peer, peer)))
+        p = p->next;
+    if (!p && (p = calloc(1, sizeof *p))) {
+        snprintf(p->peer, sizeof p->peer, "%s", peer);
+        p->sending = sending;
+        pthread_mutex_init(&p->mu, NULL);
+        p->next = l->pairs;
+        l->pairs = p;
+    }
+    pthread_mutex_unlock(&l->mu);
+    return p;
+}
+
+/* Moves one layer's K or V payload (`bytes`) of a slice: over the socket
+ * through the host buffer `host`, or over the pair's NCCL communicator
+ * through the staging buffer `stage`. */
+static enum moe_status move_payload(struct kvl *l, int fd, struct pair *pr, bool sending,
+                                    float *host, float *stage, size_t bytes, double deadline,
+                                    struct moe_error *err)
+{
+    if (!pr)
+        return sending ? send_bytes(fd, host, bytes, deadline, err)
+                       : recv_bytes(fd, host, bytes, deadline, err);
+    l->o.be->ops->synchronize(l->o.be); /* the staging copies are on the backend's stream */
+    return sending ? moe_comm_send(pr->comm, stage, bytes, 1, err)
+                   : moe_comm_recv(pr->comm, stage, bytes, 0, err);
+}
+
+/* Both sides of a pair's first slice: the communicator, from the id the
+ * sender made. */
+static enum moe_status pair_connect(struct kvl *l, struct pair *pr,
+                                    const struct moe_comm_nccl_id *id, struct moe_error *err)
+{
+    moe_comm_destroy(pr->comm);
+    pr->comm = NULL;
+    enum moe_status rc = moe_comm_create_nccl(id, 2, pr->sending ? 0 : 1, l->o.device, NULL,
+                                              l->o.io_timeout_ms, &pr->comm, err);
+    return rc ? moe_error_prefix(err, "NCCL communicator with %.120s", pr->peer) : MOE_OK;
+}
+
+/* The device path's handshake, once both sides know whether they try it:
+ * after connecting (first slice of a pair), each side tells whether its
+ * communicator is up and NCCL carries the payload only if both are. A pair
+ * that could not connect (e.g. both ranks on one GPU) falls back to the
+ * socket for good. Returns whether NCCL carries this slice. */
+static bool pair_agree(struct kvl *l, int fd, struct pair *pr, bool init,
+                       const struct moe_comm_nccl_id *id, double deadline)
+{
+    bool up = true;
+    struct moe_error err = {0};
+    if (init && pair_connect(l, pr, id, &err)) {
+        fprintf(stderr, "moe-worker: KV link: %s; using the socket with %s\n", err.msg, pr->peer);
+        up = false;
+    }
+    /* receiver speaks first, then the sender answers the verdict */
+    bool theirs = false, ok = true;
+    struct moe_error ignored = {0};
+    if (pr->sending) {
+        ok = recv_status(fd, pr->peer, deadline, NULL, &theirs, &ignored) == MOE_OK;
+        send_status(fd, MOE_OK, 0, up && theirs && ok, "", deadline);
+    } else {
+        send_status(fd, MOE_OK, 0, up, "", deadline);
+        ok = recv_status(fd, pr->peer, deadline, NULL, &theirs, &ignored) == MOE_OK;
+    }
+    bool use = up && theirs && ok;
+    if (!use) {
+        moe_comm_destroy(pr->comm);
+        pr->comm = NULL;
+        pr->broken = true;
+    }
+    return use;
+}
+
+static void unpin(struct kvl *l, struct expected *e, uint64_t bytes)
+{
+    pthread_mutex_lock(&l->mu);
+    e->writers--;
+    e->bytes += bytes;
+    e->floats += bytes / sizeof(float);
+    pthread_cond_broadcast(&l->cond);
+    pthread_mutex_unlock(&l->mu);
+}
+
+/* The receiving side of one SLICE whose header is in r. */
+static void serve_slice(struct kvl *l, int fd, struct rbuf *r)
+{
+    double deadline = moe_now() + l->o.io_timeout_ms / 1e3; /* for refusals */
+    char id[KVL_ID_MAX], sender[KVL_ENDPOINT_MAX], msg[512] = "";
+    get_str(r, id, sizeof id);
+    int n_layer = get_i32(r), d_head = get_i32(r), hb = get_i32(r), he = get_i32(r);
+    int n_tokens = get_i32(r), dst_bs = get_i32(r), n_dst;
+    int32_t *dst = get_ints(r, &n_dst, 1 << 22);
+    int transport = get_i32(r), init = get_i32(r);
+    struct moe_comm_nccl_id nid;
+    get(r, &nid, sizeof nid);
+    get_str(r, sender, sizeof sender);
+    enum moe_status st = MOE_ERR_INVALID;
+    struct expected *e = NULL;
+    struct moe_kv_cache *kv = NULL;
+    pthread_mutex_lock(&l->mu);
+    if (r->bad) {
+        snprintf(msg, sizeof msg, "malformed SLICE header");
+    } else if (!l->kv || l->stopping) {
+        st = MOE_ERR_IO;
+        snprintf(msg, sizeof msg, "this rank has no KV cache yet or is stopping");
+    } else if (!(e = find_locked(l, id))) {
+        st = MOE_ERR_NOT_FOUND;
+        snprintf(msg, sizeof msg, "handoff %.100s is not expected here (released or expired)", id);
+    } else if (n_layer != l->o.layout.n_layer || d_head != l->o.layout.d_head) {
+        snprintf(msg, sizeof msg, "KV layout: %d layers x head dim %d sent, %d x %d here", n_layer,
+                 d_head, l->o.layout.n_layer, l->o.layout.d_head);
+    } else if (hb < l->head_begin || he > l->head_end || hb >= he) {
+        snprintf(msg, sizeof msg, "heads [%d, %d) sent, this rank holds [%d, %d)", hb, he,
+                 l->head_begin, l->head_end);
+    } else if (dst_bs != l->kv->block_size || n_tokens != e->n_tokens || n_dst != e->n_blocks ||
+               memcmp(dst, e->blocks, (size_t)n_dst * sizeof *dst)) {
+        snprintf(msg, sizeof msg,
+                 "blocks: %d blocks of %d tokens for %d tokens sent; %d blocks of %d for %d "
+                 "tokens were reserved",
+                 n_dst, dst_bs, n_tokens, e->n_blocks, l->kv->block_size, e->n_tokens);
+    } else {
+        st = MOE_OK;
+        e->writers++;
+        kv = l->kv;
+    }
+    pthread_mutex_unlock(&l->mu);
+    struct pair *pr = st == MOE_OK && transport == 1 && l->nccl ? pair_get(l, sender, false) : NULL;
+    if (pr) {
+        pthread_mutex_lock(&pr->mu);
+        if (pr->broken || (!init && !pr->comm)) { /* the sender re-initialises next time */
+            pthread_mutex_unlock(&pr->mu);
+            pr = NULL;
+        }
+    }
+    send_status(fd, st, 0, pr != NULL, msg, deadline); /* go ahead (and how), or why not */
+    if (st != MOE_OK) {
+        free(dst);
+        return;
+    }
+    struct moe_error err = {0};
+    if (pr && !pair_agree(l, fd, pr, init, &nid, deadline)) {
+        pthread_mutex_unlock(&pr->mu);
+        pr = NULL;
+    }
+    size_t per = (size_t)n_tokens * (size_t)(he - hb) * (size_t)d_head;
+    float *host = pr ? NULL : malloc((per ? per : 1) * sizeof *host);
+    float *stage = pr ? l->o.be->ops->buf_alloc(l->o.be, (per ? per : 1) * sizeof *stage) : NULL;
+    uint64_t bytes = 0;
+    if (!host && !stage)
+        st = moe_error_set(&err, MOE_ERR_NOMEM, "out of memory for a slice");
+    for (int layer = 0; layer < n_layer && !st; layer++)
+        for (int kind = 0; kind < 2 && !st; kind++) {
+            /* a sender that stops making progress fails the slice */
+            double step = moe_now() + l->o.io_timeout_ms / 1e3;
+            if ((st = move_payload(l, fd, pr, false, host, stage, per * sizeof(float), step, &err)))
+                break;
+            float *base = kind ? kv->v[layer] : kv->k[layer];
+            copy_rows(l, kv, base, dst, n_tokens, hb, he, pr ? stage : host,
+                      pr ? FROM_STAGE : FROM_HOST);
+            bytes += per * sizeof(float);
+        }
+    l->o.be->ops->synchronize(l->o.be);
+    if (stage)
+        l->o.be->ops->buf_free(l->o.be, stage);
+    if (pr) {
+        if (st) { /* a failed NCCL exchange leaves the communicator unusable */
+            moe_comm_destroy(pr->comm);
+            pr->comm = NULL;
+        }
+        pthread_mutex_unlock(&pr->mu);
+    }
+    free(host);
+    free(dst);
+    unpin(l, e, st ? 0 : bytes);
+    send_status(fd, st, bytes, false, st ? err.msg : "", moe_now() + l->o.io_timeout_ms / 1e3);
+}
+
+/* Sends heads [hb, he) of `p` to one target. */
+static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const struct kvl_push *p,
+                                const struct kvl_target *t, int hb, int he, double deadline,
+                                uint64_t *bytes, struct moe_error *err)
+{
+    struct pair *pr = l->nccl ? pair_get(l, t->endpoint, true) : NULL;
+    if (pr) {
+        pthread_mutex_lock(&pr->mu); /* held to the end: slices of a pair go in order */
+        if (pr->broken) {
+            pthread_mutex_unlock(&pr->mu);
+            pr = NULL;
+        }
+    }
+    bool init = pr && !pr->comm;
+    struct moe_comm_nccl_id nid = {{0}};
+    if (init && moe_comm_nccl_get_id(&nid, err)) {
+        pr->broken = true;
+        pthread_mutex_unlock(&pr->mu);
+        pr = NULL;
+        init = false;
+    }
+    int fd = connect_to(t->endpoint, deadline, err);
+    if (fd < 0) {
+        if (pr)
+            pthread_mutex_unlock(&pr->mu);
+        return MOE_ERR_IO;
+    }
+    int dh = l->o.layout.d_head;
+    struct wbuf b = {0};
+    put_str(&b, p->id);
+    put_i32(&b, l->o.layout.n_layer);
+    put_i32(&b, dh);
+    put_i32(&b, hb);
+    put_i32(&b, he);
+    put_i32(&b, p->n_tokens);
+    put_i32(&b, p->dst_block_size);
+    put_ints(&b, p->dst_blocks, p->n_dst_blocks);
+    put_i32(&b, pr ? 1 : 0);
+    put_i32(&b, init);
+    put(&b, &nid, sizeof nid);
+    put_str(&b, l->endpoint);
+    enum moe_status rc = send_msg(fd, T_SLICE, &b, deadline, err);
+    free(b.p);
+    bool nccl = false;
+    if (!rc) /* the receiver checks the header against its reservation first */
+        rc = recv_status(fd, t->endpoint, deadline, NULL, &nccl, err);
+    if (pr && !rc && !nccl) {
+        if (init) { /* the peer has no device path: the socket for good */
+            pr->broken = true;
+        } else { /* the peer lost its side (restarted?): connect again next time */
+            moe_comm_destroy(pr->comm);
+            pr->comm = NULL;
+        }
+    }
+    if (pr && !rc && nccl && !pair_agree(l, fd, pr, init, &nid, deadline))
+        nccl = false;
+    if (pr && !nccl) {
+        pthread_mutex_unlock(&pr->mu);
+        pr = NULL;
+    }
+    size_t per = (size_t)p->n_tokens * (size_t)(he - hb) * (size_t)dh;
+    float *host = NULL, *stage = NULL;
+    if (!rc) {
+        if (pr)
+            stage = l->o.be->ops->buf_alloc(l->o.be, (per ? per : 1) * sizeof *stage);
+        else
+            host = malloc((per ? per : 1) * sizeof *host);
+        if (!host && !stage)
+            rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a slice");
+    }
+    for (int layer = 0; layer < l->o.layout.n_layer && !rc; layer++) {
+        if (l->fault_delay_ms)
+            usleep((useconds_t)l->fault_delay_ms * 1000);
+        for (int kind = 0; kind < 2 && !rc; kind++) {
+            float *base = kind ? kv->v[layer] : kv->k[layer];
+            copy_rows(l, kv, base, p->src_blocks, p->n_tokens, hb, he, pr ? stage : host,
+                      pr ? TO_STAGE : TO_HOST);
+            rc = move_payload(l, fd, pr, true, host, stage, per * sizeof(float), deadline, err);
+        }
+        if (!rc && l->fault_die) {
+            fprintf(stderr,
+                    "moe-worker: MOE_FAULT_DIE_DURING_TRANSFER: exiting after layer %d "
+                    "of handoff %s\n",
+                    layer, p->id);
+            _exit(3);
+        }
+    }
+    free(host);
+    if (stage)
+        l->o.be->ops->buf_free(l->o.be, stage);
+    uint64_t got = 0;
+    if (!rc)
+        rc = recv_status(fd, t->endpoint, deadline, &got, NULL, err);
+    else if (!strstr(err->msg, "KV endpoint"))
+        moe_error_prefix(err, "KV endpoint %.120s", t->endpoint);
+    if (pr) {
+        if (rc) {
+            moe_comm_destroy(pr->comm);
+            pr->comm = NULL;
+        }
+        pthread_mutex_unlock(&pr->mu);
+    }
+    close(fd);
+    if (!rc)
+        *bytes += got;
+    return rc;
+}
+
+enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *bytes,
+                         struct moe_error *err)
+{
+    *bytes = 0;
+    double deadline = moe_now() + p->deadline_ms / 1e3;
+    pthread_mutex_lock(&l->mu);
+    struct moe_kv_cache *kv = l->kv;
+    pthread_mutex_unlock(&l->mu);
+    if (!kv)
+        return moe_error_set(err, MOE_ERR_IO, "this rank has no KV cache yet");
+    if (p->n_tokens < 1 || p->n_tokens > p->n_src_blocks * kv->block_size ||
+        p->dst_block_size < 1 || p->n_tokens > p->n_dst_blocks * p->dst_block_size)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "handoff %.100s: %d tokens do not fit %d blocks here / %d blocks "
+                             "of %d there",
+                             p->id, p->n_tokens, p->n_src_blocks, p->n_dst_blocks,
+                             p->dst_block_size);
+    for (int i = 0; i < p->n_targets; i++) {
+        const struct kvl_target *t = &p->targets[i];
+        int hb = t->head_begin > l->head_begin ? t->head_begin : l->head_begin;
+        int he = t->head_end < l->head_end ? t->head_end : l->head_end;
+        if (hb >= he)
+            continue;
+        enum moe_status rc = push_one(l, kv, p, t, hb, he, deadline, bytes, err);
+        if (rc)
+            return moe_error_prefix(err, "handoff %.100s, heads [%d, %d)", p->id, hb, he);
+    }
+    return MOE_OK;
+}
+
+/* ---- orders ------------------------------------------------------------------------- */
+
+static void put_push(struct wbuf *b, const struct kvl_push *p)
+{
+    put_str(b, p->id);
+    put_i32(b, p->n_tokens);
+    put_i32(b, p->deadline_ms);
+    put_ints(b, p->src_blocks, p->n_src_blocks);
+    put_i32(b, p->dst_block_size);
+    put_ints(b, p->dst_blocks, p->n_dst_blocks);
+    put_i32(b, p->n_targets);
+    for (int i = 0; i < p->n_targets; i++) {
+        put_str(b, p->targets[i].endpoint);
+        put_i32(b, p->targets[i].head_begin);
+        put_i32(b, p->targets[i].head_end);
+    }
+}
+
+struct kvl_order {
+    struct kvl *l;
+    char endpoint[KVL_ENDPOINT_MAX];
+    struct wbuf msg;
+    int timeout_ms;
+    pthread_t th;
+    enum moe_status rc;
+    struct moe_error err;
+    uint64_t bytes;
+};
+
+static void *order_main(void *arg)
+{
+    struct kvl_order *o = arg;
+    o->rc = call(o->endpoint, T_ORDER, &o->msg, o->timeout_ms, &o->bytes, NULL, &o->err);
+    return NULL;
+}
+
+enum moe_status kvl_order_start(struct kvl *l, const char *endpoint, const struct kvl_push *p,
+                                struct kvl_order **out, struct moe_error *err)
+{
+    *out = NULL;
+    struct kvl_order *o = calloc(1, sizeof *o);
+    if (!o)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    o->l = l;
+    snprintf(o->endpoint, sizeof o->endpoint, "%s", endpoint);
+    put_push(&o->msg, p);
+    /* the ordered rank's own deadline fires first; this one only catches a
+     * rank that stopped answering */
+    o->timeout_ms = p->deadline_ms + l->o.io_timeout_ms;
+    if (o->msg.oom || pthread_create(&o->th, NULL, order_main, o)) {
+        free(o->msg.p);
+        free(o);
+        return moe_error_set(err, MOE_ERR_NOMEM, "cannot start a KV order to %.120s", endpoint);
+    }
+    *out = o;
+    return MOE_OK;
+}
+
+enum moe_status kvl_order_wait(struct kvl_order *o, uint64_t *bytes, struct moe_error *err)
+{
+    pthread_join(o->th, NULL);
+    enum moe_status rc = o->rc;
+    *bytes = o->bytes;
+    if (rc)
+        *err = o->err;
+    free(o->msg.p);
+    free(o);
+    return rc;
+}
+
+static void serve_order(struct kvl *l, int fd, struct rbuf *r, double io_deadline)
+{
+    char id[KVL_ID_MAX];
+    struct kvl_push p = {.id = id};
+    get_str(r, id, sizeof id);
+    p.n_tokens = get_i32(r);
+    p.deadline_ms = get_i32(r);
+    int32_t *src = get_ints(r, &p.n_src_blocks, 1 << 22);
+    p.dst_block_size = get_i32(r);
+    int32_t *dst = get_ints(r, &p.n_dst_blocks, 1 << 22);
+    p.n_targets = get_i32(r);
+    struct kvl_target *t = NULL;
+    if (!r->bad && p.n_targets > 0 && p.n_targets <= KVL_MAX_RANKS &&
+        (t = calloc((size_t)p.n_targets, sizeof *t)))
+        for (int i = 0; i < p.n_targets; i++) {
+            get_str(r, t[i].endpoint, sizeof t[i].endpoint);
+            t[i].head_begin = get_i32(r);
+            t[i].head_end = get_i32(r);
+        }
+    p.src_blocks = src;
+    p.dst_blocks = dst;
+    p.targets = t;
+    struct moe_error err = {0};
+    uint64_t bytes = 0;
+    enum moe_status st;
+    if (r->bad || !t || p.deadline_ms < 1)
+        st = moe_error_set(&err, MOE_ERR_INVALID, "malformed ORDER");
+    else
+        st = kvl_push(l, &p, &bytes, &err);
+    free(src);
+    free(dst);
+    free(t);
+    double deadline = moe_now() + l->o.io_timeout_ms / 1e3;
+    send_status(fd, st, bytes, false, st ? err.msg : "",
+                deadline > io_deadline ? deadline : io_deadline);
+}
+
+/* ---- server ------------------------------------------------------------------------- */
+
+struct conn {
+    struct kvl *l;
+    int fd;
+};
+
+static void *conn_main(void *arg)
+{
+    struct conn *c = arg;
+    struct kvl *l = c->l;
+    double deadline = moe_now() + l->o.io_timeout_ms / 1e3;
+    uint32_t type = 0;
+    uint8_t *body = NULL;
+    size_t len = 0;
+    struct moe_error err = {0};
+    if (recv_msg(c->fd, &type, &body, &len, deadline, &err) == MOE_OK) {
+        struct rbuf r = {body, len, 0, false};
+        char id[KVL_ID_MAX];
+        switch (type) {
+        case T_EXPECT: {
+            get_str(&r, id, sizeof id);
+            int n_tokens = get_i32(&r), ttl = get_i32(&r), n;
+            int32_t *blocks = get_ints(&r, &n, 1 << 22);
+            enum moe_status st = r.bad ? moe_error_set(&err, MOE_ERR_INVALID, "malformed EXPECT")
+                                       : expect_local(l, id, blocks, n, n_tokens, ttl, &err);
+            free(blocks);
+            send_status(c->fd, st, 0, false, st ? err.msg : "", deadline);
+            break;
+        }
+        case T_FORGET: {
+            get_str(&r, id, sizeof id);
+            uint64_t bytes = 0;
+            bool complete = false;
+            if (!r.bad)
+                forget_local(l, id, &bytes, &complete);
+            send_status(c->fd, r.bad ? MOE_ERR_INVALID : MOE_OK, bytes, complete,
+                        r.bad ? "malformed FORGET" : "", moe_now() + l->o.io_timeout_ms / 1e3);
+            break;
+        }
+        case T_ORDER: serve_order(l, c->fd, &r, deadline); break;
+        case T_SLICE: serve_slice(l, c->fd, &r); break;
+        default: send_status(c->fd, MOE_ERR_INVALID, 0, false, "unknown message", deadline);
+        }
+    }
+    free(body);
+    close(c->fd);
+    free(c);
+    pthread_mutex_lock(&l->mu);
+    l->n_conns--;
+    pthread_cond_broadcast(&l->cond);
+    pthread_mutex_unlock(&l->mu);
+    return NULL;
+}
+
+static void *accept_main(void *arg)
+{
+    struct kvl *l = arg;
+    for (;;) {
+        struct pollfd p = {.fd = l->listen_fd, .events = POLLIN};
+        int prc = poll(&p, 1, 100);
+        pthread_mutex_lock(&l->mu);
+        bool stop = l->stopping;
+        pthread_mutex_unlock(&l->mu);
+        if (stop)
+            break;
+        if (prc <= 0)
+            continue;
+        int fd = accept4(l->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0)
+            continue;
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        struct conn *c = malloc(sizeof *c);
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_t th;
+        if (c) {
+            c->l = l;
+            c->fd = fd;
+            pthread_mutex_lock(&l->mu);
+            l->n_conns++;
+            pthread_mutex_unlock(&l->mu);
+        }
+        if (!c || pthread_create(&th, &attr, conn_main, c)) {
+            close(fd);
+            if (c) {
+                free(c);
+                pthread_mutex_lock(&l->mu);
+                l->n_conns--;
+                pthread_mutex_unlock(&l->mu);
+            }
+        }
+        pthread_attr_destroy(&attr);
+    }
+    return NULL;
+}
+
+enum moe_status kvl_create(const struct kvl_opts *o, struct kvl **out, struct moe_error *err)
+{
+    *out = NULL;
+    const struct kvl_layout *lay = &o->layout;
+    if (lay->tp_size < 1 || lay->n_kv_head % lay->tp_size || lay->tp_rank < 0 ||
+        lay->tp_rank >= lay->tp_size)
+        return moe_error_set(err, MOE_ERR_INVALID, "KV link: %d KV heads over tp %d (rank %d)",
+                             lay->n_kv_head, lay->tp_size, lay->tp_rank);
+    char host[KVL_ENDPOINT_MAX];
+    int port;
+    if (!split_hostport(o->listen, host, sizeof host, &port))
+        return moe_error_set(err, MOE_ERR_INVALID, "--kv-listen '%s': not host:port", o->listen);
+    struct kvl *l = calloc(1, sizeof *l);
+    if (!l)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    l->o = *o;
+    if (l->o.io_timeout_ms <= 0)
+        l->o.io_timeout_ms = 5000;
+    kvl_heads(lay->n_kv_head, lay->tp_size, lay->tp_rank, &l->head_begin, &l->head_end);
+    l->nccl = o->nccl && o->be->device == MOE_DEVICE_CUDA;
+    /* test-only hooks, armed by MOE_TEST_FAULTS=1 alone (test_fault.h) */
+    l->fault_delay_ms = moe_fault_int("MOE_FAULT_TRANSFER_DELAY_MS", 0);
+    if (l->fault_delay_ms < 0)
+        l->fault_delay_ms = 0;
+    l->fault_die = moe_fault_int("MOE_FAULT_DIE_DURING_TRANSFER", 0) > 0;
+    pthread_mutex_init(&l->mu, NULL);
+    pthread_cond_init(&l->cond, NULL);
+    l->listen_fd = -1;
+
+    char port_s[16];
+    snprintf(port_s, sizeof port_s, "%d", port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE},
+                    *res = NULL;
+    int grc = getaddrinfo(host[0] ? host : NULL, port_s, &hints, &res);
+    if (grc) {
+        moe_error_set(err, MOE_ERR_IO, "--kv-listen %s: %s", o->listen, gai_strerror(grc));
+        goto fail;
+    }
+    for (struct addrinfo *a = res; a && l->listen_fd < 0; a = a->ai_next) {
+        int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        int one = 1;
+        if (fd < 0)
+            continue;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 64) == 0)
+            l->listen_fd = fd;
+        else
+            close(fd);
+    }
+    freeaddrinfo(res);
+    if (l->listen_fd < 0) {
+        moe_error_set(err, MOE_ERR_IO, "--kv-listen %s: cannot listen (%s)", o->listen,
+                      strerror(errno));
+        goto fail;
+    }
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    getsockname(l->listen_fd, (struct sockaddr *)&ss, &sl);
+    int bound = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                               : ((struct sockaddr_in *)&ss)->sin_port);
+    const char *adv = o->advertise_host ? o->advertise_host : host;
+    char name[KVL_ENDPOINT_MAX];
+    if (!adv[0] || !strcmp(adv, "0.0.0.0") || !strcmp(adv, "::") || !strcmp(adv, "[::]")) {
+        if (gethostname(name, sizeof name))
+            snprintf(name, sizeof name, "localhost");
+        name[sizeof name - 1] = '\0';
+        adv = name;
+    }
+    bool v6 = strchr(adv, ':') != NULL;
+    snprintf(l->endpoint, sizeof l->endpoint, "%s%.100s%s:%d", v6 ? "[" : "", adv, v6 ? "]" : "",
+             bound);
+    if (pthread_create(&l->acceptor, NULL, accept_main, l)) {
+        moe_error_set(err, MOE_ERR_INTERNAL, "cannot start the KV link thread");
+        goto fail;
+    }
+    l->acceptor_live = true;
+    *out = l;
+    return MOE_OK;
+fail:
+    kvl_destroy(l);
+    return err->code;
+}
+
+void kvl_destroy(struct kvl *l)
+{
+    if (!l)
+        return;
+    pthread_mutex_lock(&l->mu);
+    l->stopping = true;
+    pthread_mutex_unlock(&l->mu);
+    if (l->acceptor_live)
+        pthread_join(l->acceptor, NULL);
+    if (l->listen_fd >= 0)
+        close(l->listen_fd);
+    pthread_mutex_lock(&l->mu);
+    while (l->n_conns > 0) /* each ends within its socket timeouts */
+        pthread_cond_wait(&l->cond, &l->mu);
+    while (l->table) {
+        struct expected *e = l->table;
+        l->table = e->next;
+        free(e->blocks);
+        free(e);
+    }
+    while (l->pairs) {
+        struct pair *p = l->pairs;
+        l->pairs = p->next;
+        moe_comm_destroy(p->comm);
+        pthread_mutex_destroy(&p->mu);
+        free(p);
+    }
+    pthread_mutex_unlock(&l->mu);
+    pthread_mutex_destroy(&l->mu);
+    pthread_cond_destroy(&l->cond);
+    free(l);
+}

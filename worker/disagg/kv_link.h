@@ -1,0 +1,137 @@
+/* The KV data plane of disaggregated serving: one endpoint per rank.
+ *
+ * Every rank of a prefill or decode group listens on its own TCP port and
+ * moves its own slice of the KV cache (the KV heads of its tensor-parallel
+ * rank) straight to the ranks of the other group that hold those heads. The
+ * group leaders only steer (moe.v1.Worker KvReserve / KvSend / KvTransfer,
+ * see kv_transfer.h); no KV byte passes through a leader that does not own it.
+ *
+ *   prefill rank i (heads [a, b))  --SLICE-->  decode rank j (heads [c, d)):
+ *                                              the overlap of [a, b) and [c, d)
+ *
+ * A slice is token-major (per layer: K then V, each n_tokens x heads x d_head
+ * f32), so the two sides may use different TP sizes (heads are re-sliced by
+ * overlap) and different block sizes (the receiver places tokens into its own
+ * blocks). Messages on a connection (one request, one STATUS answer):
+ *   EXPECT  decode leader -> its ranks: blocks B are reserved for handoff H
+ *           (a rank writes only into blocks expected for that handoff);
+ *   FORGET  decode leader -> its ranks: drop H once no write is running,
+ *           answering the bytes written and whether every row arrived;
+ *   ORDER   prefill leader -> its ranks: push your slice of H to these targets;
+ *   SLICE   any rank -> a decode rank: the data, written on arrival (no engine
+ *           step boundary is waited for: the reserved blocks belong to no
+ *           running sequence).
+ * A slice for an unknown, expired or differently shaped handoff is refused
+ * before a byte of it is written. Every socket operation has a timeout, so a
+ * dead or stuck peer fails the handoff instead of hanging it.
+ *
+ * Payloads: over the same TCP connection through host memory (the host path,
+ * and the fallback), or between GPUs over NCCL (kvl_opts.nccl: staged in a
+ * device buffer, sent on a two-rank communicator per rank pair whose unique
+ * id travels in the pair's first SLICE header). UNVERIFIED: no machine with
+ * two GPUs has run the NCCL payload path yet. */
+#ifndef MOE_KV_LINK_H
+#define MOE_KV_LINK_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "model/model.h"
+#include "moe_error.h"
+
+#define KVL_ENDPOINT_MAX 128
+#define KVL_ID_MAX 200
+#define KVL_MAX_RANKS 256 /* ranks of a group */
+
+/* Which KV heads a rank holds: [tp_rank, tp_rank + 1) * n_kv_head / tp_size. */
+struct kvl_layout {
+    int n_layer, n_kv_head, d_head; /* the model's */
+    int tp_size, tp_rank;
+};
+
+struct kvl_opts {
+    struct moe_backend *be; /* borrowed: the KV cache's backend */
+    /* host:port to listen on; port 0 picks a free one. The advertised
+     * endpoint uses advertise_host (NULL: the listen host; 0.0.0.0 or an
+     * empty host: this machine's name). */
+    const char *listen;
+    const char *advertise_host;
+    struct kvl_layout layout;
+    int io_timeout_ms; /* per socket operation; 0 = 5000 */
+    /* The device path: with a CUDA cache, slice payloads go device to device
+     * over NCCL (a two-rank communicator per rank pair, made on the pair's
+     * first slice from a unique id the sender passes in the SLICE header);
+     * the messages stay on the socket. A peer without it, or a pair whose
+     * communicator cannot connect, uses the socket. */
+    bool nccl;
+    int device; /* CUDA device ordinal of the cache */
+};
+
+struct kvl;
+
+enum moe_status kvl_create(const struct kvl_opts *o, struct kvl **out, struct moe_error *err);
+
+/* "host:port" where the other ranks reach this one. */
+const char *kvl_endpoint(const struct kvl *l);
+
+/* The cache this rank serves. Slices are refused until it is set. */
+void kvl_attach_kv(struct kvl *l, struct moe_kv_cache *kv);
+
+/* Stops listening and waits for the connections being served. NULL: no-op. */
+void kvl_destroy(struct kvl *l);
+
+/* Heads [*begin, *end) of TP rank `tp_rank` of `tp_size`. */
+void kvl_heads(int n_kv_head, int tp_size, int tp_rank, int *begin, int *end);
+
+/* ---- decode side ------------------------------------------------------------------- */
+
+/* Lets slices of handoff `id` (n_tokens KV positions) into `blocks` of this
+ * rank for ttl_ms. `endpoint` NULL: this process's link `l`; else the remote
+ * rank there. */
+enum moe_status kvl_expect(struct kvl *l, const char *endpoint, const char *id,
+                           const int32_t *blocks, int n_blocks, int n_tokens, int ttl_ms,
+                           struct moe_error *err);
+
+/* Drops handoff `id` after any write into it ended. *bytes: bytes written;
+ * *complete: every row of every layer of this rank's heads arrived. An
+ * unknown id answers 0 bytes, not complete. */
+enum moe_status kvl_forget(struct kvl *l, const char *endpoint, const char *id, uint64_t *bytes,
+                           bool *complete, struct moe_error *err);
+
+/* ---- prefill side ------------------------------------------------------------------- */
+
+struct kvl_target { /* one rank of the decode group */
+    char endpoint[KVL_ENDPOINT_MAX];
+    int head_begin, head_end;
+};
+
+struct kvl_push {
+    const char *id;
+    const int32_t *src_blocks; /* the sequence's blocks in the sender's cache */
+    int n_src_blocks;
+    int n_tokens;              /* KV positions to move */
+    const int32_t *dst_blocks; /* reserved on the decode group (same ids on its ranks) */
+    int n_dst_blocks;
+    int dst_block_size;
+    const struct kvl_target *targets;
+    int n_targets;
+    int deadline_ms; /* the whole push */
+};
+
+/* Pushes this rank's slice to every target whose heads overlap it; returns
+ * the payload bytes sent. Fault injection (tests only: armed by
+ * MOE_TEST_FAULTS=1, see test_fault.h): MOE_FAULT_TRANSFER_DELAY_MS sleeps
+ * before each layer; MOE_FAULT_DIE_DURING_TRANSFER exits after the first
+ * layer went out. */
+enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *bytes,
+                         struct moe_error *err);
+
+/* Asks the rank at `endpoint` to run kvl_push(p) there: started at once on a
+ * thread of this process, collected by kvl_order_wait (which frees it). */
+struct kvl_order;
+enum moe_status kvl_order_start(struct kvl *l, const char *endpoint, const struct kvl_push *p,
+                                struct kvl_order **out, struct moe_error *err);
+enum moe_status kvl_order_wait(struct kvl_order *o, uint64_t *bytes, struct moe_error *err);
+
+#endif

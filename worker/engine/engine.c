@@ -1,0 +1,1233 @@
+/* Continuous-batching engine: scheduler, KV block bookkeeping, sampling and
+ * request life cycle. See engine.h for the contract. */
+#include "engine/engine.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/generate.h"
+#include "kv/kv_pool.h"
+#include "engine/spec.h"
+
+struct seq {
+    uint64_t id;
+    int32_t *tokens; /* (cap_tokens) prompt, then generated ids */
+    int n_tokens;
+    int cap_tokens;
+    int n_prompt;
+    int n_computed;       /* tokens whose K/V are in the cache */
+    int32_t *blocks;      /* (cap_blocks) block table */
+    uint64_t *block_hash; /* (cap_blocks) chained hash of each full block */
+    int n_blocks;
+    int n_hashed; /* blocks [0, n_hashed) are full and hashed */
+    int cap_blocks;
+    struct moe_request_params params;
+    struct moe_rng rng;
+    moe_token_cb cb;
+    void *user;
+    uint8_t *seen;      /* (vocab) penalties: token in prompt or output */
+    int32_t *out_count; /* (vocab) penalties: occurrences in the output */
+    char *text;         /* decoded output, kept when there are stop strings */
+    size_t text_len;
+    bool prompt_counted;
+    double t_admitted;
+    int n_cached;
+    bool import_pending; /* started from a handoff: take reservation import_key */
+    uint64_t import_key;
+    int32_t draft[MOE_SPEC_TOKENS_MAX]; /* this step's draft tokens, after tokens[n_tokens - 1] */
+};
+
+/* A queued reservation request or release (from any thread). */
+struct engine_op {
+    bool release;
+    uint64_t key;
+    int n_blocks;
+    moe_reserve_cb cb;
+    void *user;
+};
+
+/* Blocks held for an incoming handoff (engine thread only). */
+struct reservation {
+    uint64_t key;
+    int32_t *blocks; /* (n_blocks) */
+    int n_blocks;
+};
+
+/* One scheduled piece of work: tokens [start, start + count) of a sequence;
+ * the last n_draft of them are s->draft, guesses beyond its real tokens. */
+struct sched_entry {
+    struct seq *s;
+    int start;
+    int count;
+    int n_draft;
+};
+
+struct seq_list {
+    struct seq **v;
+    int n;
+    int cap;
+};
+
+struct moe_engine {
+    struct moe_model *model;
+    struct moe_tokenizer *tok;
+    const struct moe_config *cfg;
+    struct moe_engine_opts opts;
+    struct moe_kv_cache *kv;
+    struct kv_pool *pool;
+    struct seq_list waiting; /* FCFS; preempted sequences go to the front */
+    struct seq_list running; /* admission order: the last is the newest */
+    struct seq_list parked;  /* prefill_only sequences holding KV for a handoff */
+    struct reservation *resv;
+    int n_resv, cap_resv;
+    struct moe_rng seed_rng;
+
+    /* step scratch */
+    struct sched_entry *sched;
+    int cap_sched;
+    int32_t *b_tokens, *b_pos, *b_seq, *b_slots, *b_rows, *b_tables;
+    int cap_tok, cap_tables;
+    float *logits;
+    int cap_logits;
+    void *sample_work;
+
+    pthread_mutex_t mu; /* guards everything below */
+    struct seq_list inbox;
+    uint64_t *aborts;
+    int n_aborts, cap_aborts;
+    uint64_t *live; /* ids of every request not yet finished */
+    int n_live, cap_live;
+    struct engine_op *ops; /* reservation requests and releases */
+    int n_ops, cap_ops;
+    int n_parked;                   /* live ids that are parked (not stepped) */
+    struct moe_engine_stats stats;  /* under mu: what moe_engine_stats reads */
+    struct moe_engine_stats counts; /* the engine thread's running counters, published to
+                                       stats by publish_stats */
+};
+
+const char *moe_finish_name(enum moe_finish f)
+{
+    switch (f) {
+    case MOE_FINISH_NONE: return "none";
+    case MOE_FINISH_LENGTH: return "length";
+    case MOE_FINISH_STOP: return "stop";
+    case MOE_FINISH_ABORT: return "abort";
+    case MOE_FINISH_ERROR: return "error";
+    }
+    return "?";
+}
+
+void moe_request_params_init(struct moe_request_params *p)
+{
+    memset(p, 0, sizeof *p);
+    p->max_tokens = 16;
+    p->logprobs = -1;
+}
+
+/* ---- small containers ------------------------------------------------------------ */
+
+static bool list_reserve(struct seq_list *l, int n)
+{
+    if (n <= l->cap)
+        return true;
+    int cap = l->cap ? l->cap * 2 : 16;
+    while (cap < n)
+        cap *= 2;
+    struct seq **v = realloc(l->v, (size_t)cap * sizeof *v);
+    if (!v)
+        return false;
+    l->v = v;
+    l->cap = cap;
+    return true;
+}
+
+static bool list_push(struct seq_list *l, struct seq *s)
+{
+    if (!list_reserve(l, l->n + 1))
+        return false;
+    l->v[l->n++] = s;
+    return true;
+}
+
+static void list_remove_at(struct seq_list *l, int i)
+{
+    memmove(l->v + i, l->v + i + 1, (size_t)(l->n - i - 1) * sizeof *l->v);
+    l->n--;
+}
+
+static bool grow(void **p, int *cap, int need, size_t elem)
+{
+    if (need <= *cap)
+        return true;
+    int c = *cap ? *cap : 16;
+    while (c < need)
+        c *= 2;
+    void *q = realloc(*p, (size_t)c * elem);
+    if (!q)
+        return false;
+    *p = q;
+    *cap = c;
+    return true;
+}
+
+/* ---- life cycle -------------------------------------------------------------------- */
+
+static void seq_free(struct seq *s)
+{
+    if (!s)
+        return;
+    free(s->tokens);
+    free(s->blocks);
+    free(s->block_hash);
+    free(s->seen);
+    free(s->out_count);
+    free(s->text);
+    free(s);
+}
+
+enum moe_status moe_engine_create(struct moe_model *model, struct moe_tokenizer *tok,
+                                  const struct moe_engine_opts *opts, struct moe_engine **out,
+                                  struct moe_error *err)
+{
+    *out = NULL;
+    struct moe_engine_opts o = *opts;
+    if (!o.block_size)
+        o.block_size = 16;
+    if (!o.max_batch_tokens)
+        o.max_batch_tokens = 512;
+    if (!o.max_running)
+        o.max_running = 64;
+    if (o.n_block <= 0)
+        return moe_error_set(err, MOE_ERR_INVALID, "--kv-blocks: %d is not a positive number",
+                             o.n_block);
+    if (o.block_size < 1 || o.block_size > 1024)
+        return moe_error_set(err, MOE_ERR_INVALID, "--block-size: %d is not in [1, 1024]",
+                             o.block_size);
+    if (o.spec_tokens < 0 || o.spec_tokens > MOE_SPEC_TOKENS_MAX)
+        return moe_error_set(err, MOE_ERR_INVALID, "--spec-tokens: %d is not in [0, %d]",
+                             o.spec_tokens, MOE_SPEC_TOKENS_MAX);
+    if (o.max_batch_tokens < 1 || o.max_running < 1)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "--max-batch-tokens %d and --max-running %d must be positive",
+                             o.max_batch_tokens, o.max_running);
+    struct moe_engine *e = calloc(1, sizeof *e);
+    if (!e)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    e->model = model;
+    e->tok = tok;
+    e->cfg = moe_model_config(model);
+    e->opts = o;
+    moe_rng_seed(&e->seed_rng, 0x5eedull);
+    pthread_mutex_init(&e->mu, NULL);
+    enum moe_status rc = kv_pool_create(o.n_block, o.block_size, &e->pool, err);
+    if (!rc)
+        rc = moe_kv_cache_create(model, o.n_block, o.block_size, &e->kv, err);
+    if (!rc && !(e->sample_work = malloc((size_t)e->cfg->vocab_size * 8)))
+        rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    if (rc) {
+        moe_engine_destroy(e);
+        return rc;
+    }
+    e->stats.kv_blocks_total = o.n_block;
+    e->stats.block_size = o.block_size;
+    e->stats.kv_blocks_free = o.n_block;
+    *out = e;
+    return MOE_OK;
+}
+
+void moe_engine_destroy(struct moe_engine *e)
+{
+    if (!e)
+        return;
+    for (int i = 0; i < e->waiting.n; i++)
+        seq_free(e->waiting.v[i]);
+    for (int i = 0; i < e->running.n; i++)
+        seq_free(e->running.v[i]);
+    for (int i = 0; i < e->inbox.n; i++)
+        seq_free(e->inbox.v[i]);
+    for (int i = 0; i < e->parked.n; i++)
+        seq_free(e->parked.v[i]);
+    for (int i = 0; i < e->n_resv; i++)
+        free(e->resv[i].blocks);
+    free(e->resv);
+    free(e->ops);
+    free(e->parked.v);
+    free(e->waiting.v);
+    free(e->running.v);
+    free(e->inbox.v);
+    free(e->aborts);
+    free(e->live);
+    free(e->sched);
+    free(e->b_tokens);
+    free(e->b_pos);
+    free(e->b_seq);
+    free(e->b_slots);
+    free(e->b_rows);
+    free(e->b_tables);
+    free(e->logits);
+    free(e->sample_work);
+    moe_kv_cache_free(e->model, e->kv);
+    kv_pool_destroy(e->pool);
+    pthread_mutex_destroy(&e->mu);
+    free(e);
+}
+
+/* ---- submit / abort (any thread) --------------------------------------------------- */
+
+static enum moe_status check_params(const struct moe_engine *e, const int32_t *prompt, int n_prompt,
+                                    const struct moe_request_params *p, struct moe_error *err)
+{
+    const struct moe_config *c = e->cfg;
+    if (n_prompt < 1)
+        return moe_error_set(err, MOE_ERR_INVALID, "prompt: empty");
+    for (int i = 0; i < n_prompt; i++)
+        if (prompt[i] < 0 || prompt[i] >= c->vocab_size)
+            return moe_error_set(
+                err, MOE_ERR_INVALID,
+                "prompt: token id %d at index %d is outside the vocabulary [0, %d)", prompt[i], i,
+                c->vocab_size);
+    if (p->max_tokens < 1)
+        return moe_error_set(err, MOE_ERR_INVALID, "max_tokens: %d, must be >= 1", p->max_tokens);
+    if ((int64_t)n_prompt + p->max_tokens > c->max_pos)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "max_tokens: prompt (%d tokens) + max_tokens (%d) exceeds the model "
+                             "context of %d",
+                             n_prompt, p->max_tokens, c->max_pos);
+    int64_t blocks =
+        ((int64_t)n_prompt + p->max_tokens + e->opts.block_size - 1) / e->opts.block_size;
+    if (blocks > e->opts.n_block)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "max_tokens: prompt + max_tokens need %lld KV blocks, the pool has %d",
+                             (long long)blocks, e->opts.n_block);
+    const struct moe_sampler_params *sp = &p->sp;
+    if (!(sp->temperature >= 0.0f && sp->temperature <= 100.0f))
+        return moe_error_set(err, MOE_ERR_INVALID, "temperature: %g is not in [0, 100]",
+                             (double)sp->temperature);
+    if (!(sp->top_p >= 0.0f && sp->top_p <= 1.0f))
+        return moe_error_set(err, MOE_ERR_INVALID, "top_p: %g is not in [0, 1]", (double)sp->top_p);
+    if (sp->top_k < 0)
+        return moe_error_set(err, MOE_ERR_INVALID, "top_k: %d is negative", sp->top_k);
+    if (!(sp->min_p >= 0.0f && sp->min_p <= 1.0f))
+        return moe_error_set(err, MOE_ERR_INVALID, "min_p: %g is not in [0, 1]", (double)sp->min_p);
+    if (!(sp->repetition_penalty >= 0.0f && sp->repetition_penalty <= 10.0f))
+        return moe_error_set(err, MOE_ERR_INVALID, "repetition_penalty: %g is not in (0, 10]",
+                             (double)sp->repetition_penalty);
+    if (!(fabsf(sp->presence_penalty) <= 2.0f) || !(fabsf(sp->frequency_penalty) <= 2.0f))
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "presence_penalty %g / frequency_penalty %g: must be in [-2, 2]",
+                             (double)sp->presence_penalty, (double)sp->frequency_penalty);
+    if (p->n_stop_ids < 0 || p->n_stop_ids > MOE_MAX_STOP_IDS)
+        return moe_error_set(err, MOE_ERR_INVALID, "stop_token_ids: %d ids, at most %d allowed",
+                             p->n_stop_ids, MOE_MAX_STOP_IDS);
+    if (p->n_stop_strings < 0 || p->n_stop_strings > MOE_MAX_STOP_STRINGS)
+        return moe_error_set(err, MOE_ERR_INVALID, "stop: %d strings, at most %d allowed",
+                             p->n_stop_strings, MOE_MAX_STOP_STRINGS);
+    for (int i = 0; i < p->n_stop_strings; i++) {
+        size_t len = strnlen(p->stop_strings[i], MOE_MAX_STOP_LEN + 1);
+        if (len == 0 || len > MOE_MAX_STOP_LEN)
+            return moe_error_set(err, MOE_ERR_INVALID, "stop[%d]: length %zu is not in [1, %d]", i,
+                                 len, MOE_MAX_STOP_LEN);
+    }
+    if (p->n_stop_strings && !e->tok)
+        return moe_error_set(err, MOE_ERR_INVALID, "stop: stop strings need a tokenizer");
+    if (p->logprobs < -1 || p->logprobs > MOE_MAX_LOGPROBS)
+        return moe_error_set(err, MOE_ERR_INVALID, "logprobs: %d is not in [-1, %d]", p->logprobs,
+                             MOE_MAX_LOGPROBS);
+    return MOE_OK;
+}
+
+static int live_find(const struct moe_engine *e, uint64_t id)
+{
+    for (int i = 0; i < e->n_live; i++)
+        if (e->live[i] == id)
+            return i;
+    return -1;
+}
+
+/* Builds a sequence from `n_tokens` tokens of which the first n_prompt are
+ * the prompt, and queues it. `rng` (may be NULL) is the sampler state to
+ * continue from; `import_key` (with `import`) names a reservation. */
+static enum moe_status submit_seq(struct moe_engine *e, uint64_t req_id, const int32_t *tokens,
+                                  int n_tokens, int n_prompt,
+                                  const struct moe_request_params *params, moe_token_cb cb,
+                                  void *user, const struct moe_rng *rng, bool import,
+                                  uint64_t import_key, struct moe_error *err)
+{
+    struct seq *s = calloc(1, sizeof *s);
+    if (!s)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    s->id = req_id;
+    s->n_prompt = n_prompt;
+    s->n_tokens = n_tokens;
+    s->cap_tokens = n_prompt + params->max_tokens;
+    s->cap_blocks = (s->cap_tokens + e->opts.block_size - 1) / e->opts.block_size;
+    s->tokens = malloc((size_t)s->cap_tokens * sizeof *s->tokens);
+    s->blocks = malloc((size_t)s->cap_blocks * sizeof *s->blocks);
+    s->block_hash = malloc((size_t)s->cap_blocks * sizeof *s->block_hash);
+    s->params = *params;
+    s->cb = cb;
+    s->user = user;
+    s->import_pending = import;
+    s->import_key = import_key;
+    if (moe_sampler_has_penalties(&params->sp)) {
+        s->seen = calloc((size_t)e->cfg->vocab_size, 1);
+        s->out_count = calloc((size_t)e->cfg->vocab_size, sizeof *s->out_count);
+    }
+    if (!s->tokens || !s->blocks || !s->block_hash ||
+        (moe_sampler_has_penalties(&params->sp) && (!s->seen || !s->out_count))) {
+        seq_free(s);
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    }
+    memcpy(s->tokens, tokens, (size_t)n_tokens * sizeof *tokens);
+    if (s->seen)
+        for (int i = 0; i < n_tokens; i++) {
+            s->seen[tokens[i]] = 1;
+            if (i >= n_prompt)
+                s->out_count[tokens[i]]++;
+        }
+
+    pthread_mutex_lock(&e->mu);
+    if (live_find(e, req_id) >= 0) {
+        pthread_mutex_unlock(&e->mu);
+        seq_free(s);
+        return moe_error_set(err, MOE_ERR_INVALID, "request id %llu is already in flight",
+                             (unsigned long long)req_id);
+    }
+    if (rng) {
+        s->rng = *rng;
+    } else {
+        uint64_t seed =
+            params->has_seed ? params->seed : (uint64_t)(moe_rng_uniform(&e->seed_rng) * 0x1p53);
+        moe_rng_seed(&s->rng, seed);
+    }
+    bool ok = grow((void **)&e->live, &e->cap_live, e->n_live + 1, sizeof *e->live) &&
+              list_push(&e->inbox, s);
+    if (ok)
+        e->live[e->n_live++] = req_id;
+    pthread_mutex_unlock(&e->mu);
+    if (!ok) {
+        seq_free(s);
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    }
+    return MOE_OK;
+}
+
+enum moe_status moe_engine_submit(struct moe_engine *e, uint64_t req_id, const int32_t *prompt,
+                                  int n_prompt, const struct moe_request_params *params,
+                                  moe_token_cb cb, void *user, struct moe_error *err)
+{
+    enum moe_status rc = check_params(e, prompt, n_prompt, params, err);
+    if (rc)
+        return rc;
+    return submit_seq(e, req_id, prompt, n_prompt, n_prompt, params, cb, user, NULL, false, 0, err);
+}
+
+enum moe_status moe_engine_import(struct moe_engine *e, uint64_t req_id,
+                                  const struct moe_seq_import *im,
+                                  const struct moe_request_params *params, moe_token_cb cb,
+                                  void *user, struct moe_error *err)
+{
+    enum moe_status rc = check_params(e, im->tokens, im->n_prompt, params, err);
+    if (rc)
+        return rc;
+    int n_gen = im->n_tokens - im->n_prompt;
+    if (n_gen < 1 || n_gen >= params->max_tokens)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "handoff: %d generated tokens, must be in [1, max_tokens %d)", n_gen,
+                             params->max_tokens);
+    for (int i = im->n_prompt; i < im->n_tokens; i++)
+        if (im->tokens[i] < 0 || im->tokens[i] >= e->cfg->vocab_size)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "handoff: generated token %d at index %d is outside the "
+                                 "vocabulary [0, %d)",
+                                 im->tokens[i], i, e->cfg->vocab_size);
+    struct moe_request_params p = *params;
+    p.prefill_only = false;
+    return submit_seq(e, req_id, im->tokens, im->n_tokens, im->n_prompt, &p, cb, user, &im->rng,
+                      true, im->reservation, err);
+}
+
+enum moe_status moe_engine_reserve(struct moe_engine *e, uint64_t key, int n_blocks,
+                                   moe_reserve_cb cb, void *user, struct moe_error *err)
+{
+    if (n_blocks < 1 || n_blocks > e->opts.n_block)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "reservation: %d KV blocks is not in [1, %d] (the pool size)",
+                             n_blocks, e->opts.n_block);
+    pthread_mutex_lock(&e->mu);
+    bool ok = grow((void **)&e->ops, &e->cap_ops, e->n_ops + 1, sizeof *e->ops);
+    if (ok)
+        e->ops[e->n_ops++] =
+            (struct engine_op){.key = key, .n_blocks = n_blocks, .cb = cb, .user = user};
+    pthread_mutex_unlock(&e->mu);
+    return ok ? MOE_OK : moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+}
+
+void moe_engine_unreserve(struct moe_engine *e, uint64_t key)
+{
+    pthread_mutex_lock(&e->mu);
+    if (grow((void **)&e->ops, &e->cap_ops, e->n_ops + 1, sizeof *e->ops))
+        e->ops[e->n_ops++] = (struct engine_op){.release = true, .key = key};
+    pthread_mutex_unlock(&e->mu);
+}
+
+struct moe_kv_cache *moe_engine_kv_cache(struct moe_engine *e)
+{
+    return e->kv;
+}
+
+int moe_engine_block_size(const struct moe_engine *e)
+{
+    return e->opts.block_size;
+}
+
+int moe_engine_n_block(const struct moe_engine *e)
+{
+    return e->opts.n_block;
+}
+
+void moe_engine_abort(struct moe_engine *e, uint64_t req_id)
+{
+    pthread_mutex_lock(&e->mu);
+    if (grow((void **)&e->aborts, &e->cap_aborts, e->n_aborts + 1, sizeof *e->aborts))
+        e->aborts[e->n_aborts++] = req_id;
+    pthread_mutex_unlock(&e->mu);
+}
+
+bool moe_engine_busy(struct moe_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    bool busy = e->n_live - e->n_parked > 0 || e->n_ops > 0 || e->n_aborts > 0;
+    pthread_mutex_unlock(&e->mu);
+    return busy;
+}
+
+void moe_engine_stats(struct moe_engine *e, struct moe_engine_stats *out)
+{
+    pthread_mutex_lock(&e->mu);
+    *out = e->stats;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* ---- statistics ------------------------------------------------------------------ */
+
+/* Publishes the snapshot that moe_engine_stats returns (engine thread). Called
+ * at the end of every step and just before every callback that finishes a
+ * request, parks it or serves a reservation, so that whoever hears of such an
+ * event and then asks for the statistics sees the event's blocks already
+ * freed or held (see moe_engine_stats). */
+static void publish_stats(struct moe_engine *e)
+{
+    struct kv_pool_stats ps;
+    kv_pool_stats(e->pool, &ps);
+    int64_t stored = 0;
+    for (int i = 0; i < e->running.n; i++)
+        stored += e->running.v[i]->n_computed;
+    pthread_mutex_lock(&e->mu);
+    e->stats.running = e->running.n;
+    e->stats.waiting = e->waiting.n + e->inbox.n;
+    e->stats.kv_blocks_used = ps.n_used;
+    e->stats.kv_blocks_cached = ps.n_cached;
+    e->stats.kv_blocks_free = ps.n_free;
+    e->stats.kv_tokens_stored = stored;
+    e->stats.parked = e->parked.n;
+    e->stats.reservations = e->n_resv;
+    /* the cumulative counters, kept by the engine thread alone */
+    e->stats.steps = e->counts.steps;
+    e->stats.preemptions = e->counts.preemptions;
+    e->stats.prompt_tokens = e->counts.prompt_tokens;
+    e->stats.prefix_hit_tokens = e->counts.prefix_hit_tokens;
+    e->stats.computed_tokens = e->counts.computed_tokens;
+    e->stats.generated_tokens = e->counts.generated_tokens;
+    e->stats.spec_draft_tokens = e->counts.spec_draft_tokens;
+    e->stats.spec_accepted_tokens = e->counts.spec_accepted_tokens;
+    e->stats.finished = e->counts.finished;
+    e->stats.aborted = e->counts.aborted;
+    e->stats.exported = e->counts.exported;
+    e->stats.imported = e->counts.imported;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* ---- blocks ---------------------------------------------------------------------- */
+
+static void seq_release_blocks(struct moe_engine *e, struct seq *s)
+{
+    for (int i = s->n_blocks - 1; i >= 0; i--)
+        kv_pool_release(e->pool, s->blocks[i]);
+    s->n_blocks = 0;
+    s->n_hashed = 0;
+    s->n_computed = 0;
+}
+
+/* Finishes a sequence that is in neither list any more: frees its blocks,
+ * tells the caller, forgets its id. */
+static void seq_finish(struct moe_engine *e, struct seq *s, struct moe_token_event *ev)
+{
+    seq_release_blocks(e, s);
+    pthread_mutex_lock(&e->mu);
+    int i = live_find(e, s->id);
+    if (i >= 0)
+        e->live[i] = e->live[--e->n_live];
+    if (ev->finish == MOE_FINISH_ABORT)
+        e->counts.aborted++;
+    else
+        e->counts.finished++;
+    pthread_mutex_unlock(&e->mu);
+    publish_stats(e); /* before the caller hears of it */
+    if (s->cb)
+        s->cb(s->user, ev);
+    seq_free(s);
+}
+
+static void seq_finish_bare(struct moe_engine *e, struct seq *s, enum moe_finish f,
+                            const char *error)
+{
+    struct moe_token_event ev = {.req_id = s->id,
+                                 .token = -1,
+                                 .index = s->n_tokens - s->n_prompt,
+                                 .finish = f,
+                                 .stop_string = -1,
+                                 .error = error,
+                                 .t_admitted = s->t_admitted,
+                                 .n_prompt = s->n_prompt,
+                                 .n_cached = s->n_cached};
+    seq_finish(e, s, &ev);
+}
+
+/* Takes prefix-cache hits for the full blocks of a sequence about to be
+ * admitted, leaving at least its last token to compute. */
+static void seq_take_prefix(struct moe_engine *e, struct seq *s)
+{
+    int bs = e->opts.block_size;
+    while (!e->opts.no_prefix_cache && (s->n_blocks + 1) * bs <= s->n_tokens - 1) {
+        int i = s->n_blocks;
+        uint64_t parent = i ? s->block_hash[i - 1] : 0;
+        const int32_t *t = s->tokens + (size_t)i * bs;
+        uint64_t h = kv_pool_hash(parent, t, bs);
+        int32_t b = kv_pool_lookup(e->pool, h, parent, t);
+        if (b < 0)
+            break;
+        s->blocks[i] = b;
+        s->block_hash[i] = h;
+        s->n_blocks = s->n_hashed = i + 1;
+        s->n_computed = (i + 1) * bs;
+    }
+}
+
+/* Registers the sequence's newly full blocks in the prefix cache. */
+static void seq_publish_blocks(struct moe_engine *e, struct seq *s)
+{
+    int bs = e->opts.block_size;
+    while ((s->n_hashed + 1) * bs <= s->n_computed) {
+        int i = s->n_hashed;
+        uint64_t parent = i ? s->block_hash[i - 1] : 0;
+        const int32_t *t = s->tokens + (size_t)i * bs;
+        s->block_hash[i] = kv_pool_hash(parent, t, bs);
+        if (!e->opts.no_prefix_cache)
+            kv_pool_publish(e->pool, s->blocks[i], s->block_hash[i], parent, t);
+        s->n_hashed = i + 1;
+    }
+}
+
+static int blocks_for(const struct moe_engine *e, int n_tok)
+{
+    return (n_tok + e->opts.block_size - 1) / e->opts.block_size;
+}
+
+/* Preempts the newest running sequence: frees its blocks (full ones stay in
+ * the prefix cache) and puts it at the front of the waiting queue. */
+static void preempt_newest(struct moe_engine *e)
+{
+    struct seq *s = e->running.v[e->running.n - 1];
+    e->running.n--;
+    seq_release_blocks(e, s);
+    MOE_ASSERT(list_reserve(&e->waiting, e->waiting.n + 1));
+    memmove(e->waiting.v + 1, e->waiting.v, (size_t)e->waiting.n * sizeof *e->waiting.v);
+    e->waiting.v[0] = s;
+    e->waiting.n++;
+    e->counts.preemptions++;
+}
+
+/* ---- scheduling ------------------------------------------------------------------------ */
+
+static bool sched_add(struct moe_engine *e, int *n, struct seq *s, int count)
+{
+    if (!grow((void **)&e->sched, &e->cap_sched, *n + 1, sizeof *e->sched))
+        return false;
+    e->sched[(*n)++] = (struct sched_entry){s, s->n_computed, count, 0};
+    return true;
+}
+
+/* How many draft tokens entry `en` may carry this step: 0 unless it is a
+ * plain decode row (one token, the sequence's last, after its prompt: a
+ * prefill or a prefill_only sequence never speculates). Drafts get only what
+ * the step leaves over: the token budget and blocks on the free list (a
+ * guess never evicts a prefix-cache block nor preempts anyone). The draft
+ * plus the token sampled after it must fit max_tokens. */
+static int draft_limit(const struct moe_engine *e, const struct sched_entry *en, int budget)
+{
+    const struct seq *s = en->s;
+    if (en->count != 1 || en->start != s->n_tokens - 1 || s->n_tokens <= s->n_prompt ||
+        s->params.prefill_only)
+        return 0;
+    int k = e->opts.spec_tokens;
+    if (k > budget)
+        k = budget;
+    if (k > s->cap_tokens - s->n_tokens - 1)
+        k = s->cap_tokens - s->n_tokens - 1;
+    int bs = e->opts.block_size;
+    int slots = (s->n_blocks + kv_pool_free_count(e->pool)) * bs - s->n_tokens;
+    return k < slots ? k : slots;
+}
+
+/* Appends n-gram drafts to this step's decode rows (after everything else
+ * was scheduled) and takes the blocks their positions need. A sequence with
+ * no match this step stays an ordinary one-token decode row. */
+static void schedule_drafts(struct moe_engine *e, int n, int budget)
+{
+    for (int i = 0; i < n && budget > 0; i++) {
+        struct sched_entry *en = &e->sched[i];
+        struct seq *s = en->s;
+        int k = draft_limit(e, en, budget);
+        if (k <= 0 || !(k = spec_ngram_draft(s->tokens, s->n_tokens, k, s->draft)))
+            continue;
+        for (int need = blocks_for(e, s->n_tokens + k) - s->n_blocks; need > 0; need--)
+            s->blocks[s->n_blocks++] = kv_pool_alloc(e->pool);
+        en->count += k;
+        en->n_draft = k;
+        budget -= k;
+        e->counts.spec_draft_tokens += k;
+    }
+}
+
+/* Picks this step's work; returns the number of entries. */
+static int schedule(struct moe_engine *e)
+{
+    int budget = e->opts.max_batch_tokens, n = 0;
+    /* Running sequences, oldest first: decodes and continuing prompt chunks. */
+    for (int i = 0; i < e->running.n && budget > 0; i++) {
+        struct seq *s = e->running.v[i];
+        int count = s->n_tokens - s->n_computed;
+        if (count > budget)
+            count = budget;
+        int need = blocks_for(e, s->n_computed + count) - s->n_blocks;
+        bool self_preempted = false;
+        while (need > kv_pool_available(e->pool)) {
+            if (e->running.v[e->running.n - 1] == s) {
+                preempt_newest(e);
+                self_preempted = true;
+                break;
+            }
+            preempt_newest(e);
+        }
+        if (self_preempted)
+            break;
+        for (; need > 0; need--)
+            s->blocks[s->n_blocks++] = kv_pool_alloc(e->pool);
+        if (!sched_add(e, &n, s, count))
+            break;
+        budget -= count;
+    }
+    /* Waiting sequences, first come first served, while their blocks fit. */
+    while (e->waiting.n && budget > 0 && e->running.n < e->opts.max_running) {
+        struct seq *s = e->waiting.v[0];
+        seq_take_prefix(e, s);
+        int count = s->n_tokens - s->n_computed;
+        if (count > budget)
+            count = budget;
+        int need = blocks_for(e, s->n_computed + count) - s->n_blocks;
+        if (need > kv_pool_available(e->pool)) {
+            seq_release_blocks(e, s); /* give the prefix hits back; try again later */
+            break;
+        }
+        for (; need > 0; need--)
+            s->blocks[s->n_blocks++] = kv_pool_alloc(e->pool);
+        if (!s->prompt_counted) {
+            s->prompt_counted = true;
+            s->t_admitted = moe_now();
+            s->n_cached = s->n_computed;
+            e->counts.prompt_tokens += s->n_prompt;
+            e->counts.prefix_hit_tokens += s->n_computed;
+        }
+        list_remove_at(&e->waiting, 0);
+        MOE_ASSERT(list_push(&e->running, s));
+        if (!sched_add(e, &n, s, count))
+            break;
+        budget -= count;
+    }
+    if (e->opts.spec_tokens > 0)
+        schedule_drafts(e, n, budget);
+    return n;
+}
+
+/* ---- sampling and stopping ------------------------------------------------------------ */
+
+static bool is_stop_id(const struct moe_engine *e, const struct seq *s, int32_t t)
+{
+    for (int i = 0; i < s->params.n_stop_ids; i++)
+        if (s->params.stop_ids[i] == t)
+            return true;
+    if (!s->params.ignore_eos)
+        for (int i = 0; i < e->cfg->n_eos; i++)
+            if (e->cfg->eos_ids[i] == t)
+                return true;
+    return false;
+}
+
+/* Re-decodes the output and looks for a stop string in the part that could
+ * contain new text. Returns the index of the string, or -1. */
+static int match_stop_string(struct moe_engine *e, struct seq *s, int64_t *text_len)
+{
+    size_t old_len = s->text_len;
+    char *text = NULL;
+    size_t len = 0;
+    if (moe_tokenizer_decode(e->tok, s->tokens + s->n_prompt, (size_t)(s->n_tokens - s->n_prompt),
+                             true, &text, &len, NULL) != MOE_OK)
+        return -1;
+    free(s->text);
+    s->text = text;
+    s->text_len = len;
+    int best = -1;
+    size_t best_at = len;
+    for (int i = 0; i < s->params.n_stop_strings; i++) {
+        const char *stop = s->params.stop_strings[i];
+        size_t sl = strlen(stop);
+        size_t from = old_len >= sl ? old_len - sl + 1 : 0;
+        if (from > len)
+            from = 0; /* the text changed shape (a completed UTF-8 char): search all */
+        for (size_t at = from; at + sl <= len && at < best_at; at++)
+            if (!memcmp(text + at, stop, sl)) {
+                best = i;
+                best_at = at;
+                break;
+            }
+    }
+    *text_len = best >= 0 ? (int64_t)best_at : (int64_t)len;
+    return best;
+}
+
+/* Samples the next token of `s` from its logits row and reports it. Returns
+ * true when the sequence finished (it is then freed). */
+static bool seq_emit(struct moe_engine *e, struct seq *s, float *row)
+{
+    int vocab = e->cfg->vocab_size;
+    const struct moe_request_params *p = &s->params;
+    struct moe_token_event ev = {.req_id = s->id,
+                                 .stop_string = -1,
+                                 .text_len = -1,
+                                 .t_admitted = s->t_admitted,
+                                 .n_prompt = s->n_prompt,
+                                 .n_cached = s->n_cached};
+    if (p->logprobs >= 0) {
+        /* raw model distribution; the token is filled in after sampling */
+        ev.n_top = p->logprobs;
+    }
+    if (e->opts.logits_hook)
+        e->opts.logits_hook(e->opts.logits_hook_user, s->id, s->n_tokens - s->n_prompt, row, vocab);
+    bool raw_lp_needed = p->logprobs >= 0;
+    float *raw = NULL;
+    if (raw_lp_needed && moe_sampler_has_penalties(&p->sp)) {
+        raw = malloc((size_t)vocab * sizeof *raw);
+        if (raw)
+            memcpy(raw, row, (size_t)vocab * sizeof *raw);
+    }
+    if (s->seen)
+        moe_apply_penalties(row, vocab, &p->sp, s->seen, s->out_count);
+    int32_t t = moe_sample(row, vocab, &p->sp, &s->rng, e->sample_work);
+    if (raw_lp_needed)
+        ev.logprob = moe_logprobs(raw ? raw : row, vocab, t, ev.n_top, ev.top_ids, ev.top_logprobs);
+    free(raw);
+    MOE_ASSERT(s->n_tokens < s->cap_tokens);
+    s->tokens[s->n_tokens++] = t;
+    if (s->seen) {
+        s->seen[t] = 1;
+        s->out_count[t]++;
+    }
+    e->counts.generated_tokens++;
+    ev.token = t;
+    ev.index = s->n_tokens - s->n_prompt - 1;
+    if (is_stop_id(e, s, t))
+        ev.finish = MOE_FINISH_STOP;
+    if (!ev.finish && p->n_stop_strings) {
+        ev.stop_string = match_stop_string(e, s, &ev.text_len);
+        if (ev.stop_string >= 0)
+            ev.finish = MOE_FINISH_STOP;
+    }
+    if (!ev.finish && s->n_tokens - s->n_prompt >= p->max_tokens)
+        ev.finish = MOE_FINISH_LENGTH;
+    if (!ev.finish && p->prefill_only) {
+        /* Park it: it keeps its blocks until released (moe_engine_abort). */
+        for (int i = 0; i < e->running.n; i++)
+            if (e->running.v[i] == s) {
+                list_remove_at(&e->running, i);
+                break;
+            }
+        MOE_ASSERT(list_push(&e->parked, s));
+        struct moe_seq_export ex = {.req_id = s->id,
+                                    .n_prompt = s->n_prompt,
+                                    .n_tokens = s->n_tokens,
+                                    .tokens = s->tokens,
+                                    .n_kv_tokens = s->n_computed,
+                                    .n_blocks = s->n_blocks,
+                                    .blocks = s->blocks,
+                                    .block_size = e->opts.block_size,
+                                    .rng = s->rng};
+        ev.parked = &ex;
+        pthread_mutex_lock(&e->mu);
+        e->n_parked++;
+        e->counts.exported++;
+        pthread_mutex_unlock(&e->mu);
+        publish_stats(e); /* the parked blocks, before the caller hears of them */
+        if (s->cb)
+            s->cb(s->user, &ev);
+        s->cb = NULL;
+        return false;
+    }
+    if (!ev.finish) {
+        if (s->cb)
+            s->cb(s->user, &ev);
+        return false;
+    }
+    for (int i = 0; i < e->running.n; i++)
+        if (e->running.v[i] == s) {
+            list_remove_at(&e->running, i);
+            break;
+        }
+    seq_finish(e, s, &ev);
+    return true;
+}
+
+/* Releases blocks past the ones the committed tokens use: those taken for
+ * rejected drafts. They were never published (only committed full blocks
+ * are), so they go back to the free list; the sequence is left holding what
+ * plain decoding would hold. */
+static void seq_trim_blocks(struct moe_engine *e, struct seq *s)
+{
+    int keep = blocks_for(e, s->n_computed);
+    while (s->n_blocks > keep)
+        kv_pool_release(e->pool, s->blocks[--s->n_blocks]);
+}
+
+/* Verifies a decode row that carried k drafts: rows[i] (i = 0..k) are the
+ * logits after [last token, d_0 .. d_{i-1}].
+ *
+ * Exact by construction: at row i the token x_i is drawn exactly as plain
+ * decoding draws it (seq_emit: same sampler, the sequence's own RNG stream,
+ * penalties that have seen x_0 .. x_{i-1}, logprobs, stop ids / strings,
+ * max_tokens), and row i + 1 is used only when x_i == d_i, i.e. when its
+ * inputs are the tokens plain decoding would have fed. For a point-mass draft
+ * this is speculative sampling (d is kept with probability p(d), otherwise a
+ * token is drawn from p without d), and the RNG is consumed once per emitted
+ * token as in plain decoding, so for every sampling mode the output is the
+ * one plain decoding gives from the same logits. The K/V of the kept drafts
+ * are committed; the slots of rejected ones are overwritten by later steps. */
+static void seq_verify(struct moe_engine *e, struct seq *s, int k, float *rows)
+{
+    size_t vocab = (size_t)e->cfg->vocab_size;
+    for (int i = 0;; i++) {
+        if (seq_emit(e, s, rows + (size_t)i * vocab))
+            return; /* finished: s is freed with all its blocks */
+        if (i == k || s->draft[i] != s->tokens[s->n_tokens - 1])
+            break;
+        s->n_computed++; /* d_i's K/V were computed from the token now emitted */
+        e->counts.spec_accepted_tokens++;
+    }
+    seq_publish_blocks(e, s);
+    seq_trim_blocks(e, s);
+}
+
+/* ---- step ---------------------------------------------------------------------------- */
+
+/* Logits rows an entry needs: one per draft plus the row after the last
+ * real token; none for a prompt chunk that does not reach the end. */
+static int entry_rows(const struct sched_entry *en)
+{
+    if (en->start + en->count - en->n_draft != en->s->n_tokens)
+        return 0;
+    return 1 + en->n_draft;
+}
+
+static int resv_find(const struct moe_engine *e, uint64_t key)
+{
+    for (int i = 0; i < e->n_resv; i++)
+        if (e->resv[i].key == key)
+            return i;
+    return -1;
+}
+
+static void resv_drop(struct moe_engine *e, int i)
+{
+    struct reservation *r = &e->resv[i];
+    for (int j = r->n_blocks - 1; j >= 0; j--)
+        kv_pool_release(e->pool, r->blocks[j]);
+    free(r->blocks);
+    e->resv[i] = e->resv[--e->n_resv];
+}
+
+/* Serves queued reservations and releases (engine thread, no lock held). */
+static void run_ops(struct moe_engine *e, const struct engine_op *ops, int n)
+{
+    char msg[MOE_ERROR_MSG_MAX];
+    for (int k = 0; k < n; k++) {
+        const struct engine_op *op = &ops[k];
+        int i = resv_find(e, op->key);
+        if (op->release) {
+            if (i >= 0)
+                resv_drop(e, i);
+            continue;
+        }
+        int avail = kv_pool_available(e->pool);
+        int32_t *blocks = NULL;
+        if (i >= 0) {
+            snprintf(msg, sizeof msg, "reservation %llu: already held",
+                     (unsigned long long)op->key);
+        } else if (op->n_blocks > avail) {
+            snprintf(msg, sizeof msg, "no free KV blocks: the handoff needs %d, %d of %d are free",
+                     op->n_blocks, avail, e->opts.n_block);
+        } else if (!grow((void **)&e->resv, &e->cap_resv, e->n_resv + 1, sizeof *e->resv) ||
+                   !(blocks = malloc((size_t)op->n_blocks * sizeof *blocks))) {
+            snprintf(msg, sizeof msg, "out of memory");
+        } else {
+            for (int j = 0; j < op->n_blocks; j++)
+                blocks[j] = kv_pool_alloc(e->pool);
+            e->resv[e->n_resv++] = (struct reservation){op->key, blocks, op->n_blocks};
+            publish_stats(e); /* the reserved blocks, before the caller hears of them */
+            if (op->cb)
+                op->cb(op->user, op->key, blocks, op->n_blocks, NULL);
+            continue;
+        }
+        if (op->cb)
+            op->cb(op->user, op->key, NULL, 0, msg);
+    }
+}
+
+/* An imported sequence takes its reservation and runs from its first
+ * generated token; without a fitting reservation it is recomputed. */
+static void admit_import(struct moe_engine *e, struct seq *s)
+{
+    s->import_pending = false;
+    int i = resv_find(e, s->import_key);
+    int n_kv = s->n_tokens - 1;
+    if (i >= 0 && e->resv[i].n_blocks == blocks_for(e, n_kv) && n_kv > 0) {
+        struct reservation *r = &e->resv[i];
+        memcpy(s->blocks, r->blocks, (size_t)r->n_blocks * sizeof *s->blocks);
+        s->n_blocks = r->n_blocks;
+        s->n_computed = n_kv;
+        s->prompt_counted = true;
+        s->t_admitted = moe_now();
+        s->n_cached = s->n_prompt;
+        free(r->blocks);
+        e->resv[i] = e->resv[--e->n_resv];
+        MOE_ASSERT(list_push(&e->running, s));
+        e->counts.imported++;
+        return;
+    }
+    if (i >= 0)
+        resv_drop(e, i);
+    MOE_ASSERT(list_push(&e->waiting, s));
+}
+
+static void take_inbox_and_aborts(struct moe_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    int n_ops = e->n_ops;
+    struct engine_op *ops = NULL;
+    if (n_ops) {
+        ops = e->ops;
+        e->ops = NULL;
+        e->n_ops = e->cap_ops = 0;
+    }
+    pthread_mutex_unlock(&e->mu);
+    run_ops(e, ops, n_ops);
+    free(ops);
+
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < e->inbox.n; i++) {
+        struct seq *s = e->inbox.v[i];
+        if (s->import_pending)
+            admit_import(e, s);
+        else
+            MOE_ASSERT(list_push(&e->waiting, s));
+    }
+    e->inbox.n = 0;
+    int n_aborts = e->n_aborts;
+    uint64_t small[64], *ids = n_aborts <= 64 ? small : malloc((size_t)n_aborts * sizeof *ids);
+    MOE_ASSERT(ids);
+    if (n_aborts)
+        memcpy(ids, e->aborts, (size_t)n_aborts * sizeof *ids);
+    e->n_aborts = 0;
+    pthread_mutex_unlock(&e->mu);
+
+    for (int a = 0; a < n_aborts; a++) {
+        struct seq_list *lists[3] = {&e->waiting, &e->running, &e->parked};
+        for (int l = 0; l < 3; l++)
+            for (int i = 0; i < lists[l]->n; i++)
+                if (lists[l]->v[i]->id == ids[a]) {
+                    struct seq *s = lists[l]->v[i];
+                    list_remove_at(lists[l], i);
+                    if (l == 2) {
+                        /* a parked sequence handed off (or given up): no callback */
+                        pthread_mutex_lock(&e->mu);
+                        e->n_parked--;
+                        pthread_mutex_unlock(&e->mu);
+                        seq_finish_bare(e, s, MOE_FINISH_LENGTH, NULL);
+                    } else {
+                        seq_finish_bare(e, s, MOE_FINISH_ABORT, NULL);
+                    }
+                    l = 3;
+                    break;
+                }
+    }
+    if (ids != small)
+        free(ids);
+}
+
+static bool reserve_batch(struct moe_engine *e, int n_tok, int n_tables)
+{
+    int cap = e->cap_tok;
+    bool ok = true;
+    if (n_tok > cap) {
+        int c = cap;
+        ok = grow((void **)&e->b_tokens, &c, n_tok, sizeof(int32_t));
+        c = cap;
+        ok = ok && grow((void **)&e->b_pos, &c, n_tok, sizeof(int32_t));
+        c = cap;
+        ok = ok && grow((void **)&e->b_seq, &c, n_tok, sizeof(int32_t));
+        c = cap;
+        ok = ok && grow((void **)&e->b_slots, &c, n_tok, sizeof(int32_t));
+        c = cap;
+        ok = ok && grow((void **)&e->b_rows, &c, n_tok, sizeof(int32_t));
+        if (ok)
+            e->cap_tok = c;
+    }
+    ok = ok && grow((void **)&e->b_tables, &e->cap_tables, n_tables, sizeof(int32_t));
+    return ok;
+}
+
+enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_error *err)
+{
+    if (n_tokens)
+        *n_tokens = 0;
+    take_inbox_and_aborts(e);
+    int n_sched = schedule(e);
+    if (!n_sched) {
+        publish_stats(e);
+        return MOE_OK;
+    }
+    int bs = e->opts.block_size, n_tok = 0, max_blocks = 1, n_logits = 0, n_rows = 0;
+    for (int i = 0; i < n_sched; i++) {
+        n_tok += e->sched[i].count;
+        n_rows += entry_rows(&e->sched[i]);
+        if (e->sched[i].s->n_blocks > max_blocks)
+            max_blocks = e->sched[i].s->n_blocks;
+    }
+    int vocab = e->cfg->vocab_size;
+    if (!reserve_batch(e, n_tok, n_sched * max_blocks) ||
+        !grow((void **)&e->logits, &e->cap_logits, n_rows * vocab, sizeof(float)))
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a batch of %d tokens", n_tok);
+    int t = 0;
+    for (int i = 0; i < n_sched; i++) {
+        const struct sched_entry *en = &e->sched[i];
+        const struct seq *s = en->s;
+        memcpy(e->b_tables + (size_t)i * max_blocks, s->blocks,
+               (size_t)s->n_blocks * sizeof(int32_t));
+        for (int j = s->n_blocks; j < max_blocks; j++)
+            e->b_tables[(size_t)i * max_blocks + j] = 0;
+        for (int j = 0; j < en->count; j++, t++) {
+            int p = en->start + j;
+            e->b_tokens[t] = p < s->n_tokens ? s->tokens[p] : s->draft[p - s->n_tokens];
+            e->b_pos[t] = p;
+            e->b_seq[t] = i;
+            e->b_slots[t] = s->blocks[p / bs] * bs + p % bs;
+        }
+        for (int r = entry_rows(en); r > 0; r--)
+            e->b_rows[n_logits++] = t - r;
+    }
+    struct moe_batch b = {
+        .n_tok = n_tok,
+        .tokens = e->b_tokens,
+        .pos = e->b_pos,
+        .seq = e->b_seq,
+        .slots = e->b_slots,
+        .n_seq = n_sched,
+        .block_tables = e->b_tables,
+        .max_blocks = max_blocks,
+        .n_logits = n_logits,
+        .logit_rows = e->b_rows,
+    };
+    enum moe_status rc =
+        e->opts.forward ? e->opts.forward(e->opts.forward_ctx, e->model, e->kv, &b, e->logits, err)
+                        : moe_model_forward(e->model, e->kv, &b, e->logits, err);
+    if (rc) {
+        /* The batch is lost: finish its requests with the error; the engine
+         * keeps serving the others. */
+        for (int i = 0; i < n_sched; i++) {
+            struct seq *s = e->sched[i].s;
+            for (int j = 0; j < e->running.n; j++)
+                if (e->running.v[j] == s) {
+                    list_remove_at(&e->running, j);
+                    break;
+                }
+            seq_finish_bare(e, s, MOE_FINISH_ERROR, err ? err->msg : "model forward failed");
+        }
+        publish_stats(e);
+        return rc;
+    }
+    e->counts.steps++;
+    e->counts.computed_tokens += n_tok;
+    int row = 0;
+    for (int i = 0; i < n_sched; i++) {
+        const struct sched_entry *en = &e->sched[i];
+        struct seq *s = en->s;
+        int rows = entry_rows(en);
+        s->n_computed += en->count - en->n_draft;
+        seq_publish_blocks(e, s);
+        if (en->n_draft)
+            seq_verify(e, s, en->n_draft, e->logits + (size_t)row * vocab);
+        else if (rows)
+            seq_emit(e, s, e->logits + (size_t)row * vocab);
+        row += rows;
+    }
+    publish_stats(e);
+    if (n_tokens)
+        *n_tokens = n_tok;
+    return MOE_OK;
+}
+
+enum moe_status moe_engine_check(struct moe_engine *e, struct moe_error *err)
+{
+    int n_block = e->opts.n_block;
+    int *refs = calloc((size_t)n_block, sizeof *refs);
+    if (!refs)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    struct seq_list *lists[3] = {&e->waiting, &e->running, &e->parked};
+    enum moe_status rc = MOE_OK;
+    for (int r = 0; r < e->n_resv; r++)
+        for (int j = 0; j < e->resv[r].n_blocks; j++)
+            refs[e->resv[r].blocks[j]]++;
+    for (int l = 0; l < 3 && !rc; l++)
+        for (int i = 0; i < lists[l]->n && !rc; i++) {
+            const struct seq *s = lists[l]->v[i];
+            if (l == 0 && s->n_blocks)
+                rc = moe_error_set(err, MOE_ERR_INTERNAL, "waiting request %llu holds %d blocks",
+                                   (unsigned long long)s->id, s->n_blocks);
+            if (s->n_computed > s->n_blocks * e->opts.block_size)
+                rc = moe_error_set(err, MOE_ERR_INTERNAL,
+                                   "request %llu: %d tokens computed in %d blocks",
+                                   (unsigned long long)s->id, s->n_computed, s->n_blocks);
+            /* between steps nothing is held ahead of the K/V: no block
+             * taken for a step's drafts outlives it */
+            if (!rc && l > 0 && s->n_blocks != blocks_for(e, s->n_computed))
+                rc = moe_error_set(err, MOE_ERR_INTERNAL,
+                                   "request %llu holds %d blocks for %d computed tokens",
+                                   (unsigned long long)s->id, s->n_blocks, s->n_computed);
+            for (int j = 0; j < s->n_blocks; j++)
+                refs[s->blocks[j]]++;
+        }
+    if (!rc)
+        rc = kv_pool_check(e->pool, refs, err);
+    free(refs);
+    return rc;
+}

@@ -1,0 +1,66 @@
+#include "group/launch.h"
+
+#include <string.h>
+
+bool moe_launch_parse_dtype(const char *s, enum moe_dtype *out)
+{
+    if (!strcmp(s, "f32"))
+        *out = MOE_DTYPE_F32;
+    else if (!strcmp(s, "bf16"))
+        *out = MOE_DTYPE_BF16;
+    else if (!strcmp(s, "int8"))
+        *out = MOE_DTYPE_I8;
+    else
+        return false;
+    return true;
+}
+
+const char *moe_launch_dtype_flag(enum moe_dtype dtype)
+{
+    switch (dtype) {
+    case MOE_DTYPE_F32: return "f32";
+    case MOE_DTYPE_BF16: return "bf16";
+    case MOE_DTYPE_I8: return "int8";
+    case MOE_DTYPE_F16: break;
+    }
+    return "?";
+}
+
+enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launch_args *a,
+                                 struct moe_launch *l, struct moe_error *err)
+{
+    memset(l, 0, sizeof *l);
+    enum moe_status rc;
+    if (moe_group_launched_by_mpi()) {
+        if ((rc = moe_group_create(argc, argv, a->tp, a->comm_timeout_ms, &l->group, err)))
+            return rc;
+    } else if (a->tp > 1 || a->placement) {
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "--tp and --placement need a group: run under mpirun");
+    }
+    struct moe_group *g = l->group;
+    if (g && a->placement &&
+        (rc = moe_placement_load_for_model(a->placement, a->model, g->size, &l->placement, err)))
+        return rc;
+    if ((rc = moe_backend_create(a->device, a->threads, &l->be, err)))
+        return rc;
+    if (g && (rc = moe_group_attach_device(g, l->be, err)))
+        return rc;
+    l->model_opts = (struct moe_model_opts){
+        .dtype = a->dtype,
+        .tp_rank = g ? g->tp_rank : 0,
+        .tp_size = g ? g->tp_size : 1,
+        .tp_comm = g ? moe_group_model_tp(g) : NULL,
+        .ep_comm = g ? moe_group_model_ep(g) : NULL,
+        .placement = g && a->placement ? &l->placement : NULL,
+    };
+    return MOE_OK;
+}
+
+void moe_launch_finish(struct moe_launch *l)
+{
+    moe_placement_free(&l->placement);
+    moe_backend_destroy(l->be);
+    moe_group_destroy(l->group);
+    memset(l, 0, sizeof *l);
+}

@@ -1,0 +1,43 @@
+/* The start-up moe-generate and moe-worker share: a worker group when the
+ * process was started by mpirun (refusing --tp and --placement otherwise),
+ * the placement file, the compute backend (with NCCL communicators for the
+ * model on a GPU), and the model options for this rank's shard. */
+#ifndef MOE_LAUNCH_H
+#define MOE_LAUNCH_H
+
+#include "backend.h"
+#include "group/group.h"
+#include "model/model.h"
+#include "model/placement.h"
+
+struct moe_launch_args {
+    const char *model;  /* checkpoint directory */
+    const char *device; /* auto | cpu | cuda */
+    int threads;
+    enum moe_dtype dtype;
+    int tp; /* tensor-parallel size (under mpirun) */
+    int comm_timeout_ms;
+    const char *placement; /* placement file, or NULL */
+};
+
+struct moe_launch {
+    struct moe_group *group;        /* NULL: one process */
+    struct moe_placement placement; /* read from args.placement */
+    struct moe_backend *be;
+    struct moe_model_opts model_opts; /* this rank's shard; points into `placement` */
+};
+
+/* The --dtype spellings: "f32", "bf16", "int8" (weights quantized to int8
+ * at load, see moe_model_opts). parse returns false for anything else. */
+bool moe_launch_parse_dtype(const char *s, enum moe_dtype *out);
+const char *moe_launch_dtype_flag(enum moe_dtype dtype);
+
+/* Fills *l. On error what was made is kept for moe_launch_finish. */
+enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launch_args *args,
+                                 struct moe_launch *l, struct moe_error *err);
+
+/* Frees the placement, the backend and the group (MPI_Finalize), in that
+ * order: call it after the model and everything on the backend are freed. */
+void moe_launch_finish(struct moe_launch *l);
+
+#endif

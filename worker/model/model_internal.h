@@ -1,0 +1,134 @@
+/* Internals of the model shared by model.c (loading, forward) and
+ * model_ep.c (the expert-parallel MoE layer). Not a public interface. */
+#ifndef MOE_MODEL_INTERNAL_H
+#define MOE_MODEL_INTERNAL_H
+
+#include "comm/comm.h"
+#include "model/model.h"
+#include "model/placement.h"
+
+#define MOE_MAX_EP_RANKS 64
+
+struct layer_weights {
+    float *attn_norm; /* (d_model) */
+    float *ffn_norm;  /* (d_model) */
+    void *wq;         /* (n_head_local*d_head, d_model) */
+    void *wk;         /* (n_kv_head_local*d_head, d_model) */
+    void *wv;         /* (n_kv_head_local*d_head, d_model) */
+    void *wo;         /* (d_model, n_head_local*d_head): column slice of o_proj */
+    float *q_norm;    /* (d_head), Qwen3 only */
+    float *k_norm;    /* (d_head), Qwen3 only */
+    bool is_moe;
+    void *router;        /* (n_expert, d_model) */
+    void **w_gate_up;    /* (n_expert) -> (2*d_ff_expert, d_model), NULL when not local */
+    void **w_down;       /* (n_expert) -> (d_model, d_ff_expert) */
+    void *dense_gate_up; /* (2*d_ff_dense, d_model) */
+    void *dense_down;    /* (d_model, d_ff_dense) */
+};
+
+/* Activations and per-step metadata on the backend, sized for cap_tok tokens. */
+struct scratch {
+    int cap_tok;
+    int cap_seq_blocks;
+    float *x;              /* (n, d_model) residual stream */
+    float *h;              /* (n, d_model) normalised */
+    float *q;              /* (n, q_dim) */
+    float *k;              /* (n, kv_dim) */
+    float *v;              /* (n, kv_dim) */
+    float *att;            /* (n, q_dim) */
+    float *o;              /* (n, d_model) */
+    float *ffn_out;        /* (n, d_model) */
+    float *router_logits;  /* (n, n_expert) */
+    int32_t *topk_ids;     /* (n, top_k) */
+    float *topk_w;         /* (n, top_k): a view right after the n*top_k ids in topk_ids */
+    float *xe;             /* (n, d_model) rows gathered for one expert */
+    float *gate_up;        /* (n, 2*d_ff_max) */
+    float *act;            /* (n, d_ff_max) */
+    float *ye;             /* (n, d_model) */
+    int32_t *route_idx;    /* (n*top_k) token index, grouped by expert */
+    float *route_w;        /* (n*top_k): a view right after the indexes in route_idx */
+    float *ones;           /* (n) all 1: dense FFN weights */
+    int32_t *iota;         /* (n) 0..n-1 */
+    int32_t *tokens;       /* (n) */
+    int32_t *pos;          /* (n) */
+    int32_t *seq;          /* (n) */
+    int32_t *slots;        /* (n) */
+    int32_t *block_tables; /* (cap_seq_blocks) */
+    int32_t *logit_rows;   /* (n) */
+    float *logits;         /* (n, vocab) */
+    /* host mirrors for routing */
+    int32_t *h_ids; /* (n*top_k) */
+    float *h_w;     /* (n*top_k): a view after the ids in h_ids */
+    int32_t *h_route_idx;
+    float *h_route_w;
+    int32_t *h_counts; /* (n_expert + 1) */
+    /* expert parallel (model_ep.c), sized for cap_tok * top_k items */
+    float *ep_send;   /* (n*k, d_model) rows to other ranks, grouped by destination */
+    float *ep_recv;   /* (n*k, d_model) rows received */
+    float *ep_out;    /* (n*k, d_model) expert outputs for the received rows */
+    float *ep_ret;    /* (n*k, d_model) outputs returned, in send order */
+    int32_t *ep_ids;  /* (n*k) expert id of each sent item */
+    int32_t *ep_rids; /* (n*k) expert id of each received item */
+    int32_t *ep_idx;  /* (n*k) row indexes for gather/scatter */
+    float *ep_w;      /* (n*k) combine weights */
+    int32_t *h_ep_tok, *h_ep_exp, *h_ep_pos, *h_ep_rexp, *h_ep_idx;
+    float *h_ep_w;
+    float *h_zero; /* (n, d_model) zeros, to clear device buffers */
+};
+
+struct moe_model {
+    struct moe_config cfg;
+    struct moe_model_opts opts;
+    struct moe_backend *be;
+    int n_head_local;
+    int n_kv_head_local;
+    int q_dim;  /* n_head_local * d_head */
+    int kv_dim; /* n_kv_head_local * d_head */
+    /* Linear weights (everything through matmul but the router) are stored
+     * in lin_dtype; the router and embedding table in base_dtype. Both equal
+     * opts.dtype except with I8: lin I8 (F32 under opts.i8_dequantized), base
+     * BF16. An I8 weight (n_out, n_in) is one buffer with its row scales
+     * after the values (common/quant.h). */
+    enum moe_dtype lin_dtype;
+    enum moe_dtype base_dtype;
+    void *embed;       /* (vocab, d_model) */
+    float *final_norm; /* (d_model) */
+    void *lm_head;     /* (vocab, d_model); == embed when tied */
+    struct layer_weights *layers;
+    size_t weight_bytes;
+    struct moe_comm *tp_comm;       /* NULL: no tensor parallel */
+    struct moe_comm *ep_comm;       /* NULL: all experts local */
+    struct moe_placement placement; /* valid when ep_comm */
+    struct moe_model_profile prof;
+    char *dir;                 /* checkpoint, for loading experts again */
+    uint64_t *expert_tokens;   /* (n_layer, n_expert) routed (token, expert) pairs */
+    uint64_t ep_rows_computed; /* rows this rank ran through its experts (EP) */
+    /* a placement being prepared: experts this rank gains, loaded ahead */
+    bool pending_ready;
+    struct moe_placement pending;
+    void **pending_gate_up; /* (n_layer, n_expert), NULL where nothing new */
+    void **pending_down;
+    uint64_t ep_bytes_sent;
+    uint64_t ep_rows_routed;
+    struct scratch s;
+};
+
+/* model_ep.c: the MoE layer over the expert-parallel group (ep size > 1):
+ * each rank dispatches its shard of the tokens to the ranks holding the
+ * chosen experts (all-to-all-v), computes the rows it received on its local
+ * experts, returns them (all-to-all-v), combines them weighted in expert
+ * order, and all-gathers the shards so every rank holds all rows. Reads
+ * s->h, s->topk_ids, s->topk_w; writes s->ffn_out (n rows). */
+enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_error *err);
+
+/* Zeroes `bytes` of a backend buffer (at most the h_zero scratch size). */
+void moe_model_zero(struct moe_model *m, void *p, size_t bytes);
+
+/* Monotonic seconds (model.c). */
+double moe_model_clock(void);
+
+/* SwiGLU FFN on n rows (model.c). */
+void moe_model_ffn(struct moe_model *m, const float *xe, int n, const void *w_gate_up, int d_ff,
+                   const void *w_down, float *ye);
+
+#endif
