@@ -37,7 +37,7 @@
 #include <stdint.h>
 
 #include "backend.h"
-#include "model/model.h"
+#include "kv/kv_cache.h"
 #include "moe_error.h"
 
 #define KVL_ENDPOINT_MAX 128

@@ -1,10 +1,11 @@
 /* A Mixtral / Qwen3-MoE model: weights on a backend and the forward pass for
  * a batch of tokens from one or more sequences over a paged KV cache.
  *
- * Sharding is part of the design from the start: a model is loaded for a
- * shard (tensor-parallel rank of attention heads, expert-parallel set of
- * experts). This issue runs tp_size = 1 and all experts local; the loader
- * already reads only the slice of every weight that the shard owns. */
+ * A model is loaded for a shard: a tensor-parallel rank of attention heads
+ * and an expert-parallel set of experts; the loader reads only the slice of
+ * every weight that the shard owns. load.c loads and frees, forward.c runs
+ * the forward pass, model_ep.c the expert-parallel MoE layer,
+ * placement_swap.c changes the expert placement while serving. */
 #ifndef MOE_MODEL_H
 #define MOE_MODEL_H
 
@@ -13,6 +14,7 @@
 
 #include "backend.h"
 #include "dtype.h"
+#include "kv/kv_cache.h"
 #include "model_config.h"
 #include "moe_error.h"
 
@@ -102,27 +104,10 @@ bool moe_model_placement_ready(const struct moe_model *m);
 void moe_model_drop_placement(struct moe_model *m); /* forget a prepared placement */
 void moe_model_commit_placement(struct moe_model *m);
 
-/* The KV cache of one shard: n_block blocks of block_size token slots, for
- * every layer, K and V of the shard's KV heads, f32. Slot s of layer l is
- * k[l] + s * kv_dim. */
-struct moe_kv_cache {
-    int n_layer;
-    int n_block;
-    int block_size;
-    int kv_dim; /* n_kv_head_local * d_head */
-    float **k;  /* (n_layer) -> (n_block * block_size, kv_dim) on the backend */
-    float **v;
-};
-
+/* A KV cache of this shard's shape (kv/kv_cache.h) on the model's backend. */
 enum moe_status moe_kv_cache_create(const struct moe_model *m, int n_block, int block_size,
                                     struct moe_kv_cache **out, struct moe_error *err);
 void moe_kv_cache_free(const struct moe_model *m, struct moe_kv_cache *kv);
-
-/* The same for any shape on backend `be`, without a model (the KV data
- * plane's tests and benchmark); memory is zeroed. */
-enum moe_status moe_kv_cache_alloc(struct moe_backend *be, int n_layer, int n_block, int block_size,
-                                   int kv_dim, struct moe_kv_cache **out, struct moe_error *err);
-void moe_kv_cache_release(struct moe_backend *be, struct moe_kv_cache *kv);
 
 /* One forward step. Host arrays; n_tok tokens from n_seq sequences.
  * Token t is tokens[t] of sequence seq[t] at position pos[t]; its K/V go to

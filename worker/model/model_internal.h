@@ -121,14 +121,33 @@ struct moe_model {
  * s->h, s->topk_ids, s->topk_w; writes s->ffn_out (n rows). */
 enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_error *err);
 
+/* ---- forward.c ---- */
+
 /* Zeroes `bytes` of a backend buffer (at most the h_zero scratch size). */
 void moe_model_zero(struct moe_model *m, void *p, size_t bytes);
 
-/* Monotonic seconds (model.c). */
+/* Monotonic seconds. */
 double moe_model_clock(void);
 
-/* SwiGLU FFN on n rows (model.c). */
+/* SwiGLU FFN on n rows. */
 void moe_model_ffn(struct moe_model *m, const float *xe, int n, const void *w_gate_up, int d_ff,
                    const void *w_down, float *ye);
+
+/* Frees the forward pass's scratch buffers (moe_model_free). */
+void moe_model_scratch_free(struct moe_model *m);
+
+/* ---- load.c ---- */
+
+struct st_model;
+
+/* Bytes of an (n_rows, n_cols) Linear weight in the model's dtype (int8:
+ * with its row scales). */
+size_t moe_model_linear_bytes(const struct moe_model *m, int64_t n_rows, int64_t n_cols);
+
+/* Loads expert e of layer l from the open checkpoint `st` into new backend
+ * buffers *gate_up and *down (placement_swap.c: experts a new placement
+ * brings to this rank). */
+enum moe_status moe_model_load_expert(struct moe_model *m, struct st_model *st, int l, int e,
+                                      void **gate_up, void **down, struct moe_error *err);
 
 #endif

@@ -1,0 +1,479 @@
+/* Mixtral / Qwen3-MoE forward pass over a paged KV cache.
+ *
+ * Per layer (shapes for one shard; n = n_tok):
+ *   h   = rmsnorm(x)                          (n, d_model)
+ *   q,k,v = h Wq^T, h Wk^T, h Wv^T            (n, n_head*d_head), (n, n_kv_head*d_head) x2
+ *   [Qwen3] per-head rmsnorm of q and k
+ *   rope(q), rope(k); k,v -> cache slots
+ *   a   = attention(q, cache)                 (n, n_head*d_head)
+ *   x  += a Wo^T
+ *   h   = rmsnorm(x)
+ *   MoE: router logits -> top-k -> tokens grouped by expert ->
+ *        per expert: gather, [gate|up] = h We^T, silu(gate)*up, down, weighted scatter-add
+ *   dense (Qwen3 mlp_only_layers): the same FFN for every token, weight 1
+ *   x  += ffn
+ * then final rmsnorm and lm_head on the rows that need logits.
+ *
+ * Memory is touched only through the backend, so the same code runs on any
+ * backend. Router decisions come back to the host to group tokens by expert
+ * (a few bytes per token). */
+#include "model/model.h"
+#include "model/model_internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "model/placement.h"
+#include "quant.h"
+
+/* ---- forward ------------------------------------------------------------------------ */
+
+static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_table,
+                                       struct moe_error *err)
+{
+    struct scratch *s = &m->s;
+    if (n_tok <= s->cap_tok && n_table > s->cap_seq_blocks) {
+        /* Only the block tables grew (sequences got longer): regrow them
+         * alone, geometrically, so long decodes do not reallocate every
+         * activation buffer each time a sequence takes another block. */
+        int cap_tab = s->cap_seq_blocks * 2 > n_table ? s->cap_seq_blocks * 2 : n_table;
+        int32_t *t = m->be->ops->buf_alloc(m->be, (size_t)cap_tab * sizeof(int32_t));
+        if (!t)
+            return moe_error_set(err, MOE_ERR_NOMEM, "cannot allocate block tables for %d entries",
+                                 cap_tab);
+        m->be->ops->buf_free(m->be, s->block_tables);
+        s->block_tables = t;
+        s->cap_seq_blocks = cap_tab;
+    }
+    if (n_tok <= s->cap_tok && n_table <= s->cap_seq_blocks)
+        return MOE_OK;
+    int cap = n_tok > s->cap_tok ? n_tok : s->cap_tok;
+    int cap_tab = n_table > s->cap_seq_blocks ? n_table : s->cap_seq_blocks;
+    moe_model_scratch_free(m);
+    const struct moe_config *c = &m->cfg;
+    struct moe_backend *be = m->be;
+    size_t n = (size_t)cap;
+    int d_ff_max = c->d_ff_expert > c->d_ff_dense ? c->d_ff_expert : c->d_ff_dense;
+    size_t n_route = n * (size_t)(c->top_k > 0 ? c->top_k : 1);
+    bool ok = true;
+#define ALLOC(field, count, type)                                                                  \
+    do {                                                                                           \
+        s->field = be->ops->buf_alloc(be, (count) * sizeof(type));                                 \
+        ok = ok && s->field;                                                                       \
+    } while (0)
+    ALLOC(x, n * c->d_model, float);
+    ALLOC(h, n * c->d_model, float);
+    ALLOC(q, n * m->q_dim, float);
+    ALLOC(k, n * m->kv_dim, float);
+    ALLOC(v, n * m->kv_dim, float);
+    ALLOC(att, n * m->q_dim, float);
+    ALLOC(o, n * c->d_model, float);
+    ALLOC(ffn_out, (n + MOE_MAX_EP_RANKS) * c->d_model, float); /* + padding for all-gather */
+    ALLOC(router_logits, n * (size_t)(c->n_expert > 0 ? c->n_expert : 1), float);
+    /* ids then weights in one buffer, so one copy moves both (see ffn_block) */
+    ALLOC(topk_ids, 2 * n_route, int32_t);
+    ALLOC(xe, n * c->d_model, float);
+    ALLOC(gate_up, n * 2 * (size_t)d_ff_max, float);
+    ALLOC(act, n * (size_t)d_ff_max, float);
+    ALLOC(ye, n * c->d_model, float);
+    ALLOC(route_idx, 2 * n_route, int32_t); /* token indexes then weights */
+    ALLOC(ones, n, float);
+    ALLOC(iota, n, int32_t);
+    ALLOC(tokens, n, int32_t);
+    ALLOC(pos, n, int32_t);
+    ALLOC(seq, n, int32_t);
+    ALLOC(slots, n, int32_t);
+    ALLOC(block_tables, (size_t)(cap_tab > 0 ? cap_tab : 1), int32_t);
+    ALLOC(logit_rows, n, int32_t);
+    ALLOC(logits, n * c->vocab_size, float);
+    if (m->ep_comm) {
+        ALLOC(ep_send, n_route * c->d_model, float);
+        ALLOC(ep_recv, n_route * c->d_model, float);
+        ALLOC(ep_out, n_route * c->d_model, float);
+        ALLOC(ep_ret, n_route * c->d_model, float);
+        ALLOC(ep_ids, n_route, int32_t);
+        ALLOC(ep_rids, n_route, int32_t);
+        ALLOC(ep_idx, n_route, int32_t);
+        ALLOC(ep_w, n_route, float);
+        s->h_ep_tok = malloc(n_route * sizeof *s->h_ep_tok);
+        s->h_ep_exp = malloc(n_route * sizeof *s->h_ep_exp);
+        s->h_ep_pos = malloc(n_route * sizeof *s->h_ep_pos);
+        s->h_ep_rexp = malloc(n_route * sizeof *s->h_ep_rexp);
+        s->h_ep_idx = malloc(n_route * sizeof *s->h_ep_idx);
+        s->h_ep_w = malloc(n_route * sizeof *s->h_ep_w);
+        ok = ok && s->h_ep_tok && s->h_ep_exp && s->h_ep_pos && s->h_ep_rexp && s->h_ep_idx &&
+             s->h_ep_w;
+    }
+#undef ALLOC
+    s->h_ids = malloc(2 * n_route * sizeof *s->h_ids); /* ids then weights */
+    s->h_route_idx = malloc(2 * n_route * sizeof *s->h_route_idx);
+    s->h_counts = malloc(((size_t)c->n_expert + 1) * sizeof *s->h_counts);
+    s->h_zero = calloc((n_route > n + MOE_MAX_EP_RANKS ? n_route : n + MOE_MAX_EP_RANKS) *
+                           (size_t)c->d_model,
+                       sizeof *s->h_zero);
+    float *h_ones = malloc(n * sizeof *h_ones);
+    int32_t *h_iota = malloc(n * sizeof *h_iota);
+    ok = ok && s->h_ids && s->h_route_idx && s->h_counts && s->h_zero && h_ones && h_iota;
+    if (!ok) {
+        free(h_ones);
+        free(h_iota);
+        moe_model_scratch_free(m);
+        return moe_error_set(err, MOE_ERR_NOMEM, "cannot allocate activations for %d tokens", cap);
+    }
+    for (int i = 0; i < cap; i++) {
+        h_ones[i] = 1.0f;
+        h_iota[i] = i;
+    }
+    be->ops->buf_upload(be, s->ones, h_ones, n * sizeof(float));
+    be->ops->buf_upload(be, s->iota, h_iota, n * sizeof(int32_t));
+    free(h_ones);
+    free(h_iota);
+    s->cap_tok = cap;
+    s->cap_seq_blocks = cap_tab;
+    return MOE_OK;
+}
+
+/* y (n_tok, n_out) (+)= x W^T, W (n_out, n_in) a whole weight in `dtype`
+ * (I8: its row scales follow the values in the same buffer). */
+static void matmul_dtype(struct moe_model *m, enum moe_dtype dtype, const float *x, int n_tok,
+                         int n_in, const void *w, int n_out, float *y, bool accumulate)
+{
+    struct moe_matmul_params p = {
+        .x = x,
+        .n_tok = n_tok,
+        .n_in = n_in,
+        .w = w,
+        .w_dtype = dtype,
+        .ldw = n_in,
+        .n_out = n_out,
+        .y = y,
+        .accumulate = accumulate,
+    };
+    if (dtype == MOE_DTYPE_I8)
+        p.w_scale = (const float *)((const char *)w + moe_i8_scale_offset(n_out, n_in));
+    m->be->ops->matmul(m->be, &p);
+}
+
+/* A Linear weight (stored in lin_dtype). */
+static void matmul(struct moe_model *m, const float *x, int n_tok, int n_in, const void *w,
+                   int n_out, float *y, bool accumulate)
+{
+    matmul_dtype(m, m->lin_dtype, x, n_tok, n_in, w, n_out, y, accumulate);
+}
+
+/* SwiGLU FFN on n rows of xe: ye = down(silu(gate(xe)) * up(xe)). */
+void moe_model_ffn(struct moe_model *m, const float *xe, int n, const void *w_gate_up, int d_ff,
+                   const void *w_down, float *ye)
+{
+    const struct moe_config *c = &m->cfg;
+    struct scratch *s = &m->s;
+    matmul(m, xe, n, c->d_model, w_gate_up, 2 * d_ff, s->gate_up, false);
+    m->be->ops->swiglu(m->be, s->gate_up, s->act, n, d_ff);
+    matmul(m, s->act, n, d_ff, w_down, c->d_model, ye, false);
+}
+
+static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache *kv, int l,
+                                       const struct moe_batch *b, struct moe_error *err)
+{
+    const struct moe_config *c = &m->cfg;
+    const struct layer_weights *w = &m->layers[l];
+    struct scratch *s = &m->s;
+    const struct moe_backend_ops *ops = m->be->ops;
+    int n = b->n_tok;
+
+    ops->rmsnorm(m->be, s->x, w->attn_norm, s->h, n, c->d_model, c->rms_eps);
+    matmul(m, s->h, n, c->d_model, w->wq, m->q_dim, s->q, false);
+    matmul(m, s->h, n, c->d_model, w->wk, m->kv_dim, s->k, false);
+    matmul(m, s->h, n, c->d_model, w->wv, m->kv_dim, s->v, false);
+    if (c->qk_norm) {
+        ops->rmsnorm(m->be, s->q, w->q_norm, s->q, n * m->n_head_local, c->d_head, c->rms_eps);
+        ops->rmsnorm(m->be, s->k, w->k_norm, s->k, n * m->n_kv_head_local, c->d_head, c->rms_eps);
+    }
+    ops->rope(m->be, s->q, s->pos, n, m->n_head_local, c->d_head, c->rope_theta);
+    ops->rope(m->be, s->k, s->pos, n, m->n_kv_head_local, c->d_head, c->rope_theta);
+    ops->kv_write(m->be, s->k, s->v, s->slots, n, m->kv_dim, kv->k[l], kv->v[l]);
+    struct moe_attn_params ap = {
+        .q = s->q,
+        .out = s->att,
+        .k_cache = kv->k[l],
+        .v_cache = kv->v[l],
+        .tok_seq = s->seq,
+        .tok_pos = s->pos,
+        .block_tables = s->block_tables,
+        .max_blocks = b->max_blocks,
+        .n_tok = n,
+        .n_head = m->n_head_local,
+        .n_kv_head = m->n_kv_head_local,
+        .d_head = c->d_head,
+        .block_size = kv->block_size,
+        .scale = 1.0f / sqrtf((float)c->d_head),
+    };
+    ops->attention(m->be, &ap);
+    /* Row-parallel o_proj: with tp_size > 1 the partial sums are all-reduced here. */
+    matmul(m, s->att, n, m->q_dim, w->wo, c->d_model, s->o, false);
+    if (m->tp_comm) {
+        ops->synchronize(m->be);
+        enum moe_status rc = moe_comm_all_reduce_sum(m->tp_comm, s->o, (size_t)n * c->d_model, err);
+        if (rc)
+            return moe_error_prefix(err, "layer %d attention all-reduce", l);
+    }
+    ops->add(m->be, s->x, s->o, (size_t)n * c->d_model);
+    return MOE_OK;
+}
+
+/* Groups the top-k choices by expert (counting sort): h_counts[e]..h_counts[e+1]
+ * index the (token, weight) pairs of expert e. */
+static void route_group(struct moe_model *m, int layer, int n)
+{
+    const struct moe_config *c = &m->cfg;
+    struct scratch *s = &m->s;
+    int n_route = n * c->top_k;
+    /* one copy each way: [ids | weights] down, [token indexes | weights] up */
+    m->be->ops->buf_download(m->be, s->h_ids, s->topk_ids, 2 * (size_t)n_route * sizeof(int32_t));
+    s->h_route_w = (float *)(s->h_route_idx + n_route);
+    s->route_w = (float *)(s->route_idx + n_route);
+    memset(s->h_counts, 0, ((size_t)c->n_expert + 1) * sizeof *s->h_counts);
+    for (int i = 0; i < n_route; i++)
+        s->h_counts[s->h_ids[i] + 1]++;
+    for (int e = 0; e < c->n_expert; e++)
+        s->h_counts[e + 1] += s->h_counts[e];
+    for (int e = 0; e < c->n_expert; e++)
+        __atomic_fetch_add(&m->expert_tokens[(size_t)layer * c->n_expert + e],
+                           (uint64_t)(s->h_counts[e + 1] - s->h_counts[e]), __ATOMIC_RELAXED);
+    /* stable fill: the tokens of an expert stay in token order */
+    int32_t next[1024];
+    int32_t *cursor = c->n_expert <= 1024 ? next : malloc((size_t)c->n_expert * sizeof *cursor);
+    MOE_ASSERT(cursor);
+    memcpy(cursor, s->h_counts, (size_t)c->n_expert * sizeof *cursor);
+    for (int i = 0; i < n_route; i++) {
+        int e = s->h_ids[i];
+        int at = cursor[e]++;
+        s->h_route_idx[at] = i / c->top_k;
+        s->h_route_w[at] = s->h_w[i];
+    }
+    if (cursor != next)
+        free(cursor);
+    m->be->ops->buf_upload(m->be, s->route_idx, s->h_route_idx,
+                           2 * (size_t)n_route * sizeof(int32_t));
+}
+
+static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_error *err)
+{
+    const struct moe_config *c = &m->cfg;
+    const struct layer_weights *w = &m->layers[l];
+    struct scratch *s = &m->s;
+    const struct moe_backend_ops *ops = m->be->ops;
+    size_t row_bytes = (size_t)c->d_model * sizeof(float);
+
+    ops->rmsnorm(m->be, s->x, w->ffn_norm, s->h, n, c->d_model, c->rms_eps);
+    if (!w->is_moe) {
+        moe_model_ffn(m, s->h, n, w->dense_gate_up, c->d_ff_dense, w->dense_down, s->ye);
+        ops->add(m->be, s->x, s->ye, (size_t)n * c->d_model);
+        return MOE_OK;
+    }
+    double t0 = moe_model_clock();
+    s->topk_w = (float *)(s->topk_ids + (size_t)n * c->top_k);
+    s->h_w = (float *)(s->h_ids + (size_t)n * c->top_k);
+    matmul_dtype(m, m->base_dtype, s->h, n, c->d_model, w->router, c->n_expert, s->router_logits,
+                 false);
+    ops->router_topk(m->be, s->router_logits, n, c->n_expert, c->top_k, c->norm_topk_prob,
+                     s->topk_ids, s->topk_w);
+    m->prof.moe_layer_tokens += (uint64_t)n;
+    double t1 = moe_model_clock();
+    m->prof.router_s += t1 - t0;
+    if (m->ep_comm) {
+        enum moe_status rc = moe_ep_moe_layer(m, l, n, err);
+        if (rc)
+            return rc;
+        ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
+        return MOE_OK;
+    }
+    route_group(m, l, n);
+    double t2 = moe_model_clock();
+    m->prof.dispatch_s += t2 - t1;
+    /* Sum of the experts' weighted outputs, then one residual add (the order
+     * transformers uses). */
+    moe_model_zero(m, s->ffn_out, (size_t)n * row_bytes);
+    for (int e = 0; e < c->n_expert; e++) {
+        int begin = s->h_counts[e], cnt = s->h_counts[e + 1] - begin;
+        if (!cnt || !w->w_gate_up[e])
+            continue;
+        ops->gather_rows(m->be, s->h, s->route_idx + begin, cnt, c->d_model, s->xe);
+        moe_model_ffn(m, s->xe, cnt, w->w_gate_up[e], c->d_ff_expert, w->w_down[e], s->ye);
+        ops->scatter_add_rows(m->be, s->ye, s->route_idx + begin, s->route_w + begin, cnt,
+                              c->d_model, s->ffn_out);
+    }
+    ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
+    m->prof.experts_s += moe_model_clock() - t2;
+    return MOE_OK;
+}
+
+static enum moe_status check_batch(const struct moe_model *m, const struct moe_kv_cache *kv,
+                                   const struct moe_batch *b, struct moe_error *err)
+{
+    const struct moe_config *c = &m->cfg;
+    if (b->n_tok <= 0 || b->n_seq <= 0 || b->max_blocks <= 0)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "empty batch (n_tok %d, n_seq %d, max_blocks %d)", b->n_tok, b->n_seq,
+                             b->max_blocks);
+    if (kv->kv_dim != m->kv_dim || kv->n_layer != c->n_layer)
+        return moe_error_set(err, MOE_ERR_INVALID, "KV cache does not belong to this model");
+    int n_slot = kv->n_block * kv->block_size;
+    for (int t = 0; t < b->n_tok; t++) {
+        if (b->tokens[t] < 0 || b->tokens[t] >= c->vocab_size)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "token id %d at batch row %d is outside the vocabulary [0, %d)",
+                                 b->tokens[t], t, c->vocab_size);
+        if (b->seq[t] < 0 || b->seq[t] >= b->n_seq)
+            return moe_error_set(err, MOE_ERR_INVALID, "batch row %d: sequence %d out of range", t,
+                                 b->seq[t]);
+        if (b->pos[t] < 0 || b->pos[t] / kv->block_size >= b->max_blocks)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "batch row %d: position %d beyond the block table", t, b->pos[t]);
+        if (b->slots[t] < 0 || b->slots[t] >= n_slot)
+            return moe_error_set(err, MOE_ERR_INVALID, "batch row %d: KV slot %d out of range", t,
+                                 b->slots[t]);
+    }
+    for (int i = 0; i < b->n_logits; i++)
+        if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tok)
+            return moe_error_set(err, MOE_ERR_INVALID, "logit row %d out of range",
+                                 b->logit_rows[i]);
+    return MOE_OK;
+}
+
+enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
+                                  const struct moe_batch *b, float *logits, struct moe_error *err)
+{
+    enum moe_status rc = check_batch(m, kv, b, err);
+    if (rc)
+        return rc;
+    int n = b->n_tok, n_table = b->n_seq * b->max_blocks;
+    if ((rc = scratch_reserve(m, n, n_table, err)))
+        return rc;
+    const struct moe_config *c = &m->cfg;
+    struct scratch *s = &m->s;
+    struct moe_backend *be = m->be;
+    const struct moe_backend_ops *ops = be->ops;
+    size_t ib = (size_t)n * sizeof(int32_t);
+    ops->buf_upload(be, s->tokens, b->tokens, ib);
+    ops->buf_upload(be, s->pos, b->pos, ib);
+    ops->buf_upload(be, s->seq, b->seq, ib);
+    ops->buf_upload(be, s->slots, b->slots, ib);
+    ops->buf_upload(be, s->block_tables, b->block_tables, (size_t)n_table * sizeof(int32_t));
+
+    double t_start = moe_model_clock();
+    struct moe_model_profile before = m->prof;
+    ops->embed(be, m->embed, m->base_dtype, s->tokens, n, c->d_model, s->x);
+    for (int l = 0; l < c->n_layer; l++) {
+        double t = moe_model_clock();
+        rc = attention_block(m, kv, l, b, err);
+        m->prof.attention_s += moe_model_clock() - t;
+        if (rc || (rc = ffn_block(m, l, n, err)))
+            return rc;
+    }
+    if (b->n_logits > 0) {
+        ops->buf_upload(be, s->logit_rows, b->logit_rows, (size_t)b->n_logits * sizeof(int32_t));
+        ops->gather_rows(be, s->x, s->logit_rows, b->n_logits, c->d_model, s->h);
+        ops->rmsnorm(be, s->h, m->final_norm, s->h, b->n_logits, c->d_model, c->rms_eps);
+        matmul(m, s->h, b->n_logits, c->d_model, m->lm_head, c->vocab_size, s->logits, false);
+        ops->buf_download(be, logits, s->logits,
+                          (size_t)b->n_logits * (size_t)c->vocab_size * sizeof(float));
+    }
+    ops->synchronize(be);
+    /* An op that failed on the device (launch error, unsupported shape) is
+     * reported here instead of returning wrong logits. */
+    if (ops->status && (rc = ops->status(be, err)))
+        return moe_error_prefix(err, "forward pass");
+    double total = moe_model_clock() - t_start;
+    double phases = (m->prof.attention_s - before.attention_s) +
+                    (m->prof.router_s - before.router_s) +
+                    (m->prof.dispatch_s - before.dispatch_s) +
+                    (m->prof.experts_s - before.experts_s) + (m->prof.combine_s - before.combine_s);
+    m->prof.other_s += total > phases ? total - phases : 0;
+    m->prof.forwards++;
+    m->prof.tokens += (uint64_t)n;
+    return MOE_OK;
+}
+
+/* ---- scratch, statistics ------------------------------------------------------------ */
+
+void moe_model_scratch_free(struct moe_model *m)
+{
+    struct moe_backend *be = m->be;
+    struct scratch *s = &m->s;
+    void *dev[] = {s->x,
+                   s->h,
+                   s->q,
+                   s->k,
+                   s->v,
+                   s->att,
+                   s->o,
+                   s->ffn_out,
+                   s->router_logits,
+                   s->topk_ids,
+                   s->xe,
+                   s->gate_up,
+                   s->act,
+                   s->ye,
+                   s->route_idx,
+                   s->ones,
+                   s->iota,
+                   s->tokens,
+                   s->pos,
+                   s->seq,
+                   s->slots,
+                   s->block_tables,
+                   s->logit_rows,
+                   s->logits,
+                   s->ep_send,
+                   s->ep_recv,
+                   s->ep_out,
+                   s->ep_ret,
+                   s->ep_ids,
+                   s->ep_rids,
+                   s->ep_idx,
+                   s->ep_w};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
+        if (dev[i])
+            be->ops->buf_free(be, dev[i]);
+    free(s->h_ids);
+    free(s->h_route_idx);
+    free(s->h_counts);
+    free(s->h_zero);
+    free(s->h_ep_tok);
+    free(s->h_ep_exp);
+    free(s->h_ep_pos);
+    free(s->h_ep_rexp);
+    free(s->h_ep_idx);
+    free(s->h_ep_w);
+    memset(s, 0, sizeof *s);
+}
+
+void moe_model_zero(struct moe_model *m, void *p, size_t bytes)
+{
+    if (m->be->ops->buf_zero)
+        m->be->ops->buf_zero(m->be, p, bytes); /* a device memset, no host round trip */
+    else
+        m->be->ops->buf_upload(m->be, p, m->s.h_zero, bytes);
+}
+
+double moe_model_clock(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void moe_model_profile(const struct moe_model *m, struct moe_model_profile *out)
+{
+    *out = m->prof;
+}
+
+void moe_model_ep_traffic(const struct moe_model *m, uint64_t *bytes_sent, uint64_t *rows_routed)
+{
+    *bytes_sent = m->ep_bytes_sent;
+    *rows_routed = m->ep_rows_routed;
+}

@@ -1,0 +1,524 @@
+/* Loading a model shard: config.json and the safetensors weights, checked
+ * tensor by tensor against the config, the shard's slice copied to the
+ * backend in the chosen dtype (int8 quantized here); freeing it. The forward
+ * pass is in forward.c, live placement changes in placement_swap.c. */
+#include "model/model.h"
+#include "model/model_internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/placement.h"
+#include "quant.h"
+#include "safetensors.h"
+
+/* ---- loading ------------------------------------------------------------------ */
+
+struct loader {
+    struct moe_model *m;
+    struct st_model *st;
+    const char *dir;
+};
+
+/* Looks a tensor up and checks its shape against what config.json implies. */
+static enum moe_status find_tensor(struct loader *ld, const char *name, int n_dim, int64_t d0,
+                                   int64_t d1, const struct st_tensor **out, struct moe_error *err)
+{
+    const struct st_tensor *t = st_find(ld->st, name);
+    if (!t)
+        return moe_error_set(err, MOE_ERR_NOT_FOUND, "%s: tensor '%s' not found in the checkpoint",
+                             ld->dir, name);
+    int64_t want[2] = {d0, d1};
+    bool ok = t->n_dim == n_dim;
+    for (int i = 0; ok && i < n_dim; i++)
+        ok = t->shape[i] == want[i];
+    if (!ok) {
+        char got[128] = "";
+        size_t len = 0;
+        for (int i = 0; i < t->n_dim && len < sizeof got - 24; i++)
+            len += (size_t)snprintf(got + len, sizeof got - len, "%s%lld", i ? ", " : "",
+                                    (long long)t->shape[i]);
+        if (n_dim == 1)
+            return moe_error_set(err, MOE_ERR_FORMAT,
+                                 "%s: tensor '%s' has shape [%s], config.json implies [%lld]",
+                                 t->file, name, got, (long long)d0);
+        return moe_error_set(err, MOE_ERR_FORMAT,
+                             "%s: tensor '%s' has shape [%s], config.json implies [%lld, %lld]",
+                             t->file, name, got, (long long)d0, (long long)d1);
+    }
+    *out = t;
+    return MOE_OK;
+}
+
+/* Bytes of a Linear weight (n_rows, n_cols) as the model stores it. */
+size_t moe_model_linear_bytes(const struct moe_model *m, int64_t n_rows, int64_t n_cols)
+{
+    if (m->lin_dtype == MOE_DTYPE_I8)
+        return moe_i8_weight_bytes(n_rows, n_cols);
+    return (size_t)n_rows * (size_t)n_cols * moe_dtype_size(m->lin_dtype);
+}
+
+/* Copies `bytes` of host memory into a new backend buffer (*out), counted in
+ * the model's weight bytes. Frees `host` in every case. */
+static enum moe_status upload_weight(struct loader *ld, const char *name, void *host, size_t bytes,
+                                     void **out, struct moe_error *err)
+{
+    struct moe_backend *be = ld->m->be;
+    void *buf = be->ops->buf_alloc(be, bytes);
+    if (!buf) {
+        free(host);
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: cannot allocate %zu bytes for '%s'", ld->dir,
+                             bytes, name);
+    }
+    be->ops->buf_upload(be, buf, host, bytes);
+    free(host);
+    ld->m->weight_bytes += bytes;
+    *out = buf;
+    return MOE_OK;
+}
+
+/* Quantizes the f32 values of a Linear weight (n_rows, n_cols) to the int8
+ * image (values, then row scales) and uploads it; under the i8_dequantized
+ * test hook, uploads q * scale as f32 instead. Frees `f32` in every case. */
+static enum moe_status upload_quantized(struct loader *ld, const char *name, float *f32,
+                                        int64_t n_rows, int64_t n_cols, void **out,
+                                        struct moe_error *err)
+{
+    size_t img_bytes = moe_i8_weight_bytes(n_rows, n_cols);
+    char *img = calloc(1, img_bytes);
+    if (!img) {
+        free(f32);
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory quantizing '%s'", ld->dir,
+                             name);
+    }
+    float *scale = (float *)(img + moe_i8_scale_offset(n_rows, n_cols));
+    if (!moe_quant_i8_rows(f32, n_rows, n_cols, (int8_t *)img, scale)) {
+        free(img);
+        free(f32);
+        return moe_error_set(err, MOE_ERR_FORMAT,
+                             "%s: tensor '%s' holds a NaN or infinite weight; --dtype int8 "
+                             "cannot quantize it",
+                             ld->dir, name);
+    }
+    if (!ld->m->opts.i8_dequantized) {
+        free(f32);
+        return upload_weight(ld, name, img, img_bytes, out, err);
+    }
+    moe_dequant_i8_rows((const int8_t *)img, scale, n_rows, n_cols, f32);
+    free(img);
+    return upload_weight(ld, name, f32, (size_t)n_rows * (size_t)n_cols * sizeof(float), out, err);
+}
+
+/* Allocates a backend buffer and fills it with rows [row0, row0+n_rows) and
+ * cols [col0, col0+n_cols) of tensor `name` (full shape rows x cols), in
+ * `dtype`; I8 quantizes the block (read as f32) row by row. */
+static enum moe_status load_block(struct loader *ld, const char *name, int64_t rows, int64_t cols,
+                                  int64_t row0, int64_t n_rows, int64_t col0, int64_t n_cols,
+                                  enum moe_dtype dtype, void **out, struct moe_error *err)
+{
+    const struct st_tensor *t;
+    enum moe_status rc = find_tensor(ld, name, cols ? 2 : 1, rows, cols, &t, err);
+    if (rc)
+        return rc;
+    if (!cols) { /* 1-D: one row of `rows` elements */
+        n_cols = n_rows;
+        col0 = row0;
+        n_rows = 1;
+        row0 = 0;
+    }
+    enum moe_dtype read_dtype = dtype == MOE_DTYPE_I8 ? MOE_DTYPE_F32 : dtype;
+    size_t bytes = (size_t)n_rows * (size_t)n_cols * moe_dtype_size(read_dtype);
+    void *host = malloc(bytes ? bytes : 1);
+    if (!host)
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
+    rc = st_read_block(t, row0, n_rows, col0, n_cols, read_dtype, host, err);
+    if (rc) {
+        free(host);
+        return rc;
+    }
+    if (dtype == MOE_DTYPE_I8)
+        return upload_quantized(ld, name, host, n_rows, n_cols, out, err);
+    return upload_weight(ld, name, host, bytes, out, err);
+}
+
+/* A whole Linear weight (rows, cols), in the model's weight dtype (I8: quantized). */
+static enum moe_status load_matrix(struct loader *ld, const char *name, int64_t rows, int64_t cols,
+                                   void **out, struct moe_error *err)
+{
+    return load_block(ld, name, rows, cols, 0, rows, 0, cols, ld->m->opts.dtype, out, err);
+}
+
+/* Norm weights stay f32 on the device; with bf16 weights they are rounded to
+ * bf16 first, so "--dtype bf16" means every weight of the model in bf16, as
+ * model.to(torch.bfloat16) does (int8 models keep their unquantized weights
+ * as bf16 models do). */
+static enum moe_status load_norm(struct loader *ld, const char *name, int64_t dim, float **out,
+                                 struct moe_error *err)
+{
+    const struct st_tensor *t;
+    enum moe_status rc = find_tensor(ld, name, 1, dim, 0, &t, err);
+    if (rc)
+        return rc;
+    float *host = malloc((size_t)dim * sizeof *host);
+    if (!host)
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
+    rc = st_read_block(t, 0, 1, 0, dim, MOE_DTYPE_F32, host, err);
+    if (!rc && ld->m->base_dtype == MOE_DTYPE_BF16)
+        for (int64_t i = 0; i < dim; i++)
+            host[i] = moe_bf16_to_f32(moe_f32_to_bf16(host[i]));
+    struct moe_backend *be = ld->m->be;
+    float *buf = rc ? NULL : be->ops->buf_alloc(be, (size_t)dim * sizeof *buf);
+    if (!rc && !buf)
+        rc = moe_error_set(err, MOE_ERR_NOMEM, "%s: cannot allocate '%s'", ld->dir, name);
+    if (!rc) {
+        be->ops->buf_upload(be, buf, host, (size_t)dim * sizeof *buf);
+        ld->m->weight_bytes += (size_t)dim * sizeof *buf;
+        *out = buf;
+    }
+    free(host);
+    return rc;
+}
+
+/* Loads gate and up projections (each (d_ff, d_model)) into one (2*d_ff, d_model)
+ * buffer: gate rows first, then up rows, matching the backend's swiglu. With
+ * I8 the fused weight is quantized as one (rows are independent). */
+static enum moe_status load_gate_up(struct loader *ld, const char *gate_name, const char *up_name,
+                                    int64_t d_ff, int64_t d_model, void **out,
+                                    struct moe_error *err)
+{
+    const struct st_tensor *tg, *tu;
+    enum moe_status rc = find_tensor(ld, gate_name, 2, d_ff, d_model, &tg, err);
+    if (!rc)
+        rc = find_tensor(ld, up_name, 2, d_ff, d_model, &tu, err);
+    if (rc)
+        return rc;
+    enum moe_dtype dt = ld->m->opts.dtype == MOE_DTYPE_I8 ? MOE_DTYPE_F32 : ld->m->opts.dtype;
+    size_t half = (size_t)d_ff * (size_t)d_model * moe_dtype_size(dt);
+    char *host = malloc(2 * half);
+    if (!host)
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir,
+                             gate_name);
+    rc = st_read_block(tg, 0, d_ff, 0, d_model, dt, host, err);
+    if (!rc)
+        rc = st_read_block(tu, 0, d_ff, 0, d_model, dt, host + half, err);
+    if (rc) {
+        free(host);
+        return rc;
+    }
+    if (ld->m->opts.dtype == MOE_DTYPE_I8)
+        return upload_quantized(ld, gate_name, (float *)host, 2 * d_ff, d_model, out, err);
+    return upload_weight(ld, gate_name, host, 2 * half, out, err);
+}
+
+/* Loads expert e of MoE layer l: gate and up fused, and down. */
+static enum moe_status load_expert(struct loader *ld, int l, int e, void **gate_up, void **down,
+                                   struct moe_error *err)
+{
+    const struct moe_config *c = &ld->m->cfg;
+    const char *moe = c->arch == MOE_ARCH_MIXTRAL ? "block_sparse_moe" : "mlp";
+    const char *g = c->arch == MOE_ARCH_MIXTRAL ? "w1" : "gate_proj";
+    const char *u = c->arch == MOE_ARCH_MIXTRAL ? "w3" : "up_proj";
+    const char *dn = c->arch == MOE_ARCH_MIXTRAL ? "w2" : "down_proj";
+    char name[256], name2[256];
+    snprintf(name, sizeof name, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, g);
+    snprintf(name2, sizeof name2, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, u);
+    enum moe_status rc = load_gate_up(ld, name, name2, c->d_ff_expert, c->d_model, gate_up, err);
+    if (rc)
+        return rc;
+    snprintf(name, sizeof name, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, dn);
+    return load_matrix(ld, name, c->d_model, c->d_ff_expert, down, err);
+}
+
+static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *err)
+{
+    struct moe_model *m = ld->m;
+    const struct moe_config *c = &m->cfg;
+    struct layer_weights *w = &m->layers[l];
+    const int64_t d = c->d_model, dh = c->d_head;
+    const int64_t q0 = (int64_t)m->opts.tp_rank * m->q_dim;
+    const int64_t kv0 = (int64_t)m->opts.tp_rank * m->kv_dim;
+    char name[256], name2[256];
+    enum moe_status rc;
+
+#define NAME(buf, ...) snprintf(buf, sizeof buf, __VA_ARGS__)
+    NAME(name, "model.layers.%d.input_layernorm.weight", l);
+    if ((rc = load_norm(ld, name, d, &w->attn_norm, err)))
+        return rc;
+    NAME(name, "model.layers.%d.post_attention_layernorm.weight", l);
+    if ((rc = load_norm(ld, name, d, &w->ffn_norm, err)))
+        return rc;
+    NAME(name, "model.layers.%d.self_attn.q_proj.weight", l);
+    if ((rc = load_block(ld, name, (int64_t)c->n_head * dh, d, q0, m->q_dim, 0, d, m->opts.dtype,
+                         &w->wq, err)))
+        return rc;
+    NAME(name, "model.layers.%d.self_attn.k_proj.weight", l);
+    if ((rc = load_block(ld, name, (int64_t)c->n_kv_head * dh, d, kv0, m->kv_dim, 0, d,
+                         m->opts.dtype, &w->wk, err)))
+        return rc;
+    NAME(name, "model.layers.%d.self_attn.v_proj.weight", l);
+    if ((rc = load_block(ld, name, (int64_t)c->n_kv_head * dh, d, kv0, m->kv_dim, 0, d,
+                         m->opts.dtype, &w->wv, err)))
+        return rc;
+    NAME(name, "model.layers.%d.self_attn.o_proj.weight", l);
+    if ((rc = load_block(ld, name, d, (int64_t)c->n_head * dh, 0, d, q0, m->q_dim, m->opts.dtype,
+                         &w->wo, err)))
+        return rc;
+    if (c->qk_norm) {
+        NAME(name, "model.layers.%d.self_attn.q_norm.weight", l);
+        if ((rc = load_norm(ld, name, dh, &w->q_norm, err)))
+            return rc;
+        NAME(name, "model.layers.%d.self_attn.k_norm.weight", l);
+        if ((rc = load_norm(ld, name, dh, &w->k_norm, err)))
+            return rc;
+    }
+
+    w->is_moe = c->layer_is_moe[l];
+    const char *moe = c->arch == MOE_ARCH_MIXTRAL ? "block_sparse_moe" : "mlp";
+    if (!w->is_moe) {
+        NAME(name, "model.layers.%d.mlp.gate_proj.weight", l);
+        NAME(name2, "model.layers.%d.mlp.up_proj.weight", l);
+        if ((rc = load_gate_up(ld, name, name2, c->d_ff_dense, d, &w->dense_gate_up, err)))
+            return rc;
+        NAME(name, "model.layers.%d.mlp.down_proj.weight", l);
+        return load_matrix(ld, name, d, c->d_ff_dense, &w->dense_down, err);
+    }
+    /* The router stays unquantized (base_dtype): int8 noise on its logits
+     * could flip an expert choice, which changes a token's output far more
+     * than the noise itself; it is also tiny. */
+    NAME(name, "model.layers.%d.%s.gate.weight", l, moe);
+    if ((rc = load_block(ld, name, c->n_expert, d, 0, c->n_expert, 0, d, m->base_dtype, &w->router,
+                         err)))
+        return rc;
+    w->w_gate_up = calloc((size_t)c->n_expert, sizeof *w->w_gate_up);
+    w->w_down = calloc((size_t)c->n_expert, sizeof *w->w_down);
+    if (!w->w_gate_up || !w->w_down)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    for (int e = 0; e < c->n_expert; e++) {
+        if (m->ep_comm && !moe_placement_holds(&m->placement, l, e, m->ep_comm->rank))
+            continue; /* another rank's expert */
+        if ((rc = load_expert(ld, l, e, &w->w_gate_up[e], &w->w_down[e], err)))
+            return rc;
+    }
+#undef NAME
+    return MOE_OK;
+}
+
+static enum moe_status check_opts(const struct moe_config *c, const struct moe_model_opts *o,
+                                  const char *dir, struct moe_error *err)
+{
+    if (o->dtype != MOE_DTYPE_F32 && o->dtype != MOE_DTYPE_BF16 && o->dtype != MOE_DTYPE_I8)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "weight dtype %s is not supported (use f32, bf16 or int8)",
+                             moe_dtype_name(o->dtype));
+    if (o->i8_dequantized && o->dtype != MOE_DTYPE_I8)
+        return moe_error_set(err, MOE_ERR_INVALID, "i8_dequantized needs weight dtype I8, not %s",
+                             moe_dtype_name(o->dtype));
+    if (o->tp_size < 1 || o->tp_rank < 0 || o->tp_rank >= o->tp_size)
+        return moe_error_set(err, MOE_ERR_INVALID, "tensor-parallel rank %d of %d is invalid",
+                             o->tp_rank, o->tp_size);
+    if (c->n_head % o->tp_size)
+        return moe_error_set(
+            err, MOE_ERR_INVALID,
+            "%s: num_attention_heads %d is not divisible by tensor-parallel size %d", dir,
+            c->n_head, o->tp_size);
+    if (o->tp_size > 1 &&
+        (!o->tp_comm || o->tp_comm->size != o->tp_size || o->tp_comm->rank != o->tp_rank))
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "tensor-parallel size %d needs a communicator of that size",
+                             o->tp_size);
+    if (o->ep_comm && o->ep_comm->size > MOE_MAX_EP_RANKS)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "expert parallel over %d ranks (at most %d)",
+                             o->ep_comm->size, MOE_MAX_EP_RANKS);
+    if (c->n_kv_head % o->tp_size)
+        return moe_error_set(
+            err, MOE_ERR_UNSUPPORTED,
+            "%s: num_key_value_heads %d is not divisible by tensor-parallel size %d "
+            "(replicating KV heads is not implemented)",
+            dir, c->n_kv_head, o->tp_size);
+    return MOE_OK;
+}
+
+enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opts,
+                               struct moe_backend *be, struct moe_model **out,
+                               struct moe_error *err)
+{
+    *out = NULL;
+    struct moe_model *m = calloc(1, sizeof *m);
+    if (!m)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    m->be = be;
+    m->opts = *opts;
+    m->lin_dtype = opts->dtype;
+    m->base_dtype = opts->dtype;
+    if (opts->dtype == MOE_DTYPE_I8) {
+        m->lin_dtype = opts->i8_dequantized ? MOE_DTYPE_F32 : MOE_DTYPE_I8;
+        m->base_dtype = MOE_DTYPE_BF16;
+    }
+    struct loader ld = {.m = m, .dir = dir};
+    enum moe_status rc;
+    if (!(m->dir = strdup(dir))) {
+        free(m);
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    }
+
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if ((rc = moe_config_load(path, &m->cfg, err)))
+        goto fail;
+    const struct moe_config *c = &m->cfg;
+    if ((rc = check_opts(c, opts, dir, err)))
+        goto fail;
+    if (m->lin_dtype == MOE_DTYPE_I8 && be->device != MOE_DEVICE_CPU) {
+        /* Refused here, before any weight moves: the CUDA matmuls would
+         * reject every call and the forward pass would only fail later. */
+        rc = moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                           "--dtype int8: the %s backend has no int8 kernels yet; use --device cpu",
+                           be->name);
+        goto fail;
+    }
+    m->tp_comm = opts->tp_size > 1 ? opts->tp_comm : NULL;
+    m->ep_comm = opts->ep_comm && opts->ep_comm->size > 1 ? opts->ep_comm : NULL;
+    if (m->ep_comm) {
+        int w = m->ep_comm->size;
+        if (opts->placement) {
+            const struct moe_placement *pl = opts->placement;
+            if (pl->n_rank != w || pl->n_expert != c->n_expert || pl->n_layer != c->n_layer) {
+                rc = moe_error_set(err, MOE_ERR_INVALID,
+                                   "placement is for %d experts x %d layers on %d ranks; the model "
+                                   "has %d x %d and the group %d ranks",
+                                   pl->n_expert, pl->n_layer, pl->n_rank, c->n_expert, c->n_layer,
+                                   w);
+                goto fail;
+            }
+            rc = moe_placement_default(c->n_layer, c->n_expert, w, &m->placement, err);
+            if (!rc) {
+                size_t n = (size_t)c->n_layer * c->n_expert;
+                memcpy(m->placement.n_replicas, pl->n_replicas, n);
+                memcpy(m->placement.ranks, pl->ranks,
+                       n * MOE_PLACEMENT_MAX_REPLICAS * sizeof *pl->ranks);
+            }
+        } else {
+            rc = moe_placement_default(c->n_layer, c->n_expert, w, &m->placement, err);
+        }
+        if (rc)
+            goto fail;
+    }
+    m->n_head_local = c->n_head / opts->tp_size;
+    m->n_kv_head_local = c->n_kv_head / opts->tp_size;
+    m->q_dim = m->n_head_local * c->d_head;
+    m->kv_dim = m->n_kv_head_local * c->d_head;
+
+    if ((rc = st_open(dir, &ld.st, err)))
+        goto fail;
+    if ((rc = load_block(&ld, "model.embed_tokens.weight", c->vocab_size, c->d_model, 0,
+                         c->vocab_size, 0, c->d_model, m->base_dtype, &m->embed, err)))
+        goto fail;
+    if ((rc = load_norm(&ld, "model.norm.weight", c->d_model, &m->final_norm, err)))
+        goto fail;
+    if (c->tie_word_embeddings && m->lin_dtype == m->base_dtype) {
+        m->lm_head = m->embed;
+    } else if (c->tie_word_embeddings) { /* int8 lm_head: a quantized copy of the table */
+        if ((rc = load_matrix(&ld, "model.embed_tokens.weight", c->vocab_size, c->d_model,
+                              &m->lm_head, err)))
+            goto fail;
+    } else if ((rc = load_matrix(&ld, "lm_head.weight", c->vocab_size, c->d_model, &m->lm_head,
+                                 err))) {
+        goto fail;
+    }
+    m->layers = calloc((size_t)c->n_layer, sizeof *m->layers);
+    m->expert_tokens =
+        calloc((size_t)c->n_layer * (c->n_expert > 0 ? c->n_expert : 1), sizeof *m->expert_tokens);
+    if (!m->layers || !m->expert_tokens) {
+        rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    for (int l = 0; l < c->n_layer; l++)
+        if ((rc = load_layer(&ld, l, err)))
+            goto fail;
+    st_close(ld.st);
+    *out = m;
+    return MOE_OK;
+
+fail:
+    st_close(ld.st);
+    moe_model_free(m);
+    return rc;
+}
+
+void moe_model_free(struct moe_model *m)
+{
+    if (!m)
+        return;
+    struct moe_backend *be = m->be;
+#define FREE_BUF(p)                                                                                \
+    do {                                                                                           \
+        if (p)                                                                                     \
+            be->ops->buf_free(be, p);                                                              \
+    } while (0)
+    if (m->layers) {
+        for (int l = 0; l < m->cfg.n_layer; l++) {
+            struct layer_weights *w = &m->layers[l];
+            FREE_BUF(w->attn_norm);
+            FREE_BUF(w->ffn_norm);
+            FREE_BUF(w->wq);
+            FREE_BUF(w->wk);
+            FREE_BUF(w->wv);
+            FREE_BUF(w->wo);
+            FREE_BUF(w->q_norm);
+            FREE_BUF(w->k_norm);
+            FREE_BUF(w->router);
+            FREE_BUF(w->dense_gate_up);
+            FREE_BUF(w->dense_down);
+            for (int e = 0; w->w_gate_up && e < m->cfg.n_expert; e++)
+                FREE_BUF(w->w_gate_up[e]);
+            for (int e = 0; w->w_down && e < m->cfg.n_expert; e++)
+                FREE_BUF(w->w_down[e]);
+            free(w->w_gate_up);
+            free(w->w_down);
+        }
+        free(m->layers);
+    }
+    if (m->lm_head != m->embed)
+        FREE_BUF(m->lm_head);
+    FREE_BUF(m->embed);
+    FREE_BUF(m->final_norm);
+#undef FREE_BUF
+    moe_model_scratch_free(m);
+    moe_model_drop_placement(m); /* a prepared, uncommitted placement */
+    moe_placement_free(&m->placement);
+    free(m->expert_tokens);
+    free(m->dir);
+    free(m);
+}
+
+const struct moe_config *moe_model_config(const struct moe_model *m)
+{
+    return &m->cfg;
+}
+
+size_t moe_model_weight_bytes(const struct moe_model *m)
+{
+    return m->weight_bytes;
+}
+
+enum moe_status moe_model_load_expert(struct moe_model *m, struct st_model *st, int l, int e,
+                                      void **gate_up, void **down, struct moe_error *err)
+{
+    struct loader ld = {.m = m, .st = st, .dir = m->dir};
+    return load_expert(&ld, l, e, gate_up, down, err);
+}
+
+/* ---- KV caches of this model's shape -------------------------------------------- */
+
+enum moe_status moe_kv_cache_create(const struct moe_model *m, int n_block, int block_size,
+                                    struct moe_kv_cache **out, struct moe_error *err)
+{
+    return moe_kv_cache_alloc(m->be, m->cfg.n_layer, n_block, block_size, m->kv_dim, out, err);
+}
+
+void moe_kv_cache_free(const struct moe_model *m, struct moe_kv_cache *kv)
+{
+    moe_kv_cache_release(m->be, kv);
+}
