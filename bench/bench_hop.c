@@ -14,13 +14,7 @@
 
 #include "moe/v1/worker.pb-c.h"
 #include "rpc.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "clock.h"
 
 struct sample {
     double e2e, ttft, itl; /* seconds; itl: mean gap after the first token */
@@ -32,7 +26,7 @@ static int run_one(struct rpc_client *c, const char *method, const uint8_t *req,
                    struct sample *out)
 {
     struct moe_error err;
-    double t0 = now_s(), t_first = 0, t_last = 0;
+    double t0 = moe_now(), t_first = 0, t_last = 0;
     struct rpc_client_stream *st = rpc_client_stream_start(c, method, req, len, 30000, &err);
     if (!st)
         return -1;
@@ -42,7 +36,7 @@ static int run_one(struct rpc_client *c, const char *method, const uint8_t *req,
     while (rpc_client_stream_next(st, &m, &ml)) {
         Moe__V1__GenerateResponse *r = moe__v1__generate_response__unpack(NULL, ml, m);
         if (r && r->n_token_ids) {
-            double t = now_s();
+            double t = moe_now();
             if (!n)
                 t_first = t;
             t_last = t;
@@ -58,7 +52,7 @@ static int run_one(struct rpc_client *c, const char *method, const uint8_t *req,
         fprintf(stderr, "bench-hop: %s: %s %s\n", method, rpc_code_name(code), msg ? msg : "");
         return -1;
     }
-    *out = (struct sample){now_s() - t0, t_first - t0, (t_last - t_first) / (n - 1), n};
+    *out = (struct sample){moe_now() - t0, t_first - t0, (t_last - t_first) / (n - 1), n};
     return 0;
 }
 

@@ -17,13 +17,7 @@
 
 #include "moe/v1/inference.pb-c.h"
 #include "rpc.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "clock.h"
 
 struct sample {
     double e2e, ttft, itl;
@@ -33,7 +27,7 @@ struct sample {
 static int run_grpc(struct rpc_client *c, const uint8_t *req, size_t len, struct sample *out)
 {
     struct moe_error err;
-    double t0 = now_s(), t_first = 0, t_last = 0;
+    double t0 = moe_now(), t_first = 0, t_last = 0;
     struct rpc_client_stream *st =
         rpc_client_stream_start(c, "/moe.v1.Inference/Generate", req, len, 30000, &err);
     if (!st)
@@ -44,7 +38,7 @@ static int run_grpc(struct rpc_client *c, const uint8_t *req, size_t len, struct
     while (rpc_client_stream_next(st, &m, &ml)) {
         Moe__V1__GenerateResponse *r = moe__v1__generate_response__unpack(NULL, ml, m);
         if (r && r->n_token_ids) {
-            double t = now_s();
+            double t = moe_now();
             if (!n)
                 t_first = t;
             t_last = t;
@@ -60,7 +54,7 @@ static int run_grpc(struct rpc_client *c, const uint8_t *req, size_t len, struct
         fprintf(stderr, "bench-http: gRPC: %s %s\n", rpc_code_name(code), msg ? msg : "");
         return -1;
     }
-    *out = (struct sample){now_s() - t0, t_first - t0, (t_last - t_first) / (n - 1), n};
+    *out = (struct sample){moe_now() - t0, t_first - t0, (t_last - t_first) / (n - 1), n};
     return 0;
 }
 
@@ -82,7 +76,7 @@ static size_t on_sse(char *p, size_t sz, size_t nm, void *u)
     memcpy(buf, s->tail, tl);
     memcpy(buf + tl, p, k);
     buf[tl + k] = '\0';
-    double t = now_s();
+    double t = moe_now();
     for (char *q = buf; (q = strstr(q, marker)); q += ml) {
         if (!s->n)
             s->t_first = t;
@@ -103,7 +97,7 @@ static int run_http(CURL *c, const char *url, const char *body, struct sample *o
     curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_sse);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, &s);
-    double t0 = now_s();
+    double t0 = moe_now();
     CURLcode rc = curl_easy_perform(c);
     long status = 0;
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &status);
@@ -112,7 +106,7 @@ static int run_http(CURL *c, const char *url, const char *body, struct sample *o
                 curl_easy_strerror(rc), status, s.n);
         return -1;
     }
-    *out = (struct sample){now_s() - t0, s.t_first - t0, (s.t_last - s.t_first) / (s.n - 1), s.n};
+    *out = (struct sample){moe_now() - t0, s.t_first - t0, (s.t_last - s.t_first) / (s.n - 1), s.n};
     return 0;
 }
 

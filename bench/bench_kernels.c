@@ -18,13 +18,7 @@
 #include "backend.h"
 #include "cpu/cpu_kernels.h"
 #include "quant.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+#include "clock.h"
 
 struct shape {
     const char *name;
@@ -74,12 +68,12 @@ static double time_matmul(struct moe_backend *be, struct moe_matmul_params *p, v
     set_weights(p, copies[0]);
     be->ops->matmul(be, p); /* warm-up */
     int reps = 0;
-    double t0 = now_s(), t;
+    double t0 = moe_now(), t;
     do {
         set_weights(p, copies[reps % n_copies]);
         be->ops->matmul(be, p);
         reps++;
-        t = now_s();
+        t = moe_now();
     } while (reps < min_reps || t - t0 < min_time);
     return (t - t0) / reps;
 }

@@ -22,13 +22,7 @@
 #include "metrics.h"
 #include "model/model.h"
 #include "serve/worker_metrics.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "clock.h"
 
 #define N_OPS 20000000
 
@@ -57,12 +51,12 @@ static void *observe_loop(void *p)
 static double run_threads(void *(*fn)(void *), struct ham *a, int n_threads)
 {
     pthread_t th[2];
-    double t0 = now_s();
+    double t0 = moe_now();
     for (int i = 0; i < n_threads; i++)
         pthread_create(&th[i], NULL, fn, a);
     for (int i = 0; i < n_threads; i++)
         pthread_join(th[i], NULL);
-    return (now_s() - t0) * 1e9 / ((double)a->n * n_threads);
+    return (moe_now() - t0) * 1e9 / ((double)a->n * n_threads);
 }
 
 static enum moe_status noop_forward(void *ctx, struct moe_model *m, struct moe_kv_cache *kv,
@@ -105,13 +99,13 @@ static double workload(struct moe_model *model, struct worker_metrics *wm, int n
             return -1;
         }
     }
-    double t0 = now_s();
+    double t0 = moe_now();
     while (moe_engine_busy(e))
         if (moe_engine_step(e, NULL, err)) {
             moe_engine_destroy(e);
             return -1;
         }
-    double dt = now_s() - t0;
+    double dt = moe_now() - t0;
     struct moe_engine_stats st;
     moe_engine_stats(e, &st);
     moe_engine_destroy(e);
@@ -135,9 +129,9 @@ int main(int argc, char **argv)
            run_threads(observe_loop, &a, 1), run_threads(observe_loop, &a, 2));
     char *text;
     size_t len;
-    double t0 = now_s();
+    double t0 = moe_now();
     moe_metrics_render(reg, &text, &len, &err);
-    printf("render of 2 series: %.1f us\n", (now_s() - t0) * 1e6);
+    printf("render of 2 series: %.1f us\n", (moe_now() - t0) * 1e6);
     free(text);
     moe_metrics_destroy(reg);
 
@@ -157,10 +151,10 @@ int main(int argc, char **argv)
         goto out;
     struct moe_batch batch = {.n_tok = 1};
     int n_calls = 2000000;
-    t0 = now_s();
+    t0 = moe_now();
     for (int i = 0; i < n_calls; i++)
         worker_metrics_forward(noop, model, NULL, &batch, NULL, &err);
-    double rec_ns = (now_s() - t0) * 1e9 / n_calls;
+    double rec_ns = (moe_now() - t0) * 1e9 / n_calls;
     printf("per-step recording (worker_metrics_forward around a no-op): %.0f ns\n", rec_ns);
 
     printf("model %s, %d thread(s); mean engine step, plain vs recording (3 alternated "

@@ -37,6 +37,7 @@
 #include <time.h>
 
 #include "planner.h"
+#include "clock.h"
 
 #define TOP_K 8
 
@@ -64,13 +65,6 @@ struct sim_result {
     double plan_ms; /* mean planner time */
     int n_scored;
 };
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static uint64_t rng_next(uint64_t *s)
 {
@@ -289,7 +283,7 @@ static int simulate(const struct sim_opts *o, const struct windows *w, struct si
     size_t stride = (size_t)L * E;
     for (int i = 0; i + 1 < w->n; i++) {
         struct planner_result r;
-        double t0 = now_s();
+        double t0 = moe_now();
         if (planner_plan(&pp, &cur, w->counts + (size_t)i * stride, &r, &err)) {
             fprintf(stderr, "sim-placement: %d experts on %d ranks, redundant %d: %s\n", E, N,
                     o->n_redundant, err.msg);
@@ -298,7 +292,7 @@ static int simulate(const struct sim_opts *o, const struct windows *w, struct si
             planner_map_free(&dflt);
             return -1;
         }
-        t_plan += now_s() - t0;
+        t_plan += moe_now() - t0;
         if (i == 0) {
             res->moves_first = r.n_moves;
         } else {

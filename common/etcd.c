@@ -21,6 +21,7 @@
 #include <curl/curl.h>
 
 #include "base64.h"
+#include "clock.h"
 
 #define ETCD_URL_MAX 1024
 #define ETCD_MAX_RESPONSE (256u << 20)  /* unary answers (a large prefix read) */
@@ -48,13 +49,6 @@ static enum moe_status etcd_global_init(struct moe_error *err)
         return moe_error_set(err, MOE_ERR_INTERNAL, "etcd: curl_global_init failed: %s",
                              curl_easy_strerror(etcd_curl_init_rc));
     return MOE_OK;
-}
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 /* A printable, bounded copy of `s` for error messages. */
@@ -1068,8 +1062,8 @@ static void *watch_main(void *arg)
             w->cur = (w->cur + 1) % w->ep.n;
         }
         /* sleep, woken at once by moe_etcd_watch_destroy */
-        int64_t until = now_ms() + backoff_ms;
-        for (int64_t left; !atomic_load(&w->stop) && (left = until - now_ms()) > 0;)
+        int64_t until = moe_now_ms() + backoff_ms;
+        for (int64_t left; !atomic_load(&w->stop) && (left = until - moe_now_ms()) > 0;)
             curl_multi_poll(w->multi, NULL, 0, (int)left, NULL);
         if (!w->created_seen && backoff_ms < ETCD_WATCH_BACKOFF_MAX_MS)
             backoff_ms = backoff_ms * 2 > ETCD_WATCH_BACKOFF_MAX_MS ? ETCD_WATCH_BACKOFF_MAX_MS
@@ -1176,7 +1170,7 @@ static void keeper_sleep(struct moe_etcd_keeper *k, int64_t until)
 {
     pthread_mutex_lock(&k->mu);
     while (!atomic_load(&k->stop)) {
-        int64_t t = now_ms();
+        int64_t t = moe_now_ms();
         if (t >= until)
             break;
         struct timespec ts;
@@ -1192,7 +1186,7 @@ static void keeper_sleep(struct moe_etcd_keeper *k, int64_t until)
 static void *keeper_main(void *arg)
 {
     struct moe_etcd_keeper *k = arg;
-    int64_t t = now_ms();
+    int64_t t = moe_now_ms();
     int64_t deadline = t + k->ttl_ms; /* the lease was refreshed by create */
     int64_t next = t + k->ttl_ms / 3;
     while (!atomic_load(&k->stop)) {
@@ -1204,7 +1198,7 @@ static void *keeper_main(void *arg)
         enum moe_status st = moe_etcd_lease_keepalive(k->client, k->lease, &ttl, &err);
         if (atomic_load(&k->stop))
             break;
-        t = now_ms();
+        t = moe_now_ms();
         if (st == MOE_OK) {
             k->ttl_ms = ttl * 1000;
             deadline = t + k->ttl_ms;

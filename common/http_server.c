@@ -15,6 +15,7 @@
  * so a resume never precedes its suspend, and never after on_completed
  * (conn is NULL from then on). */
 #include "http_server.h"
+#include "clock.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -328,13 +329,11 @@ void http_request_set_on_close(struct http_request *rq, http_close_fn fn, void *
     pthread_mutex_unlock(&rq->mu);
 }
 
-static double now_s(void);
-
 bool http_request_client_gone(struct http_request *rq)
 {
     pthread_mutex_lock(&rq->mu);
     if (!rq->gone && rq->conn && rq->suspended) {
-        double now = now_s();
+        double now = moe_now();
         if (now - rq->last_peek >= 0.05) {
             rq->last_peek = now;
             const union MHD_ConnectionInfo *ci =
@@ -704,18 +703,11 @@ int http_server_port(const struct http_server *s)
     return s->port;
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Waits on s->cond until pred(s) or `until` (0: forever). Caller holds s->mu. */
 static void wait_until(struct http_server *s, bool (*pred)(struct http_server *), double until)
 {
     while (!pred(s)) {
-        if (until > 0 && now_s() >= until)
+        if (until > 0 && moe_now() >= until)
             return;
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
@@ -755,7 +747,7 @@ void http_server_destroy(struct http_server *s, int grace_ms)
     if (s->d) {
         http_server_quiesce(s);
         pthread_mutex_lock(&s->mu);
-        wait_until(s, no_app, now_s() + grace_ms / 1e3);
+        wait_until(s, no_app, moe_now() + grace_ms / 1e3);
         /* Cancel the rest: each one's on_close, then wait for its end. */
         while (s->n_app > 0) {
             struct http_request *pick = NULL;
@@ -782,7 +774,7 @@ void http_server_destroy(struct http_server *s, int grace_ms)
         }
         /* Answers resumed just now go out (bounded: a client that does not
          * read is cut off by the stop). */
-        wait_until(s, no_live, now_s() + 2.0);
+        wait_until(s, no_live, moe_now() + 2.0);
         pthread_mutex_unlock(&s->mu);
         MHD_stop_daemon(s->d);
     }

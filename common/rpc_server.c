@@ -25,6 +25,7 @@
 #include <grpc/status.h>
 #include <grpc/support/time.h>
 
+#include "clock.h"
 #include "rpc_internal.h"
 
 _Static_assert(RPC_UNAUTHENTICATED == (int)GRPC_STATUS_UNAUTHENTICATED, "rpc_code mirrors gRPC");
@@ -1001,8 +1002,7 @@ static bool wait_server_done(struct rpc_server *s, const struct timespec *until)
  * poll. */
 static void wait_clients_done(int port, int timeout_ms)
 {
-    struct timespec t0, now;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double t0 = moe_now();
     for (;;) {
         bool open = false;
         DIR *d = opendir("/proc/self/fd");
@@ -1035,9 +1035,7 @@ static void wait_clients_done(int port, int timeout_ms)
                 open = true;
         }
         closedir(d);
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        double ms =
-            1e3 * (double)(now.tv_sec - t0.tv_sec) + 1e-6 * (double)(now.tv_nsec - t0.tv_nsec);
+        double ms = 1e3 * (moe_now() - t0);
         if (!open || ms >= timeout_ms)
             return;
         struct timespec nap = {0, 2 * 1000 * 1000};

@@ -10,6 +10,7 @@
  * spin a little after each run (decode does ~100 runs per token), then sleep
  * on a condition variable. Runs with more than 2^20 - 1 tasks are split. */
 #include "threadpool.h"
+#include "clock.h"
 
 #include <pthread.h>
 #include <sched.h>
@@ -58,13 +59,6 @@ static inline void cpu_relax(void)
 #endif
 }
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static inline uint32_t ctl_gen(uint64_t v)
 {
     return (uint32_t)(v >> POOL_GEN_SHIFT);
@@ -108,7 +102,7 @@ static void *pool_helper_main(void *p)
                 break;
             cpu_relax();
             if ((i & 63) == 63) {
-                uint64_t t = now_ns();
+                uint64_t t = moe_now_ns();
                 if (t0 == 0)
                     t0 = t;
                 else if (t - t0 > POOL_SPIN_NS)

@@ -7,6 +7,7 @@
 
 #include "coord.h"
 #include "moe/v1/admin.pb-c.h"
+#include "clock.h"
 
 static void finish_msg(struct rpc_call *call, const void *msg)
 {
@@ -56,7 +57,7 @@ static bool snap_fill_locked(struct coord *c, struct status_snap *s)
         snap_free(s);
         return false;
     }
-    double now = coord_now();
+    double now = moe_now();
     for (size_t i = 0; i < n; i++) {
         const struct coord_worker *w = c->workers[i];
         Moe__V1__WorkerStatus *st = &s->ws[i];
@@ -109,7 +110,7 @@ static void handle_cluster_status(struct rpc_call *call, const uint8_t *req, siz
     resp.n_workers = s.n;
     resp.workers = s.ptr;
     resp.model = c->model_name;
-    resp.uptime_s = coord_now() - c->t_start;
+    resp.uptime_s = moe_now() - c->t_start;
     resp.placement_epoch = coord_placement_epoch(c);
     finish_msg(call, &resp);
     snap_free(&s);

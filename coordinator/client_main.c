@@ -18,6 +18,7 @@
 #include "cli.h"
 #include "moe/v1/inference.pb-c.h"
 #include "rpc.h"
+#include "clock.h"
 
 #define MAX_STOP 8
 
@@ -41,13 +42,6 @@ struct args {
     bool info;
     bool quiet;
 };
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static void usage(FILE *f)
 {
@@ -240,7 +234,7 @@ int main(int argc, char **argv)
         return cli_fail("out of memory"), 1;
     moe__v1__generate_request__pack(&rq, buf);
 
-    double t0 = now_s(), t_first = 0, t_last = 0;
+    double t0 = moe_now(), t_first = 0, t_last = 0;
     struct rpc_client_stream *st =
         rpc_client_stream_start(client, "/moe.v1.Inference/Generate", buf, len, a.timeout_ms, &err);
     free(buf);
@@ -259,7 +253,7 @@ int main(int argc, char **argv)
             rpc_client_stream_cancel(st);
             continue;
         }
-        double t = now_s();
+        double t = moe_now();
         if (r->n_token_ids) {
             if (!n_tokens)
                 t_first = t;
@@ -301,7 +295,7 @@ int main(int argc, char **argv)
     if (last && last->error && last->error[0])
         printf(" (error: %s)", last->error);
     printf("\nclient: TTFT %.1f ms, TPOT %.2f ms, end to end %.1f ms\n", ttft * 1e3, tpot * 1e3,
-           (now_s() - t0) * 1e3);
+           (moe_now() - t0) * 1e3);
     if (last && last->timings && last->usage)
         printf(
             "server: prompt %u tokens (%u cached), queue %.1f ms, prefill %.1f ms, TTFT %.1f ms, "

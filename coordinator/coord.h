@@ -21,6 +21,7 @@
 #include "moe_error.h"
 #include "rpc.h"
 #include "tokenizer.h"
+#include "clock.h"
 
 #define COORD_ID_MAX 160
 #define COORD_ADDR_MAX 300
@@ -48,7 +49,7 @@ struct coord_worker {
     bool reported_draining; /* GetLoad.draining (the worker got SIGTERM) */
     bool down;              /* last poll failed, or a call failed with UNAVAILABLE */
     bool ever_seen;         /* one poll answered */
-    double last_seen;       /* coord_now() of the last answer; 0: never */
+    double last_seen;       /* moe_now() of the last answer; 0: never */
     char last_error[256];
 
     /* mu: load, from the last GetLoad */
@@ -121,8 +122,6 @@ struct coord {
     struct moe_etcd_watch *watch;
     struct coord_placement *placement; /* placement_admin.c; its own lock */
 };
-
-double coord_now(void);
 
 /* ---- registry.c -------------------------------------------------------------- */
 

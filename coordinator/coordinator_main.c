@@ -25,6 +25,7 @@
 
 #include "cli.h"
 #include "coord.h"
+#include "clock.h"
 
 static volatile sig_atomic_t g_signal;
 
@@ -140,7 +141,7 @@ int main(int argc, char **argv)
         return rc;
     signal(SIGPIPE, SIG_IGN);
     struct moe_error err = {0};
-    c.t_start = coord_now();
+    c.t_start = moe_now();
     pthread_mutex_init(&c.mu, NULL);
     pthread_cond_init(&c.cond, NULL);
     rc = 1;
@@ -225,10 +226,10 @@ fail:
 out:
     /* Waits for every stream (cancelled after the grace period); the
      * forwarding threads then end on their own. */
-    double t_stop = coord_now();
+    double t_stop = moe_now();
     rpc_server_destroy(c.server, c.opts.grace_ms);
     /* HTTP requests had the same grace, running alongside the gRPC ones. */
-    int left_ms = c.opts.grace_ms - (int)(1e3 * (coord_now() - t_stop));
+    int left_ms = c.opts.grace_ms - (int)(1e3 * (moe_now() - t_stop));
     coord_http_stop(&c, left_ms > 0 ? left_ms : 0);
     coord_wait_threads(&c);
     coord_placement_stop(&c);

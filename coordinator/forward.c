@@ -40,6 +40,7 @@
 #include "moe/v1/inference.pb-c.h"
 #include "moe/v1/worker.pb-c.h"
 #include "request_check.h"
+#include "clock.h"
 
 #define WORKER_DEADLINE_SLACK_MS 2000 /* the worker's own deadline_ms fires first */
 #define HANDOFF_CALL_MS 5000          /* KvReserve / KvRelease */
@@ -53,8 +54,8 @@ struct fwd {
     Moe__V1__GenerateRequest *rq; /* owned */
     char request_id[MOE_REQ_MAX_ID_LEN + 32];
     double t_recv, t_first, t_last; /* t_last: the last token relayed */
-    double deadline; /* coord_now() seconds; 0: none */
-    int32_t *prompt; /* (n_prompt) */
+    double deadline;                /* moe_now() seconds; 0: none */
+    int32_t *prompt;                /* (n_prompt) */
     size_t n_prompt;
     uint32_t n_tokens; /* tokens relayed to the client */
     uint32_t *relayed; /* (cap_relayed) the ids relayed, in order */
@@ -143,7 +144,7 @@ static int64_t ms_left(const struct fwd *f)
 {
     if (f->deadline <= 0)
         return INT64_MAX;
-    return (int64_t)((f->deadline - coord_now()) * 1e3);
+    return (int64_t)((f->deadline - moe_now()) * 1e3);
 }
 
 /* Sends one message to the client; false once the client is gone. */
@@ -187,7 +188,7 @@ static bool relay(struct fwd *f, Moe__V1__GenerateResponse *m, struct moe_detok 
     size_t text_len = 0;
     bool ok = true;
     if (m->n_token_ids) {
-        double now = coord_now();
+        double now = moe_now();
         if (f->n_tokens == 0)
             f->t_first = now;
         coord_metrics_token(f->c->metrics, f->n_tokens == 0,
@@ -245,7 +246,7 @@ static bool relay(struct fwd *f, Moe__V1__GenerateResponse *m, struct moe_detok 
         if (saved_timings)
             timings = *saved_timings;
         /* Coordinator-side: receipt here to first / last token relayed. */
-        double now = coord_now();
+        double now = moe_now();
         timings.ttft_ms = f->n_tokens ? 1e3 * (f->t_first - f->t_recv) : 0.0;
         timings.e2e_ms = 1e3 * (now - f->t_recv);
         if (f->disagg) {
@@ -389,7 +390,7 @@ static void send_abort_final(struct fwd *f)
     usage.completion_tokens = f->n_tokens;
     m.usage = &usage;
     timings.ttft_ms = f->n_tokens ? 1e3 * (f->t_first - f->t_recv) : 0.0;
-    timings.e2e_ms = 1e3 * (coord_now() - f->t_recv);
+    timings.e2e_ms = 1e3 * (moe_now() - f->t_recv);
     m.timings = &timings;
     client_send(f, &m);
 }
@@ -514,7 +515,7 @@ static void fix_seed(struct fwd *f)
     else
         moe__v1__sampling_params__init(&f->sp);
     if (f->sp.seed_opt_case != MOE__V1__SAMPLING_PARAMS__SEED_OPT_SEED) {
-        uint64_t z = (uint64_t)(coord_now() * 1e9) +
+        uint64_t z = (uint64_t)(moe_now() * 1e9) +
                      0x9e3779b97f4a7c15ull * __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED);
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
         z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -594,7 +595,7 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     }
 
     /* 2. A decode worker reserves the blocks. */
-    double t0 = coord_now();
+    double t0 = moe_now();
     pthread_mutex_lock(&c->mu);
     uint32_t bs = p->block_size ? p->block_size : COORD_DEFAULT_BLOCK;
     uint32_t tp = p->tp_size ? p->tp_size : 1;
@@ -671,7 +672,7 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
         worker_call(p, "/moe.v1.Worker/KvSend", &sq, &moe__v1__kv_send_response__descriptor,
                     (void **)&sr, send_ms + WORKER_DEADLINE_SLACK_MS, m, sizeof m);
     moe__v1__kv_reserve_response__free_unpacked(rr, NULL);
-    f->transfer_ms = 1e3 * (coord_now() - t0);
+    f->transfer_ms = 1e3 * (moe_now() - t0);
     f->disagg = true;
     if (rc == RPC_OK && sr && sr->ok) {
         coord_metrics_handoff(c->metrics, NULL, f->transfer_ms / 1e3);
@@ -940,7 +941,7 @@ enum rpc_code coord_request_start(struct coord *c, Moe__V1__GenerateRequest *rq,
     f->sink = sink;
     f->sink_user = sink_user;
     f->rq = rq;
-    f->t_recv = coord_now();
+    f->t_recv = moe_now();
     int64_t left = deadline_ms_left;
     if (rq->deadline_ms && (int64_t)rq->deadline_ms < left)
         left = rq->deadline_ms;

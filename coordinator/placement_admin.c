@@ -45,6 +45,7 @@
 #include "moe/v1/admin.pb-c.h"
 #include "moe/v1/worker.pb-c.h"
 #include "planner.h"
+#include "clock.h"
 
 #define STATS_RING 64
 #define STATS_PERIOD_MS 1000
@@ -511,7 +512,7 @@ static int stats_window_locked(struct coord_placement *p, double window_s, int n
     memset(tokens, 0, n * sizeof *tokens);
     *steps = 0;
     *covered = 0;
-    double now = coord_now();
+    double now = moe_now();
     int reporting = 0;
     for (size_t w = 0; w < p->n_ws; w++) {
         const struct worker_stats *s = &p->ws[w];
@@ -571,7 +572,7 @@ static void *stats_main(void *arg)
                                      : NULL;
             if (load) {
                 pthread_mutex_lock(&p->mu);
-                stats_record_locked(p, ws[i]->id, load, coord_now());
+                stats_record_locked(p, ws[i]->id, load, moe_now());
                 pthread_mutex_unlock(&p->mu);
                 moe__v1__worker_load__free_unpacked(load, NULL);
             }

@@ -15,16 +15,10 @@
 #include "etcd.h"
 #include "moe/v1/admin.pb-c.h"
 #include "moe/v1/worker.pb-c.h"
+#include "clock.h"
 
 #define WORKERS_PREFIX "/moe/workers/"
 #define POLL_TIMEOUT_MS 1000
-
-double coord_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* ---- workers ------------------------------------------------------------------- */
 
@@ -305,7 +299,7 @@ static void poll_one(struct coord *c, struct coord_worker *w)
             fprintf(stderr, "moe-coordinator: worker %s at %s is up again\n", w->id, w->address);
         w->down = false;
         w->ever_seen = true;
-        w->last_seen = coord_now();
+        w->last_seen = moe_now();
         w->last_error[0] = '\0';
         w->running = load->running;
         w->waiting = load->waiting;

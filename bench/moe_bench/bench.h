@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "moe_error.h"
+#include "clock.h"
 
 /* ---- one prompt of a workload ------------------------------------------------ */
 
@@ -85,7 +86,6 @@ enum moe_status bench_records_unpack(const uint8_t *buf, size_t len, struct benc
 
 /* ---- monotonic clock ----------------------------------------------------------- */
 
-double bench_now(void);           /* CLOCK_MONOTONIC seconds */
 double bench_now_realtime(void);  /* CLOCK_REALTIME seconds */
 void bench_sleep_until(double t); /* monotonic seconds */
 

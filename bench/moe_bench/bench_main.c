@@ -31,6 +31,7 @@
 #include "schedule.h"
 #include "tokenizer.h"
 #include "workload.h"
+#include "clock.h"
 
 #define MAX_SWEEP 32
 #define MAX_TARGETS 64
@@ -450,7 +451,7 @@ static double common_start(void)
         t_real = bench_now_realtime() + (g_mpi ? 0.25 : 0.02);
     if (g_mpi)
         MPI_Bcast(&t_real, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
-    return bench_now() + (t_real - bench_now_realtime());
+    return moe_now() + (t_real - bench_now_realtime());
 }
 
 /* Gathers every rank's records on rank 0 (appended to *all). */

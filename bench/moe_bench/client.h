@@ -21,6 +21,7 @@
 #include <stddef.h>
 
 #include "bench.h"
+#include "clock.h"
 
 enum bench_backend { BENCH_BACKEND_GRPC, BENCH_BACKEND_OPENAI };
 
@@ -63,7 +64,7 @@ void bench_conn_destroy(struct bench_conn *c);
 
 /* Sends one request and waits for its end, filling rec's outcome fields
  * (success, status, error, lengths, ttft/e2el, chunks, server numbers);
- * rec->start_s is set from bench_now() - t_origin when the request leaves.
+ * rec->start_s is set from moe_now() - t_origin when the request leaves.
  * Never fails as a function: a failed request is a record with success 0. */
 void bench_conn_run(struct bench_conn *c, const struct bench_item *item, const char *request_id,
                     double t_origin, struct bench_record *rec);

@@ -6,6 +6,7 @@
 
 #include "client_internal.h"
 #include "moe/v1/inference.pb-c.h"
+#include "clock.h"
 
 enum moe_status bench_grpc_probe(struct bench_target *t, double timeout_s, char *model,
                                  size_t model_cap, int *vocab, struct moe_error *err)
@@ -73,7 +74,7 @@ void bench_grpc_run(struct bench_conn *c, const struct bench_item *item, const c
     moe__v1__generate_request__pack(&rq, buf);
 
     struct moe_error err = {0};
-    double t0 = bench_now();
+    double t0 = moe_now();
     rec->start_s = t0 - t_origin;
     struct rpc_client_stream *st = rpc_client_stream_start(
         t->rpc, "/moe.v1.Inference/Generate", buf, len, (int64_t)(t->o.timeout_s * 1e3), &err);
@@ -88,7 +89,7 @@ void bench_grpc_run(struct bench_conn *c, const struct bench_item *item, const c
     Moe__V1__FinishReason fin = 0;
     char fin_error[200] = "";
     while (rpc_client_stream_next(st, &msg, &msg_len)) {
-        double now = bench_now();
+        double now = moe_now();
         Moe__V1__GenerateResponse *r = moe__v1__generate_response__unpack(NULL, msg_len, msg);
         if (!r) {
             bad_msg = true;

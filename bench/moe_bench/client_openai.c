@@ -9,6 +9,7 @@
 
 #include "client_internal.h"
 #include "sse.h"
+#include "clock.h"
 
 /* The state of one streaming request, seen by the curl callbacks. */
 struct stream_state {
@@ -41,7 +42,7 @@ static const char *curl_status(CURLcode rc)
 static int on_event(void *user, const char *data, size_t len)
 {
     struct stream_state *s = user;
-    double now = bench_now();
+    double now = moe_now();
     if (len == 6 && !memcmp(data, "[DONE]", 6)) {
         s->done = true;
         return 0;
@@ -197,7 +198,7 @@ void bench_openai_run(struct bench_conn *c, const struct bench_item *item, const
     curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, 10000L);
     if (t->o.timeout_s > 0)
         curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)(t->o.timeout_s * 1e3));
-    s.t0 = bench_now();
+    s.t0 = moe_now();
     rec->start_s = s.t0 - t_origin;
     CURLcode rc = curl_easy_perform(h);
     if (rc == CURLE_OK && s.http == 200)

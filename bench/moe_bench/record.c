@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "bench.h"
+#include "clock.h"
 
 void bench_item_clear(struct bench_item *item)
 {
@@ -149,13 +150,6 @@ enum moe_status bench_records_unpack(const uint8_t *buf, size_t len, struct benc
 }
 
 /* ---- clock ---------------------------------------------------------------------- */
-
-double bench_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 double bench_now_realtime(void)
 {

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "runner.h"
+#include "clock.h"
 
 struct job {
     int64_t index;
@@ -62,13 +63,13 @@ static void *worker(void *arg)
         if (conn) {
             bench_conn_run(conn, &j->item, rid, p->t_origin, &rec);
         } else {
-            rec.start_s = bench_now() - p->t_origin;
+            rec.start_s = moe_now() - p->t_origin;
             snprintf(rec.status, sizeof rec.status, "NOMEM");
             snprintf(rec.error, sizeof rec.error, "no connection object (out of memory)");
         }
         bench_item_clear(&j->item);
         free(j);
-        double now = bench_now() - p->t_origin;
+        double now = moe_now() - p->t_origin;
 
         pthread_mutex_lock(&p->mu);
         struct bench_run_result *res = p->res;
@@ -213,7 +214,7 @@ enum moe_status bench_run(const struct bench_run_opts *o, double t_origin,
         for (size_t k = 0; k < n_mine && !st; k++) {
             double at = jobs[k]->arrival_s;
             for (;;) { /* sleep to the arrival, printing progress on the way */
-                double now = bench_now() - t_origin;
+                double now = moe_now() - t_origin;
                 if (o->progress && now >= next_progress) {
                     pthread_mutex_lock(&p->mu);
                     progress_line(p, sent, n_mine, now);
@@ -236,7 +237,7 @@ enum moe_status bench_run(const struct bench_run_opts *o, double t_origin,
         /* Closed loop: a new request whenever a thread is idle, until the end. */
         int64_t idx = o->rank;
         for (;;) {
-            double now = bench_now() - t_origin;
+            double now = moe_now() - t_origin;
             if (now >= o->duration_s)
                 break;
             pthread_mutex_lock(&p->mu);
@@ -249,7 +250,7 @@ enum moe_status bench_run(const struct bench_run_opts *o, double t_origin,
                     ts.tv_nsec -= 1000000000L;
                 }
                 pthread_cond_timedwait(&p->idle_cond, &p->mu, &ts);
-                now = bench_now() - t_origin;
+                now = moe_now() - t_origin;
                 if (now >= o->duration_s)
                     break;
                 if (o->progress && now >= next_progress) {
@@ -296,7 +297,7 @@ enum moe_status bench_run(const struct bench_run_opts *o, double t_origin,
             ts.tv_nsec -= 1000000000L;
         }
         pthread_cond_timedwait(&p->idle_cond, &p->mu, &ts);
-        double now = bench_now() - t_origin;
+        double now = moe_now() - t_origin;
         if (o->progress && now >= next_progress) {
             progress_line(p, sent, o->closed_loop ? 0 : n_mine, now);
             next_progress = floor(now) + 1.0;

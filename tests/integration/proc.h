@@ -24,6 +24,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
+
 struct test_proc {
     pid_t pid;
     int out_fd;     /* the child's stdout (stderr goes to ours) */
@@ -32,13 +34,6 @@ struct test_proc {
     int status; /* wait status once reaped */
     bool reaped;
 };
-
-static inline double test_proc_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* Starts argv[0] with argv (NULL-terminated). Returns 0 on success. */
 static inline int test_proc_start(struct test_proc *p, char *const argv[])
@@ -73,13 +68,13 @@ static inline int test_proc_start(struct test_proc *p, char *const argv[])
 static inline const char *test_proc_wait_for(struct test_proc *p, const char *needle,
                                              double timeout_s)
 {
-    double end = test_proc_now() + timeout_s;
+    double end = moe_now() + timeout_s;
     for (;;) {
         p->buf[p->len] = 0;
         const char *hit = strstr(p->buf, needle);
         if (hit)
             return hit;
-        double left = end - test_proc_now();
+        double left = end - moe_now();
         if (left <= 0 || p->len + 1 >= sizeof p->buf)
             return NULL;
         struct pollfd pfd = {.fd = p->out_fd, .events = POLLIN};
@@ -96,14 +91,14 @@ static inline const char *test_proc_wait_for(struct test_proc *p, const char *ne
 /* Waits up to timeout_s for the child to exit. Returns true if it did. */
 static inline bool test_proc_wait(struct test_proc *p, double timeout_s)
 {
-    double end = test_proc_now() + timeout_s;
+    double end = moe_now() + timeout_s;
     while (!p->reaped) {
         pid_t r = waitpid(p->pid, &p->status, WNOHANG);
         if (r == p->pid) {
             p->reaped = true;
             break;
         }
-        if (test_proc_now() > end)
+        if (moe_now() > end)
             return false;
         usleep(10 * 1000);
     }
@@ -133,13 +128,6 @@ static inline void test_proc_kill(struct test_proc *p)
 
 #define MAX_CHILD 24
 static pid_t g_children[MAX_CHILD];
-
-static inline int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 static inline void sleep_ms(int ms)
 {
@@ -244,9 +232,9 @@ static inline int read_address(int fd, char *addr, size_t cap, int timeout_ms)
 {
     char buf[2048];
     size_t n = 0;
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     fcntl(fd, F_SETFL, O_NONBLOCK);
-    while (now_ms() - t0 < timeout_ms && n < sizeof buf - 1) {
+    while (moe_now_ms() - t0 < timeout_ms && n < sizeof buf - 1) {
         ssize_t r = read(fd, buf + n, sizeof buf - 1 - n);
         if (r == 0)
             break;
@@ -274,7 +262,7 @@ static inline int read_address(int fd, char *addr, size_t cap, int timeout_ms)
 static inline int child_wait(pid_t pid, int timeout_ms)
 {
     int st;
-    for (int64_t t0 = now_ms(); now_ms() - t0 < timeout_ms; sleep_ms(20))
+    for (int64_t t0 = moe_now_ms(); moe_now_ms() - t0 < timeout_ms; sleep_ms(20))
         if (waitpid(pid, &st, WNOHANG) == pid) {
             child_forget(pid);
             return WIFEXITED(st) ? WEXITSTATUS(st) : -1;

@@ -125,7 +125,7 @@ static int worker_state(struct rpc_client *coord, const char *id)
 
 static bool wait_worker_state(struct rpc_client *coord, const char *id, int want, int timeout_ms)
 {
-    for (int64_t t0 = now_ms(); now_ms() - t0 < timeout_ms; sleep_ms(50))
+    for (int64_t t0 = moe_now_ms(); moe_now_ms() - t0 < timeout_ms; sleep_ms(50))
         if (worker_state(coord, id) == want)
             return true;
     return false;
@@ -502,7 +502,7 @@ static void test_burst(struct rpc_client *coord, struct rpc_client *wa, struct r
     enum { N = 16 };
     pthread_t th[N];
     struct burst_arg args[N];
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     for (int i = 0; i < N; i++) {
         args[i] = (struct burst_arg){coord, i, false};
         pthread_create(&th[i], NULL, burst_thread, &args[i]);
@@ -514,7 +514,7 @@ static void test_burst(struct rpc_client *coord, struct rpc_client *wa, struct r
     }
     uint64_t a1 = lookups(wa), b1 = lookups(wb);
     printf("burst: %d/%d ok in %" PRId64 " ms; prompt tokens A +%" PRIu64 ", B +%" PRIu64 "\n",
-           n_ok, N, now_ms() - t0, a1 - a0, b1 - b0);
+           n_ok, N, moe_now_ms() - t0, a1 - a0, b1 - b0);
     CHECK(n_ok == N);
     CHECKF(a1 > a0 && b1 > b0, "not spread: A +%" PRIu64 " B +%" PRIu64, a1 - a0, b1 - b0);
 }
@@ -619,7 +619,7 @@ static bool hook_act(void *user, struct gen_out *out, struct rpc_client_stream *
 
 static bool wait_kv_free(struct rpc_client *w, int timeout_ms)
 {
-    for (int64_t t0 = now_ms(); now_ms() - t0 < timeout_ms; sleep_ms(20))
+    for (int64_t t0 = moe_now_ms(); moe_now_ms() - t0 < timeout_ms; sleep_ms(20))
         if (kv_used(w) == 0)
             return true;
     return false;
@@ -639,9 +639,9 @@ static void test_cancel_abort_deadline(struct rpc_client *coord, struct rpc_clie
            h.kv_before);
     CHECK(o->code == RPC_CANCELLED && o->n_ids < LONG_TOKENS);
     if (h.busy >= 0) {
-        int64_t t0 = now_ms();
+        int64_t t0 = moe_now_ms();
         bool freed = wait_kv_free(h.busy ? wb : wa, 30000);
-        printf("cancel: KV blocks %u -> 0 in %" PRId64 " ms\n", h.kv_before, now_ms() - t0);
+        printf("cancel: KV blocks %u -> 0 in %" PRId64 " ms\n", h.kv_before, moe_now_ms() - t0);
         CHECKF(freed, "KV not freed within 30 s after the cancel");
     }
 
@@ -659,9 +659,9 @@ static void test_cancel_abort_deadline(struct rpc_client *coord, struct rpc_clie
     /* deadline_ms: the stream ends DEADLINE_EXCEEDED before its last token. */
     rq.request_id = "";
     rq.deadline_ms = 300;
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     gen_run(coord, &rq, NULL, NULL, o);
-    int64_t dt = now_ms() - t0;
+    int64_t dt = moe_now_ms() - t0;
     CHECKF(o->code == RPC_DEADLINE_EXCEEDED && o->n_ids < LONG_TOKENS,
            "deadline: %s %s after %" PRId64 " ms", rpc_code_name(o->code), o->message, dt);
     free(o);
@@ -753,10 +753,10 @@ static void test_sigterm_drain(struct rpc_client *coord, struct proc *w, struct 
     wc[h.busy] = NULL;
     if (worker_start(v, id, listen, NULL) == 0) {
         wc[h.busy] = client_to(v->addr);
-        int64_t t0 = now_ms();
+        int64_t t0 = moe_now_ms();
         bool up =
             wait_worker_state(coord, v->addr, MOE__V1__WORKER_STATE__WORKER_STATE_SERVING, 60000);
-        printf("restarted worker SERVING again after %" PRId64 " ms\n", now_ms() - t0);
+        printf("restarted worker SERVING again after %" PRId64 " ms\n", moe_now_ms() - t0);
         CHECK(up);
     } else {
         CHECK(!"worker restart");
@@ -914,28 +914,28 @@ static int run_static(void)
     struct rpc_client *coord = client_to(co.addr);
     struct rpc_client *wc[2] = {client_to(w[0].addr), client_to(w[1].addr)};
 
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     CHECK(health_status(coord, "") == 1 && health_status(coord, "moe.v1.Inference") == 1);
     test_greedy_matches_reference(coord, tok);
     test_info_and_tokenize(coord, tok);
     test_validation(coord);
-    printf("basic + validation: %" PRId64 " ms\n", now_ms() - t0);
+    printf("basic + validation: %" PRId64 " ms\n", moe_now_ms() - t0);
     test_burst(coord, wc[0], wc[1]);
     test_affinity(coord, wc[0], wc[1]);
     test_cancel_abort_deadline(coord, wc[0], wc[1]);
     test_admin(coord, &w[0], &w[1], wc[0], wc[1]);
-    printf("through admin: %" PRId64 " ms\n", now_ms() - t0);
+    printf("through admin: %" PRId64 " ms\n", moe_now_ms() - t0);
     test_sigterm_drain(coord, w, wc);
-    printf("through drain: %" PRId64 " ms\n", now_ms() - t0);
+    printf("through drain: %" PRId64 " ms\n", moe_now_ms() - t0);
     if (wc[0] && wc[1])
         test_kill9(coord, w, wc);
-    printf("through kill -9: %" PRId64 " ms\n", now_ms() - t0);
+    printf("through kill -9: %" PRId64 " ms\n", moe_now_ms() - t0);
     for (int k = 0; k < 2; k++)
         if (wc[k] && w[k].pid > 0) {
             test_retry(&w[k]);
             break;
         }
-    printf("through retry: %" PRId64 " ms\n", now_ms() - t0);
+    printf("through retry: %" PRId64 " ms\n", moe_now_ms() - t0);
 
     /* Coordinator SIGTERM with a stream running: the stream finishes (the
      * grace period is long: a sanitized build on two loaded cores may need
@@ -1042,7 +1042,7 @@ static int run_etcd(void)
     struct moe_error err;
     bool ready = false;
     if (moe_etcd_create(client, 300, &ec, &err) == MOE_OK)
-        for (int64_t t0 = now_ms(); !ready && now_ms() - t0 < 30000; sleep_ms(30)) {
+        for (int64_t t0 = moe_now_ms(); !ready && moe_now_ms() - t0 < 30000; sleep_ms(30)) {
             struct moe_etcd_kv kv;
             enum moe_status st = moe_etcd_get(ec, "probe", &kv, NULL, &err);
             moe_etcd_kv_clear(&kv);
@@ -1062,12 +1062,12 @@ static int run_etcd(void)
     if (worker_start(&w[1], "eb", "127.0.0.1:0", client))
         return 1;
     bool both = false;
-    int64_t t0 = now_ms();
-    while (!both && now_ms() - t0 < 30000) {
+    int64_t t0 = moe_now_ms();
+    while (!both && moe_now_ms() - t0 < 30000) {
         both = ids_listed(coord, "ea", "eb");
         sleep_ms(50);
     }
-    printf("etcd: second worker listed after %" PRId64 " ms\n", now_ms() - t0);
+    printf("etcd: second worker listed after %" PRId64 " ms\n", moe_now_ms() - t0);
     CHECK(both);
     CHECK(wait_worker_state(coord, "eb", MOE__V1__WORKER_STATE__WORKER_STATE_SERVING, 30000));
     bool all = true;
@@ -1076,13 +1076,13 @@ static int run_etcd(void)
     CHECK(all);
     /* kill -9: the key goes with the lease (TTL 2 s), and so does the worker. */
     child_kill9(w[0].pid);
-    t0 = now_ms();
+    t0 = moe_now_ms();
     bool gone = false;
-    while (!gone && now_ms() - t0 < 30000) {
+    while (!gone && moe_now_ms() - t0 < 30000) {
         gone = ids_listed(coord, NULL, "eb");
         sleep_ms(100);
     }
-    printf("etcd: killed worker dropped after %" PRId64 " ms\n", now_ms() - t0);
+    printf("etcd: killed worker dropped after %" PRId64 " ms\n", moe_now_ms() - t0);
     CHECK(gone);
     all = true;
     for (int i = 0; i < 4; i++)
@@ -1092,7 +1092,7 @@ static int run_etcd(void)
     kill(w[1].pid, SIGTERM);
     CHECK(child_wait(w[1].pid, 60000) == 0);
     gone = false;
-    for (t0 = now_ms(); !gone && now_ms() - t0 < 30000; sleep_ms(50))
+    for (t0 = moe_now_ms(); !gone && moe_now_ms() - t0 < 30000; sleep_ms(50))
         gone = ids_listed(coord, NULL, NULL);
     CHECK(gone);
     Moe__V1__SamplingParams sp = greedy(4);

@@ -340,7 +340,7 @@ static void proc_kill(struct proc *p)
 /* Waits until the worker holds no KV blocks and no handoff. */
 static bool wait_pool_whole(struct rpc_client *cl, int timeout_ms, uint32_t *used, uint32_t *pend)
 {
-    for (int64_t t0 = now_ms();; sleep_ms(50)) {
+    for (int64_t t0 = moe_now_ms();; sleep_ms(50)) {
         Moe__V1__WorkerLoad *l = get_load(cl);
         *used = l ? l->kv_blocks_used : 9999;
         *pend = l ? l->handoffs_pending : 9999;
@@ -348,7 +348,7 @@ static bool wait_pool_whole(struct rpc_client *cl, int timeout_ms, uint32_t *use
             moe__v1__worker_load__free_unpacked(l, NULL);
         if (*used == 0 && *pend == 0)
             return true;
-        if (now_ms() - t0 > timeout_ms)
+        if (moe_now_ms() - t0 > timeout_ms)
             return false;
     }
 }
@@ -367,7 +367,7 @@ static void gen_run(struct rpc_client *cl, const uint32_t *prompt, size_t n_prom
                     const Moe__V1__SamplingParams *sp, uint32_t deadline_ms, struct gen_out *out)
 {
     memset(out, 0, sizeof *out);
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     Moe__V1__GenerateRequest rq = MOE__V1__GENERATE_REQUEST__INIT;
     Moe__V1__TokenIds tids = MOE__V1__TOKEN_IDS__INIT;
     tids.n_ids = n_prompt;
@@ -407,7 +407,7 @@ static void gen_run(struct rpc_client *cl, const uint32_t *prompt, size_t n_prom
     out->code = rpc_client_stream_status(s, &msg);
     snprintf(out->message, sizeof out->message, "%s", msg ? msg : "");
     rpc_client_stream_destroy(s);
-    out->wall_ms = now_ms() - t0;
+    out->wall_ms = moe_now_ms() - t0;
 }
 
 static Moe__V1__SamplingParams sampling(uint32_t max_tokens, bool seeded)
@@ -434,7 +434,7 @@ static size_t make_prompt(int k, uint32_t *p, size_t len)
 /* Waits until the coordinator has learned the workers' roles (n of them). */
 static bool wait_roles(struct rpc_client *coord, int n_prefill, int n_decode)
 {
-    for (int64_t t0 = now_ms(); now_ms() - t0 < 30000; sleep_ms(50)) {
+    for (int64_t t0 = moe_now_ms(); moe_now_ms() - t0 < 30000; sleep_ms(50)) {
         Moe__V1__ClusterStatusRequest rq = MOE__V1__CLUSTER_STATUS_REQUEST__INIT;
         enum rpc_code code;
         Moe__V1__ClusterStatusResponse *cs =
@@ -562,7 +562,7 @@ static void test_concurrent(struct proc *cm, struct proc *cd, struct proc *pw, s
         ref[i].k = i;
         conc_thread(&ref[i]);
     }
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     for (int i = 0; i < N; i++) {
         got[i].cl = cd->cl;
         got[i].k = i;
@@ -578,7 +578,7 @@ static void test_concurrent(struct proc *cm, struct proc *cd, struct proc *pw, s
                     got[i].out.message, got[i].out.n_ids);
         ok += same;
     }
-    printf("concurrent: %d/%d identical to mixed in %" PRId64 " ms\n", ok, N, now_ms() - t0);
+    printf("concurrent: %d/%d identical to mixed in %" PRId64 " ms\n", ok, N, moe_now_ms() - t0);
     CHECK(ok == N);
     uint32_t used, pend;
     CHECKF(wait_pool_whole(pw->cl, 30000, &used, &pend), "prefill pool: %u used, %u pending", used,
@@ -617,7 +617,7 @@ static void test_prefill_dies(struct proc *cm, struct proc *dw, char *const env[
         pthread_t th;
         pthread_create(&th, NULL, conc_thread, &a); /* a different prompt: only timing */
         bool seen = false;
-        for (int64_t t0 = now_ms(); now_ms() - t0 < 30000 && !seen; sleep_ms(10)) {
+        for (int64_t t0 = moe_now_ms(); moe_now_ms() - t0 < 30000 && !seen; sleep_ms(10)) {
             Moe__V1__WorkerLoad *l = get_load(dw->cl);
             seen = l && l->handoffs_pending > 0;
             if (l)
@@ -645,7 +645,7 @@ static void test_prefill_dies(struct proc *cm, struct proc *dw, char *const env[
         printf("%s: %s in %" PRId64 " ms (%zu tokens)\n", what, rpc_code_name(got->code),
                got->wall_ms, got->n_ids);
         int st = 0;
-        for (int64_t t0 = now_ms(); now_ms() - t0 < 30000; sleep_ms(20))
+        for (int64_t t0 = moe_now_ms(); moe_now_ms() - t0 < 30000; sleep_ms(20))
             if (waitpid(pf.pid, &st, WNOHANG) == pf.pid) {
                 child_forget(pf.pid);
                 pf.pid = 0;
@@ -807,18 +807,18 @@ static int run_cluster(void)
     if (coordinator_start(&cd, list))
         return 1;
     CHECK(wait_roles(cd.cl, 1, 1));
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     test_equal(&cm, &cd, &pw, &dw);
-    printf("equal: %" PRId64 " ms\n", now_ms() - t0);
+    printf("equal: %" PRId64 " ms\n", moe_now_ms() - t0);
     test_concurrent(&cm, &cd, &pw, &dw);
-    printf("through concurrent: %" PRId64 " ms\n", now_ms() - t0);
+    printf("through concurrent: %" PRId64 " ms\n", moe_now_ms() - t0);
     char *die_env[] = {"MOE_TEST_FAULTS=1", "MOE_FAULT_DIE_DURING_TRANSFER=1", NULL};
     test_prefill_dies(&cm, &dw, die_env, false, "prefill exits after its first chunk");
     char *delay_env[] = {"MOE_TEST_FAULTS=1", "MOE_FAULT_TRANSFER_DELAY_MS=400", NULL};
     test_prefill_dies(&cm, &dw, delay_env, true, "prefill killed mid-transfer");
-    printf("through faults: %" PRId64 " ms\n", now_ms() - t0);
+    printf("through faults: %" PRId64 " ms\n", moe_now_ms() - t0);
     test_refuse(&cm, &pw, &dw);
-    printf("through refuse: %" PRId64 " ms\n", now_ms() - t0);
+    printf("through refuse: %" PRId64 " ms\n", moe_now_ms() - t0);
     struct proc *all[] = {&cd, &cm, &dw, &pw, &mw};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) {
         rpc_client_destroy(all[i]->cl);
@@ -826,7 +826,7 @@ static int run_cluster(void)
     }
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) {
         int st = -1;
-        for (int64_t t1 = now_ms(); now_ms() - t1 < 60000; sleep_ms(20))
+        for (int64_t t1 = moe_now_ms(); moe_now_ms() - t1 < 60000; sleep_ms(20))
             if (waitpid(all[i]->pid, &st, WNOHANG) == all[i]->pid) {
                 child_forget(all[i]->pid);
                 break;

@@ -22,16 +22,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "base64.h"
 #include "etcd.h"
 #include "testlib.h"
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 static void sleep_ms(int ms)
 {
@@ -111,9 +105,9 @@ static void test_refused(void)
     CHECK(moe_etcd_create(ep, 1000, &c, &err) == MOE_OK);
     if (!c)
         return;
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     enum moe_status st = moe_etcd_put(c, "k", "v", 1, 0, NULL, &err);
-    int64_t dt = now_ms() - t0;
+    int64_t dt = moe_now_ms() - t0;
     CHECK(st == MOE_ERR_IO);
     CHECKF(strstr(err.msg, ep) && strstr(err.msg, "put 'k'") && strstr(err.msg, "cannot connect"),
            "%s", err.msg);
@@ -142,9 +136,9 @@ static void test_timeout(void)
     struct moe_error err = {0};
     CHECK(moe_etcd_create(ep, 300, &c, &err) == MOE_OK);
     struct moe_etcd_kv kv;
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     CHECK(moe_etcd_get(c, "k", &kv, NULL, &err) == MOE_ERR_IO);
-    int64_t dt = now_ms() - t0;
+    int64_t dt = moe_now_ms() - t0;
     CHECKF(strstr(err.msg, "timed out after 300 ms") && strstr(err.msg, ep), "%s", err.msg);
     CHECKF(dt >= 250 && dt < 30000, "timeout took %" PRId64 " ms", dt); /* not early, no hang */
     moe_etcd_destroy(c);
@@ -299,7 +293,7 @@ static int etcd_wait_ready(void)
     if (moe_etcd_create(etcd_ep, 200, &c, &err) != MOE_OK)
         return 0;
     int ready = 0;
-    for (int64_t t0 = now_ms(); now_ms() - t0 < 30000;) {
+    for (int64_t t0 = moe_now_ms(); moe_now_ms() - t0 < 30000;) {
         struct moe_etcd_kv kv;
         enum moe_status st = moe_etcd_get(c, "probe", &kv, NULL, &err);
         moe_etcd_kv_clear(&kv);
@@ -333,7 +327,7 @@ static int etcd_start(void)
                     "--election-timeout", "100", NULL};
     /* clang-format on */
     pid_t parent = getpid();
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     pid_t pid = fork();
     if (pid < 0)
         return 0;
@@ -352,7 +346,7 @@ static int etcd_start(void)
     etcd_pid = pid;
     int ok = etcd_wait_ready();
     printf("etcd %s: %s in %" PRId64 " ms (log %s)\n", etcd_ep, ok ? "ready" : "NOT ready",
-           now_ms() - t0, etcd_log);
+           moe_now_ms() - t0, etcd_log);
     return ok;
 }
 
@@ -431,9 +425,9 @@ static void test_errors_and_failover(struct moe_etcd *c)
     snprintf(eps, sizeof eps, "http://127.0.0.1:%d, %s/", free_port(), etcd_ep);
     struct moe_etcd *f = NULL;
     CHECK(moe_etcd_create(eps, 10000, &f, &err) == MOE_OK);
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     CHECKF(f && moe_etcd_put(f, "err/failover", "x", 1, 0, NULL, &err) == MOE_OK, "%s", err.msg);
-    CHECK(now_ms() - t0 < 10000); /* the refused endpoint was not waited out */
+    CHECK(moe_now_ms() - t0 < 10000); /* the refused endpoint was not waited out */
     int64_t n = 0;
     CHECK(f && moe_etcd_delete(f, "err/failover", 0, &n, &err) == MOE_OK && n == 1);
     moe_etcd_destroy(f);
@@ -511,7 +505,7 @@ static void test_lease_expiry_and_keeper(struct moe_etcd *c)
     int64_t l1 = 0, l2 = 0, ttl = 0;
     CHECK(moe_etcd_lease_grant(c, 2, &l1, &ttl, &err) == MOE_OK && ttl == 2);
     CHECK(moe_etcd_lease_grant(c, 2, &l2, &ttl, &err) == MOE_OK && ttl == 2);
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     CHECK(moe_etcd_put(c, "exp/alone", "v", 1, l1, NULL, &err) == MOE_OK);
     CHECK(moe_etcd_put(c, "exp/kept", "v", 1, l2, NULL, &err) == MOE_OK);
     struct lost_state lost = {0};
@@ -521,30 +515,30 @@ static void test_lease_expiry_and_keeper(struct moe_etcd *c)
     int64_t gone_at = -1;
     /* until the unkept key is gone (etcd expires it: ~2 s, later on a loaded
      * machine) and the kept one has lived 2 TTLs and more */
-    while (now_ms() - t0 < 30000) {
+    while (moe_now_ms() - t0 < 30000) {
         if (gone_at < 0 && !key_exists(c, "exp/alone"))
-            gone_at = now_ms() - t0;
-        if (gone_at >= 0 && now_ms() - t0 >= 4500)
+            gone_at = moe_now_ms() - t0;
+        if (gone_at >= 0 && moe_now_ms() - t0 >= 4500)
             break;
         sleep_ms(100);
     }
     CHECKF(gone_at >= 1500, "unkept key gone after %" PRId64 " ms", gone_at);
     printf("lease TTL 2 s without keepalive: key gone after %" PRId64 " ms\n", gone_at);
-    CHECKF(key_exists(c, "exp/kept"), "kept key gone after %" PRId64 " ms", now_ms() - t0);
+    CHECKF(key_exists(c, "exp/kept"), "kept key gone after %" PRId64 " ms", moe_now_ms() - t0);
     CHECK(k && !moe_etcd_keeper_lost(k) && atomic_load(&lost.n) == 0);
 
     /* revoked behind the keeper's back: reported within ~TTL/3 */
     CHECK(moe_etcd_lease_revoke(c, l2, &err) == MOE_OK);
-    int64_t t1 = now_ms();
-    while (atomic_load(&lost.n) == 0 && now_ms() - t1 < 30000)
+    int64_t t1 = moe_now_ms();
+    while (atomic_load(&lost.n) == 0 && moe_now_ms() - t1 < 30000)
         sleep_ms(20);
     CHECKF(atomic_load(&lost.n) == 1 && k && moe_etcd_keeper_lost(k),
-           "loss not reported after %" PRId64 " ms", now_ms() - t1);
+           "loss not reported after %" PRId64 " ms", moe_now_ms() - t1);
     CHECKF(lost.code == MOE_ERR_NOT_FOUND && strstr(lost.msg, "expired"), "%s", lost.msg);
-    printf("keeper reported loss after %" PRId64 " ms: %s\n", now_ms() - t1, lost.msg);
-    int64_t t2 = now_ms();
+    printf("keeper reported loss after %" PRId64 " ms: %s\n", moe_now_ms() - t1, lost.msg);
+    int64_t t2 = moe_now_ms();
     moe_etcd_keeper_destroy(k);
-    CHECK(now_ms() - t2 < 5000);
+    CHECK(moe_now_ms() - t2 < 5000);
     CHECK(!key_exists(c, "exp/kept"));
 
     /* a keeper on a dead lease fails at once */
@@ -600,7 +594,7 @@ static size_t collector_count(struct collector *col)
 
 static int collector_wait(struct collector *col, size_t n, int timeout_ms)
 {
-    for (int64_t t0 = now_ms(); now_ms() - t0 < timeout_ms; sleep_ms(10))
+    for (int64_t t0 = moe_now_ms(); moe_now_ms() - t0 < timeout_ms; sleep_ms(10))
         if (collector_count(col) >= n)
             return 1;
     return collector_count(col) >= n;
@@ -692,7 +686,8 @@ static void test_watch_stream_quirks(void)
     CHECKF(moe_etcd_watch_create(ep, 1000, "d/", 1, 5, on_event, &col, &w, &err) == MOE_OK, "%s",
            err.msg);
     CHECK(collector_wait(&col, 3, 30000));
-    for (int64_t t0 = now_ms(); w && moe_etcd_watch_n_connects(w) < 3 && now_ms() - t0 < 30000;)
+    for (int64_t t0 = moe_now_ms();
+         w && moe_etcd_watch_n_connects(w) < 3 && moe_now_ms() - t0 < 30000;)
         sleep_ms(5);
     CHECK(w && moe_etcd_watch_n_connects(w) == 3);
     moe_etcd_watch_destroy(w);
@@ -734,7 +729,8 @@ static void test_watch_and_restart(struct moe_etcd *c)
     /* a second watcher on one key, from "now": wait until it is established */
     CHECKF(moe_etcd_watch_create(etcd_ep, 1000, "w/a", 0, 0, on_event, &one, &w1, &err) == MOE_OK,
            "%s", err.msg);
-    for (int64_t t0 = now_ms(); w1 && moe_etcd_watch_n_connects(w1) < 1 && now_ms() - t0 < 30000;)
+    for (int64_t t0 = moe_now_ms();
+         w1 && moe_etcd_watch_n_connects(w1) < 1 && moe_now_ms() - t0 < 30000;)
         sleep_ms(5);
     CHECK(w1 && moe_etcd_watch_n_connects(w1) == 1);
 
@@ -742,7 +738,7 @@ static void test_watch_and_restart(struct moe_etcd *c)
     MOE_ASSERT(big);
     for (size_t i = 0; i < BIG_LEN; i++)
         big[i] = (char)(i * 131 + (i >> 9));
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     CHECK(moe_etcd_put(c, "w/a", "1", 1, 0, NULL, &err) == MOE_OK);
     CHECK(moe_etcd_put(c, "w/big", big, BIG_LEN, 0, NULL, &err) == MOE_OK);
     CHECK(moe_etcd_delete(c, "w/a", 0, NULL, &err) == MOE_OK);
@@ -753,11 +749,11 @@ static void test_watch_and_restart(struct moe_etcd *c)
         CHECK(moe_etcd_put(c, key, val, (size_t)n, 0, NULL, &err) == MOE_OK);
     }
     CHECK(moe_etcd_put(c, "w/big", big, BIG_LEN, 0, NULL, &err) == MOE_OK); /* again, after */
-    int64_t t_put = now_ms() - t0;
+    int64_t t_put = moe_now_ms() - t0;
     size_t want = 3 + N_BURST + 1;
     CHECKF(collector_wait(&col, want, 30000), "saw %zu of %zu events", collector_count(&col), want);
     printf("watch: %zu puts in %" PRId64 " ms, all %zu events after %" PRId64 " ms\n", want, t_put,
-           collector_count(&col), now_ms() - t0);
+           collector_count(&col), moe_now_ms() - t0);
     pthread_mutex_lock(&col.mu);
     if (col.n == want) {
         CHECK(collector_ordered(&col));
@@ -795,20 +791,20 @@ static void test_watch_and_restart(struct moe_etcd *c)
     CHECK(collector_wait(&col, want + 1, 30000));
     int connects = w ? moe_etcd_watch_n_connects(w) : 0;
     etcd_kill();
-    int64_t t_kill = now_ms();
+    int64_t t_kill = moe_now_ms();
     CHECK(moe_etcd_put(c, "w/down", "d", 1, 0, NULL, &err) == MOE_ERR_IO);
     CHECKF(strstr(err.msg, "cannot connect"), "%s", err.msg);
     sleep_ms(300); /* the watcher retries against a dead endpoint meanwhile */
     CHECK(etcd_start());
     int put_ok = 0;
-    for (int64_t t1 = now_ms(); !put_ok && now_ms() - t1 < 30000; sleep_ms(50))
+    for (int64_t t1 = moe_now_ms(); !put_ok && moe_now_ms() - t1 < 30000; sleep_ms(50))
         put_ok = moe_etcd_put(c, "w/post1", "a", 1, 0, NULL, &err) == MOE_OK;
     CHECKF(put_ok, "put after restart: %s", err.msg);
     CHECK(moe_etcd_put(c, "w/post2", "b", 1, 0, NULL, &err) == MOE_OK);
     CHECKF(collector_wait(&col, want + 3, 30000), "after restart saw %zu of %zu events",
            collector_count(&col), want + 3);
-    printf("watch resumed %" PRId64 " ms after the kill (connects %d -> %d)\n", now_ms() - t_kill,
-           connects, w ? moe_etcd_watch_n_connects(w) : 0);
+    printf("watch resumed %" PRId64 " ms after the kill (connects %d -> %d)\n",
+           moe_now_ms() - t_kill, connects, w ? moe_etcd_watch_n_connects(w) : 0);
     sleep_ms(100); /* nothing more may arrive */
     pthread_mutex_lock(&col.mu);
     CHECK(col.n == want + 3);
@@ -820,10 +816,10 @@ static void test_watch_and_restart(struct moe_etcd *c)
     pthread_mutex_unlock(&col.mu);
     CHECK(w && moe_etcd_watch_n_connects(w) > connects);
 
-    int64_t t2 = now_ms();
+    int64_t t2 = moe_now_ms();
     moe_etcd_watch_destroy(w);
     moe_etcd_watch_destroy(w1);
-    int64_t dt = now_ms() - t2;
+    int64_t dt = moe_now_ms() - t2;
     CHECKF(dt < 30000, "watch destroy took %" PRId64 " ms", dt); /* an idle watch never ends */
     printf("watch destroy: %" PRId64 " ms\n", dt);
     collector_free(&col);
@@ -838,16 +834,16 @@ static void test_latency(struct moe_etcd *c)
     struct moe_error err = {0};
     enum { N = 100 };
     int ok = 1;
-    int64_t t0 = now_ms();
+    int64_t t0 = moe_now_ms();
     for (int i = 0; i < N; i++)
         ok &= moe_etcd_put(c, "lat/k", "value", 5, 0, NULL, &err) == MOE_OK;
-    int64_t t1 = now_ms();
+    int64_t t1 = moe_now_ms();
     for (int i = 0; i < N; i++) {
         struct moe_etcd_kv kv;
         ok &= moe_etcd_get(c, "lat/k", &kv, NULL, &err) == MOE_OK && kv.value_len == 5;
         moe_etcd_kv_clear(&kv);
     }
-    int64_t t2 = now_ms();
+    int64_t t2 = moe_now_ms();
     CHECKF(ok, "%s", err.msg);
     CHECK(moe_etcd_delete(c, "lat/k", 0, NULL, &err) == MOE_OK);
     printf("latency: put %.0f us, get %.0f us (mean of %d)\n", (double)(t1 - t0) * 1000.0 / N,
@@ -899,12 +895,12 @@ int main(void)
     struct moe_error err = {0};
     CHECK(moe_etcd_create(etcd_ep, 2000, &c, &err) == MOE_OK);
     if (c) {
-        int64_t t0 = now_ms();
+        int64_t t0 = moe_now_ms();
         test_kv(c);
         test_errors_and_failover(c);
         test_lease_revoke(c);
         test_cas(c);
-        printf("kv/lease/cas tests: %" PRId64 " ms\n", now_ms() - t0);
+        printf("kv/lease/cas tests: %" PRId64 " ms\n", moe_now_ms() - t0);
         test_latency(c);
         test_watch_and_restart(c);
         test_lease_expiry_and_keeper(c);

@@ -18,14 +18,14 @@
  * it took, or -1 after timeout_s. */
 static double wait_released(struct rpc_client *c, double timeout_s)
 {
-    double t0 = test_proc_now();
-    while (test_proc_now() - t0 < timeout_s) {
+    double t0 = moe_now();
+    while (moe_now() - t0 < timeout_s) {
         Moe__V1__WorkerLoad *l = get_load(c);
         bool idle = l && l->kv_blocks_used == 0 && l->handoffs_pending == 0;
         if (l)
             moe__v1__worker_load__free_unpacked(l, NULL);
         if (idle)
-            return test_proc_now() - t0;
+            return moe_now() - t0;
         usleep(20 * 1000);
     }
     return -1;

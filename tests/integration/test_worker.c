@@ -102,8 +102,8 @@ static void generate(struct rpc_client *c, const char *id, const uint32_t *promp
 /* Waits until the worker holds no KV block and runs nothing. */
 static bool kv_returns_to_zero(struct rpc_client *c, double timeout_s)
 {
-    double end = test_proc_now() + timeout_s;
-    while (test_proc_now() < end) {
+    double end = moe_now() + timeout_s;
+    while (moe_now() < end) {
         Moe__V1__WorkerLoad *l = get_load(c);
         bool idle = l && l->kv_blocks_used == 0 && l->running == 0 && l->waiting == 0;
         if (l)
@@ -257,9 +257,9 @@ static void test_cancel_and_deadline(struct rpc_client *c)
     /* deadline_ms of 1: 250 tokens cannot be done in time; the worker aborts
      * the request at its next step and ends the call with DEADLINE_EXCEEDED */
     uint32_t p5[5] = {3, 1, 4, 1, 5};
-    double t0 = test_proc_now();
+    double t0 = moe_now();
     generate(c, "deadline", p5, 5, 250, 1, 0, 0, &r);
-    double took = test_proc_now() - t0;
+    double took = moe_now() - t0;
     CHECKF(r.code == RPC_DEADLINE_EXCEEDED && r.n < 250, "deadline: %s '%s' after %d tokens",
            rpc_code_name(r.code), r.message, r.n);
     printf("deadline: ended after %d tokens, %.0f ms\n", r.n, took * 1e3);
@@ -289,7 +289,7 @@ static void test_abort(struct rpc_client *c)
     size_t len;
     uint8_t *b = pack(&rq.base, &len);
     bool found = false;
-    for (double end = test_proc_now() + 30; !found && test_proc_now() < end;) {
+    for (double end = moe_now() + 30; !found && moe_now() < end;) {
         struct rpc_reply reply;
         if (rpc_client_call(c, "/moe.v1.Worker/Abort", b, len, 5000, &reply) == RPC_OK) {
             Moe__V1__AbortResponse *r =
@@ -333,7 +333,7 @@ static void act_drain(void *user, struct rpc_client_stream *st)
     (void)st;
     struct drain_ctx *d = user;
     kill(d->pid, SIGTERM);
-    for (double end = test_proc_now() + 30; !d->draining && test_proc_now() < end;)
+    for (double end = moe_now() + 30; !d->draining && moe_now() < end;)
         if (!(d->draining = worker_draining(d->c)))
             usleep(5000);
     uint32_t prompt[2] = {1, 2};
@@ -369,10 +369,10 @@ static void test_drain(char *const wargv[])
     /* the request in flight: SIGTERM goes out once its second token arrived */
     uint32_t prompt[4] = {12, 13, 14, 15};
     struct gen_result in_flight;
-    double t0 = test_proc_now();
+    double t0 = moe_now();
     struct drain_ctx d = {.c = c, .pid = w.pid};
     generate_hooked(c, "during-drain", prompt, 4, 200, 0, 0, 2, act_drain, &d, &in_flight);
-    printf("drain: the in-flight request took %.0f ms\n", (test_proc_now() - t0) * 1e3);
+    printf("drain: the in-flight request took %.0f ms\n", (moe_now() - t0) * 1e3);
     CHECKF(in_flight.code == RPC_OK && in_flight.n == 200,
            "in-flight request during drain: %s, %d tokens", rpc_code_name(in_flight.code),
            in_flight.n);

@@ -11,14 +11,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "backend.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static uint64_t g_rng = 88172645463325252ull;
 
@@ -103,7 +97,7 @@ static void time_experts(struct moe_backend *be, int n_tok, int iters)
         for (int variant = 0; variant < 2; variant++) {
             int n_it = pass ? iters : 1;
             be->ops->synchronize(be);
-            double t0 = now_s();
+            double t0 = moe_now();
             for (int it = 0; it < n_it; it++) {
                 if (variant == 0) {
                     be->ops->grouped_matmul(be, &g1);
@@ -138,7 +132,7 @@ static void time_experts(struct moe_backend *be, int n_tok, int iters)
                 }
             }
             be->ops->synchronize(be);
-            double dt = (now_s() - t0) / n_it;
+            double dt = (moe_now() - t0) / n_it;
             if (pass && variant == 0)
                 t_grouped = dt;
             if (pass && variant == 1)
@@ -180,7 +174,7 @@ static void time_sampling(struct moe_backend *be, int n, int vocab, int iters)
         for (int pass = 0; pass < 2; pass++) {
             int n_it = pass ? iters : 1;
             be->ops->synchronize(be);
-            double t0 = now_s();
+            double t0 = moe_now();
             for (int it = 0; it < n_it; it++) {
                 if (v == 0)
                     be->ops->argmax(be, l, n, vocab, ids);
@@ -188,7 +182,7 @@ static void time_sampling(struct moe_backend *be, int n, int vocab, int iters)
                     be->ops->sample_top_p(be, l, n, vocab, 0.8f, v == 1 ? 0.0f : 0.9f, u, ids);
             }
             be->ops->synchronize(be);
-            t[v] = (now_s() - t0) / n_it;
+            t[v] = (moe_now() - t0) / n_it;
         }
     }
     printf("sampling n %3d vocab %6d: argmax %8.1f us, temperature only %8.1f us, top-p 0.9 "

@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "http_server.h"
 #include "testlib.h"
 
@@ -25,13 +26,6 @@ static void sleep_ms(int ms)
 {
     struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
     nanosleep(&ts, NULL);
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 /* ---- handlers ------------------------------------------------------------------------- */
@@ -109,8 +103,8 @@ static void *gone_streamer(void *p)
 {
     struct http_request *rq = p;
     http_stream_begin(rq, 200, "text/plain");
-    double t_end = now_s() + 10;
-    while (now_s() < t_end) {
+    double t_end = moe_now() + 10;
+    while (moe_now() < t_end) {
         if (http_stream_write(rq, "tick\n", 5) != MOE_OK) {
             pthread_mutex_lock(&g_mu);
             g_writes_failed++;
@@ -136,11 +130,11 @@ static void h_gone(struct http_request *rq, void *user)
 static void *watcher(void *p)
 {
     struct http_request *rq = p;
-    double t_end = now_s() + 10;
-    while (now_s() < t_end && !http_request_client_gone(rq))
+    double t_end = moe_now() + 10;
+    while (moe_now() < t_end && !http_request_client_gone(rq))
         sleep_ms(5);
     pthread_mutex_lock(&g_mu);
-    g_gone_seen += now_s() < t_end;
+    g_gone_seen += moe_now() < t_end;
     pthread_mutex_unlock(&g_mu);
     http_respond(rq, 200, "text/plain", "too late", 8);
     return NULL;
@@ -247,7 +241,7 @@ static void *par_get(void *p)
 
 static int wait_count(int *v, int want, double timeout)
 {
-    double t_end = now_s() + timeout;
+    double t_end = moe_now() + timeout;
     int got;
     do {
         pthread_mutex_lock(&g_mu);
@@ -256,7 +250,7 @@ static int wait_count(int *v, int want, double timeout)
         if (got >= want)
             break;
         sleep_ms(5);
-    } while (now_s() < t_end);
+    } while (moe_now() < t_end);
     return got;
 }
 
@@ -319,9 +313,9 @@ int main(void)
           strstr(r.body, "\"error\"") && strstr(r.body, "\"param\":null"));
     CHECK(fetch(c, "POST", "/sync", "x", 1, 5000, &r) == CURLE_OK && r.status == 405 &&
           strstr(r.headers, "Allow: GET"));
-    double t0 = now_s();
+    double t0 = moe_now();
     CHECK(fetch(c, "GET", "/async", NULL, 0, 5000, &r) == CURLE_OK && r.status == 200 &&
-          !strcmp(r.body, "later") && now_s() - t0 >= 0.045);
+          !strcmp(r.body, "later") && moe_now() - t0 >= 0.045);
     CHECK(fetch(c, "GET", "/stream", NULL, 0, 5000, &r) == CURLE_OK && r.status == 200 &&
           !strcmp(r.body, "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n") &&
           strstr(r.headers, "chunked") && strstr(r.headers, "text/event-stream"));
@@ -369,13 +363,13 @@ int main(void)
         CHECK(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
         static const char get[] = "GET /sync HTTP/1.1\r\nHost: x\r\n\r\n";
         CHECK(write(fd, get, sizeof get - 1) == (ssize_t)(sizeof get - 1));
-        double t_idle = 0, t_end = now_s() + 10;
+        double t_idle = 0, t_end = moe_now() + 10;
         char buf[512];
         size_t got = 0;
         for (;;) { /* the answer, then EOF once the idle timeout passes */
             struct pollfd pfd = {.fd = fd, .events = POLLIN};
             if (poll(&pfd, 1, 100) <= 0) {
-                if (now_s() > t_end)
+                if (moe_now() > t_end)
                     break;
                 continue;
             }
@@ -383,9 +377,9 @@ int main(void)
             if (n <= 0)
                 break;
             got += (size_t)n;
-            t_idle = now_s();
+            t_idle = moe_now();
         }
-        double closed_after = now_s() - t_idle;
+        double closed_after = moe_now() - t_idle;
         CHECKF(got > 0 && closed_after > 0.5 && closed_after < 5,
                "idle connection closed %.2f s after the answer (timeout 1 s, %zu bytes)",
                closed_after, got);
@@ -410,9 +404,9 @@ int main(void)
         curl_multi_perform(multi, &running);
         curl_multi_poll(multi, NULL, 0, 10, NULL);
     }
-    t0 = now_s();
+    t0 = moe_now();
     http_server_destroy(s, 100);
-    double dt = now_s() - t0;
+    double dt = moe_now() - t0;
     CHECKF(dt >= 0.09 && dt < 5, "destroy took %.3f s with a held request (grace 0.1 s)", dt);
     for (int i = 0; i < 200 && running; i++) {
         curl_multi_perform(multi, &running);

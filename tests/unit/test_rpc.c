@@ -10,6 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "moe/v1/health.pb-c.h"
 #include "moe/v1/inference.pb-c.h"
 #include "rpc.h"
@@ -19,18 +20,11 @@
 /* sleep_us value: send n messages, then wait for on_cancel (up to 5 s). */
 #define WAIT_FOR_CANCEL UINT32_MAX
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Waits up to limit_s for *flag != 0. */
 static int wait_flag(atomic_int *flag, double limit_s)
 {
-    double t0 = now_s();
-    while (!atomic_load(flag) && now_s() - t0 < limit_s) {
+    double t0 = moe_now();
+    while (!atomic_load(flag) && moe_now() - t0 < limit_s) {
         usleep(2000);
     }
     return atomic_load(flag);
@@ -306,12 +300,12 @@ static void test_unary(struct rpc_client *c)
     CHECK(strcmp(rpc_code_name((enum rpc_code)99), "?") == 0);
 
     /* 60 sequential calls: a rough per-call latency. */
-    double t0 = now_s();
+    double t0 = moe_now();
     for (int i = 0; i < 60; i++) {
         rpc_client_call(c, "/test.Echo/Unary", "ping", 4, 5000, &r);
         rpc_reply_clear(&r);
     }
-    fprintf(stderr, "unary round trip: %.0f us\n", (now_s() - t0) / 60 * 1e6);
+    fprintf(stderr, "unary round trip: %.0f us\n", (moe_now() - t0) / 60 * 1e6);
 }
 
 static void test_big(struct rpc_client *c)
@@ -387,14 +381,14 @@ static void test_cancel(struct rpc_client *c)
         got++;
     }
     CHECK(got == 3);
-    double t0 = now_s();
+    double t0 = moe_now();
     rpc_client_stream_cancel(s);
     CHECK(rpc_client_stream_next(s, &data, &len) == 0);
     CHECK(rpc_client_stream_status(s, NULL) == RPC_CANCELLED);
     rpc_client_stream_destroy(s);
     p = producer_last();
     CHECK(p && wait_flag(&p->done, 3.0));
-    CHECKF(now_s() - t0 < 1.0, "on_cancel after %.3f s", now_s() - t0);
+    CHECKF(moe_now() - t0 < 1.0, "on_cancel after %.3f s", moe_now() - t0);
     CHECK(p && atomic_load(&p->cancel_seen) && atomic_load(&p->stopped_early));
     CHECK(atomic_load(&g_on_cancel) == before + 1);
     producers_join();
@@ -403,11 +397,11 @@ static void test_cancel(struct rpc_client *c)
 static void test_deadline(struct rpc_client *c)
 {
     /* A sending producer: the client sees DEADLINE_EXCEEDED after ~300 ms. */
-    double t0 = now_s();
+    double t0 = moe_now();
     struct rpc_client_stream *s = stream_open(c, 100000, 2000, 0, 300);
     enum rpc_code code = RPC_UNKNOWN;
     int n = stream_read_all(s, 0, &code);
-    double dt = now_s() - t0;
+    double dt = moe_now() - t0;
     CHECKF(code == RPC_DEADLINE_EXCEEDED, "%s", rpc_code_name(code));
     /* not before the deadline; the stream alone would run for 200 s */
     CHECKF(n > 10 && dt > 0.25 && dt < 30.0, "n %d dt %.3f", n, dt);
@@ -419,14 +413,14 @@ static void test_deadline(struct rpc_client *c)
 
     /* A silent producer: the server-side deadline fires on_cancel. */
     int before = atomic_load(&g_on_cancel);
-    t0 = now_s();
+    t0 = moe_now();
     s = stream_open(c, 2, WAIT_FOR_CANCEL, 0, 300);
     n = stream_read_all(s, 0, &code);
     CHECKF(n == 2 && code == RPC_DEADLINE_EXCEEDED, "%d %s", n, rpc_code_name(code));
     rpc_client_stream_destroy(s);
     p = producer_last();
     CHECK(p && wait_flag(&p->done, 3.0));
-    CHECKF(now_s() - t0 < 1.5, "on_cancel after %.3f s", now_s() - t0);
+    CHECKF(moe_now() - t0 < 1.5, "on_cancel after %.3f s", moe_now() - t0);
     CHECK(p && atomic_load(&p->cancel_seen));
     CHECK(atomic_load(&g_on_cancel) == before + 1);
     producers_join();
@@ -525,7 +519,7 @@ static void *reader_main(void *arg)
 static void test_concurrent(struct rpc_client *c)
 {
     struct reader readers[8];
-    double t0 = now_s();
+    double t0 = moe_now();
     for (int i = 0; i < 8; i++) {
         readers[i] = (struct reader){.c = c, .n = 50, .code = RPC_UNKNOWN};
         pthread_create(&readers[i].thread, NULL, reader_main, &readers[i]);
@@ -535,7 +529,7 @@ static void test_concurrent(struct rpc_client *c)
         CHECKF(readers[i].got == 50 && readers[i].code == RPC_OK, "reader %d: %d %s", i,
                readers[i].got, rpc_code_name(readers[i].code));
     }
-    fprintf(stderr, "8 concurrent streams of 50: %.3f s\n", now_s() - t0);
+    fprintf(stderr, "8 concurrent streams of 50: %.3f s\n", moe_now() - t0);
     producers_join();
 }
 
@@ -560,14 +554,14 @@ static void test_shutdown_during_stream(void)
         rpc_client_stream_start(c, "/grpc.health.v1.Health/Watch", buf, len, 10000, &err);
     CHECK(w && watch_next(w) == RPC_HEALTH_SERVING);
     struct producer *p = NULL;
-    double t0 = now_s();
-    while (!(p = producer_last()) && now_s() - t0 < 3.0) {
+    double t0 = moe_now();
+    while (!(p = producer_last()) && moe_now() - t0 < 3.0) {
         usleep(2000);
     }
     CHECK(p && wait_flag(&p->sent, 3.0));
-    t0 = now_s();
+    t0 = moe_now();
     rpc_server_destroy(srv, 100);
-    double dt = now_s() - t0;
+    double dt = moe_now() - t0;
     CHECKF(dt < 30.0, "shutdown took %.3f s", dt); /* forever if it waited for the producer */
     pthread_join(r.thread, NULL);
     CHECKF(r.code != RPC_OK && r.code != RPC_UNKNOWN, "reader status %s", rpc_code_name(r.code));
@@ -603,7 +597,7 @@ static void test_bad_inputs(void)
 
 int main(void)
 {
-    double t0 = now_s();
+    double t0 = moe_now();
     test_bad_inputs();
     struct rpc_server *srv = server_start(2);
     if (!srv) {
@@ -627,6 +621,6 @@ int main(void)
     rpc_server_destroy(srv, 500);
     producers_join();
     test_shutdown_during_stream();
-    fprintf(stderr, "test_rpc: %.2f s\n", now_s() - t0);
+    fprintf(stderr, "test_rpc: %.2f s\n", moe_now() - t0);
     return test_summary();
 }

@@ -1,17 +1,11 @@
 /* The backend-independent part of the communicator (argument checks, the
  * broken state, the counts exchange) and the local backend (W = 1). */
 #include "comm/comm.h"
+#include "clock.h"
 
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-int64_t moe_comm_now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 void moe_comm_format_peers(char *buf, size_t cap, const int *peers, int n)
 {

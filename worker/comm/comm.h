@@ -43,6 +43,7 @@
 #endif
 
 #include "moe_error.h"
+#include "clock.h"
 
 /* Colour for moe_comm_split: this rank joins no sub-group. */
 #define MOE_COMM_NO_COLOR (-1)
@@ -192,9 +193,6 @@ enum moe_status moe_comm_barrier(struct moe_comm *c, struct moe_error *err);
 const char *moe_comm_backend_name(const struct moe_comm *c);
 
 /* ---- for backends ------------------------------------------------------------------ */
-
-/* Milliseconds on a monotonic clock. */
-int64_t moe_comm_now_ms(void);
 
 /* Writes the ranks in `peers` (n entries, duplicates skipped) as "rank 3" or
  * "ranks 2, 3" into buf. */

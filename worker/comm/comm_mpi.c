@@ -12,6 +12,7 @@
  * pending receives are cancelled; pending collectives cannot be cancelled in
  * MPI and are left behind (the communicator is broken from then on). */
 #include "comm/comm.h"
+#include "clock.h"
 
 #include <limits.h>
 #include <sched.h>
@@ -83,7 +84,7 @@ static enum moe_status mpi_wait(struct moe_comm *c, const char *op, MPI_Request 
     MPI_Status status_one;
     int *idx = n == 1 ? &idx_one : m->idx;
     MPI_Status *statuses = n == 1 ? &status_one : m->statuses;
-    int64_t start = moe_comm_now_ms();
+    int64_t start = moe_now_ms();
     long spins = 0;
 
     for (;;) {
@@ -126,7 +127,7 @@ static enum moe_status mpi_wait(struct moe_comm *c, const char *op, MPI_Request 
         if (n_done > 0)
             continue;
 
-        int64_t waited = moe_comm_now_ms() - start;
+        int64_t waited = moe_now_ms() - start;
         if (c->timeout_ms > 0 && waited >= c->timeout_ms)
             break;
         poll_backoff(spins++, waited);

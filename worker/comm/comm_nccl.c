@@ -16,6 +16,7 @@
  * Built only with MOE_HAVE_CUDA and MOE_SERVING (defines MOE_HAVE_NCCL). Compiled and linked on
  * machines without a GPU; it needs a GPU to run. */
 #include "comm/comm.h"
+#include "clock.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -88,7 +89,7 @@ static enum moe_status nccl_wait(struct moe_comm *c, ncclComm_t nc, int stream_t
                                  int peer, struct moe_error *err)
 {
     struct nccl_impl *m = impl_of(c);
-    int64_t start = moe_comm_now_ms();
+    int64_t start = moe_now_ms();
     long spins = 0;
     for (;;) {
         ncclResult_t async = ncclSuccess;
@@ -106,7 +107,7 @@ static enum moe_status nccl_wait(struct moe_comm *c, ncclComm_t nc, int stream_t
             if (e != cudaErrorNotReady)
                 return cuda_fail(c, op, "cudaStreamQuery", e, err);
         }
-        int64_t waited = moe_comm_now_ms() - start;
+        int64_t waited = moe_now_ms() - start;
         if (c->timeout_ms > 0 && waited >= c->timeout_ms)
             break;
         poll_backoff(spins++, waited);

@@ -4,13 +4,6 @@
 #include <string.h>
 #include <time.h>
 
-double moe_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 void moe_gen_result_free(struct moe_gen_result *res)
 {
     if (!res)

@@ -10,6 +10,7 @@
 
 #include "model/model.h"
 #include "engine/sampler.h"
+#include "clock.h"
 
 struct moe_gen_opts {
     int n_predict; /* tokens to generate (>= 0) */
@@ -41,8 +42,5 @@ enum moe_status moe_generate(struct moe_model *m, const int32_t *prompt, int n_p
                              struct moe_gen_result *res, struct moe_error *err);
 
 void moe_gen_result_free(struct moe_gen_result *res);
-
-/* Monotonic wall clock in seconds. */
-double moe_now(void);
 
 #endif

@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "test_fault.h"
+#include "clock.h"
 
 enum plan_op { PLAN_FORWARD = 1, PLAN_STOP = 2 };
 
@@ -50,13 +51,6 @@ static void placement_unpack(const int32_t *in, struct moe_placement *p)
             p->ranks[i * MOE_PLACEMENT_MAX_REPLICAS + r] =
                 (int16_t)in[n + i * MOE_PLACEMENT_MAX_REPLICAS + r];
     }
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 static void *prepare_main(void *arg)
@@ -154,10 +148,10 @@ static enum moe_status settle_prepare(struct moe_group *g, struct moe_model *m,
             fprintf(stderr, "moe: placement epoch %lld abandoned: a rank could not load it\n",
                     (long long)g->preparing_epoch);
     } else if (flag == 0.0f) {
-        double t0 = now_s();
+        double t0 = moe_now();
         moe_model_commit_placement(m);
         pthread_mutex_lock(&g->mu);
-        g->last_switch_s = now_s() - t0;
+        g->last_switch_s = moe_now() - t0;
         g->epoch = g->preparing_epoch;
         g->switches++;
         pthread_mutex_unlock(&g->mu);

@@ -28,6 +28,7 @@
 
 #include "model/placement.h"
 #include "quant.h"
+#include "clock.h"
 
 /* ---- forward ------------------------------------------------------------------------ */
 
@@ -274,7 +275,7 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
         ops->add(m->be, s->x, s->ye, (size_t)n * c->d_model);
         return MOE_OK;
     }
-    double t0 = moe_model_clock();
+    double t0 = moe_now();
     s->topk_w = (float *)(s->topk_ids + (size_t)n * c->top_k);
     s->h_w = (float *)(s->h_ids + (size_t)n * c->top_k);
     matmul_dtype(m, m->base_dtype, s->h, n, c->d_model, w->router, c->n_expert, s->router_logits,
@@ -282,7 +283,7 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
     ops->router_topk(m->be, s->router_logits, n, c->n_expert, c->top_k, c->norm_topk_prob,
                      s->topk_ids, s->topk_w);
     m->prof.moe_layer_tokens += (uint64_t)n;
-    double t1 = moe_model_clock();
+    double t1 = moe_now();
     m->prof.router_s += t1 - t0;
     if (m->ep_comm) {
         enum moe_status rc = moe_ep_moe_layer(m, l, n, err);
@@ -292,7 +293,7 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
         return MOE_OK;
     }
     route_group(m, l, n);
-    double t2 = moe_model_clock();
+    double t2 = moe_now();
     m->prof.dispatch_s += t2 - t1;
     /* Sum of the experts' weighted outputs, then one residual add (the order
      * transformers uses). */
@@ -307,7 +308,7 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
                               c->d_model, s->ffn_out);
     }
     ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
-    m->prof.experts_s += moe_model_clock() - t2;
+    m->prof.experts_s += moe_now() - t2;
     return MOE_OK;
 }
 
@@ -364,13 +365,13 @@ enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
     ops->buf_upload(be, s->slots, b->slots, ib);
     ops->buf_upload(be, s->block_tables, b->block_tables, (size_t)n_table * sizeof(int32_t));
 
-    double t_start = moe_model_clock();
+    double t_start = moe_now();
     struct moe_model_profile before = m->prof;
     ops->embed(be, m->embed, m->base_dtype, s->tokens, n, c->d_model, s->x);
     for (int l = 0; l < c->n_layer; l++) {
-        double t = moe_model_clock();
+        double t = moe_now();
         rc = attention_block(m, kv, l, b, err);
-        m->prof.attention_s += moe_model_clock() - t;
+        m->prof.attention_s += moe_now() - t;
         if (rc || (rc = ffn_block(m, l, n, err)))
             return rc;
     }
@@ -387,7 +388,7 @@ enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
      * reported here instead of returning wrong logits. */
     if (ops->status && (rc = ops->status(be, err)))
         return moe_error_prefix(err, "forward pass");
-    double total = moe_model_clock() - t_start;
+    double total = moe_now() - t_start;
     double phases = (m->prof.attention_s - before.attention_s) +
                     (m->prof.router_s - before.router_s) +
                     (m->prof.dispatch_s - before.dispatch_s) +
@@ -458,13 +459,6 @@ void moe_model_zero(struct moe_model *m, void *p, size_t bytes)
         m->be->ops->buf_zero(m->be, p, bytes); /* a device memset, no host round trip */
     else
         m->be->ops->buf_upload(m->be, p, m->s.h_zero, bytes);
-}
-
-double moe_model_clock(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 void moe_model_profile(const struct moe_model *m, struct moe_model_profile *out)

@@ -6,6 +6,7 @@
 #include "comm/comm.h"
 #include "model/model.h"
 #include "model/placement.h"
+#include "clock.h"
 
 #define MOE_MAX_EP_RANKS 64
 
@@ -125,9 +126,6 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
 
 /* Zeroes `bytes` of a backend buffer (at most the h_zero scratch size). */
 void moe_model_zero(struct moe_model *m, void *p, size_t bytes);
-
-/* Monotonic seconds. */
-double moe_model_clock(void);
 
 /* SwiGLU FFN on n rows. */
 void moe_model_ffn(struct moe_model *m, const float *xe, int n, const void *w_gate_up, int d_ff,

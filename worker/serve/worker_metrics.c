@@ -10,6 +10,7 @@
 #include "disagg/kv_transfer.h"
 #include "metrics.h"
 #include "serve/service.h"
+#include "clock.h"
 
 #define N_PHASE 6
 
@@ -34,13 +35,6 @@ struct worker_metrics {
     struct moe_model_profile last; /* engine thread: the profile after the previous step */
 };
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static void profile_phases(const struct moe_model_profile *p, double out[N_PHASE])
 {
     out[0] = p->attention_s;
@@ -56,10 +50,10 @@ enum moe_status worker_metrics_forward(void *ctx, struct moe_model *m, struct mo
                                        struct moe_error *err)
 {
     struct worker_metrics *wm = ctx;
-    double t0 = now_s();
+    double t0 = moe_now();
     enum moe_status st = wm->inner ? wm->inner(wm->inner_ctx, m, kv, batch, logits, err)
                                    : moe_model_forward(m, kv, batch, logits, err);
-    moe_histogram_observe(wm->step_s, now_s() - t0);
+    moe_histogram_observe(wm->step_s, moe_now() - t0);
     moe_histogram_observe(wm->step_tokens, batch->n_tok);
     struct moe_model_profile p;
     moe_model_profile(m, &p);
