@@ -23,10 +23,13 @@
  *   request bytes  -> borrowed, valid only during the handler call.
  *   sent bytes     -> copied; the caller keeps its buffer.
  *
- * Shutdown. rpc_server_destroy waits for every call to end: it cancels them
- * after the grace period (producers see on_cancel / rpc_stream_is_cancelled)
- * and then waits until every producer released its stream. A producer that
- * never releases makes rpc_server_destroy wait forever. */
+ * Shutdown. rpc_server_destroy drains first: new calls are answered
+ * UNAVAILABLE (health probes still answered), running calls get up to the
+ * grace period to end, and their last bytes reach the clients; then gRPC is
+ * shut down and what is left (health Watch streams, calls past the grace) is
+ * cancelled (producers see on_cancel / rpc_stream_is_cancelled); then it
+ * waits until every producer released its stream. A producer that never
+ * releases makes rpc_server_destroy wait forever. */
 #ifndef MOE_RPC_H
 #define MOE_RPC_H
 

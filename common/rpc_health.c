@@ -146,6 +146,10 @@ enum moe_status rpc_health_register(struct rpc_server *server, struct moe_error 
         st = rpc_server_add_stream(server, "/grpc.health.v1.Health/Watch", health_watch, h, err);
     }
     if (st == MOE_OK) {
+        /* probes are answered while the server drains, and a Watch stream
+         * never holds up its shutdown */
+        rpc_server_set_drain_exempt(server, "/grpc.health.v1.Health/Check");
+        rpc_server_set_drain_exempt(server, "/grpc.health.v1.Health/Watch");
         rpc_health_set(server, "", RPC_HEALTH_SERVING);
     }
     return st;

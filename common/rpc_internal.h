@@ -15,6 +15,10 @@ void rpc_health_free(struct rpc_health *health);
 /* The server's health state slot (NULL until rpc_health_register). */
 struct rpc_health **rpc_server_health_slot(struct rpc_server *server);
 
+/* Marks the registered method `path` as answered while the server drains
+ * (rpc_server_destroy) and not waited for: the health probes. */
+void rpc_server_set_drain_exempt(struct rpc_server *server, const char *path);
+
 /* Channel args shared by server and client: max message sizes and keepalive.
  * `args` must hold at least RPC_N_ARGS entries. */
 #define RPC_N_ARGS 8

@@ -13,6 +13,8 @@
 
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -48,7 +50,8 @@ struct rpc_method {
     rpc_unary_fn unary;
     rpc_stream_fn stream;
     void *user;
-    void *handle; /* from grpc_server_register_method */
+    void *handle;      /* from grpc_server_register_method */
+    bool drain_exempt; /* health Check/Watch: answered while draining, not waited for */
 };
 
 /* One outstanding grpc_server_request_(registered_)call per (thread, method);
@@ -85,9 +88,11 @@ struct rpc_server {
 
     pthread_mutex_t mu; /* guards what follows */
     pthread_cond_t cv;
+    bool draining; /* rpc_server_destroy began: new work is refused */
     bool shutting_down;
     bool shutdown_done;
     long n_calls; /* live call states */
+    long n_busy;  /* of those, not drain_exempt */
     struct rpc_tag shutdown_tag;
 
     struct rpc_health *health;
@@ -107,6 +112,7 @@ struct rpc_call {
     struct rpc_tag close_tag;
     struct rpc_tag send_tag;
     struct rpc_server *server;
+    bool busy; /* counted in server->n_busy */
     grpc_call *call;
     gpr_timespec deadline;
     grpc_metadata_array md;
@@ -274,9 +280,12 @@ static void call_free(struct rpc_call *c)
     grpc_call_unref(c->call);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
+    bool busy = c->busy;
     free(c);
     pthread_mutex_lock(&s->mu);
     s->n_calls--;
+    if (busy)
+        s->n_busy--;
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
 }
@@ -725,9 +734,13 @@ static void on_new_call(struct rpc_slot *slot)
     grpc_metadata_array_init(&slot->md);
     slot->call = NULL;
     mutex_init(&c->mu, &c->cv);
+    c->busy = !m->drain_exempt;
     pthread_mutex_lock(&s->mu);
     s->n_calls++;
+    if (c->busy)
+        s->n_busy++;
     bool shutting_down = s->shutting_down;
+    bool refuse = s->draining && c->busy;
     pthread_mutex_unlock(&s->mu);
     if (!shutting_down) {
         slot_post(slot);
@@ -750,6 +763,14 @@ static void on_new_call(struct rpc_slot *slot)
         /* The client half-closed without a request message. */
         pthread_mutex_lock(&c->mu);
         finish_locked(c, RPC_INVALID_ARGUMENT, "missing request message");
+        pthread_mutex_unlock(&c->mu);
+        producer_release(c);
+        return;
+    }
+    if (refuse) {
+        grpc_byte_buffer_destroy(payload);
+        pthread_mutex_lock(&c->mu);
+        finish_locked(c, RPC_UNAVAILABLE, "server is shutting down: send the request elsewhere");
         pthread_mutex_unlock(&c->mu);
         producer_release(c);
         return;
@@ -971,6 +992,67 @@ struct rpc_health **rpc_server_health_slot(struct rpc_server *server)
     return &server->health;
 }
 
+/* Marks a registered method as answered while the server drains and not
+ * waited for (health probes, long-lived Watch streams). */
+void rpc_server_set_drain_exempt(struct rpc_server *server, const char *path)
+{
+    for (int i = 0; i < server->n_methods; i++)
+        if (!strcmp(server->methods[i].path, path))
+            server->methods[i].drain_exempt = true;
+}
+
+/* Waits on s->cv until no busy call is left or the monotonic deadline.
+ * Returns true when none is left. */
+static bool wait_calls_idle(struct rpc_server *s, const struct timespec *until)
+{
+    pthread_mutex_lock(&s->mu);
+    while (s->n_busy > 0)
+        if (pthread_cond_timedwait(&s->cv, &s->mu, until) == ETIMEDOUT)
+            break;
+    bool idle = s->n_busy == 0;
+    pthread_mutex_unlock(&s->mu);
+    return idle;
+}
+
+/* Waits, at most timeout_ms, until every byte this process queued on a
+ * connection to `port` has been acknowledged by the client (SIOCOUTQ == 0):
+ * it is then in the client's kernel, where a later reset of the connection
+ * cannot take it away. Call while the queue threads still poll (gRPC moves
+ * bytes only then). */
+static void wait_output_acked(int port, int timeout_ms)
+{
+    double t0 = moe_now();
+    for (;;) {
+        bool pending = false;
+        DIR *d = opendir("/proc/self/fd");
+        if (!d)
+            return;
+        struct dirent *de;
+        while (!pending && (de = readdir(d))) {
+            char *end;
+            long fd = strtol(de->d_name, &end, 10);
+            if (*end || fd < 0 || fd == dirfd(d))
+                continue;
+            struct sockaddr_storage a;
+            socklen_t alen = sizeof a;
+            int type = 0, queued = 0;
+            socklen_t len = sizeof type;
+            if (getsockopt((int)fd, SOL_SOCKET, SO_TYPE, &type, &len) || type != SOCK_STREAM ||
+                getsockname((int)fd, (struct sockaddr *)&a, &alen))
+                continue;
+            int local = a.ss_family == AF_INET    ? ntohs(((struct sockaddr_in *)&a)->sin_port)
+                        : a.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&a)->sin6_port)
+                                                  : -1;
+            pending = local == port && ioctl((int)fd, SIOCOUTQ, &queued) == 0 && queued > 0;
+        }
+        closedir(d);
+        if (!pending || 1e3 * (moe_now() - t0) >= timeout_ms)
+            return;
+        struct timespec nap = {0, 2 * 1000 * 1000};
+        nanosleep(&nap, NULL);
+    }
+}
+
 /* Waits on s->cv until `done` or the monotonic deadline (NULL = none).
  * Returns true when done. */
 static bool wait_server_done(struct rpc_server *s, const struct timespec *until)
@@ -990,59 +1072,6 @@ static bool wait_server_done(struct rpc_server *s, const struct timespec *until)
     return done;
 }
 
-/* Waits, at most timeout_ms, until no client connection to `port` is still
- * open from the client's side (TCP_ESTABLISHED) with bytes of ours in
- * flight or still to come. gRPC completes a call before its last frames
- * are on the wire, and moves them only while a queue thread polls; if the
- * process then closed the connection, the client would lose the end of a
- * stream that was finished just before a drained shutdown (and a close
- * with unread input answers with RST, dropping what was unsent). The
- * server sent GOAWAY at shutdown, so a client closes its side once it has
- * read everything; the wait ends then. Call while the queue threads still
- * poll. */
-static void wait_clients_done(int port, int timeout_ms)
-{
-    double t0 = moe_now();
-    for (;;) {
-        bool open = false;
-        DIR *d = opendir("/proc/self/fd");
-        if (!d)
-            return;
-        struct dirent *de;
-        while (!open && (de = readdir(d))) {
-            char *end;
-            long fd = strtol(de->d_name, &end, 10);
-            if (*end || fd < 0 || fd == dirfd(d))
-                continue;
-            struct sockaddr_storage a;
-            socklen_t alen = sizeof a;
-            int type = 0;
-            socklen_t len = sizeof type;
-            if (getsockopt((int)fd, SOL_SOCKET, SO_TYPE, &type, &len) || type != SOCK_STREAM ||
-                getsockname((int)fd, (struct sockaddr *)&a, &alen))
-                continue;
-            int local;
-            if (a.ss_family == AF_INET)
-                local = ntohs(((struct sockaddr_in *)&a)->sin_port);
-            else if (a.ss_family == AF_INET6)
-                local = ntohs(((struct sockaddr_in6 *)&a)->sin6_port);
-            else
-                continue;
-            struct tcp_info ti;
-            len = sizeof ti;
-            if (local == port && !getsockopt((int)fd, IPPROTO_TCP, TCP_INFO, &ti, &len) &&
-                ti.tcpi_state == TCP_ESTABLISHED)
-                open = true;
-        }
-        closedir(d);
-        double ms = 1e3 * (moe_now() - t0);
-        if (!open || ms >= timeout_ms)
-            return;
-        struct timespec nap = {0, 2 * 1000 * 1000};
-        nanosleep(&nap, NULL);
-    }
-}
-
 void rpc_server_destroy(struct rpc_server *s, int grace_ms)
 {
     if (!s) {
@@ -1050,26 +1079,34 @@ void rpc_server_destroy(struct rpc_server *s, int grace_ms)
     }
     bool any_thread = s->started && s->threads && s->threads[0].running;
     if (s->srv && s->threads) {
-        pthread_mutex_lock(&s->mu);
-        s->shutting_down = true;
-        pthread_mutex_unlock(&s->mu);
-        grpc_server_shutdown_and_notify(s->srv, s->threads[0].cq, &s->shutdown_tag);
         if (any_thread) {
+            /* Drain first, with gRPC's server still fully up: new work is
+             * refused (UNAVAILABLE), health probes answered, running calls
+             * finish, and their last bytes reach the clients. Only then is
+             * gRPC shut down: it closes a connection the moment its last
+             * stream ends after GOAWAY, and a close that races the client's
+             * window updates resets the connection and loses the stream's
+             * tail. */
             struct timespec until;
             clock_gettime(CLOCK_MONOTONIC, &until);
             long long ns = until.tv_nsec + (long long)(grace_ms > 0 ? grace_ms : 0) * 1000000LL;
             until.tv_sec += (time_t)(ns / 1000000000LL);
             until.tv_nsec = (long)(ns % 1000000000LL);
-            if (!wait_server_done(s, &until)) {
-                /* Grace over: cancel what still runs. Only then: it also
-                 * drops every connection at once, with whatever gRPC had
-                 * not written yet (the end of a call that just finished). */
-                grpc_server_cancel_all_calls(s->srv);
-                wait_server_done(s, NULL);
-            }
-            /* Every call ended: let the clients read their last bytes and
-             * leave (2 s at most, for a client that stopped reading). */
-            wait_clients_done(s->port, 2000);
+            pthread_mutex_lock(&s->mu);
+            s->draining = true;
+            pthread_mutex_unlock(&s->mu);
+            if (wait_calls_idle(s, &until))
+                wait_output_acked(s->port, 2000);
+        }
+        pthread_mutex_lock(&s->mu);
+        s->shutting_down = true;
+        pthread_mutex_unlock(&s->mu);
+        grpc_server_shutdown_and_notify(s->srv, s->threads[0].cq, &s->shutdown_tag);
+        if (any_thread) {
+            /* What is left: health Watch streams, and calls that outlived
+             * the grace period. */
+            grpc_server_cancel_all_calls(s->srv);
+            wait_server_done(s, NULL);
         } else {
             /* Never started (or no thread): nothing but the shutdown tag can come. */
             grpc_server_cancel_all_calls(s->srv);

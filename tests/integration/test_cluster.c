@@ -945,6 +945,7 @@ static int run_static(void)
     Moe__V1__GenerateRequest rq = text_req("shutting down", &sp);
     struct shutdown_ctx sc = {co.pid, false};
     gen_run(coord, &rq, hook_sigterm, &sc, o);
+    if (getenv("MOE_DBG")) fprintf(stderr, "DBG %.6f test: stream ended %d\n", moe_now(), (int)o->n_ids);
     CHECKF(o->code == RPC_OK && o->n_ids == 500, "stream during shutdown: %s %s, %zu tokens",
            rpc_code_name(o->code), o->message, o->n_ids);
     free(o);
