@@ -13,6 +13,7 @@ PACKAGES=(
   libpcre2-dev                             # tokenizer pre-tokenizer regexes (Unicode classes)
   libunistring-dev                         # tokenizer NFC normalisation
   libgrpc-dev protobuf-compiler-grpc       # gRPC C core
+  libgrpc++-dev                            # gRPC's CMake config checks its C++ libraries exist
   libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
   libcurl4-openssl-dev                     # etcd v3 HTTP/JSON gateway
   etcd-server etcd-client                  # cluster membership (tests start their own)
