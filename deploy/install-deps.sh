@@ -3,6 +3,10 @@
 # Idempotent: packages already present are not fetched again, and apt-get
 # update runs only when something is missing. Run as root (or with sudo).
 #
+#   deploy/install-deps.sh            build, test and run
+#   deploy/install-deps.sh --deploy   also what building and running the
+#                                     container images needs (tests/run.sh --deploy)
+#
 # The CUDA toolkit and NCCL are not Debian packages here: the build uses them
 # when nvcc is found (MOE_CUDA=AUTO) and builds the CPU backend alone otherwise.
 set -euo pipefail
@@ -19,6 +23,17 @@ PACKAGES=(
   etcd-server etcd-client                  # cluster membership (tests start their own)
   libopenmpi-dev openmpi-bin               # worker groups under mpirun on the CPU
 )
+for arg in "$@"; do
+  case "$arg" in
+    --deploy)
+      PACKAGES+=(
+        podman buildah                     # build and run the images (deploy/container)
+        runc                               # the OCI runtime on cgroup v1 hosts (crun refuses them)
+        debootstrap                        # the Debian base image when no registry is reachable
+      ) ;;
+    *) echo "install-deps: unknown argument '$arg'" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -7,22 +7,57 @@
 #
 #   tests/run.sh            everything
 #   tests/run.sh --no-asan  skip the sanitizer pass
+#   tests/run.sh --deploy   only the container pass: build the CPU image
+#                           (deploy/container/build-image.sh), run a coordinator
+#                           and two workers from it (tests/deploy/test_image.sh),
+#                           and the Helm chart's rendered pods under podman kube
+#                           play (tests/deploy/test_podman.py); minutes, root
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 asan=1
+deploy=0
 for arg in "$@"; do
   case "$arg" in
     --no-asan) asan=0 ;;
+    --deploy) deploy=1 ;;
     *) echo "tests/run.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
 done
 
 jobs=$(nproc 2>/dev/null || echo 2)
-deploy/install-deps.sh
-# Python packages of tests/python (integration/python_client), unless present.
-python3 -c 'import grpc, grpc_tools, google.protobuf' 2>/dev/null ||
-  python3 -m pip install --quiet grpcio grpcio-tools protobuf
+if [ "$deploy" = 1 ]; then
+  deploy/install-deps.sh --deploy
+else
+  deploy/install-deps.sh
+fi
+# Python packages of tests/python (integration/python_client) and
+# tests/deploy (deploy/chart: Helm v4's engine, the Kubernetes schemas), unless present.
+python3 -c 'import grpc, grpc_tools, google.protobuf, helm_python, kubernetes_validate' 2>/dev/null ||
+  python3 -m pip install --quiet grpcio grpcio-tools protobuf helm-python-sdk kubernetes-validate
+
+if [ "$deploy" = 1 ]; then
+  # These machines use cgroup v1, which crun refuses (runc works), and the
+  # runtimes cannot raise rlimits here: no default ulimits, explicit ones.
+  conf=$(mktemp /tmp/moe-containers-XXXXXX.conf)
+  trap 'rm -f "$conf"' EXIT
+  printf '[containers]\ndefault_ulimits = []\n' >"$conf"
+  export CONTAINERS_CONF=$conf PODMAN="podman --runtime /usr/sbin/runc"
+  t0=$(date +%s)
+  echo "== image (deploy/container/build-image.sh) =="
+  deploy/container/build-image.sh --jobs "$jobs"
+  t1=$(date +%s)
+  echo "== a coordinator and two workers in containers (tests/deploy/test_image.sh) =="
+  tests/deploy/test_image.sh
+  t3=$(date +%s)
+  echo "== the chart's pods under podman kube play (tests/deploy/test_podman.py) =="
+  python3 tests/deploy/test_podman.py
+  python3 tests/deploy/test_podman.py --values tests/deploy/podman-disagg-values.yaml
+  t4=$(date +%s)
+  echo "== deploy pass: image $((t1 - t0)) s, containers $((t3 - t1)) s," \
+    "chart pods $((t4 - t3)) s, total $((t4 - t0)) s =="
+  exit 0
+fi
 
 echo "== build (Release, -Werror) =="
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMOE_WERROR=ON

@@ -42,6 +42,10 @@ if [ "${WITH_DEMO_MODEL:-1}" = 1 ]; then
   rm -f "$out/opt/moe-serve/models/qwen3_moe/golden.json"
 fi
 
+# CUDA builds: the toolkit's libraries are found the way the runtime image
+# finds them (its LD_LIBRARY_PATH), so that ldd names their packages.
+if [ "$cuda" != OFF ]; then export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
+
 # Which Debian package owns each shared library the binaries load. A library
 # ldd cannot find (libcuda.so.1: the host's driver, injected at run time by
 # the NVIDIA container toolkit) is left out.

@@ -117,9 +117,9 @@ def probe_ok(pod, container, probe):
 
 # ---- from rendered objects to playable pods ----------------------------------
 
-def render():
+def render(values_file):
     chart = helm.Chart.load(CHART)
-    with open(VALUES) as f:
+    with open(values_file) as f:
         values = yaml.safe_load(f)
     opts = {"name": RELEASE, "namespace": NS, "is_install": True, "kube_version": "v1.33.0"}
     out = json.loads(_native.call_string("helm_render", chart._raw(), json.dumps(values),
@@ -271,8 +271,9 @@ def playable(pod, objs, aliases, voldir):
 # ---- the cluster ------------------------------------------------------------
 
 class Cluster:
-    def __init__(self, image, keep):
+    def __init__(self, image, keep, values):
         self.keep = keep
+        self.values = values
         self.image = image
         self.tmp = tempfile.mkdtemp(prefix="moe-podman-")
         self.net = f"moe-deploy-{os.getpid()}"
@@ -291,7 +292,7 @@ class Cluster:
     def up(self):
         if podman("image", "exists", self.image, check=False).returncode:
             die(f"image {self.image} not found: run deploy/container/build-image.sh first")
-        self.objs = render()
+        self.objs = render(self.values)
         self.pods = expand_pods(self.objs)
         for _ in range(20):
             octet = random.randint(100, 250)
@@ -463,10 +464,53 @@ def drain_check(cl, coord, addr, pod, what):
         f"coordinator's list")
 
 
+def disaggregated(cl):
+    """Prefill group over two pods (TP 2) -> decode group: requests through
+    the coordinator Service are computed by the prefill group and continued
+    by the decode group, the KV moving rank to rank between the pods."""
+    svc = f"{RELEASE}-moe-serve-coordinator.{NS}.svc.cluster.local:50051"
+    c0 = cl.pod(f"{RELEASE}-moe-serve-coordinator-", 0)
+    pre = cl.pod(f"{RELEASE}-moe-serve-prefill-", 0)
+    dec = cl.pod(f"{RELEASE}-moe-serve-decode-", 0)
+    end = time.time() + 30
+    while True:
+        ws = {w["id"]: w for w in moectl_json(cl, c0, "workers", "list")["workers"]}
+        if {pre["name"], dec["name"]} <= set(ws) and all(w["state"] == "serving" for w in ws.values()):
+            break
+        if time.time() > end:
+            die(f"the coordinator sees {sorted(ws)}")
+        time.sleep(0.2)
+    if ws[pre["name"]]["role"] != "prefill" or ws[dec["name"]]["role"] != "decode" \
+            or ws[pre["name"]]["world_size"] != 2 or ws[pre["name"]]["tp_size"] != 2:
+        die(f"workers: {json.dumps(ws)}")
+    log(f"prefill group {pre['name']} (2 ranks over 2 pods, TP 2) and decode {dec['name']} "
+        "registered")
+    outs = []
+    for i in range(4):
+        r = cl.exec(c0, "coordinator", "moe-client", "--addr", svc, "--prompt",
+                    f"a prompt long enough to fill some KV blocks, number {i}", "-n", "24",
+                    "--ignore-eos")
+        if "finish: length, 24 tokens" not in r.stdout:
+            die(f"disaggregated request {i}: {r.stdout}{r.stderr}")
+        outs.append(r.stdout)
+    ws = {w["id"]: w for w in moectl_json(cl, c0, "workers", "list")["workers"]}
+    p, d = ws[pre["name"]], ws[dec["name"]]
+    if p["kv_transfers_out"] < 4 or d["kv_transfers_in"] < 4 or p["kv_transfer_failures"] \
+            or d["kv_transfer_failures"]:
+        die(f"KV handoffs: prefill {json.dumps(p)}, decode {json.dumps(d)}")
+    log(f"4/4 requests through {svc}: prefill handed {p['kv_transfers_out']} KV transfers "
+        f"({p['kv_transfer_bytes']} bytes) to decode ({d['kv_transfers_in']} in), no failures")
+    log(f"deploy/podman (disaggregated): PASSED in {time.time() - T0:.0f} s")
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--image", default="localhost/moe-serve:dev")
     ap.add_argument("--keep", action="store_true", help="leave the pods running")
+    ap.add_argument("--values", default=VALUES,
+                    help="chart values (default tests/deploy/podman-values.yaml; a file with "
+                         "prefill/decode pools runs the disaggregated checks)")
     a = ap.parse_args()
     if not shutil.which(PODMAN[0]):
         print("SKIPPED: podman not installed")
@@ -476,11 +520,15 @@ def main():
         conf.write("[containers]\ndefault_ulimits = []\n")
         conf.close()
         os.environ["CONTAINERS_CONF"] = conf.name
-    cl = Cluster(a.image, a.keep)
+    cl = Cluster(a.image, a.keep, a.values)
     try:
         cl.up()
         cl.wait_ready()
         log("every probe passes: etcd quorum, coordinators, workers, the group's follower")
+        with open(a.values) as f:
+            roles = {p.get("role", "mixed") for p in yaml.safe_load(f)["pools"]}
+        if "prefill" in roles:
+            return disaggregated(cl)
         svc = f"{RELEASE}-moe-serve-coordinator.{NS}.svc.cluster.local:50051"
         c0 = cl.pod(f"{RELEASE}-moe-serve-coordinator-", 0)
         c1 = cl.pod(f"{RELEASE}-moe-serve-coordinator-", 1)
