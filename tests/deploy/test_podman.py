@@ -493,11 +493,18 @@ def disaggregated(cl):
         if "finish: length, 24 tokens" not in r.stdout:
             die(f"disaggregated request {i}: {r.stdout}{r.stderr}")
         outs.append(r.stdout)
-    ws = {w["id"]: w for w in moectl_json(cl, c0, "workers", "list")["workers"]}
-    p, d = ws[pre["name"]], ws[dec["name"]]
-    if p["kv_transfers_out"] < 4 or d["kv_transfers_in"] < 4 or p["kv_transfer_failures"] \
-            or d["kv_transfer_failures"]:
-        die(f"KV handoffs: prefill {json.dumps(p)}, decode {json.dumps(d)}")
+    # the coordinator's counters come from its load polls: wait for them
+    end = time.time() + 15
+    while True:
+        ws = {w["id"]: w for w in moectl_json(cl, c0, "workers", "list")["workers"]}
+        p, d = ws[pre["name"]], ws[dec["name"]]
+        if p["kv_transfer_failures"] or d["kv_transfer_failures"]:
+            die(f"KV handoff failures: prefill {json.dumps(p)}, decode {json.dumps(d)}")
+        if p["kv_transfers_out"] >= 4 and d["kv_transfers_in"] >= 4:
+            break
+        if time.time() > end:
+            die(f"KV handoffs: prefill {json.dumps(p)}, decode {json.dumps(d)}")
+        time.sleep(0.2)
     log(f"4/4 requests through {svc}: prefill handed {p['kv_transfers_out']} KV transfers "
         f"({p['kv_transfer_bytes']} bytes) to decode ({d['kv_transfers_in']} in), no failures")
     log(f"deploy/podman (disaggregated): PASSED in {time.time() - T0:.0f} s")
