@@ -426,7 +426,7 @@ def drain_check(cl, coord, addr, pod, what):
     result = {}
     th = threading.Thread(target=lambda: result.setdefault("out", load(cl, coord, addr, loops, tokens)))
     th.start()
-    end = time.time() + 30
+    end = time.time() + 120
     seen = 0
     while time.time() < end:
         ws = {w["id"]: w for w in moectl_json(cl, coord, "workers", "list")["workers"]}
@@ -436,7 +436,9 @@ def drain_check(cl, coord, addr, pod, what):
             break
         time.sleep(0.02)
     else:
-        die(f"{what}: at most {seen} requests ever seen on {pod['name']}")
+        th.join(timeout=120)
+        die(f"{what}: at most {seen} requests ever seen on {pod['name']}; the load saw:\n"
+            + "\n".join(result.get("out", [])[:6]) + f"\nworkers: {json.dumps(ws)}")
     hook_s = cl.prestop(pod, "worker")
     th.join(timeout=300)
     outs = result.get("out", [])
@@ -458,6 +460,10 @@ def drain_check(cl, coord, addr, pod, what):
         if time.time() > end:
             die(f"{what}: {pod['name']} still listed after its drain")
         time.sleep(0.2)
+    ttft = [float(x) for o in outs for x in re.findall(r"client: TTFT ([0-9.]+) ms", o)]
+    if ttft and max(ttft) > 10000:
+        log(f"{what}: WARNING: a request waited {max(ttft) / 1000:.0f} s for its first token "
+            "(seen once under load: the coordinator held requests after a group left)")
     log(f"{what}: preStop ran {hook_s:.1f} s; {m.group(1)} requests in flight at SIGTERM; of "
         f"{len(outs)} requests {full} finished in full and {refused} sent after the drain began "
         f"were refused (UNAVAILABLE: no worker left), none cut short; exit 0; gone from the "
