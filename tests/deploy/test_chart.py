@@ -23,7 +23,6 @@ MPIJob) among the API versions:
 Bad values fail at render with a message naming the value.
 Exit 77 (SKIPPED) when the Python packages are missing."""
 import argparse
-import copy
 import glob
 import json
 import os

@@ -35,7 +35,6 @@ import random
 import re
 import shutil
 import socket
-import string
 import subprocess
 import sys
 import tempfile
@@ -296,8 +295,11 @@ class Cluster:
         self.pods = expand_pods(self.objs)
         for _ in range(20):
             octet = random.randint(100, 250)
-            if not podman("network", "create", "--subnet", f"10.89.{octet}.0/24", self.net,
-                          check=False).returncode:
+            # no podman DNS server: names come from /etc/hosts (hostAliases) and
+            # anything else (gRPC's c-ares also asks for AAAA records) goes to
+            # the host's resolvers, which answer at once, as cluster DNS would
+            if not podman("network", "create", "--disable-dns", "--subnet", f"10.89.{octet}.0/24",
+                          self.net, check=False).returncode:
                 break
         else:
             die("could not create a podman network")
@@ -312,7 +314,8 @@ class Cluster:
         errors = []
 
         def play(p, path):
-            r = podman("kube", "play", "--network", self.net, "--ip", p["ip"], path, check=False)
+            r = podman("kube", "play", "--replace", "--network", self.net, "--ip", p["ip"], path,
+                       check=False)
             if r.returncode:
                 errors.append(f"{p['name']}: {r.stderr.strip()[-1500:]}")
             else:
@@ -452,7 +455,9 @@ def drain_check(cl, coord, addr, pod, what):
     text = cl.logs(pod, "worker", tail=200)
     m = re.search(r"SIGTERM: draining \((\d+) requests in flight\)", text)
     if not m or int(m.group(1)) < 1:
-        die(f"{what}: the worker did not drain with requests in flight:\n{text}")
+        die(f"{what}: the worker did not drain with requests in flight:\n{text}\n"
+            f"coordinator:\n{cl.logs(coord, 'coordinator', tail=30)}\nload:\n"
+            + "\n".join(outs[:6]))
     if not done or code != 0:
         die(f"{what}: worker container {'exit ' + str(code) if done else 'still running'}:\n{text}")
     end = time.time() + 15
@@ -462,8 +467,8 @@ def drain_check(cl, coord, addr, pod, what):
         time.sleep(0.2)
     ttft = [float(x) for o in outs for x in re.findall(r"client: TTFT ([0-9.]+) ms", o)]
     if ttft and max(ttft) > 10000:
-        log(f"{what}: WARNING: a request waited {max(ttft) / 1000:.0f} s for its first token "
-            "(seen once under load: the coordinator held requests after a group left)")
+        log(f"{what}: WARNING: a request waited {max(ttft) / 1000:.0f} s for its first token; "
+            f"the coordinator's log:\n{cl.logs(coord, 'coordinator', tail=30)}")
     log(f"{what}: preStop ran {hook_s:.1f} s; {m.group(1)} requests in flight at SIGTERM; of "
         f"{len(outs)} requests {full} finished in full and {refused} sent after the drain began "
         f"were refused (UNAVAILABLE: no worker left), none cut short; exit 0; gone from the "
