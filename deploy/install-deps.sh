@@ -3,6 +3,10 @@
 # Idempotent: packages already present are not fetched again, and apt-get
 # update runs only when something is missing. Run as root (or with sudo).
 #
+#   deploy/install-deps.sh            build, test and run
+#   deploy/install-deps.sh --deploy   also what building and running the
+#                                     container images needs (tests/run.sh --deploy)
+#
 # The CUDA toolkit and NCCL are not Debian packages here: the build uses them
 # when nvcc is found (MOE_CUDA=AUTO) and builds the CPU backend alone otherwise.
 set -euo pipefail
@@ -13,6 +17,7 @@ PACKAGES=(
   libpcre2-dev                             # tokenizer pre-tokenizer regexes (Unicode classes)
   libunistring-dev                         # tokenizer NFC normalisation
   libgrpc-dev protobuf-compiler-grpc       # gRPC C core
+  libgrpc++-dev                            # gRPC's CMake config checks its C++ libraries exist
   libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
   libcurl4-openssl-dev                     # etcd v3 HTTP/JSON gateway
   etcd-server etcd-client                  # cluster membership (tests start their own)
@@ -21,6 +26,17 @@ PACKAGES=(
   prometheus                               # tests: a real Prometheus scrapes /metrics
   libcairo2-dev libfontconfig-dev fonts-dejavu-core  # moe-bench --plot: PNG charts, labels
 )
+for arg in "$@"; do
+  case "$arg" in
+    --deploy)
+      PACKAGES+=(
+        podman buildah                     # build and run the images (deploy/container)
+        runc                               # the OCI runtime on cgroup v1 hosts (crun refuses them)
+        debootstrap                        # the Debian base image when no registry is reachable
+      ) ;;
+    *) echo "install-deps: unknown argument '$arg'" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -14,28 +14,64 @@
 #   tests/run.sh            everything
 #   tests/run.sh --no-asan  skip the ASan + UBSan pass
 #   tests/run.sh --no-tsan  skip the ThreadSanitizer pass
+#   tests/run.sh --deploy   only the container pass: build the CPU image
+#                           (deploy/container/build-image.sh), run a coordinator
+#                           and two workers from it (tests/deploy/test_image.sh),
+#                           and the Helm chart's rendered pods under podman kube
+#                           play (tests/deploy/test_podman.py); minutes, root
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 asan=1
 tsan=1
+deploy=0
 for arg in "$@"; do
   case "$arg" in
     --no-asan) asan=0 ;;
     --no-tsan) tsan=0 ;;
+    --deploy) deploy=1 ;;
     *) echo "tests/run.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
 done
 
 jobs=$(nproc 2>/dev/null || echo 2)
-deploy/install-deps.sh
-# Python packages of tests/python (python_client, http_api), unless present.
-python3 -c 'import grpc, grpc_tools, google.protobuf, openai, prometheus_client' 2>/dev/null ||
-  python3 -m pip install --quiet grpcio grpcio-tools protobuf openai prometheus_client
+if [ "$deploy" = 1 ]; then
+  deploy/install-deps.sh --deploy
+else
+  deploy/install-deps.sh
+fi
+# Python packages of tests/python (python_client, http_api) and tests/deploy
+# (deploy/chart: Helm v4's engine, the Kubernetes schemas), unless present.
+python3 -c 'import grpc, grpc_tools, google.protobuf, openai, prometheus_client, helm_python, kubernetes_validate' 2>/dev/null ||
+  python3 -m pip install --quiet grpcio grpcio-tools protobuf openai prometheus_client \
+    helm-python-sdk kubernetes-validate
 # jinja2: the oracle of the chat-template tests (golden/chat_templates_live,
 # golden/chat_fuzz); transformers' apply_chat_template needs >= 3.1.6.
 python3 -c 'import jinja2, sys; sys.exit(tuple(map(int, jinja2.__version__.split(".")[:3])) < (3, 1, 6))' 2>/dev/null ||
   python3 -m pip install --quiet 'jinja2>=3.1.6'
+
+if [ "$deploy" = 1 ]; then
+  # These machines use cgroup v1, which crun refuses (runc works), and the
+  # runtimes cannot raise rlimits here: no default ulimits, explicit ones.
+  conf=$(mktemp /tmp/moe-containers-XXXXXX.conf)
+  trap 'rm -f "$conf"' EXIT
+  printf '[containers]\ndefault_ulimits = []\n' >"$conf"
+  export CONTAINERS_CONF=$conf PODMAN="podman --runtime /usr/sbin/runc"
+  t0=$(date +%s)
+  echo "== image (deploy/container/build-image.sh) =="
+  deploy/container/build-image.sh --jobs "$jobs"
+  t1=$(date +%s)
+  echo "== a coordinator and two workers in containers (tests/deploy/test_image.sh) =="
+  tests/deploy/test_image.sh
+  t3=$(date +%s)
+  echo "== the chart's pods under podman kube play (tests/deploy/test_podman.py) =="
+  python3 tests/deploy/test_podman.py
+  python3 tests/deploy/test_podman.py --values tests/deploy/podman-disagg-values.yaml
+  t4=$(date +%s)
+  echo "== deploy pass: image $((t1 - t0)) s, containers $((t3 - t1)) s," \
+    "chart pods $((t4 - t3)) s, total $((t4 - t0)) s =="
+  exit 0
+fi
 
 echo "== build (Release, -Werror) =="
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMOE_WERROR=ON
