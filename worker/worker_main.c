@@ -1,6 +1,6 @@
 /* moe-worker: loads a model, runs the engine and serves moe.v1.Worker and
  * grpc.health.v1.Health. With --etcd it registers under a lease that it
- * keeps alive (and renews if it is lost); on SIGTERM or SIGINT it drains:
+ * keeps alive (serve/registration.h); on SIGTERM or SIGINT it drains:
  * health NOT_SERVING, registration removed, new work refused with
  * UNAVAILABLE, running requests finish, then it exits 0.
  *
@@ -14,7 +14,6 @@
  *              one model replica over W ranks: rank 0 serves gRPC and runs the
  *              scheduler, every rank runs each step (tensor + expert parallel)
  */
-#include <cjson/cJSON.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -26,7 +25,6 @@
 #include "cli.h"
 #include "backend.h"
 #include "engine/engine.h"
-#include "etcd.h"
 #include "engine/generate.h"
 #include "group/group.h"
 #include "disagg/kv_link.h"
@@ -34,6 +32,7 @@
 #include "model/model.h"
 #include "moe/v1/worker.pb-c.h"
 #include "model/placement.h"
+#include "serve/registration.h"
 #include "serve/service.h"
 #include "engine/spec.h"
 #include "tokenizer.h"
@@ -201,88 +200,6 @@ static int parse_args(int argc, char **argv, struct args *a)
     return 0;
 }
 
-/* etcd registration: /moe/workers/<id> -> JSON, under a kept-alive lease. */
-struct registration {
-    const char *endpoints;
-    char key[256];
-    char value[1024];
-    int ttl;
-    struct moe_etcd *etcd;
-    struct moe_etcd_keeper *keeper;
-    int64_t lease;
-};
-
-static enum moe_status register_worker(struct registration *reg, struct moe_error *err)
-{
-    int64_t granted;
-    enum moe_status rc = moe_etcd_lease_grant(reg->etcd, reg->ttl, &reg->lease, &granted, err);
-    if (!rc)
-        rc = moe_etcd_put(reg->etcd, reg->key, reg->value, strlen(reg->value), reg->lease, NULL,
-                          err);
-    if (!rc)
-        rc =
-            moe_etcd_keeper_create(reg->endpoints, 2000, reg->lease, NULL, NULL, &reg->keeper, err);
-    return rc;
-}
-
-/* The group leader follows the expert placement the coordinator stores in
- * etcd at /moe/placement/<model> ({"epoch": N, "placement": {...}}): every
- * new epoch is proposed to the group, which loads the experts in the
- * background and switches at a step boundary. */
-struct placement_follow {
-    struct moe_group *group;
-    const struct moe_config *cfg;
-    char key[300];
-    int64_t last_epoch;
-};
-
-static void follow_placement_value(struct placement_follow *pf, const char *value)
-{
-    cJSON *root = cJSON_Parse(value);
-    const cJSON *ep = cJSON_GetObjectItemCaseSensitive(root, "epoch");
-    const cJSON *pl = cJSON_GetObjectItemCaseSensitive(root, "placement");
-    char *text = pl ? cJSON_PrintUnformatted(pl) : NULL;
-    int64_t epoch = cJSON_IsNumber(ep) ? (int64_t)ep->valuedouble : -1;
-    struct moe_placement p = {0};
-    struct moe_error err = {0};
-    if (epoch < 0 || !text) {
-        fprintf(stderr, "moe-worker: %s: no 'epoch' and 'placement' in the value; ignored\n",
-                pf->key);
-    } else if (epoch > pf->last_epoch) { /* a watch may repeat events after a reconnect */
-        if (moe_placement_parse(text, pf->key, pf->cfg->n_layer, pf->cfg->n_expert, pf->group->size,
-                                &p, &err) ||
-            moe_group_propose_placement(pf->group, &p, epoch, &err)) {
-            fprintf(stderr, "moe-worker: placement epoch %lld refused: %s\n", (long long)epoch,
-                    err.msg);
-        } else {
-            pf->last_epoch = epoch;
-            fprintf(stderr, "moe-worker: placement epoch %lld received; loading experts\n",
-                    (long long)epoch);
-        }
-    }
-    moe_placement_free(&p);
-    free(text);
-    cJSON_Delete(root);
-}
-
-static void on_placement_event(void *user, const struct moe_etcd_event *ev)
-{
-    if (ev->type == MOE_ETCD_EVENT_PUT)
-        follow_placement_value(user, ev->value);
-}
-
-static void unregister_worker(struct registration *reg)
-{
-    moe_etcd_keeper_destroy(reg->keeper);
-    reg->keeper = NULL;
-    if (reg->lease) {
-        struct moe_error err;
-        if (moe_etcd_lease_revoke(reg->etcd, reg->lease, &err))
-            fprintf(stderr, "moe-worker: revoking lease: %s\n", err.msg);
-        reg->lease = 0;
-    }
-}
-
 int main(int argc, char **argv)
 {
     cli_init("moe-worker");
@@ -298,11 +215,10 @@ int main(int argc, char **argv)
     struct moe_engine *engine = NULL;
     struct worker_service *ws = NULL;
     struct worker_metrics *metrics = NULL;
-    struct registration reg = {.endpoints = a.etcd, .ttl = a.lease_ttl};
+    struct worker_registration *reg = NULL;
     struct moe_launch launch = {0};
-    struct moe_group *group = NULL; /* = launch.group */
-    struct moe_backend *be = NULL;  /* = launch.be */
-    struct moe_etcd_watch *placement_watch = NULL;
+    struct moe_group *group = NULL;          /* = launch.group */
+    struct moe_backend *be = NULL;           /* = launch.be */
     struct kvl *kv_link = NULL;              /* disaggregated roles only */
     char *kv_endpoints = NULL;               /* every rank's, by rank */
     struct moe_kv_cache *follower_kv = NULL; /* a follower's cache, shared with kv_link */
@@ -454,31 +370,19 @@ int main(int argc, char **argv)
     if (!id[0])
         snprintf(id, sizeof id, "worker-%d", port);
     if (a.etcd) {
-        snprintf(reg.key, sizeof reg.key, "/moe/workers/%s", id);
-        snprintf(reg.value, sizeof reg.value,
-                 "{\"id\":\"%s\",\"address\":\"%s\",\"role\":\"%s\",\"device\":\"%s\","
-                 "\"model\":\"%s\",\"kv_blocks_total\":%d,\"block_size\":%d}",
-                 id, address, a.role, be->name, name, eo.n_block, eo.block_size);
-        if (moe_etcd_create(a.etcd, 2000, &reg.etcd, &err) || register_worker(&reg, &err)) {
-            moe_error_prefix(&err, "registering in etcd");
+        struct worker_registration_opts ro = {.endpoints = a.etcd,
+                                              .lease_ttl_s = a.lease_ttl,
+                                              .id = id,
+                                              .address = address,
+                                              .role = a.role,
+                                              .device = be->name,
+                                              .model_name = name,
+                                              .kv_blocks_total = eo.n_block,
+                                              .block_size = eo.block_size,
+                                              .group = group,
+                                              .cfg = cfg};
+        if (worker_registration_create(&ro, &reg, &err))
             goto fail;
-        }
-    }
-    struct placement_follow pf = {.group = group, .cfg = cfg};
-    if (a.etcd && group && group->size > 1) {
-        snprintf(pf.key, sizeof pf.key, "/moe/placement/%s", name);
-        struct moe_etcd_kv kv = {0};
-        int64_t rev = 0;
-        enum moe_status grc = moe_etcd_get(reg.etcd, pf.key, &kv, &rev, &err);
-        if (grc == MOE_OK && kv.value)
-            follow_placement_value(&pf, kv.value);
-        moe_etcd_kv_clear(&kv);
-        if ((grc && grc != MOE_ERR_NOT_FOUND) ||
-            moe_etcd_watch_create(a.etcd, 2000, pf.key, 0, rev + 1, on_placement_event, &pf,
-                                  &placement_watch, &err)) {
-            moe_error_prefix(&err, "watching %s", pf.key);
-            goto fail;
-        }
     }
     struct sigaction sa = {.sa_handler = on_signal};
     sigemptyset(&sa.sa_mask);
@@ -498,19 +402,13 @@ int main(int argc, char **argv)
 
     while (!g_signal) {
         usleep(100 * 1000);
-        if (reg.keeper && moe_etcd_keeper_lost(reg.keeper)) {
-            fprintf(stderr, "moe-worker: etcd lease lost; registering again\n");
-            moe_etcd_keeper_destroy(reg.keeper);
-            reg.keeper = NULL;
-            if (register_worker(&reg, &err))
-                fprintf(stderr, "moe-worker: %s (will retry)\n", err.msg);
-        }
+        worker_registration_tick(reg);
     }
     /* Drain: stop taking work, let running requests finish, then leave. */
     fprintf(stderr, "moe-worker: %s: draining (%d requests in flight)\n",
             g_signal == SIGTERM ? "SIGTERM" : "SIGINT", worker_service_in_flight(ws));
     worker_service_drain(ws);
-    unregister_worker(&reg);
+    worker_registration_leave(reg);
     double t0 = moe_now();
     while (worker_service_in_flight(ws) > 0 && moe_now() - t0 < a.drain_timeout_s)
         usleep(20 * 1000);
@@ -523,7 +421,7 @@ int main(int argc, char **argv)
 fail:
     fprintf(stderr, "moe-worker: %s\n", err.msg);
 out:
-    moe_etcd_watch_destroy(placement_watch);
+    worker_registration_destroy(reg); /* stops following the placement, leaves etcd */
     worker_metrics_destroy(metrics);  /* reads the service and the engine */
     worker_service_destroy(ws, 1000); /* joins the engine thread: MPI is ours again */
     if (group && group->rank == 0) {
@@ -531,8 +429,6 @@ out:
         if (moe_group_stop(group, &stop_err))
             fprintf(stderr, "moe-worker: stopping the group: %s\n", stop_err.msg);
     }
-    unregister_worker(&reg);
-    moe_etcd_destroy(reg.etcd);
     kvl_destroy(kv_link); /* before the cache it writes into goes */
     free(kv_endpoints);
     moe_kv_cache_free(model, follower_kv);
