@@ -62,6 +62,16 @@ enum rpc_code {
 /* Upper-case name of a code ("DEADLINE_EXCEEDED"); "?" for unknown values. */
 const char *rpc_code_name(enum rpc_code code);
 
+/* The code a server answers for a failure of status `st`: bad input ->
+ * INVALID_ARGUMENT, missing -> NOT_FOUND, I/O -> UNAVAILABLE, out of memory
+ * -> RESOURCE_EXHAUSTED, not yet -> FAILED_PRECONDITION, unsupported ->
+ * UNIMPLEMENTED, a broken invariant -> INTERNAL. */
+enum rpc_code rpc_code_from_status(enum moe_status st);
+
+/* Packs a protobuf-c message (any generated struct, passed as its base)
+ * into a malloc'd buffer of *len bytes; NULL when out of memory. */
+void *rpc_pack(const void *msg, size_t *len);
+
 #define RPC_DEFAULT_MAX_MESSAGE ((size_t)64 << 20)
 
 /* ---- server ------------------------------------------------------------------ */

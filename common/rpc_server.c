@@ -151,33 +151,6 @@ struct unimpl_call {
     grpc_slice details;
 };
 
-const char *rpc_code_name(enum rpc_code code)
-{
-    static const char *const names[] = {
-        "OK",
-        "CANCELLED",
-        "UNKNOWN",
-        "INVALID_ARGUMENT",
-        "DEADLINE_EXCEEDED",
-        "NOT_FOUND",
-        "ALREADY_EXISTS",
-        "PERMISSION_DENIED",
-        "RESOURCE_EXHAUSTED",
-        "FAILED_PRECONDITION",
-        "ABORTED",
-        "OUT_OF_RANGE",
-        "UNIMPLEMENTED",
-        "INTERNAL",
-        "UNAVAILABLE",
-        "DATA_LOSS",
-        "UNAUTHENTICATED",
-    };
-    if ((int)code < 0 || (size_t)code >= sizeof(names) / sizeof(names[0])) {
-        return "?";
-    }
-    return names[code];
-}
-
 /* ---- shared helpers -------------------------------------------------------------- */
 
 void rpc_channel_args_fill(grpc_arg *args, int *n, size_t max_message_bytes, int keepalive_time_ms,

@@ -243,8 +243,6 @@ enum moe_status coord_frontend_register(struct coord *c, struct moe_error *err);
 /* Registers the Admin methods. */
 enum moe_status coord_admin_register(struct coord *c, struct moe_error *err);
 
-/* Packs a protobuf-c message into a malloc'd buffer (NULL on no memory). */
-void *coord_pack(const void *msg, size_t *len);
 
 /* ---- metrics.c: the coordinator's Prometheus series --------------------------------- */
 

@@ -79,16 +79,6 @@ struct fwd {
     struct fwd *next; /* c->mu: c->reqs list */
 };
 
-void *coord_pack(const void *msg, size_t *len)
-{
-    const ProtobufCMessage *m = msg;
-    *len = protobuf_c_message_get_packed_size(m);
-    uint8_t *buf = malloc(*len ? *len : 1);
-    if (buf)
-        protobuf_c_message_pack(m, buf);
-    return buf;
-}
-
 static void fwd_free(struct fwd *f)
 {
     if (!f)
@@ -285,7 +275,7 @@ static void *worker_request(struct fwd *f, int64_t left, size_t *len)
     wr.handoff_id = f->handoff_id;
     if (left != INT64_MAX)
         wr.deadline_ms = left < 1 ? 1 : (left > UINT32_MAX ? UINT32_MAX : (uint32_t)left);
-    void *bytes = coord_pack(&wr, len);
+    void *bytes = rpc_pack(&wr, len);
     free(ids);
     return bytes;
 }
@@ -469,7 +459,7 @@ static enum rpc_code worker_call(struct coord_worker *w, const char *method, con
                                  int64_t timeout_ms, char *msg, size_t cap)
 {
     size_t len;
-    void *bytes = coord_pack(req, &len);
+    void *bytes = rpc_pack(req, &len);
     if (out)
         *out = NULL;
     if (!bytes) {
@@ -1032,7 +1022,7 @@ static void grpc_attach(void *user, struct fwd *f)
 static bool grpc_send(void *user, const Moe__V1__GenerateResponse *m)
 {
     size_t len;
-    void *bytes = coord_pack(m, &len);
+    void *bytes = rpc_pack(m, &len);
     if (!bytes)
         return false;
     enum moe_status st = rpc_stream_send(user, bytes, len);

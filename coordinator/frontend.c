@@ -11,7 +11,7 @@
 static void finish_msg(struct rpc_call *call, const void *msg)
 {
     size_t len;
-    void *out = coord_pack(msg, &len);
+    void *out = rpc_pack(msg, &len);
     rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
                     len);
     free(out);

@@ -179,16 +179,6 @@ static bool admin_call(const char *what, const char *method, const void *req, si
     return false;
 }
 
-/* Packs a protobuf-c message into a heap buffer. */
-static void *pack(const ProtobufCMessage *m, size_t *len)
-{
-    *len = protobuf_c_message_get_packed_size(m);
-    void *buf = malloc(*len ? *len : 1);
-    if (buf)
-        protobuf_c_message_pack(m, buf);
-    return buf;
-}
-
 static void print_json(cJSON *o)
 {
     char *s = cJSON_Print(o);
@@ -270,7 +260,7 @@ static int cmd_status(void)
 {
     Moe__V1__ClusterStatusRequest rq = MOE__V1__CLUSTER_STATUS_REQUEST__INIT;
     size_t len;
-    void *buf = pack(&rq.base, &len);
+    void *buf = rpc_pack(&rq.base, &len);
     struct rpc_reply reply;
     bool ok = admin_call("status", "ClusterStatus", buf, len, &reply);
     free(buf);
@@ -322,7 +312,7 @@ static int cmd_workers(void)
     void *buf;
     if (!strcmp(sub, "list")) {
         Moe__V1__ListWorkersRequest rq = MOE__V1__LIST_WORKERS_REQUEST__INIT;
-        buf = pack(&rq.base, &len);
+        buf = rpc_pack(&rq.base, &len);
         bool ok = admin_call("workers list", "ListWorkers", buf, len, &reply);
         free(buf);
         if (!ok) {
@@ -354,7 +344,7 @@ static int cmd_workers(void)
     Moe__V1__DrainWorkerRequest dq = MOE__V1__DRAIN_WORKER_REQUEST__INIT;
     Moe__V1__UndrainWorkerRequest uq = MOE__V1__UNDRAIN_WORKER_REQUEST__INIT;
     dq.id = uq.id = (char *)g.pos[2];
-    buf = drain ? pack(&dq.base, &len) : pack(&uq.base, &len);
+    buf = drain ? rpc_pack(&dq.base, &len) : rpc_pack(&uq.base, &len);
     char what[256];
     snprintf(what, sizeof what, "workers %s %s", sub, g.pos[2]);
     bool ok = admin_call(what, drain ? "DrainWorker" : "UndrainWorker", buf, len, &reply);
@@ -387,7 +377,7 @@ static Moe__V1__PlacementInfo *get_placement(const char *what)
 {
     Moe__V1__GetPlacementRequest rq = MOE__V1__GET_PLACEMENT_REQUEST__INIT;
     size_t len;
-    void *buf = pack(&rq.base, &len);
+    void *buf = rpc_pack(&rq.base, &len);
     struct rpc_reply reply;
     bool ok = admin_call(what, "GetPlacement", buf, len, &reply);
     free(buf);
@@ -428,7 +418,7 @@ static int cmd_stats(void)
     Moe__V1__GetExpertStatsRequest rq = MOE__V1__GET_EXPERT_STATS_REQUEST__INIT;
     rq.window_s = (uint32_t)(g.window_s > 0 ? g.window_s : 0);
     size_t len;
-    void *buf = pack(&rq.base, &len);
+    void *buf = rpc_pack(&rq.base, &len);
     struct rpc_reply reply;
     bool ok = admin_call("experts stats", "GetExpertStats", buf, len, &reply);
     free(buf);
@@ -598,7 +588,7 @@ static Moe__V1__PlacementPlan *plan_call(const char *what, long redundant)
     }
     rq.window_s = (uint32_t)(g.window_s > 0 ? g.window_s : 0);
     size_t len;
-    void *buf = pack(&rq.base, &len);
+    void *buf = rpc_pack(&rq.base, &len);
     struct rpc_reply reply;
     bool ok = admin_call(what, "PlanPlacement", buf, len, &reply);
     free(buf);
@@ -697,7 +687,7 @@ static int apply_call(const char *what, uint64_t base_epoch, const char *placeme
     rq.base_epoch = base_epoch;
     rq.placement_json = (char *)placement_json;
     size_t len;
-    void *buf = pack(&rq.base, &len);
+    void *buf = rpc_pack(&rq.base, &len);
     struct rpc_reply reply;
     bool ok = admin_call(what, "ApplyPlacement", buf, len, &reply);
     free(buf);
@@ -836,7 +826,7 @@ static int cmd_experts(void)
     if (!strcmp(sub, "rollback")) {
         Moe__V1__RollbackPlacementRequest rq = MOE__V1__ROLLBACK_PLACEMENT_REQUEST__INIT;
         size_t len;
-        void *buf = pack(&rq.base, &len);
+        void *buf = rpc_pack(&rq.base, &len);
         struct rpc_reply reply;
         bool ok = admin_call("experts rollback", "RollbackPlacement", buf, len, &reply);
         free(buf);

@@ -1069,7 +1069,7 @@ static Moe__V1__GenerateRequest *build_request(const struct oa_params *p, int pr
     g.sampling = &sp;
     g.stream_text = true;
     size_t len;
-    void *bytes = coord_pack(&g, &len);
+    void *bytes = rpc_pack(&g, &len);
     if (!bytes)
         return NULL;
     Moe__V1__GenerateRequest *rq = moe__v1__generate_request__unpack(NULL, len, bytes);

@@ -95,24 +95,10 @@ struct coord_placement {
 static void finish_msg(struct rpc_call *call, const void *msg)
 {
     size_t len;
-    void *out = coord_pack(msg, &len);
+    void *out = rpc_pack(msg, &len);
     rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
                     len);
     free(out);
-}
-
-/* Maps a moe_status to the gRPC code answered for it. */
-static enum rpc_code status_code(enum moe_status st)
-{
-    switch (st) {
-    case MOE_ERR_INVALID:
-    case MOE_ERR_FORMAT: return RPC_INVALID_ARGUMENT;
-    case MOE_ERR_NOT_FOUND: return RPC_NOT_FOUND;
-    case MOE_ERR_IO: return RPC_UNAVAILABLE;
-    case MOE_ERR_NOMEM: return RPC_RESOURCE_EXHAUSTED;
-    case MOE_ERR_AGAIN: return RPC_FAILED_PRECONDITION;
-    default: return RPC_INTERNAL;
-    }
 }
 
 /* Ranks of the worker groups: the largest expert-parallel size any member
@@ -614,7 +600,7 @@ static void *stats_main(void *arg)
 /* Answers a failed call; `rc` from a store/plan function with err filled. */
 static void finish_err(struct rpc_call *call, enum moe_status rc, const struct moe_error *err)
 {
-    rpc_call_finish(call, status_code(rc), err->msg, NULL, 0);
+    rpc_call_finish(call, rpc_code_from_status(rc), err->msg, NULL, 0);
 }
 
 /* Checks that the model has experts; answers the call if not. */
@@ -714,7 +700,7 @@ static void finish_info_unlock(struct coord_placement *p, struct rpc_call *call)
         finish_err(call, rc, &err);
     } else {
         size_t len;
-        void *out = coord_pack(&info, &len); /* packs strings owned by p: under the lock */
+        void *out = rpc_pack(&info, &len); /* packs strings owned by p: under the lock */
         pthread_mutex_unlock(&p->mu);
         rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory",
                         out, len);

@@ -287,7 +287,7 @@ static void poll_one(struct coord *c, struct coord_worker *w)
     struct rpc_reply reply;
     Moe__V1__GetLoadRequest rq = MOE__V1__GET_LOAD_REQUEST__INIT;
     size_t len;
-    void *bytes = coord_pack(&rq, &len);
+    void *bytes = rpc_pack(&rq, &len);
     rpc_client_call(w->client, "/moe.v1.Worker/GetLoad", bytes, len, POLL_TIMEOUT_MS, &reply);
     Moe__V1__WorkerLoad *load = NULL;
     if (reply.code == RPC_OK)
@@ -338,7 +338,7 @@ static void poll_one(struct coord *c, struct coord_worker *w)
 
     if (need_dtype) {
         Moe__V1__ModelInfoRequest mrq = MOE__V1__MODEL_INFO_REQUEST__INIT;
-        bytes = coord_pack(&mrq, &len);
+        bytes = rpc_pack(&mrq, &len);
         if (rpc_client_call(w->client, "/moe.v1.Worker/GetModelInfo", bytes, len, POLL_TIMEOUT_MS,
                             &reply) == RPC_OK) {
             Moe__V1__ModelInfo *info = moe__v1__model_info__unpack(NULL, reply.len, reply.data);

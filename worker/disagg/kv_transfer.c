@@ -135,19 +135,10 @@ const char *kvx_state_name(enum kvx_state s)
 
 /* ---- table ------------------------------------------------------------------------ */
 
-static void *pack_msg(const ProtobufCMessage *msg, size_t *len)
-{
-    *len = protobuf_c_message_get_packed_size(msg);
-    uint8_t *buf = malloc(*len ? *len : 1);
-    if (buf)
-        protobuf_c_message_pack(msg, buf);
-    return buf;
-}
-
 static void finish_msg(struct rpc_call *call, const ProtobufCMessage *msg)
 {
     size_t n;
-    void *out = pack_msg(msg, &n);
+    void *out = rpc_pack(msg, &n);
     rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
                     n);
     free(out);
@@ -697,8 +688,7 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
     if (rc) {
         remove_locked(x, h);
         pthread_mutex_unlock(&x->mu);
-        rpc_call_finish(call, rc == MOE_ERR_NOMEM ? RPC_RESOURCE_EXHAUSTED : RPC_INVALID_ARGUMENT,
-                        err.msg, NULL, 0);
+        rpc_call_finish(call, rpc_code_from_status(rc), err.msg, NULL, 0);
         return;
     }
     pthread_mutex_unlock(&x->mu);
@@ -907,7 +897,7 @@ static enum rpc_code commit(struct sender *s, struct rpc_client *cl, char *msg, 
     ch.n_rng_state = 4;
     ch.rng_state = h->rng.s;
     size_t len;
-    void *req = pack_msg(&ch.base, &len);
+    void *req = rpc_pack(&ch.base, &len);
     free(tok);
     if (!req) {
         snprintf(msg, cap, "out of memory");
@@ -965,7 +955,7 @@ static void *sender_thread(void *arg)
         ab.abort = true;
         ab.error = msg;
         size_t len;
-        void *req = pack_msg(&ab.base, &len);
+        void *req = rpc_pack(&ab.base, &len);
         struct rpc_reply r;
         if (req)
             rpc_client_call(cl, "/moe.v1.Worker/KvTransfer", req, len, KVX_ABORT_TIMEOUT_MS, &r);

@@ -57,15 +57,6 @@ struct worker_service {
     int n_reqs;
 };
 
-static void *pack_msg(const ProtobufCMessage *msg, size_t *len)
-{
-    *len = protobuf_c_message_get_packed_size(msg);
-    uint8_t *buf = malloc(*len ? *len : 1);
-    if (buf)
-        protobuf_c_message_pack(msg, buf);
-    return buf;
-}
-
 /* ---- engine thread --------------------------------------------------------------- */
 
 static void req_unlink(struct worker_service *ws, struct req *r)
@@ -180,7 +171,7 @@ static void on_token(void *user, const struct moe_token_event *ev)
         }
     }
     size_t len;
-    void *bytes = pack_msg(&resp.base, &len);
+    void *bytes = rpc_pack(&resp.base, &len);
     if (bytes)
         rpc_stream_send(r->stream, bytes, len); /* fails harmlessly if the client left */
     free(bytes);
@@ -421,7 +412,7 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
     free(prompt);
     if (rc) {
         pthread_mutex_unlock(&ws->mu);
-        code = rc == MOE_ERR_NOMEM ? RPC_RESOURCE_EXHAUSTED : RPC_INVALID_ARGUMENT;
+        code = rpc_code_from_status(rc);
         snprintf(msg, sizeof msg, "%s", err.msg);
         goto fail;
     }
@@ -464,7 +455,7 @@ static void handle_abort(struct rpc_call *call, const uint8_t *bytes, size_t len
     pthread_mutex_unlock(&ws->mu);
     moe__v1__abort_request__free_unpacked(rq, NULL);
     size_t n;
-    void *out = pack_msg(&resp.base, &n);
+    void *out = rpc_pack(&resp.base, &n);
     rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
                     n);
     free(out);
@@ -530,7 +521,7 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
         }
     }
     size_t n;
-    void *out = pack_msg(&load.base, &n);
+    void *out = rpc_pack(&load.base, &n);
     free(tokens);
     free(rank_rows);
     rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
@@ -566,7 +557,7 @@ static void handle_model_info(struct rpc_call *call, const uint8_t *bytes, size_
     info.eos_token_ids = eos;
     info.bos_token_id = c->bos_id >= 0 ? (uint32_t)c->bos_id : 0;
     size_t n;
-    void *out = pack_msg(&info.base, &n);
+    void *out = rpc_pack(&info.base, &n);
     rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
                     n);
     free(out);
