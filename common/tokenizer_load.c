@@ -670,14 +670,26 @@ enum moe_status moe_tokenizer_load(const char *path, struct moe_tokenizer **out,
     enum moe_status st;
     char *data = NULL;
     size_t n = 0;
-    cJSON *root = NULL;
-    struct moe_tokenizer *tok = NULL;
     if (!path || !out)
         return moe_error_set(err, MOE_ERR_INVALID, "tokenizer load: NULL argument");
     *out = NULL;
     if ((st = read_file(path, &data, &n, err)))
         return st;
-    root = cJSON_ParseWithLength(data ? data : "", n);
+    st = moe_tokenizer_parse(data, n, path, out, err);
+    free(data);
+    return st;
+}
+
+enum moe_status moe_tokenizer_parse(const char *json, size_t n, const char *path,
+                                    struct moe_tokenizer **out, struct moe_error *err)
+{
+    enum moe_status st;
+    cJSON *root = NULL;
+    struct moe_tokenizer *tok = NULL;
+    if ((!json && n) || !path || !out)
+        return moe_error_set(err, MOE_ERR_INVALID, "tokenizer parse: NULL argument");
+    *out = NULL;
+    root = cJSON_ParseWithLength(json ? json : "", n);
     if (!cJSON_IsObject(root)) {
         st = moe_error_set(err, MOE_ERR_FORMAT, "%s: not a JSON object%s", path,
                            root ? "" : " (JSON syntax error)");
@@ -720,12 +732,10 @@ enum moe_status moe_tokenizer_load(const char *path, struct moe_tokenizer **out,
         (st = parse_post(&ld, field(root, "post_processor"), 0)))
         goto fail;
     cJSON_Delete(root);
-    free(data);
     *out = tok;
     return MOE_OK;
 fail:
     moe_tokenizer_free(tok);
     cJSON_Delete(root);
-    free(data);
     return st;
 }
