@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistr.h>
 
 #include "tokenizer.h"
 #include "tokenizer_internal.h"
@@ -689,6 +690,12 @@ enum moe_status moe_tokenizer_parse(const char *json, size_t n, const char *path
     if ((!json && n) || !path || !out)
         return moe_error_set(err, MOE_ERR_INVALID, "tokenizer parse: NULL argument");
     *out = NULL;
+    /* JSON is UTF-8 (cJSON does not check): a token must never decode to
+     * bytes that are not, as the tokenizers library refuses such a file. */
+    const uint8_t *bad = n ? u8_check((const uint8_t *)json, n) : NULL;
+    if (bad)
+        return moe_error_set(err, MOE_ERR_FORMAT, "%s: not valid UTF-8 (at byte %zu)", path,
+                             (size_t)((const char *)bad - json));
     root = cJSON_ParseWithLength(json ? json : "", n);
     if (!cJSON_IsObject(root)) {
         st = moe_error_set(err, MOE_ERR_FORMAT, "%s: not a JSON object%s", path,

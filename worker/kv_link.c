@@ -587,6 +587,25 @@ static struct expected *find_locked(struct kvl *l, const char *id)
     return NULL;
 }
 
+/* Checks that `n_tokens` KV positions in `blocks` lie inside cache `kv`: the
+ * ids come from the wire, and copy_rows trusts them. */
+static enum moe_status check_blocks(const struct moe_kv_cache *kv, const char *what, const char *id,
+                                    const int32_t *blocks, int n_blocks, int n_tokens,
+                                    struct moe_error *err)
+{
+    if (n_blocks > kv->n_block || n_tokens < 1 || n_tokens > n_blocks * kv->block_size)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "handoff %.100s: %s: %d tokens in %d blocks of %d (the cache has %d "
+                             "blocks)",
+                             id, what, n_tokens, n_blocks, kv->block_size, kv->n_block);
+    for (int i = 0; i < n_blocks; i++)
+        if (blocks[i] < 0 || blocks[i] >= kv->n_block)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "handoff %.100s: %s[%d] = %d is not a block in [0, %d)", id, what,
+                                 i, (int)blocks[i], kv->n_block);
+    return MOE_OK;
+}
+
 static enum moe_status expect_local(struct kvl *l, const char *id, const int32_t *blocks,
                                     int n_blocks, int n_tokens, int ttl_ms, struct moe_error *err)
 {
@@ -601,10 +620,11 @@ static enum moe_status expect_local(struct kvl *l, const char *id, const int32_t
     e->n_tokens = n_tokens;
     e->deadline = moe_now() + ttl_ms / 1e3;
     pthread_mutex_lock(&l->mu);
-    enum moe_status rc = MOE_OK;
-    if (find_locked(l, id)) {
+    enum moe_status rc = l->kv ? check_blocks(l->kv, "blocks", id, blocks, n_blocks, n_tokens, err)
+                               : moe_error_set(err, MOE_ERR_IO, "this rank has no KV cache yet");
+    if (!rc && find_locked(l, id))
         rc = moe_error_set(err, MOE_ERR_INVALID, "handoff %.100s is already expected here", id);
-    } else {
+    if (!rc) {
         e->next = l->table;
         l->table = e;
         e = NULL;
@@ -1008,6 +1028,10 @@ enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *byte
                              "of %d there",
                              p->id, p->n_tokens, p->n_src_blocks, p->n_dst_blocks,
                              p->dst_block_size);
+    enum moe_status st =
+        check_blocks(kv, "src_blocks", p->id, p->src_blocks, p->n_src_blocks, p->n_tokens, err);
+    if (st)
+        return st;
     for (int i = 0; i < p->n_targets; i++) {
         const struct kvl_target *t = &p->targets[i];
         int hb = t->head_begin > l->head_begin ? t->head_begin : l->head_begin;

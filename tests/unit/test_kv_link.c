@@ -4,7 +4,8 @@
  * nothing; FORGET reports completeness; orders push from another rank;
  * expectations expire. The wire: kvl_msg_parse decodes hand-built messages
  * and names the field of a malformed one, and the server answers raw
- * messages with what kvl_msg_parse says about them (it decodes through it). */
+ * messages with what kvl_msg_parse says about them (it decodes through it);
+ * block ids from the wire outside the cache are refused. */
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <stdio.h>
@@ -448,6 +449,39 @@ static void test_wire_server(void)
     CHECKF(raw_call(ep, KVL_MSG_EXPECT, &w, &ans) && ans.status == MOE_OK, "%s", ans.msg);
     CHECKF(raw_call(ep, KVL_MSG_EXPECT, &w, &ans) && ans.status == MOE_ERR_INVALID &&
                strstr(ans.msg, "h1 is already expected"),
+           "%s", ans.msg);
+    /* block ids and token counts outside the cache are refused before anything is written */
+    int32_t bad[6] = {4, 9, 2, 7, 11, N_BLOCK};
+    w.n = 0;
+    wb_str(&w, "h2");
+    wb_i32(&w, N_TOK);
+    wb_i32(&w, 3000);
+    wb_ints(&w, bad, 6);
+    CHECKF(raw_call(ep, KVL_MSG_EXPECT, &w, &ans) && ans.status == MOE_ERR_INVALID &&
+               strstr(ans.msg, "blocks[5] = 32 is not a block in [0, 32)"),
+           "%s", ans.msg);
+    w.n = 0;
+    wb_str(&w, "h3");
+    wb_i32(&w, 6 * 4 + 1); /* one token more than six blocks of four hold */
+    wb_i32(&w, 3000);
+    wb_ints(&w, blocks, 6);
+    CHECKF(raw_call(ep, KVL_MSG_EXPECT, &w, &ans) && ans.status == MOE_ERR_INVALID &&
+               strstr(ans.msg, "25 tokens in 6 blocks of 4"),
+           "%s", ans.msg);
+    /* an ORDER whose source blocks are outside the sender's cache */
+    w.n = 0;
+    wb_str(&w, "h1");
+    wb_i32(&w, N_TOK);
+    wb_i32(&w, 2000); /* deadline_ms */
+    wb_ints(&w, bad, 6);
+    wb_i32(&w, 4);
+    wb_ints(&w, blocks, 6);
+    wb_i32(&w, 1);
+    wb_str(&w, ep);
+    wb_i32(&w, 0);
+    wb_i32(&w, N_HEAD);
+    CHECKF(raw_call(src.targets[0].endpoint, KVL_MSG_ORDER, &w, &ans) &&
+               ans.status == MOE_ERR_INVALID && strstr(ans.msg, "src_blocks[5] = 32"),
            "%s", ans.msg);
     side_close(&src);
     side_close(&dst);
