@@ -446,7 +446,8 @@ static enum moe_status parse_template(const struct loader *ld, const cJSON *j)
         }
         for (const cJSON *x = ids->child; x; x = x->next) {
             if (!cJSON_IsNumber(x) || x->valuedouble < 0 || x->valuedouble >= tok->n_vocab ||
-                x->valuedouble != (double)(int32_t)x->valuedouble) {
+                x->valuedouble != (double)(int32_t)x->valuedouble ||
+                !tok->id_str[(int32_t)x->valuedouble]) { /* a hole of a sparse vocabulary */
                 st = moe_error_set(ld->err, MOE_ERR_FORMAT,
                                    "%s: %s special token '%.60s': id %g is not in the vocabulary "
                                    "(n_vocab %d)",

@@ -1021,8 +1021,8 @@ enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *byte
     pthread_mutex_unlock(&l->mu);
     if (!kv)
         return moe_error_set(err, MOE_ERR_IO, "this rank has no KV cache yet");
-    if (p->n_tokens < 1 || p->n_tokens > p->n_src_blocks * kv->block_size ||
-        p->dst_block_size < 1 || p->n_tokens > p->n_dst_blocks * p->dst_block_size)
+    if (p->n_tokens < 1 || p->n_tokens > (int64_t)p->n_src_blocks * kv->block_size ||
+        p->dst_block_size < 1 || p->n_tokens > (int64_t)p->n_dst_blocks * p->dst_block_size)
         return moe_error_set(err, MOE_ERR_INVALID,
                              "handoff %.100s: %d tokens do not fit %d blocks here / %d blocks "
                              "of %d there",
