@@ -17,6 +17,7 @@ PACKAGES=(
   libcurl4-openssl-dev                     # etcd v3 HTTP/JSON gateway
   etcd-server etcd-client                  # cluster membership (tests start their own)
   libopenmpi-dev openmpi-bin               # worker groups under mpirun on the CPU
+  clang libclang-rt-14-dev llvm            # tests/fuzz: libFuzzer + sanitizer runtimes, llvm-symbolizer
 )
 
 missing=()
