@@ -228,7 +228,8 @@ static enum moe_status json_bytes(const cJSON *obj, const char *name, char **out
     enum moe_status st = moe_base64_decode(s, n, (unsigned char *)d, len, err);
     if (st != MOE_OK) {
         free(d);
-        return moe_error_prefix(err, "field '%s'", name);
+        moe_error_prefix(err, "field '%s'", name);
+        return st; /* not the prefix's value: that is MOE_OK when err is NULL (the watcher) */
     }
     d[*len] = '\0';
     *out = d;

@@ -21,6 +21,11 @@ struct moe_tokenizer;
 enum moe_status moe_tokenizer_load(const char *path, struct moe_tokenizer **out,
                                    struct moe_error *err);
 
+/* The same from the `n` bytes of JSON at `json` (need not be NUL-terminated);
+ * `path` stands for the file in messages. The text is not kept. */
+enum moe_status moe_tokenizer_parse(const char *json, size_t n, const char *path,
+                                    struct moe_tokenizer **out, struct moe_error *err);
+
 void moe_tokenizer_free(struct moe_tokenizer *tok);
 
 /* Encodes `len` bytes of UTF-8 `text`. With `add_special`, the

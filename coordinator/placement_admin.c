@@ -281,6 +281,15 @@ static void store_clear_locked(struct coord_placement *p)
     p->epoch = p->prev_epoch = 0;
 }
 
+/* An integer JSON number in [lo, hi] (so that casting it is defined). */
+static bool json_int_in(const cJSON *j, double lo, double hi)
+{
+    return cJSON_IsNumber(j) && j->valuedouble >= lo && j->valuedouble <= hi &&
+           floor(j->valuedouble) == j->valuedouble;
+}
+
+#define EPOCH_MAX 9007199254740992.0 /* 2^53: exact in a JSON number */
+
 /* Re-reads the etcd record (no-op in memory). */
 static enum moe_status store_load_locked(struct coord_placement *p, struct moe_error *err)
 {
@@ -306,13 +315,19 @@ static enum moe_status store_load_locked(struct coord_placement *p, struct moe_e
     const cJSON *pv = cJSON_GetObjectItemCaseSensitive(root, "previous");
     struct planner_map m = {0}, prev = {0};
     uint64_t prev_epoch = 0;
-    if (!cJSON_IsNumber(ep) || ep->valuedouble < 1 || !pl) {
-        rc = moe_error_set(err, MOE_ERR_FORMAT, "etcd key %s: no 'epoch' >= 1 and 'placement'",
-                           p->key);
+    if (!json_int_in(ep, 1, EPOCH_MAX) || !pl) {
+        rc = moe_error_set(err, MOE_ERR_FORMAT,
+                           "etcd key %s: no integer 'epoch' in [1, 2^53] and 'placement'", p->key);
         goto out;
     }
     const cJSON *nr = cJSON_GetObjectItemCaseSensitive(pl, "n_rank");
-    int n_rank = cJSON_IsNumber(nr) ? (int)nr->valuedouble : 0;
+    if (!json_int_in(nr, 1, 32767)) {
+        rc = moe_error_set(err, MOE_ERR_FORMAT,
+                           "etcd key %s: placement: 'n_rank' must be an integer in [1, 32767]",
+                           p->key);
+        goto out;
+    }
+    int n_rank = (int)nr->valuedouble;
     if ((rc = map_from_json(pl, c->cfg.n_layer, c->cfg.n_expert, n_rank, &m, err))) {
         moe_error_prefix(err, "etcd key %s", p->key);
         goto out;
@@ -321,10 +336,13 @@ static enum moe_status store_load_locked(struct coord_placement *p, struct moe_e
         const cJSON *pe = cJSON_GetObjectItemCaseSensitive(pv, "epoch");
         const cJSON *pp = cJSON_GetObjectItemCaseSensitive(pv, "placement");
         nr = cJSON_GetObjectItemCaseSensitive(pp, "n_rank");
-        n_rank = cJSON_IsNumber(nr) ? (int)nr->valuedouble : 0;
-        if (!cJSON_IsNumber(pe) ||
+        n_rank = json_int_in(nr, 1, 32767) ? (int)nr->valuedouble : 0;
+        if (!json_int_in(pe, 0, EPOCH_MAX) || !n_rank ||
             (rc = map_from_json(pp, c->cfg.n_layer, c->cfg.n_expert, n_rank, &prev, err))) {
-            rc = rc ? rc : moe_error_set(err, MOE_ERR_FORMAT, "no 'epoch'");
+            rc = rc       ? rc
+                 : n_rank ? moe_error_set(err, MOE_ERR_FORMAT, "no integer 'epoch' in [0, 2^53]")
+                          : moe_error_set(err, MOE_ERR_FORMAT,
+                                          "placement: 'n_rank' must be an integer in [1, 32767]");
             moe_error_prefix(err, "etcd key %s: previous", p->key);
             goto out;
         }

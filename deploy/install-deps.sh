@@ -25,6 +25,7 @@ PACKAGES=(
   libmicrohttpd-dev                        # HTTP front door (OpenAI API) and /metrics
   prometheus                               # tests: a real Prometheus scrapes /metrics
   libcairo2-dev libfontconfig-dev fonts-dejavu-core  # moe-bench --plot: PNG charts, labels
+  clang libclang-rt-14-dev llvm            # tests/fuzz: libFuzzer + sanitizer runtimes, llvm-symbolizer
 )
 for arg in "$@"; do
   case "$arg" in

@@ -2,10 +2,16 @@
  * over loopback TCP: slices re-sliced across TP sizes and re-blocked across
  * block sizes arrive bit-exact; refusals name what is wrong and write
  * nothing; FORGET reports completeness; orders push from another rank;
- * expectations expire. */
+ * expectations expire. The wire: kvl_msg_parse decodes hand-built messages
+ * and names the field of a malformed one, and the server answers raw
+ * messages with what kvl_msg_parse says about them (it decodes through it);
+ * block ids from the wire outside the cache are refused. */
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "backend.h"
@@ -297,6 +303,190 @@ static void test_refusals(void)
     side_close(&other);
 }
 
+/* ---- the wire ------------------------------------------------------------------------ */
+
+struct wb { /* a message body, written as kv_link.c writes it */
+    uint8_t b[4096];
+    size_t n;
+};
+
+static void wb_raw(struct wb *w, const void *p, size_t n)
+{
+    memcpy(w->b + w->n, p, n);
+    w->n += n;
+}
+
+static void wb_i32(struct wb *w, int32_t v)
+{
+    wb_raw(w, &v, 4);
+}
+
+static void wb_str(struct wb *w, const char *s)
+{
+    wb_i32(w, (int32_t)strlen(s));
+    wb_raw(w, s, strlen(s));
+}
+
+static void wb_ints(struct wb *w, const int32_t *v, int n)
+{
+    wb_i32(w, n);
+    wb_raw(w, v, (size_t)n * 4);
+}
+
+static void slice_body(struct wb *w, const int32_t *blocks, int n_blocks)
+{
+    static const uint8_t nccl_id[MOE_COMM_NCCL_ID_BYTES] = {1, 2, 3};
+    w->n = 0;
+    wb_str(w, "h9");
+    int32_t v[6] = {N_LAYER, D_HEAD, 0, 2, N_TOK, 4}; /* n_layer .. dst_block_size */
+    for (int i = 0; i < 6; i++)
+        wb_i32(w, v[i]);
+    wb_ints(w, blocks, n_blocks);
+    wb_i32(w, 1); /* transport */
+    wb_i32(w, 0); /* init */
+    wb_raw(w, nccl_id, sizeof nccl_id);
+    wb_str(w, "127.0.0.1:9");
+}
+
+static void test_wire(void)
+{
+    struct moe_error err = {0};
+    struct kvl_msg m;
+    int32_t blocks[6] = {4, 9, 2, 7, 11, 30};
+    struct wb w = {.n = 0};
+    wb_str(&w, "h1");
+    wb_i32(&w, N_TOK);
+    wb_i32(&w, 3000);
+    wb_ints(&w, blocks, 6);
+    CHECKF(kvl_msg_parse(KVL_MSG_EXPECT, w.b, w.n, &m, &err) == MOE_OK, "%s", err.msg);
+    CHECK(!strcmp(m.id, "h1") && m.n_tokens == N_TOK && m.ttl_ms == 3000 && m.n_blocks == 6 &&
+          !memcmp(m.blocks, blocks, sizeof blocks));
+    kvl_msg_clear(&m);
+    CHECK(!m.blocks && !m.n_blocks);
+
+    slice_body(&w, blocks, 6);
+    CHECKF(kvl_msg_parse(KVL_MSG_SLICE, w.b, w.n, &m, &err) == MOE_OK, "%s", err.msg);
+    CHECK(m.n_layer == N_LAYER && m.d_head == D_HEAD && m.head_end == 2 && m.n_tokens == N_TOK &&
+          m.dst_block_size == 4 && m.n_blocks == 6 && m.transport == 1 && m.init == 0 &&
+          m.nccl_id.bytes[2] == 3 && !strcmp(m.sender, "127.0.0.1:9"));
+    kvl_msg_clear(&m);
+    /* every truncation is refused and names a field */
+    int named = 0;
+    for (size_t n = 0; n < w.n; n++) {
+        enum moe_status st = kvl_msg_parse(KVL_MSG_SLICE, w.b, n, &m, &err);
+        named += st == MOE_ERR_INVALID && strstr(err.msg, "malformed SLICE: '") &&
+                 strstr(err.msg, "runs past the end") && !m.blocks;
+    }
+    CHECKF(named == (int)w.n, "%d of %zu truncations refused by field", named, w.n);
+    /* a count out of range names it */
+    memcpy(w.b + 4 + 2 + 6 * 4, &(int32_t){-3}, 4);
+    CHECKF(kvl_msg_parse(KVL_MSG_SLICE, w.b, w.n, &m, &err) == MOE_ERR_INVALID &&
+               strstr(err.msg, "'dst_blocks': -3 entries"),
+           "%s", err.msg);
+    CHECK(kvl_msg_parse(9, w.b, w.n, &m, &err) == MOE_ERR_INVALID &&
+          strstr(err.msg, "unknown KV link message type 9"));
+    /* the head */
+    uint32_t head[3] = {0x4b454f4du, KVL_MSG_FORGET, 7}, type, len;
+    CHECK(kvl_head_parse((const uint8_t *)head, &type, &len, &err) == MOE_OK &&
+          type == KVL_MSG_FORGET && len == 7);
+    head[2] = KVL_MAX_BODY + 1;
+    CHECK(kvl_head_parse((const uint8_t *)head, &type, &len, &err) == MOE_ERR_INVALID &&
+          strstr(err.msg, "not a KV link message"));
+}
+
+/* Sends one raw message to `endpoint` and decodes the STATUS answer. */
+static bool raw_call(const char *endpoint, uint32_t type, const struct wb *w, struct kvl_msg *ans)
+{
+    const char *colon = strrchr(endpoint, ':');
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a)) {
+        if (fd >= 0)
+            close(fd);
+        return false;
+    }
+    uint32_t head[3] = {0x4b454f4du, type, (uint32_t)w->n};
+    bool ok = write(fd, head, sizeof head) == sizeof head && write(fd, w->b, w->n) == (ssize_t)w->n;
+    uint8_t buf[2048];
+    size_t got = 0;
+    ssize_t k;
+    while (ok && got < sizeof buf && (k = read(fd, buf + got, sizeof buf - got)) > 0)
+        got += (size_t)k; /* the server closes after its answer */
+    close(fd);
+    struct moe_error err = {0};
+    return ok && got >= KVL_HEAD_BYTES && kvl_head_parse(buf, &type, &head[2], &err) == MOE_OK &&
+           type == KVL_MSG_STATUS &&
+           kvl_msg_parse(type, buf + KVL_HEAD_BYTES, got - KVL_HEAD_BYTES, ans, &err) == MOE_OK;
+}
+
+static void test_wire_server(void)
+{
+    struct side dst = {0}, src = {0};
+    side_open(&dst, 1, 4);
+    side_open(&src, 1, 4);
+    const char *ep = dst.targets[0].endpoint;
+    struct moe_error err = {0};
+    struct kvl_msg ans, m;
+    int32_t blocks[6] = {4, 9, 2, 7, 11, 30};
+    /* a malformed EXPECT: the server answers what kvl_msg_parse says */
+    struct wb w = {.n = 0};
+    wb_str(&w, "h1");
+    wb_i32(&w, N_TOK);
+    wb_i32(&w, 3000);
+    wb_i32(&w, 6); /* six blocks announced, five sent */
+    wb_raw(&w, blocks, 5 * 4);
+    CHECK(kvl_msg_parse(KVL_MSG_EXPECT, w.b, w.n, &m, &err) == MOE_ERR_INVALID);
+    CHECKF(raw_call(ep, KVL_MSG_EXPECT, &w, &ans) && ans.status == MOE_ERR_INVALID &&
+               !strcmp(ans.msg, err.msg),
+           "answer '%s', parser '%s'", ans.msg, err.msg);
+    /* a well-formed one is decoded and registered: a second is a duplicate */
+    w.n = 0;
+    wb_str(&w, "h1");
+    wb_i32(&w, N_TOK);
+    wb_i32(&w, 3000);
+    wb_ints(&w, blocks, 6);
+    CHECKF(raw_call(ep, KVL_MSG_EXPECT, &w, &ans) && ans.status == MOE_OK, "%s", ans.msg);
+    CHECKF(raw_call(ep, KVL_MSG_EXPECT, &w, &ans) && ans.status == MOE_ERR_INVALID &&
+               strstr(ans.msg, "h1 is already expected"),
+           "%s", ans.msg);
+    /* block ids and token counts outside the cache are refused before anything is written */
+    int32_t bad[6] = {4, 9, 2, 7, 11, N_BLOCK};
+    w.n = 0;
+    wb_str(&w, "h2");
+    wb_i32(&w, N_TOK);
+    wb_i32(&w, 3000);
+    wb_ints(&w, bad, 6);
+    CHECKF(raw_call(ep, KVL_MSG_EXPECT, &w, &ans) && ans.status == MOE_ERR_INVALID &&
+               strstr(ans.msg, "blocks[5] = 32 is not a block in [0, 32)"),
+           "%s", ans.msg);
+    w.n = 0;
+    wb_str(&w, "h3");
+    wb_i32(&w, 6 * 4 + 1); /* one token more than six blocks of four hold */
+    wb_i32(&w, 3000);
+    wb_ints(&w, blocks, 6);
+    CHECKF(raw_call(ep, KVL_MSG_EXPECT, &w, &ans) && ans.status == MOE_ERR_INVALID &&
+               strstr(ans.msg, "25 tokens in 6 blocks of 4"),
+           "%s", ans.msg);
+    /* an ORDER whose source blocks are outside the sender's cache */
+    w.n = 0;
+    wb_str(&w, "h1");
+    wb_i32(&w, N_TOK);
+    wb_i32(&w, 2000); /* deadline_ms */
+    wb_ints(&w, bad, 6);
+    wb_i32(&w, 4);
+    wb_ints(&w, blocks, 6);
+    wb_i32(&w, 1);
+    wb_str(&w, ep);
+    wb_i32(&w, 0);
+    wb_i32(&w, N_HEAD);
+    CHECKF(raw_call(src.targets[0].endpoint, KVL_MSG_ORDER, &w, &ans) &&
+               ans.status == MOE_ERR_INVALID && strstr(ans.msg, "src_blocks[5] = 32"),
+           "%s", ans.msg);
+    side_close(&src);
+    side_close(&dst);
+}
+
 static void run_all(void)
 {
     test_reslice(1, 4, 1, 4);
@@ -314,6 +504,8 @@ int main(void)
         fprintf(stderr, "%s\n", err.msg);
         return 1;
     }
+    test_wire();
+    test_wire_server();
     run_all();
     moe_backend_destroy(be);
     /* The same on device memory (slices staged through host buffers). */

@@ -22,6 +22,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,13 +34,19 @@
 #include "test_fault.h"
 
 #define KVL_MAGIC 0x4b454f4du /* "MOEK" */
-#define KVL_MAX_BODY (1u << 24)
 
-enum kvl_type { T_EXPECT = 1, T_FORGET, T_ORDER, T_SLICE, T_STATUS };
+enum kvl_type {
+    T_EXPECT = KVL_MSG_EXPECT,
+    T_FORGET = KVL_MSG_FORGET,
+    T_ORDER = KVL_MSG_ORDER,
+    T_SLICE = KVL_MSG_SLICE,
+    T_STATUS = KVL_MSG_STATUS
+};
 
 struct wire_head {
     uint32_t magic, type, len;
 };
+_Static_assert(sizeof(struct wire_head) == KVL_HEAD_BYTES, "KV link head size");
 
 /* ---- body encoding ------------------------------------------------------------------ */
 
@@ -96,12 +103,26 @@ struct rbuf {
     const uint8_t *p;
     size_t n, at;
     bool bad;
+    bool oom;
+    char why[160]; /* the first failure, naming the field */
 };
 
-static void get(struct rbuf *r, void *v, size_t n)
+/* Records the first failure of r, which names the field. */
+__attribute__((format(printf, 2, 3))) static void rbuf_fail(struct rbuf *r, const char *fmt, ...)
+{
+    if (r->bad)
+        return;
+    r->bad = true;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(r->why, sizeof r->why, fmt, ap);
+    va_end(ap);
+}
+
+static void get(struct rbuf *r, const char *field, void *v, size_t n)
 {
     if (r->bad || r->n - r->at < n) {
-        r->bad = true;
+        rbuf_fail(r, "'%s' runs past the end of the body (%zu bytes)", field, r->n);
         memset(v, 0, n);
         return;
     }
@@ -109,48 +130,153 @@ static void get(struct rbuf *r, void *v, size_t n)
     r->at += n;
 }
 
-static int32_t get_i32(struct rbuf *r)
+static int32_t get_i32(struct rbuf *r, const char *field)
 {
     int32_t v;
-    get(r, &v, sizeof v);
+    get(r, field, &v, sizeof v);
     return v;
 }
 
-static uint64_t get_u64(struct rbuf *r)
+static uint64_t get_u64(struct rbuf *r, const char *field)
 {
     uint64_t v;
-    get(r, &v, sizeof v);
+    get(r, field, &v, sizeof v);
     return v;
 }
 
-static void get_str(struct rbuf *r, char *out, size_t cap)
+static void get_str(struct rbuf *r, const char *field, char *out, size_t cap)
 {
-    int32_t n = get_i32(r);
-    if (n < 0 || (size_t)n >= cap || r->n - r->at < (size_t)n) {
-        r->bad = true;
-        out[0] = '\0';
+    int32_t n = get_i32(r, field);
+    out[0] = '\0';
+    if (!r->bad && (n < 0 || (size_t)n >= cap))
+        rbuf_fail(r, "'%s': length %d is not in [0, %zu]", field, (int)n, cap - 1);
+    if (r->bad)
         return;
-    }
-    get(r, out, (size_t)n);
-    out[n] = '\0';
+    get(r, field, out, (size_t)n);
+    out[r->bad ? 0 : n] = '\0';
 }
 
 /* A malloc'd array of at most `max` ints (NULL with r->bad on error). */
-static int32_t *get_ints(struct rbuf *r, int *n, int max)
+static int32_t *get_ints(struct rbuf *r, const char *field, int *n, int max)
 {
-    *n = get_i32(r);
-    if (r->bad || *n < 0 || *n > max || r->n - r->at < (size_t)*n * 4) {
-        r->bad = true;
+    *n = get_i32(r, field);
+    if (!r->bad && (*n < 0 || *n > max))
+        rbuf_fail(r, "'%s': %d entries, not in [0, %d]", field, *n, max);
+    if (!r->bad && r->n - r->at < (size_t)*n * 4)
+        rbuf_fail(r, "'%s' runs past the end of the body (%zu bytes)", field, r->n);
+    int32_t *v = r->bad ? NULL : malloc((size_t)(*n ? *n : 1) * sizeof *v);
+    if (!r->bad && !v) {
+        rbuf_fail(r, "'%s': out of memory for %d entries", field, *n);
+        r->oom = true;
+    }
+    if (r->bad) {
         *n = 0;
         return NULL;
     }
-    int32_t *v = malloc((size_t)(*n ? *n : 1) * sizeof *v);
-    if (!v) {
-        r->bad = true;
-        return NULL;
-    }
-    get(r, v, (size_t)*n * sizeof *v);
+    get(r, field, v, (size_t)*n * sizeof *v);
     return v;
+}
+
+static const char *type_name(uint32_t type)
+{
+    switch (type) {
+    case T_EXPECT: return "EXPECT";
+    case T_FORGET: return "FORGET";
+    case T_ORDER: return "ORDER";
+    case T_SLICE: return "SLICE";
+    case T_STATUS: return "STATUS";
+    default: return "?";
+    }
+}
+
+void kvl_msg_clear(struct kvl_msg *m)
+{
+    if (!m)
+        return;
+    free(m->blocks);
+    free(m->src_blocks);
+    free(m->targets);
+    memset(m, 0, sizeof *m);
+}
+
+enum moe_status kvl_head_parse(const uint8_t *head, uint32_t *type, uint32_t *body_len,
+                               struct moe_error *err)
+{
+    struct wire_head h;
+    memcpy(&h, head, sizeof h);
+    *type = 0;
+    *body_len = 0;
+    if (h.magic != KVL_MAGIC || h.len > KVL_MAX_BODY)
+        return moe_error_set(err, MOE_ERR_INVALID, "not a KV link message (magic %08x, %u bytes)",
+                             h.magic, h.len);
+    *type = h.type;
+    *body_len = h.len;
+    return MOE_OK;
+}
+
+enum moe_status kvl_msg_parse(uint32_t type, const uint8_t *body, size_t len, struct kvl_msg *m,
+                              struct moe_error *err)
+{
+    memset(m, 0, sizeof *m);
+    m->type = type;
+    struct rbuf rb = {.p = body, .n = body ? len : 0}, *r = &rb;
+    switch (type) {
+    case T_EXPECT:
+        get_str(r, "id", m->id, sizeof m->id);
+        m->n_tokens = get_i32(r, "n_tokens");
+        m->ttl_ms = get_i32(r, "ttl_ms");
+        m->blocks = get_ints(r, "blocks", &m->n_blocks, KVL_MAX_BLOCKS);
+        break;
+    case T_FORGET: get_str(r, "id", m->id, sizeof m->id); break;
+    case T_ORDER:
+        get_str(r, "id", m->id, sizeof m->id);
+        m->n_tokens = get_i32(r, "n_tokens");
+        m->deadline_ms = get_i32(r, "deadline_ms");
+        m->src_blocks = get_ints(r, "src_blocks", &m->n_src_blocks, KVL_MAX_BLOCKS);
+        m->dst_block_size = get_i32(r, "dst_block_size");
+        m->blocks = get_ints(r, "dst_blocks", &m->n_blocks, KVL_MAX_BLOCKS);
+        m->n_targets = get_i32(r, "n_targets");
+        if (!r->bad && (m->n_targets < 1 || m->n_targets > KVL_MAX_RANKS)) {
+            rbuf_fail(r, "'n_targets': %d is not in [1, %d]", m->n_targets, KVL_MAX_RANKS);
+        } else if (!r->bad && !(m->targets = calloc((size_t)m->n_targets, sizeof *m->targets))) {
+            rbuf_fail(r, "'targets': out of memory for %d entries", m->n_targets);
+            r->oom = true;
+        }
+        for (int i = 0; i < m->n_targets && !r->bad; i++) {
+            get_str(r, "targets.endpoint", m->targets[i].endpoint, sizeof m->targets[i].endpoint);
+            m->targets[i].head_begin = get_i32(r, "targets.head_begin");
+            m->targets[i].head_end = get_i32(r, "targets.head_end");
+        }
+        break;
+    case T_SLICE:
+        get_str(r, "id", m->id, sizeof m->id);
+        m->n_layer = get_i32(r, "n_layer");
+        m->d_head = get_i32(r, "d_head");
+        m->head_begin = get_i32(r, "head_begin");
+        m->head_end = get_i32(r, "head_end");
+        m->n_tokens = get_i32(r, "n_tokens");
+        m->dst_block_size = get_i32(r, "dst_block_size");
+        m->blocks = get_ints(r, "dst_blocks", &m->n_blocks, KVL_MAX_BLOCKS);
+        m->transport = get_i32(r, "transport");
+        m->init = get_i32(r, "init");
+        get(r, "nccl_id", &m->nccl_id, sizeof m->nccl_id);
+        get_str(r, "sender", m->sender, sizeof m->sender);
+        break;
+    case T_STATUS:
+        m->status = get_i32(r, "status");
+        m->value = get_u64(r, "value");
+        m->flag = get_i32(r, "flag") != 0;
+        get_str(r, "msg", m->msg, sizeof m->msg);
+        break;
+    default:
+        m->type = 0;
+        return moe_error_set(err, MOE_ERR_INVALID, "unknown KV link message type %u", type);
+    }
+    if (!r->bad)
+        return MOE_OK;
+    kvl_msg_clear(m);
+    return moe_error_set(err, r->oom ? MOE_ERR_NOMEM : MOE_ERR_INVALID, "malformed %s: %s",
+                         type_name(type), r->why);
 }
 
 /* ---- sockets ------------------------------------------------------------------------ */
@@ -296,25 +422,23 @@ static enum moe_status send_msg(int fd, uint32_t type, const struct wbuf *b, dou
 static enum moe_status recv_msg(int fd, uint32_t *type, uint8_t **body, size_t *len,
                                 double deadline, struct moe_error *err)
 {
-    struct wire_head h;
+    uint8_t head[KVL_HEAD_BYTES];
+    uint32_t t, n;
     *body = NULL;
     *type = 0;
     *len = 0;
-    enum moe_status rc = recv_bytes(fd, &h, sizeof h, deadline, err);
-    if (rc)
+    enum moe_status rc = recv_bytes(fd, head, sizeof head, deadline, err);
+    if (rc || (rc = kvl_head_parse(head, &t, &n, err)))
         return rc;
-    if (h.magic != KVL_MAGIC || h.len > KVL_MAX_BODY)
-        return moe_error_set(err, MOE_ERR_INVALID, "not a KV link message (magic %08x, %u bytes)",
-                             h.magic, h.len);
-    if (!(*body = malloc(h.len ? h.len : 1)))
+    if (!(*body = malloc(n ? n : 1)))
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
-    if ((rc = recv_bytes(fd, *body, h.len, deadline, err))) {
+    if ((rc = recv_bytes(fd, *body, n, deadline, err))) {
         free(*body);
         *body = NULL;
         return rc;
     }
-    *type = h.type;
-    *len = h.len;
+    *type = t;
+    *len = n;
     return MOE_OK;
 }
 
@@ -341,23 +465,27 @@ static enum moe_status recv_status(int fd, const char *endpoint, double deadline
     enum moe_status rc = recv_msg(fd, &type, &body, &len, deadline, err);
     if (rc)
         return moe_error_prefix(err, "KV endpoint %.120s", endpoint);
-    struct rbuf r = {body, len, 0, false};
-    enum moe_status st = (enum moe_status)get_i32(&r);
-    uint64_t v = get_u64(&r);
-    bool f = get_i32(&r) != 0;
-    char msg[sizeof err->msg];
-    get_str(&r, msg, sizeof msg);
+    struct kvl_msg *m = malloc(sizeof *m);
+    rc = !m                 ? moe_error_set(err, MOE_ERR_NOMEM, "out of memory")
+         : type != T_STATUS ? moe_error_set(err, MOE_ERR_INVALID, "a %s message instead of STATUS",
+                                            type_name(type))
+                            : kvl_msg_parse(type, body, len, m, err);
     free(body);
-    if (type != T_STATUS || r.bad)
-        return moe_error_set(err, MOE_ERR_INVALID, "KV endpoint %.120s: malformed answer",
-                             endpoint);
+    if (rc) {
+        free(m);
+        moe_error_prefix(err, "KV endpoint %.120s: malformed answer", endpoint);
+        return rc;
+    }
     if (value)
-        *value = v;
+        *value = m->value;
     if (flag)
-        *flag = f;
-    if (st != MOE_OK)
-        return moe_error_set(err, st, "KV endpoint %.120s: %s", endpoint, msg);
-    return MOE_OK;
+        *flag = m->flag;
+    if (m->status != MOE_OK)
+        rc = moe_error_set(err, (enum moe_status)m->status, "KV endpoint %.120s: %s", endpoint,
+                           m->msg);
+    kvl_msg_clear(m);
+    free(m);
+    return rc;
 }
 
 /* One request, one STATUS answer. */
@@ -459,6 +587,25 @@ static struct expected *find_locked(struct kvl *l, const char *id)
     return NULL;
 }
 
+/* Checks that `n_tokens` KV positions in `blocks` lie inside cache `kv`: the
+ * ids come from the wire, and copy_rows trusts them. */
+static enum moe_status check_blocks(const struct moe_kv_cache *kv, const char *what, const char *id,
+                                    const int32_t *blocks, int n_blocks, int n_tokens,
+                                    struct moe_error *err)
+{
+    if (n_blocks > kv->n_block || n_tokens < 1 || n_tokens > n_blocks * kv->block_size)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "handoff %.100s: %s: %d tokens in %d blocks of %d (the cache has %d "
+                             "blocks)",
+                             id, what, n_tokens, n_blocks, kv->block_size, kv->n_block);
+    for (int i = 0; i < n_blocks; i++)
+        if (blocks[i] < 0 || blocks[i] >= kv->n_block)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "handoff %.100s: %s[%d] = %d is not a block in [0, %d)", id, what,
+                                 i, (int)blocks[i], kv->n_block);
+    return MOE_OK;
+}
+
 static enum moe_status expect_local(struct kvl *l, const char *id, const int32_t *blocks,
                                     int n_blocks, int n_tokens, int ttl_ms, struct moe_error *err)
 {
@@ -473,10 +620,11 @@ static enum moe_status expect_local(struct kvl *l, const char *id, const int32_t
     e->n_tokens = n_tokens;
     e->deadline = moe_now() + ttl_ms / 1e3;
     pthread_mutex_lock(&l->mu);
-    enum moe_status rc = MOE_OK;
-    if (find_locked(l, id)) {
+    enum moe_status rc = l->kv ? check_blocks(l->kv, "blocks", id, blocks, n_blocks, n_tokens, err)
+                               : moe_error_set(err, MOE_ERR_IO, "this rank has no KV cache yet");
+    if (!rc && find_locked(l, id))
         rc = moe_error_set(err, MOE_ERR_INVALID, "handoff %.100s is already expected here", id);
-    } else {
+    if (!rc) {
         e->next = l->table;
         l->table = e;
         e = NULL;
@@ -668,26 +816,22 @@ static void unpin(struct kvl *l, struct expected *e, uint64_t bytes)
     pthread_mutex_unlock(&l->mu);
 }
 
-/* The receiving side of one SLICE whose header is in r. */
-static void serve_slice(struct kvl *l, int fd, struct rbuf *r)
+/* The receiving side of one SLICE whose header is `m` (decoded by kvl_msg_parse). */
+static void serve_slice(struct kvl *l, int fd, const struct kvl_msg *m)
 {
     double deadline = moe_now() + l->o.io_timeout_ms / 1e3; /* for refusals */
-    char id[KVL_ID_MAX], sender[KVL_ENDPOINT_MAX], msg[512] = "";
-    get_str(r, id, sizeof id);
-    int n_layer = get_i32(r), d_head = get_i32(r), hb = get_i32(r), he = get_i32(r);
-    int n_tokens = get_i32(r), dst_bs = get_i32(r), n_dst;
-    int32_t *dst = get_ints(r, &n_dst, 1 << 22);
-    int transport = get_i32(r), init = get_i32(r);
-    struct moe_comm_nccl_id nid;
-    get(r, &nid, sizeof nid);
-    get_str(r, sender, sizeof sender);
+    char msg[512] = "";
+    const char *id = m->id, *sender = m->sender;
+    int n_layer = m->n_layer, d_head = m->d_head, hb = m->head_begin, he = m->head_end;
+    int n_tokens = m->n_tokens, dst_bs = m->dst_block_size, n_dst = m->n_blocks;
+    const int32_t *dst = m->blocks;
+    int transport = m->transport, init = m->init;
+    const struct moe_comm_nccl_id *nid = &m->nccl_id;
     enum moe_status st = MOE_ERR_INVALID;
     struct expected *e = NULL;
     struct moe_kv_cache *kv = NULL;
     pthread_mutex_lock(&l->mu);
-    if (r->bad) {
-        snprintf(msg, sizeof msg, "malformed SLICE header");
-    } else if (!l->kv || l->stopping) {
+    if (!l->kv || l->stopping) {
         st = MOE_ERR_IO;
         snprintf(msg, sizeof msg, "this rank has no KV cache yet or is stopping");
     } else if (!(e = find_locked(l, id))) {
@@ -720,12 +864,10 @@ static void serve_slice(struct kvl *l, int fd, struct rbuf *r)
         }
     }
     send_status(fd, st, 0, pr != NULL, msg, deadline); /* go ahead (and how), or why not */
-    if (st != MOE_OK) {
-        free(dst);
+    if (st != MOE_OK)
         return;
-    }
     struct moe_error err = {0};
-    if (pr && !pair_agree(l, fd, pr, init, &nid, deadline)) {
+    if (pr && !pair_agree(l, fd, pr, init, nid, deadline)) {
         pthread_mutex_unlock(&pr->mu);
         pr = NULL;
     }
@@ -757,7 +899,6 @@ static void serve_slice(struct kvl *l, int fd, struct rbuf *r)
         pthread_mutex_unlock(&pr->mu);
     }
     free(host);
-    free(dst);
     unpin(l, e, st ? 0 : bytes);
     send_status(fd, st, bytes, false, st ? err.msg : "", moe_now() + l->o.io_timeout_ms / 1e3);
 }
@@ -880,13 +1021,17 @@ enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *byte
     pthread_mutex_unlock(&l->mu);
     if (!kv)
         return moe_error_set(err, MOE_ERR_IO, "this rank has no KV cache yet");
-    if (p->n_tokens < 1 || p->n_tokens > p->n_src_blocks * kv->block_size ||
-        p->dst_block_size < 1 || p->n_tokens > p->n_dst_blocks * p->dst_block_size)
+    if (p->n_tokens < 1 || p->n_tokens > (int64_t)p->n_src_blocks * kv->block_size ||
+        p->dst_block_size < 1 || p->n_tokens > (int64_t)p->n_dst_blocks * p->dst_block_size)
         return moe_error_set(err, MOE_ERR_INVALID,
                              "handoff %.100s: %d tokens do not fit %d blocks here / %d blocks "
                              "of %d there",
                              p->id, p->n_tokens, p->n_src_blocks, p->n_dst_blocks,
                              p->dst_block_size);
+    enum moe_status st =
+        check_blocks(kv, "src_blocks", p->id, p->src_blocks, p->n_src_blocks, p->n_tokens, err);
+    if (st)
+        return st;
     for (int i = 0; i < p->n_targets; i++) {
         const struct kvl_target *t = &p->targets[i];
         int hb = t->head_begin > l->head_begin ? t->head_begin : l->head_begin;
@@ -970,38 +1115,26 @@ enum moe_status kvl_order_wait(struct kvl_order *o, uint64_t *bytes, struct moe_
     return rc;
 }
 
-static void serve_order(struct kvl *l, int fd, struct rbuf *r, double io_deadline)
+static void serve_order(struct kvl *l, int fd, const struct kvl_msg *m, double io_deadline)
 {
-    char id[KVL_ID_MAX];
-    struct kvl_push p = {.id = id};
-    get_str(r, id, sizeof id);
-    p.n_tokens = get_i32(r);
-    p.deadline_ms = get_i32(r);
-    int32_t *src = get_ints(r, &p.n_src_blocks, 1 << 22);
-    p.dst_block_size = get_i32(r);
-    int32_t *dst = get_ints(r, &p.n_dst_blocks, 1 << 22);
-    p.n_targets = get_i32(r);
-    struct kvl_target *t = NULL;
-    if (!r->bad && p.n_targets > 0 && p.n_targets <= KVL_MAX_RANKS &&
-        (t = calloc((size_t)p.n_targets, sizeof *t)))
-        for (int i = 0; i < p.n_targets; i++) {
-            get_str(r, t[i].endpoint, sizeof t[i].endpoint);
-            t[i].head_begin = get_i32(r);
-            t[i].head_end = get_i32(r);
-        }
-    p.src_blocks = src;
-    p.dst_blocks = dst;
-    p.targets = t;
+    struct kvl_push p = {.id = m->id,
+                         .src_blocks = m->src_blocks,
+                         .n_src_blocks = m->n_src_blocks,
+                         .n_tokens = m->n_tokens,
+                         .dst_blocks = m->blocks,
+                         .n_dst_blocks = m->n_blocks,
+                         .dst_block_size = m->dst_block_size,
+                         .targets = m->targets,
+                         .n_targets = m->n_targets,
+                         .deadline_ms = m->deadline_ms};
     struct moe_error err = {0};
     uint64_t bytes = 0;
     enum moe_status st;
-    if (r->bad || !t || p.deadline_ms < 1)
-        st = moe_error_set(&err, MOE_ERR_INVALID, "malformed ORDER");
+    if (p.deadline_ms < 1)
+        st = moe_error_set(&err, MOE_ERR_INVALID, "malformed ORDER: 'deadline_ms' %d is not >= 1",
+                           p.deadline_ms);
     else
         st = kvl_push(l, &p, &bytes, &err);
-    free(src);
-    free(dst);
-    free(t);
     double deadline = moe_now() + l->o.io_timeout_ms / 1e3;
     send_status(fd, st, bytes, false, st ? err.msg : "",
                 deadline > io_deadline ? deadline : io_deadline);
@@ -1023,35 +1156,34 @@ static void *conn_main(void *arg)
     uint8_t *body = NULL;
     size_t len = 0;
     struct moe_error err = {0};
+    struct kvl_msg *m = NULL;
     if (recv_msg(c->fd, &type, &body, &len, deadline, &err) == MOE_OK) {
-        struct rbuf r = {body, len, 0, false};
-        char id[KVL_ID_MAX];
-        switch (type) {
-        case T_EXPECT: {
-            get_str(&r, id, sizeof id);
-            int n_tokens = get_i32(&r), ttl = get_i32(&r), n;
-            int32_t *blocks = get_ints(&r, &n, 1 << 22);
-            enum moe_status st = r.bad ? moe_error_set(&err, MOE_ERR_INVALID, "malformed EXPECT")
-                                       : expect_local(l, id, blocks, n, n_tokens, ttl, &err);
-            free(blocks);
+        enum moe_status st = (m = malloc(sizeof *m))
+                                 ? kvl_msg_parse(type, body, len, m, &err)
+                                 : moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
+        switch (st ? 0 : type) {
+        case T_EXPECT:
+            st = expect_local(l, m->id, m->blocks, m->n_blocks, m->n_tokens, m->ttl_ms, &err);
             send_status(c->fd, st, 0, false, st ? err.msg : "", deadline);
             break;
-        }
         case T_FORGET: {
-            get_str(&r, id, sizeof id);
             uint64_t bytes = 0;
             bool complete = false;
-            if (!r.bad)
-                forget_local(l, id, &bytes, &complete);
-            send_status(c->fd, r.bad ? MOE_ERR_INVALID : MOE_OK, bytes, complete,
-                        r.bad ? "malformed FORGET" : "", moe_now() + l->o.io_timeout_ms / 1e3);
+            forget_local(l, m->id, &bytes, &complete);
+            send_status(c->fd, MOE_OK, bytes, complete, "", moe_now() + l->o.io_timeout_ms / 1e3);
             break;
         }
-        case T_ORDER: serve_order(l, c->fd, &r, deadline); break;
-        case T_SLICE: serve_slice(l, c->fd, &r); break;
-        default: send_status(c->fd, MOE_ERR_INVALID, 0, false, "unknown message", deadline);
+        case T_ORDER: serve_order(l, c->fd, m, deadline); break;
+        case T_SLICE: serve_slice(l, c->fd, m); break;
+        case T_STATUS:
+            send_status(c->fd, MOE_ERR_INVALID, 0, false, "a STATUS is an answer, not a request",
+                        deadline);
+            break;
+        default: send_status(c->fd, st, 0, false, err.msg, deadline);
         }
     }
+    kvl_msg_clear(m);
+    free(m);
     free(body);
     close(c->fd);
     free(c);

@@ -37,6 +37,7 @@
 #include <stdint.h>
 
 #include "backend.h"
+#include "comm/comm.h"
 #include "kv/kv_cache.h"
 #include "moe_error.h"
 
@@ -133,5 +134,64 @@ struct kvl_order;
 enum moe_status kvl_order_start(struct kvl *l, const char *endpoint, const struct kvl_push *p,
                                 struct kvl_order **out, struct moe_error *err);
 enum moe_status kvl_order_wait(struct kvl_order *o, uint64_t *bytes, struct moe_error *err);
+
+/* ---- the wire, as pure functions (the server and the clients above decode
+ * every message through these; tests/fuzz/fuzz_kv_link.c feeds them bytes) ---- */
+
+/* A message is a head of three host-order 32-bit words {magic "MOEK", type,
+ * body length <= KVL_MAX_BODY} and a body of 32/64-bit words, int32 arrays
+ * (count, then items) and strings (length, then bytes, no NUL). */
+#define KVL_HEAD_BYTES 12
+#define KVL_MAX_BODY (1u << 24)
+#define KVL_MAX_BLOCKS (1 << 22) /* per block list */
+
+enum kvl_msg_type {
+    KVL_MSG_EXPECT = 1, /* id, n_tokens, ttl_ms, blocks */
+    KVL_MSG_FORGET,     /* id */
+    KVL_MSG_ORDER,      /* id, n_tokens, deadline_ms, src_blocks, dst_block_size, blocks,
+                           n_targets x {endpoint, head_begin, head_end} */
+    KVL_MSG_SLICE,      /* id, n_layer, d_head, head_begin, head_end, n_tokens,
+                           dst_block_size, blocks, transport, init, nccl_id, sender */
+    KVL_MSG_STATUS,     /* status, value, flag, msg */
+};
+
+/* One decoded message: the fields its type carries (see above), the rest
+ * zero. `blocks` is the reservation of an EXPECT and the destination blocks
+ * of an ORDER or a SLICE. Arrays are malloc'd: kvl_msg_clear frees them. */
+struct kvl_msg {
+    uint32_t type;
+    char id[KVL_ID_MAX];
+    int n_tokens, ttl_ms, deadline_ms, dst_block_size;
+    int32_t *blocks; /* (n_blocks) */
+    int n_blocks;
+    int32_t *src_blocks; /* (n_src_blocks) */
+    int n_src_blocks;
+    struct kvl_target *targets; /* (n_targets), 1..KVL_MAX_RANKS of them */
+    int n_targets;
+    int n_layer, d_head, head_begin, head_end;
+    int transport; /* SLICE: 1 = the payload goes over NCCL */
+    int init;      /* SLICE: the first slice of the pair: make the communicator */
+    struct moe_comm_nccl_id nccl_id;
+    char sender[KVL_ENDPOINT_MAX];
+    int32_t status; /* STATUS: an enum moe_status */
+    uint64_t value;
+    bool flag;
+    char msg[MOE_ERROR_MSG_MAX];
+};
+
+/* Checks a head (KVL_HEAD_BYTES at `head`): the magic and the body length.
+ * MOE_ERR_INVALID naming both when it is not a KV link message. */
+enum moe_status kvl_head_parse(const uint8_t *head, uint32_t *type, uint32_t *body_len,
+                               struct moe_error *err);
+
+/* Decodes the body of a message of `type` (`len` bytes at `body`) into *m.
+ * An unknown type, a body that ends inside a field, a length or count out
+ * of range is MOE_ERR_INVALID "malformed SLICE: 'sender' ..." naming the
+ * field; *m is then cleared. Bytes after the last field are ignored. */
+enum moe_status kvl_msg_parse(uint32_t type, const uint8_t *body, size_t len, struct kvl_msg *m,
+                              struct moe_error *err);
+
+/* Frees the arrays of *m and zeroes it. NULL is a no-op. */
+void kvl_msg_clear(struct kvl_msg *m);
 
 #endif

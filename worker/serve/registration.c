@@ -41,7 +41,10 @@ static void follow_placement_value(struct worker_registration *r, const char *va
     const cJSON *ep = cJSON_GetObjectItemCaseSensitive(root, "epoch");
     const cJSON *pl = cJSON_GetObjectItemCaseSensitive(root, "placement");
     char *text = pl ? cJSON_PrintUnformatted(pl) : NULL;
-    int64_t epoch = cJSON_IsNumber(ep) ? (int64_t)ep->valuedouble : -1;
+    int64_t epoch =
+        cJSON_IsNumber(ep) && ep->valuedouble >= 0 && ep->valuedouble <= 9007199254740992.0
+            ? (int64_t)ep->valuedouble /* in range: the cast is defined */
+            : -1;
     struct moe_placement p = {0};
     struct moe_error err = {0};
     if (epoch < 0 || !text) {
