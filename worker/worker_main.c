@@ -219,7 +219,7 @@ int main(int argc, char **argv)
     struct moe_launch launch = {0};
     struct moe_group *group = NULL;          /* = launch.group */
     struct moe_backend *be = NULL;           /* = launch.be */
-    struct kvl *kv_link = NULL;              /* disaggregated roles only */
+    struct kv_link *kv_link = NULL;          /* disaggregated roles only */
     char *kv_endpoints = NULL;               /* every rank's, by rank */
     struct moe_kv_cache *follower_kv = NULL; /* a follower's cache, shared with kv_link */
     rc = 1;
@@ -251,28 +251,28 @@ int main(int argc, char **argv)
             int host_len = colon ? (int)(colon - src) : (int)strlen(src);
             snprintf(listen, sizeof listen, "%.*s:0", host_len, src);
         }
-        char adv_host[KVL_ENDPOINT_MAX] = "";
+        char adv_host[KV_LINK_ENDPOINT_MAX] = "";
         if (a.advertise) {
             const char *colon = strrchr(a.advertise, ':');
             snprintf(adv_host, sizeof adv_host, "%.*s",
                      colon ? (int)(colon - a.advertise) : (int)strlen(a.advertise), a.advertise);
         }
-        struct kvl_opts ko = {.be = be,
-                              .listen = listen,
-                              .advertise_host = adv_host[0] ? adv_host : NULL,
-                              .layout = {.n_layer = cfg->n_layer,
-                                         .n_kv_head = cfg->n_kv_head,
-                                         .d_head = cfg->d_head,
-                                         .tp_size = group ? group->tp_size : 1,
-                                         .tp_rank = group ? group->tp_rank : 0},
-                              .nccl = !a.kv_socket_only};
-        if (!(kv_endpoints = calloc((size_t)world, KVL_ENDPOINT_MAX))) {
+        struct kv_link_opts ko = {.be = be,
+                                  .listen = listen,
+                                  .advertise_host = adv_host[0] ? adv_host : NULL,
+                                  .layout = {.n_layer = cfg->n_layer,
+                                             .n_kv_head = cfg->n_kv_head,
+                                             .d_head = cfg->d_head,
+                                             .tp_size = group ? group->tp_size : 1,
+                                             .tp_rank = group ? group->tp_rank : 0},
+                                  .nccl = !a.kv_socket_only};
+        if (!(kv_endpoints = calloc((size_t)world, KV_LINK_ENDPOINT_MAX))) {
             moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
             goto fail;
         }
-        if (kvl_create(&ko, &kv_link, &err))
+        if (kv_link_create(&ko, &kv_link, &err))
             goto fail;
-        snprintf(kv_endpoints, KVL_ENDPOINT_MAX, "%s", kvl_endpoint(kv_link));
+        snprintf(kv_endpoints, KV_LINK_ENDPOINT_MAX, "%s", kv_link_endpoint(kv_link));
     }
     if (group && group->rank != 0) {
         /* Followers run the leader's step plans until it stops the group. */
@@ -284,10 +284,10 @@ int main(int argc, char **argv)
         signal(SIGTERM, SIG_IGN);
         signal(SIGINT, SIG_IGN);
         if (kv_link) {
-            if (moe_group_share_kv(group, model, 0, 0, kvl_endpoint(kv_link), kv_endpoints,
+            if (moe_group_share_kv(group, model, 0, 0, kv_link_endpoint(kv_link), kv_endpoints,
                                    &follower_kv, &err))
                 goto fail;
-            kvl_attach_kv(kv_link, follower_kv);
+            kv_link_attach_kv(kv_link, follower_kv);
         }
         if (moe_group_follow(group, model, &err))
             goto fail;
@@ -332,9 +332,9 @@ int main(int argc, char **argv)
     if (kv_link) {
         struct moe_kv_cache *none;
         if (group && moe_group_share_kv(group, model, eo.n_block, eo.block_size,
-                                        kvl_endpoint(kv_link), kv_endpoints, &none, &err))
+                                        kv_link_endpoint(kv_link), kv_endpoints, &none, &err))
             goto fail;
-        kvl_attach_kv(kv_link, moe_engine_kv_cache(engine));
+        kv_link_attach_kv(kv_link, moe_engine_kv_cache(engine));
     }
     struct worker_service_opts so = {
         .listen = a.listen,
@@ -429,7 +429,7 @@ out:
         if (moe_group_stop(group, &stop_err))
             fprintf(stderr, "moe-worker: stopping the group: %s\n", stop_err.msg);
     }
-    kvl_destroy(kv_link); /* before the cache it writes into goes */
+    kv_link_destroy(kv_link); /* before the cache it writes into goes */
     free(kv_endpoints);
     moe_kv_cache_free(model, follower_kv);
     moe_engine_destroy(engine);

@@ -34,7 +34,7 @@ static const int32_t h_blocks[3] = {1, 3, 5};
 
 static struct moe_backend *be;
 static struct moe_kv_cache *kv;
-static struct kvl *link_;
+static struct kv_link *link_;
 static struct sockaddr_in addr;
 static float *shadow; /* (N_LAYER, 2, N_BLOCK * BS * kv_dim): the cache as it must stay */
 
@@ -58,7 +58,7 @@ static void cache_io(float *host, bool down)
 
 static void teardown(void)
 {
-    kvl_destroy(link_);
+    kv_link_destroy(link_);
     moe_kv_cache_release(be, kv);
     moe_backend_destroy(be);
     free(shadow);
@@ -72,15 +72,15 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
         fprintf(stderr, "%s\n", err.msg);
         abort();
     }
-    struct kvl_opts o = {.be = be,
-                         .listen = "127.0.0.1:0",
-                         .layout = {N_LAYER, N_HEAD, D_HEAD, 1, 0},
-                         .io_timeout_ms = 500};
-    if (kvl_create(&o, &link_, &err)) {
+    struct kv_link_opts o = {.be = be,
+                             .listen = "127.0.0.1:0",
+                             .layout = {N_LAYER, N_HEAD, D_HEAD, 1, 0},
+                             .io_timeout_ms = 500};
+    if (kv_link_create(&o, &link_, &err)) {
         fprintf(stderr, "%s\n", err.msg);
         abort();
     }
-    kvl_attach_kv(link_, kv);
+    kv_link_attach_kv(link_, kv);
     /* libFuzzer's -timeout timer (SIGALRM) would interrupt this thread's
      * connect and read (EINTR); the endpoint's threads, started above, take
      * the signal instead. */
@@ -93,7 +93,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     for (size_t i = 0; i < (size_t)N_LAYER * 2 * layer_floats(); i++)
         shadow[i] = (float)i;
     cache_io(shadow, false);
-    const char *colon = strrchr(kvl_endpoint(link_), ':');
+    const char *colon = strrchr(kv_link_endpoint(link_), ':');
     addr.sin_family = AF_INET;
     addr.sin_port = htons((uint16_t)atoi(colon + 1));
     inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
@@ -139,10 +139,10 @@ static void put_ints(struct wbuf *w, const int32_t *v, int n)
 }
 
 /* The ORDER `m` as kv_link.c writes it, every target this endpoint (malloc'd). */
-static uint8_t *order_to_self(const struct kvl_msg *m, size_t *len)
+static uint8_t *order_to_self(const struct kv_link_msg *m, size_t *len)
 {
-    size_t cap = 64 + KVL_ID_MAX + 8 * ((size_t)m->n_src_blocks + m->n_blocks) +
-                 (size_t)m->n_targets * (16 + KVL_ENDPOINT_MAX);
+    size_t cap = 64 + KV_LINK_ID_MAX + 8 * ((size_t)m->n_src_blocks + m->n_blocks) +
+                 (size_t)m->n_targets * (16 + KV_LINK_ENDPOINT_MAX);
     struct wbuf w = {malloc(cap), 0};
     FUZZ_CHECK(w.p, "out of memory");
     put_str(&w, m->id);
@@ -153,7 +153,7 @@ static uint8_t *order_to_self(const struct kvl_msg *m, size_t *len)
     put_ints(&w, m->blocks, m->n_blocks);
     put_i32(&w, m->n_targets);
     for (int i = 0; i < m->n_targets; i++) {
-        put_str(&w, kvl_endpoint(link_));
+        put_str(&w, kv_link_endpoint(link_));
         put_i32(&w, m->targets[i].head_begin);
         put_i32(&w, m->targets[i].head_end);
     }
@@ -163,12 +163,13 @@ static uint8_t *order_to_self(const struct kvl_msg *m, size_t *len)
 
 /* A SLICE for the handoff of EXPECT `m` (both heads, every token), payload
  * included (malloc'd); NULL when the reservation is too large to bother. */
-static uint8_t *slice_for(const struct kvl_msg *m, size_t *body_len, size_t *len)
+static uint8_t *slice_for(const struct kv_link_msg *m, size_t *body_len, size_t *len)
 {
     if (m->n_tokens < 1 || m->n_tokens > 64 || m->n_blocks > 64)
         return NULL;
     size_t payload = (size_t)N_LAYER * 2 * m->n_tokens * N_HEAD * D_HEAD * sizeof(float);
-    size_t cap = 64 + KVL_ID_MAX + 4 * (size_t)m->n_blocks + MOE_COMM_NCCL_ID_BYTES + 32 + payload;
+    size_t cap =
+        64 + KV_LINK_ID_MAX + 4 * (size_t)m->n_blocks + MOE_COMM_NCCL_ID_BYTES + 32 + payload;
     struct wbuf w = {malloc(cap), 0};
     FUZZ_CHECK(w.p, "out of memory");
     static const uint8_t nccl_id[MOE_COMM_NCCL_ID_BYTES];
@@ -210,20 +211,20 @@ static void exchange(uint32_t type, const uint8_t *body, size_t body_len, size_t
     while (got < sizeof buf && (k = read(fd, buf + got, sizeof buf - got)) > 0)
         got += (size_t)k;
     close(fd);
-    for (size_t at = 0; at + KVL_HEAD_BYTES <= got;) {
+    for (size_t at = 0; at + KV_LINK_HEAD_BYTES <= got;) {
         uint32_t t, len;
         struct moe_error err = {0};
-        FUZZ_CHECK(kvl_head_parse(buf + at, &t, &len, &err) == MOE_OK && t == KVL_MSG_STATUS &&
-                       at + KVL_HEAD_BYTES + len <= got,
+        FUZZ_CHECK(kv_link_head_parse(buf + at, &t, &len, &err) == MOE_OK &&
+                       t == KV_LINK_MSG_STATUS && at + KV_LINK_HEAD_BYTES + len <= got,
                    "answer: %s", err.msg);
-        struct kvl_msg *m = malloc(sizeof *m);
-        FUZZ_CHECK(m && kvl_msg_parse(t, buf + at + KVL_HEAD_BYTES, len, m, &err) == MOE_OK,
+        struct kv_link_msg *m = malloc(sizeof *m);
+        FUZZ_CHECK(m && kv_link_msg_parse(t, buf + at + KV_LINK_HEAD_BYTES, len, m, &err) == MOE_OK,
                    "answer: %s", err.msg);
         /* a refusal says why (raw: the client's moe_error_set makes it one line) */
         FUZZ_CHECK(m->status == MOE_OK || m->msg[0], "a refusal without a message");
-        kvl_msg_clear(m);
+        kv_link_msg_clear(m);
         free(m);
-        at += KVL_HEAD_BYTES + len;
+        at += KV_LINK_HEAD_BYTES + len;
     }
 }
 
@@ -231,26 +232,28 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 3)
         return 0;
-    static const uint32_t types[8] = {KVL_MSG_EXPECT, KVL_MSG_FORGET, KVL_MSG_ORDER,  KVL_MSG_SLICE,
-                                      KVL_MSG_SLICE,  KVL_MSG_SLICE,  KVL_MSG_STATUS, 77};
+    static const uint32_t types[8] = {
+        KV_LINK_MSG_EXPECT, KV_LINK_MSG_FORGET, KV_LINK_MSG_ORDER,  KV_LINK_MSG_SLICE,
+        KV_LINK_MSG_SLICE,  KV_LINK_MSG_SLICE,  KV_LINK_MSG_STATUS, 77};
     uint32_t type = types[data[0] & 7];
     const uint8_t *body = data + 3;
     size_t n = size - 3, body_len = (size_t)(data[1] | data[2] << 8);
     if (body_len > n)
         body_len = n;
     struct moe_error err = {0};
-    FUZZ_CHECK(kvl_expect(link_, NULL, "h", h_blocks, 3, N_TOK, 10000, &err) == MOE_OK, "%s",
+    FUZZ_CHECK(kv_link_expect(link_, NULL, "h", h_blocks, 3, N_TOK, 10000, &err) == MOE_OK, "%s",
                err.msg);
     /* what the input itself may reserve, and where an ORDER would connect */
-    struct kvl_msg *m = malloc(sizeof *m);
+    struct kv_link_msg *m = malloc(sizeof *m);
     FUZZ_CHECK(m, "out of memory");
-    bool parsed = kvl_msg_parse(type, body, body_len, m, &err) == MOE_OK;
-    if (type != KVL_MSG_ORDER) {
+    bool parsed = kv_link_msg_parse(type, body, body_len, m, &err) == MOE_OK;
+    if (type != KV_LINK_MSG_ORDER) {
         exchange(type, body, body_len, n);
         size_t slice_body, len;
-        uint8_t *slice = parsed && type == KVL_MSG_EXPECT ? slice_for(m, &slice_body, &len) : NULL;
+        uint8_t *slice =
+            parsed && type == KV_LINK_MSG_EXPECT ? slice_for(m, &slice_body, &len) : NULL;
         if (slice)
-            exchange(KVL_MSG_SLICE, slice, slice_body, len);
+            exchange(KV_LINK_MSG_SLICE, slice, slice_body, len);
         free(slice);
     } else if (parsed) {
         m->deadline_ms = m->deadline_ms > 0 ? m->deadline_ms % 2000 + 1 : m->deadline_ms;
@@ -261,9 +264,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     uint64_t bytes;
     bool complete;
-    FUZZ_CHECK(kvl_forget(link_, NULL, "h", &bytes, &complete, &err) == MOE_OK, "%s", err.msg);
-    if (parsed && type == KVL_MSG_EXPECT && strcmp(m->id, "h"))
-        FUZZ_CHECK(kvl_forget(link_, NULL, m->id, &bytes, &complete, &err) == MOE_OK, "%s",
+    FUZZ_CHECK(kv_link_forget(link_, NULL, "h", &bytes, &complete, &err) == MOE_OK, "%s", err.msg);
+    if (parsed && type == KV_LINK_MSG_EXPECT && strcmp(m->id, "h"))
+        FUZZ_CHECK(kv_link_forget(link_, NULL, m->id, &bytes, &complete, &err) == MOE_OK, "%s",
                    err.msg);
     /* only reserved blocks may have changed; put back the pattern */
     static float *now;
@@ -274,13 +277,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size_t per_block = (size_t)BS * kv->kv_dim;
     for (size_t i = 0; i < (size_t)N_LAYER * 2 * layer_floats(); i++) {
         int b = (int)(i % layer_floats() / per_block);
-        bool reserved = in_list(h_blocks, 3, b) ||
-                        (parsed && type == KVL_MSG_EXPECT && in_list(m->blocks, m->n_blocks, b));
+        bool reserved = in_list(h_blocks, 3, b) || (parsed && type == KV_LINK_MSG_EXPECT &&
+                                                    in_list(m->blocks, m->n_blocks, b));
         FUZZ_CHECK(reserved || memcmp(&now[i], &shadow[i], sizeof *now) == 0,
                    "block %d changed without a reservation", b);
     }
     cache_io(shadow, false);
-    kvl_msg_clear(m);
+    kv_link_msg_clear(m);
     free(m);
     return 0;
 }

@@ -242,7 +242,7 @@ def seeds_coord_placement():
 
 # ---- KV link frames ------------------------------------------------------------------------
 
-KVL_MAGIC = 0x4B454F4D
+KV_LINK_MAGIC = 0x4B454F4D
 EXPECT, FORGET, ORDER, SLICE, STATUS = 1, 2, 3, 4, 5
 
 
@@ -264,7 +264,7 @@ def ints(v):
 
 
 def frame(t, body):
-    return struct.pack("<III", KVL_MAGIC, t, len(body)) + body
+    return struct.pack("<III", KV_LINK_MAGIC, t, len(body)) + body
 
 
 def seeds_kv_link():

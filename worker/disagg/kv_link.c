@@ -33,20 +33,20 @@
 #include "engine/generate.h" /* moe_now */
 #include "test_fault.h"
 
-#define KVL_MAGIC 0x4b454f4du /* "MOEK" */
+#define KV_LINK_MAGIC 0x4b454f4du /* "MOEK" */
 
-enum kvl_type {
-    T_EXPECT = KVL_MSG_EXPECT,
-    T_FORGET = KVL_MSG_FORGET,
-    T_ORDER = KVL_MSG_ORDER,
-    T_SLICE = KVL_MSG_SLICE,
-    T_STATUS = KVL_MSG_STATUS
+enum kv_link_type {
+    T_EXPECT = KV_LINK_MSG_EXPECT,
+    T_FORGET = KV_LINK_MSG_FORGET,
+    T_ORDER = KV_LINK_MSG_ORDER,
+    T_SLICE = KV_LINK_MSG_SLICE,
+    T_STATUS = KV_LINK_MSG_STATUS
 };
 
 struct wire_head {
     uint32_t magic, type, len;
 };
-_Static_assert(sizeof(struct wire_head) == KVL_HEAD_BYTES, "KV link head size");
+_Static_assert(sizeof(struct wire_head) == KV_LINK_HEAD_BYTES, "KV link head size");
 
 /* ---- body encoding ------------------------------------------------------------------ */
 
@@ -189,7 +189,7 @@ static const char *type_name(uint32_t type)
     }
 }
 
-void kvl_msg_clear(struct kvl_msg *m)
+void kv_link_msg_clear(struct kv_link_msg *m)
 {
     if (!m)
         return;
@@ -199,14 +199,14 @@ void kvl_msg_clear(struct kvl_msg *m)
     memset(m, 0, sizeof *m);
 }
 
-enum moe_status kvl_head_parse(const uint8_t *head, uint32_t *type, uint32_t *body_len,
-                               struct moe_error *err)
+enum moe_status kv_link_head_parse(const uint8_t *head, uint32_t *type, uint32_t *body_len,
+                                   struct moe_error *err)
 {
     struct wire_head h;
     memcpy(&h, head, sizeof h);
     *type = 0;
     *body_len = 0;
-    if (h.magic != KVL_MAGIC || h.len > KVL_MAX_BODY)
+    if (h.magic != KV_LINK_MAGIC || h.len > KV_LINK_MAX_BODY)
         return moe_error_set(err, MOE_ERR_INVALID, "not a KV link message (magic %08x, %u bytes)",
                              h.magic, h.len);
     *type = h.type;
@@ -214,8 +214,8 @@ enum moe_status kvl_head_parse(const uint8_t *head, uint32_t *type, uint32_t *bo
     return MOE_OK;
 }
 
-enum moe_status kvl_msg_parse(uint32_t type, const uint8_t *body, size_t len, struct kvl_msg *m,
-                              struct moe_error *err)
+enum moe_status kv_link_msg_parse(uint32_t type, const uint8_t *body, size_t len,
+                                  struct kv_link_msg *m, struct moe_error *err)
 {
     memset(m, 0, sizeof *m);
     m->type = type;
@@ -225,19 +225,19 @@ enum moe_status kvl_msg_parse(uint32_t type, const uint8_t *body, size_t len, st
         get_str(r, "id", m->id, sizeof m->id);
         m->n_tokens = get_i32(r, "n_tokens");
         m->ttl_ms = get_i32(r, "ttl_ms");
-        m->blocks = get_ints(r, "blocks", &m->n_blocks, KVL_MAX_BLOCKS);
+        m->blocks = get_ints(r, "blocks", &m->n_blocks, KV_LINK_MAX_BLOCKS);
         break;
     case T_FORGET: get_str(r, "id", m->id, sizeof m->id); break;
     case T_ORDER:
         get_str(r, "id", m->id, sizeof m->id);
         m->n_tokens = get_i32(r, "n_tokens");
         m->deadline_ms = get_i32(r, "deadline_ms");
-        m->src_blocks = get_ints(r, "src_blocks", &m->n_src_blocks, KVL_MAX_BLOCKS);
+        m->src_blocks = get_ints(r, "src_blocks", &m->n_src_blocks, KV_LINK_MAX_BLOCKS);
         m->dst_block_size = get_i32(r, "dst_block_size");
-        m->blocks = get_ints(r, "dst_blocks", &m->n_blocks, KVL_MAX_BLOCKS);
+        m->blocks = get_ints(r, "dst_blocks", &m->n_blocks, KV_LINK_MAX_BLOCKS);
         m->n_targets = get_i32(r, "n_targets");
-        if (!r->bad && (m->n_targets < 1 || m->n_targets > KVL_MAX_RANKS)) {
-            rbuf_fail(r, "'n_targets': %d is not in [1, %d]", m->n_targets, KVL_MAX_RANKS);
+        if (!r->bad && (m->n_targets < 1 || m->n_targets > KV_LINK_MAX_RANKS)) {
+            rbuf_fail(r, "'n_targets': %d is not in [1, %d]", m->n_targets, KV_LINK_MAX_RANKS);
         } else if (!r->bad && !(m->targets = calloc((size_t)m->n_targets, sizeof *m->targets))) {
             rbuf_fail(r, "'targets': out of memory for %d entries", m->n_targets);
             r->oom = true;
@@ -256,7 +256,7 @@ enum moe_status kvl_msg_parse(uint32_t type, const uint8_t *body, size_t len, st
         m->head_end = get_i32(r, "head_end");
         m->n_tokens = get_i32(r, "n_tokens");
         m->dst_block_size = get_i32(r, "dst_block_size");
-        m->blocks = get_ints(r, "dst_blocks", &m->n_blocks, KVL_MAX_BLOCKS);
+        m->blocks = get_ints(r, "dst_blocks", &m->n_blocks, KV_LINK_MAX_BLOCKS);
         m->transport = get_i32(r, "transport");
         m->init = get_i32(r, "init");
         get(r, "nccl_id", &m->nccl_id, sizeof m->nccl_id);
@@ -274,7 +274,7 @@ enum moe_status kvl_msg_parse(uint32_t type, const uint8_t *body, size_t len, st
     }
     if (!r->bad)
         return MOE_OK;
-    kvl_msg_clear(m);
+    kv_link_msg_clear(m);
     return moe_error_set(err, r->oom ? MOE_ERR_NOMEM : MOE_ERR_INVALID, "malformed %s: %s",
                          type_name(type), r->why);
 }
@@ -367,7 +367,7 @@ static bool split_hostport(const char *s, char *host, size_t cap, int *port)
 
 static int connect_to(const char *endpoint, double deadline, struct moe_error *err)
 {
-    char host[KVL_ENDPOINT_MAX], port_s[16];
+    char host[KV_LINK_ENDPOINT_MAX], port_s[16];
     int port;
     if (!split_hostport(endpoint, host, sizeof host, &port) || port == 0) {
         moe_error_set(err, MOE_ERR_INVALID, "KV endpoint '%.120s': not host:port", endpoint);
@@ -413,7 +413,7 @@ static enum moe_status send_msg(int fd, uint32_t type, const struct wbuf *b, dou
 {
     if (b->oom)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a KV link message");
-    struct wire_head h = {KVL_MAGIC, type, (uint32_t)b->n};
+    struct wire_head h = {KV_LINK_MAGIC, type, (uint32_t)b->n};
     enum moe_status rc = send_bytes(fd, &h, sizeof h, deadline, err);
     return rc ? rc : send_bytes(fd, b->p, b->n, deadline, err);
 }
@@ -422,13 +422,13 @@ static enum moe_status send_msg(int fd, uint32_t type, const struct wbuf *b, dou
 static enum moe_status recv_msg(int fd, uint32_t *type, uint8_t **body, size_t *len,
                                 double deadline, struct moe_error *err)
 {
-    uint8_t head[KVL_HEAD_BYTES];
+    uint8_t head[KV_LINK_HEAD_BYTES];
     uint32_t t, n;
     *body = NULL;
     *type = 0;
     *len = 0;
     enum moe_status rc = recv_bytes(fd, head, sizeof head, deadline, err);
-    if (rc || (rc = kvl_head_parse(head, &t, &n, err)))
+    if (rc || (rc = kv_link_head_parse(head, &t, &n, err)))
         return rc;
     if (!(*body = malloc(n ? n : 1)))
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
@@ -465,11 +465,11 @@ static enum moe_status recv_status(int fd, const char *endpoint, double deadline
     enum moe_status rc = recv_msg(fd, &type, &body, &len, deadline, err);
     if (rc)
         return moe_error_prefix(err, "KV endpoint %.120s", endpoint);
-    struct kvl_msg *m = malloc(sizeof *m);
+    struct kv_link_msg *m = malloc(sizeof *m);
     rc = !m                 ? moe_error_set(err, MOE_ERR_NOMEM, "out of memory")
          : type != T_STATUS ? moe_error_set(err, MOE_ERR_INVALID, "a %s message instead of STATUS",
                                             type_name(type))
-                            : kvl_msg_parse(type, body, len, m, err);
+                            : kv_link_msg_parse(type, body, len, m, err);
     free(body);
     if (rc) {
         free(m);
@@ -483,7 +483,7 @@ static enum moe_status recv_status(int fd, const char *endpoint, double deadline
     if (m->status != MOE_OK)
         rc = moe_error_set(err, (enum moe_status)m->status, "KV endpoint %.120s: %s", endpoint,
                            m->msg);
-    kvl_msg_clear(m);
+    kv_link_msg_clear(m);
     free(m);
     return rc;
 }
@@ -508,7 +508,7 @@ static enum moe_status call(const char *endpoint, uint32_t type, const struct wb
 /* ---- the link ----------------------------------------------------------------------- */
 
 struct expected {
-    char id[KVL_ID_MAX];
+    char id[KV_LINK_ID_MAX];
     int32_t *blocks;
     int n_blocks, n_tokens;
     double deadline;
@@ -522,7 +522,7 @@ struct expected {
  * the sending side. Its mutex makes the slices of the pair go one at a time,
  * in the same order on both sides, as NCCL's point-to-point matching needs. */
 struct pair {
-    char peer[KVL_ENDPOINT_MAX];
+    char peer[KV_LINK_ENDPOINT_MAX];
     bool sending;
     struct moe_comm *comm; /* NULL until the first slice, or after a failure */
     bool broken;           /* NCCL could not connect: this pair uses the socket */
@@ -530,11 +530,11 @@ struct pair {
     struct pair *next;
 };
 
-struct kvl {
-    struct kvl_opts o;
+struct kv_link {
+    struct kv_link_opts o;
     bool nccl;          /* payloads device to device when the peer agrees */
     struct pair *pairs; /* under mu */
-    char endpoint[KVL_ENDPOINT_MAX];
+    char endpoint[KV_LINK_ENDPOINT_MAX];
     int head_begin, head_end;
     int listen_fd;
     pthread_t acceptor;
@@ -550,26 +550,26 @@ struct kvl {
     bool stopping;
 };
 
-void kvl_heads(int n_kv_head, int tp_size, int tp_rank, int *begin, int *end)
+void kv_link_heads(int n_kv_head, int tp_size, int tp_rank, int *begin, int *end)
 {
     int per = n_kv_head / (tp_size > 0 ? tp_size : 1);
     *begin = tp_rank * per;
     *end = *begin + per;
 }
 
-const char *kvl_endpoint(const struct kvl *l)
+const char *kv_link_endpoint(const struct kv_link *l)
 {
     return l->endpoint;
 }
 
-void kvl_attach_kv(struct kvl *l, struct moe_kv_cache *kv)
+void kv_link_attach_kv(struct kv_link *l, struct moe_kv_cache *kv)
 {
     pthread_mutex_lock(&l->mu);
     l->kv = kv;
     pthread_mutex_unlock(&l->mu);
 }
 
-static struct expected *find_locked(struct kvl *l, const char *id)
+static struct expected *find_locked(struct kv_link *l, const char *id)
 {
     double now = moe_now();
     for (struct expected **p = &l->table; *p;) {
@@ -606,7 +606,7 @@ static enum moe_status check_blocks(const struct moe_kv_cache *kv, const char *w
     return MOE_OK;
 }
 
-static enum moe_status expect_local(struct kvl *l, const char *id, const int32_t *blocks,
+static enum moe_status expect_local(struct kv_link *l, const char *id, const int32_t *blocks,
                                     int n_blocks, int n_tokens, int ttl_ms, struct moe_error *err)
 {
     struct expected *e = calloc(1, sizeof *e);
@@ -637,7 +637,7 @@ static enum moe_status expect_local(struct kvl *l, const char *id, const int32_t
     return rc;
 }
 
-static void forget_local(struct kvl *l, const char *id, uint64_t *bytes, bool *complete)
+static void forget_local(struct kv_link *l, const char *id, uint64_t *bytes, bool *complete)
 {
     *bytes = 0;
     *complete = false;
@@ -663,9 +663,9 @@ static void forget_local(struct kvl *l, const char *id, uint64_t *bytes, bool *c
     pthread_mutex_unlock(&l->mu);
 }
 
-enum moe_status kvl_expect(struct kvl *l, const char *endpoint, const char *id,
-                           const int32_t *blocks, int n_blocks, int n_tokens, int ttl_ms,
-                           struct moe_error *err)
+enum moe_status kv_link_expect(struct kv_link *l, const char *endpoint, const char *id,
+                               const int32_t *blocks, int n_blocks, int n_tokens, int ttl_ms,
+                               struct moe_error *err)
 {
     if (!endpoint)
         return expect_local(l, id, blocks, n_blocks, n_tokens, ttl_ms, err);
@@ -679,8 +679,8 @@ enum moe_status kvl_expect(struct kvl *l, const char *endpoint, const char *id,
     return rc;
 }
 
-enum moe_status kvl_forget(struct kvl *l, const char *endpoint, const char *id, uint64_t *bytes,
-                           bool *complete, struct moe_error *err)
+enum moe_status kv_link_forget(struct kv_link *l, const char *endpoint, const char *id,
+                               uint64_t *bytes, bool *complete, struct moe_error *err)
 {
     if (!endpoint) {
         forget_local(l, id, bytes, complete);
@@ -703,8 +703,8 @@ enum copy_dir { TO_HOST, FROM_HOST, TO_STAGE, FROM_STAGE };
  * or V) between the cache and the token-major buffer `buf` (n x (he - hb) x
  * d_head): host memory, or a staging buffer in backend memory. Runs of whole
  * rows inside a block move in one copy; a part of a row moves row by row. */
-static void copy_rows(struct kvl *l, struct moe_kv_cache *kv, float *base, const int32_t *blocks,
-                      int n, int hb, int he, float *buf, enum copy_dir dir)
+static void copy_rows(struct kv_link *l, struct moe_kv_cache *kv, float *base,
+                      const int32_t *blocks, int n, int hb, int he, float *buf, enum copy_dir dir)
 {
     struct moe_backend *be = l->o.be;
     int dh = l->o.layout.d_head, bs = kv->block_size;
@@ -729,7 +729,7 @@ static void copy_rows(struct kvl *l, struct moe_kv_cache *kv, float *base, const
 }
 
 /* The pair with `peer` on this side (made on first use). */
-static struct pair *pair_get(struct kvl *l, const char *peer, bool sending)
+static struct pair *pair_get(struct kv_link *l, const char *peer, bool sending)
 {
     pthread_mutex_lock(&l->mu);
     struct pair *p = l->pairs;
@@ -749,7 +749,7 @@ static struct pair *pair_get(struct kvl *l, const char *peer, bool sending)
 /* Moves one layer's K or V payload (`bytes`) of a slice: over the socket
  * through the host buffer `host`, or over the pair's NCCL communicator
  * through the staging buffer `stage`. */
-static enum moe_status move_payload(struct kvl *l, int fd, struct pair *pr, bool sending,
+static enum moe_status move_payload(struct kv_link *l, int fd, struct pair *pr, bool sending,
                                     float *host, float *stage, size_t bytes, double deadline,
                                     struct moe_error *err)
 {
@@ -763,7 +763,7 @@ static enum moe_status move_payload(struct kvl *l, int fd, struct pair *pr, bool
 
 /* Both sides of a pair's first slice: the communicator, from the id the
  * sender made. */
-static enum moe_status pair_connect(struct kvl *l, struct pair *pr,
+static enum moe_status pair_connect(struct kv_link *l, struct pair *pr,
                                     const struct moe_comm_nccl_id *id, struct moe_error *err)
 {
     moe_comm_destroy(pr->comm);
@@ -778,7 +778,7 @@ static enum moe_status pair_connect(struct kvl *l, struct pair *pr,
  * communicator is up and NCCL carries the payload only if both are. A pair
  * that could not connect (e.g. both ranks on one GPU) falls back to the
  * socket for good. Returns whether NCCL carries this slice. */
-static bool pair_agree(struct kvl *l, int fd, struct pair *pr, bool init,
+static bool pair_agree(struct kv_link *l, int fd, struct pair *pr, bool init,
                        const struct moe_comm_nccl_id *id, double deadline)
 {
     bool up = true;
@@ -806,7 +806,7 @@ static bool pair_agree(struct kvl *l, int fd, struct pair *pr, bool init,
     return use;
 }
 
-static void unpin(struct kvl *l, struct expected *e, uint64_t bytes)
+static void unpin(struct kv_link *l, struct expected *e, uint64_t bytes)
 {
     pthread_mutex_lock(&l->mu);
     e->writers--;
@@ -816,8 +816,8 @@ static void unpin(struct kvl *l, struct expected *e, uint64_t bytes)
     pthread_mutex_unlock(&l->mu);
 }
 
-/* The receiving side of one SLICE whose header is `m` (decoded by kvl_msg_parse). */
-static void serve_slice(struct kvl *l, int fd, const struct kvl_msg *m)
+/* The receiving side of one SLICE whose header is `m` (decoded by kv_link_msg_parse). */
+static void serve_slice(struct kv_link *l, int fd, const struct kv_link_msg *m)
 {
     double deadline = moe_now() + l->o.io_timeout_ms / 1e3; /* for refusals */
     char msg[512] = "";
@@ -904,9 +904,10 @@ static void serve_slice(struct kvl *l, int fd, const struct kvl_msg *m)
 }
 
 /* Sends heads [hb, he) of `p` to one target. */
-static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const struct kvl_push *p,
-                                const struct kvl_target *t, int hb, int he, double deadline,
-                                uint64_t *bytes, struct moe_error *err)
+static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
+                                const struct kv_link_push *p, const struct kv_link_target *t,
+                                int hb, int he, double deadline, uint64_t *bytes,
+                                struct moe_error *err)
 {
     struct pair *pr = l->nccl ? pair_get(l, t->endpoint, true) : NULL;
     if (pr) {
@@ -1011,8 +1012,8 @@ static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const st
     return rc;
 }
 
-enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *bytes,
-                         struct moe_error *err)
+enum moe_status kv_link_push(struct kv_link *l, const struct kv_link_push *p, uint64_t *bytes,
+                             struct moe_error *err)
 {
     *bytes = 0;
     double deadline = moe_now() + p->deadline_ms / 1e3;
@@ -1033,7 +1034,7 @@ enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *byte
     if (st)
         return st;
     for (int i = 0; i < p->n_targets; i++) {
-        const struct kvl_target *t = &p->targets[i];
+        const struct kv_link_target *t = &p->targets[i];
         int hb = t->head_begin > l->head_begin ? t->head_begin : l->head_begin;
         int he = t->head_end < l->head_end ? t->head_end : l->head_end;
         if (hb >= he)
@@ -1047,7 +1048,7 @@ enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *byte
 
 /* ---- orders ------------------------------------------------------------------------- */
 
-static void put_push(struct wbuf *b, const struct kvl_push *p)
+static void put_push(struct wbuf *b, const struct kv_link_push *p)
 {
     put_str(b, p->id);
     put_i32(b, p->n_tokens);
@@ -1063,9 +1064,9 @@ static void put_push(struct wbuf *b, const struct kvl_push *p)
     }
 }
 
-struct kvl_order {
-    struct kvl *l;
-    char endpoint[KVL_ENDPOINT_MAX];
+struct kv_link_order {
+    struct kv_link *l;
+    char endpoint[KV_LINK_ENDPOINT_MAX];
     struct wbuf msg;
     int timeout_ms;
     pthread_t th;
@@ -1076,16 +1077,17 @@ struct kvl_order {
 
 static void *order_main(void *arg)
 {
-    struct kvl_order *o = arg;
+    struct kv_link_order *o = arg;
     o->rc = call(o->endpoint, T_ORDER, &o->msg, o->timeout_ms, &o->bytes, NULL, &o->err);
     return NULL;
 }
 
-enum moe_status kvl_order_start(struct kvl *l, const char *endpoint, const struct kvl_push *p,
-                                struct kvl_order **out, struct moe_error *err)
+enum moe_status kv_link_order_start(struct kv_link *l, const char *endpoint,
+                                    const struct kv_link_push *p, struct kv_link_order **out,
+                                    struct moe_error *err)
 {
     *out = NULL;
-    struct kvl_order *o = calloc(1, sizeof *o);
+    struct kv_link_order *o = calloc(1, sizeof *o);
     if (!o)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     o->l = l;
@@ -1103,7 +1105,7 @@ enum moe_status kvl_order_start(struct kvl *l, const char *endpoint, const struc
     return MOE_OK;
 }
 
-enum moe_status kvl_order_wait(struct kvl_order *o, uint64_t *bytes, struct moe_error *err)
+enum moe_status kv_link_order_wait(struct kv_link_order *o, uint64_t *bytes, struct moe_error *err)
 {
     pthread_join(o->th, NULL);
     enum moe_status rc = o->rc;
@@ -1115,18 +1117,18 @@ enum moe_status kvl_order_wait(struct kvl_order *o, uint64_t *bytes, struct moe_
     return rc;
 }
 
-static void serve_order(struct kvl *l, int fd, const struct kvl_msg *m, double io_deadline)
+static void serve_order(struct kv_link *l, int fd, const struct kv_link_msg *m, double io_deadline)
 {
-    struct kvl_push p = {.id = m->id,
-                         .src_blocks = m->src_blocks,
-                         .n_src_blocks = m->n_src_blocks,
-                         .n_tokens = m->n_tokens,
-                         .dst_blocks = m->blocks,
-                         .n_dst_blocks = m->n_blocks,
-                         .dst_block_size = m->dst_block_size,
-                         .targets = m->targets,
-                         .n_targets = m->n_targets,
-                         .deadline_ms = m->deadline_ms};
+    struct kv_link_push p = {.id = m->id,
+                             .src_blocks = m->src_blocks,
+                             .n_src_blocks = m->n_src_blocks,
+                             .n_tokens = m->n_tokens,
+                             .dst_blocks = m->blocks,
+                             .n_dst_blocks = m->n_blocks,
+                             .dst_block_size = m->dst_block_size,
+                             .targets = m->targets,
+                             .n_targets = m->n_targets,
+                             .deadline_ms = m->deadline_ms};
     struct moe_error err = {0};
     uint64_t bytes = 0;
     enum moe_status st;
@@ -1134,7 +1136,7 @@ static void serve_order(struct kvl *l, int fd, const struct kvl_msg *m, double i
         st = moe_error_set(&err, MOE_ERR_INVALID, "malformed ORDER: 'deadline_ms' %d is not >= 1",
                            p.deadline_ms);
     else
-        st = kvl_push(l, &p, &bytes, &err);
+        st = kv_link_push(l, &p, &bytes, &err);
     double deadline = moe_now() + l->o.io_timeout_ms / 1e3;
     send_status(fd, st, bytes, false, st ? err.msg : "",
                 deadline > io_deadline ? deadline : io_deadline);
@@ -1143,23 +1145,23 @@ static void serve_order(struct kvl *l, int fd, const struct kvl_msg *m, double i
 /* ---- server ------------------------------------------------------------------------- */
 
 struct conn {
-    struct kvl *l;
+    struct kv_link *l;
     int fd;
 };
 
 static void *conn_main(void *arg)
 {
     struct conn *c = arg;
-    struct kvl *l = c->l;
+    struct kv_link *l = c->l;
     double deadline = moe_now() + l->o.io_timeout_ms / 1e3;
     uint32_t type = 0;
     uint8_t *body = NULL;
     size_t len = 0;
     struct moe_error err = {0};
-    struct kvl_msg *m = NULL;
+    struct kv_link_msg *m = NULL;
     if (recv_msg(c->fd, &type, &body, &len, deadline, &err) == MOE_OK) {
         enum moe_status st = (m = malloc(sizeof *m))
-                                 ? kvl_msg_parse(type, body, len, m, &err)
+                                 ? kv_link_msg_parse(type, body, len, m, &err)
                                  : moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
         switch (st ? 0 : type) {
         case T_EXPECT:
@@ -1182,7 +1184,7 @@ static void *conn_main(void *arg)
         default: send_status(c->fd, st, 0, false, err.msg, deadline);
         }
     }
-    kvl_msg_clear(m);
+    kv_link_msg_clear(m);
     free(m);
     free(body);
     close(c->fd);
@@ -1196,7 +1198,7 @@ static void *conn_main(void *arg)
 
 static void *accept_main(void *arg)
 {
-    struct kvl *l = arg;
+    struct kv_link *l = arg;
     for (;;) {
         struct pollfd p = {.fd = l->listen_fd, .events = POLLIN};
         int prc = poll(&p, 1, 100);
@@ -1238,25 +1240,26 @@ static void *accept_main(void *arg)
     return NULL;
 }
 
-enum moe_status kvl_create(const struct kvl_opts *o, struct kvl **out, struct moe_error *err)
+enum moe_status kv_link_create(const struct kv_link_opts *o, struct kv_link **out,
+                               struct moe_error *err)
 {
     *out = NULL;
-    const struct kvl_layout *lay = &o->layout;
+    const struct kv_link_layout *lay = &o->layout;
     if (lay->tp_size < 1 || lay->n_kv_head % lay->tp_size || lay->tp_rank < 0 ||
         lay->tp_rank >= lay->tp_size)
         return moe_error_set(err, MOE_ERR_INVALID, "KV link: %d KV heads over tp %d (rank %d)",
                              lay->n_kv_head, lay->tp_size, lay->tp_rank);
-    char host[KVL_ENDPOINT_MAX];
+    char host[KV_LINK_ENDPOINT_MAX];
     int port;
     if (!split_hostport(o->listen, host, sizeof host, &port))
         return moe_error_set(err, MOE_ERR_INVALID, "--kv-listen '%s': not host:port", o->listen);
-    struct kvl *l = calloc(1, sizeof *l);
+    struct kv_link *l = calloc(1, sizeof *l);
     if (!l)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     l->o = *o;
     if (l->o.io_timeout_ms <= 0)
         l->o.io_timeout_ms = 5000;
-    kvl_heads(lay->n_kv_head, lay->tp_size, lay->tp_rank, &l->head_begin, &l->head_end);
+    kv_link_heads(lay->n_kv_head, lay->tp_size, lay->tp_rank, &l->head_begin, &l->head_end);
     l->nccl = o->nccl && o->be->device == MOE_DEVICE_CUDA;
     /* test-only hooks, armed by MOE_TEST_FAULTS=1 alone (test_fault.h) */
     l->fault_delay_ms = moe_fault_int("MOE_FAULT_TRANSFER_DELAY_MS", 0);
@@ -1301,7 +1304,7 @@ enum moe_status kvl_create(const struct kvl_opts *o, struct kvl **out, struct mo
     int bound = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
                                                : ((struct sockaddr_in *)&ss)->sin_port);
     const char *adv = o->advertise_host ? o->advertise_host : host;
-    char name[KVL_ENDPOINT_MAX];
+    char name[KV_LINK_ENDPOINT_MAX];
     if (!adv[0] || !strcmp(adv, "0.0.0.0") || !strcmp(adv, "::") || !strcmp(adv, "[::]")) {
         if (gethostname(name, sizeof name))
             snprintf(name, sizeof name, "localhost");
@@ -1319,11 +1322,11 @@ enum moe_status kvl_create(const struct kvl_opts *o, struct kvl **out, struct mo
     *out = l;
     return MOE_OK;
 fail:
-    kvl_destroy(l);
+    kv_link_destroy(l);
     return err->code;
 }
 
-void kvl_destroy(struct kvl *l)
+void kv_link_destroy(struct kv_link *l)
 {
     if (!l)
         return;

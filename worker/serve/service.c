@@ -9,7 +9,7 @@
 #include <unistd.h>
 
 #include "engine/generate.h"
-#include "disagg/kv_transfer.h"
+#include "disagg/kv_handoff.h"
 #include "moe/v1/worker.pb-c.h"
 #include "request_check.h"
 #include "rpc.h"
@@ -29,7 +29,7 @@ struct req {
     bool want_logprobs;
     int n_out;     /* tokens of the output so far (incl. handed-off ones) */
     int n_emitted; /* tokens this worker sent */
-    char handoff_id[KVX_ID_MAX];
+    char handoff_id[KV_HANDOFF_ID_MAX];
     struct req *prev, *next;
 };
 
@@ -43,7 +43,7 @@ struct worker_service {
     char dtype_name[16];
     int world_size, tp_size, role;
     struct moe_group *group;
-    struct kvx *kvx; /* KV handoff table (NULL: no backend given) */
+    struct kv_handoff *handoffs; /* KV handoff table (NULL: no backend given) */
 
     pthread_t thread;
     bool thread_started;
@@ -121,12 +121,12 @@ static void on_token(void *user, const struct moe_token_event *ev)
     char stop_reason[64] = "";
     enum rpc_code code = RPC_OK;
     const char *status_msg = NULL;
-    bool parked = ev->parked && ws->kvx;
+    bool parked = ev->parked && ws->handoffs;
     if (ev->parked) {
         /* Prefill done: hand the sequence to the table; the stream ends OK
          * without a finish reason, with this side's timings. */
-        if (ws->kvx)
-            kvx_on_parked(ws->kvx, r->handoff_id, ev->parked);
+        if (ws->handoffs)
+            kv_handoff_on_parked(ws->handoffs, r->handoff_id, ev->parked);
         else
             moe_engine_abort(ws->engine, r->id);
         double t_adm = ev->t_admitted > 0 ? ev->t_admitted : now;
@@ -225,8 +225,8 @@ static void *engine_thread(void *arg)
         if (stop)
             break;
         check_deadlines(ws);
-        if (ws->kvx)
-            kvx_tick(ws->kvx);
+        if (ws->handoffs)
+            kv_handoff_tick(ws->handoffs);
         int n_tok = 0;
         if (moe_engine_step(ws->engine, &n_tok, &err) != MOE_OK)
             fprintf(stderr, "moe-worker: step failed (requests of that batch ended): %s\n",
@@ -299,7 +299,7 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
         snprintf(msg, sizeof msg, "request: not a valid WorkerGenerateRequest message");
         goto fail;
     }
-    if ((rq->prefill_only || rq->handoff_id[0]) && !ws->kvx) {
+    if ((rq->prefill_only || rq->handoff_id[0]) && !ws->handoffs) {
         code = RPC_UNIMPLEMENTED;
         snprintf(msg, sizeof msg,
                  "prefill_only / handoff_id: this worker cannot hand off KV (started "
@@ -311,9 +311,9 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
         snprintf(msg, sizeof msg, "handoff_id: required with prefill_only");
         goto fail;
     }
-    if (strlen(rq->handoff_id) >= KVX_ID_MAX) {
+    if (strlen(rq->handoff_id) >= KV_HANDOFF_ID_MAX) {
         code = RPC_INVALID_ARGUMENT;
-        snprintf(msg, sizeof msg, "handoff_id: longer than %d bytes", KVX_ID_MAX - 1);
+        snprintf(msg, sizeof msg, "handoff_id: longer than %d bytes", KV_HANDOFF_ID_MAX - 1);
         goto fail;
     }
     if (strlen(rq->request_id) > MOE_REQ_MAX_ID_LEN) {
@@ -354,11 +354,11 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
     to_engine_params(rq->sampling, n_prompt, ws->cfg->max_pos, &p);
     p.prefill_only = rq->prefill_only;
     snprintf(r->handoff_id, sizeof r->handoff_id, "%s", rq->handoff_id);
-    struct kvx_claim claim = {0};
+    struct kv_handoff_claim claim = {0};
     bool import = rq->handoff_id[0] && !rq->prefill_only;
     if (import) {
         /* The KV arrived by handoff: continue after its generated tokens. */
-        code = kvx_claim(ws->kvx, rq->handoff_id, &claim, msg, sizeof msg);
+        code = kv_handoff_claim(ws->handoffs, rq->handoff_id, &claim, msg, sizeof msg);
         if (code == RPC_OK && (claim.n_prompt != n_prompt ||
                                memcmp(claim.tokens, prompt, (size_t)n_prompt * sizeof *prompt))) {
             code = RPC_INVALID_ARGUMENT;
@@ -479,9 +479,9 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
     load.role = ws->role ? (Moe__V1__WorkerRole)ws->role : MOE__V1__WORKER_ROLE__WORKER_ROLE_MIXED;
     load.spec_draft_tokens = (uint64_t)st.spec_draft_tokens;
     load.spec_accepted_tokens = (uint64_t)st.spec_accepted_tokens;
-    if (ws->kvx) {
-        struct kvx_counters kc;
-        kvx_counters(ws->kvx, &kc);
+    if (ws->handoffs) {
+        struct kv_handoff_counters kc;
+        kv_handoff_counters(ws->handoffs, &kc);
         load.kv_transfers_out = kc.transfers_out;
         load.kv_transfers_in = kc.transfers_in;
         load.kv_transfer_bytes_out = kc.bytes_out;
@@ -603,17 +603,18 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
         (rc = rpc_health_register(ws->server, err)))
         goto fail;
     if (opts->be && opts->kv_link) {
-        struct kvx_opts ko = {.engine = engine,
-                              .link = opts->kv_link,
-                              .endpoints = opts->kv_endpoints,
-                              .world_size = ws->world_size,
-                              .tp_size = ws->tp_size,
-                              .n_kv_head = ws->cfg->n_kv_head,
-                              .d_head = ws->cfg->d_head,
-                              .ttl_ms = opts->handoff_ttl_ms,
-                              .wake = wake_engine,
-                              .wake_user = ws};
-        if ((rc = kvx_create(&ko, &ws->kvx, err)) || (rc = kvx_register(ws->kvx, ws->server, err)))
+        struct kv_handoff_opts ko = {.engine = engine,
+                                     .link = opts->kv_link,
+                                     .endpoints = opts->kv_endpoints,
+                                     .world_size = ws->world_size,
+                                     .tp_size = ws->tp_size,
+                                     .n_kv_head = ws->cfg->n_kv_head,
+                                     .d_head = ws->cfg->d_head,
+                                     .ttl_ms = opts->handoff_ttl_ms,
+                                     .wake = wake_engine,
+                                     .wake_user = ws};
+        if ((rc = kv_handoff_create(&ko, &ws->handoffs, err)) ||
+            (rc = kv_handoff_register(ws->handoffs, ws->server, err)))
             goto fail;
     }
     if (pthread_create(&ws->thread, NULL, engine_thread, ws)) {
@@ -653,9 +654,9 @@ int worker_service_in_flight(struct worker_service *ws)
     return n;
 }
 
-struct kvx *worker_service_kvx(struct worker_service *ws)
+struct kv_handoff *worker_service_kvx(struct worker_service *ws)
 {
-    return ws->kvx;
+    return ws->handoffs;
 }
 
 bool worker_service_draining(struct worker_service *ws)
@@ -678,7 +679,7 @@ void worker_service_destroy(struct worker_service *ws, int grace_ms)
             moe_engine_abort(ws->engine, r->id);
         pthread_mutex_unlock(&ws->mu);
     }
-    kvx_shutdown(ws->kvx);
+    kv_handoff_shutdown(ws->handoffs);
     if (ws->server)
         rpc_server_destroy(ws->server, grace_ms);
     if (ws->thread_started) {
@@ -688,7 +689,7 @@ void worker_service_destroy(struct worker_service *ws, int grace_ms)
         pthread_mutex_unlock(&ws->mu);
         pthread_join(ws->thread, NULL);
     }
-    kvx_destroy(ws->kvx);
+    kv_handoff_destroy(ws->handoffs);
     pthread_mutex_destroy(&ws->mu);
     pthread_cond_destroy(&ws->wake);
     free(ws);

@@ -7,7 +7,7 @@
 #include <time.h>
 
 #include "http_server.h"
-#include "disagg/kv_transfer.h"
+#include "disagg/kv_handoff.h"
 #include "metrics.h"
 #include "serve/service.h"
 #include "clock.h"
@@ -152,10 +152,10 @@ static void collect(void *user, struct moe_metrics_out *out)
         }
     }
 
-    struct kvx *kvx = worker_service_kvx(wm->ws);
-    if (kvx) {
-        struct kvx_counters kc;
-        kvx_counters(kvx, &kc);
+    struct kv_handoff *handoffs = worker_service_kvx(wm->ws);
+    if (handoffs) {
+        struct kv_handoff_counters kc;
+        kv_handoff_counters(handoffs, &kc);
         moe_metrics_out_family(out, "moe_kv_transfers_total", "counter",
                                "KV handoffs sent (out, acknowledged) and received (in).");
         moe_metrics_out_sample(out, "moe_kv_transfers_total", "direction=\"out\"",

@@ -28,11 +28,11 @@
  * coordinator never leaks blocks. SENDING is bounded by the send deadline,
  * RESERVING and RECEIVING by the data plane's socket timeouts. Before a
  * decode group frees reserved blocks, every rank confirms that no write into
- * them is running (kvl_forget), so a late slice never lands in reused blocks.
+ * them is running (kv_link_forget), so a late slice never lands in reused blocks.
  *
- * Fault injection (tests): see kvl_push. */
-#ifndef MOE_KV_TRANSFER_H
-#define MOE_KV_TRANSFER_H
+ * Fault injection (tests): see kv_link_push. */
+#ifndef MOE_KV_HANDOFF_H
+#define MOE_KV_HANDOFF_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -45,30 +45,30 @@
 #include "moe_error.h"
 #include "rpc.h"
 
-#define KVX_ID_MAX 200
+#define KV_HANDOFF_ID_MAX 200
 
-enum kvx_state {
+enum kv_handoff_state {
     /* prefill side */
-    KVX_PREFILLED = 1, /* parked, waiting for KvSend */
-    KVX_SENDING,       /* pushing chunks */
-    KVX_DONE,          /* acknowledged by the receiver; blocks freed */
-    KVX_FAILED,        /* gave up (either side); blocks freed */
-    KVX_EXPIRED,       /* deadline passed (either side); blocks freed */
+    KV_HANDOFF_PREFILLED = 1, /* parked, waiting for KvSend */
+    KV_HANDOFF_SENDING,       /* pushing chunks */
+    KV_HANDOFF_DONE,          /* acknowledged by the receiver; blocks freed */
+    KV_HANDOFF_FAILED,        /* gave up (either side); blocks freed */
+    KV_HANDOFF_EXPIRED,       /* deadline passed (either side); blocks freed */
     /* decode side */
-    KVX_RESERVING, /* the engine is reserving blocks */
-    KVX_RESERVED,  /* blocks held, no data yet */
-    KVX_RECEIVING, /* some layers written */
-    KVX_COMPLETE,  /* every layer and the sequence state arrived */
-    KVX_CLAIMED,   /* a Generate took it over */
+    KV_HANDOFF_RESERVING, /* the engine is reserving blocks */
+    KV_HANDOFF_RESERVED,  /* blocks held, no data yet */
+    KV_HANDOFF_RECEIVING, /* some layers written */
+    KV_HANDOFF_COMPLETE,  /* every layer and the sequence state arrived */
+    KV_HANDOFF_CLAIMED,   /* a Generate took it over */
 };
 
-const char *kvx_state_name(enum kvx_state s);
+const char *kv_handoff_state_name(enum kv_handoff_state s);
 
-struct kvx_opts {
+struct kv_handoff_opts {
     struct moe_engine *engine; /* borrowed */
-    struct kvl *link;          /* borrowed: this rank's KV data plane */
+    struct kv_link *link;      /* borrowed: this rank's KV data plane */
     /* the KV endpoints of the group's ranks, by rank (world_size x
-     * KVL_ENDPOINT_MAX chars; copied) */
+     * KV_LINK_ENDPOINT_MAX chars; copied) */
     const char *endpoints;
     int world_size; /* 0 = 1 */
     int tp_size;    /* 0 = 1 */
@@ -78,7 +78,7 @@ struct kvx_opts {
     void *wake_user;
 };
 
-struct kvx_counters {
+struct kv_handoff_counters {
     uint64_t transfers_out; /* handoffs sent and acknowledged */
     uint64_t transfers_in;  /* handoffs received completely */
     uint64_t bytes_out;
@@ -88,7 +88,7 @@ struct kvx_counters {
 };
 
 /* A completed handoff taken over by a decode request. */
-struct kvx_claim {
+struct kv_handoff_claim {
     uint64_t reservation; /* engine reservation key */
     int n_prompt;
     int n_tokens;
@@ -96,37 +96,39 @@ struct kvx_claim {
     struct moe_rng rng;
 };
 
-struct kvx;
+struct kv_handoff;
 
 /* Creates an empty table. Returns MOE_OK or MOE_ERR_NOMEM. */
-enum moe_status kvx_create(const struct kvx_opts *opts, struct kvx **out, struct moe_error *err);
+enum moe_status kv_handoff_create(const struct kv_handoff_opts *opts, struct kv_handoff **out,
+                                  struct moe_error *err);
 
 /* Registers /moe.v1.Worker/KvReserve, KvTransfer, KvSend and KvRelease. */
-enum moe_status kvx_register(struct kvx *x, struct rpc_server *server, struct moe_error *err);
+enum moe_status kv_handoff_register(struct kv_handoff *x, struct rpc_server *server,
+                                    struct moe_error *err);
 
 /* Prefill side, engine thread (from the token callback): the sequence of
  * handoff `id` was parked. Copies what it needs from `ex`. A duplicate id
  * releases the new sequence at once. */
-void kvx_on_parked(struct kvx *x, const char *id, const struct moe_seq_export *ex);
+void kv_handoff_on_parked(struct kv_handoff *x, const char *id, const struct moe_seq_export *ex);
 
 /* Decode side: takes over the COMPLETE handoff `id` (the table forgets it;
  * the caller owns out->tokens and the engine reservation). Returns RPC_OK,
  * or NOT_FOUND / FAILED_PRECONDITION with msg set. */
-enum rpc_code kvx_claim(struct kvx *x, const char *id, struct kvx_claim *out, char *msg,
-                        size_t cap);
+enum rpc_code kv_handoff_claim(struct kv_handoff *x, const char *id, struct kv_handoff_claim *out,
+                               char *msg, size_t cap);
 
 /* Expires handoffs whose deadline passed (call often, e.g. from the engine
  * loop). */
-void kvx_tick(struct kvx *x);
+void kv_handoff_tick(struct kv_handoff *x);
 
-void kvx_counters(struct kvx *x, struct kvx_counters *out);
+void kv_handoff_counters(struct kv_handoff *x, struct kv_handoff_counters *out);
 
 /* Makes senders stop at their next chunk (before the server shuts down). */
-void kvx_shutdown(struct kvx *x);
+void kv_handoff_shutdown(struct kv_handoff *x);
 
 /* Waits for the sender and control threads and frees the table (the engine's blocks are
  * not touched: call before destroying the engine, after its thread ended).
  * NULL is a no-op. */
-void kvx_destroy(struct kvx *x);
+void kv_handoff_destroy(struct kv_handoff *x);
 
 #endif

@@ -1,4 +1,4 @@
-/* The KV handoff table and its RPCs. See kv_transfer.h for the protocol.
+/* The KV handoff table and its RPCs. See kv_handoff.h for the protocol.
  *
  * Locking: x->mu guards the table, the counters and every handoff field.
  * While a handoff is SENDING only its sender may free it, while RESERVING or
@@ -7,7 +7,7 @@
  * they are safe under x->mu, also from the engine thread. Network calls to
  * the group's ranks (expect, forget) run on the control thread, never under
  * x->mu and never on the engine thread. */
-#include "disagg/kv_transfer.h"
+#include "disagg/kv_handoff.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -19,15 +19,15 @@
 #include "engine/generate.h"
 #include "moe/v1/worker.pb-c.h"
 
-#define KVX_DEFAULT_TTL_MS 30000
-#define KVX_DEFAULT_SEND_MS 10000
-#define KVX_CALL_TIMEOUT_MS 5000
-#define KVX_ABORT_TIMEOUT_MS 500
-#define KVX_MAX_PEERS 32
+#define KV_HANDOFF_DEFAULT_TTL_MS 30000
+#define KV_HANDOFF_DEFAULT_SEND_MS 10000
+#define KV_HANDOFF_CALL_TIMEOUT_MS 5000
+#define KV_HANDOFF_ABORT_TIMEOUT_MS 500
+#define KV_HANDOFF_MAX_PEERS 32
 
 struct handoff {
-    char id[KVX_ID_MAX];
-    enum kvx_state state;
+    char id[KV_HANDOFF_ID_MAX];
+    enum kv_handoff_state state;
     bool prefill;           /* the sending side */
     double deadline;        /* moe_now() seconds */
     bool release_requested; /* SENDING / RESERVING / RECEIVING: stop and free when you can */
@@ -61,9 +61,9 @@ struct job {
     struct job *next;
 };
 
-struct kvx {
-    struct kvx_opts o;
-    char *endpoints; /* (world_size x KVL_ENDPOINT_MAX) */
+struct kv_handoff {
+    struct kv_handoff_opts o;
+    char *endpoints; /* (world_size x KV_LINK_ENDPOINT_MAX) */
     int block_size;
     int n_layer;
 
@@ -74,7 +74,7 @@ struct kvx {
     int n_senders;
     bool stopping; /* no new handoffs; running ones are answered */
     bool exiting;  /* the control thread ends once its queue is empty */
-    struct kvx_counters c;
+    struct kv_handoff_counters c;
     struct job *jobs, **jobs_tail;
     pthread_t control;
     bool control_live;
@@ -82,13 +82,13 @@ struct kvx {
     struct {
         char target[300];
         struct rpc_client *cl;
-    } peers[KVX_MAX_PEERS];
+    } peers[KV_HANDOFF_MAX_PEERS];
     int n_peers;
 };
 
 /* The cached channel to `target`, or a new one; *owned tells whether the
  * caller must destroy it (only when the cache is full). */
-static struct rpc_client *peer_client(struct kvx *x, const char *target, bool *owned,
+static struct rpc_client *peer_client(struct kv_handoff *x, const char *target, bool *owned,
                                       struct moe_error *err)
 {
     *owned = false;
@@ -100,7 +100,7 @@ static struct rpc_client *peer_client(struct kvx *x, const char *target, bool *o
             return cl;
         }
     struct rpc_client *cl = rpc_client_create(target, NULL, err);
-    if (cl && x->n_peers < KVX_MAX_PEERS) {
+    if (cl && x->n_peers < KV_HANDOFF_MAX_PEERS) {
         snprintf(x->peers[x->n_peers].target, sizeof x->peers[0].target, "%s", target);
         x->peers[x->n_peers++].cl = cl;
     } else if (cl) {
@@ -111,24 +111,24 @@ static struct rpc_client *peer_client(struct kvx *x, const char *target, bool *o
 }
 
 /* Rank r's KV endpoint, or NULL for this process (rank 0). */
-static const char *rank_endpoint(const struct kvx *x, int r)
+static const char *rank_endpoint(const struct kv_handoff *x, int r)
 {
-    return r == 0 ? NULL : x->endpoints + (size_t)r * KVL_ENDPOINT_MAX;
+    return r == 0 ? NULL : x->endpoints + (size_t)r * KV_LINK_ENDPOINT_MAX;
 }
 
-const char *kvx_state_name(enum kvx_state s)
+const char *kv_handoff_state_name(enum kv_handoff_state s)
 {
     switch (s) {
-    case KVX_PREFILLED: return "PREFILLED";
-    case KVX_SENDING: return "SENDING";
-    case KVX_DONE: return "DONE";
-    case KVX_FAILED: return "FAILED";
-    case KVX_EXPIRED: return "EXPIRED";
-    case KVX_RESERVING: return "RESERVING";
-    case KVX_RESERVED: return "RESERVED";
-    case KVX_RECEIVING: return "RECEIVING";
-    case KVX_COMPLETE: return "COMPLETE";
-    case KVX_CLAIMED: return "CLAIMED";
+    case KV_HANDOFF_PREFILLED: return "PREFILLED";
+    case KV_HANDOFF_SENDING: return "SENDING";
+    case KV_HANDOFF_DONE: return "DONE";
+    case KV_HANDOFF_FAILED: return "FAILED";
+    case KV_HANDOFF_EXPIRED: return "EXPIRED";
+    case KV_HANDOFF_RESERVING: return "RESERVING";
+    case KV_HANDOFF_RESERVED: return "RESERVED";
+    case KV_HANDOFF_RECEIVING: return "RECEIVING";
+    case KV_HANDOFF_COMPLETE: return "COMPLETE";
+    case KV_HANDOFF_CLAIMED: return "CLAIMED";
     }
     return "?";
 }
@@ -144,13 +144,13 @@ static void finish_msg(struct rpc_call *call, const ProtobufCMessage *msg)
     free(out);
 }
 
-static void wake(struct kvx *x)
+static void wake(struct kv_handoff *x)
 {
     if (x->o.wake)
         x->o.wake(x->o.wake_user);
 }
 
-static struct handoff *find_locked(struct kvx *x, const char *id, bool prefill)
+static struct handoff *find_locked(struct kv_handoff *x, const char *id, bool prefill)
 {
     for (struct handoff *h = x->list; h; h = h->next)
         if (h->prefill == prefill && !strcmp(h->id, id))
@@ -158,7 +158,7 @@ static struct handoff *find_locked(struct kvx *x, const char *id, bool prefill)
     return NULL;
 }
 
-static struct handoff *find_key_locked(struct kvx *x, uint64_t key)
+static struct handoff *find_key_locked(struct kv_handoff *x, uint64_t key)
 {
     for (struct handoff *h = x->list; h; h = h->next)
         if (!h->prefill && h->key == key)
@@ -176,7 +176,7 @@ static void handoff_free(struct handoff *h)
 }
 
 /* Unlinks and frees h; caller holds x->mu. */
-static void remove_locked(struct kvx *x, struct handoff *h)
+static void remove_locked(struct kv_handoff *x, struct handoff *h)
 {
     for (struct handoff **p = &x->list; *p; p = &(*p)->next)
         if (*p == h) {
@@ -186,13 +186,13 @@ static void remove_locked(struct kvx *x, struct handoff *h)
     handoff_free(h);
 }
 
-static void push_locked(struct kvx *x, struct handoff *h)
+static void push_locked(struct kv_handoff *x, struct handoff *h)
 {
     h->next = x->list;
     x->list = h;
 }
 
-static void queue_job_locked(struct kvx *x, enum job_kind kind, struct handoff *h)
+static void queue_job_locked(struct kv_handoff *x, enum job_kind kind, struct handoff *h)
 {
     struct job *j = malloc(sizeof *j);
     if (!j) { /* cannot happen in practice; keep the blocks rather than risk a late write */
@@ -211,7 +211,7 @@ static void queue_job_locked(struct kvx *x, enum job_kind kind, struct handoff *
 }
 
 /* Unlinks h from the table without freeing it; caller holds x->mu. */
-static void unlink_locked(struct kvx *x, struct handoff *h)
+static void unlink_locked(struct kv_handoff *x, struct handoff *h)
 {
     for (struct handoff **p = &x->list; *p; p = &(*p)->next)
         if (*p == h) {
@@ -223,7 +223,7 @@ static void unlink_locked(struct kvx *x, struct handoff *h)
 /* Gives up h and frees its engine side: the parked sequence at once; a
  * reservation once every rank confirmed it writes no more into it (on the
  * control thread). Caller holds x->mu; h leaves the table. */
-static void drop_locked(struct kvx *x, struct handoff *h, enum kvx_state why)
+static void drop_locked(struct kv_handoff *x, struct handoff *h, enum kv_handoff_state why)
 {
     h->state = why;
     if (h->prefill) {
@@ -243,19 +243,19 @@ static void drop_locked(struct kvx *x, struct handoff *h, enum kvx_state why)
 /* ---- the control thread: network calls to the group's ranks --------------------------- */
 
 /* Tells every rank to expect h; on failure forgets it where it was told. */
-static enum moe_status announce(struct kvx *x, struct handoff *h, struct moe_error *err)
+static enum moe_status announce(struct kv_handoff *x, struct handoff *h, struct moe_error *err)
 {
     /* the ranks' entries outlive the RESERVED deadline (set after this) */
     int ttl = x->o.ttl_ms + 1000;
     for (int r = 0; r < x->o.world_size; r++) {
-        enum moe_status rc = kvl_expect(x->o.link, rank_endpoint(x, r), h->id, h->blocks,
-                                        h->n_blocks, h->n_kv, ttl, err);
+        enum moe_status rc = kv_link_expect(x->o.link, rank_endpoint(x, r), h->id, h->blocks,
+                                            h->n_blocks, h->n_kv, ttl, err);
         if (rc) {
             for (int q = 0; q < r; q++) {
                 uint64_t b;
                 bool c;
                 struct moe_error ignored = {0};
-                kvl_forget(x->o.link, rank_endpoint(x, q), h->id, &b, &c, &ignored);
+                kv_link_forget(x->o.link, rank_endpoint(x, q), h->id, &b, &c, &ignored);
             }
             return moe_error_prefix(err, "telling rank %d to expect the handoff", r);
         }
@@ -266,8 +266,8 @@ static enum moe_status announce(struct kvx *x, struct handoff *h, struct moe_err
 /* Forgets h on every rank: *bytes written in all, *complete when every rank
  * got every row. A rank that cannot be asked fails the whole (its writes are
  * bounded by its own socket timeouts). */
-static enum moe_status forget_all(struct kvx *x, struct handoff *h, uint64_t *bytes, bool *complete,
-                                  struct moe_error *err)
+static enum moe_status forget_all(struct kv_handoff *x, struct handoff *h, uint64_t *bytes,
+                                  bool *complete, struct moe_error *err)
 {
     *bytes = 0;
     *complete = true;
@@ -276,7 +276,7 @@ static enum moe_status forget_all(struct kvx *x, struct handoff *h, uint64_t *by
         uint64_t b = 0;
         bool c = false;
         struct moe_error e = {0};
-        enum moe_status rc = kvl_forget(x->o.link, rank_endpoint(x, r), h->id, &b, &c, &e);
+        enum moe_status rc = kv_link_forget(x->o.link, rank_endpoint(x, r), h->id, &b, &c, &e);
         if (rc && !first) {
             first = rc;
             moe_error_set(err, rc, "rank %d: %s", r, e.msg);
@@ -287,7 +287,7 @@ static enum moe_status forget_all(struct kvx *x, struct handoff *h, uint64_t *by
     return first;
 }
 
-static void run_announce(struct kvx *x, struct handoff *h)
+static void run_announce(struct kv_handoff *x, struct handoff *h)
 {
     struct moe_error err = {0};
     enum moe_status rc = announce(x, h, &err);
@@ -304,7 +304,7 @@ static void run_announce(struct kvx *x, struct handoff *h)
                                                  : "out of memory";
         char msg[sizeof err.msg];
         snprintf(msg, sizeof msg, "%s", why);
-        drop_locked(x, h, KVX_FAILED);
+        drop_locked(x, h, KV_HANDOFF_FAILED);
         pthread_mutex_unlock(&x->mu);
         free(ids);
         free(eps);
@@ -314,8 +314,8 @@ static void run_announce(struct kvx *x, struct handoff *h)
     for (int i = 0; i < h->n_blocks; i++)
         ids[i] = (uint32_t)h->blocks[i];
     for (int r = 0; r < x->o.world_size; r++)
-        eps[r] = r == 0 ? (char *)kvl_endpoint(x->o.link) : (char *)rank_endpoint(x, r);
-    h->state = KVX_RESERVED;
+        eps[r] = r == 0 ? (char *)kv_link_endpoint(x->o.link) : (char *)rank_endpoint(x, r);
+    h->state = KV_HANDOFF_RESERVED;
     h->deadline = moe_now() + x->o.ttl_ms / 1e3;
     Moe__V1__KvReserveResponse resp = MOE__V1__KV_RESERVE_RESPONSE__INIT;
     resp.handoff_id = h->id;
@@ -332,7 +332,7 @@ static void run_announce(struct kvx *x, struct handoff *h)
     free(eps);
 }
 
-static void run_commit(struct kvx *x, struct handoff *h)
+static void run_commit(struct kv_handoff *x, struct handoff *h)
 {
     struct moe_error err = {0};
     uint64_t bytes = 0;
@@ -360,14 +360,14 @@ static void run_commit(struct kvx *x, struct handoff *h)
     if (code) {
         fprintf(stderr, "moe-worker: %s\n", msg);
         x->c.failures++;
-        drop_locked(x, h, KVX_FAILED);
+        drop_locked(x, h, KV_HANDOFF_FAILED);
         pthread_mutex_unlock(&x->mu);
         wake(x);
         rpc_call_finish(call, code, msg, NULL, 0);
         return;
     }
     h->bytes = bytes;
-    h->state = KVX_COMPLETE;
+    h->state = KV_HANDOFF_COMPLETE;
     h->deadline = moe_now() + x->o.ttl_ms / 1e3; /* now wait for the Generate */
     x->c.transfers_in++;
     x->c.bytes_in += bytes;
@@ -379,7 +379,7 @@ static void run_commit(struct kvx *x, struct handoff *h)
     pthread_mutex_unlock(&x->mu);
 }
 
-static void run_release(struct kvx *x, struct handoff *h)
+static void run_release(struct kv_handoff *x, struct handoff *h)
 {
     if (h->announced) {
         uint64_t bytes;
@@ -396,7 +396,7 @@ static void run_release(struct kvx *x, struct handoff *h)
 
 static void *control_main(void *arg)
 {
-    struct kvx *x = arg;
+    struct kv_handoff *x = arg;
     pthread_mutex_lock(&x->mu);
     for (;;) {
         while (!x->jobs && !x->exiting)
@@ -420,10 +420,11 @@ static void *control_main(void *arg)
     return NULL;
 }
 
-enum moe_status kvx_create(const struct kvx_opts *opts, struct kvx **out, struct moe_error *err)
+enum moe_status kv_handoff_create(const struct kv_handoff_opts *opts, struct kv_handoff **out,
+                                  struct moe_error *err)
 {
     *out = NULL;
-    struct kvx *x = calloc(1, sizeof *x);
+    struct kv_handoff *x = calloc(1, sizeof *x);
     if (!x)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     x->o = *opts;
@@ -432,8 +433,8 @@ enum moe_status kvx_create(const struct kvx_opts *opts, struct kvx **out, struct
     if (x->o.world_size <= 0)
         x->o.world_size = 1;
     if (x->o.ttl_ms <= 0)
-        x->o.ttl_ms = KVX_DEFAULT_TTL_MS;
-    size_t eb = (size_t)x->o.world_size * KVL_ENDPOINT_MAX;
+        x->o.ttl_ms = KV_HANDOFF_DEFAULT_TTL_MS;
+    size_t eb = (size_t)x->o.world_size * KV_LINK_ENDPOINT_MAX;
     if (!(x->endpoints = calloc(1, eb))) {
         free(x);
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
@@ -448,7 +449,7 @@ enum moe_status kvx_create(const struct kvx_opts *opts, struct kvx **out, struct
     pthread_mutex_init(&x->mu, NULL);
     pthread_cond_init(&x->cond, NULL);
     if (pthread_create(&x->control, NULL, control_main, x)) {
-        kvx_destroy(x);
+        kv_handoff_destroy(x);
         return moe_error_set(err, MOE_ERR_INTERNAL, "cannot start the KV handoff thread");
     }
     x->control_live = true;
@@ -456,7 +457,7 @@ enum moe_status kvx_create(const struct kvx_opts *opts, struct kvx **out, struct
     return MOE_OK;
 }
 
-void kvx_shutdown(struct kvx *x)
+void kv_handoff_shutdown(struct kv_handoff *x)
 {
     if (!x)
         return;
@@ -466,7 +467,7 @@ void kvx_shutdown(struct kvx *x)
     pthread_mutex_unlock(&x->mu);
 }
 
-void kvx_destroy(struct kvx *x)
+void kv_handoff_destroy(struct kv_handoff *x)
 {
     if (!x)
         return;
@@ -492,14 +493,14 @@ void kvx_destroy(struct kvx *x)
     free(x);
 }
 
-void kvx_counters(struct kvx *x, struct kvx_counters *out)
+void kv_handoff_counters(struct kv_handoff *x, struct kv_handoff_counters *out)
 {
     pthread_mutex_lock(&x->mu);
     *out = x->c;
     pthread_mutex_unlock(&x->mu);
 }
 
-void kvx_on_parked(struct kvx *x, const char *id, const struct moe_seq_export *ex)
+void kv_handoff_on_parked(struct kv_handoff *x, const char *id, const struct moe_seq_export *ex)
 {
     struct handoff *h = calloc(1, sizeof *h);
     if (h) {
@@ -507,7 +508,8 @@ void kvx_on_parked(struct kvx *x, const char *id, const struct moe_seq_export *e
         h->blocks = malloc((size_t)(ex->n_blocks ? ex->n_blocks : 1) * sizeof *h->blocks);
     }
     pthread_mutex_lock(&x->mu);
-    if (!h || !h->tokens || !h->blocks || find_locked(x, id, true) || strlen(id) >= KVX_ID_MAX) {
+    if (!h || !h->tokens || !h->blocks || find_locked(x, id, true) ||
+        strlen(id) >= KV_HANDOFF_ID_MAX) {
         pthread_mutex_unlock(&x->mu);
         fprintf(stderr, "moe-worker: handoff '%.100s': %s; its blocks are freed\n", id,
                 h && h->tokens && h->blocks ? "duplicate or too long id" : "out of memory");
@@ -517,7 +519,7 @@ void kvx_on_parked(struct kvx *x, const char *id, const struct moe_seq_export *e
     }
     snprintf(h->id, sizeof h->id, "%s", id);
     h->prefill = true;
-    h->state = KVX_PREFILLED;
+    h->state = KV_HANDOFF_PREFILLED;
     h->deadline = moe_now() + x->o.ttl_ms / 1e3;
     h->req_id = ex->req_id;
     h->n_prompt = ex->n_prompt;
@@ -531,20 +533,20 @@ void kvx_on_parked(struct kvx *x, const char *id, const struct moe_seq_export *e
     pthread_mutex_unlock(&x->mu);
 }
 
-void kvx_tick(struct kvx *x)
+void kv_handoff_tick(struct kv_handoff *x)
 {
     double now = moe_now();
     bool woke = false;
     pthread_mutex_lock(&x->mu);
     for (struct handoff *h = x->list, *next; h; h = next) {
         next = h->next;
-        if (now <= h->deadline || h->state == KVX_SENDING || h->state == KVX_RESERVING ||
-            h->state == KVX_RECEIVING)
+        if (now <= h->deadline || h->state == KV_HANDOFF_SENDING ||
+            h->state == KV_HANDOFF_RESERVING || h->state == KV_HANDOFF_RECEIVING)
             continue;
         fprintf(stderr, "moe-worker: handoff %s expired in state %s; %d KV blocks freed\n", h->id,
-                kvx_state_name(h->state), h->n_blocks);
+                kv_handoff_state_name(h->state), h->n_blocks);
         x->c.failures++;
-        drop_locked(x, h, KVX_EXPIRED);
+        drop_locked(x, h, KV_HANDOFF_EXPIRED);
         woke = true;
     }
     pthread_mutex_unlock(&x->mu);
@@ -552,7 +554,8 @@ void kvx_tick(struct kvx *x)
         wake(x);
 }
 
-enum rpc_code kvx_claim(struct kvx *x, const char *id, struct kvx_claim *out, char *msg, size_t cap)
+enum rpc_code kv_handoff_claim(struct kv_handoff *x, const char *id, struct kv_handoff_claim *out,
+                               char *msg, size_t cap)
 {
     memset(out, 0, sizeof *out);
     pthread_mutex_lock(&x->mu);
@@ -564,12 +567,12 @@ enum rpc_code kvx_claim(struct kvx *x, const char *id, struct kvx_claim *out, ch
                  "handoff_id: '%.100s' is unknown here (never reserved, released or "
                  "expired)",
                  id);
-    } else if (h->state != KVX_COMPLETE) {
+    } else if (h->state != KV_HANDOFF_COMPLETE) {
         code = RPC_FAILED_PRECONDITION;
         snprintf(msg, cap, "handoff_id: '%.100s' is %s, not COMPLETE", id,
-                 kvx_state_name(h->state));
+                 kv_handoff_state_name(h->state));
     } else {
-        h->state = KVX_CLAIMED;
+        h->state = KV_HANDOFF_CLAIMED;
         out->reservation = h->key;
         out->n_prompt = h->n_prompt;
         out->n_tokens = h->n_tokens;
@@ -589,7 +592,7 @@ enum rpc_code kvx_claim(struct kvx *x, const char *id, struct kvx_claim *out, ch
 static void on_reserved(void *user, uint64_t key, const int32_t *blocks, int n_blocks,
                         const char *error)
 {
-    struct kvx *x = user;
+    struct kv_handoff *x = user;
     pthread_mutex_lock(&x->mu);
     struct handoff *h = find_key_locked(x, key);
     int32_t *copy = blocks ? malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof *copy) : NULL;
@@ -620,7 +623,7 @@ static void on_reserved(void *user, uint64_t key, const int32_t *blocks, int n_b
 
 static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t len, void *user)
 {
-    struct kvx *x = user;
+    struct kv_handoff *x = user;
     char msg[512];
     enum rpc_code code = RPC_OK;
     struct handoff *h = NULL;
@@ -631,9 +634,10 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
     if (!rq) {
         code = RPC_INVALID_ARGUMENT;
         snprintf(msg, sizeof msg, "request: not a valid KvReserveRequest message");
-    } else if (!rq->handoff_id[0] || strlen(rq->handoff_id) >= KVX_ID_MAX) {
+    } else if (!rq->handoff_id[0] || strlen(rq->handoff_id) >= KV_HANDOFF_ID_MAX) {
         code = RPC_INVALID_ARGUMENT;
-        snprintf(msg, sizeof msg, "handoff_id: empty or longer than %d bytes", KVX_ID_MAX - 1);
+        snprintf(msg, sizeof msg, "handoff_id: empty or longer than %d bytes",
+                 KV_HANDOFF_ID_MAX - 1);
     } else if ((rq->n_layer && rq->n_layer != (uint32_t)x->n_layer) ||
                (rq->n_kv_heads && rq->n_kv_heads != heads) ||
                (rq->head_dim && rq->head_dim != dh) ||
@@ -664,7 +668,7 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
         return;
     }
     snprintf(h->id, sizeof h->id, "%s", rq->handoff_id);
-    h->state = KVX_RESERVING;
+    h->state = KV_HANDOFF_RESERVING;
     h->pending = call;
     h->n_kv = (int)rq->n_tokens;
     int n_blocks = (int)((rq->n_tokens + bs - 1) / bs);
@@ -699,11 +703,12 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
 
 /* Checks a commit against h and takes the sequence state; caller holds x->mu.
  * Returns RPC_OK or a code with msg set. */
-static enum rpc_code commit_locked(struct kvx *x, struct handoff *h,
+static enum rpc_code commit_locked(struct kv_handoff *x, struct handoff *h,
                                    const Moe__V1__KvTransferChunk *ch, char *msg, size_t cap)
 {
-    if (h->state != KVX_RESERVED) {
-        snprintf(msg, cap, "handoff %s is %s, not RESERVED", h->id, kvx_state_name(h->state));
+    if (h->state != KV_HANDOFF_RESERVED) {
+        snprintf(msg, cap, "handoff %s is %s, not RESERVED", h->id,
+                 kv_handoff_state_name(h->state));
         return RPC_FAILED_PRECONDITION;
     }
     if (ch->n_block_ids != (size_t)h->n_blocks) {
@@ -743,7 +748,7 @@ static enum rpc_code commit_locked(struct kvx *x, struct handoff *h,
 
 static void handle_transfer(struct rpc_call *call, const uint8_t *bytes, size_t len, void *user)
 {
-    struct kvx *x = user;
+    struct kv_handoff *x = user;
     char msg[512] = "";
     Moe__V1__KvTransferChunk *ch = moe__v1__kv_transfer_chunk__unpack(NULL, len, bytes);
     if (!ch) {
@@ -761,20 +766,21 @@ static void handle_transfer(struct rpc_call *call, const uint8_t *bytes, size_t 
                  ch->handoff_id);
     } else if (ch->abort) {
         fprintf(stderr, "moe-worker: handoff %s aborted by the sender: %.200s\n", h->id, ch->error);
-        if (h->state == KVX_RESERVING || h->state == KVX_RECEIVING) /* its job frees it */
+        if (h->state == KV_HANDOFF_RESERVING ||
+            h->state == KV_HANDOFF_RECEIVING) /* its job frees it */
             h->release_requested = true;
         else
-            drop_locked(x, h, KVX_FAILED);
+            drop_locked(x, h, KV_HANDOFF_FAILED);
         x->c.failures++;
         woke = true;
     } else if ((code = commit_locked(x, h, ch, msg, sizeof msg)) != RPC_OK) {
         fprintf(stderr, "moe-worker: handoff %s failed: %s\n", h->id, msg);
-        drop_locked(x, h, KVX_FAILED);
+        drop_locked(x, h, KV_HANDOFF_FAILED);
         x->c.failures++;
         woke = true;
     } else {
         /* every rank reports what it got before the handoff is COMPLETE */
-        h->state = KVX_RECEIVING;
+        h->state = KV_HANDOFF_RECEIVING;
         h->pending = call;
         queue_job_locked(x, JOB_COMMIT, h);
         answered_later = true;
@@ -796,13 +802,13 @@ static void handle_transfer(struct rpc_call *call, const uint8_t *bytes, size_t 
 /* ---- KvSend (prefill side) ------------------------------------------------------------ */
 
 struct sender {
-    struct kvx *x;
+    struct kv_handoff *x;
     struct rpc_call *call;
     struct handoff *h;    /* SENDING: owned by this sender until it ends */
     char target[300];     /* the decode leader's Worker service */
     uint32_t *dst_blocks; /* (h->n_blocks of the receiver) */
     int n_dst_blocks, dst_block_size;
-    struct kvl_target *targets; /* the decode group's ranks */
+    struct kv_link_target *targets; /* the decode group's ranks */
     int n_targets;
     double deadline;
 };
@@ -818,7 +824,7 @@ static int64_t ms_until(double t)
 static enum rpc_code push_slices(struct sender *s, uint64_t *bytes, uint32_t *slices, char *msg,
                                  size_t cap)
 {
-    struct kvx *x = s->x;
+    struct kv_handoff *x = s->x;
     struct handoff *h = s->h;
     int32_t *dst = malloc((size_t)(s->n_dst_blocks ? s->n_dst_blocks : 1) * sizeof *dst);
     if (!dst) {
@@ -827,32 +833,32 @@ static enum rpc_code push_slices(struct sender *s, uint64_t *bytes, uint32_t *sl
     }
     for (int i = 0; i < s->n_dst_blocks; i++)
         dst[i] = (int32_t)s->dst_blocks[i];
-    struct kvl_push p = {.id = h->id,
-                         .src_blocks = h->blocks,
-                         .n_src_blocks = h->n_blocks,
-                         .n_tokens = h->n_tokens - 1, /* the last token has no KV yet */
-                         .dst_blocks = dst,
-                         .n_dst_blocks = s->n_dst_blocks,
-                         .dst_block_size = s->dst_block_size,
-                         .targets = s->targets,
-                         .n_targets = s->n_targets,
-                         .deadline_ms = (int)ms_until(s->deadline)};
-    struct kvl_order *orders[KVL_MAX_RANKS] = {0};
+    struct kv_link_push p = {.id = h->id,
+                             .src_blocks = h->blocks,
+                             .n_src_blocks = h->n_blocks,
+                             .n_tokens = h->n_tokens - 1, /* the last token has no KV yet */
+                             .dst_blocks = dst,
+                             .n_dst_blocks = s->n_dst_blocks,
+                             .dst_block_size = s->dst_block_size,
+                             .targets = s->targets,
+                             .n_targets = s->n_targets,
+                             .deadline_ms = (int)ms_until(s->deadline)};
+    struct kv_link_order *orders[KV_LINK_MAX_RANKS] = {0};
     struct moe_error err = {0};
     enum moe_status rc = MOE_OK;
-    int n_orders = x->o.tp_size < KVL_MAX_RANKS ? x->o.tp_size : KVL_MAX_RANKS;
+    int n_orders = x->o.tp_size < KV_LINK_MAX_RANKS ? x->o.tp_size : KV_LINK_MAX_RANKS;
     for (int r = 1; r < n_orders && !rc; r++)
-        rc = kvl_order_start(x->o.link, rank_endpoint(x, r), &p, &orders[r], &err);
+        rc = kv_link_order_start(x->o.link, rank_endpoint(x, r), &p, &orders[r], &err);
     uint64_t mine = 0;
     if (!rc)
-        rc = kvl_push(x->o.link, &p, &mine, &err);
+        rc = kv_link_push(x->o.link, &p, &mine, &err);
     *bytes += mine;
     for (int r = 1; r < n_orders; r++) {
         if (!orders[r])
             continue;
         uint64_t theirs = 0;
         struct moe_error e = {0};
-        enum moe_status orc = kvl_order_wait(orders[r], &theirs, &e);
+        enum moe_status orc = kv_link_order_wait(orders[r], &theirs, &e);
         *bytes += theirs;
         if (orc && !rc) {
             rc = orc;
@@ -864,7 +870,7 @@ static enum rpc_code push_slices(struct sender *s, uint64_t *bytes, uint32_t *sl
     for (int r = 0; r < x->o.tp_size; r++)
         for (int t = 0; t < s->n_targets; t++) {
             int a, b;
-            kvl_heads(x->o.n_kv_head, x->o.tp_size, r, &a, &b);
+            kv_link_heads(x->o.n_kv_head, x->o.tp_size, r, &a, &b);
             if (s->targets[t].head_begin < b && a < s->targets[t].head_end)
                 (*slices)++;
         }
@@ -906,7 +912,7 @@ static enum rpc_code commit(struct sender *s, struct rpc_client *cl, char *msg, 
     int64_t left = ms_until(s->deadline);
     struct rpc_reply r;
     rpc_client_call(cl, "/moe.v1.Worker/KvTransfer", req, len,
-                    left < KVX_CALL_TIMEOUT_MS ? left : KVX_CALL_TIMEOUT_MS, &r);
+                    left < KV_HANDOFF_CALL_TIMEOUT_MS ? left : KV_HANDOFF_CALL_TIMEOUT_MS, &r);
     free(req);
     enum rpc_code code = RPC_OK;
     if (r.code != RPC_OK) {
@@ -923,7 +929,7 @@ static enum rpc_code commit(struct sender *s, struct rpc_client *cl, char *msg, 
 static void *sender_thread(void *arg)
 {
     struct sender *s = arg;
-    struct kvx *x = s->x;
+    struct kv_handoff *x = s->x;
     struct handoff *h = s->h;
     double t0 = moe_now();
     char msg[800] = "";
@@ -958,7 +964,8 @@ static void *sender_thread(void *arg)
         void *req = rpc_pack(&ab.base, &len);
         struct rpc_reply r;
         if (req)
-            rpc_client_call(cl, "/moe.v1.Worker/KvTransfer", req, len, KVX_ABORT_TIMEOUT_MS, &r);
+            rpc_client_call(cl, "/moe.v1.Worker/KvTransfer", req, len, KV_HANDOFF_ABORT_TIMEOUT_MS,
+                            &r);
         else
             memset(&r, 0, sizeof r);
         rpc_reply_clear(&r);
@@ -967,7 +974,7 @@ static void *sender_thread(void *arg)
     if (owned)
         rpc_client_destroy(cl);
     double ms = 1e3 * (moe_now() - t0);
-    char id[KVX_ID_MAX];
+    char id[KV_HANDOFF_ID_MAX];
     snprintf(id, sizeof id, "%s", h->id);
     pthread_mutex_lock(&x->mu);
     if (code == RPC_OK) {
@@ -978,7 +985,7 @@ static void *sender_thread(void *arg)
     }
     x->c.send_ms += ms;
     /* either way the prefill side is done with the blocks */
-    drop_locked(x, h, code == RPC_OK ? KVX_DONE : KVX_FAILED);
+    drop_locked(x, h, code == RPC_OK ? KV_HANDOFF_DONE : KV_HANDOFF_FAILED);
     pthread_mutex_unlock(&x->mu);
     wake(x);
     if (code == RPC_OK) {
@@ -1006,12 +1013,12 @@ static void *sender_thread(void *arg)
 }
 
 /* Checks the decode group's description in rq; fills s's targets. */
-static enum rpc_code take_targets(struct kvx *x, const Moe__V1__KvSendRequest *rq, struct sender *s,
-                                  int n_kv, char *msg, size_t cap)
+static enum rpc_code take_targets(struct kv_handoff *x, const Moe__V1__KvSendRequest *rq,
+                                  struct sender *s, int n_kv, char *msg, size_t cap)
 {
     uint32_t tp = rq->target_tp_size, bs = rq->target_block_size;
     size_t n = rq->n_target_endpoints;
-    if (n < 1 || n > KVL_MAX_RANKS || tp < 1 || n % tp || (uint32_t)x->o.n_kv_head % tp) {
+    if (n < 1 || n > KV_LINK_MAX_RANKS || tp < 1 || n % tp || (uint32_t)x->o.n_kv_head % tp) {
         snprintf(msg, cap,
                  "target_endpoints / target_tp_size: %zu ranks with tp %u cannot hold %d KV "
                  "heads",
@@ -1024,7 +1031,8 @@ static enum rpc_code take_targets(struct kvx *x, const Moe__V1__KvSendRequest *r
         return RPC_INVALID_ARGUMENT;
     }
     for (size_t i = 0; i < n; i++)
-        if (!rq->target_endpoints[i][0] || strlen(rq->target_endpoints[i]) >= KVL_ENDPOINT_MAX) {
+        if (!rq->target_endpoints[i][0] ||
+            strlen(rq->target_endpoints[i]) >= KV_LINK_ENDPOINT_MAX) {
             snprintf(msg, cap, "target_endpoints[%zu]: empty or too long", i);
             return RPC_INVALID_ARGUMENT;
         }
@@ -1035,9 +1043,9 @@ static enum rpc_code take_targets(struct kvx *x, const Moe__V1__KvSendRequest *r
         return RPC_RESOURCE_EXHAUSTED;
     }
     for (size_t i = 0; i < n; i++) {
-        snprintf(s->targets[i].endpoint, KVL_ENDPOINT_MAX, "%s", rq->target_endpoints[i]);
-        kvl_heads(x->o.n_kv_head, (int)tp, (int)(i % tp), &s->targets[i].head_begin,
-                  &s->targets[i].head_end);
+        snprintf(s->targets[i].endpoint, KV_LINK_ENDPOINT_MAX, "%s", rq->target_endpoints[i]);
+        kv_link_heads(x->o.n_kv_head, (int)tp, (int)(i % tp), &s->targets[i].head_begin,
+                      &s->targets[i].head_end);
     }
     s->n_targets = (int)n;
     memcpy(s->dst_blocks, rq->block_ids, rq->n_block_ids * sizeof *s->dst_blocks);
@@ -1048,7 +1056,7 @@ static enum rpc_code take_targets(struct kvx *x, const Moe__V1__KvSendRequest *r
 
 static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len, void *user)
 {
-    struct kvx *x = user;
+    struct kv_handoff *x = user;
     char msg[512];
     enum rpc_code code = RPC_OK;
     struct sender *s = NULL;
@@ -1066,10 +1074,10 @@ static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len,
         code = RPC_NOT_FOUND;
         snprintf(msg, sizeof msg, "handoff_id: '%.100s' is not parked here (expired or released)",
                  rq->handoff_id);
-    } else if (h->state != KVX_PREFILLED) {
+    } else if (h->state != KV_HANDOFF_PREFILLED) {
         code = RPC_FAILED_PRECONDITION;
         snprintf(msg, sizeof msg, "handoff_id: '%.100s' is %s, not PREFILLED", h->id,
-                 kvx_state_name(h->state));
+                 kv_handoff_state_name(h->state));
     } else if (!rq->target_address[0] || strlen(rq->target_address) >= 300) {
         code = RPC_INVALID_ARGUMENT;
         snprintf(msg, sizeof msg, "target_address: empty or too long");
@@ -1094,12 +1102,12 @@ static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len,
     s->call = call;
     s->h = h;
     snprintf(s->target, sizeof s->target, "%s", rq->target_address);
-    int64_t left = rq->deadline_ms ? (int64_t)rq->deadline_ms : KVX_DEFAULT_SEND_MS;
+    int64_t left = rq->deadline_ms ? (int64_t)rq->deadline_ms : KV_HANDOFF_DEFAULT_SEND_MS;
     int64_t call_left = rpc_call_deadline_ms_left(call);
     if (call_left < left)
         left = call_left;
     s->deadline = moe_now() + (double)left / 1e3;
-    h->state = KVX_SENDING;
+    h->state = KV_HANDOFF_SENDING;
     x->n_senders++;
     pthread_mutex_unlock(&x->mu);
     moe__v1__kv_send_request__free_unpacked(rq, NULL);
@@ -1112,7 +1120,7 @@ static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len,
     pthread_attr_destroy(&attr);
     if (rc) {
         pthread_mutex_lock(&x->mu);
-        h->state = KVX_PREFILLED; /* nothing sent: it may be asked again or expire */
+        h->state = KV_HANDOFF_PREFILLED; /* nothing sent: it may be asked again or expire */
         x->n_senders--;
         pthread_cond_broadcast(&x->cond);
         pthread_mutex_unlock(&x->mu);
@@ -1127,7 +1135,7 @@ static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len,
 
 static void handle_release(struct rpc_call *call, const uint8_t *bytes, size_t len, void *user)
 {
-    struct kvx *x = user;
+    struct kv_handoff *x = user;
     Moe__V1__KvReleaseRequest *rq = moe__v1__kv_release_request__unpack(NULL, len, bytes);
     if (!rq) {
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid KvReleaseRequest", NULL,
@@ -1141,13 +1149,14 @@ static void handle_release(struct rpc_call *call, const uint8_t *bytes, size_t l
         if (!h)
             continue;
         resp.found = true;
-        if (h->state == KVX_SENDING || h->state == KVX_RESERVING || h->state == KVX_RECEIVING) {
+        if (h->state == KV_HANDOFF_SENDING || h->state == KV_HANDOFF_RESERVING ||
+            h->state == KV_HANDOFF_RECEIVING) {
             h->release_requested = true; /* its sender / job frees it */
             continue;
         }
         fprintf(stderr, "moe-worker: handoff %s released in state %s (%.200s)\n", h->id,
-                kvx_state_name(h->state), rq->reason);
-        drop_locked(x, h, KVX_FAILED);
+                kv_handoff_state_name(h->state), rq->reason);
+        drop_locked(x, h, KV_HANDOFF_FAILED);
     }
     pthread_mutex_unlock(&x->mu);
     moe__v1__kv_release_request__free_unpacked(rq, NULL);
@@ -1155,7 +1164,8 @@ static void handle_release(struct rpc_call *call, const uint8_t *bytes, size_t l
     finish_msg(call, &resp.base);
 }
 
-enum moe_status kvx_register(struct kvx *x, struct rpc_server *server, struct moe_error *err)
+enum moe_status kv_handoff_register(struct kv_handoff *x, struct rpc_server *server,
+                                    struct moe_error *err)
 {
     enum moe_status rc;
     if ((rc = rpc_server_add_unary(server, "/moe.v1.Worker/KvReserve", handle_reserve, x, err)) ||
