@@ -243,7 +243,6 @@ enum moe_status coord_frontend_register(struct coord *c, struct moe_error *err);
 /* Registers the Admin methods. */
 enum moe_status coord_admin_register(struct coord *c, struct moe_error *err);
 
-
 /* ---- metrics.c: the coordinator's Prometheus series --------------------------------- */
 
 /* Creates the registry (constant label model_name) with the request-level

@@ -31,7 +31,7 @@
 #include "group/launch.h"
 #include "model/model.h"
 #include "moe/v1/worker.pb-c.h"
-#include "model/placement.h"
+#include "placement.h"
 #include "serve/registration.h"
 #include "serve/service.h"
 #include "engine/spec.h"

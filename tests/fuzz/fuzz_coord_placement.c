@@ -2,7 +2,7 @@
  * (coordinator/placement_admin.c): the epoch record it keeps in etcd at
  * /moe/placement/<model> ({"epoch", "placement", "previous"}), read back by
  * store_load_locked, and the placement_json of Admin ApplyPlacement, parsed
- * by map_from_json and checked by planner_map_check before it is stored.
+ * by map_from_json and checked by moe_placement_check before it is stored.
  * A map that parses is also planned from (planner_plan), as PlanPlacement
  * does with the current map.
  *
@@ -13,7 +13,7 @@
  * Input: byte 0 sets the shape: ranks 1..8 (bits 0-2), layers 1..4 (bits
  * 3-4), experts 1, 2, 4 or 8 (bits 5-6); bit 7 picks ApplyPlacement (1) or
  * the etcd record (0). The rest is the JSON text. What must hold: errors
- * are one line; every map that is accepted is well formed (planner_map_check
+ * are one line; every map that is accepted is well formed (moe_placement_check
  * without a slot limit) and has the model's shape; the planner's result is
  * well formed within its slots. */
 #include "etcd.h"
@@ -46,16 +46,16 @@ static enum moe_status fuzz_etcd_get(struct moe_etcd *c, const char *key, struct
     return MOE_OK;
 }
 
-static void check_map(const struct planner_map *m, int n_layer, int n_expert, const char *what)
+static void check_map(const struct moe_placement *m, int n_layer, int n_expert, const char *what)
 {
     struct moe_error err = {0};
     FUZZ_CHECK(m->n_layer == n_layer && m->n_expert == n_expert && m->n_rank >= 1, "%s: shape",
                what);
-    FUZZ_CHECK(planner_map_check(m, 0, &err) == MOE_OK, "%s accepted but not well formed: %s", what,
+    FUZZ_CHECK(moe_placement_check(m, 0, &err) == MOE_OK, "%s accepted but not well formed: %s", what,
                err.msg);
 }
 
-static void plan_from(const struct planner_map *cur, int slots)
+static void plan_from(const struct moe_placement *cur, int slots)
 {
     size_t n = (size_t)cur->n_layer * cur->n_expert;
     double *load = malloc(n * sizeof *load);
@@ -67,7 +67,7 @@ static void plan_from(const struct planner_map *cur, int slots)
     struct planner_result r;
     struct moe_error err = {0};
     if (planner_plan(&pp, cur, load, &r, &err) == MOE_OK) {
-        FUZZ_CHECK(planner_map_check(&r.map, r.slots_per_rank, &err) == MOE_OK,
+        FUZZ_CHECK(moe_placement_check(&r.map, r.slots_per_rank, &err) == MOE_OK,
                    "the planner's map: %s", err.msg);
         planner_result_free(&r);
     } else {
@@ -80,7 +80,7 @@ static void plan_from(const struct planner_map *cur, int slots)
 static void fuzz_apply(const char *text, int n_layer, int n_expert, int n_rank)
 {
     struct moe_error err = {0};
-    struct planner_map next = {0};
+    struct moe_placement next = {0};
     cJSON *root = cJSON_Parse(text);
     const cJSON *obj = root;
     if (cJSON_IsObject(root) && cJSON_GetObjectItemCaseSensitive(root, "placement"))
@@ -90,13 +90,13 @@ static void fuzz_apply(const char *text, int n_layer, int n_expert, int n_rank)
             check_map(&next, n_layer, n_expert, "placement_json");
             FUZZ_CHECK(next.n_rank == n_rank, "n_rank %d, groups of %d", next.n_rank, n_rank);
             int slots = 2 * ((n_expert + n_rank - 1) / n_rank); /* slot_capacity's default */
-            if (planner_map_check(&next, slots, &err) == MOE_OK)
+            if (moe_placement_check(&next, slots, &err) == MOE_OK)
                 plan_from(&next, slots);
         } else {
             FUZZ_CHECK(fuzz_msg_ok(err.msg), "refusal '%s'", err.msg);
         }
     }
-    planner_map_free(&next);
+    moe_placement_free(&next);
     cJSON_Delete(root);
 }
 
@@ -118,9 +118,9 @@ static void fuzz_record(const char *text, int n_layer, int n_expert)
         if (p.has_map) {
             check_map(&p.map, n_layer, n_expert, "placement");
             FUZZ_CHECK(p.epoch >= 1, "epoch %" PRIu64, p.epoch);
-            struct planner_map cur = {0};
+            struct moe_placement cur = {0};
             FUZZ_CHECK(current_map_locked(&p, p.map.n_rank, &cur, &err) == MOE_OK, "%s", err.msg);
-            planner_map_free(&cur);
+            moe_placement_free(&cur);
         }
         if (p.has_prev)
             check_map(&p.prev, n_layer, n_expert, "previous");

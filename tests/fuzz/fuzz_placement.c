@@ -1,4 +1,4 @@
-/* Fuzz target: the worker's expert placement JSON (worker/model/placement.c,
+/* Fuzz target: the worker's expert placement JSON (common/placement.c,
  * moe_placement_parse): a --placement file, or the "placement" the group
  * leader reads from etcd. Input: byte 0 sets the shape (ranks 1..8, bits
  * 0-2; layers 1..4, bits 3-4; experts 1, 2, 4 or 8, bits 5-6), the rest is
@@ -6,7 +6,7 @@
  * MOE_PLACEMENT_MAX_REPLICAS distinct ranks in [0, n_rank), and
  * moe_placement_pick a rank that holds the expert. */
 #include "fuzz.h"
-#include "model/placement.h"
+#include "placement.h"
 
 #define NAME "placement.json"
 

@@ -26,7 +26,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "model/placement.h"
+#include "placement.h"
 #include "quant.h"
 #include "clock.h"
 

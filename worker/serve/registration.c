@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "etcd.h"
-#include "model/placement.h"
+#include "placement.h"
 
 struct worker_registration {
     char *endpoints;

@@ -1,5 +1,7 @@
 /* Expert placement: which ranks of a worker group hold which experts, per
- * MoE layer. A rank loads only the experts placed on it; the MoE layer sends
+ * MoE layer. One map for the worker (what to load, where to route) and the
+ * coordinator's planner and placement store (what to propose, apply, roll
+ * back). A rank loads only the experts placed on it; the MoE layer sends
  * each routed token row to one rank holding its expert.
  *
  * File format (JSON), for --placement FILE.json:
@@ -23,7 +25,8 @@ struct moe_placement {
     int n_layer;
     int n_expert;
     int n_rank;
-    /* (n_layer, n_expert): replica count and ranks of each expert */
+    /* (n_layer, n_expert): replica count and ranks of each expert (in the
+     * order given; moe_placement_add keeps them ascending) */
     uint8_t *n_replicas;
     int16_t *ranks; /* (n_layer, n_expert, MOE_PLACEMENT_MAX_REPLICAS) */
 };
@@ -58,6 +61,34 @@ static inline int moe_placement_rank(const struct moe_placement *p, int layer, i
 {
     return p->ranks[((size_t)layer * p->n_expert + expert) * MOE_PLACEMENT_MAX_REPLICAS + i];
 }
+
+/* An empty map (every expert with 0 replicas). On error *m is zeroed. The
+ * caller frees it with moe_placement_free. */
+enum moe_status moe_placement_alloc(int n_layer, int n_expert, int n_rank, struct moe_placement *m,
+                                    struct moe_error *err);
+
+/* Deep copy of `src` into `dst` (freed by the caller). */
+enum moe_status moe_placement_copy(const struct moe_placement *src, struct moe_placement *dst,
+                                   struct moe_error *err);
+
+/* Adds `rank` to the replicas of (layer, expert), keeping them sorted.
+ * MOE_ERR_INVALID (naming layer, expert and rank) when the rank is out of
+ * range, already listed, or the expert is at MOE_PLACEMENT_MAX_REPLICAS. */
+enum moe_status moe_placement_add(struct moe_placement *m, int layer, int expert, int rank,
+                                  struct moe_error *err);
+
+/* Checks the invariants: every expert has 1..MOE_PLACEMENT_MAX_REPLICAS
+ * replicas on distinct ranks in [0, n_rank), and no rank holds more than
+ * `slots_per_rank` experts in a layer (0: no slot limit). The error names
+ * the layer, expert and rank ("layer 2 expert 5: rank 3 is not in [0, 2)"). */
+enum moe_status moe_placement_check(const struct moe_placement *m, int slots_per_rank,
+                                    struct moe_error *err);
+
+/* The map in the file format, every layer explicit (NULL when out of
+ * memory); as a cJSON tree or as compact text (freed by the caller). */
+struct cJSON;
+struct cJSON *moe_placement_to_json(const struct moe_placement *m);
+char *moe_placement_to_string(const struct moe_placement *m);
 
 /* True when `rank` holds `expert` in `layer`. */
 bool moe_placement_holds(const struct moe_placement *p, int layer, int expert, int rank);
