@@ -15,6 +15,7 @@
  * so a resume never precedes its suspend, and never after on_completed
  * (conn is NULL from then on). */
 #include "http_server.h"
+#include "hostport.h"
 #include "clock.h"
 
 #include <arpa/inet.h>
@@ -613,25 +614,15 @@ enum moe_status http_server_route(struct http_server *s, const char *method, con
 static enum moe_status parse_listen(const char *listen, struct sockaddr_storage *ss,
                                     socklen_t *ss_len, bool *v6, struct moe_error *err)
 {
-    const char *colon = strrchr(listen, ':');
     char host[256], port[16];
-    size_t hl = (size_t)(colon - listen);
-    if (hl >= sizeof host || strlen(colon + 1) == 0 || strlen(colon + 1) >= sizeof port)
-        return moe_error_set(err, MOE_ERR_INVALID, "http listen address '%s': expected HOST:PORT",
+    int pn;
+    if (!moe_hostport_split(listen, host, sizeof host, &pn))
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "http listen address '%s': expected HOST:PORT with a port in "
+                             "0..65535",
                              listen);
-    memcpy(host, listen, hl);
-    host[hl] = '\0';
-    snprintf(port, sizeof port, "%s", colon + 1);
-    char *h = host;
-    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') {
-        h[hl - 1] = '\0';
-        h++;
-    }
-    char *end;
-    long pn = strtol(port, &end, 10);
-    if (*end || pn < 0 || pn > 65535)
-        return moe_error_set(err, MOE_ERR_INVALID, "http listen address '%s': bad port '%s'",
-                             listen, port);
+    snprintf(port, sizeof port, "%d", pn);
+    const char *h = host;
     struct addrinfo hints = {.ai_family = AF_UNSPEC,
                              .ai_socktype = SOCK_STREAM,
                              .ai_flags = AI_PASSIVE | AI_NUMERICSERV};

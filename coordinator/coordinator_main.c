@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "hostport.h"
 #include "coord.h"
 #include "clock.h"
 
@@ -192,8 +193,7 @@ int main(int argc, char **argv)
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
-    const char *colon = strrchr(c.opts.listen, ':');
-    int host_len = colon ? (int)(colon - c.opts.listen) : (int)strlen(c.opts.listen);
+    int host_len = moe_hostport_host_len(c.opts.listen);
     pthread_mutex_lock(&c.mu);
     size_t n_workers = c.n_workers;
     pthread_mutex_unlock(&c.mu);
@@ -201,9 +201,8 @@ int main(int argc, char **argv)
            c.opts.listen, rpc_server_port(c.server), c.model_name, n_workers,
            c.opts.etcd ? "from etcd" : "listed");
     if (c.http) {
-        const char *hc = strrchr(c.opts.http_listen, ':');
         printf("moe-coordinator: OpenAI HTTP API and /metrics on %.*s:%d\n",
-               (int)(hc - c.opts.http_listen), c.opts.http_listen, coord_http_port(&c));
+               moe_hostport_host_len(c.opts.http_listen), c.opts.http_listen, coord_http_port(&c));
     }
     fflush(stdout);
 

@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "coord.h"
+#include "hostport.h"
 #include "etcd.h"
 #include "moe/v1/admin.pb-c.h"
 #include "moe/v1/worker.pb-c.h"
@@ -67,8 +68,10 @@ static struct coord_worker *worker_create(const char *id, const char *address, i
                       COORD_ID_MAX - 1);
         return NULL;
     }
-    const char *colon = strrchr(address, ':');
-    if (!colon || colon == address || !colon[1] || strlen(address) >= COORD_ADDR_MAX) {
+    char host[COORD_ADDR_MAX];
+    int port;
+    if (strlen(address) >= COORD_ADDR_MAX ||
+        !moe_hostport_split(address, host, sizeof host, &port) || !host[0]) {
         moe_error_set(err, MOE_ERR_INVALID, "worker '%s': address '%.80s' is not HOST:PORT", id,
                       address);
         return NULL;

@@ -29,6 +29,7 @@
 #include "group/group.h"
 #include "disagg/kv_link.h"
 #include "group/launch.h"
+#include "hostport.h"
 #include "model/model.h"
 #include "moe/v1/worker.pb-c.h"
 #include "placement.h"
@@ -247,15 +248,12 @@ int main(int argc, char **argv)
             snprintf(listen, sizeof listen, "%s", a.kv_listen);
         } else {
             const char *src = a.kv_listen ? a.kv_listen : a.listen;
-            const char *colon = strrchr(src, ':');
-            int host_len = colon ? (int)(colon - src) : (int)strlen(src);
-            snprintf(listen, sizeof listen, "%.*s:0", host_len, src);
+            snprintf(listen, sizeof listen, "%.*s:0", moe_hostport_host_len(src), src);
         }
         char adv_host[KV_LINK_ENDPOINT_MAX] = "";
         if (a.advertise) {
-            const char *colon = strrchr(a.advertise, ':');
-            snprintf(adv_host, sizeof adv_host, "%.*s",
-                     colon ? (int)(colon - a.advertise) : (int)strlen(a.advertise), a.advertise);
+            snprintf(adv_host, sizeof adv_host, "%.*s", moe_hostport_host_len(a.advertise),
+                     a.advertise);
         }
         struct kv_link_opts ko = {.be = be,
                                   .listen = listen,
@@ -361,9 +359,8 @@ int main(int argc, char **argv)
     if (a.advertise) {
         snprintf(address, sizeof address, "%s", a.advertise);
     } else {
-        const char *colon = strrchr(a.listen, ':');
-        int host_len = colon ? (int)(colon - a.listen) : (int)strlen(a.listen);
-        snprintf(address, sizeof address, "%.*s:%d", host_len, a.listen, port);
+        snprintf(address, sizeof address, "%.*s:%d", moe_hostport_host_len(a.listen), a.listen,
+                 port);
     }
     char id[160];
     snprintf(id, sizeof id, "%s", a.worker_id ? a.worker_id : "");
@@ -394,8 +391,7 @@ int main(int argc, char **argv)
            group && group->size > 1 ? "s" : "", group ? group->tp_size : 1, (int)getpid(),
            a.etcd ? ", registered in etcd" : "");
     if (metrics) {
-        const char *mc = strrchr(a.metrics_listen, ':');
-        printf("moe-worker: /metrics on %.*s:%d\n", mc ? (int)(mc - a.metrics_listen) : 0,
+        printf("moe-worker: /metrics on %.*s:%d\n", moe_hostport_host_len(a.metrics_listen),
                a.metrics_listen, worker_metrics_port(metrics));
     }
     fflush(stdout);

@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "comm/comm.h"
+#include "hostport.h"
 #include "engine/generate.h" /* moe_now */
 #include "test_fault.h"
 
@@ -342,34 +343,11 @@ static enum moe_status recv_bytes(int fd, void *buf, size_t n, double deadline,
 }
 
 /* Splits "host:port" (the last colon; [v6] brackets dropped). */
-static bool split_hostport(const char *s, char *host, size_t cap, int *port)
-{
-    const char *colon = strrchr(s, ':');
-    if (!colon || colon == s || !colon[1])
-        return false;
-    size_t hl = (size_t)(colon - s);
-    const char *h = s;
-    if (hl >= 2 && h[0] == '[' && h[hl - 1] == ']') {
-        h++;
-        hl -= 2;
-    }
-    if (hl >= cap)
-        return false;
-    memcpy(host, h, hl);
-    host[hl] = '\0';
-    char *end;
-    long p = strtol(colon + 1, &end, 10);
-    if (*end || p < 0 || p > 65535)
-        return false;
-    *port = (int)p;
-    return true;
-}
-
 static int connect_to(const char *endpoint, double deadline, struct moe_error *err)
 {
     char host[KV_LINK_ENDPOINT_MAX], port_s[16];
     int port;
-    if (!split_hostport(endpoint, host, sizeof host, &port) || port == 0) {
+    if (!moe_hostport_split(endpoint, host, sizeof host, &port) || !host[0] || port == 0) {
         moe_error_set(err, MOE_ERR_INVALID, "KV endpoint '%.120s': not host:port", endpoint);
         return -1;
     }
@@ -1251,7 +1229,7 @@ enum moe_status kv_link_create(const struct kv_link_opts *o, struct kv_link **ou
                              lay->n_kv_head, lay->tp_size, lay->tp_rank);
     char host[KV_LINK_ENDPOINT_MAX];
     int port;
-    if (!split_hostport(o->listen, host, sizeof host, &port))
+    if (!moe_hostport_split(o->listen, host, sizeof host, &port) || !host[0])
         return moe_error_set(err, MOE_ERR_INVALID, "--kv-listen '%s': not host:port", o->listen);
     struct kv_link *l = calloc(1, sizeof *l);
     if (!l)
