@@ -72,6 +72,12 @@ enum rpc_code rpc_code_from_status(enum moe_status st);
  * into a malloc'd buffer of *len bytes; NULL when out of memory. */
 void *rpc_pack(const void *msg, size_t *len);
 
+struct rpc_call;
+
+/* Answers a unary call OK with protobuf-c message `msg` (packed here;
+ * RESOURCE_EXHAUSTED if that runs out of memory). */
+void rpc_call_finish_msg(struct rpc_call *call, const void *msg);
+
 #define RPC_DEFAULT_MAX_MESSAGE ((size_t)64 << 20)
 
 /* ---- server ------------------------------------------------------------------ */

@@ -57,3 +57,12 @@ void *rpc_pack(const void *msg, size_t *len)
         protobuf_c_message_pack(m, buf);
     return buf;
 }
+
+void rpc_call_finish_msg(struct rpc_call *call, const void *msg)
+{
+    size_t len;
+    void *out = rpc_pack(msg, &len);
+    rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
+                    len);
+    free(out);
+}

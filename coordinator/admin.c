@@ -9,15 +9,6 @@
 #include "moe/v1/admin.pb-c.h"
 #include "clock.h"
 
-static void finish_msg(struct rpc_call *call, const void *msg)
-{
-    size_t len;
-    void *out = rpc_pack(msg, &len);
-    rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
-                    len);
-    free(out);
-}
-
 /* A snapshot of every member, sorted by id. Strings point into `ids` and
  * `addrs`, owned by the snapshot. */
 struct status_snap {
@@ -112,7 +103,7 @@ static void handle_cluster_status(struct rpc_call *call, const uint8_t *req, siz
     resp.model = c->model_name;
     resp.uptime_s = moe_now() - c->t_start;
     resp.placement_epoch = coord_placement_epoch(c);
-    finish_msg(call, &resp);
+    rpc_call_finish_msg(call, &resp);
     snap_free(&s);
 }
 
@@ -130,7 +121,7 @@ static void handle_list_workers(struct rpc_call *call, const uint8_t *req, size_
     Moe__V1__ListWorkersResponse resp = MOE__V1__LIST_WORKERS_RESPONSE__INIT;
     resp.n_workers = s.n;
     resp.workers = s.ptr;
-    finish_msg(call, &resp);
+    rpc_call_finish_msg(call, &resp);
     snap_free(&s);
 }
 
@@ -167,7 +158,7 @@ static void handle_drain(struct rpc_call *call, const uint8_t *req, size_t len, 
     resp.state = 0;
     set_drained(user, call, rq->id, true, &resp.state);
     if (resp.state)
-        finish_msg(call, &resp);
+        rpc_call_finish_msg(call, &resp);
     moe__v1__drain_worker_request__free_unpacked(rq, NULL);
 }
 
@@ -183,7 +174,7 @@ static void handle_undrain(struct rpc_call *call, const uint8_t *req, size_t len
     resp.state = 0;
     set_drained(user, call, rq->id, false, &resp.state);
     if (resp.state)
-        finish_msg(call, &resp);
+        rpc_call_finish_msg(call, &resp);
     moe__v1__undrain_worker_request__free_unpacked(rq, NULL);
 }
 

@@ -8,15 +8,6 @@
 #include "moe/v1/inference.pb-c.h"
 #include "request_check.h"
 
-static void finish_msg(struct rpc_call *call, const void *msg)
-{
-    size_t len;
-    void *out = rpc_pack(msg, &len);
-    rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
-                    len);
-    free(out);
-}
-
 static void handle_generate(struct rpc_stream *stream, const uint8_t *req, size_t len, void *user)
 {
     coord_generate_start(user, stream, req, len);
@@ -38,7 +29,7 @@ static void handle_abort(struct rpc_call *call, const uint8_t *req, size_t len, 
     }
     resp.found = coord_abort(user, rq->request_id);
     moe__v1__abort_request__free_unpacked(rq, NULL);
-    finish_msg(call, &resp);
+    rpc_call_finish_msg(call, &resp);
 }
 
 static const char *arch_name(enum moe_arch a)
@@ -72,7 +63,7 @@ static void handle_model_info(struct rpc_call *call, const uint8_t *req, size_t 
     info.n_eos_token_ids = (size_t)cfg->n_eos;
     info.eos_token_ids = eos;
     info.bos_token_id = cfg->bos_id >= 0 ? (uint32_t)cfg->bos_id : 0;
-    finish_msg(call, &info);
+    rpc_call_finish_msg(call, &info);
 }
 
 static void handle_tokenize(struct rpc_call *call, const uint8_t *req, size_t len, void *user)
@@ -121,7 +112,7 @@ static void handle_tokenize(struct rpc_call *call, const uint8_t *req, size_t le
     Moe__V1__TokenizeResponse resp = MOE__V1__TOKENIZE_RESPONSE__INIT;
     resp.n_token_ids = n;
     resp.token_ids = out;
-    finish_msg(call, &resp);
+    rpc_call_finish_msg(call, &resp);
     free(ids);
     free(out);
 }

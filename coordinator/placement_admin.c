@@ -92,15 +92,6 @@ struct coord_placement {
 
 /* ---- small helpers ------------------------------------------------------------------ */
 
-static void finish_msg(struct rpc_call *call, const void *msg)
-{
-    size_t len;
-    void *out = rpc_pack(msg, &len);
-    rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
-                    len);
-    free(out);
-}
-
 /* Ranks of the worker groups: the largest expert-parallel size any member
  * reported (1 before any report). */
 static int group_ranks(struct coord *c)
@@ -609,7 +600,7 @@ static void handle_stats(struct rpc_call *call, const uint8_t *req, size_t len, 
     resp.n_expert = (uint32_t)c->cfg.n_expert;
     resp.n_tokens = n;
     resp.tokens = tokens;
-    finish_msg(call, &resp);
+    rpc_call_finish_msg(call, &resp);
     free(tokens);
 }
 
@@ -840,7 +831,7 @@ done:
     if (rc)
         finish_err(call, rc, &err);
     else
-        finish_msg(call, &plan);
+        rpc_call_finish_msg(call, &plan);
     moe__v1__plan_placement_request__free_unpacked(rq, NULL);
     moe_placement_free(&cur);
     planner_result_free(&res);

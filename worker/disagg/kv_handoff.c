@@ -137,11 +137,7 @@ const char *kv_handoff_state_name(enum kv_handoff_state s)
 
 static void finish_msg(struct rpc_call *call, const ProtobufCMessage *msg)
 {
-    size_t n;
-    void *out = rpc_pack(msg, &n);
-    rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
-                    n);
-    free(out);
+    rpc_call_finish_msg(call, msg);
 }
 
 static void wake(struct kv_handoff *x)

@@ -454,11 +454,7 @@ static void handle_abort(struct rpc_call *call, const uint8_t *bytes, size_t len
         }
     pthread_mutex_unlock(&ws->mu);
     moe__v1__abort_request__free_unpacked(rq, NULL);
-    size_t n;
-    void *out = rpc_pack(&resp.base, &n);
-    rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
-                    n);
-    free(out);
+    rpc_call_finish_msg(call, &resp.base);
 }
 
 static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t len, void *user)
@@ -556,11 +552,7 @@ static void handle_model_info(struct rpc_call *call, const uint8_t *bytes, size_
     info.n_eos_token_ids = (size_t)c->n_eos;
     info.eos_token_ids = eos;
     info.bos_token_id = c->bos_id >= 0 ? (uint32_t)c->bos_id : 0;
-    size_t n;
-    void *out = rpc_pack(&info.base, &n);
-    rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
-                    n);
-    free(out);
+    rpc_call_finish_msg(call, &info.base);
 }
 
 /* ---- life cycle ------------------------------------------------------------------------ */
