@@ -684,6 +684,7 @@ enum copy_dir { TO_HOST, FROM_HOST, TO_STAGE, FROM_STAGE };
 static void copy_rows(struct kv_link *l, struct moe_kv_cache *kv, float *base,
                       const int32_t *blocks, int n, int hb, int he, float *buf, enum copy_dir dir)
 {
+    moe_kv_cache_fence(kv); /* the forward passes' writes (a push reads them) */
     struct moe_backend *be = l->o.be;
     int dh = l->o.layout.d_head, bs = kv->block_size;
     size_t row = (size_t)(he - hb) * dh;
@@ -704,6 +705,7 @@ static void copy_rows(struct kv_link *l, struct moe_kv_cache *kv, float *base,
         }
         t += run;
     }
+    moe_kv_cache_fence(kv); /* this copy's writes, for the next step */
 }
 
 /* The pair with `peer` on this side (made on first use). */
