@@ -1,4 +1,6 @@
-/* Backend selection by name, and the destroy entry point for every backend. */
+/* The backend registry: selection by name (cpu, cuda, auto), and the destroy
+ * entry point for every backend. Kept apart from backend.h, the interface
+ * every backend includes, so that the interface does not depend on them. */
 #include <string.h>
 
 #include "backend.h"
