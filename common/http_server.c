@@ -442,7 +442,7 @@ static void dispatch(struct http_server *s, struct http_request *rq)
                            s->opts.max_body_bytes);
         return;
     }
-    /* issue 14: the bearer token is checked here, before any handler. */
+    /* the bearer token is to be checked here, before any handler */
     const struct route *hit = NULL;
     char allow[32] = "";
     for (int i = 0; i < s->n_routes; i++) {

@@ -24,7 +24,7 @@
  *               on_close). It never fires after the answer's end; an end
  *               from another thread waits while it runs.
  *
- * TLS and a bearer token (issue 14) belong in struct http_server_opts: the
+ * TLS and a bearer token belong in struct http_server_opts: the
  * certificate and key go to libmicrohttpd in http_server_start, and the
  * token is checked in the one dispatch function (http_server.c, dispatch)
  * before any handler runs, except on routes marked open (health probes).

@@ -493,7 +493,7 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
     load.world_size = (uint32_t)ws->world_size;
     load.tp_size = (uint32_t)ws->tp_size;
     load.ep_size = (uint32_t)ws->world_size;
-    /* expert statistics (issue 8): cumulative, the coordinator windows them */
+    /* expert statistics: cumulative, the coordinator windows them */
     const struct moe_config *c = ws->cfg;
     size_t n_stats = (size_t)c->n_layer * c->n_expert;
     uint64_t *tokens = n_stats ? malloc(n_stats * sizeof *tokens) : NULL;
