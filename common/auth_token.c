@@ -2,7 +2,6 @@
  * tokens are kept in memory after a load. */
 #include "auth_token.h"
 
-#include <ctype.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
