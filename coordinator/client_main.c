@@ -5,6 +5,7 @@
  *              [--temperature T] [--top-p P] [--top-k K] [--seed S]
  *              [--stop STR]... [--ignore-eos] [--logprobs N] [--timeout-ms MS]
  *              [--request-id ID] [--model NAME] [--quiet]
+ *              [--token-file F] [--tls-ca F [--tls-cert F --tls-key F]]
  *   moe-client [--addr HOST:PORT] --info      model information
  */
 #include <errno.h>
@@ -15,10 +16,12 @@
 #include <string.h>
 #include <time.h>
 
+#include "auth_token.h"
 #include "cli.h"
 #include "moe/v1/inference.pb-c.h"
 #include "rpc.h"
 #include "clock.h"
+#include "tls_opts.h"
 
 #define MAX_STOP 8
 
@@ -41,6 +44,8 @@ struct args {
     long timeout_ms;
     bool info;
     bool quiet;
+    const char *token_file;
+    struct moe_tls_opts tls;
 };
 
 static void usage(FILE *f)
@@ -55,7 +60,10 @@ static void usage(FILE *f)
                "  --timeout-ms MS   call deadline (default none)\n"
                "  --request-id ID   client request id (for Abort)\n"
                "  --model NAME      model name to ask for (default: the served one)\n"
-               "  --quiet           print only the summary\n");
+               "  --quiet           print only the summary\n"
+               "  --token-file F    API token (first line of F) sent as a bearer token\n"
+               "TLS (--tls-ca alone: verify the server; with --tls-cert/--tls-key: mutual "
+               "TLS):\n" MOE_TLS_USAGE);
 }
 
 static int parse_args(int argc, char **argv, struct args *a)
@@ -82,7 +90,11 @@ static int parse_args(int argc, char **argv, struct args *a)
         if (i + 1 >= argc)
             return cli_fail("option '%s' needs a value", k);
         const char *v = argv[++i];
-        if (!strcmp(k, "--addr")) {
+        if (moe_tls_cli_flag(&a->tls, k, v)) {
+            continue;
+        } else if (!strcmp(k, "--token-file")) {
+            a->token_file = v;
+        } else if (!strcmp(k, "--addr")) {
             a->addr = v;
         } else if (!strcmp(k, "--prompt")) {
             a->prompt = v;
@@ -174,12 +186,24 @@ int main(int argc, char **argv)
     if (rc)
         return rc;
     struct moe_error err = {0};
-    struct rpc_client *client = rpc_client_create(a.addr, NULL, &err);
-    if (!client)
+    static struct rpc_client_options co; /* static: its TLS material lives until exit */
+    char *token = NULL;
+    if (moe_tls_create(&a.tls, &co.tls, &err) ||
+        (a.token_file && moe_token_read("--token-file", a.token_file, &token, &err))) {
+        moe_tls_destroy(co.tls);
+        return cli_fail("%s", err.msg);
+    }
+    co.token = token;
+    struct rpc_client *client = rpc_client_create(a.addr, &co, &err);
+    free(token);
+    if (!client) {
+        moe_tls_destroy(co.tls);
         return cli_fail("%s: %s", a.addr, err.msg), 1;
+    }
     if (a.info) {
         rc = run_info(client, &a);
         rpc_client_destroy(client);
+        moe_tls_destroy(co.tls);
         return rc;
     }
 

@@ -19,7 +19,9 @@
 #include "model_config.h"
 #include "moe/v1/inference.pb-c.h"
 #include "moe_error.h"
+#include "auth_token.h"
 #include "rpc.h"
+#include "tls_opts.h"
 #include "tokenizer.h"
 #include "clock.h"
 
@@ -85,6 +87,10 @@ struct coord_opts {
     int rpc_threads;
     int grace_ms;     /* shutdown grace for running streams */
     int expert_slots; /* experts a rank may hold per layer; 0: 2 * ceil(n_expert / n_rank) */
+    /* security (tls_opts.h, auth_token.h): NULL = off */
+    struct moe_tls *tls;             /* every port, and the channels to workers */
+    struct moe_tokens *api_tokens;   /* --api-token-file: Inference and the HTTP API */
+    struct moe_tokens *admin_tokens; /* --admin-token-file: Admin */
 };
 
 struct fwd;

@@ -556,15 +556,18 @@ enum moe_status coord_http_start(struct coord *c, struct moe_error *err)
                                  .threads = c->opts.http_threads,
                                  .max_body_bytes = c->opts.http_max_body,
                                  .idle_timeout_s = c->opts.http_timeout_s,
-                                 .name = "moe-coordinator"};
+                                 .name = "moe-coordinator",
+                                 .tls = c->opts.tls,
+                                 .tokens = c->opts.api_tokens};
     h->srv = http_server_create(&o, err);
     if (!h->srv)
         return err->code;
     enum moe_status st;
-    if ((st = http_server_route(h->srv, "GET", "/health", handle_health, h, err)) ||
-        (st = http_server_route(h->srv, "GET", "/version", handle_version, h, err)) ||
+    /* probes, the version and Prometheus' scrape need no token */
+    if ((st = http_server_route_open(h->srv, "GET", "/health", handle_health, h, err)) ||
+        (st = http_server_route_open(h->srv, "GET", "/version", handle_version, h, err)) ||
         (st = http_server_route(h->srv, "GET", "/v1/models", handle_models, h, err)) ||
-        (st = http_server_route(h->srv, "GET", "/metrics", handle_metrics, h, err)) ||
+        (st = http_server_route_open(h->srv, "GET", "/metrics", handle_metrics, h, err)) ||
         (st = http_server_route(h->srv, "POST", "/tokenize", handle_tokenize, h, err)) ||
         (st = http_server_route(h->srv, "POST", "/detokenize", handle_detokenize, h, err)) ||
         (st = coord_openai_register(h, err)) || (st = http_server_start(h->srv, err)))

@@ -28,9 +28,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "auth_token.h"
 #include "cli.h"
 #include "moe/v1/admin.pb-c.h"
+#include "moe/v1/health.pb-c.h"
 #include "rpc.h"
+#include "tls_opts.h"
 
 #define MAX_POS 8
 
@@ -48,6 +51,8 @@ struct args {
     bool auto_plan;
     bool all;
     const char *out;
+    const char *token_file;
+    struct moe_tls_opts tls;
 };
 
 static struct args g;
@@ -90,10 +95,16 @@ static void usage(FILE *f)
                "  experts apply PLAN.json | --auto [--redundant N]\n"
                "                                   install a plan as the next epoch\n"
                "  experts rollback                 reinstall the previous placement\n"
+               "  health [SERVICE]                 grpc.health.v1 Check of any moe-serve port\n"
+               "                                   (no token; exit 0 only when SERVING): a\n"
+               "                                   probe that speaks TLS\n"
                "  experts scale --redundant N [--dry-run]\n"
                "                                   plan and apply with N redundant replicas\n"
                "  --addr HOST:PORT  the coordinator (default 127.0.0.1:50051)\n"
                "  --json            machine-readable output\n"
+               "  --token-file F    admin token (first line of F) sent as a bearer token\n"
+               "TLS (--tls-ca alone: verify the coordinator; with --tls-cert/--tls-key: mutual "
+               "TLS):\n" MOE_TLS_USAGE
                "exit codes: 0 ok, 1 the call failed, 2 bad command line or plan file\n");
 }
 
@@ -122,7 +133,11 @@ static int parse_args(int argc, char **argv)
             if (!v)
                 return usage_err("option '%s' needs a value", k);
             i++;
-            if (!strcmp(k, "--addr")) {
+            if (moe_tls_cli_flag(&g.tls, k, v)) {
+                continue;
+            } else if (!strcmp(k, "--token-file")) {
+                g.token_file = v;
+            } else if (!strcmp(k, "--addr")) {
                 g.addr = v;
             } else if (!strcmp(k, "-o") || !strcmp(k, "--output")) {
                 g.out = v;
@@ -177,6 +192,42 @@ static bool admin_call(const char *what, const char *method, const void *req, si
     else
         fail("%s: %s: %s", what, rpc_code_name(code), reply->message);
     return false;
+}
+
+/* health [SERVICE]: one grpc.health.v1 Check (needs no token). */
+static int cmd_health(void)
+{
+    if (g.n_pos > 2)
+        return usage_err("health takes at most one SERVICE");
+    Grpc__Health__V1__HealthCheckRequest rq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    rq.service = (char *)(g.n_pos == 2 ? g.pos[1] : "");
+    size_t len = 0;
+    void *buf = rpc_pack(&rq, &len);
+    if (!buf)
+        return fail("out of memory");
+    struct rpc_reply reply;
+    enum rpc_code code =
+        rpc_client_call(g_client, "/grpc.health.v1.Health/Check", buf, len, g.timeout_ms, &reply);
+    free(buf);
+    if (code != RPC_OK) {
+        fail("health of '%s' at %s: %s: %s", rq.service, g.addr, rpc_code_name(code),
+             reply.message);
+        return 1;
+    }
+    Grpc__Health__V1__HealthCheckResponse *r =
+        grpc__health__v1__health_check_response__unpack(NULL, reply.len, reply.data);
+    rpc_reply_clear(&reply);
+    if (!r)
+        return fail("health: a malformed answer from %s", g.addr);
+    int st = (int)r->status;
+    grpc__health__v1__health_check_response__free_unpacked(r, NULL);
+    const char *names[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+    const char *name = st >= 0 && st <= 3 ? names[st] : "?";
+    if (g.json)
+        printf("{\"service\": \"%s\", \"status\": \"%s\"}\n", rq.service, name);
+    else
+        printf("%s\n", name);
+    return st == 1 ? 0 : 1;
 }
 
 static void print_json(cJSON *o)
@@ -862,16 +913,26 @@ int main(int argc, char **argv)
         return 2;
     }
     const char *cmd = g.pos[0];
-    if (strcmp(cmd, "status") && strcmp(cmd, "workers") && strcmp(cmd, "experts"))
-        return usage_err("unknown command '%s' (status, workers, experts)", cmd);
+    if (strcmp(cmd, "status") && strcmp(cmd, "workers") && strcmp(cmd, "experts") &&
+        strcmp(cmd, "health"))
+        return usage_err("unknown command '%s' (status, workers, experts, health)", cmd);
     struct moe_error err = {0};
-    g_client = rpc_client_create(g.addr, NULL, &err);
+    static struct rpc_client_options co; /* static: its TLS material lives until exit */
+    char *token = NULL;
+    if (moe_tls_create(&g.tls, &co.tls, &err) ||
+        (g.token_file && moe_token_read("--token-file", g.token_file, &token, &err)))
+        return usage_err("%s", err.msg);
+    co.token = token;
+    g_client = rpc_client_create(g.addr, &co, &err);
+    free(token);
     if (!g_client)
         return fail("cannot reach the coordinator at %s: %s", g.addr, err.msg);
     if (!strcmp(cmd, "status"))
         rc = cmd_status();
     else if (!strcmp(cmd, "workers"))
         rc = cmd_workers();
+    else if (!strcmp(cmd, "health"))
+        rc = cmd_health();
     else
         rc = cmd_experts();
     rpc_client_destroy(g_client);

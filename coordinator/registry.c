@@ -61,7 +61,7 @@ struct coord_worker *coord_registry_find_locked(struct coord *c, const char *id)
 }
 
 static struct coord_worker *worker_create(const char *id, const char *address, int role,
-                                          struct moe_error *err)
+                                          struct moe_tls *tls, struct moe_error *err)
 {
     if (!id[0] || strlen(id) >= COORD_ID_MAX) {
         moe_error_set(err, MOE_ERR_INVALID, "worker id '%.40s': empty or longer than %d bytes", id,
@@ -87,7 +87,8 @@ static struct coord_worker *worker_create(const char *id, const char *address, i
     w->refs = 1; /* the registry's */
     w->member = true;
     w->block_size = COORD_DEFAULT_BLOCK;
-    struct rpc_client_options o = {.keepalive_time_ms = 10000, .keepalive_timeout_ms = 5000};
+    struct rpc_client_options o = {
+        .keepalive_time_ms = 10000, .keepalive_timeout_ms = 5000, .tls = tls};
     w->client = rpc_client_create(address, &o, err);
     if (!w->client) {
         moe_error_prefix(err, "worker '%s'", id);
@@ -118,7 +119,7 @@ enum moe_status coord_registry_upsert(struct coord *c, const char *id, const cha
     }
     pthread_mutex_unlock(&c->mu);
     /* New, or moved to another address: a new channel (created unlocked). */
-    struct coord_worker *w = worker_create(id, address, role, err);
+    struct coord_worker *w = worker_create(id, address, role, c->opts.tls, err);
     if (!w)
         return err ? err->code : MOE_ERR_INVALID;
     pthread_mutex_lock(&c->mu);

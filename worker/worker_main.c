@@ -2,7 +2,10 @@
  * grpc.health.v1.Health. With --etcd it registers under a lease that it
  * keeps alive (serve/registration.h); on SIGTERM or SIGINT it drains:
  * health NOT_SERVING, registration removed, new work refused with
- * UNAVAILABLE, running requests finish, then it exits 0.
+ * UNAVAILABLE, running requests finish, then it exits 0. With --tls-* every
+ * port (gRPC, KV data plane, metrics) speaks TLS, and with --tls-ca the gRPC
+ * and KV ports require client certificates from that CA (mutual TLS);
+ * SIGHUP re-reads the certificate on every rank.
  *
  *   moe-worker --model DIR [--listen HOST:PORT] [--advertise HOST:PORT]
  *              [--etcd URLS --worker-id ID --lease-ttl S] [--dtype f32|bf16|int8]
@@ -10,6 +13,7 @@
  *              [--block-size N] [--max-batch-tokens N] [--max-running N]
  *              [--no-prefix-cache] [--role mixed|prefill|decode] [--kv-listen HOST:PORT]
  *              [--drain-timeout S] [--metrics-listen HOST:PORT]
+ *              [--tls-cert F --tls-key F [--tls-ca F]] [--etcd-cacert F ...]
  *   mpirun -np W moe-worker ... [--tp T] [--placement F.json]
  *              one model replica over W ranks: rank 0 serves gRPC and runs the
  *              scheduler, every rank runs each step (tensor + expert parallel)
@@ -24,6 +28,9 @@
 
 #include "cli.h"
 #include "backend.h"
+#include "etcd.h"
+#include "sighup.h"
+#include "tls_opts.h"
 #include "engine/engine.h"
 #include "engine/generate.h"
 #include "group/group.h"
@@ -65,6 +72,8 @@ struct args {
     const char *placement;
     int comm_timeout_ms;
     int handoff_ttl_ms;
+    struct moe_tls_opts tls;
+    struct moe_etcd_tls etcd_tls;
 };
 
 static volatile sig_atomic_t g_signal;
@@ -110,6 +119,10 @@ static void usage(FILE *f)
                "under mpirun: --tp T (attention tensor parallel), --placement F.json (experts),\n"
                "  --comm-timeout-ms MS (a collective slower than this fails the group, default "
                "10000)\n");
+    fputs("TLS (the gRPC, KV data plane and metrics ports, the channels to other workers;\n"
+          "with --tls-ca the gRPC and KV ports require client certificates):\n" MOE_TLS_USAGE
+          "etcd over TLS:\n" MOE_ETCD_TLS_USAGE,
+          f);
 }
 
 static int parse_args(int argc, char **argv, struct args *a)
@@ -156,6 +169,8 @@ static int parse_args(int argc, char **argv, struct args *a)
         INT_OPT("--comm-timeout-ms", 100, 3600000, comm_timeout_ms)
         INT_OPT("--handoff-ttl-ms", 50, 3600000, handoff_ttl_ms)
 #undef INT_OPT
+        if (moe_tls_cli_flag(&a->tls, k, v) || moe_etcd_tls_cli_flag(&a->etcd_tls, k, v))
+            continue;
         if (!strcmp(k, "--kv-memory")) {
             if (!cli_parse_long(v, 1, 1 << 24, &n))
                 return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
@@ -223,7 +238,15 @@ int main(int argc, char **argv)
     struct kv_link *kv_link = NULL;          /* disaggregated roles only */
     char *kv_endpoints = NULL;               /* every rank's, by rank */
     struct moe_kv_cache *follower_kv = NULL; /* a follower's cache, shared with kv_link */
+    struct moe_tls *tls = NULL;              /* --tls-*: every port of every rank */
+    struct moe_sighup *sighup = NULL;
     rc = 1;
+    if (moe_etcd_set_tls(&a.etcd_tls, &err) || moe_tls_create(&a.tls, &tls, &err) ||
+        (tls && moe_sighup_start("moe-worker", tls, NULL, 0, &sighup, &err))) {
+        fprintf(stderr, "moe-worker: %s\n", err.msg);
+        moe_tls_destroy(tls);
+        return 2;
+    }
 
     struct moe_launch_args la = {.model = a.model,
                                  .device = a.device,
@@ -263,7 +286,8 @@ int main(int argc, char **argv)
                                              .d_head = cfg->d_head,
                                              .tp_size = group ? group->tp_size : 1,
                                              .tp_rank = group ? group->tp_rank : 0},
-                                  .nccl = !a.kv_socket_only};
+                                  .nccl = !a.kv_socket_only,
+                                  .tls = tls};
         if (!(kv_endpoints = calloc((size_t)world, KV_LINK_ENDPOINT_MAX))) {
             moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
             goto fail;
@@ -348,10 +372,11 @@ int main(int argc, char **argv)
         .kv_link = kv_link,
         .kv_endpoints = kv_endpoints,
         .handoff_ttl_ms = a.handoff_ttl_ms,
+        .tls = tls,
     };
     if (worker_service_create(engine, model, tok, &so, &ws, &err))
         goto fail;
-    if (metrics && worker_metrics_serve(metrics, a.metrics_listen, engine, ws, &err))
+    if (metrics && worker_metrics_serve(metrics, a.metrics_listen, engine, ws, tls, &err))
         goto fail;
     int port = worker_service_port(ws);
 
@@ -386,10 +411,11 @@ int main(int argc, char **argv)
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     printf("moe-worker: %s serving %s on %s (%s, %s, %d KV blocks x %d tokens, %d rank%s, "
-           "tp %d, pid %d)%s\n",
+           "tp %d, pid %d)%s%s\n",
            id, name, address, a.role, be->name, eo.n_block, eo.block_size, group ? group->size : 1,
            group && group->size > 1 ? "s" : "", group ? group->tp_size : 1, (int)getpid(),
-           a.etcd ? ", registered in etcd" : "");
+           a.etcd ? ", registered in etcd" : "",
+           tls ? (moe_tls_has_ca(tls) ? ", mutual TLS" : ", TLS") : "");
     if (metrics) {
         printf("moe-worker: /metrics on %.*s:%d\n", moe_hostport_host_len(a.metrics_listen),
                a.metrics_listen, worker_metrics_port(metrics));
@@ -432,5 +458,7 @@ out:
     moe_tokenizer_free(tok);
     moe_model_free(model);
     moe_launch_finish(&launch);
+    moe_sighup_stop(sighup);
+    moe_tls_destroy(tls);
     return rc;
 }

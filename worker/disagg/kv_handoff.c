@@ -99,7 +99,8 @@ static struct rpc_client *peer_client(struct kv_handoff *x, const char *target, 
             pthread_mutex_unlock(&x->mu);
             return cl;
         }
-    struct rpc_client *cl = rpc_client_create(target, NULL, err);
+    struct rpc_client_options co = {.tls = x->o.tls};
+    struct rpc_client *cl = rpc_client_create(target, &co, err);
     if (cl && x->n_peers < KV_HANDOFF_MAX_PEERS) {
         snprintf(x->peers[x->n_peers].target, sizeof x->peers[0].target, "%s", target);
         x->peers[x->n_peers++].cl = cl;

@@ -76,6 +76,7 @@ struct kv_handoff_opts {
     int ttl_ms;               /* lifetime of a parked / reserved handoff; 0 = 30000 */
     void (*wake)(void *user); /* wakes the engine thread (may be NULL) */
     void *wake_user;
+    struct moe_tls *tls; /* channels to peer workers over TLS (borrowed); NULL = plaintext */
 };
 
 struct kv_handoff_counters {

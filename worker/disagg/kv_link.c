@@ -29,10 +29,15 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
+
 #include "comm/comm.h"
 #include "hostport.h"
 #include "engine/generate.h" /* moe_now */
 #include "test_fault.h"
+#include "tls_opts.h"
 
 #define KV_LINK_MAGIC 0x4b454f4du /* "MOEK" */
 
@@ -302,17 +307,65 @@ static bool wait_fd(int fd, bool in, double deadline)
     }
 }
 
-static enum moe_status send_bytes(int fd, const void *buf, size_t n, double deadline,
+/* One connection: the socket and, with TLS, its OpenSSL session. */
+struct kv_sock {
+    int fd;
+    SSL *ssl; /* NULL: plaintext */
+};
+
+/* Waits for what OpenSSL asked for (`code`: SSL_ERROR_WANT_READ or _WRITE);
+ * false on a real error or the deadline. */
+static bool ssl_wait(struct kv_sock *ks, int code, double deadline)
+{
+    if (code != SSL_ERROR_WANT_READ && code != SSL_ERROR_WANT_WRITE)
+        return false;
+    return wait_fd(ks->fd, code == SSL_ERROR_WANT_READ, deadline);
+}
+
+/* Why an OpenSSL call failed, as text (the error queue cleared). */
+static const char *ssl_why(int code, char *buf, size_t cap)
+{
+    unsigned long e = ERR_get_error();
+    if (e)
+        ERR_error_string_n(e, buf, cap);
+    else if (code == SSL_ERROR_ZERO_RETURN)
+        snprintf(buf, cap, "the peer closed the TLS session");
+    else if (code == SSL_ERROR_SYSCALL)
+        snprintf(buf, cap, "%s", errno ? strerror(errno) : "the peer closed the connection");
+    else
+        snprintf(buf, cap, "TLS error %d", code);
+    ERR_clear_error();
+    return buf;
+}
+
+static enum moe_status send_bytes(struct kv_sock *ks, const void *buf, size_t n, double deadline,
                                   struct moe_error *err)
 {
     const uint8_t *p = buf;
     while (n > 0) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (ks->ssl) {
+            size_t k = 0;
+            int chunk = n > (1u << 30) ? 1 << 30 : (int)n;
+            ERR_clear_error();
+            if (SSL_write_ex(ks->ssl, p, (size_t)chunk, &k) == 1) {
+                p += k;
+                n -= k;
+                continue;
+            }
+            int code = SSL_get_error(ks->ssl, 0);
+            if (ssl_wait(ks, code, deadline))
+                continue;
+            char why[256];
+            if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE)
+                return moe_error_set(err, MOE_ERR_IO, "sending timed out");
+            return moe_error_set(err, MOE_ERR_IO, "TLS send: %s", ssl_why(code, why, sizeof why));
+        }
+        ssize_t k = send(ks->fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k > 0) {
             p += k;
             n -= (size_t)k;
         } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-            if (!wait_fd(fd, false, deadline))
+            if (!wait_fd(ks->fd, false, deadline))
                 return moe_error_set(err, MOE_ERR_IO, "sending timed out");
         } else {
             return moe_error_set(err, MOE_ERR_IO, "send: %s", strerror(errno));
@@ -321,19 +374,38 @@ static enum moe_status send_bytes(int fd, const void *buf, size_t n, double dead
     return MOE_OK;
 }
 
-static enum moe_status recv_bytes(int fd, void *buf, size_t n, double deadline,
+static enum moe_status recv_bytes(struct kv_sock *ks, void *buf, size_t n, double deadline,
                                   struct moe_error *err)
 {
     uint8_t *p = buf;
     while (n > 0) {
-        ssize_t k = recv(fd, p, n, MSG_DONTWAIT);
+        if (ks->ssl) {
+            size_t k = 0;
+            ERR_clear_error();
+            if (SSL_read_ex(ks->ssl, p, n, &k) == 1) {
+                p += k;
+                n -= k;
+                continue;
+            }
+            int code = SSL_get_error(ks->ssl, 0);
+            if (ssl_wait(ks, code, deadline))
+                continue;
+            char why[256];
+            if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE)
+                return moe_error_set(err, MOE_ERR_IO, "receiving timed out");
+            if (code == SSL_ERROR_ZERO_RETURN)
+                return moe_error_set(err, MOE_ERR_IO, "the peer closed the connection");
+            return moe_error_set(err, MOE_ERR_IO, "TLS receive: %s",
+                                 ssl_why(code, why, sizeof why));
+        }
+        ssize_t k = recv(ks->fd, p, n, MSG_DONTWAIT);
         if (k > 0) {
             p += k;
             n -= (size_t)k;
         } else if (k == 0) {
             return moe_error_set(err, MOE_ERR_IO, "the peer closed the connection");
         } else if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-            if (!wait_fd(fd, true, deadline))
+            if (!wait_fd(ks->fd, true, deadline))
                 return moe_error_set(err, MOE_ERR_IO, "receiving timed out");
         } else {
             return moe_error_set(err, MOE_ERR_IO, "recv: %s", strerror(errno));
@@ -386,18 +458,18 @@ static int connect_to(const char *endpoint, double deadline, struct moe_error *e
     return fd;
 }
 
-static enum moe_status send_msg(int fd, uint32_t type, const struct wbuf *b, double deadline,
-                                struct moe_error *err)
+static enum moe_status send_msg(struct kv_sock *ks, uint32_t type, const struct wbuf *b,
+                                double deadline, struct moe_error *err)
 {
     if (b->oom)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a KV link message");
     struct wire_head h = {KV_LINK_MAGIC, type, (uint32_t)b->n};
-    enum moe_status rc = send_bytes(fd, &h, sizeof h, deadline, err);
-    return rc ? rc : send_bytes(fd, b->p, b->n, deadline, err);
+    enum moe_status rc = send_bytes(ks, &h, sizeof h, deadline, err);
+    return rc ? rc : send_bytes(ks, b->p, b->n, deadline, err);
 }
 
 /* Reads one message; *body is malloc'd (the caller frees it). */
-static enum moe_status recv_msg(int fd, uint32_t *type, uint8_t **body, size_t *len,
+static enum moe_status recv_msg(struct kv_sock *ks, uint32_t *type, uint8_t **body, size_t *len,
                                 double deadline, struct moe_error *err)
 {
     uint8_t head[KV_LINK_HEAD_BYTES];
@@ -405,12 +477,12 @@ static enum moe_status recv_msg(int fd, uint32_t *type, uint8_t **body, size_t *
     *body = NULL;
     *type = 0;
     *len = 0;
-    enum moe_status rc = recv_bytes(fd, head, sizeof head, deadline, err);
+    enum moe_status rc = recv_bytes(ks, head, sizeof head, deadline, err);
     if (rc || (rc = kv_link_head_parse(head, &t, &n, err)))
         return rc;
     if (!(*body = malloc(n ? n : 1)))
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
-    if ((rc = recv_bytes(fd, *body, n, deadline, err))) {
+    if ((rc = recv_bytes(ks, *body, n, deadline, err))) {
         free(*body);
         *body = NULL;
         return rc;
@@ -421,8 +493,8 @@ static enum moe_status recv_msg(int fd, uint32_t *type, uint8_t **body, size_t *
 }
 
 /* STATUS: {status, value, flag, message}. */
-static void send_status(int fd, enum moe_status st, uint64_t value, bool flag, const char *msg,
-                        double deadline)
+static void send_status(struct kv_sock *ks, enum moe_status st, uint64_t value, bool flag,
+                        const char *msg, double deadline)
 {
     struct wbuf b = {0};
     put_i32(&b, (int32_t)st);
@@ -430,17 +502,17 @@ static void send_status(int fd, enum moe_status st, uint64_t value, bool flag, c
     put_i32(&b, flag);
     put_str(&b, msg ? msg : "");
     struct moe_error ignored = {0};
-    send_msg(fd, T_STATUS, &b, deadline, &ignored);
+    send_msg(ks, T_STATUS, &b, deadline, &ignored);
     free(b.p);
 }
 
-static enum moe_status recv_status(int fd, const char *endpoint, double deadline, uint64_t *value,
-                                   bool *flag, struct moe_error *err)
+static enum moe_status recv_status(struct kv_sock *ks, const char *endpoint, double deadline,
+                                   uint64_t *value, bool *flag, struct moe_error *err)
 {
     uint32_t type = 0;
     uint8_t *body;
     size_t len = 0;
-    enum moe_status rc = recv_msg(fd, &type, &body, &len, deadline, err);
+    enum moe_status rc = recv_msg(ks, &type, &body, &len, deadline, err);
     if (rc)
         return moe_error_prefix(err, "KV endpoint %.120s", endpoint);
     struct kv_link_msg *m = malloc(sizeof *m);
@@ -466,20 +538,96 @@ static enum moe_status recv_status(int fd, const char *endpoint, double deadline
     return rc;
 }
 
+static void sock_close(struct kv_sock *ks)
+{
+    SSL_free(ks->ssl);
+    ks->ssl = NULL;
+    if (ks->fd >= 0)
+        close(ks->fd);
+    ks->fd = -1;
+}
+
+/* Runs the TLS handshake of ks->ssl (set up for one side) to its end. */
+static enum moe_status sock_handshake(struct kv_sock *ks, bool server, const char *peer,
+                                      double deadline, struct moe_error *err)
+{
+    for (;;) {
+        ERR_clear_error();
+        int r = server ? SSL_accept(ks->ssl) : SSL_connect(ks->ssl);
+        if (r == 1)
+            return MOE_OK;
+        int code = SSL_get_error(ks->ssl, r);
+        if (ssl_wait(ks, code, deadline))
+            continue;
+        char why[256];
+        if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE)
+            return moe_error_set(err, MOE_ERR_IO, "KV endpoint %.120s: TLS handshake timed out",
+                                 peer);
+        long v = SSL_get_verify_result(ks->ssl);
+        if (v != X509_V_OK)
+            snprintf(why, sizeof why, "certificate verify failed: %s",
+                     X509_verify_cert_error_string(v));
+        else
+            ssl_why(code, why, sizeof why);
+        ERR_clear_error();
+        return moe_error_set(err, MOE_ERR_IO, "KV endpoint %.120s: TLS handshake: %s", peer, why);
+    }
+}
+
+/* Connects to `endpoint`; with `tls`, over TLS: the peer's certificate must
+ * chain to the CA and name the endpoint's host (or the server name). */
+static enum moe_status sock_connect(struct moe_tls *tls, const char *endpoint, double deadline,
+                                    struct kv_sock *ks, struct moe_error *err)
+{
+    ks->ssl = NULL;
+    ks->fd = connect_to(endpoint, deadline, err);
+    if (ks->fd < 0)
+        return err->code ? err->code : MOE_ERR_IO;
+    if (!tls)
+        return MOE_OK;
+    SSL_CTX *ctx = moe_tls_ssl_ctx(tls, false, err);
+    if (!ctx || !(ks->ssl = SSL_new(ctx))) {
+        if (ctx)
+            moe_error_set(err, MOE_ERR_NOMEM, "KV endpoint %.120s: SSL_new failed", endpoint);
+        sock_close(ks);
+        return err->code;
+    }
+    char host[KV_LINK_ENDPOINT_MAX];
+    int port;
+    const char *name = moe_tls_server_name(tls);
+    if (!name && moe_hostport_split(endpoint, host, sizeof host, &port) && host[0])
+        name = host;
+    unsigned char ip[16];
+    X509_VERIFY_PARAM *vp = SSL_get0_param(ks->ssl);
+    if (name && (inet_pton(AF_INET, name, ip) == 1 || inet_pton(AF_INET6, name, ip) == 1)) {
+        X509_VERIFY_PARAM_set1_ip_asc(vp, name);
+    } else if (name) {
+        SSL_set_tlsext_host_name(ks->ssl, name);
+        SSL_set1_host(ks->ssl, name);
+    }
+    SSL_set_fd(ks->ssl, ks->fd);
+    enum moe_status rc = sock_handshake(ks, false, endpoint, deadline, err);
+    if (rc)
+        sock_close(ks);
+    return rc;
+}
+
 /* One request, one STATUS answer. */
-static enum moe_status call(const char *endpoint, uint32_t type, const struct wbuf *b,
-                            int timeout_ms, uint64_t *value, bool *flag, struct moe_error *err)
+static enum moe_status call(struct moe_tls *tls, const char *endpoint, uint32_t type,
+                            const struct wbuf *b, int timeout_ms, uint64_t *value, bool *flag,
+                            struct moe_error *err)
 {
     double deadline = moe_now() + timeout_ms / 1e3;
-    int fd = connect_to(endpoint, deadline, err);
-    if (fd < 0)
-        return MOE_ERR_IO;
-    enum moe_status rc = send_msg(fd, type, b, deadline, err);
+    struct kv_sock ks;
+    enum moe_status rc = sock_connect(tls, endpoint, deadline, &ks, err);
+    if (rc)
+        return rc;
+    rc = send_msg(&ks, type, b, deadline, err);
     if (rc)
         moe_error_prefix(err, "KV endpoint %.120s", endpoint);
     else
-        rc = recv_status(fd, endpoint, deadline, value, flag, err);
-    close(fd);
+        rc = recv_status(&ks, endpoint, deadline, value, flag, err);
+    sock_close(&ks);
     return rc;
 }
 
@@ -652,7 +800,8 @@ enum moe_status kv_link_expect(struct kv_link *l, const char *endpoint, const ch
     put_i32(&b, n_tokens);
     put_i32(&b, ttl_ms);
     put_ints(&b, blocks, n_blocks);
-    enum moe_status rc = call(endpoint, T_EXPECT, &b, l->o.io_timeout_ms, NULL, NULL, err);
+    enum moe_status rc =
+        call(l->o.tls, endpoint, T_EXPECT, &b, l->o.io_timeout_ms, NULL, NULL, err);
     free(b.p);
     return rc;
 }
@@ -668,7 +817,8 @@ enum moe_status kv_link_forget(struct kv_link *l, const char *endpoint, const ch
     put_str(&b, id);
     *bytes = 0;
     *complete = false;
-    enum moe_status rc = call(endpoint, T_FORGET, &b, l->o.io_timeout_ms, bytes, complete, err);
+    enum moe_status rc =
+        call(l->o.tls, endpoint, T_FORGET, &b, l->o.io_timeout_ms, bytes, complete, err);
     free(b.p);
     return rc;
 }
@@ -729,13 +879,13 @@ static struct pair *pair_get(struct kv_link *l, const char *peer, bool sending)
 /* Moves one layer's K or V payload (`bytes`) of a slice: over the socket
  * through the host buffer `host`, or over the pair's NCCL communicator
  * through the staging buffer `stage`. */
-static enum moe_status move_payload(struct kv_link *l, int fd, struct pair *pr, bool sending,
-                                    float *host, float *stage, size_t bytes, double deadline,
-                                    struct moe_error *err)
+static enum moe_status move_payload(struct kv_link *l, struct kv_sock *ks, struct pair *pr,
+                                    bool sending, float *host, float *stage, size_t bytes,
+                                    double deadline, struct moe_error *err)
 {
     if (!pr)
-        return sending ? send_bytes(fd, host, bytes, deadline, err)
-                       : recv_bytes(fd, host, bytes, deadline, err);
+        return sending ? send_bytes(ks, host, bytes, deadline, err)
+                       : recv_bytes(ks, host, bytes, deadline, err);
     l->o.be->ops->synchronize(l->o.be); /* the staging copies are on the backend's stream */
     return sending ? moe_comm_send(pr->comm, stage, bytes, 1, err)
                    : moe_comm_recv(pr->comm, stage, bytes, 0, err);
@@ -758,7 +908,7 @@ static enum moe_status pair_connect(struct kv_link *l, struct pair *pr,
  * communicator is up and NCCL carries the payload only if both are. A pair
  * that could not connect (e.g. both ranks on one GPU) falls back to the
  * socket for good. Returns whether NCCL carries this slice. */
-static bool pair_agree(struct kv_link *l, int fd, struct pair *pr, bool init,
+static bool pair_agree(struct kv_link *l, struct kv_sock *ks, struct pair *pr, bool init,
                        const struct moe_comm_nccl_id *id, double deadline)
 {
     bool up = true;
@@ -771,11 +921,11 @@ static bool pair_agree(struct kv_link *l, int fd, struct pair *pr, bool init,
     bool theirs = false, ok = true;
     struct moe_error ignored = {0};
     if (pr->sending) {
-        ok = recv_status(fd, pr->peer, deadline, NULL, &theirs, &ignored) == MOE_OK;
-        send_status(fd, MOE_OK, 0, up && theirs && ok, "", deadline);
+        ok = recv_status(ks, pr->peer, deadline, NULL, &theirs, &ignored) == MOE_OK;
+        send_status(ks, MOE_OK, 0, up && theirs && ok, "", deadline);
     } else {
-        send_status(fd, MOE_OK, 0, up, "", deadline);
-        ok = recv_status(fd, pr->peer, deadline, NULL, &theirs, &ignored) == MOE_OK;
+        send_status(ks, MOE_OK, 0, up, "", deadline);
+        ok = recv_status(ks, pr->peer, deadline, NULL, &theirs, &ignored) == MOE_OK;
     }
     bool use = up && theirs && ok;
     if (!use) {
@@ -797,7 +947,7 @@ static void unpin(struct kv_link *l, struct expected *e, uint64_t bytes)
 }
 
 /* The receiving side of one SLICE whose header is `m` (decoded by kv_link_msg_parse). */
-static void serve_slice(struct kv_link *l, int fd, const struct kv_link_msg *m)
+static void serve_slice(struct kv_link *l, struct kv_sock *ks, const struct kv_link_msg *m)
 {
     double deadline = moe_now() + l->o.io_timeout_ms / 1e3; /* for refusals */
     char msg[512] = "";
@@ -843,11 +993,11 @@ static void serve_slice(struct kv_link *l, int fd, const struct kv_link_msg *m)
             pr = NULL;
         }
     }
-    send_status(fd, st, 0, pr != NULL, msg, deadline); /* go ahead (and how), or why not */
+    send_status(ks, st, 0, pr != NULL, msg, deadline); /* go ahead (and how), or why not */
     if (st != MOE_OK)
         return;
     struct moe_error err = {0};
-    if (pr && !pair_agree(l, fd, pr, init, nid, deadline)) {
+    if (pr && !pair_agree(l, ks, pr, init, nid, deadline)) {
         pthread_mutex_unlock(&pr->mu);
         pr = NULL;
     }
@@ -861,7 +1011,7 @@ static void serve_slice(struct kv_link *l, int fd, const struct kv_link_msg *m)
         for (int kind = 0; kind < 2 && !st; kind++) {
             /* a sender that stops making progress fails the slice */
             double step = moe_now() + l->o.io_timeout_ms / 1e3;
-            if ((st = move_payload(l, fd, pr, false, host, stage, per * sizeof(float), step, &err)))
+            if ((st = move_payload(l, ks, pr, false, host, stage, per * sizeof(float), step, &err)))
                 break;
             float *base = kind ? kv->v[layer] : kv->k[layer];
             copy_rows(l, kv, base, dst, n_tokens, hb, he, pr ? stage : host,
@@ -880,7 +1030,7 @@ static void serve_slice(struct kv_link *l, int fd, const struct kv_link_msg *m)
     }
     free(host);
     unpin(l, e, st ? 0 : bytes);
-    send_status(fd, st, bytes, false, st ? err.msg : "", moe_now() + l->o.io_timeout_ms / 1e3);
+    send_status(ks, st, bytes, false, st ? err.msg : "", moe_now() + l->o.io_timeout_ms / 1e3);
 }
 
 /* Sends heads [hb, he) of `p` to one target. */
@@ -905,8 +1055,8 @@ static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
         pr = NULL;
         init = false;
     }
-    int fd = connect_to(t->endpoint, deadline, err);
-    if (fd < 0) {
+    struct kv_sock sock, *ks = &sock;
+    if (sock_connect(l->o.tls, t->endpoint, deadline, ks, err)) {
         if (pr)
             pthread_mutex_unlock(&pr->mu);
         return MOE_ERR_IO;
@@ -925,11 +1075,11 @@ static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
     put_i32(&b, init);
     put(&b, &nid, sizeof nid);
     put_str(&b, l->endpoint);
-    enum moe_status rc = send_msg(fd, T_SLICE, &b, deadline, err);
+    enum moe_status rc = send_msg(ks, T_SLICE, &b, deadline, err);
     free(b.p);
     bool nccl = false;
     if (!rc) /* the receiver checks the header against its reservation first */
-        rc = recv_status(fd, t->endpoint, deadline, NULL, &nccl, err);
+        rc = recv_status(ks, t->endpoint, deadline, NULL, &nccl, err);
     if (pr && !rc && !nccl) {
         if (init) { /* the peer has no device path: the socket for good */
             pr->broken = true;
@@ -938,7 +1088,7 @@ static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
             pr->comm = NULL;
         }
     }
-    if (pr && !rc && nccl && !pair_agree(l, fd, pr, init, &nid, deadline))
+    if (pr && !rc && nccl && !pair_agree(l, ks, pr, init, &nid, deadline))
         nccl = false;
     if (pr && !nccl) {
         pthread_mutex_unlock(&pr->mu);
@@ -961,7 +1111,7 @@ static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
             float *base = kind ? kv->v[layer] : kv->k[layer];
             copy_rows(l, kv, base, p->src_blocks, p->n_tokens, hb, he, pr ? stage : host,
                       pr ? TO_STAGE : TO_HOST);
-            rc = move_payload(l, fd, pr, true, host, stage, per * sizeof(float), deadline, err);
+            rc = move_payload(l, ks, pr, true, host, stage, per * sizeof(float), deadline, err);
         }
         if (!rc && l->fault_die) {
             fprintf(stderr,
@@ -976,7 +1126,7 @@ static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
         l->o.be->ops->buf_free(l->o.be, stage);
     uint64_t got = 0;
     if (!rc)
-        rc = recv_status(fd, t->endpoint, deadline, &got, NULL, err);
+        rc = recv_status(ks, t->endpoint, deadline, &got, NULL, err);
     else if (!strstr(err->msg, "KV endpoint"))
         moe_error_prefix(err, "KV endpoint %.120s", t->endpoint);
     if (pr) {
@@ -986,7 +1136,7 @@ static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
         }
         pthread_mutex_unlock(&pr->mu);
     }
-    close(fd);
+    sock_close(ks);
     if (!rc)
         *bytes += got;
     return rc;
@@ -1058,7 +1208,8 @@ struct kv_link_order {
 static void *order_main(void *arg)
 {
     struct kv_link_order *o = arg;
-    o->rc = call(o->endpoint, T_ORDER, &o->msg, o->timeout_ms, &o->bytes, NULL, &o->err);
+    o->rc =
+        call(o->l->o.tls, o->endpoint, T_ORDER, &o->msg, o->timeout_ms, &o->bytes, NULL, &o->err);
     return NULL;
 }
 
@@ -1097,7 +1248,8 @@ enum moe_status kv_link_order_wait(struct kv_link_order *o, uint64_t *bytes, str
     return rc;
 }
 
-static void serve_order(struct kv_link *l, int fd, const struct kv_link_msg *m, double io_deadline)
+static void serve_order(struct kv_link *l, struct kv_sock *ks, const struct kv_link_msg *m,
+                        double io_deadline)
 {
     struct kv_link_push p = {.id = m->id,
                              .src_blocks = m->src_blocks,
@@ -1118,7 +1270,7 @@ static void serve_order(struct kv_link *l, int fd, const struct kv_link_msg *m, 
     else
         st = kv_link_push(l, &p, &bytes, &err);
     double deadline = moe_now() + l->o.io_timeout_ms / 1e3;
-    send_status(fd, st, bytes, false, st ? err.msg : "",
+    send_status(ks, st, bytes, false, st ? err.msg : "",
                 deadline > io_deadline ? deadline : io_deadline);
 }
 
@@ -1126,7 +1278,7 @@ static void serve_order(struct kv_link *l, int fd, const struct kv_link_msg *m, 
 
 struct conn {
     struct kv_link *l;
-    int fd;
+    struct kv_sock ks;
 };
 
 static void *conn_main(void *arg)
@@ -1139,35 +1291,45 @@ static void *conn_main(void *arg)
     size_t len = 0;
     struct moe_error err = {0};
     struct kv_link_msg *m = NULL;
-    if (recv_msg(c->fd, &type, &body, &len, deadline, &err) == MOE_OK) {
+    struct kv_sock *ks = &c->ks;
+    bool up = true;
+    if (l->o.tls) { /* the handshake: with a CA, the peer must show a certificate from it */
+        SSL_CTX *ctx = moe_tls_ssl_ctx(l->o.tls, true, &err);
+        up = ctx && (ks->ssl = SSL_new(ctx)) && SSL_set_fd(ks->ssl, ks->fd) == 1 &&
+             sock_handshake(ks, true, "(client)", deadline, &err) == MOE_OK;
+        if (!up)
+            fprintf(stderr, "moe-worker: KV link: a connection refused: %s\n",
+                    err.msg[0] ? err.msg : "cannot start TLS");
+    }
+    if (up && recv_msg(ks, &type, &body, &len, deadline, &err) == MOE_OK) {
         enum moe_status st = (m = malloc(sizeof *m))
                                  ? kv_link_msg_parse(type, body, len, m, &err)
                                  : moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
         switch (st ? 0 : type) {
         case T_EXPECT:
             st = expect_local(l, m->id, m->blocks, m->n_blocks, m->n_tokens, m->ttl_ms, &err);
-            send_status(c->fd, st, 0, false, st ? err.msg : "", deadline);
+            send_status(ks, st, 0, false, st ? err.msg : "", deadline);
             break;
         case T_FORGET: {
             uint64_t bytes = 0;
             bool complete = false;
             forget_local(l, m->id, &bytes, &complete);
-            send_status(c->fd, MOE_OK, bytes, complete, "", moe_now() + l->o.io_timeout_ms / 1e3);
+            send_status(ks, MOE_OK, bytes, complete, "", moe_now() + l->o.io_timeout_ms / 1e3);
             break;
         }
-        case T_ORDER: serve_order(l, c->fd, m, deadline); break;
-        case T_SLICE: serve_slice(l, c->fd, m); break;
+        case T_ORDER: serve_order(l, ks, m, deadline); break;
+        case T_SLICE: serve_slice(l, ks, m); break;
         case T_STATUS:
-            send_status(c->fd, MOE_ERR_INVALID, 0, false, "a STATUS is an answer, not a request",
+            send_status(ks, MOE_ERR_INVALID, 0, false, "a STATUS is an answer, not a request",
                         deadline);
             break;
-        default: send_status(c->fd, st, 0, false, err.msg, deadline);
+        default: send_status(ks, st, 0, false, err.msg, deadline);
         }
     }
     kv_link_msg_clear(m);
     free(m);
     free(body);
-    close(c->fd);
+    sock_close(ks);
     free(c);
     pthread_mutex_lock(&l->mu);
     l->n_conns--;
@@ -1201,7 +1363,8 @@ static void *accept_main(void *arg)
         pthread_t th;
         if (c) {
             c->l = l;
-            c->fd = fd;
+            c->ks.fd = fd;
+            c->ks.ssl = NULL;
             pthread_mutex_lock(&l->mu);
             l->n_conns++;
             pthread_mutex_unlock(&l->mu);

@@ -67,6 +67,12 @@ struct kv_link_opts {
      * communicator cannot connect, uses the socket. */
     bool nccl;
     int device; /* CUDA device ordinal of the cache */
+    /* TLS on every connection (tls_opts.h; borrowed, outlives the link):
+     * this rank serves with its certificate and, when a CA is given,
+     * requires peers to present one from it (mutual TLS); it connects to
+     * peers verifying theirs. Only the messages' sockets: a NCCL payload
+     * (the device path) is not encrypted. NULL = plaintext. */
+    struct moe_tls *tls;
 };
 
 struct kv_link;

@@ -14,6 +14,7 @@
 #include "request_check.h"
 #include "rpc.h"
 #include "test_fault.h"
+#include "tls_opts.h"
 
 /* One Generate call in flight. Freed by the engine thread after the final
  * event, under ws->mu, so a handler holding ws->mu can still touch it. */
@@ -579,8 +580,9 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
     pthread_mutex_init(&ws->mu, NULL);
     pthread_cond_init(&ws->wake, NULL);
     enum moe_status rc = MOE_OK;
+    struct rpc_server_options so = {.tls = opts->tls, .tls_client_auth = moe_tls_has_ca(opts->tls)};
     ws->server = rpc_server_create(opts->listen ? opts->listen : "127.0.0.1:0",
-                                   opts->rpc_threads > 0 ? opts->rpc_threads : 2, NULL, err);
+                                   opts->rpc_threads > 0 ? opts->rpc_threads : 2, &so, err);
     if (!ws->server) {
         rc = err ? err->code : MOE_ERR_IO;
         goto fail;
@@ -604,7 +606,8 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
                                      .d_head = ws->cfg->d_head,
                                      .ttl_ms = opts->handoff_ttl_ms,
                                      .wake = wake_engine,
-                                     .wake_user = ws};
+                                     .wake_user = ws,
+                                     .tls = opts->tls};
         if ((rc = kv_handoff_create(&ko, &ws->handoffs, err)) ||
             (rc = kv_handoff_register(ws->handoffs, ws->server, err)))
             goto fail;

@@ -38,6 +38,10 @@ struct worker_service_opts {
     const char *kv_endpoints; /* every rank's KV endpoint (world_size x KV_LINK_ENDPOINT_MAX) */
     int handoff_ttl_ms;       /* lifetime of parked / reserved handoffs (0 = 30000) */
     struct moe_group *group;  /* worker group (placement epoch, per-rank load); NULL: one rank */
+    /* TLS (tls_opts.h; borrowed): the gRPC port serves TLS, requiring client
+     * certificates from the CA when one is given (mutual TLS); the channels
+     * to other workers (KV handoffs) use it too. NULL = plaintext. */
+    struct moe_tls *tls;
 };
 
 struct worker_service;

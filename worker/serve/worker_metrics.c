@@ -260,14 +260,16 @@ enum moe_status worker_metrics_create(const char *model_name, struct moe_model *
 
 enum moe_status worker_metrics_serve(struct worker_metrics *wm, const char *listen,
                                      struct moe_engine *engine, struct worker_service *ws,
-                                     struct moe_error *err)
+                                     struct moe_tls *tls, struct moe_error *err)
 {
     wm->engine = engine;
     wm->ws = ws;
     enum moe_status st = moe_metrics_add_collector(wm->reg, collect, wm, err);
     if (st)
         return st;
-    struct http_server_opts o = {.listen = listen, .threads = 1, .name = "moe-worker"};
+    /* HTTPS with the worker's certificate when TLS is on; no client
+     * certificate is asked for (Prometheus scrapes it) */
+    struct http_server_opts o = {.listen = listen, .threads = 1, .name = "moe-worker", .tls = tls};
     wm->srv = http_server_create(&o, err);
     if (!wm->srv)
         return err->code;
