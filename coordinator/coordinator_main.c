@@ -6,7 +6,8 @@
  *   moe-coordinator --model DIR [--listen HOST:PORT]
  *                   (--workers HOST:PORT,... | --etcd URLS)
  *                   [--max-queue N] [--poll-ms MS] [--threads N] [--grace-ms MS]
- *                   [--expert-slots N] [--http-listen HOST:PORT [--chat-template FILE]
+ *                   [--expert-slots N] [--stall-timeout-ms MS]
+ *                   [--http-listen HOST:PORT [--chat-template FILE]
  *                   --http-threads N --http-max-body BYTES --http-timeout S]
  *
  * --http-listen adds the OpenAI-compatible HTTP API (/v1/completions,
@@ -52,6 +53,11 @@ static void usage(FILE *f)
                "10000)\n"
                "  --expert-slots N    experts a rank may hold per layer, for placement plans "
                "(default 2 x experts / ranks)\n"
+               "  --stall-timeout-ms MS  end a worker stream that brought nothing for MS while "
+               "its worker\n"
+               "                      made no progress (before the first token: retried "
+               "elsewhere); 0 = off\n"
+               "                      (default 30000)\n"
                "  --http-listen HOST:PORT  OpenAI-compatible HTTP API and /metrics (default: "
                "off; port 0 = a free one)\n"
                "  --chat-template FILE     Jinja chat template (default: the checkpoint's)\n"
@@ -69,6 +75,7 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
                              .poll_ms = 200,
                              .rpc_threads = 2,
                              .grace_ms = 10000,
+                             .stall_timeout_ms = 30000,
                              .http_threads = 2,
                              .http_max_body = (size_t)4 << 20,
                              .http_timeout_s = 60};
@@ -95,6 +102,7 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
         INT_OPT("--threads", 1, 64, rpc_threads)
         INT_OPT("--grace-ms", 0, 3600000, grace_ms)
         INT_OPT("--expert-slots", 0, 32767, expert_slots)
+        INT_OPT("--stall-timeout-ms", 0, 3600000, stall_timeout_ms)
         INT_OPT("--http-threads", 1, 64, http_threads)
         INT_OPT("--http-timeout", 1, 86400, http_timeout_s)
         if (!strcmp(k, "--http-max-body")) {
@@ -176,7 +184,7 @@ int main(int argc, char **argv)
     if (c.opts.workers ? coord_registry_add_static(&c, c.opts.workers, &err)
                        : coord_registry_start_etcd(&c, &err))
         goto fail;
-    if (coord_registry_start_poller(&c, &err))
+    if (coord_registry_start_poller(&c, &err) || coord_watchdog_start(&c, &err))
         goto fail;
 
     c.server = rpc_server_create(c.opts.listen, c.opts.rpc_threads, NULL, &err);
@@ -232,6 +240,7 @@ out:
     int left_ms = c.opts.grace_ms - (int)(1e3 * (moe_now() - t_stop));
     coord_http_stop(&c, left_ms > 0 ? left_ms : 0);
     coord_wait_threads(&c);
+    coord_watchdog_stop(&c);
     coord_placement_stop(&c);
     coord_registry_stop(&c);
     free(c.workers);

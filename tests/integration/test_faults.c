@@ -6,6 +6,13 @@
  *   test_faults etcd_restart BIN_DIR   etcd SIGKILLed and restarted on its data dir:
  *                                      requests go on meanwhile, the workers register
  *                                      again (skipped, 77, without etcd)
+ *   test_faults stall BIN_DIR          a SIGSTOPped worker: its streams end (after the
+ *                                      first token) or move (before it), SIGCONT heals
+ *   test_faults decode_loss BIN_DIR    the decode worker dies / stops while requests
+ *                                      are in prefill: they finish by recompute
+ *   test_faults partition BIN_DIR      prefill and decode workers in network namespaces,
+ *                                      the link between them cut (skipped, 77, without
+ *                                      root or ip netns)
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -414,18 +421,376 @@ static int run_etcd_restart(void)
     return 0;
 }
 
+/* ---- a SIGSTOPped worker ------------------------------------------------------------- */
+
+static int run_stall(void)
+{
+    /* Slow steps (10 ms each) keep a 2000-token request running ~20 s. */
+    char *slow[] = {"MOE_TEST_FAULTS=1", "MOE_FAULT_STEP_DELAY_MS=10", NULL};
+    struct srv w[2], c1, c2;
+    if (worker_start(&w[0], "worker-a", NULL, slow) || worker_start(&w[1], "worker-b", NULL, slow))
+        return 1;
+    char list[300];
+    snprintf(list, sizeof list, "%s,%s", w[0].addr, w[1].addr);
+    /* c1 polls often (the usual); c2 polls once a minute, so that it still
+     * routes to the stopped worker and the watchdog alone must notice. */
+    const char *a1[] = {"--workers", list, "--poll-ms", "100", "--stall-timeout-ms", "1500", NULL};
+    const char *a2[] = {"--workers",          list,   "--poll-ms", "60000",
+                        "--stall-timeout-ms", "1500", NULL};
+    if (coord_start(&c1, "coordinator-1", a1) || coord_start(&c2, "coordinator-2", a2))
+        return 1;
+    const int serving = MOE__V1__WORKER_STATE__WORKER_STATE_SERVING;
+    CHECK(wait_worker_state(c1.cl, w[0].addr, serving, 30000) &&
+          wait_worker_state(c1.cl, w[1].addr, serving, 30000) &&
+          wait_worker_state(c2.cl, w[0].addr, serving, 30000) &&
+          wait_worker_state(c2.cl, w[1].addr, serving, 30000));
+
+    /* r1 streams on some worker x (through c1). */
+    struct gen *r1 = gen_new(c1.cl, 1, 8, 2000);
+    gen_start(r1);
+    for (int64_t t0 = moe_now_ms(); atomic_load(&r1->n_seen) < 5 && moe_now_ms() - t0 < 30000;)
+        sleep_ms(10);
+    int x = busy_of(&w[0]) > 0 ? 0 : 1, y = 1 - x;
+    CHECKF(busy_of(&w[x]) == 1, "r1 runs on neither worker");
+    /* r3 keeps y busy as c2 sees it (drained x while it is routed), so that
+     * c2 sends the next request to x. */
+    struct gen *r3 = gen_new(c2.cl, 3, 8, 600);
+    CHECK(admin_drain(c2.cl, w[x].addr, true));
+    gen_start(r3);
+    for (int64_t t0 = moe_now_ms(); atomic_load(&r3->n_seen) < 1 && moe_now_ms() - t0 < 30000;)
+        sleep_ms(10);
+    CHECK(admin_drain(c2.cl, w[x].addr, false));
+
+    int64_t t_stop = moe_now_ms();
+    kill(w[x].pid, SIGSTOP);
+    /* r2 goes to x (c2 has not polled since) before its first token: moved to y. */
+    struct gen *r2 = gen_new(c2.cl, 2, 8, 8);
+    r2->deadline_ms = 30000;
+    gen_start(r2);
+    pthread_join(r1->th, NULL);
+    int64_t t_r1 = moe_now_ms() - t_stop; /* how long the stopped worker held r1 */
+    pthread_join(r2->th, NULL);
+    printf("stall: r1 ended %s after %zu tokens, %" PRId64 " ms after SIGSTOP: %s\n",
+           rpc_code_name(r1->code), r1->n_ids, moe_now_ms() - t_stop, r1->message);
+    printf("stall: r2 (routed to the stopped worker) %s in %" PRId64 " ms, %zu tokens\n",
+           rpc_code_name(r2->code), r2->wall_ms, r2->n_ids);
+    /* 1.5 s of silence, one watchdog period, slack for a loaded machine;
+     * gRPC keepalive alone ends it only after 15 s */
+    CHECKF(t_r1 < 8000 && r2->wall_ms < 8000, "r1 held %" PRId64 " ms, r2 took %" PRId64 " ms",
+           t_r1, r2->wall_ms);
+    CHECKF(r1->code == RPC_UNAVAILABLE && strstr(r1->message, "stalled") &&
+               strstr(r1->message, w[x].addr) && r1->n_ids >= 5 && r1->n_ids < 2000,
+           "the stream on the stopped worker: %s '%s' after %zu tokens", rpc_code_name(r1->code),
+           r1->message, r1->n_ids);
+    CHECKF(gen_ok(r2, NULL), "the request sent to the stopped worker: %s '%s' (%zu tokens)",
+           rpc_code_name(r2->code), r2->message, r2->n_ids);
+    CHECK(file_contains(c2.log, "stalled"));
+    CHECK(worker_state(c1.cl, w[x].addr) == MOE__V1__WORKER_STATE__WORKER_STATE_DOWN);
+
+    /* SIGCONT: the worker is polled up again, its cancelled streams free
+     * their KV, and it serves. */
+    kill(w[x].pid, SIGCONT);
+    int64_t t_cont = moe_now_ms();
+    CHECK(wait_worker_state(c1.cl, w[x].addr, serving, 30000));
+    CHECK(wait_idle_pool(&w[x], 30000));
+    printf("stall: worker SERVING and idle again %" PRId64 " ms after SIGCONT\n",
+           moe_now_ms() - t_cont);
+    CHECK(admin_drain(c1.cl, w[y].addr, true));
+    struct gen *r4 = gen_new(c1.cl, 4, 8, 8);
+    gen_run(r4);
+    CHECKF(gen_ok(r4, NULL), "after SIGCONT: %s %s", rpc_code_name(r4->code), r4->message);
+    CHECK(admin_drain(c1.cl, w[y].addr, false));
+    pthread_join(r3->th, NULL);
+    free(r1);
+    free(r2);
+    free(r3);
+    free(r4);
+    CHECK(srv_stop(&c1) && srv_stop(&c2));
+    CHECK(srv_stop(&w[0]) && srv_stop(&w[1]));
+    return 0;
+}
+
+/* ---- the decode worker lost while requests are in prefill ------------------------------ */
+
+#define N_DL 3 /* requests in prefill when the decode worker goes */
+
+/* Starts N_DL requests and waits until all are on the prefill worker, none
+ * with a token yet. */
+static bool start_in_prefill(struct gen **g, struct srv *co, struct srv *pf)
+{
+    for (int i = 0; i < N_DL; i++) {
+        g[i]->cl = co->cl;
+        gen_start(g[i]);
+    }
+    for (int64_t t0 = moe_now_ms(); moe_now_ms() - t0 < 30000; sleep_ms(5))
+        if (busy_of(pf) == N_DL)
+            break;
+    bool none = true;
+    for (int i = 0; i < N_DL; i++)
+        none &= atomic_load(&g[i]->n_seen) == 0;
+    CHECKF(none, "a request had its first token before the fault");
+    return none;
+}
+
+static void join_all(struct gen **g)
+{
+    for (int i = 0; i < N_DL; i++)
+        pthread_join(g[i]->th, NULL);
+}
+
+static int run_decode_loss(void)
+{
+    /* A slow prefill (16-token chunks, 100 ms per step, no prefix cache to
+     * skip it) keeps requests in prefill for a second or more. */
+    char *slow[] = {"MOE_TEST_FAULTS=1", "MOE_FAULT_STEP_DELAY_MS=100", NULL};
+    char dport[32];
+    snprintf(dport, sizeof dport, "127.0.0.1:%d", free_port());
+    struct srv pf, dw, co;
+    const char *pa[] = {"--role", "prefill",           "--kv-blocks", "256", "--max-batch-tokens",
+                        "16",     "--no-prefix-cache", NULL};
+    const char *da[] = {"--role", "decode",           "--kv-blocks", "256", "--listen",
+                        dport,    "--handoff-ttl-ms", "3000",        NULL};
+    if (worker_start(&pf, "prefill", pa, slow) || worker_start(&dw, "decode", da, NULL))
+        return 1;
+    char list[300];
+    snprintf(list, sizeof list, "%s,%s", pf.addr, dw.addr);
+    const char *ca[] = {"--workers", list, "--poll-ms", "100", NULL};
+    if (coord_start(&co, "coordinator", ca))
+        return 1;
+    const int serving = MOE__V1__WORKER_STATE__WORKER_STATE_SERVING;
+    CHECK(wait_worker_state(co.cl, pf.addr, serving, 30000) &&
+          wait_worker_state(co.cl, dw.addr, serving, 30000));
+
+    /* References through the healthy disaggregated path. */
+    struct gen *want[N_DL], *g[N_DL];
+    for (int i = 0; i < N_DL; i++) {
+        want[i] = gen_new(co.cl, 10 + i, 40, 12);
+        gen_run(want[i]);
+        CHECKF(gen_ok(want[i], NULL) && want[i]->transfer_ms > 0, "healthy handoff %d: %s %s", i,
+               rpc_code_name(want[i]->code), want[i]->message);
+        g[i] = gen_new(co.cl, 10 + i, 40, 12);
+        g[i]->deadline_ms = 60000;
+    }
+
+    /* 1. SIGKILL. */
+    if (start_in_prefill(g, &co, &pf))
+        srv_kill(&dw);
+    join_all(g);
+    for (int i = 0; i < N_DL; i++) {
+        printf("decode killed: request %d %s in %" PRId64 " ms, %zu tokens %s\n", i,
+               rpc_code_name(g[i]->code), g[i]->wall_ms, g[i]->n_ids, g[i]->message);
+        CHECKF(gen_ok(g[i], want[i]), "decode killed, request %d: %s '%s' (%zu tokens)", i,
+               rpc_code_name(g[i]->code), g[i]->message, g[i]->n_ids);
+    }
+    CHECK(wait_idle_pool(&pf, 30000));
+
+    /* 2. SIGSTOP (a hung decode worker), then SIGCONT: it takes handoffs again
+     * and no block stays reserved. */
+    if (worker_start(&dw, "decode-2", da, NULL))
+        return 1;
+    CHECK(wait_worker_state(co.cl, dw.addr, serving, 30000));
+    if (start_in_prefill(g, &co, &pf))
+        kill(dw.pid, SIGSTOP);
+    join_all(g);
+    for (int i = 0; i < N_DL; i++) {
+        printf("decode stopped: request %d %s in %" PRId64 " ms, %zu tokens %s\n", i,
+               rpc_code_name(g[i]->code), g[i]->wall_ms, g[i]->n_ids, g[i]->message);
+        CHECKF(gen_ok(g[i], want[i]), "decode stopped, request %d: %s '%s' (%zu tokens)", i,
+               rpc_code_name(g[i]->code), g[i]->message, g[i]->n_ids);
+    }
+    kill(dw.pid, SIGCONT);
+    CHECK(wait_worker_state(co.cl, dw.addr, serving, 30000));
+    CHECK(wait_idle_pool(&dw, 30000));
+    CHECK(wait_idle_pool(&pf, 30000));
+    struct gen *h = gen_new(co.cl, 10, 40, 12);
+    gen_run(h);
+    CHECKF(gen_ok(h, want[0]) && h->transfer_ms > 0, "handoff after SIGCONT: %s %s",
+           rpc_code_name(h->code), h->message);
+
+    /* 3. Nowhere to recompute (the prefill worker drained meanwhile): an
+     * honest UNAVAILABLE that names the decode side. */
+    if (start_in_prefill(g, &co, &pf)) {
+        srv_kill(&dw);
+        CHECK(admin_drain(co.cl, pf.addr, true));
+    }
+    join_all(g);
+    for (int i = 0; i < N_DL; i++)
+        CHECKF(g[i]->code == RPC_UNAVAILABLE && strstr(g[i]->message, "decode worker"),
+               "nowhere to recompute, request %d: %s '%s'", i, rpc_code_name(g[i]->code),
+               g[i]->message);
+    printf("nowhere to recompute: %s '%s'\n", rpc_code_name(g[0]->code), g[0]->message);
+    CHECK(admin_drain(co.cl, pf.addr, false));
+    CHECK(wait_idle_pool(&pf, 30000));
+    for (int i = 0; i < N_DL; i++) {
+        free(want[i]);
+        free(g[i]);
+    }
+    free(h);
+    CHECK(srv_stop(&co));
+    CHECK(srv_stop(&pf));
+    return 0;
+}
+
+/* ---- a partition between prefill and decode (network namespaces) ---------------------- */
+
+static char g_ns_p[32], g_ns_d[32];
+static bool g_ns_made;
+
+static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int sh(const char *fmt, ...)
+{
+    char cmd[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    char full[1100];
+    snprintf(full, sizeof full, "%s >/dev/null 2>&1", cmd);
+    return system(full);
+}
+
+static void netns_cleanup(void)
+{
+    if (!g_ns_made)
+        return;
+    children_kill_all(); /* the workers inside first */
+    sh("ip netns del %s", g_ns_p);
+    sh("ip netns del %s", g_ns_d);
+    g_ns_made = false;
+}
+
+/* Three namespaces' worth of links (this one = root, P, D):
+ *   root 10.77.1.1 -- P 10.77.1.2   (coordinator <-> prefill)
+ *   root 10.77.2.1 -- D 10.77.2.2   (coordinator <-> decode)
+ *   P    10.77.3.1 -- D 10.77.3.2   (prefill -> decode: KV data plane, KvTransfer)
+ * P reaches D's 10.77.2.2 over the P-D link (a host route), so cutting that
+ * link partitions prefill from decode while the coordinator sees both.
+ * Returns 0, or the reason it cannot in `why`. */
+static int netns_make(char *why, size_t cap)
+{
+    if (geteuid() != 0) {
+        snprintf(why, cap, "not root (network namespaces need CAP_SYS_ADMIN)");
+        return -1;
+    }
+    if (sh("ip -V")) {
+        snprintf(why, cap, "no 'ip' command (iproute2)");
+        return -1;
+    }
+    int id = (int)getpid() % 100000;
+    snprintf(g_ns_p, sizeof g_ns_p, "moep%d", id);
+    snprintf(g_ns_d, sizeof g_ns_d, "moed%d", id);
+    if (sh("ip netns add %s", g_ns_p)) {
+        snprintf(why, cap, "'ip netns add' failed (no permission for network namespaces here)");
+        return -1;
+    }
+    g_ns_made = true;
+    atexit(netns_cleanup);
+    if (sh("ip netns add %s", g_ns_d))
+        goto fail;
+    /* veth names: rp/rd/pd + id, at most 15 characters */
+    int bad = 0;
+    bad |= sh("ip link add rp%d type veth peer name rpx%d", id, id);
+    bad |= sh("ip link set rpx%d netns %s", id, g_ns_p);
+    bad |= sh("ip link add rd%d type veth peer name rdx%d", id, id);
+    bad |= sh("ip link set rdx%d netns %s", id, g_ns_d);
+    bad |=
+        sh("ip link add pd%d netns %s type veth peer name pdx%d netns %s", id, g_ns_p, id, g_ns_d);
+    bad |= sh("ip addr add 10.77.1.1/24 dev rp%d", id);
+    bad |= sh("ip link set rp%d up", id);
+    bad |= sh("ip addr add 10.77.2.1/24 dev rd%d", id);
+    bad |= sh("ip link set rd%d up", id);
+    bad |= sh("ip -n %s addr add 10.77.1.2/24 dev rpx%d", g_ns_p, id);
+    bad |= sh("ip -n %s addr add 10.77.3.1/24 dev pd%d", g_ns_p, id);
+    bad |= sh("ip -n %s link set rpx%d up", g_ns_p, id);
+    bad |= sh("ip -n %s link set pd%d up", g_ns_p, id);
+    bad |= sh("ip -n %s link set lo up", g_ns_p);
+    bad |= sh("ip -n %s addr add 10.77.2.2/24 dev rdx%d", g_ns_d, id);
+    bad |= sh("ip -n %s addr add 10.77.3.2/24 dev pdx%d", g_ns_d, id);
+    bad |= sh("ip -n %s link set rdx%d up", g_ns_d, id);
+    bad |= sh("ip -n %s link set pdx%d up", g_ns_d, id);
+    bad |= sh("ip -n %s link set lo up", g_ns_d);
+    bad |= sh("ip -n %s route add 10.77.2.2/32 via 10.77.3.2", g_ns_p);
+    if (bad)
+        goto fail;
+    return 0;
+fail:
+    snprintf(why, cap, "setting up namespaces and veth pairs failed");
+    netns_cleanup();
+    return -1;
+}
+
+static int run_partition(void)
+{
+    char why[200];
+    if (netns_make(why, sizeof why)) {
+        printf("SKIPPED: %s\n", why);
+        return TEST_SKIP_CODE;
+    }
+    int id = (int)getpid() % 100000;
+    struct srv pf, dw, co;
+    const char *in_p[] = {"/usr/bin/env", "ip", "netns", "exec", g_ns_p, NULL};
+    const char *in_d[] = {"/usr/bin/env", "ip", "netns", "exec", g_ns_d, NULL};
+    const char *fixed[] = {"--model", g_model, "--dtype", "f32", "--threads", "1", NULL};
+    const char *pa[] = {"--role", "prefill", "--kv-blocks", "256", "--listen", "10.77.1.2:0", NULL};
+    const char *da[] = {"--role", "decode", "--kv-blocks", "256", "--listen", "10.77.2.2:0", NULL};
+    if (srv_start(&pf, "prefill", in_p, "moe-worker", fixed, pa, NULL) ||
+        srv_start(&dw, "decode", in_d, "moe-worker", fixed, da, NULL))
+        return 1;
+    char list[300];
+    snprintf(list, sizeof list, "%s,%s", pf.addr, dw.addr);
+    const char *ca[] = {"--workers", list, "--poll-ms", "100", NULL};
+    if (coord_start(&co, "coordinator", ca))
+        return 1;
+    const int serving = MOE__V1__WORKER_STATE__WORKER_STATE_SERVING;
+    CHECK(wait_worker_state(co.cl, pf.addr, serving, 30000) &&
+          wait_worker_state(co.cl, dw.addr, serving, 30000));
+    struct gen *want = gen_new(co.cl, 20, 40, 12), *g = gen_new(co.cl, 20, 40, 12);
+    gen_run(want);
+    CHECKF(gen_ok(want, NULL) && want->transfer_ms > 0, "handoff across namespaces: %s %s",
+           rpc_code_name(want->code), want->message);
+
+    /* Cut the prefill-decode link: the handoff fails, the request is
+     * recomputed on the decode worker (which the coordinator still reaches). */
+    CHECK(sh("ip -n %s link set pd%d down", g_ns_p, id) == 0);
+    g->deadline_ms = 60000;
+    gen_run(g);
+    printf("partition: %s in %" PRId64 " ms, %zu tokens %s\n", rpc_code_name(g->code), g->wall_ms,
+           g->n_ids, g->message);
+    CHECKF(gen_ok(g, want), "across the partition: %s '%s' (%zu tokens)", rpc_code_name(g->code),
+           g->message, g->n_ids);
+    CHECKF(file_contains(co.log, "failed") && file_contains(co.log, "recomputing"),
+           "the coordinator did not log a failed handoff and its recompute (%s)", co.log);
+    CHECK(wait_idle_pool(&pf, 30000));
+    CHECK(wait_idle_pool(&dw, 30000));
+    /* Healed: handoffs again. */
+    CHECK(sh("ip -n %s link set pd%d up", g_ns_p, id) == 0);
+    CHECK(sh("ip -n %s route replace 10.77.2.2/32 via 10.77.3.2", g_ns_p) == 0);
+    gen_run(g);
+    CHECKF(gen_ok(g, want), "after healing: %s '%s'", rpc_code_name(g->code), g->message);
+    CHECK(wait_idle_pool(&pf, 30000));
+    CHECK(wait_idle_pool(&dw, 30000));
+    free(want);
+    free(g);
+    CHECK(srv_stop(&co));
+    CHECK(srv_stop(&pf) && srv_stop(&dw));
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const struct {
         const char *name;
         int (*fn)(void);
-    } modes[] = {{"etcd_restart", run_etcd_restart}};
+    } modes[] = {{"etcd_restart", run_etcd_restart},
+                 {"stall", run_stall},
+                 {"decode_loss", run_decode_loss},
+                 {"partition", run_partition}};
     int (*fn)(void) = NULL;
     for (size_t i = 0; argc == 3 && i < sizeof modes / sizeof modes[0]; i++)
         if (!strcmp(argv[1], modes[i].name))
             fn = modes[i].fn;
     if (!fn) {
-        fprintf(stderr, "usage: test_faults etcd_restart BIN_DIR\n");
+        fprintf(stderr, "usage: test_faults etcd_restart|stall|decode_loss|partition BIN_DIR\n");
         return 2;
     }
     g_bin = argv[2];
@@ -442,6 +807,7 @@ int main(int argc, char **argv)
     int rc = fn();
     printf("%s: %" PRId64 " ms\n", argv[1], moe_now_ms() - t0);
     children_kill_all();
+    netns_cleanup();
     bool keep = rc || test_n_fail || getenv("MOE_TEST_KEEP_LOGS");
     if (keep)
         fprintf(stderr, "logs kept in %s\n", g_tmp);
