@@ -13,6 +13,10 @@
  *   test_faults partition BIN_DIR      prefill and decode workers in network namespaces,
  *                                      the link between them cut (skipped, 77, without
  *                                      root or ip netns)
+ *   test_faults coord_failover BIN_DIR two coordinators behind moe-client --addr A,B,
+ *                                      one killed
+ *   test_faults overload BIN_DIR       5x --max-queue: RESOURCE_EXHAUSTED fast, the
+ *                                      admitted requests complete
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -776,21 +780,135 @@ static int run_partition(void)
     return 0;
 }
 
+/* ---- two coordinators, one killed ------------------------------------------------------ */
+
+/* Runs moe-client with --addr `addrs`; returns its exit code. */
+static int client_run(const char *addrs, const char *extra)
+{
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd,
+             "'%s/moe-client' --addr '%s' --tokens 5,17,99 -n 6 --ignore-eos --quiet %s "
+             ">>'%s/client.log' 2>&1",
+             g_bin, addrs, extra, g_tmp);
+    int st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static int run_coord_failover(void)
+{
+    struct srv w, a, b;
+    if (worker_start(&w, "worker", NULL, NULL))
+        return 1;
+    const char *ca[] = {"--workers", w.addr, "--poll-ms", "100", NULL};
+    if (coord_start(&a, "coordinator-a", ca) || coord_start(&b, "coordinator-b", ca))
+        return 1;
+    const int serving = MOE__V1__WORKER_STATE__WORKER_STATE_SERVING;
+    CHECK(wait_worker_state(a.cl, w.addr, serving, 30000) &&
+          wait_worker_state(b.cl, w.addr, serving, 30000));
+    char both[300];
+    snprintf(both, sizeof both, "%s,%s", a.addr, b.addr);
+    int ok = 0;
+    for (int i = 0; i < 3; i++)
+        ok += client_run(both, "") == 0;
+    CHECKF(ok == 3, "%d of 3 requests before the kill", ok);
+    srv_kill(&a);
+    int64_t t0 = moe_now_ms();
+    ok = 0;
+    for (int i = 0; i < 3; i++)
+        ok += client_run(both, "") == 0;
+    int64_t dt = moe_now_ms() - t0;
+    printf("failover: %d of 3 requests OK after coordinator a was killed, %" PRId64 " ms\n", ok,
+           dt);
+    CHECKF(ok == 3, "%d of 3 requests after the kill (log %s/client.log)", ok, g_tmp);
+    CHECK(client_run(both, "--repeat 4") == 0);
+    char log[700];
+    snprintf(log, sizeof log, "%s/client.log", g_tmp);
+    CHECKF(file_contains(log, "trying the next address"), "no failover line in %s", log);
+    /* Every address down: the client says so and fails. */
+    CHECK(srv_stop(&b));
+    snprintf(both, sizeof both, "%s,%s", a.addr, b.addr);
+    CHECK(client_run(both, "--timeout-ms 5000") != 0);
+    CHECK(srv_stop(&w));
+    return 0;
+}
+
+/* ---- overload ------------------------------------------------------------------------ */
+
+#define OV_CAP 4
+#define OV_N (5 * OV_CAP)
+
+static int run_overload(void)
+{
+    char *slow[] = {"MOE_TEST_FAULTS=1", "MOE_FAULT_STEP_DELAY_MS=20", NULL};
+    struct srv w, co;
+    if (worker_start(&w, "worker", NULL, slow))
+        return 1;
+    char cap[16];
+    snprintf(cap, sizeof cap, "%d", OV_CAP);
+    const char *ca[] = {"--workers", w.addr, "--poll-ms", "100", "--max-queue", cap, NULL};
+    if (coord_start(&co, "coordinator", ca))
+        return 1;
+    CHECK(wait_worker_state(co.cl, w.addr, MOE__V1__WORKER_STATE__WORKER_STATE_SERVING, 30000));
+    /* OV_CAP long requests fill the queue... */
+    struct gen *g[OV_N];
+    for (int i = 0; i < OV_N; i++)
+        g[i] = gen_new(co.cl, 30 + i, 8, i < OV_CAP ? 60 : 4);
+    for (int i = 0; i < OV_CAP; i++)
+        gen_start(g[i]);
+    for (int64_t t0 = moe_now_ms(); moe_now_ms() - t0 < 30000; sleep_ms(5)) {
+        int seen = 0;
+        for (int i = 0; i < OV_CAP; i++)
+            seen += atomic_load(&g[i]->n_seen) > 0;
+        if (seen == OV_CAP)
+            break;
+    }
+    /* ...then 4x as many more arrive at once: refused, fast. */
+    for (int i = OV_CAP; i < OV_N; i++)
+        gen_start(g[i]);
+    int refused = 0;
+    int64_t worst = 0;
+    for (int i = OV_CAP; i < OV_N; i++) {
+        pthread_join(g[i]->th, NULL);
+        refused += g[i]->code == RPC_RESOURCE_EXHAUSTED && strstr(g[i]->message, "--max-queue");
+        worst = g[i]->wall_ms > worst ? g[i]->wall_ms : worst;
+    }
+    int done = 0;
+    for (int i = 0; i < OV_CAP; i++) {
+        pthread_join(g[i]->th, NULL);
+        done += gen_ok(g[i], NULL);
+    }
+    printf("overload: %d of %d extra requests refused (slowest answer %" PRId64
+           " ms), %d of %d admitted completed\n",
+           refused, OV_N - OV_CAP, worst, done, OV_CAP);
+    CHECKF(refused == OV_N - OV_CAP, "%d of %d refused with RESOURCE_EXHAUSTED", refused,
+           OV_N - OV_CAP);
+    CHECKF(worst < 2000, "a refusal took %" PRId64 " ms", worst);
+    CHECKF(done == OV_CAP, "%d of %d admitted requests completed", done, OV_CAP);
+    /* Room again afterwards. */
+    CHECK(short_ok(co.cl, 99));
+    CHECK(wait_idle_pool(&w, 30000));
+    for (int i = 0; i < OV_N; i++)
+        free(g[i]);
+    CHECK(srv_stop(&co) && srv_stop(&w));
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const struct {
         const char *name;
         int (*fn)(void);
-    } modes[] = {{"etcd_restart", run_etcd_restart},
-                 {"stall", run_stall},
-                 {"decode_loss", run_decode_loss},
-                 {"partition", run_partition}};
+    } modes[] = {{"etcd_restart", run_etcd_restart},     {"stall", run_stall},
+                 {"decode_loss", run_decode_loss},       {"partition", run_partition},
+                 {"coord_failover", run_coord_failover}, {"overload", run_overload}};
     int (*fn)(void) = NULL;
     for (size_t i = 0; argc == 3 && i < sizeof modes / sizeof modes[0]; i++)
         if (!strcmp(argv[1], modes[i].name))
             fn = modes[i].fn;
     if (!fn) {
-        fprintf(stderr, "usage: test_faults etcd_restart|stall|decode_loss|partition BIN_DIR\n");
+        fprintf(stderr,
+                "usage: test_faults "
+                "etcd_restart|stall|decode_loss|partition|coord_failover|overload BIN_DIR\n");
         return 2;
     }
     g_bin = argv[2];
