@@ -27,6 +27,7 @@
 #include "cli.h"
 #include "coord.h"
 #include "clock.h"
+#include "request_check.h"
 
 static volatile sig_atomic_t g_signal;
 
@@ -62,8 +63,9 @@ static void usage(FILE *f)
                "off; port 0 = a free one)\n"
                "  --chat-template FILE     Jinja chat template (default: the checkpoint's)\n"
                "  --http-threads N    HTTP polling threads (default 2)\n"
-               "  --http-max-body B   largest HTTP request body in bytes, else 413 (default "
-               "4194304)\n"
+               "  --http-max-body B   largest HTTP request body in bytes, else 413 (default: "
+               "the largest\n"
+               "                      valid request, 2 MiB + 64 KiB for a 1 MiB prompt)\n"
                "  --http-timeout S    close idle HTTP connections after S seconds (default "
                "60)\n");
 }
@@ -77,7 +79,7 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
                              .grace_ms = 10000,
                              .stall_timeout_ms = 30000,
                              .http_threads = 2,
-                             .http_max_body = (size_t)4 << 20,
+                             .http_max_body = 0, /* derived from the model */
                              .http_timeout_s = 60};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
@@ -187,7 +189,14 @@ int main(int argc, char **argv)
     if (coord_registry_start_poller(&c, &err) || coord_watchdog_start(&c, &err))
         goto fail;
 
-    c.server = rpc_server_create(c.opts.listen, c.opts.rpc_threads, NULL, &err);
+    /* No valid request is larger than a prompt at its limit (or a placement
+     * map of this model): bigger messages are refused before decoding. */
+    size_t max_rq = moe_request_max_bytes((unsigned)c.cfg.max_pos);
+    size_t max_pl = ((size_t)64 << 10) + (size_t)256 * (c.cfg.n_layer + 1) * c.cfg.n_expert;
+    struct rpc_server_options so = {.max_receive_bytes = max_rq > max_pl ? max_rq : max_pl};
+    if (!c.opts.http_max_body)
+        c.opts.http_max_body = moe_http_body_max_bytes((unsigned)c.cfg.max_pos);
+    c.server = rpc_server_create(c.opts.listen, c.opts.rpc_threads, &so, &err);
     if (!c.server || coord_frontend_register(&c, &err) || coord_admin_register(&c, &err) ||
         coord_placement_start(&c, &err) || rpc_server_start(c.server, &err))
         goto fail;

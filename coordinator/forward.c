@@ -503,10 +503,22 @@ static enum rpc_code prepare_prompt(struct fwd *f, char *msg, size_t cap)
                      "token_ids");
             return RPC_INVALID_ARGUMENT;
         }
+        /* Tokenizing stops once the prompt is known not to fit the context
+         * (moe_check_lengths below words the refusal of one that fits but
+         * leaves no room for max_tokens): a prompt far beyond the context
+         * costs little. */
+        unsigned ctx = (unsigned)c->cfg.max_pos;
+        size_t max_ids = ctx > 1 ? ctx - 1 : 0;
         struct moe_error err = {0};
-        if (moe_tokenizer_encode(c->tok, rq->text, strlen(rq->text), true, &f->prompt, &f->n_prompt,
-                                 &err)) {
-            snprintf(msg, cap, "prompt.text: %.900s", err.msg);
+        if (moe_tokenizer_encode_max(c->tok, rq->text, strlen(rq->text), true, max_ids, &f->prompt,
+                                     &f->n_prompt, &err)) {
+            if (!f->prompt && strstr(err.msg, "more than"))
+                snprintf(msg, cap,
+                         "prompt.text: %.100s, the model's context is %u tokens (room is needed "
+                         "for one new token)",
+                         err.msg, ctx);
+            else
+                snprintf(msg, cap, "prompt.text: %.900s", err.msg);
             return RPC_INVALID_ARGUMENT;
         }
     } else {
@@ -995,15 +1007,18 @@ static void *fwd_thread(void *arg)
 static enum rpc_code check_request(struct coord *c, const Moe__V1__GenerateRequest *rq, char *msg,
                                    size_t cap)
 {
-    if (rq->model[0] && strcmp(rq->model, c->model_name)) {
-        snprintf(msg, cap, "model: '%.200s' is not served here (this cluster serves '%s')",
-                 rq->model, c->model_name);
-        return RPC_NOT_FOUND;
-    }
-    if (strlen(rq->request_id) > MOE_REQ_MAX_ID_LEN) {
-        snprintf(msg, cap, "request_id: %zu bytes, at most %d allowed", strlen(rq->request_id),
-                 MOE_REQ_MAX_ID_LEN);
+    /* every string valid UTF-8 first: nothing below may echo invalid bytes */
+    if (moe_check_strings(&rq->base, msg, cap))
         return RPC_INVALID_ARGUMENT;
+    if (strlen(rq->model) > MOE_REQ_MAX_MODEL_LEN) {
+        snprintf(msg, cap, "model: %zu bytes, at most %d allowed", strlen(rq->model),
+                 MOE_REQ_MAX_MODEL_LEN);
+        return RPC_INVALID_ARGUMENT;
+    }
+    if (rq->model[0] && strcmp(rq->model, c->model_name)) {
+        snprintf(msg, cap, "model: '%s' is not served here (this cluster serves '%s')", rq->model,
+                 c->model_name);
+        return RPC_NOT_FOUND;
     }
     switch (rq->prompt_case) {
     case MOE__V1__GENERATE_REQUEST__PROMPT_TEXT: {
@@ -1019,31 +1034,19 @@ static enum rpc_code check_request(struct coord *c, const Moe__V1__GenerateReque
         }
         break;
     }
-    case MOE__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS: {
-        size_t n = rq->token_ids ? rq->token_ids->n_ids : 0;
-        for (size_t i = 0; i < n; i++)
-            if (rq->token_ids->ids[i] >= (uint32_t)c->cfg.vocab_size) {
-                snprintf(msg, cap, "prompt.token_ids[%zu]: %u is outside the vocabulary [0, %d)", i,
-                         rq->token_ids->ids[i], c->cfg.vocab_size);
-                return RPC_INVALID_ARGUMENT;
-            }
+    case MOE__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS:
+        if (rq->token_ids &&
+            moe_check_token_ids(rq->token_ids->ids, rq->token_ids->n_ids,
+                                (unsigned)c->cfg.vocab_size, "prompt.token_ids", msg, cap))
+            return RPC_INVALID_ARGUMENT;
         break;
-    }
     default:
         snprintf(msg, cap, "prompt: neither text nor token_ids is set");
         return RPC_INVALID_ARGUMENT;
     }
-    if (moe_check_sampling(rq->sampling, msg, cap))
+    /* the same checks as the worker's (common/request_check.c) */
+    if (moe_check_generation(rq->request_id, rq->sampling, (unsigned)c->cfg.vocab_size, msg, cap))
         return RPC_INVALID_ARGUMENT;
-    const Moe__V1__SamplingParams *sp = rq->sampling;
-    if (sp)
-        for (size_t i = 0; i < sp->n_stop_token_ids; i++)
-            if (sp->stop_token_ids[i] >= (uint32_t)c->cfg.vocab_size) {
-                snprintf(msg, cap,
-                         "sampling.stop_token_ids[%zu]: %u is outside the vocabulary [0, %d)", i,
-                         sp->stop_token_ids[i], c->cfg.vocab_size);
-                return RPC_INVALID_ARGUMENT;
-            }
     if (rq->stream_text && !c->tok) {
         snprintf(msg, cap, "stream_text: the coordinator has no tokenizer.json");
         return RPC_INVALID_ARGUMENT;

@@ -399,10 +399,16 @@ static void test_validation(struct rpc_client *coord)
     BAD((rq.prompt_case = MOE__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS, rq.token_ids = &tids),
         RPC_INVALID_ARGUMENT, "prompt");
     free(many);
+    /* Over the prompt's byte limit but within the port's message limit
+     * (the largest valid request + 64 KiB): refused by name. */
     char *huge = malloc((2u << 20) + 1);
+    memset(huge, 'a', (1u << 20) + 1000);
+    huge[(1u << 20) + 1000] = '\0';
+    BAD(rq.text = huge, RPC_INVALID_ARGUMENT, "prompt.text");
+    /* Larger than any valid request: the port refuses it undecoded. */
     memset(huge, 'a', 2u << 20);
     huge[2u << 20] = '\0';
-    BAD(rq.text = huge, RPC_INVALID_ARGUMENT, "prompt.text");
+    BAD(rq.text = huge, RPC_RESOURCE_EXHAUSTED, "larger than max");
     free(huge);
 #undef BAD
 }

@@ -17,6 +17,10 @@
  *                                      one killed
  *   test_faults overload BIN_DIR       5x --max-queue: RESOURCE_EXHAUSTED fast, the
  *                                      admitted requests complete
+ *   test_faults input BIN_DIR          hostile input: a 1 MiB prompt refused fast naming
+ *                                      the context, messages over the ports' limits,
+ *                                      invalid UTF-8 (gRPC and HTTP), a worker called
+ *                                      directly as strict as the coordinator
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -30,6 +34,7 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <unistr.h>
 
 #include "cluster.h"
 #include "moe/v1/admin.pb-c.h"
@@ -893,14 +898,213 @@ static int run_overload(void)
     return 0;
 }
 
+/* ---- hostile input: size, UTF-8, the worker as strict as the coordinator -------------- */
+
+/* One Generate with a raw request; returns the status, its message in msg. */
+static enum rpc_code raw_generate(struct rpc_client *cl, const char *method, const void *bytes,
+                                  size_t len, char *msg, size_t cap, int64_t *ms)
+{
+    int64_t t0 = moe_now_ms();
+    struct moe_error err = {0};
+    struct rpc_client_stream *s = rpc_client_stream_start(cl, method, bytes, len, 30000, &err);
+    if (!s) {
+        snprintf(msg, cap, "%.200s", err.msg);
+        return RPC_INTERNAL;
+    }
+    const uint8_t *data;
+    size_t n;
+    while (rpc_client_stream_next(s, &data, &n)) {
+    }
+    const char *m;
+    enum rpc_code code = rpc_client_stream_status(s, &m);
+    snprintf(msg, cap, "%s", m ? m : "");
+    rpc_client_stream_destroy(s);
+    if (ms)
+        *ms = moe_now_ms() - t0;
+    return code;
+}
+
+static enum rpc_code text_generate(struct rpc_client *cl, const char *text, const char *model,
+                                   const char *request_id, const char *stop, char *msg, size_t cap,
+                                   int64_t *ms)
+{
+    Moe__V1__GenerateRequest rq = MOE__V1__GENERATE_REQUEST__INIT;
+    Moe__V1__SamplingParams sp = MOE__V1__SAMPLING_PARAMS__INIT;
+    char *stops[1] = {(char *)stop};
+    sp.max_tokens = 4;
+    if (stop) {
+        sp.n_stop = 1;
+        sp.stop = stops;
+    }
+    rq.prompt_case = MOE__V1__GENERATE_REQUEST__PROMPT_TEXT;
+    rq.text = (char *)text;
+    rq.model = (char *)(model ? model : "");
+    rq.request_id = (char *)(request_id ? request_id : "");
+    rq.sampling = &sp;
+    size_t len;
+    void *b = pack(&rq, &len);
+    enum rpc_code code = raw_generate(cl, "/moe.v1.Inference/Generate", b, len, msg, cap, ms);
+    free(b);
+    return code;
+}
+
+/* Runs curl with a body file; returns the HTTP status (0: no answer). */
+static int http_post(const char *url, const char *body_file, char *answer, size_t cap)
+{
+    char out[700], cmd[2400];
+    snprintf(out, sizeof out, "%s/http-answer", g_tmp);
+    snprintf(cmd, sizeof cmd,
+             "curl -s -o '%s' -w '%%{http_code}' -H 'Content-Type: application/json' "
+             "--data-binary @'%s' '%s' 2>/dev/null",
+             out, body_file, url);
+    FILE *p = popen(cmd, "r");
+    int status = 0;
+    if (p) {
+        if (fscanf(p, "%d", &status) != 1)
+            status = 0;
+        pclose(p);
+    }
+    answer[0] = '\0';
+    FILE *f = fopen(out, "r");
+    if (f) {
+        size_t n = fread(answer, 1, cap - 1, f);
+        answer[n] = '\0';
+        fclose(f);
+    }
+    return status;
+}
+
+static int run_input(void)
+{
+    struct srv w, co;
+    if (worker_start(&w, "worker", NULL, NULL))
+        return 1;
+    char http[64];
+    snprintf(http, sizeof http, "127.0.0.1:%d", free_port());
+    const char *ca[] = {"--workers", w.addr, "--poll-ms", "100", "--http-listen", http, NULL};
+    if (coord_start(&co, "coordinator", ca))
+        return 1;
+    CHECK(wait_worker_state(co.cl, w.addr, MOE__V1__WORKER_STATE__WORKER_STATE_SERVING, 30000));
+    char msg[1024];
+    int64_t ms = 0;
+
+    /* A 1 MiB prompt (random letters: the costliest to tokenize) is refused
+     * once it is known to exceed the context, naming the limit. */
+    size_t big = ((size_t)1 << 20) - 64;
+    char *text = malloc(big + 1);
+    uint64_t x = 88172645463325252ull;
+    for (size_t i = 0; i < big; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        text[i] = (char)('a' + x % 26);
+    }
+    text[big] = '\0';
+    enum rpc_code code = text_generate(co.cl, text, NULL, NULL, NULL, msg, sizeof msg, &ms);
+    printf("input: 1 MiB prompt: %s in %" PRId64 " ms: %s\n", rpc_code_name(code), ms, msg);
+    CHECKF(code == RPC_INVALID_ARGUMENT && strstr(msg, "more than") &&
+               strstr(msg, "context is 4096"),
+           "1 MiB prompt: %s '%s'", rpc_code_name(code), msg);
+    free(text);
+
+    /* Larger than any valid request: refused by the port before decoding. */
+    size_t huge = (size_t)3 << 20;
+    uint8_t *junk = malloc(huge);
+    memset(junk, 'a', huge);
+    junk[0] = 0x12; /* field 2 (request_id), length-delimited: a well-formed 3 MiB message */
+    size_t body = huge - 5, k = 1;
+    for (int i = 0; i < 4; i++, body >>= 7)
+        junk[k++] = (uint8_t)((body & 0x7f) | (i < 3 ? 0x80 : 0));
+    code = raw_generate(co.cl, "/moe.v1.Inference/Generate", junk, huge, msg, sizeof msg, &ms);
+    printf("input: 3 MiB message to the public port: %s: %s\n", rpc_code_name(code), msg);
+    CHECKF(code == RPC_RESOURCE_EXHAUSTED, "3 MiB message: %s '%s'", rpc_code_name(code), msg);
+    code = raw_generate(w.cl, "/moe.v1.Worker/Generate", junk, huge, msg, sizeof msg, &ms);
+    CHECKF(code == RPC_RESOURCE_EXHAUSTED, "3 MiB message to the worker: %s '%s'",
+           rpc_code_name(code), msg);
+    free(junk);
+
+    /* Invalid UTF-8 in any string field: refused by name, never echoed. */
+    const char *bad = "ab\xc3\x28"
+                      "cd"; /* 0xc3 then not a continuation byte */
+    struct {
+        const char *text, *model, *request_id, *stop, *field;
+    } cases[] = {{bad, NULL, NULL, NULL, "text"},
+                 {"hello", bad, NULL, NULL, "model"},
+                 {"hello", NULL, bad, NULL, "request_id"},
+                 {"hello", NULL, NULL, bad, "sampling.stop[0]"}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        code = text_generate(co.cl, cases[i].text, cases[i].model, cases[i].request_id,
+                             cases[i].stop, msg, sizeof msg, NULL);
+        CHECKF(code == RPC_INVALID_ARGUMENT &&
+                   !strncmp(msg, cases[i].field, strlen(cases[i].field)) &&
+                   strstr(msg, "not valid UTF-8") && !u8_check((const uint8_t *)msg, strlen(msg)),
+               "invalid UTF-8 in %s: %s '%s'", cases[i].field, rpc_code_name(code), msg);
+    }
+
+    /* The worker called directly is as strict as the coordinator. */
+    Moe__V1__WorkerGenerateRequest wr = MOE__V1__WORKER_GENERATE_REQUEST__INIT;
+    Moe__V1__SamplingParams sp = MOE__V1__SAMPLING_PARAMS__INIT;
+    uint32_t ids[3] = {5, 17, 99}, stop_ids[1] = {100000};
+    wr.n_prompt_token_ids = 3;
+    wr.prompt_token_ids = ids;
+    sp.max_tokens = 4;
+    sp.n_stop_token_ids = 1;
+    sp.stop_token_ids = stop_ids;
+    wr.sampling = &sp;
+    size_t len;
+    void *b = pack(&wr, &len);
+    code = raw_generate(w.cl, "/moe.v1.Worker/Generate", b, len, msg, sizeof msg, NULL);
+    free(b);
+    CHECKF(code == RPC_INVALID_ARGUMENT && strstr(msg, "sampling.stop_token_ids[0]"),
+           "worker, stop id outside the vocabulary: %s '%s'", rpc_code_name(code), msg);
+    sp.n_stop_token_ids = 0;
+    char *stops[1] = {(char *)bad};
+    sp.n_stop = 1;
+    sp.stop = stops;
+    b = pack(&wr, &len);
+    code = raw_generate(w.cl, "/moe.v1.Worker/Generate", b, len, msg, sizeof msg, NULL);
+    free(b);
+    CHECKF(code == RPC_INVALID_ARGUMENT && strstr(msg, "sampling.stop[0]: not valid UTF-8"),
+           "worker, invalid UTF-8 stop string: %s '%s'", rpc_code_name(code), msg);
+
+    /* HTTP: invalid UTF-8 in the body, a body over the derived limit. */
+    char url[128], file[700], answer[4096];
+    snprintf(url, sizeof url, "http://%s/v1/completions", http);
+    snprintf(file, sizeof file, "%s/body.json", g_tmp);
+    FILE *f = fopen(file, "w");
+    fprintf(f, "{\"model\": \"qwen3\xff"
+               "_moe\", \"prompt\": \"hi\", \"max_tokens\": 2}");
+    fclose(f);
+    int st = http_post(url, file, answer, sizeof answer);
+    CHECKF(st == 400 && strstr(answer, "not valid UTF-8") &&
+               !u8_check((const uint8_t *)answer, strlen(answer)),
+           "HTTP invalid UTF-8: %d %s", st, answer);
+    f = fopen(file, "w");
+    fputs("{\"model\": \"qwen3_moe\", \"max_tokens\": 2, \"prompt\": \"", f);
+    for (int i = 0; i < 3 << 20; i++)
+        fputc('a', f);
+    fputs("\"}", f);
+    fclose(f);
+    st = http_post(url, file, answer, sizeof answer);
+    printf("input: HTTP body of 3 MiB: %d\n", st);
+    CHECKF(st == 413, "HTTP body of 3 MiB: %d %.200s", st, answer);
+
+    /* Still serving. */
+    CHECK(short_ok(co.cl, 7));
+    CHECK(srv_stop(&co) && srv_stop(&w));
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const struct {
         const char *name;
         int (*fn)(void);
-    } modes[] = {{"etcd_restart", run_etcd_restart},     {"stall", run_stall},
-                 {"decode_loss", run_decode_loss},       {"partition", run_partition},
-                 {"coord_failover", run_coord_failover}, {"overload", run_overload}};
+    } modes[] = {{"etcd_restart", run_etcd_restart},
+                 {"stall", run_stall},
+                 {"decode_loss", run_decode_loss},
+                 {"partition", run_partition},
+                 {"coord_failover", run_coord_failover},
+                 {"overload", run_overload},
+                 {"input", run_input}};
     int (*fn)(void) = NULL;
     for (size_t i = 0; argc == 3 && i < sizeof modes / sizeof modes[0]; i++)
         if (!strcmp(argv[1], modes[i].name))
@@ -908,7 +1112,7 @@ int main(int argc, char **argv)
     if (!fn) {
         fprintf(stderr,
                 "usage: test_faults "
-                "etcd_restart|stall|decode_loss|partition|coord_failover|overload BIN_DIR\n");
+                "etcd_restart|stall|decode_loss|partition|coord_failover|overload|input BIN_DIR\n");
         return 2;
     }
     g_bin = argv[2];
