@@ -49,8 +49,9 @@ struct args {
     long repeat;
     bool info;
     bool quiet;
-    char *addrs[MAX_ADDRS]; /* --addr split at commas */
+    char *addrs[MAX_ADDRS]; /* --addr split at commas, pointers into addr_copy */
     int n_addrs;
+    char *addr_copy; /* owned: freed by main */
 };
 
 static void usage(FILE *f)
@@ -147,7 +148,7 @@ static int parse_args(int argc, char **argv, struct args *a)
     if (!a->info && !a->prompt == !a->tokens)
         return cli_fail("give exactly one of --prompt TEXT, --tokens IDS or --info");
     /* --addr A,B,...: split (the copy lives as long as the process) */
-    char *list = strdup(a->addr), *save = NULL;
+    char *list = a->addr_copy = strdup(a->addr), *save = NULL;
     if (!list)
         return cli_fail("out of memory");
     for (char *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
@@ -293,8 +294,10 @@ int main(int argc, char **argv)
     cli_init("moe-client");
     struct args a;
     int rc = parse_args(argc, argv, &a);
-    if (rc)
+    if (rc) {
+        free(a.addr_copy);
         return rc;
+    }
     struct moe_error err = {0};
     struct rpc_client *clients[MAX_ADDRS] = {0};
     for (int i = 0; i < a.n_addrs; i++)
@@ -302,6 +305,7 @@ int main(int argc, char **argv)
             cli_fail("%s: %s", a.addrs[i], err.msg);
             for (int k = 0; k < i; k++)
                 rpc_client_destroy(clients[k]);
+            free(a.addr_copy);
             return 1;
         }
 
@@ -396,5 +400,6 @@ out:
     free(buf);
     for (int i = 0; i < a.n_addrs; i++)
         rpc_client_destroy(clients[i]);
+    free(a.addr_copy);
     return rc;
 }
