@@ -92,6 +92,9 @@ struct rpc_stream; /* one server-streaming call */
 
 struct rpc_server_options {
     size_t max_message_bytes; /* send and receive limit; 0 = RPC_DEFAULT_MAX_MESSAGE */
+    size_t max_receive_bytes; /* a tighter receive limit (the largest valid request, see
+                                 request_check.h); larger messages are refused with
+                                 RESOURCE_EXHAUSTED before any handler; 0 = max_message_bytes */
     int keepalive_time_ms;    /* ping an idle connection after this; 0 = 20000 */
     int keepalive_timeout_ms; /* drop it if the ping is not answered; 0 = 10000 */
     /* TLS (tls_opts.h; borrowed, must outlive the server); NULL = plaintext.

@@ -940,6 +940,10 @@ struct rpc_server *rpc_server_create(const char *addr, int n_threads,
     int n_args = 0;
     rpc_channel_args_fill(args, &n_args, opts->max_message_bytes, opts->keepalive_time_ms,
                           opts->keepalive_timeout_ms, 1);
+    for (int i = 0; opts->max_receive_bytes && i < n_args; i++)
+        if (!strcmp(args[i].key, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH))
+            args[i].value.integer =
+                opts->max_receive_bytes > INT_MAX ? INT_MAX : (int)opts->max_receive_bytes;
     grpc_channel_args chargs = {(size_t)n_args, args};
     s->srv = grpc_server_create(&chargs, NULL);
     s->threads = calloc((size_t)n_threads, sizeof(*s->threads));

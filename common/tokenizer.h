@@ -36,6 +36,15 @@ enum moe_status moe_tokenizer_encode(const struct moe_tokenizer *tok, const char
                                      bool add_special, int32_t **ids, size_t *n_ids,
                                      struct moe_error *err);
 
+/* moe_tokenizer_encode that gives up once the result is known to hold more
+ * than max_ids ids (the post-processor's included): then MOE_ERR_INVALID
+ * "more than N tokens", *ids NULL, and the rest of the text is not
+ * tokenized (a prompt far beyond the context costs little). SIZE_MAX: no
+ * limit. */
+enum moe_status moe_tokenizer_encode_max(const struct moe_tokenizer *tok, const char *text,
+                                         size_t len, bool add_special, size_t max_ids,
+                                         int32_t **ids, size_t *n_ids, struct moe_error *err);
+
 /* Decodes ids to UTF-8 text (malloc'd, NUL-terminated, *len excludes the
  * NUL). With `skip_special`, special added tokens are dropped. Byte
  * sequences that are not valid UTF-8 become U+FFFD, as in `tokenizers`.

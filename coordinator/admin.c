@@ -7,6 +7,7 @@
 
 #include "coord.h"
 #include "moe/v1/admin.pb-c.h"
+#include "request_check.h"
 #include "clock.h"
 
 /* A snapshot of every member, sorted by id. Strings point into `ids` and
@@ -154,6 +155,14 @@ static void handle_drain(struct rpc_call *call, const uint8_t *req, size_t len, 
                         "request: not a valid moe.v1.DrainWorkerRequest", NULL, 0);
         return;
     }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__drain_worker_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
+    }
     Moe__V1__DrainWorkerResponse resp = MOE__V1__DRAIN_WORKER_RESPONSE__INIT;
     resp.state = 0;
     set_drained(user, call, rq->id, true, &resp.state);
@@ -169,6 +178,14 @@ static void handle_undrain(struct rpc_call *call, const uint8_t *req, size_t len
         rpc_call_finish(call, RPC_INVALID_ARGUMENT,
                         "request: not a valid moe.v1.UndrainWorkerRequest", NULL, 0);
         return;
+    }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__undrain_worker_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
     }
     Moe__V1__UndrainWorkerResponse resp = MOE__V1__UNDRAIN_WORKER_RESPONSE__INIT;
     resp.state = 0;

@@ -6,7 +6,8 @@
  *   moe-coordinator --model DIR [--listen HOST:PORT]
  *                   (--workers HOST:PORT,... | --etcd URLS)
  *                   [--max-queue N] [--poll-ms MS] [--threads N] [--grace-ms MS]
- *                   [--expert-slots N] [--http-listen HOST:PORT [--chat-template FILE]
+ *                   [--expert-slots N] [--stall-timeout-ms MS]
+ *                   [--http-listen HOST:PORT [--chat-template FILE]
  *                   --http-threads N --http-max-body BYTES --http-timeout S]
  *                   [--tls-cert F --tls-key F [--tls-ca F] ...] [--api-token-file F]
  *                   [--admin-token-file F] [--etcd-cacert F --etcd-cert F --etcd-key F]
@@ -38,6 +39,7 @@
 #include "etcd.h"
 #include "sighup.h"
 #include "tls_opts.h"
+#include "request_check.h"
 
 static volatile sig_atomic_t g_signal;
 
@@ -64,12 +66,18 @@ static void usage(FILE *f)
                "10000)\n"
                "  --expert-slots N    experts a rank may hold per layer, for placement plans "
                "(default 2 x experts / ranks)\n"
+               "  --stall-timeout-ms MS  end a worker stream that brought nothing for MS while "
+               "its worker\n"
+               "                      made no progress (before the first token: retried "
+               "elsewhere); 0 = off\n"
+               "                      (default 30000)\n"
                "  --http-listen HOST:PORT  OpenAI-compatible HTTP API and /metrics (default: "
                "off; port 0 = a free one)\n"
                "  --chat-template FILE     Jinja chat template (default: the checkpoint's)\n"
                "  --http-threads N    HTTP polling threads (default 2)\n"
-               "  --http-max-body B   largest HTTP request body in bytes, else 413 (default "
-               "4194304)\n"
+               "  --http-max-body B   largest HTTP request body in bytes, else 413 (default: "
+               "the largest\n"
+               "                      valid request, 2 MiB + 64 KiB for a 1 MiB prompt)\n"
                "  --http-timeout S    close idle HTTP connections after S seconds (default "
                "60)\n");
     fputs(
@@ -94,8 +102,9 @@ static int parse_args(int argc, char **argv, struct coord_opts *o, struct sec_ar
                              .poll_ms = 200,
                              .rpc_threads = 2,
                              .grace_ms = 10000,
+                             .stall_timeout_ms = 30000,
                              .http_threads = 2,
-                             .http_max_body = (size_t)4 << 20,
+                             .http_max_body = 0, /* derived from the model */
                              .http_timeout_s = 60};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
@@ -120,6 +129,7 @@ static int parse_args(int argc, char **argv, struct coord_opts *o, struct sec_ar
         INT_OPT("--threads", 1, 64, rpc_threads)
         INT_OPT("--grace-ms", 0, 3600000, grace_ms)
         INT_OPT("--expert-slots", 0, 32767, expert_slots)
+        INT_OPT("--stall-timeout-ms", 0, 3600000, stall_timeout_ms)
         INT_OPT("--http-threads", 1, 64, http_threads)
         INT_OPT("--http-timeout", 1, 86400, http_timeout_s)
         if (!strcmp(k, "--http-max-body")) {
@@ -219,10 +229,17 @@ int main(int argc, char **argv)
     if (c.opts.workers ? coord_registry_add_static(&c, c.opts.workers, &err)
                        : coord_registry_start_etcd(&c, &err))
         goto fail;
-    if (coord_registry_start_poller(&c, &err))
+    if (coord_registry_start_poller(&c, &err) || coord_watchdog_start(&c, &err))
         goto fail;
 
-    struct rpc_server_options so = {.tls = c.opts.tls};
+    /* No valid request is larger than a prompt at its limit (or a placement
+     * map of this model): bigger messages are refused before decoding. */
+    size_t max_rq = moe_request_max_bytes((unsigned)c.cfg.max_pos);
+    size_t max_pl = ((size_t)64 << 10) + (size_t)256 * (c.cfg.n_layer + 1) * c.cfg.n_expert;
+    struct rpc_server_options so = {.tls = c.opts.tls,
+                                    .max_receive_bytes = max_rq > max_pl ? max_rq : max_pl};
+    if (!c.opts.http_max_body)
+        c.opts.http_max_body = moe_http_body_max_bytes((unsigned)c.cfg.max_pos);
     c.server = rpc_server_create(c.opts.listen, c.opts.rpc_threads, &so, &err);
     if (!c.server ||
         (c.opts.api_tokens &&
@@ -284,6 +301,7 @@ out:
     int left_ms = c.opts.grace_ms - (int)(1e3 * (moe_now() - t_stop));
     coord_http_stop(&c, left_ms > 0 ? left_ms : 0);
     coord_wait_threads(&c);
+    coord_watchdog_stop(&c);
     coord_placement_stop(&c);
     coord_registry_stop(&c);
     free(c.workers);

@@ -21,6 +21,14 @@ static void handle_abort(struct rpc_call *call, const uint8_t *req, size_t len, 
                         NULL, 0);
         return;
     }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__abort_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
+    }
     Moe__V1__AbortResponse resp = MOE__V1__ABORT_RESPONSE__INIT;
     if (strlen(rq->request_id) > MOE_REQ_MAX_ID_LEN) {
         moe__v1__abort_request__free_unpacked(rq, NULL);
@@ -75,6 +83,14 @@ static void handle_tokenize(struct rpc_call *call, const uint8_t *req, size_t le
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid moe.v1.TokenizeRequest",
                         NULL, 0);
         return;
+    }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__tokenize_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
     }
     enum rpc_code code = RPC_OK;
     int32_t *ids = NULL;

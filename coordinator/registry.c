@@ -6,6 +6,7 @@
  * UNAVAILABLE) is DOWN until a poll answers again; a worker that reports
  * draining (SIGTERM) or was drained by Admin is DRAINING; else SERVING. */
 #include <cjson/cJSON.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,6 +88,7 @@ static struct coord_worker *worker_create(const char *id, const char *address, i
     w->refs = 1; /* the registry's */
     w->member = true;
     w->block_size = COORD_DEFAULT_BLOCK;
+    atomic_store(&w->progress_ms, moe_now_ms());
     struct rpc_client_options o = {
         .keepalive_time_ms = 10000, .keepalive_timeout_ms = 5000, .tls = tls};
     w->client = rpc_client_create(address, &o, err);
@@ -302,6 +304,9 @@ static void poll_one(struct coord *c, struct coord_worker *w)
         if (w->down && w->ever_seen)
             fprintf(stderr, "moe-coordinator: worker %s at %s is up again\n", w->id, w->address);
         w->down = false;
+        if (!w->ever_seen || load->stats_steps != w->last_steps)
+            atomic_store(&w->progress_ms, moe_now_ms()); /* its engine ran a step */
+        w->last_steps = load->stats_steps;
         w->ever_seen = true;
         w->last_seen = moe_now();
         w->last_error[0] = '\0';

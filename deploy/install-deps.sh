@@ -27,6 +27,8 @@ PACKAGES=(
   prometheus                               # tests: a real Prometheus scrapes /metrics
   libcairo2-dev libfontconfig-dev fonts-dejavu-core  # moe-bench --plot: PNG charts, labels
   clang libclang-rt-14-dev llvm            # tests/fuzz: libFuzzer + sanitizer runtimes, llvm-symbolizer
+  iproute2                                 # tests: ip netns + veth pairs (fault_partition)
+  curl                                     # tests: raw HTTP bodies (fault_input), bench/soak.sh
 )
 for arg in "$@"; do
   case "$arg" in

@@ -1,7 +1,9 @@
 /* Fuzz target: request validation from raw protobuf bytes, as the servers
  * do it: protobuf-c unpack of a moe.v1 message, then for GenerateRequest
  * (coordinator/forward.c) and WorkerGenerateRequest (worker/serve/service.c) the
- * shared bounds of common/request_check.c.
+ * shared bounds of common/request_check.c: moe_check_strings (UTF-8 in every
+ * string field, any message), moe_check_generation and moe_check_token_ids
+ * (what both servers check), moe_check_sampling, moe_check_lengths.
  *
  * Input: byte 0 picks the message type (every message of proto/moe/v1 and
  * grpc.health.v1; 0 = GenerateRequest, 1 = WorkerGenerateRequest), the rest
@@ -20,6 +22,8 @@
 #include "moe/v1/inference.pb-c.h"
 #include "moe/v1/worker.pb-c.h"
 #include "request_check.h"
+
+#include <unistr.h>
 
 static const ProtobufCMessageDescriptor *const descs[] = {
     &moe__v1__generate_request__descriptor,
@@ -149,6 +153,65 @@ static void check_request(const Moe__V1__SamplingParams *sp, size_t n_prompt)
     }
 }
 
+/* Every string field of m (nested, repeated) is valid UTF-8: an oracle for
+ * moe_check_strings written apart from it. */
+static bool all_utf8(const ProtobufCMessage *m)
+{
+    const ProtobufCMessageDescriptor *d = m->descriptor;
+    const char *base = (const char *)m;
+    for (unsigned i = 0; i < d->n_fields; i++) {
+        const ProtobufCFieldDescriptor *f = &d->fields[i];
+        if (f->type != PROTOBUF_C_TYPE_STRING && f->type != PROTOBUF_C_TYPE_MESSAGE)
+            continue;
+        if ((f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) &&
+            *(const uint32_t *)(base + f->quantifier_offset) != f->id)
+            continue;
+        size_t n = 1;
+        void *const *v = (void *const *)(base + f->offset);
+        if (f->label == PROTOBUF_C_LABEL_REPEATED) {
+            n = *(const size_t *)(base + f->quantifier_offset);
+            v = *(void *const *const *)(base + f->offset);
+        }
+        for (size_t k = 0; k < n; k++) {
+            if (!v[k])
+                continue;
+            if (f->type == PROTOBUF_C_TYPE_STRING
+                    ? u8_check((const uint8_t *)v[k], strlen(v[k])) != NULL
+                    : !all_utf8(v[k]))
+                return false;
+        }
+    }
+    return true;
+}
+
+/* The checks both servers run on a generation request (vocab of the fixtures). */
+static void check_generation(const char *request_id, const Moe__V1__SamplingParams *sp,
+                             const uint32_t *ids, size_t n_ids)
+{
+    static const unsigned vocabs[] = {1, 801, 151936};
+    for (size_t v = 0; v < sizeof vocabs / sizeof vocabs[0]; v++) {
+        char msg[1024] = "";
+        if (moe_check_generation(request_id, sp, vocabs[v], msg, sizeof msg)) {
+            FUZZ_CHECK(fuzz_msg_ok(msg) &&
+                           (!strncmp(msg, "sampling.", 9) || !strncmp(msg, "request_id", 10)),
+                       "refusal '%s'", msg);
+        } else {
+            FUZZ_CHECK(strlen(request_id) <= MOE_REQ_MAX_ID_LEN, "request_id of %zu bytes",
+                       strlen(request_id));
+            for (size_t i = 0; sp && i < sp->n_stop_token_ids; i++)
+                FUZZ_CHECK(sp->stop_token_ids[i] < vocabs[v], "stop id %u, vocab %u",
+                           sp->stop_token_ids[i], vocabs[v]);
+        }
+        msg[0] = '\0';
+        if (moe_check_token_ids(ids, n_ids, vocabs[v], "prompt", msg, sizeof msg)) {
+            FUZZ_CHECK(fuzz_msg_ok(msg) && !strncmp(msg, "prompt[", 7), "refusal '%s'", msg);
+        } else {
+            for (size_t i = 0; i < n_ids; i++)
+                FUZZ_CHECK(ids[i] < vocabs[v], "id %u accepted, vocab %u", ids[i], vocabs[v]);
+        }
+    }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1)
@@ -175,8 +238,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         protobuf_c_message_free_unpacked(m2, NULL);
     }
 
+    /* UTF-8 in every string field, whatever the message */
+    char smsg[512] = "";
+    bool utf8_ok = moe_check_strings(m, smsg, sizeof smsg) == 0;
+    FUZZ_CHECK(utf8_ok == all_utf8(m), "%s: moe_check_strings says %s ('%s')", desc->name,
+               utf8_ok ? "valid" : "invalid", smsg);
+    FUZZ_CHECK(utf8_ok || (fuzz_msg_ok(smsg) && strstr(smsg, "not valid UTF-8") &&
+                           !u8_check((const uint8_t *)smsg, strlen(smsg))),
+               "refusal '%s'", smsg);
+
     if (desc == &moe__v1__generate_request__descriptor) {
         const Moe__V1__GenerateRequest *rq = (const Moe__V1__GenerateRequest *)m;
+        const Moe__V1__TokenIds *t =
+            rq->prompt_case == MOE__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS ? rq->token_ids : NULL;
+        check_generation(rq->request_id, rq->sampling, t ? t->ids : NULL, t ? t->n_ids : 0);
         size_t n_prompt = 0;
         if (rq->prompt_case == MOE__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS)
             n_prompt = rq->token_ids ? rq->token_ids->n_ids : 0;
@@ -185,6 +260,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         check_request(rq->sampling, n_prompt);
     } else if (desc == &moe__v1__worker_generate_request__descriptor) {
         const Moe__V1__WorkerGenerateRequest *rq = (const Moe__V1__WorkerGenerateRequest *)m;
+        check_generation(rq->request_id, rq->sampling, rq->prompt_token_ids,
+                         rq->n_prompt_token_ids);
         check_request(rq->sampling, rq->n_prompt_token_ids);
     }
     free(b1);

@@ -344,6 +344,9 @@ def seeds_request():
                              check=True).stdout
         write(d, "%s_%d" % (msg.split(".")[-1], i), bytes([sel]) + enc)
     write(d, "empty_generate", bytes([0]))
+    # invalid UTF-8 (a lead byte without its continuation) in request_id (field 2);
+    # protoc refuses to encode it, so the bytes are written out
+    write(d, "GenerateRequest_bad_utf8", bytes([0]) + b"\x12\x04ab\xc3(" + b"\x1a\x02hi")
 
 
 # ---- etcd answers ------------------------------------------------------------------------

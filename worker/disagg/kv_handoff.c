@@ -18,6 +18,7 @@
 
 #include "engine/generate.h"
 #include "moe/v1/worker.pb-c.h"
+#include "request_check.h"
 
 #define KV_HANDOFF_DEFAULT_TTL_MS 30000
 #define KV_HANDOFF_DEFAULT_SEND_MS 10000
@@ -658,6 +659,14 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
         code = RPC_RESOURCE_EXHAUSTED;
         snprintf(msg, sizeof msg, "out of memory");
     }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__kv_reserve_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
+    }
     if (code) {
         if (rq)
             moe__v1__kv_reserve_request__free_unpacked(rq, NULL);
@@ -752,6 +761,14 @@ static void handle_transfer(struct rpc_call *call, const uint8_t *bytes, size_t 
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid KvTransferChunk", NULL,
                         0);
         return;
+    }
+    {
+        char smsg[256];
+        if (moe_check_strings(&ch->base, smsg, sizeof smsg)) {
+            moe__v1__kv_transfer_chunk__free_unpacked(ch, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
     }
     enum rpc_code code = RPC_OK;
     bool woke = false, answered_later = false;
@@ -1062,6 +1079,14 @@ static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len,
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid KvSendRequest", NULL, 0);
         return;
     }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__kv_send_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
+    }
     pthread_mutex_lock(&x->mu);
     struct handoff *h = find_locked(x, rq->handoff_id, true);
     if (x->stopping) {
@@ -1138,6 +1163,14 @@ static void handle_release(struct rpc_call *call, const uint8_t *bytes, size_t l
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid KvReleaseRequest", NULL,
                         0);
         return;
+    }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__kv_release_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
     }
     Moe__V1__KvReleaseResponse resp = MOE__V1__KV_RELEASE_RESPONSE__INIT;
     pthread_mutex_lock(&x->mu);

@@ -1,12 +1,22 @@
 #include "serve/registration.h"
 
 #include <cjson/cJSON.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
 #include "etcd.h"
 #include "placement.h"
+
+/* Re-registration after a lost lease: the first attempt at once, then a
+ * backoff doubling from RETRY_MIN_MS to RETRY_MAX_MS (with +-25% jitter, so
+ * the workers of a cluster do not hit a restarted etcd together). */
+#define RETRY_MIN_MS 100
+#define RETRY_MAX_MS 2000
+#define ETCD_CALL_MS 1000 /* one attempt's calls: the main loop waits for them */
 
 struct worker_registration {
     char *endpoints;
@@ -22,6 +32,12 @@ struct worker_registration {
     char placement_key[300];
     int64_t last_epoch;
     struct moe_etcd_watch *placement_watch;
+    /* re-registration (worker_registration_tick) */
+    bool left;        /* worker_registration_leave ran: never register again */
+    int64_t retry_at; /* moe_now_ms() of the next attempt; 0: registered */
+    int retry_ms;     /* the backoff before the attempt after that */
+    int n_attempts;   /* failed attempts since the lease was lost */
+    uint64_t jitter;  /* xorshift state */
 };
 
 static enum moe_status register_worker(struct worker_registration *r, struct moe_error *err)
@@ -106,7 +122,8 @@ enum moe_status worker_registration_create(const struct worker_registration_opts
              "\"model\":\"%s\",\"kv_blocks_total\":%d,\"block_size\":%d}",
              o->id, o->address, o->role, o->device, o->model_name, o->kv_blocks_total,
              o->block_size);
-    enum moe_status rc = moe_etcd_create(o->endpoints, 2000, &r->etcd, err);
+    r->jitter = (uint64_t)moe_now_ns() ^ ((uint64_t)(uintptr_t)r << 17) ^ 0x9e3779b97f4a7c15ull;
+    enum moe_status rc = moe_etcd_create(o->endpoints, ETCD_CALL_MS, &r->etcd, err);
     if (!rc)
         rc = register_worker(r, err);
     if (rc)
@@ -123,22 +140,65 @@ enum moe_status worker_registration_create(const struct worker_registration_opts
     return MOE_OK;
 }
 
+/* The backoff after a failed attempt, with +-25% jitter. */
+static int next_backoff(struct worker_registration *r)
+{
+    int base = r->retry_ms;
+    r->retry_ms = r->retry_ms * 2 > RETRY_MAX_MS ? RETRY_MAX_MS : r->retry_ms * 2;
+    r->jitter ^= r->jitter << 13;
+    r->jitter ^= r->jitter >> 7;
+    r->jitter ^= r->jitter << 17;
+    return base * 3 / 4 + (int)(r->jitter % (uint64_t)(base / 2 + 1));
+}
+
 void worker_registration_tick(struct worker_registration *r)
 {
-    if (!r || !r->keeper || !moe_etcd_keeper_lost(r->keeper))
+    if (!r || r->left)
         return;
-    fprintf(stderr, "moe-worker: etcd lease lost; registering again\n");
-    moe_etcd_keeper_destroy(r->keeper);
+    int64_t now = moe_now_ms();
+    if (r->keeper) {
+        if (!moe_etcd_keeper_lost(r->keeper))
+            return;
+        /* etcd restarted and the lease expired, or no keepalive got through
+         * for a whole TTL (etcd down, a partition): a new lease and key. */
+        fprintf(stderr,
+                "moe-worker: etcd lease %lld lost; registering again (retrying with "
+                "backoff until etcd answers)\n",
+                (long long)r->lease);
+        moe_etcd_keeper_destroy(r->keeper);
+        r->keeper = NULL;
+        r->retry_at = now;
+        r->retry_ms = RETRY_MIN_MS;
+        r->n_attempts = 0;
+    }
+    if (now < r->retry_at)
+        return;
+    struct moe_error err = {0};
+    if (register_worker(r, &err) == MOE_OK) {
+        fprintf(stderr,
+                "moe-worker: registered again in etcd as %s (lease %lld, after %d failed "
+                "attempt%s)\n",
+                r->key, (long long)r->lease, r->n_attempts, r->n_attempts == 1 ? "" : "s");
+        r->retry_at = 0;
+        return;
+    }
+    moe_etcd_keeper_destroy(r->keeper); /* a keeper that started is not kept half-registered */
     r->keeper = NULL;
-    struct moe_error err;
-    if (register_worker(r, &err))
-        fprintf(stderr, "moe-worker: %s (will retry)\n", err.msg);
+    int wait = next_backoff(r);
+    r->retry_at = moe_now_ms() + wait;
+    /* one line for the first failures, then one every 30 attempts (about a minute) */
+    if (r->n_attempts++ < 3 || r->n_attempts % 30 == 0)
+        fprintf(stderr,
+                "moe-worker: registering in etcd (attempt %d) failed: %s; next try in %d "
+                "ms\n",
+                r->n_attempts, err.msg, wait);
 }
 
 void worker_registration_leave(struct worker_registration *r)
 {
     if (!r)
         return;
+    r->left = true;
     moe_etcd_keeper_destroy(r->keeper);
     r->keeper = NULL;
     if (r->lease) {

@@ -40,8 +40,12 @@ struct worker_registration;
 enum moe_status worker_registration_create(const struct worker_registration_opts *o,
                                            struct worker_registration **out, struct moe_error *err);
 
-/* Call now and then (the main loop): registers again when the lease was
- * lost (etcd restarted, a partition longer than the TTL). */
+/* Call now and then (the main loop, every 100 ms): when the lease was lost
+ * (etcd restarted and the lease expired, etcd down or cut off for longer
+ * than the TTL) it registers again -- a new lease, the key, a keeper --
+ * and, while etcd does not answer, tries again with a backoff doubling
+ * from 100 ms to 2 s (+-25% jitter), until it succeeds or the worker
+ * leaves. One attempt blocks for at most about a second. */
 void worker_registration_tick(struct worker_registration *r);
 
 /* Leaves now: the keeper stops and the lease is revoked, so the key is gone

@@ -317,24 +317,18 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
         snprintf(msg, sizeof msg, "handoff_id: longer than %d bytes", KV_HANDOFF_ID_MAX - 1);
         goto fail;
     }
-    if (strlen(rq->request_id) > MOE_REQ_MAX_ID_LEN) {
-        code = RPC_INVALID_ARGUMENT;
-        snprintf(msg, sizeof msg, "request_id: longer than %d bytes", MOE_REQ_MAX_ID_LEN);
-        goto fail;
-    }
-    if (moe_check_sampling(rq->sampling, msg, sizeof msg) ||
+    /* the coordinator's checks (common/request_check.c): a worker called
+     * directly is as strict */
+    if (moe_check_strings(&rq->base, msg, sizeof msg) ||
+        moe_check_generation(rq->request_id, rq->sampling, (unsigned)ws->cfg->vocab_size, msg,
+                             sizeof msg) ||
+        moe_check_token_ids(rq->prompt_token_ids, rq->n_prompt_token_ids,
+                            (unsigned)ws->cfg->vocab_size, "prompt_token_ids", msg, sizeof msg) ||
         moe_check_lengths(rq->n_prompt_token_ids, rq->sampling, (unsigned)ws->cfg->max_pos, msg,
                           sizeof msg)) {
         code = RPC_INVALID_ARGUMENT;
         goto fail;
     }
-    for (size_t i = 0; i < rq->n_prompt_token_ids; i++)
-        if (rq->prompt_token_ids[i] >= (uint32_t)ws->cfg->vocab_size) {
-            code = RPC_INVALID_ARGUMENT;
-            snprintf(msg, sizeof msg, "prompt_token_ids[%zu]: %u is outside the vocabulary [0, %d)",
-                     i, rq->prompt_token_ids[i], ws->cfg->vocab_size);
-            goto fail;
-        }
     if (rq->sampling && rq->sampling->n_stop && !ws->tok) {
         code = RPC_INVALID_ARGUMENT;
         snprintf(msg, sizeof msg, "sampling.stop: this worker has no tokenizer.json");
@@ -445,6 +439,14 @@ static void handle_abort(struct rpc_call *call, const uint8_t *bytes, size_t len
     if (!rq) {
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid AbortRequest", NULL, 0);
         return;
+    }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__abort_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
     }
     Moe__V1__AbortResponse resp = MOE__V1__ABORT_RESPONSE__INIT;
     pthread_mutex_lock(&ws->mu);
@@ -580,7 +582,11 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
     pthread_mutex_init(&ws->mu, NULL);
     pthread_cond_init(&ws->wake, NULL);
     enum moe_status rc = MOE_OK;
-    struct rpc_server_options so = {.tls = opts->tls, .tls_client_auth = moe_tls_has_ca(opts->tls)};
+    /* No valid request is larger (the KV bytes go over the KV data plane). */
+    struct rpc_server_options so = {.tls = opts->tls,
+                                    .tls_client_auth = moe_tls_has_ca(opts->tls),
+                                    .max_receive_bytes = moe_worker_request_max_bytes(
+                                        (unsigned)ws->cfg->max_pos, ws->world_size)};
     ws->server = rpc_server_create(opts->listen ? opts->listen : "127.0.0.1:0",
                                    opts->rpc_threads > 0 ? opts->rpc_threads : 2, &so, err);
     if (!ws->server) {
