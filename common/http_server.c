@@ -67,6 +67,7 @@ struct http_server {
     struct MHD_Daemon *d;
     int port;
     bool quiesced;
+    int quiesced_fd; /* the listening socket MHD_quiesce_daemon handed back, or -1 */
     struct tls_gen *tls_cur; /* tls_mu; older ones hang off ->prev until destroy */
     pthread_mutex_t tls_mu;
     struct http_server *tls_next; /* tls_servers_mu: the HTTPS servers of the process */
@@ -604,6 +605,7 @@ struct http_server *http_server_create(const struct http_server_opts *opts, stru
         return NULL;
     }
     s->opts = *opts;
+    s->quiesced_fd = -1;
     snprintf(s->listen, sizeof s->listen, "%s", opts->listen);
     snprintf(s->name, sizeof s->name, "%s", opts->name ? opts->name : "http-server");
     s->opts.listen = s->listen;
@@ -904,8 +906,14 @@ void http_server_quiesce(struct http_server *s)
         return;
     s->quiesced = true;
     MHD_socket lfd = MHD_quiesce_daemon(s->d);
-    if (lfd != MHD_INVALID_SOCKET)
-        close(lfd);
+    if (lfd == MHD_INVALID_SOCKET)
+        return;
+    /* Stop listening now (new connections are refused, not queued), but
+     * close the descriptor only after MHD_stop_daemon: MHD's threads may
+     * still hold it in their epoll set, and a number closed early can be
+     * reused by another socket under them. */
+    shutdown(lfd, SHUT_RDWR);
+    s->quiesced_fd = lfd;
 }
 
 void http_server_destroy(struct http_server *s, int grace_ms)
@@ -945,6 +953,8 @@ void http_server_destroy(struct http_server *s, int grace_ms)
         wait_until(s, no_live, moe_now() + 2.0);
         pthread_mutex_unlock(&s->mu);
         MHD_stop_daemon(s->d);
+        if (s->quiesced_fd >= 0)
+            close(s->quiesced_fd);
     }
     tls_servers_remove(s);
     for (struct tls_gen *g = s->tls_cur; g;) {

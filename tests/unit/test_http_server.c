@@ -6,6 +6,7 @@
  * http_request_client_gone), and destroy with requests still held. */
 #include <arpa/inet.h>
 #include <curl/curl.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -385,6 +386,38 @@ int main(void)
                closed_after, got);
         close(fd);
         http_server_destroy(is, 0);
+    }
+
+    /* Quiesce (a drain): new connections are refused at once, a keep-alive
+     * connection opened before still gets its answers. */
+    {
+        struct http_server_opts qo = {.listen = "127.0.0.1:0"};
+        struct http_server *qs = http_server_create(&qo, &err);
+        CHECK(qs && http_server_route(qs, "GET", "/sync", h_sync, NULL, &err) == MOE_OK &&
+              http_server_start(qs, &err) == MOE_OK);
+        struct sockaddr_in sa = {.sin_family = AF_INET,
+                                 .sin_port = htons((uint16_t)http_server_port(qs)),
+                                 .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        CHECK(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+        static const char get[] = "GET /sync HTTP/1.1\r\nHost: x\r\n\r\n";
+        char buf[512];
+        CHECK(write(fd, get, sizeof get - 1) == (ssize_t)(sizeof get - 1));
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        CHECK(poll(&pfd, 1, 10000) == 1 && read(fd, buf, sizeof buf) > 0);
+        http_server_quiesce(qs);
+        int fd2 = socket(AF_INET, SOCK_STREAM, 0);
+        int rc = connect(fd2, (struct sockaddr *)&sa, sizeof sa);
+        CHECKF(rc == -1 && errno == ECONNREFUSED,
+               "a connection after quiesce: connect returned %d (%s), expected ECONNREFUSED", rc,
+               rc ? strerror(errno) : "connected");
+        close(fd2);
+        CHECK(write(fd, get, sizeof get - 1) == (ssize_t)(sizeof get - 1));
+        ssize_t n = poll(&pfd, 1, 10000) == 1 ? read(fd, buf, sizeof buf - 1) : -1;
+        buf[n > 0 ? n : 0] = 0;
+        CHECKF(n > 0 && strstr(buf, "200"), "the open connection after quiesce got '%s'", buf);
+        close(fd);
+        http_server_destroy(qs, 0);
     }
 
     /* Destroy with a request held: on_close ends it after the grace. */
