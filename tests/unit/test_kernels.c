@@ -185,7 +185,8 @@ static void test_matmul_detects_error(void)
     int n_tok = 3, n_in = 40, n_out = 5;
     float *x = rand_floats((size_t)n_tok * n_in), *w = rand_floats((size_t)n_out * n_in);
     float y[15], yr[15];
-    struct moe_matmul_params p = {x, n_tok, n_in, w, MOE_DTYPE_F32, n_in, n_out, y, false, NULL};
+    struct moe_matmul_params p = {x,     n_tok, n_in,  w,    MOE_DTYPE_F32, n_in,
+                                  n_out, y,     false, NULL, false};
     cpu_matmul(g_pool, &p);
     w[7] += 0.5f;
     p.y = yr;
