@@ -117,6 +117,13 @@ void cpu_attention(struct moe_pool *pool, const struct moe_attn_params *p);
 /* One task per (token, head), scores one at a time: the plain twin. */
 void cpu_attention_ref(struct moe_pool *pool, const struct moe_attn_params *p);
 
+/* ---- attention_tiled.c ---- */
+
+/* True when cpu_attention takes the tiled kernel for p (AVX-512 in use,
+ * d_head <= 128, at most 64 query heads per KV head). */
+bool cpu_attention_tiled_supported(const struct moe_attn_params *p);
+void cpu_attention_tiled(struct moe_pool *pool, const struct moe_attn_params *p);
+
 /* ---- router.c ---- */
 
 void cpu_router_topk(const float *logits, int n_tok, int n_expert, int top_k, bool renorm,
