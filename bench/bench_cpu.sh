@@ -91,7 +91,7 @@ echo "# $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs;" \
 echo "# model $model; $rounds rounds; cells: $cells; dtypes: $dtypes; modes: $modes; threads: $threads_list"
 echo "# load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 for r in $(seq "$rounds"); do
-  "$build/bin/bench-triad" --threads 2 --reps 5 | tee -a "$tmp/triad.txt" | sed "s/^/# round $r: /"
+  "$build/bin/bench-triad" --threads 2 --reps 10 | tee -a "$tmp/triad.txt" | sed "s/^/# round $r: /"
   for cell in $cells; do
     for th in $threads_list; do
       for dt in $dtypes; do
@@ -127,9 +127,11 @@ def attn_flops(n):  # causal attention per token, averaged over a prompt of n
 triad = {}
 for line in open(os.path.join(tmp, "triad.txt")):
     m = re.match(r"triad threads (\d+): best ([0-9.]+) GB/s, median ([0-9.]+)", line)
-    if m: triad.setdefault(m.group(1), []).append(float(m.group(3)))
+    if m: triad.setdefault(m.group(1), []).append(float(m.group(2)))
+# The best of a round's repetitions (STREAM's convention; on a shared machine
+# the others are other people's traffic), median over rounds.
 bw = {t: statistics.median(v) * 1e9 for t, v in triad.items()}
-print("# triad (median of rounds' medians): " + ", ".join(f"{t} thread(s) {bw[t]/1e9:.2f} GB/s" for t in sorted(bw)))
+print("# triad (median over rounds of each round's best): " + ", ".join(f"{t} thread(s) {bw[t]/1e9:.2f} GB/s" for t in sorted(bw)))
 print(f"# bytes read per token, decode1: " + ", ".join(f"{dt} {per_tok[dt]/1e6:.1f} MB" for dt in dtypes)
       + f"; per 16-token step, decode16 ({active16:.2f} of {E} experts): "
       + ", ".join(f"{dt} {per_step16[dt]/1e6:.1f} MB" for dt in dtypes))
