@@ -34,9 +34,9 @@ static struct moe_kv_cache *cache_new(int n_block, int block_size, int heads)
 
 struct side {
     int tp;
-    struct kvl *link[4];
+    struct kv_link *link[4];
     struct moe_kv_cache *kv[4];
-    struct kvl_target t[4];
+    struct kv_link_target t[4];
     int32_t *blocks;
     int n_blocks, bs;
 };
@@ -51,18 +51,18 @@ static int side_open(struct side *s, int tp, int bs, int n_tok)
     for (int i = 0; i < s->n_blocks; i++) /* scattered, as a busy pool hands them out */
         s->blocks[i] = (int32_t)((i * 7) % s->n_blocks);
     for (int r = 0; r < tp; r++) {
-        struct kvl_opts o = {.be = be,
-                             .listen = "127.0.0.1:0",
-                             .layout = {N_LAYER, N_HEAD, D_HEAD, tp, r},
-                             .io_timeout_ms = 10000};
-        if (kvl_create(&o, &s->link[r], &err)) {
+        struct kv_link_opts o = {.be = be,
+                                 .listen = "127.0.0.1:0",
+                                 .layout = {N_LAYER, N_HEAD, D_HEAD, tp, r},
+                                 .io_timeout_ms = 10000};
+        if (kv_link_create(&o, &s->link[r], &err)) {
             fprintf(stderr, "bench-kv-link: %s\n", err.msg);
             return 1;
         }
         s->kv[r] = cache_new(s->n_blocks, bs, N_HEAD / tp);
-        kvl_attach_kv(s->link[r], s->kv[r]);
-        snprintf(s->t[r].endpoint, KVL_ENDPOINT_MAX, "%s", kvl_endpoint(s->link[r]));
-        kvl_heads(N_HEAD, tp, r, &s->t[r].head_begin, &s->t[r].head_end);
+        kv_link_attach_kv(s->link[r], s->kv[r]);
+        snprintf(s->t[r].endpoint, KV_LINK_ENDPOINT_MAX, "%s", kv_link_endpoint(s->link[r]));
+        kv_link_heads(N_HEAD, tp, r, &s->t[r].head_begin, &s->t[r].head_end);
     }
     return 0;
 }
@@ -70,7 +70,7 @@ static int side_open(struct side *s, int tp, int bs, int n_tok)
 static void side_close(struct side *s)
 {
     for (int r = 0; r < s->tp; r++) {
-        kvl_destroy(s->link[r]);
+        kv_link_destroy(s->link[r]);
         moe_kv_cache_release(be, s->kv[r]);
     }
     free(s->blocks);
@@ -97,30 +97,30 @@ static double handoff_s(int src_tp, int src_bs, int dst_tp, int dst_bs, int n_to
         snprintf(id, sizeof id, "h%d", k);
         double t0 = moe_now();
         for (int r = 0; r < dst_tp; r++)
-            kvl_expect(dst.link[0], r ? dst.t[r].endpoint : NULL, id, dst.blocks, dst.n_blocks,
-                       n_tok, 10000, &err);
-        struct kvl_push p = {.id = id,
-                             .src_blocks = src.blocks,
-                             .n_src_blocks = src.n_blocks,
-                             .n_tokens = n_tok,
-                             .dst_blocks = dst.blocks,
-                             .n_dst_blocks = dst.n_blocks,
-                             .dst_block_size = dst_bs,
-                             .targets = dst.t,
-                             .n_targets = dst_tp,
-                             .deadline_ms = 10000};
-        struct kvl_order *orders[4] = {0};
+            kv_link_expect(dst.link[0], r ? dst.t[r].endpoint : NULL, id, dst.blocks, dst.n_blocks,
+                           n_tok, 10000, &err);
+        struct kv_link_push p = {.id = id,
+                                 .src_blocks = src.blocks,
+                                 .n_src_blocks = src.n_blocks,
+                                 .n_tokens = n_tok,
+                                 .dst_blocks = dst.blocks,
+                                 .n_dst_blocks = dst.n_blocks,
+                                 .dst_block_size = dst_bs,
+                                 .targets = dst.t,
+                                 .n_targets = dst_tp,
+                                 .deadline_ms = 10000};
+        struct kv_link_order *orders[4] = {0};
         for (int r = 1; r < src_tp; r++)
-            kvl_order_start(src.link[0], src.t[r].endpoint, &p, &orders[r], &err);
+            kv_link_order_start(src.link[0], src.t[r].endpoint, &p, &orders[r], &err);
         uint64_t sent = 0, mine = 0;
-        if (kvl_push(src.link[0], &p, &mine, &err)) {
+        if (kv_link_push(src.link[0], &p, &mine, &err)) {
             fprintf(stderr, "bench-kv-link: %s\n", err.msg);
             exit(1);
         }
         sent += mine;
         for (int r = 1; r < src_tp; r++) {
             uint64_t theirs = 0;
-            if (kvl_order_wait(orders[r], &theirs, &err)) {
+            if (kv_link_order_wait(orders[r], &theirs, &err)) {
                 fprintf(stderr, "bench-kv-link: %s\n", err.msg);
                 exit(1);
             }
@@ -130,7 +130,7 @@ static double handoff_s(int src_tp, int src_bs, int dst_tp, int dst_bs, int n_to
         for (int r = 0; r < dst_tp; r++) {
             uint64_t b;
             bool complete = false;
-            kvl_forget(dst.link[0], r ? dst.t[r].endpoint : NULL, id, &b, &complete, &err);
+            kv_link_forget(dst.link[0], r ? dst.t[r].endpoint : NULL, id, &b, &complete, &err);
             all = all && complete;
         }
         t[k] = moe_now() - t0;

@@ -267,14 +267,14 @@ static int simulate(const struct sim_opts *o, const struct windows *w, struct si
 {
     struct moe_error err = {0};
     int L = w->n_layer, E = w->n_expert, N = o->n_rank;
-    struct planner_map cur = {0}, dflt = {0};
+    struct moe_placement cur = {0}, dflt = {0};
     double *rl = malloc((size_t)L * N * sizeof *rl);
     memset(res, 0, sizeof *res);
-    if (!rl || planner_map_default(L, E, N, &cur, &err) ||
-        planner_map_default(L, E, N, &dflt, &err)) {
+    if (!rl || moe_placement_default(L, E, N, &cur, &err) ||
+        moe_placement_default(L, E, N, &dflt, &err)) {
         fprintf(stderr, "sim-placement: %s\n", err.msg[0] ? err.msg : "out of memory");
         free(rl);
-        planner_map_free(&cur);
+        moe_placement_free(&cur);
         return -1;
     }
     struct planner_params pp = {.n_redundant = o->n_redundant, .keep_tolerance = o->tolerance};
@@ -288,8 +288,8 @@ static int simulate(const struct sim_opts *o, const struct windows *w, struct si
             fprintf(stderr, "sim-placement: %d experts on %d ranks, redundant %d: %s\n", E, N,
                     o->n_redundant, err.msg);
             free(rl);
-            planner_map_free(&cur);
-            planner_map_free(&dflt);
+            moe_placement_free(&cur);
+            moe_placement_free(&dflt);
             return -1;
         }
         t_plan += moe_now() - t0;
@@ -306,7 +306,7 @@ static int simulate(const struct sim_opts *o, const struct windows *w, struct si
         res->imb_next += planner_imbalance(rl, L, N);
         planner_predict(&dflt, next, rl);
         res->imb_default += planner_imbalance(rl, L, N);
-        planner_map_free(&cur);
+        moe_placement_free(&cur);
         cur = r.map; /* the plan is installed */
         memset(&r.map, 0, sizeof r.map);
         planner_result_free(&r);
@@ -319,8 +319,8 @@ static int simulate(const struct sim_opts *o, const struct windows *w, struct si
     res->moves_later = n_later ? later / n_later : 0;
     res->plan_ms = 1e3 * t_plan / k;
     free(rl);
-    planner_map_free(&cur);
-    planner_map_free(&dflt);
+    moe_placement_free(&cur);
+    moe_placement_free(&dflt);
     return 0;
 }
 

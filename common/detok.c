@@ -32,6 +32,10 @@ static enum moe_status emit(struct moe_detok *d, bool final, char **delta, size_
 {
     *delta = NULL;
     *len = 0;
+    if (!d->n_ids) { /* nothing pushed: d->ids is NULL */
+        *delta = calloc(1, 1);
+        return *delta ? MOE_OK : moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    }
     char *before = NULL, *after = NULL;
     size_t n_before = 0, n_after = 0;
     enum moe_status rc;

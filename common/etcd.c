@@ -16,6 +16,7 @@
 #include <stdatomic.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 #include <curl/curl.h>
@@ -96,6 +97,81 @@ static int buf_append(struct etcd_buf *b, const void *p, size_t n, size_t max)
     return 1;
 }
 
+/* ---- TLS ------------------------------------------------------------------- */
+
+/* Set once by a main before any client exists (moe_etcd_set_tls); only read
+ * afterwards. "" = not set. */
+static char etcd_tls_cacert[4096], etcd_tls_cert[4096], etcd_tls_key[4096];
+
+bool moe_etcd_tls_cli_flag(struct moe_etcd_tls *t, const char *k, const char *v)
+{
+    if (!strcmp(k, "--etcd-cacert"))
+        t->cacert = v;
+    else if (!strcmp(k, "--etcd-cert"))
+        t->cert = v;
+    else if (!strcmp(k, "--etcd-key"))
+        t->key = v;
+    else if (!strcmp(k, "--etcd-tls-dir"))
+        t->dir = v;
+    else
+        return false;
+    return true;
+}
+
+/* Copies `path` (readable) into buf, or the file NAME of `dir` when it exists. */
+static enum moe_status tls_path(char *buf, size_t cap, const char *flag, const char *path,
+                                const char *dir, const char *name, struct moe_error *err)
+{
+    buf[0] = '\0';
+    char p[4096];
+    if (!path && dir) {
+        snprintf(p, sizeof p, "%s/%s", dir, name);
+        if (access(p, F_OK) != 0)
+            return MOE_OK;
+        path = p;
+        flag = "--etcd-tls-dir";
+    }
+    if (!path)
+        return MOE_OK;
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return moe_error_set(err, MOE_ERR_IO, "%s %s: %s", flag, path, strerror(errno));
+    fclose(f);
+    if (strlen(path) >= cap)
+        return moe_error_set(err, MOE_ERR_INVALID, "%s: path too long", flag);
+    snprintf(buf, cap, "%s", path);
+    return MOE_OK;
+}
+
+enum moe_status moe_etcd_set_tls(const struct moe_etcd_tls *t, struct moe_error *err)
+{
+    char ca[sizeof etcd_tls_cacert], cert[sizeof etcd_tls_cert], key[sizeof etcd_tls_key];
+    enum moe_status st;
+    if (t->dir && access(t->dir, F_OK) != 0)
+        return moe_error_set(err, MOE_ERR_IO, "--etcd-tls-dir %s: %s", t->dir, strerror(errno));
+    if ((st = tls_path(ca, sizeof ca, "--etcd-cacert", t->cacert, t->dir, "ca.crt", err)) ||
+        (st = tls_path(cert, sizeof cert, "--etcd-cert", t->cert, t->dir, "tls.crt", err)) ||
+        (st = tls_path(key, sizeof key, "--etcd-key", t->key, t->dir, "tls.key", err)))
+        return st;
+    if (!cert[0] != !key[0])
+        return moe_error_set(err, MOE_ERR_INVALID, "%s",
+                             cert[0] ? "--etcd-cert needs --etcd-key (its private key)"
+                                     : "--etcd-key needs --etcd-cert (its certificate)");
+    if (t->dir && !ca[0] && !cert[0])
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "--etcd-tls-dir %s: neither ca.crt nor tls.crt and tls.key in it",
+                             t->dir);
+    memcpy(etcd_tls_cacert, ca, sizeof ca);
+    memcpy(etcd_tls_cert, cert, sizeof cert);
+    memcpy(etcd_tls_key, key, sizeof key);
+    return MOE_OK;
+}
+
+static bool etcd_tls_on(void)
+{
+    return etcd_tls_cacert[0] || etcd_tls_cert[0];
+}
+
 /* ---- endpoints ----------------------------------------------------------- */
 
 struct etcd_endpoints {
@@ -141,6 +217,14 @@ static enum moe_status endpoints_parse(const char *spec, struct etcd_endpoints *
             endpoints_free(out);
             return moe_error_set(err, MOE_ERR_INVALID, "etcd: endpoint '%s' is too long",
                                  printable(start, len, shown, sizeof shown));
+        }
+        if (etcd_tls_on() && strncmp(start, "https://", 8) != 0) {
+            printable(start, len, shown, sizeof shown);
+            endpoints_free(out);
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "etcd: endpoint '%s': TLS to etcd is configured (--etcd-cacert, "
+                                 "--etcd-cert or --etcd-tls-dir): use https://",
+                                 shown);
         }
         if (strncmp(start, "http://", 7) != 0 && strncmp(start, "https://", 8) != 0) {
             printable(start, len, shown, sizeof shown);
@@ -228,7 +312,8 @@ static enum moe_status json_bytes(const cJSON *obj, const char *name, char **out
     enum moe_status st = moe_base64_decode(s, n, (unsigned char *)d, len, err);
     if (st != MOE_OK) {
         free(d);
-        return moe_error_prefix(err, "field '%s'", name);
+        moe_error_prefix(err, "field '%s'", name);
+        return st; /* not the prefix's value: that is MOE_OK when err is NULL (the watcher) */
     }
     d[*len] = '\0';
     *out = d;
@@ -414,6 +499,10 @@ static int client_progress(void *user, curl_off_t dltotal, curl_off_t dlnow, cur
 /* The common curl options of unary and watch handles. */
 static int curl_setup(CURL *h, struct curl_slist *headers, char *errbuf, int timeout_ms)
 {
+    if ((etcd_tls_cacert[0] && curl_easy_setopt(h, CURLOPT_CAINFO, etcd_tls_cacert) != CURLE_OK) ||
+        (etcd_tls_cert[0] && (curl_easy_setopt(h, CURLOPT_SSLCERT, etcd_tls_cert) != CURLE_OK ||
+                              curl_easy_setopt(h, CURLOPT_SSLKEY, etcd_tls_key) != CURLE_OK)))
+        return 0;
     return curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L) == CURLE_OK &&
            curl_easy_setopt(h, CURLOPT_HTTPHEADER, headers) == CURLE_OK &&
            curl_easy_setopt(h, CURLOPT_ERRORBUFFER, errbuf) == CURLE_OK &&

@@ -26,6 +26,7 @@
 #ifndef MOE_ETCD_H
 #define MOE_ETCD_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -52,6 +53,39 @@ struct moe_etcd_kvs {
     size_t n;
     int64_t revision; /* store revision the read saw (the header revision) */
 };
+
+/* ---- TLS ------------------------------------------------------------------ */
+
+/* TLS to etcd (https:// endpoints), with a client certificate for etcd's
+ * --client-cert-auth. File paths (borrowed until moe_etcd_set_tls copies
+ * them); NULL: libcurl's default (the system's CAs; no client certificate). */
+struct moe_etcd_tls {
+    const char *cacert; /* --etcd-cacert: CAs etcd's certificate must chain to */
+    const char *cert;   /* --etcd-cert: client certificate (PEM) */
+    const char *key;    /* --etcd-key: its private key (PEM) */
+    const char *dir;    /* --etcd-tls-dir: DIR/ca.crt, DIR/tls.crt, DIR/tls.key (those present) */
+};
+
+/* Help lines of the four flags, for usage() texts. */
+#define MOE_ETCD_TLS_USAGE                                                                         \
+    "  --etcd-cacert FILE  CA certificates etcd's must chain to (https:// endpoints)\n"            \
+    "  --etcd-cert FILE    client certificate for etcd (--client-cert-auth)\n"                     \
+    "  --etcd-key FILE     its private key\n"                                                      \
+    "  --etcd-tls-dir DIR  DIR/ca.crt, DIR/tls.crt, DIR/tls.key (those present)\n"
+
+/* Takes flag `k` with value `v` into *t when it is one of the four: true if
+ * it was. */
+bool moe_etcd_tls_cli_flag(struct moe_etcd_tls *t, const char *k, const char *v);
+
+/* Sets the TLS files for every etcd client, watcher and lease keeper the
+ * process makes from now on: process-wide (one etcd cluster per process),
+ * called once by a main before any of them exists. Checks that each file
+ * can be read and that a certificate comes with its key. With TLS set, an
+ * http:// endpoint is refused by the creators (moe_etcd_create ...). libcurl
+ * reads the files on each new connection, so replaced files are used by the
+ * next one. A `t` with no file clears the setting. Not thread-safe against
+ * clients being created meanwhile. */
+enum moe_status moe_etcd_set_tls(const struct moe_etcd_tls *t, struct moe_error *err);
 
 /* Frees the strings of `kv` and zeroes it. NULL is a no-op. */
 void moe_etcd_kv_clear(struct moe_etcd_kv *kv);

@@ -15,11 +15,16 @@
  * so a resume never precedes its suspend, and never after on_completed
  * (conn is NULL from then on). */
 #include "http_server.h"
+#include "hostport.h"
+#include "auth_token.h"
 #include "clock.h"
+#include "tls_opts.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
 #include <cjson/cJSON.h>
+#include <gnutls/abstract.h>
+#include <gnutls/gnutls.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <pthread.h>
@@ -41,6 +46,16 @@ struct route {
     char *path;
     http_handler_fn fn;
     void *user;
+    bool open; /* no token needed */
+};
+
+/* One generation of the TLS material in GnuTLS's form (tls_gen_current). */
+struct tls_gen {
+    uint64_t generation;
+    gnutls_pcert_st pcert[16];
+    unsigned n_pcert;
+    gnutls_privkey_t key;
+    struct tls_gen *prev;
 };
 
 struct http_server {
@@ -52,6 +67,9 @@ struct http_server {
     struct MHD_Daemon *d;
     int port;
     bool quiesced;
+    struct tls_gen *tls_cur; /* tls_mu; older ones hang off ->prev until destroy */
+    pthread_mutex_t tls_mu;
+    struct http_server *tls_next; /* tls_servers_mu: the HTTPS servers of the process */
 
     pthread_mutex_t mu; /* guards the list and counts below */
     pthread_cond_t cond;
@@ -409,6 +427,8 @@ static enum MHD_Result queue_or_suspend(struct MHD_Connection *conn, struct http
         MHD_add_response_header(resp, "Content-Type", rq->content_type);
         if (rq->allow[0])
             MHD_add_response_header(resp, "Allow", rq->allow);
+        if (status == 401)
+            MHD_add_response_header(resp, "WWW-Authenticate", "Bearer");
     }
     pthread_mutex_unlock(&rq->mu);
     if (!resp)
@@ -441,7 +461,6 @@ static void dispatch(struct http_server *s, struct http_request *rq)
                            s->opts.max_body_bytes);
         return;
     }
-    /* issue 14: the bearer token is checked here, before any handler. */
     const struct route *hit = NULL;
     char allow[32] = "";
     for (int i = 0; i < s->n_routes; i++) {
@@ -455,6 +474,15 @@ static void dispatch(struct http_server *s, struct http_request *rq)
         }
         size_t al = strlen(allow);
         snprintf(allow + al, sizeof allow - al, "%s%s", al ? ", " : "", r->method);
+    }
+    if (s->opts.tokens && !(hit && hit->open)) {
+        const char *auth = http_request_header(rq, "Authorization");
+        if (!auth || !moe_tokens_check_bearer(s->opts.tokens, auth, strlen(auth))) {
+            http_respond_error(rq, 401, "invalid_request_error", NULL,
+                               "%s: send \"Authorization: Bearer TOKEN\" with a valid API token",
+                               auth ? "wrong API token" : "missing API token");
+            return;
+        }
     }
     if (hit) {
         rq->in_handler = true;
@@ -590,6 +618,7 @@ struct http_server *http_server_create(const struct http_server_opts *opts, stru
         s->opts.max_connections = 1024;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cond, NULL);
+    pthread_mutex_init(&s->tls_mu, NULL);
     return s;
 }
 
@@ -605,33 +634,33 @@ enum moe_status http_server_route(struct http_server *s, const char *method, con
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     r->fn = fn;
     r->user = user;
+    r->open = false;
     s->n_routes++;
     return MOE_OK;
+}
+
+enum moe_status http_server_route_open(struct http_server *s, const char *method, const char *path,
+                                       http_handler_fn fn, void *user, struct moe_error *err)
+{
+    enum moe_status st = http_server_route(s, method, path, fn, user, err);
+    if (!st)
+        s->routes[s->n_routes - 1].open = true;
+    return st;
 }
 
 /* HOST:PORT (or [V6]:PORT) to a socket address. */
 static enum moe_status parse_listen(const char *listen, struct sockaddr_storage *ss,
                                     socklen_t *ss_len, bool *v6, struct moe_error *err)
 {
-    const char *colon = strrchr(listen, ':');
     char host[256], port[16];
-    size_t hl = (size_t)(colon - listen);
-    if (hl >= sizeof host || strlen(colon + 1) == 0 || strlen(colon + 1) >= sizeof port)
-        return moe_error_set(err, MOE_ERR_INVALID, "http listen address '%s': expected HOST:PORT",
+    int pn;
+    if (!moe_hostport_split(listen, host, sizeof host, &pn))
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "http listen address '%s': expected HOST:PORT with a port in "
+                             "0..65535",
                              listen);
-    memcpy(host, listen, hl);
-    host[hl] = '\0';
-    snprintf(port, sizeof port, "%s", colon + 1);
-    char *h = host;
-    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') {
-        h[hl - 1] = '\0';
-        h++;
-    }
-    char *end;
-    long pn = strtol(port, &end, 10);
-    if (*end || pn < 0 || pn > 65535)
-        return moe_error_set(err, MOE_ERR_INVALID, "http listen address '%s': bad port '%s'",
-                             listen, port);
+    snprintf(port, sizeof port, "%d", pn);
+    const char *h = host;
     struct addrinfo hints = {.ai_family = AF_UNSPEC,
                              .ai_socktype = SOCK_STREAM,
                              .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
@@ -669,6 +698,117 @@ static void on_log(void *cls, const char *fmt, va_list ap)
     fprintf(stderr, "%s: http: %s\n", s->name, msg);
 }
 
+/* ---- HTTPS ----------------------------------------------------------------------------- */
+
+/* GnuTLS's certificate callback carries no user pointer: the started HTTPS
+ * servers of the process are listed, and a handshake finds its own by the
+ * local port of its socket. */
+static pthread_mutex_t tls_servers_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct http_server *tls_servers;
+
+static void tls_gen_free(struct tls_gen *g)
+{
+    for (unsigned i = 0; i < g->n_pcert; i++)
+        gnutls_pcert_deinit(&g->pcert[i]);
+    if (g->key)
+        gnutls_privkey_deinit(g->key);
+    free(g);
+}
+
+/* The material in GnuTLS's form. */
+static struct tls_gen *tls_gen_make(const struct moe_tls_material *m, struct moe_error *err)
+{
+    struct tls_gen *g = calloc(1, sizeof *g);
+    if (!g) {
+        moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+        return NULL;
+    }
+    g->generation = m->generation;
+    gnutls_datum_t cd = {(unsigned char *)m->cert_pem, (unsigned)strlen(m->cert_pem)};
+    gnutls_datum_t kd = {(unsigned char *)m->key_pem, (unsigned)strlen(m->key_pem)};
+    unsigned n = sizeof g->pcert / sizeof g->pcert[0];
+    int rc = gnutls_pcert_list_import_x509_raw(g->pcert, &n, &cd, GNUTLS_X509_FMT_PEM, 0);
+    if (rc < 0) {
+        moe_error_set(err, MOE_ERR_FORMAT, "HTTPS: the certificate chain: %s", gnutls_strerror(rc));
+        free(g);
+        return NULL;
+    }
+    g->n_pcert = n;
+    if ((rc = gnutls_privkey_init(&g->key)) < 0 ||
+        (rc = gnutls_privkey_import_x509_raw(g->key, &kd, GNUTLS_X509_FMT_PEM, NULL, 0)) < 0) {
+        moe_error_set(err, MOE_ERR_FORMAT, "HTTPS: the private key: %s", gnutls_strerror(rc));
+        tls_gen_free(g);
+        return NULL;
+    }
+    return g;
+}
+
+static struct http_server *tls_server_of(gnutls_session_t session)
+{
+    pthread_mutex_lock(&tls_servers_mu);
+    struct http_server *s = tls_servers;
+    if (s && s->tls_next) {
+        int port = -1;
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof ss;
+        if (getsockname(gnutls_transport_get_int(session), (struct sockaddr *)&ss, &sl) == 0)
+            port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                                  : ((struct sockaddr_in *)&ss)->sin_port);
+        while (s && s->port != port)
+            s = s->tls_next;
+    }
+    pthread_mutex_unlock(&tls_servers_mu);
+    return s;
+}
+
+/* The newest generation of s's material (made when it changed). */
+static struct tls_gen *tls_gen_current(struct http_server *s)
+{
+    const struct moe_tls_material *m = moe_tls_current(s->opts.tls);
+    pthread_mutex_lock(&s->tls_mu);
+    struct tls_gen *g = s->tls_cur;
+    if (!g || g->generation != m->generation) {
+        struct moe_error err = {0};
+        struct tls_gen *made = tls_gen_make(m, &err);
+        if (made) {
+            made->prev = g;
+            s->tls_cur = g = made;
+        } else {
+            fprintf(stderr, "%s: %s%s\n", s->name, err.msg,
+                    g ? " (the previous certificate stays in use)" : "");
+        }
+    }
+    pthread_mutex_unlock(&s->tls_mu);
+    return g;
+}
+
+static int tls_cert_cb(gnutls_session_t session, const gnutls_datum_t *req_ca_rdn, int nreqs,
+                       const gnutls_pk_algorithm_t *pk_algos, int pk_algos_length,
+                       gnutls_pcert_st **pcert, unsigned int *pcert_length,
+                       gnutls_privkey_t *privkey)
+{
+    (void)req_ca_rdn, (void)nreqs, (void)pk_algos, (void)pk_algos_length;
+    struct http_server *s = tls_server_of(session);
+    struct tls_gen *g = s ? tls_gen_current(s) : NULL;
+    if (!g)
+        return -1;
+    *pcert = g->pcert;
+    *pcert_length = g->n_pcert;
+    *privkey = g->key;
+    return 0;
+}
+
+static void tls_servers_remove(struct http_server *s)
+{
+    pthread_mutex_lock(&tls_servers_mu);
+    for (struct http_server **p = &tls_servers; *p; p = &(*p)->tls_next)
+        if (*p == s) {
+            *p = s->tls_next;
+            break;
+        }
+    pthread_mutex_unlock(&tls_servers_mu);
+}
+
 enum moe_status http_server_start(struct http_server *s, struct moe_error *err)
 {
     struct sockaddr_storage ss;
@@ -679,22 +819,50 @@ enum moe_status http_server_start(struct http_server *s, struct moe_error *err)
         return st;
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
                      MHD_USE_ERROR_LOG | (v6 ? MHD_USE_IPv6 : 0);
+    struct MHD_OptionItem pool[4];
+    int n_opt = 0;
     /* One polling thread is the daemon's own; more are a thread pool. */
-    struct MHD_OptionItem pool[] = {
-        {s->opts.threads > 1 ? MHD_OPTION_THREAD_POOL_SIZE : MHD_OPTION_END,
-         (intptr_t)s->opts.threads, NULL},
-        {MHD_OPTION_END, 0, NULL}};
+    if (s->opts.threads > 1)
+        pool[n_opt++] =
+            (struct MHD_OptionItem){MHD_OPTION_THREAD_POOL_SIZE, (intptr_t)s->opts.threads, NULL};
+    if (s->opts.tls) {
+        if (!moe_tls_has_identity(s->opts.tls))
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "%s: HTTPS on %s needs a certificate and key (--tls-cert, "
+                                 "--tls-key)",
+                                 s->name, s->listen);
+        if (!tls_gen_current(s)) /* the first generation, checked now */
+            return moe_error_set(err, MOE_ERR_INVALID, "%s: HTTPS on %s: unusable certificate",
+                                 s->name, s->listen);
+        flags |= MHD_USE_TLS;
+        pool[n_opt++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_CERT_CALLBACK, 0,
+                                                (void *)(uintptr_t)tls_cert_cb};
+        pool[n_opt++] = (struct MHD_OptionItem){
+            MHD_OPTION_HTTPS_PRIORITIES, 0, (void *)"NORMAL:-VERS-ALL:+VERS-TLS1.3:+VERS-TLS1.2"};
+        /* listed before the first handshake can come */
+        pthread_mutex_lock(&tls_servers_mu);
+        s->tls_next = tls_servers;
+        tls_servers = s;
+        s->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                                 : ((struct sockaddr_in *)&ss)->sin_port);
+        pthread_mutex_unlock(&tls_servers_mu);
+    }
+    pool[n_opt] = (struct MHD_OptionItem){MHD_OPTION_END, 0, NULL};
     s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_access, s, MHD_OPTION_EXTERNAL_LOGGER, on_log,
                             s, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_ARRAY, pool,
                             MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)s->opts.idle_timeout_s,
                             MHD_OPTION_CONNECTION_LIMIT, s->opts.max_connections,
                             MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_END);
-    if (!s->d)
+    if (!s->d) {
+        tls_servers_remove(s);
         return moe_error_set(err, MOE_ERR_IO,
-                             "%s: cannot listen for HTTP on %s (address in use or not local?)",
-                             s->name, s->listen);
+                             "%s: cannot listen for HTTP%s on %s (address in use or not local?)",
+                             s->name, s->opts.tls ? "S" : "", s->listen);
+    }
     const union MHD_DaemonInfo *info = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
+    pthread_mutex_lock(&tls_servers_mu);
     s->port = info ? info->port : 0;
+    pthread_mutex_unlock(&tls_servers_mu);
     return MOE_OK;
 }
 
@@ -778,6 +946,13 @@ void http_server_destroy(struct http_server *s, int grace_ms)
         pthread_mutex_unlock(&s->mu);
         MHD_stop_daemon(s->d);
     }
+    tls_servers_remove(s);
+    for (struct tls_gen *g = s->tls_cur; g;) {
+        struct tls_gen *prev = g->prev;
+        tls_gen_free(g);
+        g = prev;
+    }
+    pthread_mutex_destroy(&s->tls_mu);
     for (int i = 0; i < s->n_routes; i++)
         free(s->routes[i].path);
     pthread_mutex_destroy(&s->mu);

@@ -24,10 +24,14 @@
  *               on_close). It never fires after the answer's end; an end
  *               from another thread waits while it runs.
  *
- * TLS and a bearer token (issue 14) belong in struct http_server_opts: the
- * certificate and key go to libmicrohttpd in http_server_start, and the
- * token is checked in the one dispatch function (http_server.c, dispatch)
- * before any handler runs, except on routes marked open (health probes).
+ * TLS and tokens. With opts.tls the server speaks HTTPS only (libmicrohttpd
+ * over GnuTLS); each handshake gets the newest certificate of the shared
+ * TLS settings (tls_opts.h), so a moe_tls_reload is seen by the next
+ * connection. With opts.tokens every request needs "Authorization: Bearer
+ * <token>" with one of them, checked before any handler runs, except on
+ * routes added with http_server_route_open (health probes): a request
+ * without it, or with another token, gets 401 in OpenAI's error shape
+ * (type "invalid_request_error", code 401, WWW-Authenticate: Bearer).
  *
  * Shutdown. http_server_destroy stops accepting, gives running requests
  * grace_ms, then fires on_close on those left and waits until the
@@ -40,16 +44,20 @@
 
 #include "moe_error.h"
 
+struct moe_tls;    /* tls_opts.h */
+struct moe_tokens; /* auth_token.h */
 struct http_server;
 struct http_request;
 
 struct http_server_opts {
-    const char *listen;       /* "HOST:PORT" ("127.0.0.1:0": a free port) */
-    int threads;              /* polling threads; 0 = 2 */
-    size_t max_body_bytes;    /* larger request bodies get 413; 0 = 4 MiB */
-    int idle_timeout_s;       /* idle connections are closed after this; 0 = 60 */
-    unsigned max_connections; /* 0 = 1024 */
-    const char *name;         /* for log lines ("moe-coordinator"); NULL = "http-server" */
+    const char *listen;        /* "HOST:PORT" ("127.0.0.1:0": a free port) */
+    int threads;               /* polling threads; 0 = 2 */
+    size_t max_body_bytes;     /* larger request bodies get 413; 0 = 4 MiB */
+    int idle_timeout_s;        /* idle connections are closed after this; 0 = 60 */
+    unsigned max_connections;  /* 0 = 1024 */
+    const char *name;          /* for log lines ("moe-coordinator"); NULL = "http-server" */
+    struct moe_tls *tls;       /* HTTPS (borrowed, outlives the server); NULL = plain HTTP */
+    struct moe_tokens *tokens; /* bearer tokens (borrowed); NULL = no token needed */
 };
 
 /* A handler: rq is owned by the handler from here on (see above). */
@@ -64,6 +72,11 @@ struct http_server *http_server_create(const struct http_server_opts *opts, stru
  * with another method 405 (with Allow), both as OpenAI-shaped JSON errors. */
 enum moe_status http_server_route(struct http_server *s, const char *method, const char *path,
                                   http_handler_fn fn, void *user, struct moe_error *err);
+
+/* As http_server_route, for a route that needs no token (health probes,
+ * /version, /metrics). */
+enum moe_status http_server_route_open(struct http_server *s, const char *method, const char *path,
+                                       http_handler_fn fn, void *user, struct moe_error *err);
 
 /* Binds and starts the polling threads. MOE_ERR_IO naming the address when
  * it cannot bind. */

@@ -322,6 +322,11 @@ static enum moe_status parse_token_ids(const struct cfg_ctx *c, struct moe_confi
     cfg->n_eos = 0;
     if (!eos) {
         if (mixtral && !eos_null) {
+            if (cfg->vocab_size <= 2) /* the default is checked as a given id would be */
+                return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                     "%s: field 'eos_token_id' is absent and its default 2 is "
+                                     "outside the vocabulary (%d)",
+                                     c->name, cfg->vocab_size);
             cfg->n_eos = 1;
             cfg->eos_ids[0] = 2;
         }

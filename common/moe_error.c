@@ -3,6 +3,16 @@
 #include <stdarg.h>
 #include <string.h>
 
+/* A message is one line: control characters that came in with an echoed
+ * name or value (a tensor name, a JSON key) become '?', so that bad input
+ * cannot split or forge a log line. */
+static void one_line(char *s)
+{
+    for (; *s; s++)
+        if ((unsigned char)*s < 0x20 || *s == 0x7f)
+            *s = '?';
+}
+
 enum moe_status moe_error_set(struct moe_error *err, enum moe_status code, const char *fmt, ...)
 {
     if (err) {
@@ -10,6 +20,7 @@ enum moe_status moe_error_set(struct moe_error *err, enum moe_status code, const
         va_start(ap, fmt);
         vsnprintf(err->msg, sizeof err->msg, fmt, ap);
         va_end(ap);
+        one_line(err->msg);
         err->code = code;
     }
     return code;
@@ -38,6 +49,7 @@ enum moe_status moe_error_prefix(struct moe_error *err, const char *fmt, ...)
         len += part;
     }
     joined[len] = '\0';
+    one_line(joined);
     memcpy(err->msg, joined, len + 1);
     return err->code;
 }

@@ -31,7 +31,8 @@ struct moe_error {
 
 /* Records `code` and a printf-style message in `err` (which may be NULL) and
  * returns `code`, so that callers can write `return moe_error_set(err, ...)`.
- * A message already recorded is overwritten. */
+ * A message already recorded is overwritten. A message is one line: control
+ * characters in it (from an echoed name or value) are written as '?'. */
 enum moe_status moe_error_set(struct moe_error *err, enum moe_status code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 

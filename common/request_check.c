@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistr.h>
 
 #define FAIL(...)                                                                                  \
     do {                                                                                           \
@@ -58,4 +59,103 @@ int moe_check_lengths(size_t n_prompt, const Moe__V1__SamplingParams *sp, unsign
              "context of %u",
              n_prompt, max_tokens, max_context);
     return 0;
+}
+
+int moe_check_token_ids(const uint32_t *ids, size_t n, unsigned vocab_size, const char *field,
+                        char *msg, size_t cap)
+{
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] >= vocab_size)
+            FAIL("%s[%zu]: %u is outside the vocabulary [0, %u)", field, i, ids[i], vocab_size);
+    return 0;
+}
+
+int moe_check_generation(const char *request_id, const Moe__V1__SamplingParams *sp,
+                         unsigned vocab_size, char *msg, size_t cap)
+{
+    size_t n = request_id ? strlen(request_id) : 0;
+    if (n > MOE_REQ_MAX_ID_LEN)
+        FAIL("request_id: %zu bytes, at most %d allowed", n, MOE_REQ_MAX_ID_LEN);
+    if (moe_check_sampling(sp, msg, cap))
+        return -1;
+    if (sp && moe_check_token_ids(sp->stop_token_ids, sp->n_stop_token_ids, vocab_size,
+                                  "sampling.stop_token_ids", msg, cap))
+        return -1;
+    return 0;
+}
+
+/* One string; path is the field's name so far. */
+static int check_utf8(const char *s, const char *path, char *msg, size_t cap)
+{
+    size_t n = s ? strlen(s) : 0;
+    const uint8_t *bad = n ? u8_check((const uint8_t *)s, n) : NULL;
+    if (bad)
+        FAIL("%s: not valid UTF-8 (byte %zu of %zu)", path, (size_t)(bad - (const uint8_t *)s), n);
+    return 0;
+}
+
+static int check_strings(const ProtobufCMessage *m, const char *prefix, int depth, char *msg,
+                         size_t cap)
+{
+    const ProtobufCMessageDescriptor *d = m->descriptor;
+    if (depth > 32)
+        FAIL("%s: nested too deeply", prefix[0] ? prefix : d->short_name);
+    const char *base = (const char *)m;
+    for (unsigned i = 0; i < d->n_fields; i++) {
+        const ProtobufCFieldDescriptor *f = &d->fields[i];
+        if (f->type != PROTOBUF_C_TYPE_STRING && f->type != PROTOBUF_C_TYPE_MESSAGE)
+            continue;
+        if ((f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) &&
+            *(const uint32_t *)(base + f->quantifier_offset) != f->id)
+            continue;
+        char path[160];
+        snprintf(path, sizeof path, "%s%s%s", prefix, prefix[0] ? "." : "", f->name);
+        if (f->label == PROTOBUF_C_LABEL_REPEATED) {
+            size_t n = *(const size_t *)(base + f->quantifier_offset);
+            void *const *v = *(void *const *const *)(base + f->offset);
+            for (size_t k = 0; k < n; k++) {
+                char item[192];
+                snprintf(item, sizeof item, "%s[%zu]", path, k);
+                if (f->type == PROTOBUF_C_TYPE_STRING
+                        ? check_utf8(v[k], item, msg, cap)
+                        : check_strings(v[k], item, depth + 1, msg, cap))
+                    return -1;
+            }
+            continue;
+        }
+        const void *v = *(const void *const *)(base + f->offset);
+        if (!v)
+            continue;
+        if (f->type == PROTOBUF_C_TYPE_STRING ? check_utf8(v, path, msg, cap)
+                                              : check_strings(v, path, depth + 1, msg, cap))
+            return -1;
+    }
+    return 0;
+}
+
+int moe_check_strings(const ProtobufCMessage *m, char *msg, size_t cap)
+{
+    return m ? check_strings(m, "", 0, msg, cap) : 0;
+}
+
+#define FIELDS_SLACK ((size_t)64 << 10)
+
+size_t moe_request_max_bytes(unsigned max_context)
+{
+    size_t text = MOE_REQ_MAX_PROMPT_BYTES, ids = (size_t)max_context * 5;
+    return (text > ids ? text : ids) + FIELDS_SLACK;
+}
+
+size_t moe_worker_request_max_bytes(unsigned max_context, int world_size)
+{
+    /* token ids and as many block ids, 5 bytes each; endpoints of <= 300 bytes */
+    return (size_t)max_context * 10 + (size_t)(world_size > 0 ? world_size : 1) * 600 +
+           FIELDS_SLACK;
+}
+
+size_t moe_http_body_max_bytes(unsigned max_context)
+{
+    size_t text = 2 * (size_t)MOE_REQ_MAX_PROMPT_BYTES, ids = (size_t)max_context * 11;
+    size_t n = (text > ids ? text : ids) + FIELDS_SLACK;
+    return n < ((size_t)1 << 20) ? (size_t)1 << 20 : n;
 }

@@ -33,10 +33,14 @@
 #ifndef MOE_RPC_H
 #define MOE_RPC_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "moe_error.h"
+
+struct moe_tls;    /* tls_opts.h */
+struct moe_tokens; /* auth_token.h */
 
 /* gRPC status codes, same values as grpc_status_code. */
 enum rpc_code {
@@ -62,6 +66,22 @@ enum rpc_code {
 /* Upper-case name of a code ("DEADLINE_EXCEEDED"); "?" for unknown values. */
 const char *rpc_code_name(enum rpc_code code);
 
+/* The code a server answers for a failure of status `st`: bad input ->
+ * INVALID_ARGUMENT, missing -> NOT_FOUND, I/O -> UNAVAILABLE, out of memory
+ * -> RESOURCE_EXHAUSTED, not yet -> FAILED_PRECONDITION, unsupported ->
+ * UNIMPLEMENTED, a broken invariant -> INTERNAL. */
+enum rpc_code rpc_code_from_status(enum moe_status st);
+
+/* Packs a protobuf-c message (any generated struct, passed as its base)
+ * into a malloc'd buffer of *len bytes; NULL when out of memory. */
+void *rpc_pack(const void *msg, size_t *len);
+
+struct rpc_call;
+
+/* Answers a unary call OK with protobuf-c message `msg` (packed here;
+ * RESOURCE_EXHAUSTED if that runs out of memory). */
+void rpc_call_finish_msg(struct rpc_call *call, const void *msg);
+
 #define RPC_DEFAULT_MAX_MESSAGE ((size_t)64 << 20)
 
 /* ---- server ------------------------------------------------------------------ */
@@ -72,8 +92,18 @@ struct rpc_stream; /* one server-streaming call */
 
 struct rpc_server_options {
     size_t max_message_bytes; /* send and receive limit; 0 = RPC_DEFAULT_MAX_MESSAGE */
+    size_t max_receive_bytes; /* a tighter receive limit (the largest valid request, see
+                                 request_check.h); larger messages are refused with
+                                 RESOURCE_EXHAUSTED before any handler; 0 = max_message_bytes */
     int keepalive_time_ms;    /* ping an idle connection after this; 0 = 20000 */
     int keepalive_timeout_ms; /* drop it if the ping is not answered; 0 = 10000 */
+    /* TLS (tls_opts.h; borrowed, must outlive the server); NULL = plaintext.
+     * Every new connection gets the newest certificate: a moe_tls_reload is
+     * seen by the next handshake. */
+    struct moe_tls *tls;
+    /* With tls: require a client certificate that chains to tls's CA
+     * (mutual TLS); a client without one fails its handshake. */
+    bool tls_client_auth;
 };
 
 /* Unary handler: `req` (len bytes) is borrowed for the duration of the call.
@@ -100,6 +130,16 @@ enum moe_status rpc_server_add_unary(struct rpc_server *server, const char *path
                                      void *user, struct moe_error *err);
 enum moe_status rpc_server_add_stream(struct rpc_server *server, const char *path, rpc_stream_fn fn,
                                       void *user, struct moe_error *err);
+
+/* Requires "authorization: Bearer <token>" metadata with one of `tokens`
+ * (borrowed, must outlive the server) on every call whose path starts with
+ * `prefix` ("/moe.v1.Admin/"), registered or not, before its handler runs:
+ * a call without it, or with another token, is answered UNAUTHENTICATED
+ * (with the request unread). Paths under no prefix need nothing (health
+ * probes). A path under two prefixes needs the longest one's token. Before
+ * rpc_server_start. */
+enum moe_status rpc_server_require_token(struct rpc_server *server, const char *prefix,
+                                         struct moe_tokens *tokens, struct moe_error *err);
 
 /* Starts serving: spawns the queue threads. */
 enum moe_status rpc_server_start(struct rpc_server *server, struct moe_error *err);
@@ -206,10 +246,19 @@ struct rpc_client_options {
     size_t max_message_bytes; /* 0 = RPC_DEFAULT_MAX_MESSAGE */
     int keepalive_time_ms;    /* ping the server after this long idle; 0 = 20000 */
     int keepalive_timeout_ms; /* a dead peer is noticed after this; 0 = 10000 */
+    /* TLS (tls_opts.h): the server must present a certificate for the host
+     * of `target` (or tls's server name) that chains to tls's CA (the
+     * system's roots without one); tls's certificate, when it has one, is
+     * the client certificate. The newest material when the channel is made
+     * is used for the channel's life. NULL = plaintext. */
+    struct moe_tls *tls;
+    /* Sent as "authorization: Bearer <token>" on every call (copied); NULL =
+     * none. */
+    const char *token;
 };
 
-/* Creates a channel to `target` ("host:port") with insecure credentials. It
- * connects lazily, on the first call. `opts` may be NULL. Calls grpc_init
+/* Creates a channel to `target` ("host:port"), plaintext or TLS (opts->tls).
+ * It connects lazily, on the first call. `opts` may be NULL. Calls grpc_init
  * (undone by rpc_client_destroy). Returns NULL and fills err on failure. */
 struct rpc_client *rpc_client_create(const char *target, const struct rpc_client_options *opts,
                                      struct moe_error *err);

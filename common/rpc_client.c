@@ -11,9 +11,12 @@
 #include <grpc/slice.h>
 
 #include "rpc_internal.h"
+#include "tls_opts.h"
 
 struct rpc_client {
     grpc_channel *channel;
+    grpc_metadata auth; /* "authorization: Bearer <token>" */
+    size_t n_md;        /* 1 with a token, else 0 */
 };
 
 struct rpc_client *rpc_client_create(const char *target, const struct rpc_client_options *opts,
@@ -32,17 +35,49 @@ struct rpc_client *rpc_client_create(const char *target, const struct rpc_client
         moe_error_set(err, MOE_ERR_NOMEM, "rpc_client_create: out of memory");
         return NULL;
     }
+    if (opts->token) {
+        size_t tl = strlen(opts->token);
+        char *v = malloc(tl + 8);
+        if (!v) {
+            moe_error_set(err, MOE_ERR_NOMEM, "rpc_client_create: out of memory");
+            free(c);
+            return NULL;
+        }
+        memcpy(v, "Bearer ", 7);
+        memcpy(v + 7, opts->token, tl + 1);
+        c->auth.key = grpc_slice_from_static_string("authorization");
+        c->auth.value = grpc_slice_from_copied_string(v);
+        free(v);
+        c->n_md = 1;
+    }
     grpc_init();
-    grpc_arg args[RPC_N_ARGS];
+    grpc_arg args[RPC_N_ARGS + 1];
     int n_args = 0;
     rpc_channel_args_fill(args, &n_args, opts->max_message_bytes, opts->keepalive_time_ms,
                           opts->keepalive_timeout_ms, 0);
+    grpc_channel_credentials *creds;
+    if (opts->tls) {
+        const struct moe_tls_material *m = moe_tls_current(opts->tls);
+        grpc_ssl_pem_key_cert_pair pair = {m->key_pem, m->cert_pem};
+        creds = grpc_ssl_credentials_create_ex(m->ca_pem, m->cert_pem ? &pair : NULL, NULL, NULL);
+        const char *name = moe_tls_server_name(opts->tls);
+        if (name) {
+            args[n_args].type = GRPC_ARG_STRING;
+            args[n_args].key = (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+            args[n_args++].value.string = (char *)name;
+        }
+    } else {
+        creds = grpc_insecure_credentials_create();
+    }
     grpc_channel_args chargs = {(size_t)n_args, args};
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-    c->channel = grpc_channel_create(target, creds, &chargs);
-    grpc_channel_credentials_release(creds);
+    c->channel = creds ? grpc_channel_create(target, creds, &chargs) : NULL;
+    if (creds)
+        grpc_channel_credentials_release(creds);
     if (!c->channel) {
-        moe_error_set(err, MOE_ERR_INVALID, "rpc_client_create: bad target '%s'", target);
+        moe_error_set(err, MOE_ERR_INVALID, "rpc_client_create: bad target '%s'%s", target,
+                      creds ? "" : " (TLS credentials refused)");
+        if (c->n_md)
+            grpc_slice_unref(c->auth.value);
         free(c);
         grpc_shutdown();
         return NULL;
@@ -56,6 +91,8 @@ void rpc_client_destroy(struct rpc_client *client)
         return;
     }
     grpc_channel_destroy(client->channel);
+    if (client->n_md)
+        grpc_slice_unref(client->auth.value);
     free(client);
     grpc_shutdown();
 }
@@ -138,6 +175,8 @@ enum rpc_code rpc_client_call(struct rpc_client *client, const char *method, con
     grpc_op ops[6];
     memset(ops, 0, sizeof(ops));
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].data.send_initial_metadata.count = client->n_md;
+    ops[0].data.send_initial_metadata.metadata = client->n_md ? &client->auth : NULL;
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = req_bb;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -264,6 +303,8 @@ struct rpc_client_stream *rpc_client_stream_start(struct rpc_client *client, con
     grpc_op ops[4];
     memset(ops, 0, sizeof(ops));
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].data.send_initial_metadata.count = client->n_md;
+    ops[0].data.send_initial_metadata.metadata = client->n_md ? &client->auth : NULL;
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = s->req_bb;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;

@@ -27,8 +27,10 @@
 #include <grpc/status.h>
 #include <grpc/support/time.h>
 
+#include "auth_token.h"
 #include "clock.h"
 #include "rpc_internal.h"
+#include "tls_opts.h"
 
 _Static_assert(RPC_UNAUTHENTICATED == (int)GRPC_STATUS_UNAUTHENTICATED, "rpc_code mirrors gRPC");
 _Static_assert(RPC_DEADLINE_EXCEEDED == (int)GRPC_STATUS_DEADLINE_EXCEEDED, "rpc_code");
@@ -68,6 +70,12 @@ struct rpc_slot {
     grpc_call_details details;
 };
 
+/* rpc_server_require_token: calls under `prefix` need one of `tokens`. */
+struct rpc_token_rule {
+    char *prefix;
+    struct moe_tokens *tokens;
+};
+
 struct rpc_queue_thread {
     struct rpc_server *server;
     grpc_completion_queue *cq;
@@ -85,6 +93,13 @@ struct rpc_server {
     struct rpc_slot *slots; /* n_threads * (n_methods + 1) */
     int n_slots;
     bool started;
+    struct rpc_token_rule *rules;
+    int n_rules;
+
+    struct moe_tls *tls;    /* NULL: plaintext */
+    bool tls_client_auth;   /* mutual TLS */
+    pthread_mutex_t tls_mu; /* guards tls_gen */
+    uint64_t tls_gen;       /* the generation gRPC was last given */
 
     pthread_mutex_t mu; /* guards what follows */
     pthread_cond_t cv;
@@ -150,33 +165,6 @@ struct unimpl_call {
     int recv_cancelled;
     grpc_slice details;
 };
-
-const char *rpc_code_name(enum rpc_code code)
-{
-    static const char *const names[] = {
-        "OK",
-        "CANCELLED",
-        "UNKNOWN",
-        "INVALID_ARGUMENT",
-        "DEADLINE_EXCEEDED",
-        "NOT_FOUND",
-        "ALREADY_EXISTS",
-        "PERMISSION_DENIED",
-        "RESOURCE_EXHAUSTED",
-        "FAILED_PRECONDITION",
-        "ABORTED",
-        "OUT_OF_RANGE",
-        "UNIMPLEMENTED",
-        "INTERNAL",
-        "UNAVAILABLE",
-        "DATA_LOSS",
-        "UNAUTHENTICATED",
-    };
-    if ((int)code < 0 || (size_t)code >= sizeof(names) / sizeof(names[0])) {
-        return "?";
-    }
-    return names[code];
-}
 
 /* ---- shared helpers -------------------------------------------------------------- */
 
@@ -663,6 +651,50 @@ static void slot_post(struct rpc_slot *slot)
     (void)e; /* fails only while shutting down: the slot then stays idle */
 }
 
+/* The rule whose prefix is the longest one `path` (len bytes) starts with;
+ * NULL when none. */
+static const struct rpc_token_rule *rule_for(const struct rpc_server *s, const char *path,
+                                             size_t len)
+{
+    const struct rpc_token_rule *best = NULL;
+    for (int i = 0; i < s->n_rules; i++) {
+        size_t pl = strlen(s->rules[i].prefix);
+        if (pl <= len && !memcmp(path, s->rules[i].prefix, pl) &&
+            (!best || pl > strlen(best->prefix)))
+            best = &s->rules[i];
+    }
+    return best;
+}
+
+/* True when the call's metadata `md` carries a bearer token the rule
+ * accepts (or no rule applies). */
+static bool token_ok(const struct rpc_token_rule *r, const grpc_metadata_array *md)
+{
+    if (!r)
+        return true;
+    bool ok = false;
+    for (size_t i = 0; i < md->count; i++) {
+        const grpc_metadata *m = &md->metadata[i];
+        if (GRPC_SLICE_LENGTH(m->key) == 13 &&
+            !memcmp(GRPC_SLICE_START_PTR(m->key), "authorization", 13))
+            ok = moe_tokens_check_bearer(r->tokens, (const char *)GRPC_SLICE_START_PTR(m->value),
+                                         GRPC_SLICE_LENGTH(m->value));
+    }
+    return ok;
+}
+
+/* "... for moe.v1.Admin": the service of a rule's prefix. */
+static void unauthenticated_msg(const struct rpc_token_rule *r, char *buf, size_t cap)
+{
+    const char *p = r->prefix[0] == '/' ? r->prefix + 1 : r->prefix;
+    size_t n = strlen(p);
+    if (n && p[n - 1] == '/')
+        n--;
+    snprintf(buf, cap,
+             "missing or wrong bearer token for %.*s (send \"authorization: Bearer TOKEN\")",
+             (int)(n > 200 ? 200 : n), p);
+}
+
 static void answer_unimplemented(struct rpc_slot *slot)
 {
     struct unimpl_call *u = calloc(1, sizeof(*u));
@@ -675,9 +707,16 @@ static void answer_unimplemented(struct rpc_slot *slot)
     u->tag.kind = TAG_UNIMPL;
     u->call = slot->call;
     char msg[300];
-    snprintf(msg, sizeof(msg), "method %.*s is not implemented",
-             (int)GRPC_SLICE_LENGTH(slot->details.method),
-             (const char *)GRPC_SLICE_START_PTR(slot->details.method));
+    const struct rpc_token_rule *r =
+        rule_for(slot->server, (const char *)GRPC_SLICE_START_PTR(slot->details.method),
+                 GRPC_SLICE_LENGTH(slot->details.method));
+    bool authed = token_ok(r, &slot->md);
+    if (authed)
+        snprintf(msg, sizeof(msg), "method %.*s is not implemented",
+                 (int)GRPC_SLICE_LENGTH(slot->details.method),
+                 (const char *)GRPC_SLICE_START_PTR(slot->details.method));
+    else
+        unauthenticated_msg(r, msg, sizeof msg);
     u->details = grpc_slice_from_copied_string(msg);
     grpc_op ops[3];
     memset(ops, 0, sizeof(ops));
@@ -685,7 +724,8 @@ static void answer_unimplemented(struct rpc_slot *slot)
     ops[1].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
     ops[1].data.recv_close_on_server.cancelled = &u->recv_cancelled;
     ops[2].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-    ops[2].data.send_status_from_server.status = GRPC_STATUS_UNIMPLEMENTED;
+    ops[2].data.send_status_from_server.status =
+        authed ? GRPC_STATUS_UNIMPLEMENTED : GRPC_STATUS_UNAUTHENTICATED;
     ops[2].data.send_status_from_server.status_details = &u->details;
     if (grpc_call_start_batch(u->call, ops, 3, &u->tag, NULL) != GRPC_CALL_OK) {
         grpc_call_unref(u->call);
@@ -759,6 +799,18 @@ static void on_new_call(struct rpc_slot *slot)
         c->cancelled = true;
     }
 
+    const struct rpc_token_rule *rule = rule_for(s, m->path, strlen(m->path));
+    if (!token_ok(rule, &c->md)) {
+        char msg[300];
+        unauthenticated_msg(rule, msg, sizeof msg);
+        if (payload)
+            grpc_byte_buffer_destroy(payload);
+        pthread_mutex_lock(&c->mu);
+        finish_locked(c, RPC_UNAUTHENTICATED, msg);
+        pthread_mutex_unlock(&c->mu);
+        producer_release(c);
+        return;
+    }
     if (!payload) {
         /* The client half-closed without a request message. */
         pthread_mutex_lock(&c->mu);
@@ -837,6 +889,31 @@ static void *queue_thread_main(void *arg)
 
 /* ---- server lifetime ----------------------------------------------------------------------- */
 
+/* gRPC asks before each handshake: a new config when the material changed
+ * since it last asked (moe_tls_reload), else "unchanged". */
+static grpc_ssl_certificate_config_reload_status tls_fetch(void *user,
+                                                           grpc_ssl_server_certificate_config **cfg)
+{
+    struct rpc_server *s = user;
+    const struct moe_tls_material *m = moe_tls_current(s->tls);
+    pthread_mutex_lock(&s->tls_mu);
+    bool same = m->generation == s->tls_gen;
+    pthread_mutex_unlock(&s->tls_mu);
+    if (same)
+        return GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_UNCHANGED;
+    grpc_ssl_pem_key_cert_pair pair = {m->key_pem, m->cert_pem};
+    /* gRPC 1.51 asserts that a fetched config has roots even when no client
+     * certificate is asked for: without a CA, the server's own chain stands
+     * in (never used to verify anything then). */
+    *cfg = grpc_ssl_server_certificate_config_create(m->ca_pem ? m->ca_pem : m->cert_pem, &pair, 1);
+    if (!*cfg)
+        return GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_FAIL;
+    pthread_mutex_lock(&s->tls_mu);
+    s->tls_gen = m->generation;
+    pthread_mutex_unlock(&s->tls_mu);
+    return GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_NEW;
+}
+
 struct rpc_server *rpc_server_create(const char *addr, int n_threads,
                                      const struct rpc_server_options *opts, struct moe_error *err)
 {
@@ -856,12 +933,17 @@ struct rpc_server *rpc_server_create(const char *addr, int n_threads,
     }
     grpc_init();
     mutex_init(&s->mu, &s->cv);
+    pthread_mutex_init(&s->tls_mu, NULL);
     s->shutdown_tag.kind = TAG_SHUTDOWN;
     s->n_threads = n_threads;
     grpc_arg args[RPC_N_ARGS];
     int n_args = 0;
     rpc_channel_args_fill(args, &n_args, opts->max_message_bytes, opts->keepalive_time_ms,
                           opts->keepalive_timeout_ms, 1);
+    for (int i = 0; opts->max_receive_bytes && i < n_args; i++)
+        if (!strcmp(args[i].key, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH))
+            args[i].value.integer =
+                opts->max_receive_bytes > INT_MAX ? INT_MAX : (int)opts->max_receive_bytes;
     grpc_channel_args chargs = {(size_t)n_args, args};
     s->srv = grpc_server_create(&chargs, NULL);
     s->threads = calloc((size_t)n_threads, sizeof(*s->threads));
@@ -874,11 +956,39 @@ struct rpc_server *rpc_server_create(const char *addr, int n_threads,
         s->threads[i].cq = grpc_completion_queue_create_for_next(NULL);
         grpc_server_register_completion_queue(s->srv, s->threads[i].cq, NULL);
     }
-    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
-    s->port = grpc_server_add_http2_port(s->srv, addr, creds);
-    grpc_server_credentials_release(creds);
+    grpc_server_credentials *creds = NULL;
+    if (opts->tls) {
+        if (!moe_tls_has_identity(opts->tls)) {
+            moe_error_set(err, MOE_ERR_INVALID,
+                          "TLS on %s: a server needs a certificate and key (--tls-cert, "
+                          "--tls-key)",
+                          addr);
+            goto fail;
+        }
+        if (opts->tls_client_auth && !moe_tls_has_ca(opts->tls)) {
+            moe_error_set(err, MOE_ERR_INVALID,
+                          "mutual TLS on %s: client certificates are checked against --tls-ca, "
+                          "which is not given",
+                          addr);
+            goto fail;
+        }
+        s->tls = opts->tls;
+        s->tls_client_auth = opts->tls_client_auth;
+        grpc_ssl_server_credentials_options *so =
+            grpc_ssl_server_credentials_create_options_using_config_fetcher(
+                opts->tls_client_auth ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                      : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
+                tls_fetch, s);
+        creds = so ? grpc_ssl_server_credentials_create_with_options(so) : NULL;
+    } else {
+        creds = grpc_insecure_server_credentials_create();
+    }
+    s->port = creds ? grpc_server_add_http2_port(s->srv, addr, creds) : 0;
+    if (creds)
+        grpc_server_credentials_release(creds);
     if (s->port <= 0) {
-        moe_error_set(err, MOE_ERR_IO, "rpc_server_create: cannot listen on '%s'", addr);
+        moe_error_set(err, MOE_ERR_IO, "rpc_server_create: cannot listen on '%s'%s", addr,
+                      opts->tls ? " with TLS" : "");
         goto fail;
     }
     return s;
@@ -942,6 +1052,25 @@ enum moe_status rpc_server_add_stream(struct rpc_server *server, const char *pat
                                       void *user, struct moe_error *err)
 {
     return add_method(server, path, METHOD_STREAM, NULL, fn, user, err);
+}
+
+enum moe_status rpc_server_require_token(struct rpc_server *s, const char *prefix,
+                                         struct moe_tokens *tokens, struct moe_error *err)
+{
+    if (s->started)
+        return moe_error_set(err, MOE_ERR_INVALID, "rpc: token rule '%s' added after start",
+                             prefix ? prefix : "(null)");
+    if (!prefix || prefix[0] != '/' || !tokens)
+        return moe_error_set(err, MOE_ERR_INVALID, "rpc: token rule '%s': bad prefix or no tokens",
+                             prefix ? prefix : "(null)");
+    struct rpc_token_rule *r = realloc(s->rules, (size_t)(s->n_rules + 1) * sizeof *r);
+    if (!r)
+        return moe_error_set(err, MOE_ERR_NOMEM, "rpc: out of memory");
+    s->rules = r;
+    if (!(r[s->n_rules].prefix = strdup(prefix)))
+        return moe_error_set(err, MOE_ERR_NOMEM, "rpc: out of memory");
+    r[s->n_rules++].tokens = tokens;
+    return MOE_OK;
 }
 
 enum moe_status rpc_server_start(struct rpc_server *s, struct moe_error *err)
@@ -1159,8 +1288,12 @@ void rpc_server_destroy(struct rpc_server *s, int grace_ms)
         free(s->methods[i].path);
     }
     free(s->methods);
+    for (int i = 0; i < s->n_rules; i++)
+        free(s->rules[i].prefix);
+    free(s->rules);
     free(s->threads);
     rpc_health_free(s->health);
+    pthread_mutex_destroy(&s->tls_mu);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);

@@ -35,6 +35,7 @@ struct st_shard {
     char *path; /* as opened (index dir + shard name for shards) */
     void *map;  /* whole file, read-only; NULL when the file is empty */
     size_t map_size;
+    bool borrowed;     /* map is the caller's buffer (st_open_buffer): not unmapped */
     size_t data_start; /* 8 + header length */
 };
 
@@ -425,16 +426,10 @@ fail:
     return st;
 }
 
-/* Opens one .safetensors file and adds its tensors to `m`. */
-static enum moe_status shard_load(struct st_model *m, const char *path, struct moe_error *err)
+/* Validates the bytes of shard `sh` (sh->map, sh->map_size) and adds its tensors to `m`. */
+static enum moe_status shard_parse(struct st_model *m, struct st_shard *sh, struct moe_error *err)
 {
-    struct st_shard *sh = shard_push(m, path, err);
-    if (!sh)
-        return err ? err->code : MOE_ERR_NOMEM;
-    enum moe_status st = shard_map(sh, err);
-    if (st != MOE_OK)
-        return st;
-
+    enum moe_status st = MOE_OK;
     const char *file = sh->path;
     if (sh->map_size < 8)
         return moe_error_set(err, MOE_ERR_FORMAT,
@@ -510,6 +505,16 @@ fail:
     cJSON_Delete(root);
     free(text);
     return st;
+}
+
+/* Opens one .safetensors file and adds its tensors to `m`. */
+static enum moe_status shard_load(struct st_model *m, const char *path, struct moe_error *err)
+{
+    struct st_shard *sh = shard_push(m, path, err);
+    if (!sh)
+        return err ? err->code : MOE_ERR_NOMEM;
+    enum moe_status st = shard_map(sh, err);
+    return st != MOE_OK ? st : shard_parse(m, sh, err);
 }
 
 /* ---- index (sharded) -------------------------------------------------------- */
@@ -737,6 +742,32 @@ fail:
     return st;
 }
 
+enum moe_status st_open_buffer(const void *data, size_t len, const char *name,
+                               struct st_model **out, struct moe_error *err)
+{
+    if (out)
+        *out = NULL;
+    if ((!data && len) || !name || !out)
+        return moe_error_set(err, MOE_ERR_INVALID, "st_open_buffer: NULL argument");
+    struct st_model *m = calloc(1, sizeof *m);
+    if (!m)
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory", name);
+    struct st_shard *sh = shard_push(m, name, err);
+    enum moe_status st = sh ? MOE_OK : (err ? err->code : MOE_ERR_NOMEM);
+    if (sh) {
+        sh->map = (void *)data; /* never written: the tensors' data is const */
+        sh->map_size = len;
+        sh->borrowed = true;
+        st = shard_parse(m, sh, err);
+    }
+    if (st != MOE_OK) {
+        st_close(m);
+        return st;
+    }
+    *out = m;
+    return MOE_OK;
+}
+
 void st_close(struct st_model *m)
 {
     if (!m)
@@ -744,7 +775,7 @@ void st_close(struct st_model *m)
     for (size_t i = 0; i < m->n_tensor; i++)
         free((char *)m->tensors[i].name);
     for (size_t s = 0; s < m->n_shard; s++) {
-        if (m->shards[s].map)
+        if (m->shards[s].map && !m->shards[s].borrowed)
             munmap(m->shards[s].map, m->shards[s].map_size);
         free(m->shards[s].path);
     }

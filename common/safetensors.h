@@ -35,6 +35,12 @@ struct st_model;
  * nothing stays open. */
 enum moe_status st_open(const char *path, struct st_model **out, struct moe_error *err);
 
+/* The same checks on one .safetensors file already in memory (`len` bytes at
+ * `data`); `name` stands for the file in messages. The model borrows `data`:
+ * the tensors point into it, so it must outlive st_close. */
+enum moe_status st_open_buffer(const void *data, size_t len, const char *name,
+                               struct st_model **out, struct moe_error *err);
+
 /* Unmaps everything. NULL is a no-op. */
 void st_close(struct st_model *m);
 

@@ -562,8 +562,20 @@ enum moe_status moe_tokenizer_encode(const struct moe_tokenizer *tok, const char
                                      bool add_special, int32_t **ids, size_t *n_ids,
                                      struct moe_error *err)
 {
+    return moe_tokenizer_encode_max(tok, text, len, add_special, SIZE_MAX, ids, n_ids, err);
+}
+
+enum moe_status moe_tokenizer_encode_max(const struct moe_tokenizer *tok, const char *text,
+                                         size_t len, bool add_special, size_t max_ids,
+                                         int32_t **ids, size_t *n_ids, struct moe_error *err)
+{
     if (!tok || (!text && len) || !ids || !n_ids)
         return moe_error_set(err, MOE_ERR_INVALID, "tokenizer encode: NULL argument");
+    /* The post-processor's own ids count against the limit too. */
+    size_t n_fixed = 0;
+    for (size_t k = 0; add_special && tok->has_tmpl && k < tok->n_tmpl; k++)
+        n_fixed += tok->tmpl[k] >= 0;
+    size_t limit = max_ids == SIZE_MAX ? SIZE_MAX : max_ids > n_fixed ? max_ids - n_fixed : 0;
     *ids = NULL;
     *n_ids = 0;
     if (len && u8_check((const uint8_t *)text, len))
@@ -583,6 +595,8 @@ enum moe_status moe_tokenizer_encode(const struct moe_tokenizer *tok, const char
         goto nomem;
     for (size_t i = 0; i < sp1.n; i++) {
         const struct span *s1 = &sp1.v[i];
+        if (out.n > limit)
+            goto too_long;
         if (s1->id >= 0) {
             if (!tok_ids_push(&out, s1->id))
                 goto nomem;
@@ -594,6 +608,8 @@ enum moe_status moe_tokenizer_encode(const struct moe_tokenizer *tok, const char
             goto nomem;
         for (size_t j = 0; j < sp2.n; j++) {
             const struct span *s2 = &sp2.v[j];
+            if (out.n > limit)
+                goto too_long;
             if (s2->id >= 0) {
                 if (!tok_ids_push(&out, s2->id))
                     goto nomem;
@@ -617,11 +633,19 @@ enum moe_status moe_tokenizer_encode(const struct moe_tokenizer *tok, const char
             for (size_t w = 0; w < a.n; w++) {
                 size_t nw;
                 const char *word = piece(&a, w, &nw);
+                /* a word alone may be known too long: no BPE over it */
+                if (limit != SIZE_MAX && tok->bpe.max_len && !tok->bpe.fuse_unk &&
+                    nw / tok->bpe.max_len > limit - out.n)
+                    goto too_long;
                 if (!tok_bpe_encode_word(&tok->bpe, word, nw, &scratch, &out))
                     goto nomem;
+                if (out.n > limit) /* known to be too long: the rest is not needed */
+                    goto too_long;
             }
         }
     }
+    if (out.n > limit)
+        goto too_long;
     if (add_special && tok->has_tmpl) {
         struct tok_ids res = {0};
         for (size_t k = 0; k < tok->n_tmpl; k++) {
@@ -649,6 +673,9 @@ enum moe_status moe_tokenizer_encode(const struct moe_tokenizer *tok, const char
     *ids = out.v;
     *n_ids = out.n;
     out.v = NULL;
+    goto done;
+too_long:
+    st = moe_error_set(err, MOE_ERR_INVALID, "more than %zu tokens", max_ids);
     goto done;
 nomem:
     st = moe_error_set(err, MOE_ERR_NOMEM, "tokenizer encode: out of memory (%zu bytes of input)",

@@ -21,6 +21,11 @@ struct moe_tokenizer;
 enum moe_status moe_tokenizer_load(const char *path, struct moe_tokenizer **out,
                                    struct moe_error *err);
 
+/* The same from the `n` bytes of JSON at `json` (need not be NUL-terminated);
+ * `path` stands for the file in messages. The text is not kept. */
+enum moe_status moe_tokenizer_parse(const char *json, size_t n, const char *path,
+                                    struct moe_tokenizer **out, struct moe_error *err);
+
 void moe_tokenizer_free(struct moe_tokenizer *tok);
 
 /* Encodes `len` bytes of UTF-8 `text`. With `add_special`, the
@@ -30,6 +35,15 @@ void moe_tokenizer_free(struct moe_tokenizer *tok);
 enum moe_status moe_tokenizer_encode(const struct moe_tokenizer *tok, const char *text, size_t len,
                                      bool add_special, int32_t **ids, size_t *n_ids,
                                      struct moe_error *err);
+
+/* moe_tokenizer_encode that gives up once the result is known to hold more
+ * than max_ids ids (the post-processor's included): then MOE_ERR_INVALID
+ * "more than N tokens", *ids NULL, and the rest of the text is not
+ * tokenized (a prompt far beyond the context costs little). SIZE_MAX: no
+ * limit. */
+enum moe_status moe_tokenizer_encode_max(const struct moe_tokenizer *tok, const char *text,
+                                         size_t len, bool add_special, size_t max_ids,
+                                         int32_t **ids, size_t *n_ids, struct moe_error *err);
 
 /* Decodes ids to UTF-8 text (malloc'd, NUL-terminated, *len excludes the
  * NUL). With `skip_special`, special added tokens are dropped. Byte

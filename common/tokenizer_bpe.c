@@ -294,6 +294,8 @@ enum moe_status tok_bpe_load(struct tok_bpe *bpe, const cJSON *model, const char
             goto nomem;
         memcpy(bpe->strs[id], e->string, len + 1);
         bpe->lens[id] = (uint32_t)len;
+        if ((uint32_t)len > bpe->max_len)
+            bpe->max_len = (uint32_t)len;
         int32_t dup;
         if (!str_map_insert(bpe, id, &dup)) {
             st = moe_error_set(err, MOE_ERR_FORMAT,

@@ -41,9 +41,11 @@ struct tok_pair_map {
 
 /* A BPE model: vocabulary (token string <-> id) and merges. */
 struct tok_bpe {
-    char **strs;    /* (n_ids,) token string by id, NULL where no token */
-    uint32_t *lens; /* (n_ids,) byte length */
-    int32_t n_ids;  /* one past the largest id */
+    char **strs;      /* (n_ids,) token string by id, NULL where no token */
+    uint32_t *lens;   /* (n_ids,) byte length */
+    int32_t n_ids;    /* one past the largest id */
+    uint32_t max_len; /* the longest token string in bytes: a word of n bytes has at
+                         least n / max_len tokens (without fuse_unk) */
     struct tok_str_map map;
     struct tok_pair_map merges;
     int32_t unk_id;        /* -1 when none */

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistr.h>
 
 #include "tokenizer.h"
 #include "tokenizer_internal.h"
@@ -445,7 +446,8 @@ static enum moe_status parse_template(const struct loader *ld, const cJSON *j)
         }
         for (const cJSON *x = ids->child; x; x = x->next) {
             if (!cJSON_IsNumber(x) || x->valuedouble < 0 || x->valuedouble >= tok->n_vocab ||
-                x->valuedouble != (double)(int32_t)x->valuedouble) {
+                x->valuedouble != (double)(int32_t)x->valuedouble ||
+                !tok->id_str[(int32_t)x->valuedouble]) { /* a hole of a sparse vocabulary */
                 st = moe_error_set(ld->err, MOE_ERR_FORMAT,
                                    "%s: %s special token '%.60s': id %g is not in the vocabulary "
                                    "(n_vocab %d)",
@@ -670,14 +672,32 @@ enum moe_status moe_tokenizer_load(const char *path, struct moe_tokenizer **out,
     enum moe_status st;
     char *data = NULL;
     size_t n = 0;
-    cJSON *root = NULL;
-    struct moe_tokenizer *tok = NULL;
     if (!path || !out)
         return moe_error_set(err, MOE_ERR_INVALID, "tokenizer load: NULL argument");
     *out = NULL;
     if ((st = read_file(path, &data, &n, err)))
         return st;
-    root = cJSON_ParseWithLength(data ? data : "", n);
+    st = moe_tokenizer_parse(data, n, path, out, err);
+    free(data);
+    return st;
+}
+
+enum moe_status moe_tokenizer_parse(const char *json, size_t n, const char *path,
+                                    struct moe_tokenizer **out, struct moe_error *err)
+{
+    enum moe_status st;
+    cJSON *root = NULL;
+    struct moe_tokenizer *tok = NULL;
+    if ((!json && n) || !path || !out)
+        return moe_error_set(err, MOE_ERR_INVALID, "tokenizer parse: NULL argument");
+    *out = NULL;
+    /* JSON is UTF-8 (cJSON does not check): a token must never decode to
+     * bytes that are not, as the tokenizers library refuses such a file. */
+    const uint8_t *bad = n ? u8_check((const uint8_t *)json, n) : NULL;
+    if (bad)
+        return moe_error_set(err, MOE_ERR_FORMAT, "%s: not valid UTF-8 (at byte %zu)", path,
+                             (size_t)((const char *)bad - json));
+    root = cJSON_ParseWithLength(json ? json : "", n);
     if (!cJSON_IsObject(root)) {
         st = moe_error_set(err, MOE_ERR_FORMAT, "%s: not a JSON object%s", path,
                            root ? "" : " (JSON syntax error)");
@@ -720,12 +740,10 @@ enum moe_status moe_tokenizer_load(const char *path, struct moe_tokenizer **out,
         (st = parse_post(&ld, field(root, "post_processor"), 0)))
         goto fail;
     cJSON_Delete(root);
-    free(data);
     *out = tok;
     return MOE_OK;
 fail:
     moe_tokenizer_free(tok);
     cJSON_Delete(root);
-    free(data);
     return st;
 }

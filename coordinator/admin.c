@@ -7,16 +7,8 @@
 
 #include "coord.h"
 #include "moe/v1/admin.pb-c.h"
+#include "request_check.h"
 #include "clock.h"
-
-static void finish_msg(struct rpc_call *call, const void *msg)
-{
-    size_t len;
-    void *out = coord_pack(msg, &len);
-    rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
-                    len);
-    free(out);
-}
 
 /* A snapshot of every member, sorted by id. Strings point into `ids` and
  * `addrs`, owned by the snapshot. */
@@ -112,7 +104,7 @@ static void handle_cluster_status(struct rpc_call *call, const uint8_t *req, siz
     resp.model = c->model_name;
     resp.uptime_s = moe_now() - c->t_start;
     resp.placement_epoch = coord_placement_epoch(c);
-    finish_msg(call, &resp);
+    rpc_call_finish_msg(call, &resp);
     snap_free(&s);
 }
 
@@ -130,7 +122,7 @@ static void handle_list_workers(struct rpc_call *call, const uint8_t *req, size_
     Moe__V1__ListWorkersResponse resp = MOE__V1__LIST_WORKERS_RESPONSE__INIT;
     resp.n_workers = s.n;
     resp.workers = s.ptr;
-    finish_msg(call, &resp);
+    rpc_call_finish_msg(call, &resp);
     snap_free(&s);
 }
 
@@ -163,11 +155,19 @@ static void handle_drain(struct rpc_call *call, const uint8_t *req, size_t len, 
                         "request: not a valid moe.v1.DrainWorkerRequest", NULL, 0);
         return;
     }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__drain_worker_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
+    }
     Moe__V1__DrainWorkerResponse resp = MOE__V1__DRAIN_WORKER_RESPONSE__INIT;
     resp.state = 0;
     set_drained(user, call, rq->id, true, &resp.state);
     if (resp.state)
-        finish_msg(call, &resp);
+        rpc_call_finish_msg(call, &resp);
     moe__v1__drain_worker_request__free_unpacked(rq, NULL);
 }
 
@@ -179,11 +179,19 @@ static void handle_undrain(struct rpc_call *call, const uint8_t *req, size_t len
                         "request: not a valid moe.v1.UndrainWorkerRequest", NULL, 0);
         return;
     }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__undrain_worker_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
+    }
     Moe__V1__UndrainWorkerResponse resp = MOE__V1__UNDRAIN_WORKER_RESPONSE__INIT;
     resp.state = 0;
     set_drained(user, call, rq->id, false, &resp.state);
     if (resp.state)
-        finish_msg(call, &resp);
+        rpc_call_finish_msg(call, &resp);
     moe__v1__undrain_worker_request__free_unpacked(rq, NULL);
 }
 

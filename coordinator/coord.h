@@ -19,7 +19,9 @@
 #include "model_config.h"
 #include "moe/v1/inference.pb-c.h"
 #include "moe_error.h"
+#include "auth_token.h"
 #include "rpc.h"
+#include "tls_opts.h"
 #include "tokenizer.h"
 #include "clock.h"
 
@@ -62,6 +64,11 @@ struct coord_worker {
     /* mu: the coordinator's own counters */
     int in_flight;     /* forwarded requests running on it now */
     uint64_t n_routed; /* requests ever routed to it */
+    /* Progress, for the stall watchdog (forward.c): moe_now_ms() of the last
+     * sign that its engine works (a message on any of its streams, or a
+     * GetLoad whose step count moved). Atomic: written per message. */
+    _Atomic int64_t progress_ms;
+    uint64_t last_steps; /* mu: engine steps of the last GetLoad */
 };
 
 /* One entry of the prefix-affinity table (direct mapped by hash). */
@@ -83,8 +90,14 @@ struct coord_opts {
     int max_queue;       /* requests in flight cap */
     int poll_ms;         /* GetLoad polling interval */
     int rpc_threads;
-    int grace_ms;     /* shutdown grace for running streams */
-    int expert_slots; /* experts a rank may hold per layer; 0: 2 * ceil(n_expert / n_rank) */
+    int grace_ms;         /* shutdown grace for running streams */
+    int expert_slots;     /* experts a rank may hold per layer; 0: 2 * ceil(n_expert / n_rank) */
+    int stall_timeout_ms; /* a worker stream with no message this long, from a worker that
+                             made no progress as long, is ended (0: never) */
+    /* security (tls_opts.h, auth_token.h): NULL = off */
+    struct moe_tls *tls;             /* every port, and the channels to workers */
+    struct moe_tokens *api_tokens;   /* --api-token-file: Inference and the HTTP API */
+    struct moe_tokens *admin_tokens; /* --admin-token-file: Admin */
 };
 
 struct fwd;
@@ -119,6 +132,8 @@ struct coord {
 
     pthread_t poll_thread;
     bool poll_started;
+    pthread_t watchdog_thread; /* forward.c: the stall watchdog */
+    bool watchdog_started;
     struct moe_etcd_watch *watch;
     struct coord_placement *placement; /* placement_admin.c; its own lock */
 };
@@ -235,6 +250,16 @@ int coord_abort(struct coord *c, const char *request_id);
 /* Waits until every forwarding thread has ended. */
 void coord_wait_threads(struct coord *c);
 
+/* The stall watchdog (--stall-timeout-ms): a thread that ends the worker
+ * call of any request whose worker stream brought no message for the
+ * timeout while that worker showed no progress either (a SIGSTOPped or
+ * hung process). Before the first message the request is retried on
+ * another worker; after it, the request ends UNAVAILABLE naming the worker
+ * and the stall. The worker is marked DOWN until a poll answers again.
+ * No-op when stall_timeout_ms is 0. Stop before coord_registry_stop. */
+enum moe_status coord_watchdog_start(struct coord *c, struct moe_error *err);
+void coord_watchdog_stop(struct coord *c);
+
 /* ---- frontend.c / admin.c -------------------------------------------------------- */
 
 /* Registers the Inference and Health methods. */
@@ -242,9 +267,6 @@ enum moe_status coord_frontend_register(struct coord *c, struct moe_error *err);
 
 /* Registers the Admin methods. */
 enum moe_status coord_admin_register(struct coord *c, struct moe_error *err);
-
-/* Packs a protobuf-c message into a malloc'd buffer (NULL on no memory). */
-void *coord_pack(const void *msg, size_t *len);
 
 /* ---- metrics.c: the coordinator's Prometheus series --------------------------------- */
 

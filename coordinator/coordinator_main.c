@@ -6,12 +6,20 @@
  *   moe-coordinator --model DIR [--listen HOST:PORT]
  *                   (--workers HOST:PORT,... | --etcd URLS)
  *                   [--max-queue N] [--poll-ms MS] [--threads N] [--grace-ms MS]
- *                   [--expert-slots N] [--http-listen HOST:PORT [--chat-template FILE]
+ *                   [--expert-slots N] [--stall-timeout-ms MS]
+ *                   [--http-listen HOST:PORT [--chat-template FILE]
  *                   --http-threads N --http-max-body BYTES --http-timeout S]
+ *                   [--tls-cert F --tls-key F [--tls-ca F] ...] [--api-token-file F]
+ *                   [--admin-token-file F] [--etcd-cacert F --etcd-cert F --etcd-key F]
  *
  * --http-listen adds the OpenAI-compatible HTTP API (/v1/completions,
  * /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health,
  * /version) and Prometheus /metrics on that address (off unless given).
+ *
+ * Security (README "Security"): --tls-* serve TLS on the gRPC and HTTP ports
+ * and open the channels to workers over (mutual) TLS; --api-token-file
+ * guards Inference and the HTTP API, --admin-token-file guards Admin; health
+ * probes stay open. SIGHUP re-reads the certificates and the token files.
  *
  * On SIGTERM or SIGINT: health NOT_SERVING, no new calls, running streams
  * get --grace-ms to finish (then they are cancelled), exit 0. */
@@ -23,9 +31,15 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "auth_token.h"
 #include "cli.h"
+#include "hostport.h"
 #include "coord.h"
 #include "clock.h"
+#include "etcd.h"
+#include "sighup.h"
+#include "tls_opts.h"
+#include "request_check.h"
 
 static volatile sig_atomic_t g_signal;
 
@@ -52,25 +66,45 @@ static void usage(FILE *f)
                "10000)\n"
                "  --expert-slots N    experts a rank may hold per layer, for placement plans "
                "(default 2 x experts / ranks)\n"
+               "  --stall-timeout-ms MS  end a worker stream that brought nothing for MS while "
+               "its worker\n"
+               "                      made no progress (before the first token: retried "
+               "elsewhere); 0 = off\n"
+               "                      (default 30000)\n"
                "  --http-listen HOST:PORT  OpenAI-compatible HTTP API and /metrics (default: "
                "off; port 0 = a free one)\n"
                "  --chat-template FILE     Jinja chat template (default: the checkpoint's)\n"
                "  --http-threads N    HTTP polling threads (default 2)\n"
-               "  --http-max-body B   largest HTTP request body in bytes, else 413 (default "
-               "4194304)\n"
+               "  --http-max-body B   largest HTTP request body in bytes, else 413 (default: "
+               "the largest\n"
+               "                      valid request, 2 MiB + 64 KiB for a 1 MiB prompt)\n"
                "  --http-timeout S    close idle HTTP connections after S seconds (default "
                "60)\n");
+    fputs(
+        "  --api-token-file F  bearer tokens (one per line) for Inference and the HTTP API\n"
+        "  --admin-token-file F  bearer tokens for Admin (moectl); health stays open\n"
+        "TLS (one setting for the gRPC and HTTP ports and the channels to workers):\n" MOE_TLS_USAGE
+        "etcd over TLS:\n" MOE_ETCD_TLS_USAGE,
+        f);
 }
 
-static int parse_args(int argc, char **argv, struct coord_opts *o)
+/* Paths of the security flags (loaded in main). */
+struct sec_args {
+    struct moe_tls_opts tls;
+    struct moe_etcd_tls etcd_tls;
+    const char *api_token_file, *admin_token_file;
+};
+
+static int parse_args(int argc, char **argv, struct coord_opts *o, struct sec_args *sec)
 {
     *o = (struct coord_opts){.listen = "127.0.0.1:50051",
                              .max_queue = 256,
                              .poll_ms = 200,
                              .rpc_threads = 2,
                              .grace_ms = 10000,
+                             .stall_timeout_ms = 30000,
                              .http_threads = 2,
-                             .http_max_body = (size_t)4 << 20,
+                             .http_max_body = 0, /* derived from the model */
                              .http_timeout_s = 60};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
@@ -95,6 +129,7 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
         INT_OPT("--threads", 1, 64, rpc_threads)
         INT_OPT("--grace-ms", 0, 3600000, grace_ms)
         INT_OPT("--expert-slots", 0, 32767, expert_slots)
+        INT_OPT("--stall-timeout-ms", 0, 3600000, stall_timeout_ms)
         INT_OPT("--http-threads", 1, 64, http_threads)
         INT_OPT("--http-timeout", 1, 86400, http_timeout_s)
         if (!strcmp(k, "--http-max-body")) {
@@ -105,7 +140,13 @@ static int parse_args(int argc, char **argv, struct coord_opts *o)
             continue;
         }
 #undef INT_OPT
-        if (!strcmp(k, "--listen"))
+        if (moe_tls_cli_flag(&sec->tls, k, v) || moe_etcd_tls_cli_flag(&sec->etcd_tls, k, v))
+            continue;
+        if (!strcmp(k, "--api-token-file"))
+            sec->api_token_file = v;
+        else if (!strcmp(k, "--admin-token-file"))
+            sec->admin_token_file = v;
+        else if (!strcmp(k, "--listen"))
             o->listen = v;
         else if (!strcmp(k, "--model"))
             o->model_dir = v;
@@ -136,11 +177,23 @@ int main(int argc, char **argv)
     cli_init("moe-coordinator");
     struct coord c;
     memset(&c, 0, sizeof c);
-    int rc = parse_args(argc, argv, &c.opts);
+    struct sec_args sec = {0};
+    int rc = parse_args(argc, argv, &c.opts, &sec);
     if (rc)
         return rc;
     signal(SIGPIPE, SIG_IGN);
     struct moe_error err = {0};
+    struct moe_sighup *sighup = NULL;
+    if (moe_etcd_set_tls(&sec.etcd_tls, &err) || moe_tls_create(&sec.tls, &c.opts.tls, &err) ||
+        (sec.api_token_file &&
+         moe_tokens_load("--api-token-file", sec.api_token_file, &c.opts.api_tokens, &err)) ||
+        (sec.admin_token_file &&
+         moe_tokens_load("--admin-token-file", sec.admin_token_file, &c.opts.admin_tokens, &err))) {
+        fprintf(stderr, "moe-coordinator: %s\n", err.msg);
+        moe_tls_destroy(c.opts.tls);
+        moe_tokens_destroy(c.opts.api_tokens);
+        return 2;
+    }
     c.t_start = moe_now();
     pthread_mutex_init(&c.mu, NULL);
     pthread_cond_init(&c.cond, NULL);
@@ -176,11 +229,24 @@ int main(int argc, char **argv)
     if (c.opts.workers ? coord_registry_add_static(&c, c.opts.workers, &err)
                        : coord_registry_start_etcd(&c, &err))
         goto fail;
-    if (coord_registry_start_poller(&c, &err))
+    if (coord_registry_start_poller(&c, &err) || coord_watchdog_start(&c, &err))
         goto fail;
 
-    c.server = rpc_server_create(c.opts.listen, c.opts.rpc_threads, NULL, &err);
-    if (!c.server || coord_frontend_register(&c, &err) || coord_admin_register(&c, &err) ||
+    /* No valid request is larger than a prompt at its limit (or a placement
+     * map of this model): bigger messages are refused before decoding. */
+    size_t max_rq = moe_request_max_bytes((unsigned)c.cfg.max_pos);
+    size_t max_pl = ((size_t)64 << 10) + (size_t)256 * (c.cfg.n_layer + 1) * c.cfg.n_expert;
+    struct rpc_server_options so = {.tls = c.opts.tls,
+                                    .max_receive_bytes = max_rq > max_pl ? max_rq : max_pl};
+    if (!c.opts.http_max_body)
+        c.opts.http_max_body = moe_http_body_max_bytes((unsigned)c.cfg.max_pos);
+    c.server = rpc_server_create(c.opts.listen, c.opts.rpc_threads, &so, &err);
+    if (!c.server ||
+        (c.opts.api_tokens &&
+         rpc_server_require_token(c.server, "/moe.v1.Inference/", c.opts.api_tokens, &err)) ||
+        (c.opts.admin_tokens &&
+         rpc_server_require_token(c.server, "/moe.v1.Admin/", c.opts.admin_tokens, &err)) ||
+        coord_frontend_register(&c, &err) || coord_admin_register(&c, &err) ||
         coord_placement_start(&c, &err) || rpc_server_start(c.server, &err))
         goto fail;
     if (c.opts.http_listen && coord_http_start(&c, &err))
@@ -192,18 +258,21 @@ int main(int argc, char **argv)
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
-    const char *colon = strrchr(c.opts.listen, ':');
-    int host_len = colon ? (int)(colon - c.opts.listen) : (int)strlen(c.opts.listen);
+    struct moe_tokens *reloadable[] = {c.opts.api_tokens, c.opts.admin_tokens};
+    if ((c.opts.tls || c.opts.api_tokens || c.opts.admin_tokens) &&
+        moe_sighup_start("moe-coordinator", c.opts.tls, reloadable, 2, &sighup, &err))
+        goto fail;
+    int host_len = moe_hostport_host_len(c.opts.listen);
     pthread_mutex_lock(&c.mu);
     size_t n_workers = c.n_workers;
     pthread_mutex_unlock(&c.mu);
-    printf("moe-coordinator: serving on %.*s:%d (model %s, %zu workers %s)\n", host_len,
+    printf("moe-coordinator: serving on %.*s:%d (model %s, %zu workers %s%s%s%s)\n", host_len,
            c.opts.listen, rpc_server_port(c.server), c.model_name, n_workers,
-           c.opts.etcd ? "from etcd" : "listed");
+           c.opts.etcd ? "from etcd" : "listed", c.opts.tls ? ", TLS" : "",
+           c.opts.api_tokens ? ", API tokens" : "", c.opts.admin_tokens ? ", admin tokens" : "");
     if (c.http) {
-        const char *hc = strrchr(c.opts.http_listen, ':');
         printf("moe-coordinator: OpenAI HTTP API and /metrics on %.*s:%d\n",
-               (int)(hc - c.opts.http_listen), c.opts.http_listen, coord_http_port(&c));
+               moe_hostport_host_len(c.opts.http_listen), c.opts.http_listen, coord_http_port(&c));
     }
     fflush(stdout);
 
@@ -232,12 +301,17 @@ out:
     int left_ms = c.opts.grace_ms - (int)(1e3 * (moe_now() - t_stop));
     coord_http_stop(&c, left_ms > 0 ? left_ms : 0);
     coord_wait_threads(&c);
+    coord_watchdog_stop(&c);
     coord_placement_stop(&c);
     coord_registry_stop(&c);
     free(c.workers);
     free(c.affinity);
     coord_metrics_destroy(c.metrics);
     moe_tokenizer_free(c.tok);
+    moe_sighup_stop(sighup);
+    moe_tokens_destroy(c.opts.api_tokens);
+    moe_tokens_destroy(c.opts.admin_tokens);
+    moe_tls_destroy(c.opts.tls);
     pthread_cond_destroy(&c.cond);
     pthread_mutex_destroy(&c.mu);
     return rc;

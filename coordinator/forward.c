@@ -31,7 +31,9 @@
  * (or mixed) worker; the tokens already relayed are checked against the
  * recomputed ones and not sent twice. Timings.transfer_ms is the reserve +
  * send time; queue_ms and prefill_ms come from the prefill worker. */
+#include <stdatomic.h>
 #include <stdio.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -69,25 +71,19 @@ struct fwd {
     bool prefill_only;                        /* this attempt only prefills */
     char handoff_id[MOE_REQ_MAX_ID_LEN + 64]; /* this attempt's handoff, or "" */
     bool disagg;                              /* timings come from both workers */
+    char fallback_cause[512];                 /* why a handoff fell back to recompute, or "" */
     double p_queue_ms, p_prefill_ms, transfer_ms;
 
-    pthread_mutex_t mu;           /* guards the three fields below */
-    struct rpc_client_stream *ws; /* the worker call now running, or NULL */
-    bool cancelled;               /* the client went away */
-    bool aborted;                 /* Abort(request_id) */
+    pthread_mutex_t mu;             /* guards the fields below */
+    struct rpc_client_stream *ws;   /* the worker call now running, or NULL */
+    struct coord_worker *ws_worker; /* its worker (a reference is held by the attempt) */
+    bool cancelled;                 /* the client went away */
+    bool aborted;                   /* Abort(request_id) */
+    int64_t stalled_ms;        /* > 0: the watchdog ended ws after this long without a message */
+    _Atomic int64_t ws_msg_ms; /* moe_now_ms() of ws's start or its last message */
 
     struct fwd *next; /* c->mu: c->reqs list */
 };
-
-void *coord_pack(const void *msg, size_t *len)
-{
-    const ProtobufCMessage *m = msg;
-    *len = protobuf_c_message_get_packed_size(m);
-    uint8_t *buf = malloc(*len ? *len : 1);
-    if (buf)
-        protobuf_c_message_pack(m, buf);
-    return buf;
-}
 
 static void fwd_free(struct fwd *f)
 {
@@ -137,6 +133,81 @@ void coord_wait_threads(struct coord *c)
     pthread_mutex_unlock(&c->mu);
 }
 
+/* ---- the stall watchdog ------------------------------------------------------------ */
+
+/* One pass over the running requests; caller holds c->mu. */
+static void watchdog_scan_locked(struct coord *c, int64_t now)
+{
+    int64_t limit = c->opts.stall_timeout_ms;
+    for (struct fwd *f = c->reqs; f; f = f->next) {
+        pthread_mutex_lock(&f->mu);
+        struct coord_worker *w = f->ws_worker;
+        int64_t idle = now - atomic_load(&f->ws_msg_ms);
+        if (f->ws && w && !f->stalled_ms && !f->cancelled && !f->aborted && idle > limit &&
+            now - atomic_load(&w->progress_ms) > limit) {
+            f->stalled_ms = idle;
+            rpc_client_stream_cancel(f->ws);
+            if (!w->down)
+                fprintf(stderr,
+                        "moe-coordinator: worker %s at %s stalled: request %s had no message "
+                        "for %lld ms (--stall-timeout-ms %lld); taken out of routing\n",
+                        w->id, w->address, f->request_id, (long long)idle, (long long)limit);
+            w->down = true; /* until a poll answers again */
+            snprintf(w->last_error, sizeof w->last_error,
+                     "stalled: no message for %lld ms (--stall-timeout-ms)", (long long)idle);
+        }
+        pthread_mutex_unlock(&f->mu);
+    }
+}
+
+static void *watchdog_thread(void *arg)
+{
+    struct coord *c = arg;
+    int64_t period = c->opts.stall_timeout_ms / 4;
+    period = period < 20 ? 20 : period > 1000 ? 1000 : period;
+    pthread_mutex_lock(&c->mu);
+    int64_t next = moe_now_ms() + period;
+    while (!c->stopping) {
+        /* c->cond is also signalled whenever a request ends: wait for the period */
+        int64_t now = moe_now_ms();
+        if (now < next) {
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            long ns = until.tv_nsec + (long)(next - now) * 1000000L;
+            until.tv_sec += ns / 1000000000L;
+            until.tv_nsec = ns % 1000000000L;
+            pthread_cond_timedwait(&c->cond, &c->mu, &until);
+            continue;
+        }
+        watchdog_scan_locked(c, now);
+        next = now + period;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+enum moe_status coord_watchdog_start(struct coord *c, struct moe_error *err)
+{
+    if (c->opts.stall_timeout_ms <= 0)
+        return MOE_OK;
+    if (pthread_create(&c->watchdog_thread, NULL, watchdog_thread, c))
+        return moe_error_set(err, MOE_ERR_INTERNAL, "cannot start the stall watchdog thread");
+    c->watchdog_started = true;
+    return MOE_OK;
+}
+
+void coord_watchdog_stop(struct coord *c)
+{
+    if (!c->watchdog_started)
+        return;
+    pthread_mutex_lock(&c->mu);
+    c->stopping = true;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->mu);
+    pthread_join(c->watchdog_thread, NULL);
+    c->watchdog_started = false;
+}
+
 /* ---- the forwarding thread --------------------------------------------------------- */
 
 /* Milliseconds left before the request's deadline; INT64_MAX if none. */
@@ -176,7 +247,8 @@ struct attempt {
     int n_msgs;     /* messages received from the worker */
     bool saw_final; /* a message with finish_reason arrived */
     bool client_gone;
-    bool failed_local; /* out of memory, bad message from the worker */
+    bool failed_local;  /* out of memory, bad message from the worker */
+    int64_t stalled_ms; /* > 0: ended by the stall watchdog after this long without a message */
 };
 
 /* Relays one worker message to the client. */
@@ -285,7 +357,7 @@ static void *worker_request(struct fwd *f, int64_t left, size_t *len)
     wr.handoff_id = f->handoff_id;
     if (left != INT64_MAX)
         wr.deadline_ms = left < 1 ? 1 : (left > UINT32_MAX ? UINT32_MAX : (uint32_t)left);
-    void *bytes = coord_pack(&wr, len);
+    void *bytes = rpc_pack(&wr, len);
     free(ids);
     return bytes;
 }
@@ -316,6 +388,9 @@ static void attempt_run(struct fwd *f, struct coord_worker *w, struct moe_detok 
     }
     pthread_mutex_lock(&f->mu);
     f->ws = ws;
+    f->ws_worker = w;
+    f->stalled_ms = 0;
+    atomic_store(&f->ws_msg_ms, moe_now_ms());
     if (f->cancelled || f->aborted)
         rpc_client_stream_cancel(ws);
     pthread_mutex_unlock(&f->mu);
@@ -323,6 +398,9 @@ static void attempt_run(struct fwd *f, struct coord_worker *w, struct moe_detok 
     const uint8_t *data;
     size_t n;
     while (rpc_client_stream_next(ws, &data, &n)) {
+        int64_t t_msg = moe_now_ms();
+        atomic_store(&f->ws_msg_ms, t_msg);
+        atomic_store(&w->progress_ms, t_msg);
         Moe__V1__GenerateResponse *m = moe__v1__generate_response__unpack(NULL, n, data);
         if (!m) {
             at->failed_local = true;
@@ -374,7 +452,18 @@ static void attempt_run(struct fwd *f, struct coord_worker *w, struct moe_detok 
         snprintf(at->message, sizeof at->message, "%s", msg ? msg : "");
     pthread_mutex_lock(&f->mu);
     f->ws = NULL;
+    f->ws_worker = NULL;
+    at->stalled_ms = f->stalled_ms;
+    f->stalled_ms = 0;
     pthread_mutex_unlock(&f->mu);
+    if (at->stalled_ms && !at->failed_local && !at->client_gone && !at->saw_final) {
+        /* Ended by the watchdog: the worker stopped producing. */
+        at->code = RPC_UNAVAILABLE;
+        snprintf(at->message, sizeof at->message,
+                 "stalled: no message for %lld ms and no progress on the worker "
+                 "(--stall-timeout-ms %d)",
+                 (long long)at->stalled_ms, f->c->opts.stall_timeout_ms);
+    }
     rpc_client_stream_destroy(ws);
 }
 
@@ -414,10 +503,22 @@ static enum rpc_code prepare_prompt(struct fwd *f, char *msg, size_t cap)
                      "token_ids");
             return RPC_INVALID_ARGUMENT;
         }
+        /* Tokenizing stops once the prompt is known not to fit the context
+         * (moe_check_lengths below words the refusal of one that fits but
+         * leaves no room for max_tokens): a prompt far beyond the context
+         * costs little. */
+        unsigned ctx = (unsigned)c->cfg.max_pos;
+        size_t max_ids = ctx > 1 ? ctx - 1 : 0;
         struct moe_error err = {0};
-        if (moe_tokenizer_encode(c->tok, rq->text, strlen(rq->text), true, &f->prompt, &f->n_prompt,
-                                 &err)) {
-            snprintf(msg, cap, "prompt.text: %.900s", err.msg);
+        if (moe_tokenizer_encode_max(c->tok, rq->text, strlen(rq->text), true, max_ids, &f->prompt,
+                                     &f->n_prompt, &err)) {
+            if (!f->prompt && strstr(err.msg, "more than"))
+                snprintf(msg, cap,
+                         "prompt.text: %.100s, the model's context is %u tokens (room is needed "
+                         "for one new token)",
+                         err.msg, ctx);
+            else
+                snprintf(msg, cap, "prompt.text: %.900s", err.msg);
             return RPC_INVALID_ARGUMENT;
         }
     } else {
@@ -469,7 +570,7 @@ static enum rpc_code worker_call(struct coord_worker *w, const char *method, con
                                  int64_t timeout_ms, char *msg, size_t cap)
 {
     size_t len;
-    void *bytes = coord_pack(req, &len);
+    void *bytes = rpc_pack(req, &len);
     if (out)
         *out = NULL;
     if (!bytes) {
@@ -604,6 +705,7 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     size_t n_tried = 0;
     Moe__V1__KvReserveResponse *rr = NULL;
     char last[512] = "";
+    bool full = false; /* a decode worker answered that it has no room */
     while (n_tried < HANDOFF_DECODE_TRIES) {
         struct coord_worker *w =
             coord_router_pick_role(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE, f->prompt,
@@ -629,20 +731,27 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
         if (rr)
             moe__v1__kv_reserve_response__free_unpacked(rr, NULL);
         rr = NULL;
-        snprintf(last, sizeof last, "%.150s: %s %.300s", w->id, rpc_code_name(rc), m);
-        if (rc == RPC_UNAVAILABLE)
-            mark_down(c, w, "KvReserve", m);
+        snprintf(last, sizeof last, "%.120s at %.120s: KvReserve %s %.200s", w->id, w->address,
+                 rpc_code_name(rc), m);
+        full |= rc == RPC_RESOURCE_EXHAUSTED;
+        if (rc == RPC_UNAVAILABLE || (rc == RPC_DEADLINE_EXCEEDED && ms_left(f) > 0))
+            mark_down(c, w, "KvReserve", m); /* gone, or stopped answering */
         else
             handoff_release(w, hid, "reservation not usable");
         tried[n_tried++] = w; /* pointer only, compared */
         coord_router_done(c, w);
     }
-    if (!*d) {
+    /* Decode workers serve, but none had free blocks for it (the router
+     * skipped them all): the pool is full, not gone. */
+    bool none_fits =
+        !*d && !n_tried && has_role_serving(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE);
+    if (!*d && (full || none_fits)) {
+        /* The decode pool is alive but has no room: the client should back off. */
         handoff_release(p, hid, "no decode worker could reserve");
         coord_metrics_handoff(c->metrics, "no_decode_worker", 0);
         coord_router_done(c, p);
         *code = RPC_RESOURCE_EXHAUSTED;
-        if (n_tried)
+        if (full)
             snprintf(msg, cap,
                      "no decode worker could take the KV of this request (%zu tokens): last "
                      "refusal from %s",
@@ -652,6 +761,26 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
                      "no decode worker has free KV blocks for the %zu tokens of this request",
                      f->n_prompt);
         return DISAGG_SETTLED;
+    }
+    if (!*d) {
+        /* No decode worker is reachable (died, stalled, partitioned): the
+         * request is recomputed on another worker -- a mixed or decode one,
+         * else the prefill worker itself, whose prefix cache likely still
+         * holds the prompt -- and the token already sent is not sent again. */
+        if (n_tried)
+            snprintf(f->fallback_cause, sizeof f->fallback_cause,
+                     "no decode worker could take the KV handoff (last: %.400s)", last);
+        else
+            snprintf(f->fallback_cause, sizeof f->fallback_cause,
+                     "no decode worker is serving to take the KV handoff");
+        fprintf(stderr, "moe-coordinator: request %s: %s; recomputing on another worker\n",
+                f->request_id, f->fallback_cause);
+        handoff_release(p, hid, "no decode worker reachable");
+        coord_metrics_handoff(c->metrics, "no_decode_worker", 0);
+        coord_router_done(c, p);
+        f->skip = f->n_tokens;
+        f->skip_from = 0;
+        return DISAGG_NO;
     }
 
     /* 3. The prefill worker pushes the KV. */
@@ -684,7 +813,9 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
                 "moe-coordinator: request %s: KV handoff %s from %s to %s failed (%s: %s); "
                 "recomputing\n",
                 f->request_id, hid, p->id, (*d)->id, rpc_code_name(rc), m);
-        if (rc == RPC_UNAVAILABLE && !strstr(m, "KvTransfer"))
+        /* The prefill worker's own failure (it answered nothing) takes it out
+         * of routing; a failure it reports about the decode side does not. */
+        if (rc == RPC_UNAVAILABLE && !strstr(m, "KvTransfer") && strncmp(m, "handoff ", 8))
             mark_down(c, p, "KvSend", m);
         coord_metrics_handoff(c->metrics, "send_failed", 0);
         handoff_release(*d, hid, "handoff failed");
@@ -750,6 +881,9 @@ static void *fwd_thread(void *arg)
             if (n_tried)
                 snprintf(msg, sizeof msg, "no other worker is serving after a failure: %s",
                          at.message);
+            else if (f->fallback_cause[0])
+                snprintf(msg, sizeof msg, "no worker can recompute the request: %s",
+                         f->fallback_cause);
             else
                 snprintf(msg, sizeof msg, "no worker is serving model '%s'", c->model_name);
             break;
@@ -826,6 +960,13 @@ static void *fwd_thread(void *arg)
             code = RPC_DEADLINE_EXCEEDED;
             snprintf(msg, sizeof msg, "deadline passed after %u tokens", f->n_tokens);
             done = true;
+        } else if (at.stalled_ms) {
+            code = RPC_UNAVAILABLE;
+            snprintf(msg, sizeof msg,
+                     "worker %s stalled after %u tokens: no message for %lld ms and no progress "
+                     "on the worker (--stall-timeout-ms %d)",
+                     wid, f->n_tokens, (long long)at.stalled_ms, c->opts.stall_timeout_ms);
+            done = true;
         } else {
             code = RPC_UNAVAILABLE;
             snprintf(
@@ -866,15 +1007,18 @@ static void *fwd_thread(void *arg)
 static enum rpc_code check_request(struct coord *c, const Moe__V1__GenerateRequest *rq, char *msg,
                                    size_t cap)
 {
-    if (rq->model[0] && strcmp(rq->model, c->model_name)) {
-        snprintf(msg, cap, "model: '%.200s' is not served here (this cluster serves '%s')",
-                 rq->model, c->model_name);
-        return RPC_NOT_FOUND;
-    }
-    if (strlen(rq->request_id) > MOE_REQ_MAX_ID_LEN) {
-        snprintf(msg, cap, "request_id: %zu bytes, at most %d allowed", strlen(rq->request_id),
-                 MOE_REQ_MAX_ID_LEN);
+    /* every string valid UTF-8 first: nothing below may echo invalid bytes */
+    if (moe_check_strings(&rq->base, msg, cap))
         return RPC_INVALID_ARGUMENT;
+    if (strlen(rq->model) > MOE_REQ_MAX_MODEL_LEN) {
+        snprintf(msg, cap, "model: %zu bytes, at most %d allowed", strlen(rq->model),
+                 MOE_REQ_MAX_MODEL_LEN);
+        return RPC_INVALID_ARGUMENT;
+    }
+    if (rq->model[0] && strcmp(rq->model, c->model_name)) {
+        snprintf(msg, cap, "model: '%s' is not served here (this cluster serves '%s')", rq->model,
+                 c->model_name);
+        return RPC_NOT_FOUND;
     }
     switch (rq->prompt_case) {
     case MOE__V1__GENERATE_REQUEST__PROMPT_TEXT: {
@@ -890,31 +1034,19 @@ static enum rpc_code check_request(struct coord *c, const Moe__V1__GenerateReque
         }
         break;
     }
-    case MOE__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS: {
-        size_t n = rq->token_ids ? rq->token_ids->n_ids : 0;
-        for (size_t i = 0; i < n; i++)
-            if (rq->token_ids->ids[i] >= (uint32_t)c->cfg.vocab_size) {
-                snprintf(msg, cap, "prompt.token_ids[%zu]: %u is outside the vocabulary [0, %d)", i,
-                         rq->token_ids->ids[i], c->cfg.vocab_size);
-                return RPC_INVALID_ARGUMENT;
-            }
+    case MOE__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS:
+        if (rq->token_ids &&
+            moe_check_token_ids(rq->token_ids->ids, rq->token_ids->n_ids,
+                                (unsigned)c->cfg.vocab_size, "prompt.token_ids", msg, cap))
+            return RPC_INVALID_ARGUMENT;
         break;
-    }
     default:
         snprintf(msg, cap, "prompt: neither text nor token_ids is set");
         return RPC_INVALID_ARGUMENT;
     }
-    if (moe_check_sampling(rq->sampling, msg, cap))
+    /* the same checks as the worker's (common/request_check.c) */
+    if (moe_check_generation(rq->request_id, rq->sampling, (unsigned)c->cfg.vocab_size, msg, cap))
         return RPC_INVALID_ARGUMENT;
-    const Moe__V1__SamplingParams *sp = rq->sampling;
-    if (sp)
-        for (size_t i = 0; i < sp->n_stop_token_ids; i++)
-            if (sp->stop_token_ids[i] >= (uint32_t)c->cfg.vocab_size) {
-                snprintf(msg, cap,
-                         "sampling.stop_token_ids[%zu]: %u is outside the vocabulary [0, %d)", i,
-                         sp->stop_token_ids[i], c->cfg.vocab_size);
-                return RPC_INVALID_ARGUMENT;
-            }
     if (rq->stream_text && !c->tok) {
         snprintf(msg, cap, "stream_text: the coordinator has no tokenizer.json");
         return RPC_INVALID_ARGUMENT;
@@ -1032,7 +1164,7 @@ static void grpc_attach(void *user, struct fwd *f)
 static bool grpc_send(void *user, const Moe__V1__GenerateResponse *m)
 {
     size_t len;
-    void *bytes = coord_pack(m, &len);
+    void *bytes = rpc_pack(m, &len);
     if (!bytes)
         return false;
     enum moe_status st = rpc_stream_send(user, bytes, len);

@@ -8,15 +8,6 @@
 #include "moe/v1/inference.pb-c.h"
 #include "request_check.h"
 
-static void finish_msg(struct rpc_call *call, const void *msg)
-{
-    size_t len;
-    void *out = coord_pack(msg, &len);
-    rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
-                    len);
-    free(out);
-}
-
 static void handle_generate(struct rpc_stream *stream, const uint8_t *req, size_t len, void *user)
 {
     coord_generate_start(user, stream, req, len);
@@ -30,6 +21,14 @@ static void handle_abort(struct rpc_call *call, const uint8_t *req, size_t len, 
                         NULL, 0);
         return;
     }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__abort_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
+    }
     Moe__V1__AbortResponse resp = MOE__V1__ABORT_RESPONSE__INIT;
     if (strlen(rq->request_id) > MOE_REQ_MAX_ID_LEN) {
         moe__v1__abort_request__free_unpacked(rq, NULL);
@@ -38,7 +37,7 @@ static void handle_abort(struct rpc_call *call, const uint8_t *req, size_t len, 
     }
     resp.found = coord_abort(user, rq->request_id);
     moe__v1__abort_request__free_unpacked(rq, NULL);
-    finish_msg(call, &resp);
+    rpc_call_finish_msg(call, &resp);
 }
 
 static const char *arch_name(enum moe_arch a)
@@ -72,7 +71,7 @@ static void handle_model_info(struct rpc_call *call, const uint8_t *req, size_t 
     info.n_eos_token_ids = (size_t)cfg->n_eos;
     info.eos_token_ids = eos;
     info.bos_token_id = cfg->bos_id >= 0 ? (uint32_t)cfg->bos_id : 0;
-    finish_msg(call, &info);
+    rpc_call_finish_msg(call, &info);
 }
 
 static void handle_tokenize(struct rpc_call *call, const uint8_t *req, size_t len, void *user)
@@ -84,6 +83,14 @@ static void handle_tokenize(struct rpc_call *call, const uint8_t *req, size_t le
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid moe.v1.TokenizeRequest",
                         NULL, 0);
         return;
+    }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__tokenize_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
     }
     enum rpc_code code = RPC_OK;
     int32_t *ids = NULL;
@@ -121,7 +128,7 @@ static void handle_tokenize(struct rpc_call *call, const uint8_t *req, size_t le
     Moe__V1__TokenizeResponse resp = MOE__V1__TOKENIZE_RESPONSE__INIT;
     resp.n_token_ids = n;
     resp.token_ids = out;
-    finish_msg(call, &resp);
+    rpc_call_finish_msg(call, &resp);
     free(ids);
     free(out);
 }

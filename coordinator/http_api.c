@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistr.h>
 
 #include "chat_template.h"
 #include "request_check.h"
@@ -117,6 +118,13 @@ cJSON *coord_http_parse_body(struct coord_http *h, struct http_request *rq, cons
     const char *body = http_request_body(rq, &len);
     if (len == 0) {
         coord_http_error(h, rq, route, 400, NULL, "request body: empty (expected a JSON object)");
+        return NULL;
+    }
+    /* JSON is UTF-8 (RFC 8259): nothing invalid gets in, or is echoed back */
+    const uint8_t *bad = u8_check((const uint8_t *)body, len);
+    if (bad) {
+        coord_http_error(h, rq, route, 400, NULL, "request body: not valid UTF-8 (byte %zu of %zu)",
+                         (size_t)(bad - (const uint8_t *)body), len);
         return NULL;
     }
     const char *end = NULL;
@@ -260,8 +268,8 @@ static void handle_tokenize(struct http_request *rq, void *user)
         goto out;
     }
     if (messages && !cJSON_IsNull(messages)) {
-        if (coord_chat_prompt(h, messages, !agp || cJSON_IsNull(agp) || cJSON_IsTrue(agp), NULL,
-                              &ids, &n, &err)) {
+        if (coord_chat_prompt(h, messages, SIZE_MAX, !agp || cJSON_IsNull(agp) || cJSON_IsTrue(agp),
+                              NULL, &ids, &n, &err)) {
             char pb[64];
             coord_http_error(h, rq, route,
                              err.code == MOE_ERR_INVALID       ? 400
@@ -479,7 +487,7 @@ fail:
     return NULL;
 }
 
-enum moe_status coord_chat_prompt(struct coord_http *h, const cJSON *messages,
+enum moe_status coord_chat_prompt(struct coord_http *h, const cJSON *messages, size_t max_ids,
                                   bool add_generation_prompt, const cJSON *template_kwargs,
                                   int32_t **ids, size_t *n_ids, struct moe_error *err)
 {
@@ -514,10 +522,13 @@ enum moe_status coord_chat_prompt(struct coord_http *h, const cJSON *messages,
                              "at most %u allowed",
                              len, MOE_REQ_MAX_PROMPT_BYTES);
     }
-    st = moe_tokenizer_encode(h->c->tok, text, len, false, ids, n_ids, err);
+    st = moe_tokenizer_encode_max(h->c->tok, text, len, false, max_ids, ids, n_ids, err);
     free(text);
     if (st) {
-        moe_error_prefix(err, "messages");
+        if (max_ids != SIZE_MAX && strstr(err->msg, "more than"))
+            moe_error_prefix(err, "messages: the rendered prompt has");
+        else
+            moe_error_prefix(err, "messages");
         err->code = MOE_ERR_INVALID;
         return MOE_ERR_INVALID;
     }
@@ -556,15 +567,18 @@ enum moe_status coord_http_start(struct coord *c, struct moe_error *err)
                                  .threads = c->opts.http_threads,
                                  .max_body_bytes = c->opts.http_max_body,
                                  .idle_timeout_s = c->opts.http_timeout_s,
-                                 .name = "moe-coordinator"};
+                                 .name = "moe-coordinator",
+                                 .tls = c->opts.tls,
+                                 .tokens = c->opts.api_tokens};
     h->srv = http_server_create(&o, err);
     if (!h->srv)
         return err->code;
     enum moe_status st;
-    if ((st = http_server_route(h->srv, "GET", "/health", handle_health, h, err)) ||
-        (st = http_server_route(h->srv, "GET", "/version", handle_version, h, err)) ||
+    /* probes, the version and Prometheus' scrape need no token */
+    if ((st = http_server_route_open(h->srv, "GET", "/health", handle_health, h, err)) ||
+        (st = http_server_route_open(h->srv, "GET", "/version", handle_version, h, err)) ||
         (st = http_server_route(h->srv, "GET", "/v1/models", handle_models, h, err)) ||
-        (st = http_server_route(h->srv, "GET", "/metrics", handle_metrics, h, err)) ||
+        (st = http_server_route_open(h->srv, "GET", "/metrics", handle_metrics, h, err)) ||
         (st = http_server_route(h->srv, "POST", "/tokenize", handle_tokenize, h, err)) ||
         (st = http_server_route(h->srv, "POST", "/detokenize", handle_detokenize, h, err)) ||
         (st = coord_openai_register(h, err)) || (st = http_server_start(h->srv, err)))

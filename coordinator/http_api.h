@@ -52,10 +52,11 @@ enum moe_status coord_openai_register(struct coord_http *h, struct moe_error *er
 
 /* Renders `messages` (a JSON array, checked here: roles, string or text-part
  * content) with the chat template and tokenizes the result with special
- * tokens recognised and none added. On success *ids (malloc'd, n_ids) and
+ * tokens recognised and none added, stopping once more than max_ids ids
+ * are known (SIZE_MAX: no limit). On success *ids (malloc'd, n_ids) and
  * MOE_OK; else a message naming the field ("messages[1].role: ...") in err,
  * MOE_ERR_INVALID (the client's fault) or another code (the template's). */
-enum moe_status coord_chat_prompt(struct coord_http *h, const cJSON *messages,
+enum moe_status coord_chat_prompt(struct coord_http *h, const cJSON *messages, size_t max_ids,
                                   bool add_generation_prompt, const cJSON *template_kwargs,
                                   int32_t **ids, size_t *n_ids, struct moe_error *err);
 

@@ -28,9 +28,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "auth_token.h"
 #include "cli.h"
 #include "moe/v1/admin.pb-c.h"
+#include "moe/v1/health.pb-c.h"
 #include "rpc.h"
+#include "tls_opts.h"
 
 #define MAX_POS 8
 
@@ -48,6 +51,8 @@ struct args {
     bool auto_plan;
     bool all;
     const char *out;
+    const char *token_file;
+    struct moe_tls_opts tls;
 };
 
 static struct args g;
@@ -90,10 +95,16 @@ static void usage(FILE *f)
                "  experts apply PLAN.json | --auto [--redundant N]\n"
                "                                   install a plan as the next epoch\n"
                "  experts rollback                 reinstall the previous placement\n"
+               "  health [SERVICE]                 grpc.health.v1 Check of any moe-serve port\n"
+               "                                   (no token; exit 0 only when SERVING): a\n"
+               "                                   probe that speaks TLS\n"
                "  experts scale --redundant N [--dry-run]\n"
                "                                   plan and apply with N redundant replicas\n"
                "  --addr HOST:PORT  the coordinator (default 127.0.0.1:50051)\n"
                "  --json            machine-readable output\n"
+               "  --token-file F    admin token (first line of F) sent as a bearer token\n"
+               "TLS (--tls-ca alone: verify the coordinator; with --tls-cert/--tls-key: mutual "
+               "TLS):\n" MOE_TLS_USAGE
                "exit codes: 0 ok, 1 the call failed, 2 bad command line or plan file\n");
 }
 
@@ -122,7 +133,11 @@ static int parse_args(int argc, char **argv)
             if (!v)
                 return usage_err("option '%s' needs a value", k);
             i++;
-            if (!strcmp(k, "--addr")) {
+            if (moe_tls_cli_flag(&g.tls, k, v)) {
+                continue;
+            } else if (!strcmp(k, "--token-file")) {
+                g.token_file = v;
+            } else if (!strcmp(k, "--addr")) {
                 g.addr = v;
             } else if (!strcmp(k, "-o") || !strcmp(k, "--output")) {
                 g.out = v;
@@ -179,14 +194,40 @@ static bool admin_call(const char *what, const char *method, const void *req, si
     return false;
 }
 
-/* Packs a protobuf-c message into a heap buffer. */
-static void *pack(const ProtobufCMessage *m, size_t *len)
+/* health [SERVICE]: one grpc.health.v1 Check (needs no token). */
+static int cmd_health(void)
 {
-    *len = protobuf_c_message_get_packed_size(m);
-    void *buf = malloc(*len ? *len : 1);
-    if (buf)
-        protobuf_c_message_pack(m, buf);
-    return buf;
+    if (g.n_pos > 2)
+        return usage_err("health takes at most one SERVICE");
+    Grpc__Health__V1__HealthCheckRequest rq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    rq.service = (char *)(g.n_pos == 2 ? g.pos[1] : "");
+    size_t len = 0;
+    void *buf = rpc_pack(&rq, &len);
+    if (!buf)
+        return fail("out of memory");
+    struct rpc_reply reply;
+    enum rpc_code code =
+        rpc_client_call(g_client, "/grpc.health.v1.Health/Check", buf, len, g.timeout_ms, &reply);
+    free(buf);
+    if (code != RPC_OK) {
+        fail("health of '%s' at %s: %s: %s", rq.service, g.addr, rpc_code_name(code),
+             reply.message);
+        return 1;
+    }
+    Grpc__Health__V1__HealthCheckResponse *r =
+        grpc__health__v1__health_check_response__unpack(NULL, reply.len, reply.data);
+    rpc_reply_clear(&reply);
+    if (!r)
+        return fail("health: a malformed answer from %s", g.addr);
+    int st = (int)r->status;
+    grpc__health__v1__health_check_response__free_unpacked(r, NULL);
+    const char *names[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+    const char *name = st >= 0 && st <= 3 ? names[st] : "?";
+    if (g.json)
+        printf("{\"service\": \"%s\", \"status\": \"%s\"}\n", rq.service, name);
+    else
+        printf("%s\n", name);
+    return st == 1 ? 0 : 1;
 }
 
 static void print_json(cJSON *o)
@@ -270,7 +311,7 @@ static int cmd_status(void)
 {
     Moe__V1__ClusterStatusRequest rq = MOE__V1__CLUSTER_STATUS_REQUEST__INIT;
     size_t len;
-    void *buf = pack(&rq.base, &len);
+    void *buf = rpc_pack(&rq.base, &len);
     struct rpc_reply reply;
     bool ok = admin_call("status", "ClusterStatus", buf, len, &reply);
     free(buf);
@@ -322,7 +363,7 @@ static int cmd_workers(void)
     void *buf;
     if (!strcmp(sub, "list")) {
         Moe__V1__ListWorkersRequest rq = MOE__V1__LIST_WORKERS_REQUEST__INIT;
-        buf = pack(&rq.base, &len);
+        buf = rpc_pack(&rq.base, &len);
         bool ok = admin_call("workers list", "ListWorkers", buf, len, &reply);
         free(buf);
         if (!ok) {
@@ -354,7 +395,7 @@ static int cmd_workers(void)
     Moe__V1__DrainWorkerRequest dq = MOE__V1__DRAIN_WORKER_REQUEST__INIT;
     Moe__V1__UndrainWorkerRequest uq = MOE__V1__UNDRAIN_WORKER_REQUEST__INIT;
     dq.id = uq.id = (char *)g.pos[2];
-    buf = drain ? pack(&dq.base, &len) : pack(&uq.base, &len);
+    buf = drain ? rpc_pack(&dq.base, &len) : rpc_pack(&uq.base, &len);
     char what[256];
     snprintf(what, sizeof what, "workers %s %s", sub, g.pos[2]);
     bool ok = admin_call(what, drain ? "DrainWorker" : "UndrainWorker", buf, len, &reply);
@@ -387,7 +428,7 @@ static Moe__V1__PlacementInfo *get_placement(const char *what)
 {
     Moe__V1__GetPlacementRequest rq = MOE__V1__GET_PLACEMENT_REQUEST__INIT;
     size_t len;
-    void *buf = pack(&rq.base, &len);
+    void *buf = rpc_pack(&rq.base, &len);
     struct rpc_reply reply;
     bool ok = admin_call(what, "GetPlacement", buf, len, &reply);
     free(buf);
@@ -428,7 +469,7 @@ static int cmd_stats(void)
     Moe__V1__GetExpertStatsRequest rq = MOE__V1__GET_EXPERT_STATS_REQUEST__INIT;
     rq.window_s = (uint32_t)(g.window_s > 0 ? g.window_s : 0);
     size_t len;
-    void *buf = pack(&rq.base, &len);
+    void *buf = rpc_pack(&rq.base, &len);
     struct rpc_reply reply;
     bool ok = admin_call("experts stats", "GetExpertStats", buf, len, &reply);
     free(buf);
@@ -598,7 +639,7 @@ static Moe__V1__PlacementPlan *plan_call(const char *what, long redundant)
     }
     rq.window_s = (uint32_t)(g.window_s > 0 ? g.window_s : 0);
     size_t len;
-    void *buf = pack(&rq.base, &len);
+    void *buf = rpc_pack(&rq.base, &len);
     struct rpc_reply reply;
     bool ok = admin_call(what, "PlanPlacement", buf, len, &reply);
     free(buf);
@@ -697,7 +738,7 @@ static int apply_call(const char *what, uint64_t base_epoch, const char *placeme
     rq.base_epoch = base_epoch;
     rq.placement_json = (char *)placement_json;
     size_t len;
-    void *buf = pack(&rq.base, &len);
+    void *buf = rpc_pack(&rq.base, &len);
     struct rpc_reply reply;
     bool ok = admin_call(what, "ApplyPlacement", buf, len, &reply);
     free(buf);
@@ -836,7 +877,7 @@ static int cmd_experts(void)
     if (!strcmp(sub, "rollback")) {
         Moe__V1__RollbackPlacementRequest rq = MOE__V1__ROLLBACK_PLACEMENT_REQUEST__INIT;
         size_t len;
-        void *buf = pack(&rq.base, &len);
+        void *buf = rpc_pack(&rq.base, &len);
         struct rpc_reply reply;
         bool ok = admin_call("experts rollback", "RollbackPlacement", buf, len, &reply);
         free(buf);
@@ -872,16 +913,26 @@ int main(int argc, char **argv)
         return 2;
     }
     const char *cmd = g.pos[0];
-    if (strcmp(cmd, "status") && strcmp(cmd, "workers") && strcmp(cmd, "experts"))
-        return usage_err("unknown command '%s' (status, workers, experts)", cmd);
+    if (strcmp(cmd, "status") && strcmp(cmd, "workers") && strcmp(cmd, "experts") &&
+        strcmp(cmd, "health"))
+        return usage_err("unknown command '%s' (status, workers, experts, health)", cmd);
     struct moe_error err = {0};
-    g_client = rpc_client_create(g.addr, NULL, &err);
+    static struct rpc_client_options co; /* static: its TLS material lives until exit */
+    char *token = NULL;
+    if (moe_tls_create(&g.tls, &co.tls, &err) ||
+        (g.token_file && moe_token_read("--token-file", g.token_file, &token, &err)))
+        return usage_err("%s", err.msg);
+    co.token = token;
+    g_client = rpc_client_create(g.addr, &co, &err);
+    free(token);
     if (!g_client)
         return fail("cannot reach the coordinator at %s: %s", g.addr, err.msg);
     if (!strcmp(cmd, "status"))
         rc = cmd_status();
     else if (!strcmp(cmd, "workers"))
         rc = cmd_workers();
+    else if (!strcmp(cmd, "health"))
+        rc = cmd_health();
     else
         rc = cmd_experts();
     rpc_client_destroy(g_client);

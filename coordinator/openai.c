@@ -472,7 +472,9 @@ static bool parse_chat(struct coord_http *h, const cJSON *body, struct oa_params
     struct moe_error err = {0};
     int32_t *ids = NULL;
     size_t n = 0;
-    if (coord_chat_prompt(h, messages, agp, kw, &ids, &n, &err)) {
+    /* the context less one new token: longer prompts are refused anyway */
+    size_t max_ids = h->c->cfg.max_pos > 1 ? (size_t)h->c->cfg.max_pos - 1 : 0;
+    if (coord_chat_prompt(h, messages, max_ids, agp, kw, &ids, &n, &err)) {
         char pb[64];
         const char *param = coord_http_param_of(err.msg, true, pb, sizeof pb);
         int st = err.code == MOE_ERR_INVALID ? 400 : err.code == MOE_ERR_UNSUPPORTED ? 501 : 500;
@@ -1069,7 +1071,7 @@ static Moe__V1__GenerateRequest *build_request(const struct oa_params *p, int pr
     g.sampling = &sp;
     g.stream_text = true;
     size_t len;
-    void *bytes = coord_pack(&g, &len);
+    void *bytes = rpc_pack(&g, &len);
     if (!bytes)
         return NULL;
     Moe__V1__GenerateRequest *rq = moe__v1__generate_request__unpack(NULL, len, bytes);

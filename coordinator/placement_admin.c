@@ -11,7 +11,7 @@
  *                  "layers": {"0": [[0], [0, 1], ...], "1": [...], ...}},
  *    "previous": {"epoch": 3, "placement": {...same format...}}}
  *
- * "placement" is exactly a worker placement file (worker/model/placement.h):
+ * "placement" is exactly a worker placement file (common/placement.h):
  * "experts" repeats layer 0 and "layers" lists every layer explicitly, so
  * moe_placement_load reads it as it is. "previous" is the map a rollback
  * restores. The key changes only by compare-and-swap on its mod revision
@@ -74,10 +74,10 @@ struct coord_placement {
     /* mu: the record as last read or written */
     uint64_t epoch;
     bool has_map; /* false: the default split */
-    struct planner_map map;
+    struct moe_placement map;
     bool has_prev;
     uint64_t prev_epoch;
-    struct planner_map prev;
+    struct moe_placement prev;
     int64_t mod_revision; /* of the etcd key; 0: absent */
 
     /* mu: statistics */
@@ -91,29 +91,6 @@ struct coord_placement {
 };
 
 /* ---- small helpers ------------------------------------------------------------------ */
-
-static void finish_msg(struct rpc_call *call, const void *msg)
-{
-    size_t len;
-    void *out = coord_pack(msg, &len);
-    rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
-                    len);
-    free(out);
-}
-
-/* Maps a moe_status to the gRPC code answered for it. */
-static enum rpc_code status_code(enum moe_status st)
-{
-    switch (st) {
-    case MOE_ERR_INVALID:
-    case MOE_ERR_FORMAT: return RPC_INVALID_ARGUMENT;
-    case MOE_ERR_NOT_FOUND: return RPC_NOT_FOUND;
-    case MOE_ERR_IO: return RPC_UNAVAILABLE;
-    case MOE_ERR_NOMEM: return RPC_RESOURCE_EXHAUSTED;
-    case MOE_ERR_AGAIN: return RPC_FAILED_PRECONDITION;
-    default: return RPC_INTERNAL;
-    }
-}
 
 /* Ranks of the worker groups: the largest expert-parallel size any member
  * reported (1 before any report). */
@@ -141,60 +118,8 @@ static int slot_capacity(const struct coord *c, int n_rank)
 
 /* ---- JSON form of a map ------------------------------------------------------------- */
 
-static cJSON *layer_to_json(const struct planner_map *m, int l)
-{
-    cJSON *arr = cJSON_CreateArray();
-    for (int e = 0; arr && e < m->n_expert; e++) {
-        cJSON *ranks = cJSON_CreateArray();
-        if (!ranks) {
-            cJSON_Delete(arr);
-            return NULL;
-        }
-        for (int i = 0; i < planner_map_n_replicas(m, l, e); i++)
-            cJSON_AddItemToArray(ranks, cJSON_CreateNumber(planner_map_rank(m, l, e, i)));
-        cJSON_AddItemToArray(arr, ranks);
-    }
-    return arr;
-}
-
-/* The worker file format, every layer explicit. NULL on no memory. */
-static cJSON *map_to_json(const struct planner_map *m)
-{
-    cJSON *o = cJSON_CreateObject();
-    cJSON *layers = cJSON_CreateObject();
-    if (!o || !layers)
-        goto fail;
-    cJSON_AddNumberToObject(o, "n_rank", m->n_rank);
-    cJSON *l0 = layer_to_json(m, 0);
-    if (!l0)
-        goto fail;
-    cJSON_AddItemToObject(o, "experts", l0);
-    for (int l = 0; l < m->n_layer; l++) {
-        char k[16];
-        snprintf(k, sizeof k, "%d", l);
-        cJSON *a = layer_to_json(m, l);
-        if (!a)
-            goto fail;
-        cJSON_AddItemToObject(layers, k, a);
-    }
-    cJSON_AddItemToObject(o, "layers", layers);
-    return o;
-fail:
-    cJSON_Delete(o);
-    cJSON_Delete(layers);
-    return NULL;
-}
-
-static char *map_to_string(const struct planner_map *m)
-{
-    cJSON *o = map_to_json(m);
-    char *s = o ? cJSON_PrintUnformatted(o) : NULL;
-    cJSON_Delete(o);
-    return s;
-}
-
 /* Fills layer l of m from a JSON array of rank lists. */
-static enum moe_status layer_from_json(struct planner_map *m, int l, const cJSON *arr,
+static enum moe_status layer_from_json(struct moe_placement *m, int l, const cJSON *arr,
                                        struct moe_error *err)
 {
     if (!cJSON_IsArray(arr))
@@ -217,14 +142,14 @@ static enum moe_status layer_from_json(struct planner_map *m, int l, const cJSON
         if (!cJSON_IsArray(ranks) || cJSON_GetArraySize(ranks) < 1)
             return moe_error_set(err, MOE_ERR_INVALID,
                                  "placement: layer %d expert %d: needs a list of 1 to %d ranks", l,
-                                 e, PLANNER_MAX_REPLICAS);
+                                 e, MOE_PLACEMENT_MAX_REPLICAS);
         const cJSON *r;
         cJSON_ArrayForEach(r, ranks)
         {
             double v = cJSON_IsNumber(r) ? r->valuedouble : -1;
             if (v != floor(v) || v < -1e6 || v > 1e6)
                 v = -1;
-            enum moe_status rc = planner_map_add(m, l, e, (int)v, err);
+            enum moe_status rc = moe_placement_add(m, l, e, (int)v, err);
             if (rc) {
                 if (v >= m->n_rank)
                     moe_error_set(err, MOE_ERR_INVALID,
@@ -243,9 +168,9 @@ static enum moe_status layer_from_json(struct planner_map *m, int l, const cJSON
 /* Parses a map in the worker format for a model of n_layer x n_expert on
  * n_rank ranks (m is allocated here; freed by the caller also on error). */
 static enum moe_status map_from_json(const cJSON *o, int n_layer, int n_expert, int n_rank,
-                                     struct planner_map *m, struct moe_error *err)
+                                     struct moe_placement *m, struct moe_error *err)
 {
-    enum moe_status rc = planner_map_alloc(n_layer, n_expert, n_rank, m, err);
+    enum moe_status rc = moe_placement_alloc(n_layer, n_expert, n_rank, m, err);
     if (rc)
         return rc;
     if (!cJSON_IsObject(o))
@@ -289,11 +214,20 @@ static enum moe_status map_from_json(const cJSON *o, int n_layer, int n_expert, 
 
 static void store_clear_locked(struct coord_placement *p)
 {
-    planner_map_free(&p->map);
-    planner_map_free(&p->prev);
+    moe_placement_free(&p->map);
+    moe_placement_free(&p->prev);
     p->has_map = p->has_prev = false;
     p->epoch = p->prev_epoch = 0;
 }
+
+/* An integer JSON number in [lo, hi] (so that casting it is defined). */
+static bool json_int_in(const cJSON *j, double lo, double hi)
+{
+    return cJSON_IsNumber(j) && j->valuedouble >= lo && j->valuedouble <= hi &&
+           floor(j->valuedouble) == j->valuedouble;
+}
+
+#define EPOCH_MAX 9007199254740992.0 /* 2^53: exact in a JSON number */
 
 /* Re-reads the etcd record (no-op in memory). */
 static enum moe_status store_load_locked(struct coord_placement *p, struct moe_error *err)
@@ -318,15 +252,21 @@ static enum moe_status store_load_locked(struct coord_placement *p, struct moe_e
     const cJSON *ep = cJSON_GetObjectItemCaseSensitive(root, "epoch");
     const cJSON *pl = cJSON_GetObjectItemCaseSensitive(root, "placement");
     const cJSON *pv = cJSON_GetObjectItemCaseSensitive(root, "previous");
-    struct planner_map m = {0}, prev = {0};
+    struct moe_placement m = {0}, prev = {0};
     uint64_t prev_epoch = 0;
-    if (!cJSON_IsNumber(ep) || ep->valuedouble < 1 || !pl) {
-        rc = moe_error_set(err, MOE_ERR_FORMAT, "etcd key %s: no 'epoch' >= 1 and 'placement'",
-                           p->key);
+    if (!json_int_in(ep, 1, EPOCH_MAX) || !pl) {
+        rc = moe_error_set(err, MOE_ERR_FORMAT,
+                           "etcd key %s: no integer 'epoch' in [1, 2^53] and 'placement'", p->key);
         goto out;
     }
     const cJSON *nr = cJSON_GetObjectItemCaseSensitive(pl, "n_rank");
-    int n_rank = cJSON_IsNumber(nr) ? (int)nr->valuedouble : 0;
+    if (!json_int_in(nr, 1, 32767)) {
+        rc = moe_error_set(err, MOE_ERR_FORMAT,
+                           "etcd key %s: placement: 'n_rank' must be an integer in [1, 32767]",
+                           p->key);
+        goto out;
+    }
+    int n_rank = (int)nr->valuedouble;
     if ((rc = map_from_json(pl, c->cfg.n_layer, c->cfg.n_expert, n_rank, &m, err))) {
         moe_error_prefix(err, "etcd key %s", p->key);
         goto out;
@@ -335,10 +275,13 @@ static enum moe_status store_load_locked(struct coord_placement *p, struct moe_e
         const cJSON *pe = cJSON_GetObjectItemCaseSensitive(pv, "epoch");
         const cJSON *pp = cJSON_GetObjectItemCaseSensitive(pv, "placement");
         nr = cJSON_GetObjectItemCaseSensitive(pp, "n_rank");
-        n_rank = cJSON_IsNumber(nr) ? (int)nr->valuedouble : 0;
-        if (!cJSON_IsNumber(pe) ||
+        n_rank = json_int_in(nr, 1, 32767) ? (int)nr->valuedouble : 0;
+        if (!json_int_in(pe, 0, EPOCH_MAX) || !n_rank ||
             (rc = map_from_json(pp, c->cfg.n_layer, c->cfg.n_expert, n_rank, &prev, err))) {
-            rc = rc ? rc : moe_error_set(err, MOE_ERR_FORMAT, "no 'epoch'");
+            rc = rc       ? rc
+                 : n_rank ? moe_error_set(err, MOE_ERR_FORMAT, "no integer 'epoch' in [0, 2^53]")
+                          : moe_error_set(err, MOE_ERR_FORMAT,
+                                          "placement: 'n_rank' must be an integer in [1, 32767]");
             moe_error_prefix(err, "etcd key %s: previous", p->key);
             goto out;
         }
@@ -357,8 +300,8 @@ static enum moe_status store_load_locked(struct coord_placement *p, struct moe_e
     }
     p->mod_revision = kv.mod_revision;
 out:
-    planner_map_free(&m);
-    planner_map_free(&prev);
+    moe_placement_free(&m);
+    moe_placement_free(&prev);
     cJSON_Delete(root);
     moe_etcd_kv_clear(&kv);
     return rc;
@@ -367,31 +310,32 @@ out:
 /* The current map for groups of n_rank ranks (the default split when none is
  * stored, or when the stored one is for another group size). */
 static enum moe_status current_map_locked(struct coord_placement *p, int n_rank,
-                                          struct planner_map *out, struct moe_error *err)
+                                          struct moe_placement *out, struct moe_error *err)
 {
     if (p->has_map && p->map.n_rank == n_rank)
-        return planner_map_copy(&p->map, out, err);
-    return planner_map_default(p->c->cfg.n_layer, p->c->cfg.n_expert, n_rank, out, err);
+        return moe_placement_copy(&p->map, out, err);
+    return moe_placement_default(p->c->cfg.n_layer, p->c->cfg.n_expert, n_rank, out, err);
 }
 
 /* Writes epoch + 1 = `next` with `prev` as the previous map: CAS in etcd,
  * plain assignment in memory. Takes ownership of nothing; copies both. A
  * lost race is MOE_ERR_AGAIN. */
-static enum moe_status store_write_locked(struct coord_placement *p, const struct planner_map *next,
-                                          const struct planner_map *prev, struct moe_error *err)
+static enum moe_status store_write_locked(struct coord_placement *p,
+                                          const struct moe_placement *next,
+                                          const struct moe_placement *prev, struct moe_error *err)
 {
     struct coord *c = p->c;
     enum moe_status rc = MOE_OK;
-    struct planner_map a = {0}, b = {0};
+    struct moe_placement a = {0}, b = {0};
     char *text = NULL;
     cJSON *root = NULL;
     uint64_t epoch = p->epoch + 1;
-    if ((rc = planner_map_copy(next, &a, err)) || (rc = planner_map_copy(prev, &b, err)))
+    if ((rc = moe_placement_copy(next, &a, err)) || (rc = moe_placement_copy(prev, &b, err)))
         goto out;
     if (p->etcd) {
         root = cJSON_CreateObject();
         cJSON *pv = cJSON_CreateObject();
-        cJSON *jn = map_to_json(next), *jp = map_to_json(prev);
+        cJSON *jn = moe_placement_to_json(next), *jp = moe_placement_to_json(prev);
         if (!root || !pv || !jn || !jp) {
             cJSON_Delete(pv);
             cJSON_Delete(jn);
@@ -437,8 +381,8 @@ static enum moe_status store_write_locked(struct coord_placement *p, const struc
     fprintf(stderr, "moe-coordinator: placement epoch %" PRIu64 " installed (%s)\n", epoch,
             p->etcd ? p->key : "in memory");
 out:
-    planner_map_free(&a);
-    planner_map_free(&b);
+    moe_placement_free(&a);
+    moe_placement_free(&b);
     free(text);
     cJSON_Delete(root);
     return rc;
@@ -614,7 +558,7 @@ static void *stats_main(void *arg)
 /* Answers a failed call; `rc` from a store/plan function with err filled. */
 static void finish_err(struct rpc_call *call, enum moe_status rc, const struct moe_error *err)
 {
-    rpc_call_finish(call, status_code(rc), err->msg, NULL, 0);
+    rpc_call_finish(call, rpc_code_from_status(rc), err->msg, NULL, 0);
 }
 
 /* Checks that the model has experts; answers the call if not. */
@@ -656,7 +600,7 @@ static void handle_stats(struct rpc_call *call, const uint8_t *req, size_t len, 
     resp.n_expert = (uint32_t)c->cfg.n_expert;
     resp.n_tokens = n;
     resp.tokens = tokens;
-    finish_msg(call, &resp);
+    rpc_call_finish_msg(call, &resp);
     free(tokens);
 }
 
@@ -668,15 +612,15 @@ static enum moe_status info_fill_locked(struct coord_placement *p, Moe__V1__Plac
 {
     struct coord *c = p->c;
     int n_rank = p->has_map ? p->map.n_rank : group_ranks(c);
-    struct planner_map m;
+    struct moe_placement m;
     enum moe_status rc = current_map_locked(p, n_rank, &m, err);
     if (rc)
         return rc;
-    *json = map_to_string(&m);
+    *json = moe_placement_to_string(&m);
     *we = calloc(p->n_ws + 1, sizeof **we);
     *wp = calloc(p->n_ws + 1, sizeof **wp);
     if (!*json || !*we || !*wp) {
-        planner_map_free(&m);
+        moe_placement_free(&m);
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     }
     info->epoch = p->epoch;
@@ -685,7 +629,7 @@ static enum moe_status info_fill_locked(struct coord_placement *p, Moe__V1__Plac
     info->n_expert = (uint32_t)m.n_expert;
     info->n_rank = (uint32_t)m.n_rank;
     info->slots_per_rank = (uint32_t)slot_capacity(c, m.n_rank);
-    info->n_redundant = (uint32_t)planner_map_n_redundant(&m);
+    info->n_redundant = (uint32_t)moe_placement_n_redundant(&m);
     info->has_previous = p->has_prev;
     info->previous_epoch = p->prev_epoch;
     info->store = p->etcd ? p->key : "memory";
@@ -697,7 +641,7 @@ static enum moe_status info_fill_locked(struct coord_placement *p, Moe__V1__Plac
     }
     info->n_workers = p->n_ws;
     info->workers = *wp;
-    planner_map_free(&m);
+    moe_placement_free(&m);
     return MOE_OK;
 }
 
@@ -714,7 +658,7 @@ static void finish_info_unlock(struct coord_placement *p, struct rpc_call *call)
         finish_err(call, rc, &err);
     } else {
         size_t len;
-        void *out = coord_pack(&info, &len); /* packs strings owned by p: under the lock */
+        void *out = rpc_pack(&info, &len); /* packs strings owned by p: under the lock */
         pthread_mutex_unlock(&p->mu);
         rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory",
                         out, len);
@@ -776,7 +720,7 @@ static void handle_plan(struct rpc_call *call, const uint8_t *req, size_t len, v
         return;
     }
     struct moe_error err = {0};
-    struct planner_map cur = {0};
+    struct moe_placement cur = {0};
     struct planner_result res = {0};
     Moe__V1__PlacementPlan plan = MOE__V1__PLACEMENT_PLAN__INIT;
     Moe__V1__PlacementChange *ch = NULL, **chp = NULL;
@@ -802,7 +746,7 @@ static void handle_plan(struct rpc_call *call, const uint8_t *req, size_t len, v
     if (rc)
         goto done;
     struct planner_params pp = {
-        .n_redundant = rq->set_redundant ? (int)rq->redundant : planner_map_n_redundant(&cur),
+        .n_redundant = rq->set_redundant ? (int)rq->redundant : moe_placement_n_redundant(&cur),
         .slots_per_rank = slot_capacity(c, n_rank),
         .keep_tolerance = rq->set_keep_tolerance ? rq->keep_tolerance : DEFAULT_KEEP_TOLERANCE,
     };
@@ -820,17 +764,18 @@ static void handle_plan(struct rpc_call *call, const uint8_t *req, size_t len, v
     size_t n_ch = 0;
     for (int l = 0; l < L; l++)
         for (int e = 0; e < E; e++) {
-            int a = planner_map_n_replicas(&cur, l, e), b = planner_map_n_replicas(&res.map, l, e);
+            int a = moe_placement_n_replicas(&cur, l, e),
+                b = moe_placement_n_replicas(&res.map, l, e);
             bool same = a == b;
             for (int i = 0; i < a && same; i++)
-                same = planner_map_rank(&cur, l, e, i) == planner_map_rank(&res.map, l, e, i);
+                same = moe_placement_rank(&cur, l, e, i) == moe_placement_rank(&res.map, l, e, i);
             n_ch += !same;
         }
     ch = calloc(n_ch + 1, sizeof *ch);
     chp = calloc(n_ch + 1, sizeof *chp);
-    rank_buf = calloc((n_ch + 1) * 2 * PLANNER_MAX_REPLICAS, sizeof *rank_buf);
+    rank_buf = calloc((n_ch + 1) * 2 * MOE_PLACEMENT_MAX_REPLICAS, sizeof *rank_buf);
     sums = calloc(2 * (size_t)n_rank, sizeof *sums);
-    json = map_to_string(&res.map);
+    json = moe_placement_to_string(&res.map);
     if (!ch || !chp || !rank_buf || !sums || !json) {
         rc = moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
         goto done;
@@ -838,24 +783,25 @@ static void handle_plan(struct rpc_call *call, const uint8_t *req, size_t len, v
     size_t k = 0;
     for (int l = 0; l < L; l++)
         for (int e = 0; e < E; e++) {
-            int a = planner_map_n_replicas(&cur, l, e), b = planner_map_n_replicas(&res.map, l, e);
+            int a = moe_placement_n_replicas(&cur, l, e),
+                b = moe_placement_n_replicas(&res.map, l, e);
             bool same = a == b;
             for (int i = 0; i < a && same; i++)
-                same = planner_map_rank(&cur, l, e, i) == planner_map_rank(&res.map, l, e, i);
+                same = moe_placement_rank(&cur, l, e, i) == moe_placement_rank(&res.map, l, e, i);
             if (same)
                 continue;
             Moe__V1__PlacementChange *x = &ch[k];
             moe__v1__placement_change__init(x);
             x->layer = (uint32_t)l;
             x->expert = (uint32_t)e;
-            x->ranks_before = rank_buf + k * 2 * PLANNER_MAX_REPLICAS;
-            x->ranks_after = x->ranks_before + PLANNER_MAX_REPLICAS;
+            x->ranks_before = rank_buf + k * 2 * MOE_PLACEMENT_MAX_REPLICAS;
+            x->ranks_after = x->ranks_before + MOE_PLACEMENT_MAX_REPLICAS;
             x->n_ranks_before = (size_t)a;
             x->n_ranks_after = (size_t)b;
             for (int i = 0; i < a; i++)
-                x->ranks_before[i] = (uint32_t)planner_map_rank(&cur, l, e, i);
+                x->ranks_before[i] = (uint32_t)moe_placement_rank(&cur, l, e, i);
             for (int i = 0; i < b; i++)
-                x->ranks_after[i] = (uint32_t)planner_map_rank(&res.map, l, e, i);
+                x->ranks_after[i] = (uint32_t)moe_placement_rank(&res.map, l, e, i);
             chp[k] = x;
             k++;
         }
@@ -885,9 +831,9 @@ done:
     if (rc)
         finish_err(call, rc, &err);
     else
-        finish_msg(call, &plan);
+        rpc_call_finish_msg(call, &plan);
     moe__v1__plan_placement_request__free_unpacked(rq, NULL);
-    planner_map_free(&cur);
+    moe_placement_free(&cur);
     planner_result_free(&res);
     free(ch);
     free(chp);
@@ -910,7 +856,7 @@ static void handle_apply(struct rpc_call *call, const uint8_t *req, size_t len, 
         return;
     }
     struct moe_error err = {0};
-    struct planner_map next = {0}, cur = {0};
+    struct moe_placement next = {0}, cur = {0};
     int n_rank = group_ranks(c);
     cJSON *root = cJSON_Parse(rq->placement_json);
     const cJSON *obj = root;
@@ -920,7 +866,7 @@ static void handle_apply(struct rpc_call *call, const uint8_t *req, size_t len, 
         root ? MOE_OK : moe_error_set(&err, MOE_ERR_INVALID, "placement_json: not valid JSON");
     if (!rc)
         rc = map_from_json(obj, c->cfg.n_layer, c->cfg.n_expert, n_rank, &next, &err);
-    if (!rc && (rc = planner_map_check(&next, slot_capacity(c, n_rank), &err)))
+    if (!rc && (rc = moe_placement_check(&next, slot_capacity(c, n_rank), &err)))
         moe_error_prefix(&err, "placement (--expert-slots %d)", slot_capacity(c, n_rank));
     if (rc) {
         finish_err(call, rc, &err);
@@ -949,8 +895,8 @@ static void handle_apply(struct rpc_call *call, const uint8_t *req, size_t len, 
     finish_info_unlock(p, call);
 out:
     cJSON_Delete(root);
-    planner_map_free(&next);
-    planner_map_free(&cur);
+    moe_placement_free(&next);
+    moe_placement_free(&cur);
     moe__v1__apply_placement_request__free_unpacked(rq, NULL);
 }
 
@@ -961,7 +907,7 @@ static void handle_rollback(struct rpc_call *call, const uint8_t *req, size_t le
     if (!need_experts(c, call))
         return;
     struct moe_error err = {0};
-    struct planner_map cur = {0}, back = {0};
+    struct moe_placement cur = {0}, back = {0};
     pthread_mutex_lock(&p->mu);
     enum moe_status rc = store_load_locked(p, &err);
     if (!rc && !p->has_prev) {
@@ -972,9 +918,9 @@ static void handle_rollback(struct rpc_call *call, const uint8_t *req, size_t le
         return;
     }
     if (!rc)
-        rc = planner_map_copy(&p->prev, &back, &err);
+        rc = moe_placement_copy(&p->prev, &back, &err);
     if (!rc)
-        rc = planner_map_copy(&p->map, &cur, &err);
+        rc = moe_placement_copy(&p->map, &cur, &err);
     if (!rc)
         rc = store_write_locked(p, &back, &cur, &err);
     if (rc) {
@@ -983,8 +929,8 @@ static void handle_rollback(struct rpc_call *call, const uint8_t *req, size_t le
     } else {
         finish_info_unlock(p, call);
     }
-    planner_map_free(&cur);
-    planner_map_free(&back);
+    moe_placement_free(&cur);
+    moe_placement_free(&back);
 }
 
 /* ---- life cycle ------------------------------------------------------------------------ */

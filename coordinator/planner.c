@@ -20,149 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum moe_status planner_map_alloc(int n_layer, int n_expert, int n_rank, struct planner_map *m,
-                                  struct moe_error *err)
-{
-    memset(m, 0, sizeof *m);
-    if (n_layer < 1 || n_expert < 1 || n_rank < 1 || n_rank > 32767 || n_layer > (1 << 16) ||
-        n_expert > (1 << 16))
-        return moe_error_set(err, MOE_ERR_INVALID,
-                             "placement of %d experts x %d layers over %d ranks is invalid",
-                             n_expert, n_layer, n_rank);
-    size_t n = (size_t)n_layer * (size_t)n_expert;
-    m->n_replicas = calloc(n, 1);
-    m->ranks = calloc(n * PLANNER_MAX_REPLICAS, sizeof *m->ranks);
-    if (!m->n_replicas || !m->ranks) {
-        planner_map_free(m);
-        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
-    }
-    m->n_layer = n_layer;
-    m->n_expert = n_expert;
-    m->n_rank = n_rank;
-    return MOE_OK;
-}
-
-enum moe_status planner_map_default(int n_layer, int n_expert, int n_rank, struct planner_map *m,
-                                    struct moe_error *err)
-{
-    enum moe_status rc = planner_map_alloc(n_layer, n_expert, n_rank, m, err);
-    if (rc)
-        return rc;
-    for (int l = 0; l < n_layer; l++)
-        for (int e = 0; e < n_expert; e++) {
-            size_t i = (size_t)l * n_expert + e;
-            m->n_replicas[i] = 1;
-            m->ranks[i * PLANNER_MAX_REPLICAS] = (int16_t)((int64_t)e * n_rank / n_expert);
-        }
-    return MOE_OK;
-}
-
-enum moe_status planner_map_copy(const struct planner_map *src, struct planner_map *dst,
-                                 struct moe_error *err)
-{
-    enum moe_status rc = planner_map_alloc(src->n_layer, src->n_expert, src->n_rank, dst, err);
-    if (rc)
-        return rc;
-    size_t n = (size_t)src->n_layer * src->n_expert;
-    memcpy(dst->n_replicas, src->n_replicas, n);
-    memcpy(dst->ranks, src->ranks, n * PLANNER_MAX_REPLICAS * sizeof *dst->ranks);
-    return MOE_OK;
-}
-
-void planner_map_free(struct planner_map *m)
-{
-    if (!m)
-        return;
-    free(m->n_replicas);
-    free(m->ranks);
-    memset(m, 0, sizeof *m);
-}
-
-bool planner_map_holds(const struct planner_map *m, int layer, int expert, int rank)
-{
-    int n = planner_map_n_replicas(m, layer, expert);
-    for (int i = 0; i < n; i++)
-        if (planner_map_rank(m, layer, expert, i) == rank)
-            return true;
-    return false;
-}
-
-enum moe_status planner_map_add(struct planner_map *m, int layer, int expert, int rank,
-                                struct moe_error *err)
-{
-    if (layer < 0 || layer >= m->n_layer || expert < 0 || expert >= m->n_expert)
-        return moe_error_set(err, MOE_ERR_INVALID,
-                             "layer %d expert %d: not in the model (%d layers, %d experts)", layer,
-                             expert, m->n_layer, m->n_expert);
-    if (rank < 0 || rank >= m->n_rank)
-        return moe_error_set(err, MOE_ERR_INVALID, "layer %d expert %d: rank %d is not in [0, %d)",
-                             layer, expert, rank, m->n_rank);
-    size_t i = (size_t)layer * m->n_expert + expert;
-    int n = m->n_replicas[i];
-    if (planner_map_holds(m, layer, expert, rank))
-        return moe_error_set(err, MOE_ERR_INVALID, "layer %d expert %d: rank %d listed twice",
-                             layer, expert, rank);
-    if (n >= PLANNER_MAX_REPLICAS)
-        return moe_error_set(err, MOE_ERR_INVALID, "layer %d expert %d: more than %d replicas",
-                             layer, expert, PLANNER_MAX_REPLICAS);
-    int16_t *r = m->ranks + i * PLANNER_MAX_REPLICAS;
-    int j = n;
-    while (j > 0 && r[j - 1] > rank) {
-        r[j] = r[j - 1];
-        j--;
-    }
-    r[j] = (int16_t)rank;
-    m->n_replicas[i] = (uint8_t)(n + 1);
-    return MOE_OK;
-}
-
-enum moe_status planner_map_check(const struct planner_map *m, int slots_per_rank,
-                                  struct moe_error *err)
-{
-    int *count = calloc((size_t)m->n_rank, sizeof *count);
-    if (!count)
-        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
-    enum moe_status rc = MOE_OK;
-    for (int l = 0; l < m->n_layer && !rc; l++) {
-        memset(count, 0, (size_t)m->n_rank * sizeof *count);
-        for (int e = 0; e < m->n_expert && !rc; e++) {
-            int n = planner_map_n_replicas(m, l, e);
-            if (n < 1 || n > PLANNER_MAX_REPLICAS) {
-                rc = moe_error_set(err, MOE_ERR_INVALID,
-                                   "layer %d expert %d: has %d replicas, needs 1 to %d", l, e, n,
-                                   PLANNER_MAX_REPLICAS);
-                break;
-            }
-            for (int i = 0; i < n; i++) {
-                int r = planner_map_rank(m, l, e, i);
-                if (r < 0 || r >= m->n_rank) {
-                    rc = moe_error_set(err, MOE_ERR_INVALID,
-                                       "layer %d expert %d: rank %d is not in [0, %d)", l, e, r,
-                                       m->n_rank);
-                    break;
-                }
-                for (int j = 0; j < i; j++)
-                    if (planner_map_rank(m, l, e, j) == r) {
-                        rc = moe_error_set(err, MOE_ERR_INVALID,
-                                           "layer %d expert %d: rank %d listed twice", l, e, r);
-                        break;
-                    }
-                if (rc)
-                    break;
-                count[r]++;
-            }
-        }
-        for (int r = 0; r < m->n_rank && !rc && slots_per_rank > 0; r++)
-            if (count[r] > slots_per_rank)
-                rc = moe_error_set(err, MOE_ERR_INVALID,
-                                   "layer %d rank %d: holds %d experts, more than its %d slots", l,
-                                   r, count[r], slots_per_rank);
-    }
-    free(count);
-    return rc;
-}
-
-int planner_map_max_slots(const struct planner_map *m)
+int moe_placement_max_slots(const struct moe_placement *m)
 {
     int best = 0;
     int *count = calloc((size_t)m->n_rank, sizeof *count);
@@ -171,8 +29,8 @@ int planner_map_max_slots(const struct planner_map *m)
     for (int l = 0; l < m->n_layer; l++) {
         memset(count, 0, (size_t)m->n_rank * sizeof *count);
         for (int e = 0; e < m->n_expert; e++)
-            for (int i = 0; i < planner_map_n_replicas(m, l, e); i++) {
-                int r = planner_map_rank(m, l, e, i);
+            for (int i = 0; i < moe_placement_n_replicas(m, l, e); i++) {
+                int r = moe_placement_rank(m, l, e, i);
                 if (r >= 0 && r < m->n_rank && ++count[r] > best)
                     best = count[r];
             }
@@ -181,41 +39,41 @@ int planner_map_max_slots(const struct planner_map *m)
     return best;
 }
 
-int planner_map_n_redundant(const struct planner_map *m)
+int moe_placement_n_redundant(const struct moe_placement *m)
 {
     int best = 0;
     for (int l = 0; l < m->n_layer; l++) {
         int n = 0;
         for (int e = 0; e < m->n_expert; e++)
-            n += planner_map_n_replicas(m, l, e);
+            n += moe_placement_n_replicas(m, l, e);
         if (n - m->n_expert > best)
             best = n - m->n_expert;
     }
     return best;
 }
 
-int planner_map_n_moves(const struct planner_map *from, const struct planner_map *to)
+int moe_placement_n_moves(const struct moe_placement *from, const struct moe_placement *to)
 {
     int moves = 0;
     for (int l = 0; l < to->n_layer; l++)
         for (int e = 0; e < to->n_expert; e++)
-            for (int i = 0; i < planner_map_n_replicas(to, l, e); i++)
-                if (!planner_map_holds(from, l, e, planner_map_rank(to, l, e, i)))
+            for (int i = 0; i < moe_placement_n_replicas(to, l, e); i++)
+                if (!moe_placement_holds(from, l, e, moe_placement_rank(to, l, e, i)))
                     moves++;
     return moves;
 }
 
-void planner_predict(const struct planner_map *m, const double *load, double *rank_load)
+void planner_predict(const struct moe_placement *m, const double *load, double *rank_load)
 {
     memset(rank_load, 0, (size_t)m->n_layer * m->n_rank * sizeof *rank_load);
     for (int l = 0; l < m->n_layer; l++)
         for (int e = 0; e < m->n_expert; e++) {
-            int n = planner_map_n_replicas(m, l, e);
+            int n = moe_placement_n_replicas(m, l, e);
             if (n < 1)
                 continue;
             double w = load[(size_t)l * m->n_expert + e] / n;
             for (int i = 0; i < n; i++) {
-                int r = planner_map_rank(m, l, e, i);
+                int r = moe_placement_rank(m, l, e, i);
                 if (r >= 0 && r < m->n_rank)
                     rank_load[(size_t)l * m->n_rank + r] += w;
             }
@@ -442,12 +300,12 @@ static bool pack_all(struct pack *pk, const struct replica *reps, int n_rep, boo
 }
 
 /* Writes the packing of layer l into m. */
-static void pack_store(const struct pack *pk, struct planner_map *m, int l)
+static void pack_store(const struct pack *pk, struct moe_placement *m, int l)
 {
     memset(m->n_replicas + (size_t)l * m->n_expert, 0, (size_t)m->n_expert);
     for (int r = 0; r < pk->n_rank; r++)
         for (int s = 0; s < pk->count[r]; s++)
-            planner_map_add(m, l, pk->item[r * pk->slots + s], r, NULL);
+            moe_placement_add(m, l, pk->item[r * pk->slots + s], r, NULL);
 }
 
 /* Per-layer scratch owned by planner_plan. */
@@ -514,9 +372,9 @@ static void pack_restore(struct scratch *s)
 }
 
 /* Plans layer l into out->map. */
-static enum moe_status plan_layer(const struct planner_params *pp, const struct planner_map *cur,
+static enum moe_status plan_layer(const struct planner_params *pp, const struct moe_placement *cur,
                                   const double *load, int l, int slots, int cap, struct scratch *s,
-                                  struct planner_map *out, struct moe_error *err)
+                                  struct moe_placement *out, struct moe_error *err)
 {
     int E = cur->n_expert, N = cur->n_rank, R = pp->n_redundant;
     const double *w = load + (size_t)l * E;
@@ -532,8 +390,8 @@ static enum moe_status plan_layer(const struct planner_params *pp, const struct 
                 continue;
             double v = w[e] / s->n_rep[e];
             if (best < 0 || v > bw ||
-                (v == bw && planner_map_n_replicas(cur, l, e) > s->n_rep[e] &&
-                 planner_map_n_replicas(cur, l, best) <= s->n_rep[best])) {
+                (v == bw && moe_placement_n_replicas(cur, l, e) > s->n_rep[e] &&
+                 moe_placement_n_replicas(cur, l, best) <= s->n_rep[best])) {
                 best = e;
                 bw = v;
             }
@@ -549,8 +407,8 @@ static enum moe_status plan_layer(const struct planner_params *pp, const struct 
     struct pack *pk = &s->pk;
     memset(pk->home, 0, (size_t)N * E);
     for (int e = 0; e < E; e++)
-        for (int i = 0; i < planner_map_n_replicas(cur, l, e); i++) {
-            int r = planner_map_rank(cur, l, e, i);
+        for (int i = 0; i < moe_placement_n_replicas(cur, l, e); i++) {
+            int r = moe_placement_rank(cur, l, e, i);
             if (r >= 0 && r < N)
                 pk->home[(size_t)r * E + e] = 1;
         }
@@ -581,13 +439,13 @@ void planner_result_free(struct planner_result *r)
 {
     if (!r)
         return;
-    planner_map_free(&r->map);
+    moe_placement_free(&r->map);
     free(r->load_before);
     free(r->load_after);
     memset(r, 0, sizeof *r);
 }
 
-enum moe_status planner_plan(const struct planner_params *pp, const struct planner_map *cur,
+enum moe_status planner_plan(const struct planner_params *pp, const struct moe_placement *cur,
                              const double *load, struct planner_result *out, struct moe_error *err)
 {
     memset(out, 0, sizeof *out);
@@ -596,7 +454,7 @@ enum moe_status planner_plan(const struct planner_params *pp, const struct plann
     enum moe_status rc;
     int E = cur->n_expert, N = cur->n_rank, L = cur->n_layer;
     int R = pp->n_redundant;
-    int cap = N < PLANNER_MAX_REPLICAS ? N : PLANNER_MAX_REPLICAS;
+    int cap = N < MOE_PLACEMENT_MAX_REPLICAS ? N : MOE_PLACEMENT_MAX_REPLICAS;
     if (R < 0 || (int64_t)E + R > (int64_t)E * cap) {
         int most = E * (cap - 1);
         return moe_error_set(err, MOE_ERR_INVALID,
@@ -615,7 +473,7 @@ enum moe_status planner_plan(const struct planner_params *pp, const struct plann
         if (!(load[e] >= 0) || !isfinite(load[e]))
             return moe_error_set(err, MOE_ERR_INVALID, "load of layer %d expert %d is %g", e / E,
                                  e % E, load[e]);
-    if ((rc = planner_map_alloc(L, E, N, &out->map, err)))
+    if ((rc = moe_placement_alloc(L, E, N, &out->map, err)))
         goto fail;
     out->load_before = calloc((size_t)L * N, sizeof(double));
     out->load_after = calloc((size_t)L * N, sizeof(double));
@@ -631,11 +489,11 @@ enum moe_status planner_plan(const struct planner_params *pp, const struct plann
         bool fits = true;
         memset(count, 0, (size_t)N * sizeof *count);
         for (int e = 0; e < E; e++) {
-            int n = planner_map_n_replicas(cur, l, e);
+            int n = moe_placement_n_replicas(cur, l, e);
             total += n;
             fits = fits && n >= 1;
             for (int i = 0; i < n; i++) {
-                int r = planner_map_rank(cur, l, e, i);
+                int r = moe_placement_rank(cur, l, e, i);
                 if (r < 0 || r >= N || ++count[r] > slots)
                     fits = false;
             }
@@ -643,9 +501,9 @@ enum moe_status planner_plan(const struct planner_params *pp, const struct plann
         double imb = planner_imbalance(out->load_before + (size_t)l * N, 1, N);
         if (fits && total == E + R && imb <= 1 + pp->keep_tolerance) {
             memcpy(out->map.n_replicas + (size_t)l * E, cur->n_replicas + (size_t)l * E, (size_t)E);
-            memcpy(out->map.ranks + (size_t)l * E * PLANNER_MAX_REPLICAS,
-                   cur->ranks + (size_t)l * E * PLANNER_MAX_REPLICAS,
-                   (size_t)E * PLANNER_MAX_REPLICAS * sizeof *cur->ranks);
+            memcpy(out->map.ranks + (size_t)l * E * MOE_PLACEMENT_MAX_REPLICAS,
+                   cur->ranks + (size_t)l * E * MOE_PLACEMENT_MAX_REPLICAS,
+                   (size_t)E * MOE_PLACEMENT_MAX_REPLICAS * sizeof *cur->ranks);
             continue;
         }
         if ((rc = plan_layer(pp, cur, load, l, slots, cap, &s, &out->map, err)))
@@ -654,14 +512,14 @@ enum moe_status planner_plan(const struct planner_params *pp, const struct plann
     planner_predict(&out->map, load, out->load_after);
     out->imbalance_before = planner_imbalance(out->load_before, L, N);
     out->imbalance_after = planner_imbalance(out->load_after, L, N);
-    out->n_moves = planner_map_n_moves(cur, &out->map);
-    out->n_removed = planner_map_n_moves(&out->map, cur);
+    out->n_moves = moe_placement_n_moves(cur, &out->map);
+    out->n_removed = moe_placement_n_moves(&out->map, cur);
     for (int l = 0; l < L; l++) {
         size_t o = (size_t)l * E;
         bool same = !memcmp(out->map.n_replicas + o, cur->n_replicas + o, (size_t)E);
         for (int e = 0; e < E && same; e++)
-            for (int i = 0; i < planner_map_n_replicas(cur, l, e) && same; i++)
-                same = planner_map_rank(cur, l, e, i) == planner_map_rank(&out->map, l, e, i);
+            for (int i = 0; i < moe_placement_n_replicas(cur, l, e) && same; i++)
+                same = moe_placement_rank(cur, l, e, i) == moe_placement_rank(&out->map, l, e, i);
         out->n_layers_changed += !same;
     }
     out->slots_per_rank = slots;

@@ -17,7 +17,7 @@
  *
  * Slots: every rank can hold `slots_per_rank` experts per layer. A layer has
  * n_expert + n_redundant replicas in total, each expert between 1 and
- * min(n_rank, PLANNER_MAX_REPLICAS) of them, on distinct ranks. */
+ * min(n_rank, MOE_PLACEMENT_MAX_REPLICAS) of them, on distinct ranks. */
 #ifndef MOE_PLANNER_H
 #define MOE_PLANNER_H
 
@@ -25,77 +25,22 @@
 #include <stdint.h>
 
 #include "moe_error.h"
-
-/* Same limit as MOE_PLACEMENT_MAX_REPLICAS in worker/model/placement.h (the
- * worker's file format). */
-#define PLANNER_MAX_REPLICAS 8
-
-/* A placement: for each layer and expert, the ranks holding a replica. */
-struct planner_map {
-    int n_layer;
-    int n_expert;
-    int n_rank;
-    uint8_t *n_replicas; /* (n_layer, n_expert) */
-    int16_t *ranks;      /* (n_layer, n_expert, PLANNER_MAX_REPLICAS), ascending per expert */
-};
-
-/* Allocates an empty map (every expert with 0 replicas). On error *m is
- * zeroed. The caller frees it with planner_map_free. */
-enum moe_status planner_map_alloc(int n_layer, int n_expert, int n_rank, struct planner_map *m,
-                                  struct moe_error *err);
-
-/* The default placement, the same as the worker's (worker/model/placement.c):
- * expert e on rank e * n_rank / n_expert, one replica each. */
-enum moe_status planner_map_default(int n_layer, int n_expert, int n_rank, struct planner_map *m,
-                                    struct moe_error *err);
-
-/* Deep copy of `src` into `dst` (freed by the caller). */
-enum moe_status planner_map_copy(const struct planner_map *src, struct planner_map *dst,
-                                 struct moe_error *err);
-
-/* Frees the arrays and zeroes *m. NULL is a no-op. */
-void planner_map_free(struct planner_map *m);
-
-static inline int planner_map_n_replicas(const struct planner_map *m, int layer, int expert)
-{
-    return m->n_replicas[(size_t)layer * m->n_expert + expert];
-}
-
-static inline int planner_map_rank(const struct planner_map *m, int layer, int expert, int i)
-{
-    return m->ranks[((size_t)layer * m->n_expert + expert) * PLANNER_MAX_REPLICAS + i];
-}
-
-/* Adds `rank` to the replicas of (layer, expert), keeping them sorted.
- * MOE_ERR_INVALID (naming layer, expert and rank) when the rank is out of
- * range, already listed, or the expert is at PLANNER_MAX_REPLICAS. */
-enum moe_status planner_map_add(struct planner_map *m, int layer, int expert, int rank,
-                                struct moe_error *err);
-
-/* True when `rank` holds `expert` in `layer`. */
-bool planner_map_holds(const struct planner_map *m, int layer, int expert, int rank);
-
-/* Checks the invariants: every expert has 1..PLANNER_MAX_REPLICAS replicas
- * on distinct ranks in [0, n_rank), and no rank holds more than
- * `slots_per_rank` experts in a layer (0: no slot limit). The error names
- * the layer, expert and rank ("layer 2 expert 5: rank 3 is not in [0, 2)"). */
-enum moe_status planner_map_check(const struct planner_map *m, int slots_per_rank,
-                                  struct moe_error *err);
+#include "placement.h"
 
 /* Most experts any rank holds in any layer. */
-int planner_map_max_slots(const struct planner_map *m);
+int moe_placement_max_slots(const struct moe_placement *m);
 
 /* Largest number of redundant replicas (replicas - n_expert) of any layer. */
-int planner_map_n_redundant(const struct planner_map *m);
+int moe_placement_n_redundant(const struct moe_placement *m);
 
 /* Replicas present in `to` on a rank that did not hold that expert in
  * `from` (same shape): the experts a move has to load. */
-int planner_map_n_moves(const struct planner_map *from, const struct planner_map *to);
+int moe_placement_n_moves(const struct moe_placement *from, const struct moe_placement *to);
 
 /* Predicted per-rank load: rank_load (n_layer, n_rank) receives, per layer,
  * the sum over the rank's replicas of load[layer][expert] / n_replicas.
  * `load` is (n_layer, n_expert). */
-void planner_predict(const struct planner_map *m, const double *load, double *rank_load);
+void planner_predict(const struct moe_placement *m, const double *load, double *rank_load);
 
 /* sum over layers of the max rank load / sum of the mean rank load, for
  * rank_load (n_layer, n_rank); 1.0 when there is no load at all. */
@@ -116,10 +61,10 @@ struct planner_params {
 };
 
 struct planner_result {
-    struct planner_map map;  /* the proposed placement */
-    double *load_before;     /* (n_layer, n_rank) predicted, current placement */
-    double *load_after;      /* (n_layer, n_rank) predicted, proposed placement */
-    double imbalance_before; /* planner_imbalance of load_before */
+    struct moe_placement map; /* the proposed placement */
+    double *load_before;      /* (n_layer, n_rank) predicted, current placement */
+    double *load_after;       /* (n_layer, n_rank) predicted, proposed placement */
+    double imbalance_before;  /* planner_imbalance of load_before */
     double imbalance_after;
     int n_moves;          /* replicas placed on a rank that did not hold the expert */
     int n_removed;        /* replicas dropped from a rank */
@@ -134,8 +79,9 @@ struct planner_result {
  * caller (planner_result_free). Errors: MOE_ERR_INVALID when the request
  * cannot fit ("redundant 40 needs 6 slots per rank, ranks have 5"), naming
  * the numbers; on error *out is zeroed. */
-enum moe_status planner_plan(const struct planner_params *params, const struct planner_map *current,
-                             const double *load, struct planner_result *out, struct moe_error *err);
+enum moe_status planner_plan(const struct planner_params *params,
+                             const struct moe_placement *current, const double *load,
+                             struct planner_result *out, struct moe_error *err);
 
 /* Frees a result and zeroes it. NULL is a no-op. */
 void planner_result_free(struct planner_result *r);

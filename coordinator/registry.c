@@ -6,12 +6,14 @@
  * UNAVAILABLE) is DOWN until a poll answers again; a worker that reports
  * draining (SIGTERM) or was drained by Admin is DRAINING; else SERVING. */
 #include <cjson/cJSON.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "coord.h"
+#include "hostport.h"
 #include "etcd.h"
 #include "moe/v1/admin.pb-c.h"
 #include "moe/v1/worker.pb-c.h"
@@ -60,15 +62,17 @@ struct coord_worker *coord_registry_find_locked(struct coord *c, const char *id)
 }
 
 static struct coord_worker *worker_create(const char *id, const char *address, int role,
-                                          struct moe_error *err)
+                                          struct moe_tls *tls, struct moe_error *err)
 {
     if (!id[0] || strlen(id) >= COORD_ID_MAX) {
         moe_error_set(err, MOE_ERR_INVALID, "worker id '%.40s': empty or longer than %d bytes", id,
                       COORD_ID_MAX - 1);
         return NULL;
     }
-    const char *colon = strrchr(address, ':');
-    if (!colon || colon == address || !colon[1] || strlen(address) >= COORD_ADDR_MAX) {
+    char host[COORD_ADDR_MAX];
+    int port;
+    if (strlen(address) >= COORD_ADDR_MAX ||
+        !moe_hostport_split(address, host, sizeof host, &port) || !host[0]) {
         moe_error_set(err, MOE_ERR_INVALID, "worker '%s': address '%.80s' is not HOST:PORT", id,
                       address);
         return NULL;
@@ -84,7 +88,9 @@ static struct coord_worker *worker_create(const char *id, const char *address, i
     w->refs = 1; /* the registry's */
     w->member = true;
     w->block_size = COORD_DEFAULT_BLOCK;
-    struct rpc_client_options o = {.keepalive_time_ms = 10000, .keepalive_timeout_ms = 5000};
+    atomic_store(&w->progress_ms, moe_now_ms());
+    struct rpc_client_options o = {
+        .keepalive_time_ms = 10000, .keepalive_timeout_ms = 5000, .tls = tls};
     w->client = rpc_client_create(address, &o, err);
     if (!w->client) {
         moe_error_prefix(err, "worker '%s'", id);
@@ -115,7 +121,7 @@ enum moe_status coord_registry_upsert(struct coord *c, const char *id, const cha
     }
     pthread_mutex_unlock(&c->mu);
     /* New, or moved to another address: a new channel (created unlocked). */
-    struct coord_worker *w = worker_create(id, address, role, err);
+    struct coord_worker *w = worker_create(id, address, role, c->opts.tls, err);
     if (!w)
         return err ? err->code : MOE_ERR_INVALID;
     pthread_mutex_lock(&c->mu);
@@ -287,7 +293,7 @@ static void poll_one(struct coord *c, struct coord_worker *w)
     struct rpc_reply reply;
     Moe__V1__GetLoadRequest rq = MOE__V1__GET_LOAD_REQUEST__INIT;
     size_t len;
-    void *bytes = coord_pack(&rq, &len);
+    void *bytes = rpc_pack(&rq, &len);
     rpc_client_call(w->client, "/moe.v1.Worker/GetLoad", bytes, len, POLL_TIMEOUT_MS, &reply);
     Moe__V1__WorkerLoad *load = NULL;
     if (reply.code == RPC_OK)
@@ -298,6 +304,9 @@ static void poll_one(struct coord *c, struct coord_worker *w)
         if (w->down && w->ever_seen)
             fprintf(stderr, "moe-coordinator: worker %s at %s is up again\n", w->id, w->address);
         w->down = false;
+        if (!w->ever_seen || load->stats_steps != w->last_steps)
+            atomic_store(&w->progress_ms, moe_now_ms()); /* its engine ran a step */
+        w->last_steps = load->stats_steps;
         w->ever_seen = true;
         w->last_seen = moe_now();
         w->last_error[0] = '\0';
@@ -338,7 +347,7 @@ static void poll_one(struct coord *c, struct coord_worker *w)
 
     if (need_dtype) {
         Moe__V1__ModelInfoRequest mrq = MOE__V1__MODEL_INFO_REQUEST__INIT;
-        bytes = coord_pack(&mrq, &len);
+        bytes = rpc_pack(&mrq, &len);
         if (rpc_client_call(w->client, "/moe.v1.Worker/GetModelInfo", bytes, len, POLL_TIMEOUT_MS,
                             &reply) == RPC_OK) {
             Moe__V1__ModelInfo *info = moe__v1__model_info__unpack(NULL, reply.len, reply.data);

@@ -23,8 +23,12 @@ PACKAGES=(
   etcd-server etcd-client                  # cluster membership (tests start their own)
   libopenmpi-dev openmpi-bin               # worker groups under mpirun on the CPU
   libmicrohttpd-dev                        # HTTP front door (OpenAI API) and /metrics
+  libssl-dev libgnutls28-dev openssl       # TLS (KV data plane, HTTPS), tokens, test certificates
   prometheus                               # tests: a real Prometheus scrapes /metrics
   libcairo2-dev libfontconfig-dev fonts-dejavu-core  # moe-bench --plot: PNG charts, labels
+  clang libclang-rt-14-dev llvm            # tests/fuzz: libFuzzer + sanitizer runtimes, llvm-symbolizer
+  iproute2                                 # tests: ip netns + veth pairs (fault_partition)
+  curl                                     # tests: raw HTTP bodies (fault_input), bench/soak.sh
 )
 for arg in "$@"; do
   case "$arg" in

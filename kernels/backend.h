@@ -166,7 +166,7 @@ struct moe_backend_ops {
     /* y[i] += x[i] for n elements. */
     void (*add)(struct moe_backend *be, float *y, const float *x, size_t n);
 
-    /* ---- Added for the GPU path (issue 6); every pointer is backend memory
+    /* ---- The GPU path's ops; every pointer is backend memory
      * unless said otherwise. ---- */
 
     /* Returns and clears the first error an op recorded since the last call

@@ -29,7 +29,7 @@ test_cleanup() {
     done
     for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
   fi
-  rm -rf "$tmp"
+  [ -n "${KEEP_TMP:-}" ] || rm -rf "$tmp"
 }
 
 ok() { pass=$((pass + 1)); echo "ok   $*"; }

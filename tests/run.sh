@@ -2,7 +2,8 @@
 # The test command of README.md (and of CI): installs the Debian packages,
 # builds with warnings as errors (the CUDA backend too when nvcc is present,
 # so every .cu file is compiled for sm_80 and sm_90) and runs every CTest
-# test, then two sanitizer passes, each a CPU-only build of its own:
+# test (the soak label too: bench/soak.sh for 2 minutes, this pass only),
+# then two sanitizer passes, each a CPU-only build of its own:
 #   ASan + UBSan: the unit, golden, cli, integration and mpi labels (memory
 #                 errors, leaks, undefined behaviour in every process);
 #   TSan:         the unit, integration and mpi labels (data races and lock
@@ -10,6 +11,11 @@
 #                 coordinators, mpirun ranks). Suppressions, third-party
 #                 libraries only, are in tests/sanitize/tsan.supp; a report
 #                 from any process, even one a test killed, fails the pass.
+#
+#   fuzz:         the libFuzzer targets of tests/fuzz (clang, ASan + UBSan):
+#                 their committed inputs replayed, then each target fuzzed
+#                 for FUZZ_SECONDS (default 20) from its corpus; any crash,
+#                 leak, timeout or UBSan report fails (tests/fuzz/run.sh).
 #
 #   tests/run.sh            everything
 #   tests/run.sh --no-asan  skip the ASan + UBSan pass
@@ -19,17 +25,20 @@
 #                           and two workers from it (tests/deploy/test_image.sh),
 #                           and the Helm chart's rendered pods under podman kube
 #                           play (tests/deploy/test_podman.py); minutes, root
+#   tests/run.sh --no-fuzz  skip the fuzz pass
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 asan=1
 tsan=1
 deploy=0
+fuzz=1
 for arg in "$@"; do
   case "$arg" in
     --no-asan) asan=0 ;;
     --no-tsan) tsan=0 ;;
     --deploy) deploy=1 ;;
+    --no-fuzz) fuzz=0 ;;
     *) echo "tests/run.sh: unknown argument '$arg'" >&2; exit 2 ;;
   esac
 done
@@ -85,7 +94,7 @@ if [ "$asan" = 1 ]; then
   cmake --build build-asan -j"$jobs"
   echo "== tests under ASan + UBSan =="
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --test-dir build-asan --output-on-failure -j"$jobs" -L 'unit|golden|cli|integration|mpi'
+    ctest --test-dir build-asan --output-on-failure -j"$jobs" -L 'unit|golden|cli|integration|mpi|fuzz'
 fi
 
 if [ "$tsan" = 1 ]; then
@@ -108,4 +117,14 @@ if [ "$tsan" = 1 ]; then
   fi
   rm -rf "$reports"
   [ "$tsan_rc" = 0 ] || { echo "tests/run.sh: the ThreadSanitizer pass failed" >&2; exit 1; }
+fi
+
+if [ "$fuzz" = 1 ]; then
+  echo "== build (libFuzzer targets: clang, ASan + UBSan, CPU only) =="
+  cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_WERROR=ON \
+    -DMOE_FUZZ=ON -DMOE_CUDA=OFF
+  cmake --build build-fuzz -j"$jobs" --target moe_fuzz_all
+  echo "== fuzz: the committed inputs, then every target for ${FUZZ_SECONDS:-20} s =="
+  ctest --test-dir build-fuzz --output-on-failure -j"$jobs" -L fuzz
+  tests/fuzz/run.sh build-fuzz "${FUZZ_SECONDS:-20}"
 fi

@@ -23,7 +23,7 @@
 #include "group/launch.h"
 #include "model/model.h"
 #include "engine/offline.h"
-#include "model/placement.h"
+#include "placement.h"
 #include "engine/spec.h"
 #include "tokenizer.h"
 

@@ -1,8 +1,11 @@
 /* moe-worker: loads a model, runs the engine and serves moe.v1.Worker and
  * grpc.health.v1.Health. With --etcd it registers under a lease that it
- * keeps alive (and renews if it is lost); on SIGTERM or SIGINT it drains:
+ * keeps alive (serve/registration.h); on SIGTERM or SIGINT it drains:
  * health NOT_SERVING, registration removed, new work refused with
- * UNAVAILABLE, running requests finish, then it exits 0.
+ * UNAVAILABLE, running requests finish, then it exits 0. With --tls-* every
+ * port (gRPC, KV data plane, metrics) speaks TLS, and with --tls-ca the gRPC
+ * and KV ports require client certificates from that CA (mutual TLS);
+ * SIGHUP re-reads the certificate on every rank.
  *
  *   moe-worker --model DIR [--listen HOST:PORT] [--advertise HOST:PORT]
  *              [--etcd URLS --worker-id ID --lease-ttl S] [--dtype f32|bf16|int8]
@@ -10,11 +13,11 @@
  *              [--block-size N] [--max-batch-tokens N] [--max-running N]
  *              [--no-prefix-cache] [--role mixed|prefill|decode] [--kv-listen HOST:PORT]
  *              [--drain-timeout S] [--metrics-listen HOST:PORT]
+ *              [--tls-cert F --tls-key F [--tls-ca F]] [--etcd-cacert F ...]
  *   mpirun -np W moe-worker ... [--tp T] [--placement F.json]
  *              one model replica over W ranks: rank 0 serves gRPC and runs the
  *              scheduler, every rank runs each step (tensor + expert parallel)
  */
-#include <cjson/cJSON.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -25,15 +28,19 @@
 
 #include "cli.h"
 #include "backend.h"
-#include "engine/engine.h"
 #include "etcd.h"
+#include "sighup.h"
+#include "tls_opts.h"
+#include "engine/engine.h"
 #include "engine/generate.h"
 #include "group/group.h"
 #include "disagg/kv_link.h"
 #include "group/launch.h"
+#include "hostport.h"
 #include "model/model.h"
 #include "moe/v1/worker.pb-c.h"
-#include "model/placement.h"
+#include "placement.h"
+#include "serve/registration.h"
 #include "serve/service.h"
 #include "engine/spec.h"
 #include "tokenizer.h"
@@ -66,6 +73,8 @@ struct args {
     const char *placement;
     int comm_timeout_ms;
     int handoff_ttl_ms;
+    struct moe_tls_opts tls;
+    struct moe_etcd_tls etcd_tls;
 };
 
 static volatile sig_atomic_t g_signal;
@@ -113,6 +122,10 @@ static void usage(FILE *f)
                "under mpirun: --tp T (attention tensor parallel), --placement F.json (experts),\n"
                "  --comm-timeout-ms MS (a collective slower than this fails the group, default "
                "10000)\n");
+    fputs("TLS (the gRPC, KV data plane and metrics ports, the channels to other workers;\n"
+          "with --tls-ca the gRPC and KV ports require client certificates):\n" MOE_TLS_USAGE
+          "etcd over TLS:\n" MOE_ETCD_TLS_USAGE,
+          f);
 }
 
 static int parse_args(int argc, char **argv, struct args *a)
@@ -163,6 +176,8 @@ static int parse_args(int argc, char **argv, struct args *a)
         INT_OPT("--comm-timeout-ms", 100, 3600000, comm_timeout_ms)
         INT_OPT("--handoff-ttl-ms", 50, 3600000, handoff_ttl_ms)
 #undef INT_OPT
+        if (moe_tls_cli_flag(&a->tls, k, v) || moe_etcd_tls_cli_flag(&a->etcd_tls, k, v))
+            continue;
         if (!strcmp(k, "--kv-memory")) {
             if (!cli_parse_long(v, 1, 1 << 24, &n))
                 return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
@@ -208,88 +223,6 @@ static int parse_args(int argc, char **argv, struct args *a)
     return 0;
 }
 
-/* etcd registration: /moe/workers/<id> -> JSON, under a kept-alive lease. */
-struct registration {
-    const char *endpoints;
-    char key[256];
-    char value[1024];
-    int ttl;
-    struct moe_etcd *etcd;
-    struct moe_etcd_keeper *keeper;
-    int64_t lease;
-};
-
-static enum moe_status register_worker(struct registration *reg, struct moe_error *err)
-{
-    int64_t granted;
-    enum moe_status rc = moe_etcd_lease_grant(reg->etcd, reg->ttl, &reg->lease, &granted, err);
-    if (!rc)
-        rc = moe_etcd_put(reg->etcd, reg->key, reg->value, strlen(reg->value), reg->lease, NULL,
-                          err);
-    if (!rc)
-        rc =
-            moe_etcd_keeper_create(reg->endpoints, 2000, reg->lease, NULL, NULL, &reg->keeper, err);
-    return rc;
-}
-
-/* The group leader follows the expert placement the coordinator stores in
- * etcd at /moe/placement/<model> ({"epoch": N, "placement": {...}}): every
- * new epoch is proposed to the group, which loads the experts in the
- * background and switches at a step boundary. */
-struct placement_follow {
-    struct moe_group *group;
-    const struct moe_config *cfg;
-    char key[300];
-    int64_t last_epoch;
-};
-
-static void follow_placement_value(struct placement_follow *pf, const char *value)
-{
-    cJSON *root = cJSON_Parse(value);
-    const cJSON *ep = cJSON_GetObjectItemCaseSensitive(root, "epoch");
-    const cJSON *pl = cJSON_GetObjectItemCaseSensitive(root, "placement");
-    char *text = pl ? cJSON_PrintUnformatted(pl) : NULL;
-    int64_t epoch = cJSON_IsNumber(ep) ? (int64_t)ep->valuedouble : -1;
-    struct moe_placement p = {0};
-    struct moe_error err = {0};
-    if (epoch < 0 || !text) {
-        fprintf(stderr, "moe-worker: %s: no 'epoch' and 'placement' in the value; ignored\n",
-                pf->key);
-    } else if (epoch > pf->last_epoch) { /* a watch may repeat events after a reconnect */
-        if (moe_placement_parse(text, pf->key, pf->cfg->n_layer, pf->cfg->n_expert, pf->group->size,
-                                &p, &err) ||
-            moe_group_propose_placement(pf->group, &p, epoch, &err)) {
-            fprintf(stderr, "moe-worker: placement epoch %lld refused: %s\n", (long long)epoch,
-                    err.msg);
-        } else {
-            pf->last_epoch = epoch;
-            fprintf(stderr, "moe-worker: placement epoch %lld received; loading experts\n",
-                    (long long)epoch);
-        }
-    }
-    moe_placement_free(&p);
-    free(text);
-    cJSON_Delete(root);
-}
-
-static void on_placement_event(void *user, const struct moe_etcd_event *ev)
-{
-    if (ev->type == MOE_ETCD_EVENT_PUT)
-        follow_placement_value(user, ev->value);
-}
-
-static void unregister_worker(struct registration *reg)
-{
-    moe_etcd_keeper_destroy(reg->keeper);
-    reg->keeper = NULL;
-    if (reg->lease) {
-        struct moe_error err;
-        if (moe_etcd_lease_revoke(reg->etcd, reg->lease, &err))
-            fprintf(stderr, "moe-worker: revoking lease: %s\n", err.msg);
-        reg->lease = 0;
-    }
-}
-
 int main(int argc, char **argv)
 {
     cli_init("moe-worker");
@@ -305,15 +238,22 @@ int main(int argc, char **argv)
     struct moe_engine *engine = NULL;
     struct worker_service *ws = NULL;
     struct worker_metrics *metrics = NULL;
-    struct registration reg = {.endpoints = a.etcd, .ttl = a.lease_ttl};
+    struct worker_registration *reg = NULL;
     struct moe_launch launch = {0};
-    struct moe_group *group = NULL; /* = launch.group */
-    struct moe_backend *be = NULL;  /* = launch.be */
-    struct moe_etcd_watch *placement_watch = NULL;
-    struct kvl *kv_link = NULL;              /* disaggregated roles only */
+    struct moe_group *group = NULL;          /* = launch.group */
+    struct moe_backend *be = NULL;           /* = launch.be */
+    struct kv_link *kv_link = NULL;          /* disaggregated roles only */
     char *kv_endpoints = NULL;               /* every rank's, by rank */
     struct moe_kv_cache *follower_kv = NULL; /* a follower's cache, shared with kv_link */
+    struct moe_tls *tls = NULL;              /* --tls-*: every port of every rank */
+    struct moe_sighup *sighup = NULL;
     rc = 1;
+    if (moe_etcd_set_tls(&a.etcd_tls, &err) || moe_tls_create(&a.tls, &tls, &err) ||
+        (tls && moe_sighup_start("moe-worker", tls, NULL, 0, &sighup, &err))) {
+        fprintf(stderr, "moe-worker: %s\n", err.msg);
+        moe_tls_destroy(tls);
+        return 2;
+    }
 
     struct moe_launch_args la = {.model = a.model,
                                  .device = a.device,
@@ -339,32 +279,30 @@ int main(int argc, char **argv)
             snprintf(listen, sizeof listen, "%s", a.kv_listen);
         } else {
             const char *src = a.kv_listen ? a.kv_listen : a.listen;
-            const char *colon = strrchr(src, ':');
-            int host_len = colon ? (int)(colon - src) : (int)strlen(src);
-            snprintf(listen, sizeof listen, "%.*s:0", host_len, src);
+            snprintf(listen, sizeof listen, "%.*s:0", moe_hostport_host_len(src), src);
         }
-        char adv_host[KVL_ENDPOINT_MAX] = "";
+        char adv_host[KV_LINK_ENDPOINT_MAX] = "";
         if (a.advertise) {
-            const char *colon = strrchr(a.advertise, ':');
-            snprintf(adv_host, sizeof adv_host, "%.*s",
-                     colon ? (int)(colon - a.advertise) : (int)strlen(a.advertise), a.advertise);
+            snprintf(adv_host, sizeof adv_host, "%.*s", moe_hostport_host_len(a.advertise),
+                     a.advertise);
         }
-        struct kvl_opts ko = {.be = be,
-                              .listen = listen,
-                              .advertise_host = adv_host[0] ? adv_host : NULL,
-                              .layout = {.n_layer = cfg->n_layer,
-                                         .n_kv_head = cfg->n_kv_head,
-                                         .d_head = cfg->d_head,
-                                         .tp_size = group ? group->tp_size : 1,
-                                         .tp_rank = group ? group->tp_rank : 0},
-                              .nccl = !a.kv_socket_only};
-        if (!(kv_endpoints = calloc((size_t)world, KVL_ENDPOINT_MAX))) {
+        struct kv_link_opts ko = {.be = be,
+                                  .listen = listen,
+                                  .advertise_host = adv_host[0] ? adv_host : NULL,
+                                  .layout = {.n_layer = cfg->n_layer,
+                                             .n_kv_head = cfg->n_kv_head,
+                                             .d_head = cfg->d_head,
+                                             .tp_size = group ? group->tp_size : 1,
+                                             .tp_rank = group ? group->tp_rank : 0},
+                                  .nccl = !a.kv_socket_only,
+                                  .tls = tls};
+        if (!(kv_endpoints = calloc((size_t)world, KV_LINK_ENDPOINT_MAX))) {
             moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
             goto fail;
         }
-        if (kvl_create(&ko, &kv_link, &err))
+        if (kv_link_create(&ko, &kv_link, &err))
             goto fail;
-        snprintf(kv_endpoints, KVL_ENDPOINT_MAX, "%s", kvl_endpoint(kv_link));
+        snprintf(kv_endpoints, KV_LINK_ENDPOINT_MAX, "%s", kv_link_endpoint(kv_link));
     }
     if (group && group->rank != 0) {
         /* Followers run the leader's step plans until it stops the group. */
@@ -376,10 +314,10 @@ int main(int argc, char **argv)
         signal(SIGTERM, SIG_IGN);
         signal(SIGINT, SIG_IGN);
         if (kv_link) {
-            if (moe_group_share_kv(group, model, 0, 0, kvl_endpoint(kv_link), kv_endpoints,
+            if (moe_group_share_kv(group, model, 0, 0, kv_link_endpoint(kv_link), kv_endpoints,
                                    &follower_kv, &err))
                 goto fail;
-            kvl_attach_kv(kv_link, follower_kv);
+            kv_link_attach_kv(kv_link, follower_kv);
         }
         if (moe_group_follow(group, model, &err))
             goto fail;
@@ -424,9 +362,9 @@ int main(int argc, char **argv)
     if (kv_link) {
         struct moe_kv_cache *none;
         if (group && moe_group_share_kv(group, model, eo.n_block, eo.block_size,
-                                        kvl_endpoint(kv_link), kv_endpoints, &none, &err))
+                                        kv_link_endpoint(kv_link), kv_endpoints, &none, &err))
             goto fail;
-        kvl_attach_kv(kv_link, moe_engine_kv_cache(engine));
+        kv_link_attach_kv(kv_link, moe_engine_kv_cache(engine));
     }
     struct worker_service_opts so = {
         .listen = a.listen,
@@ -442,10 +380,11 @@ int main(int argc, char **argv)
         .kv_link = kv_link,
         .kv_endpoints = kv_endpoints,
         .handoff_ttl_ms = a.handoff_ttl_ms,
+        .tls = tls,
     };
     if (worker_service_create(engine, model, tok, &so, &ws, &err))
         goto fail;
-    if (metrics && worker_metrics_serve(metrics, a.metrics_listen, engine, ws, &err))
+    if (metrics && worker_metrics_serve(metrics, a.metrics_listen, engine, ws, tls, &err))
         goto fail;
     int port = worker_service_port(ws);
 
@@ -453,72 +392,53 @@ int main(int argc, char **argv)
     if (a.advertise) {
         snprintf(address, sizeof address, "%s", a.advertise);
     } else {
-        const char *colon = strrchr(a.listen, ':');
-        int host_len = colon ? (int)(colon - a.listen) : (int)strlen(a.listen);
-        snprintf(address, sizeof address, "%.*s:%d", host_len, a.listen, port);
+        snprintf(address, sizeof address, "%.*s:%d", moe_hostport_host_len(a.listen), a.listen,
+                 port);
     }
     char id[160];
     snprintf(id, sizeof id, "%s", a.worker_id ? a.worker_id : "");
     if (!id[0])
         snprintf(id, sizeof id, "worker-%d", port);
     if (a.etcd) {
-        snprintf(reg.key, sizeof reg.key, "/moe/workers/%s", id);
-        snprintf(reg.value, sizeof reg.value,
-                 "{\"id\":\"%s\",\"address\":\"%s\",\"role\":\"%s\",\"device\":\"%s\","
-                 "\"model\":\"%s\",\"kv_blocks_total\":%d,\"block_size\":%d}",
-                 id, address, a.role, be->name, name, eo.n_block, eo.block_size);
-        if (moe_etcd_create(a.etcd, 2000, &reg.etcd, &err) || register_worker(&reg, &err)) {
-            moe_error_prefix(&err, "registering in etcd");
+        struct worker_registration_opts ro = {.endpoints = a.etcd,
+                                              .lease_ttl_s = a.lease_ttl,
+                                              .id = id,
+                                              .address = address,
+                                              .role = a.role,
+                                              .device = be->name,
+                                              .model_name = name,
+                                              .kv_blocks_total = eo.n_block,
+                                              .block_size = eo.block_size,
+                                              .group = group,
+                                              .cfg = cfg};
+        if (worker_registration_create(&ro, &reg, &err))
             goto fail;
-        }
-    }
-    struct placement_follow pf = {.group = group, .cfg = cfg};
-    if (a.etcd && group && group->size > 1) {
-        snprintf(pf.key, sizeof pf.key, "/moe/placement/%s", name);
-        struct moe_etcd_kv kv = {0};
-        int64_t rev = 0;
-        enum moe_status grc = moe_etcd_get(reg.etcd, pf.key, &kv, &rev, &err);
-        if (grc == MOE_OK && kv.value)
-            follow_placement_value(&pf, kv.value);
-        moe_etcd_kv_clear(&kv);
-        if ((grc && grc != MOE_ERR_NOT_FOUND) ||
-            moe_etcd_watch_create(a.etcd, 2000, pf.key, 0, rev + 1, on_placement_event, &pf,
-                                  &placement_watch, &err)) {
-            moe_error_prefix(&err, "watching %s", pf.key);
-            goto fail;
-        }
     }
     struct sigaction sa = {.sa_handler = on_signal};
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     printf("moe-worker: %s serving %s on %s (%s, %s, %d KV blocks x %d tokens, %d rank%s, "
-           "tp %d, pid %d)%s\n",
+           "tp %d, pid %d)%s%s\n",
            id, name, address, a.role, be->name, eo.n_block, eo.block_size, group ? group->size : 1,
            group && group->size > 1 ? "s" : "", group ? group->tp_size : 1, (int)getpid(),
-           a.etcd ? ", registered in etcd" : "");
+           a.etcd ? ", registered in etcd" : "",
+           tls ? (moe_tls_has_ca(tls) ? ", mutual TLS" : ", TLS") : "");
     if (metrics) {
-        const char *mc = strrchr(a.metrics_listen, ':');
-        printf("moe-worker: /metrics on %.*s:%d\n", mc ? (int)(mc - a.metrics_listen) : 0,
+        printf("moe-worker: /metrics on %.*s:%d\n", moe_hostport_host_len(a.metrics_listen),
                a.metrics_listen, worker_metrics_port(metrics));
     }
     fflush(stdout);
 
     while (!g_signal) {
         usleep(100 * 1000);
-        if (reg.keeper && moe_etcd_keeper_lost(reg.keeper)) {
-            fprintf(stderr, "moe-worker: etcd lease lost; registering again\n");
-            moe_etcd_keeper_destroy(reg.keeper);
-            reg.keeper = NULL;
-            if (register_worker(&reg, &err))
-                fprintf(stderr, "moe-worker: %s (will retry)\n", err.msg);
-        }
+        worker_registration_tick(reg);
     }
     /* Drain: stop taking work, let running requests finish, then leave. */
     fprintf(stderr, "moe-worker: %s: draining (%d requests in flight)\n",
             g_signal == SIGTERM ? "SIGTERM" : "SIGINT", worker_service_in_flight(ws));
     worker_service_drain(ws);
-    unregister_worker(&reg);
+    worker_registration_leave(reg);
     double t0 = moe_now();
     while (worker_service_in_flight(ws) > 0 && moe_now() - t0 < a.drain_timeout_s)
         usleep(20 * 1000);
@@ -531,7 +451,7 @@ int main(int argc, char **argv)
 fail:
     fprintf(stderr, "moe-worker: %s\n", err.msg);
 out:
-    moe_etcd_watch_destroy(placement_watch);
+    worker_registration_destroy(reg); /* stops following the placement, leaves etcd */
     worker_metrics_destroy(metrics);  /* reads the service and the engine */
     worker_service_destroy(ws, 1000); /* joins the engine thread: MPI is ours again */
     if (group && group->rank == 0) {
@@ -539,14 +459,14 @@ out:
         if (moe_group_stop(group, &stop_err))
             fprintf(stderr, "moe-worker: stopping the group: %s\n", stop_err.msg);
     }
-    unregister_worker(&reg);
-    moe_etcd_destroy(reg.etcd);
-    kvl_destroy(kv_link); /* before the cache it writes into goes */
+    kv_link_destroy(kv_link); /* before the cache it writes into goes */
     free(kv_endpoints);
     moe_kv_cache_free(model, follower_kv);
     moe_engine_destroy(engine);
     moe_tokenizer_free(tok);
     moe_model_free(model);
     moe_launch_finish(&launch);
+    moe_sighup_stop(sighup);
+    moe_tls_destroy(tls);
     return rc;
 }

@@ -21,6 +21,7 @@
 #include <curl/curl.h>
 #include <mpi.h>
 
+#include "auth_token.h"
 #include "bench.h"
 #include "cli.h"
 #include "client.h"
@@ -29,6 +30,7 @@
 #include "report.h"
 #include "runner.h"
 #include "schedule.h"
+#include "tls_opts.h"
 #include "tokenizer.h"
 #include "workload.h"
 #include "clock.h"
@@ -37,6 +39,8 @@
 #define MAX_TARGETS 64
 
 struct args {
+    struct moe_tls_opts tls;
+    const char *api_key, *token_file;
     enum bench_backend backend;
     const char *base_url, *endpoint, *model, *tokenizer;
     long vocab;
@@ -103,6 +107,10 @@ static void usage(FILE *f)
         "  --prompt-format text|tokens  openai completions: prompt as text (default with a\n"
         "                               tokenizer) or token ids\n"
         "  --request-timeout S          per request (default 600)\n"
+        "  --api-key KEY | --token-file F  bearer token sent with every request (openai:\n"
+        "                               default $OPENAI_API_KEY)\n"
+        "  --tls-ca F [--tls-cert F --tls-key F] [--tls-server-name N]  grpc over TLS;\n"
+        "                               openai: the CA and client certificate for https://\n"
         "workload\n"
         "  --dataset-name random|sharegpt|prefix_repetition|trace   (default random)\n"
         "  --dataset-path FILE          ShareGPT JSON, or trace JSON Lines\n"
@@ -270,6 +278,12 @@ static int parse_args(int argc, char **argv, struct args *a)
                 a->backend = BENCH_BACKEND_OPENAI;
             else
                 return arg_fail("--backend: '%s' is not grpc or openai", v);
+        } else if (moe_tls_cli_flag(&a->tls, k, v)) {
+            continue;
+        } else if (!strcmp(k, "--api-key")) {
+            a->api_key = v;
+        } else if (!strcmp(k, "--token-file")) {
+            a->token_file = v;
         } else if (!strcmp(k, "--base-url")) {
             a->base_url = v;
         } else if (!strcmp(k, "--endpoint")) {
@@ -551,6 +565,8 @@ int main(int argc, char **argv)
     int rc = parse_args(argc, argv, &a);
     struct moe_tokenizer *tok = NULL;
     struct bench_target *target = NULL;
+    struct moe_tls *tls = NULL; /* --tls-* */
+    char *token = NULL;         /* --token-file */
     struct bench_workload *w = NULL;
     struct run_out runs[MAX_SWEEP];
     int n_runs = 0;
@@ -583,7 +599,20 @@ int main(int argc, char **argv)
         }
     }
     int my_target = g_rank % n_targets;
+    if (a.api_key && a.token_file) {
+        arg_fail("give one of --api-key and --token-file");
+        rc = 2;
+        goto out;
+    }
+    if ((a.token_file && moe_token_read("--token-file", a.token_file, &token, &err)) ||
+        moe_tls_create(&a.tls, &tls, &err)) {
+        arg_fail("%s", err.msg);
+        rc = 2;
+        goto out;
+    }
     struct bench_target_opts to = {
+        .api_key = token ? token : a.api_key,
+        .tls = tls,
         .backend = a.backend,
         .url = urls[my_target],
         .endpoint = a.endpoint,
@@ -907,6 +936,8 @@ out:
     free(arrivals);
     bench_workload_destroy(w);
     bench_target_destroy(target);
+    moe_tls_destroy(tls);
+    free(token);
     moe_tokenizer_free(tok);
     if (curl_up)
         curl_global_cleanup();

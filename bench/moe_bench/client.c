@@ -32,7 +32,7 @@ enum moe_status bench_target_create(const struct bench_target_opts *opts, struct
         size_t n = strlen(t->addr);
         while (n && t->addr[n - 1] == '/')
             t->addr[--n] = 0;
-        struct rpc_client_options ro = {0};
+        struct rpc_client_options ro = {.tls = opts->tls, .token = opts->api_key};
         t->rpc = rpc_client_create(t->addr, &ro, err);
         if (!t->rpc) {
             moe_error_prefix(err, "--base-url '%s'", opts->url);

@@ -37,6 +37,12 @@ struct bench_target_opts {
     float top_p;
     int top_k;
     double timeout_s; /* per request */
+    /* security: the bearer token sent with every request (grpc metadata,
+     * openai Authorization header; NULL: openai takes $OPENAI_API_KEY), and
+     * TLS (tls_opts.h, borrowed): grpc channels over TLS; openai https://
+     * URLs verified against its CA, with its client certificate */
+    const char *api_key;
+    struct moe_tls *tls;
 };
 
 struct bench_target;

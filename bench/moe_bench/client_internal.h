@@ -6,6 +6,7 @@
 
 #include "client.h"
 #include "rpc.h"
+#include "tls_opts.h"
 
 struct bench_target {
     struct bench_target_opts o;

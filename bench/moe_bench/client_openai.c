@@ -8,6 +8,7 @@
 #include <cjson/cJSON.h>
 
 #include "client_internal.h"
+#include "tls_opts.h"
 #include "sse.h"
 #include "clock.h"
 
@@ -114,11 +115,31 @@ static size_t on_body(char *ptr, size_t size, size_t nmemb, void *user)
     return n;
 }
 
-static struct curl_slist *make_headers(const char *request_id)
+/* TLS from --tls-*: the CA and the client certificate as PEM blobs. */
+static void set_tls(CURL *h, const struct bench_target *t)
+{
+    if (!t->o.tls)
+        return;
+    const struct moe_tls_material *m = moe_tls_current(t->o.tls);
+    if (m->ca_pem) {
+        struct curl_blob ca = {(void *)m->ca_pem, strlen(m->ca_pem), CURL_BLOB_COPY};
+        curl_easy_setopt(h, CURLOPT_CAINFO_BLOB, &ca);
+    }
+    if (m->cert_pem) {
+        struct curl_blob c = {(void *)m->cert_pem, strlen(m->cert_pem), CURL_BLOB_COPY};
+        struct curl_blob k = {(void *)m->key_pem, strlen(m->key_pem), CURL_BLOB_COPY};
+        curl_easy_setopt(h, CURLOPT_SSLCERT_BLOB, &c);
+        curl_easy_setopt(h, CURLOPT_SSLCERTTYPE, "PEM");
+        curl_easy_setopt(h, CURLOPT_SSLKEY_BLOB, &k);
+        curl_easy_setopt(h, CURLOPT_SSLKEYTYPE, "PEM");
+    }
+}
+
+static struct curl_slist *make_headers(const struct bench_target *t, const char *request_id)
 {
     struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
     h = curl_slist_append(h, "Accept: text/event-stream");
-    const char *key = getenv("OPENAI_API_KEY");
+    const char *key = t->o.api_key ? t->o.api_key : getenv("OPENAI_API_KEY");
     if (key && key[0]) {
         char line[1024];
         snprintf(line, sizeof line, "Authorization: Bearer %s", key);
@@ -174,7 +195,7 @@ void bench_openai_run(struct bench_conn *c, const struct bench_item *item, const
 {
     struct bench_target *t = c->t;
     char *body = make_body(t, item);
-    struct curl_slist *hdr = make_headers(request_id);
+    struct curl_slist *hdr = make_headers(t, request_id);
     if (!body || !hdr) {
         free(body);
         curl_slist_free_all(hdr);
@@ -187,6 +208,7 @@ void bench_openai_run(struct bench_conn *c, const struct bench_item *item, const
     CURL *h = c->curl;
     curl_easy_reset(h);
     curl_easy_setopt(h, CURLOPT_URL, t->api_url);
+    set_tls(h, t);
     curl_easy_setopt(h, CURLOPT_POST, 1L);
     curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdr);
@@ -253,8 +275,9 @@ enum moe_status bench_openai_probe(struct bench_target *t, double timeout_s, cha
         curl_easy_cleanup(h);
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     }
-    struct curl_slist *hdr = make_headers(NULL);
+    struct curl_slist *hdr = make_headers(t, NULL);
     curl_easy_setopt(h, CURLOPT_URL, t->models_url);
+    set_tls(h, t);
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdr);
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_models);
     curl_easy_setopt(h, CURLOPT_WRITEDATA, buf);

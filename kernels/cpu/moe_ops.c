@@ -1,4 +1,4 @@
-/* CPU references of the ops added for the GPU path (issue 6): grouped expert
+/* CPU references of the GPU path's ops: grouped expert
  * GEMM, weighted unpermute-combine, argmax and temperature/top-p sampling,
  * KV block gather/scatter. Plain loops: these are the references the CUDA
  * kernels are checked against (tests/ops), and the CPU backend's ops. */

@@ -8,7 +8,7 @@
  *
  * moe_backend_cuda_create refuses with MOE_ERR_UNSUPPORTED while any op of
  * the table is NULL ("ops X, Y missing"), so `--device auto` never computes
- * garbage on a partial backend; MOE_CUDA_PARTIAL=1 lets op tests through.
+ * garbage on a partial backend.
  *
  * Ops return void, so an error inside one — a CUDA or cuBLAS failure, or a
  * shape the kernels do not support ("attention: d_head 96 not supported") —
@@ -524,12 +524,6 @@ static int missing_ops(const struct moe_backend_ops *ops, char *buf, size_t cap)
     return n;
 }
 
-static int partial_allowed(void)
-{
-    const char *s = getenv("MOE_CUDA_PARTIAL");
-    return s && strcmp(s, "1") == 0;
-}
-
 enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
                                         struct moe_error *err)
 {
@@ -548,7 +542,7 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
                              ordinal, count);
     char missing[512];
     int n_missing = missing_ops(&cuda_ops, missing, sizeof(missing));
-    if (n_missing > 0 && !partial_allowed())
+    if (n_missing > 0)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED,
                              "CUDA backend incomplete in this build: ops %s missing", missing);
     e = cudaSetDevice(ordinal);

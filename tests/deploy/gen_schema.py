@@ -184,7 +184,7 @@ SCHEMA = {
             "dashboard": obj({"enabled": BOOL, "labels": ANY_OBJ}),
         }),
         "auth": obj({"enabled": BOOL, "secretName": string()}),
-        "tls": obj({"enabled": BOOL, "secretName": string()}),
+        "tls": obj({"enabled": BOOL, "secretName": string(), "serverName": string()}),
         "benchmark": obj({
             "enabled": BOOL,
             "kind": string(enum=["auto", "mpijob", "job"]),

@@ -52,13 +52,14 @@ CRDS = [
 # Flags the chart passes that the binaries do not have yet (other issues add
 # them); each is gated behind a value that defaults to off.
 PENDING = {
-    "moe-coordinator": {"--http-listen": "coordinator.http.enabled",
-                        "--api-token-file": "auth.enabled",
-                        "--tls-cert": "tls.enabled", "--tls-key": "tls.enabled",
-                        "--tls-ca": "tls.enabled"},
-    "moe-worker": {"--metrics-listen": "worker.metrics.enabled",
-                   "--tls-cert": "tls.enabled", "--tls-key": "tls.enabled",
-                   "--tls-ca": "tls.enabled"},
+    "moe-coordinator": {"--http-listen": "coordinator.http.enabled"},
+    "moe-worker": {"--metrics-listen": "worker.metrics.enabled"},
+}
+# Flags that must be there exactly when a value is on (TLS and tokens).
+GATED = {
+    "moe-coordinator": {"--api-token-file": "auth.enabled", "--admin-token-file": "auth.enabled",
+                        "--tls-dir": "tls.enabled", "--tls-server-name": "tls.enabled"},
+    "moe-worker": {"--tls-dir": "tls.enabled", "--tls-server-name": "tls.enabled"},
 }
 # The health service names the binaries register (coordinator_main.c,
 # worker/service.c, common/rpc_health.c: "" is the server as a whole).
@@ -316,12 +317,24 @@ def check_semantics(case, objs, values, with_crds, flags):
             for f, gate in PENDING[binary].items():
                 if f in used and not get(merged, gate):
                     fail(case, f"{owner}: pending flag {f} without {gate}")
+            for f, gate in GATED[binary].items():
+                if (f in used) != bool(get(merged, gate)):
+                    fail(case, f"{owner}: flag {f} {'passed' if f in used else 'missing'} "
+                               f"with {gate} = {get(merged, gate)}")
             comp = "coordinator" if binary == "moe-coordinator" else "worker"
             port = int(flag_value(argv, "--listen").rsplit(":", 1)[1])
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 pr = c.get(probe)
+                if pr and "exec" in pr and get(merged, "tls.enabled"):
+                    # TLS: `moectl --addr 127.0.0.1:PORT --tls-dir D ... health SERVICE`
+                    cmd = pr["exec"]["command"]
+                    if cmd[0] != "moectl" or "health" not in cmd or "--tls-dir" not in cmd:
+                        fail(case, f"{owner}: {probe} is not a moectl health probe: {cmd}")
+                        continue
+                    pr = {"grpc": {"port": int(flag_value(cmd, "--addr").rsplit(":", 1)[1]),
+                                   "service": cmd[cmd.index("health") + 1]}}
                 if not pr or "grpc" not in pr:
-                    fail(case, f"{owner}: {probe} is not a gRPC probe")
+                    fail(case, f"{owner}: {probe} is neither a gRPC probe nor (TLS) moectl health")
                     continue
                 if pr["grpc"]["port"] != port:
                     fail(case, f"{owner}: {probe} on port {pr['grpc']['port']}, listens on {port}")
@@ -364,10 +377,24 @@ def check_semantics(case, objs, values, with_crds, flags):
             if peer.get("app.kubernetes.io/instance") != RELEASE or "ports" in np_["spec"]["ingress"][0]:
                 fail(case, f"NetworkPolicy {np_['metadata']['name']}: first rule is not 'any port "
                            "from this release'")
-    # Secrets from values never carry a token or a TLS key
+    # Secrets from values never carry a token or a TLS key: the chart makes
+    # the group ssh key, and the TLS / token Secrets only when no secretName
+    # is given (generated once, kept)
+    generated = {f"{RELEASE}-moe-serve-tls": ("kubernetes.io/tls", "tls"),
+                 f"{RELEASE}-moe-serve-auth": ("Opaque", "auth")}
     for s in by_kind.get("Secret", []):
-        if s.get("type") != "kubernetes.io/ssh-auth":
-            fail(case, f"Secret {s['metadata']['name']}: the chart makes only the group ssh key")
+        name = s["metadata"]["name"]
+        if s.get("type") == "kubernetes.io/ssh-auth":
+            continue
+        kind, key = generated.get(name, (None, None))
+        if s.get("type") != kind or not get(merged, key + ".enabled") or \
+                get(merged, key + ".secretName"):
+            fail(case, f"Secret {name}: the chart makes only the ssh key and, without a "
+                       f"secretName, the TLS and token Secrets")
+        elif s["metadata"].get("annotations", {}).get("helm.sh/resource-policy") != "keep":
+            fail(case, f"Secret {name}: generated but not kept across upgrades")
+        elif kind == "Opaque" and set(s.get("data", {})) != {"token", "admin-token"}:
+            fail(case, f"Secret {name}: keys {sorted(s.get('data', {}))}")
     # placement ConfigMap: valid JSON with the pool's rank count
     for cm in by_kind.get("ConfigMap", []):
         if cm["metadata"]["name"].endswith("-placement"):
@@ -403,8 +430,6 @@ BAD = [
     ({"worker": {"drainTimeoutSeconds": 120}}, "worker.terminationGracePeriodSeconds (90)"),
     ({"model": {"path": "models/x"}}, "/model/path"),
     ({"model": {"path": "/opt/m", "volume": {"emptyDir": {}}}}, "model.path (/opt/m)"),
-    ({"auth": {"enabled": True}}, "auth.secretName"),
-    ({"tls": {"enabled": True}}, "tls.secretName"),
     ({"benchmark": {"enabled": True, "backend": "openai"}, "coordinator": {"http": {"enabled": False}}},
      "benchmark.backend"),
     ({"benchmark": {"enabled": True, "kind": "mpijob"}}, "benchmark.kind"),

@@ -226,6 +226,60 @@ static inline pid_t child_spawn(char *const argv[], char *const env[], int *out_
     return pid;
 }
 
+/* As child_spawn with a stdout pipe, but the child's stderr goes to the
+ * file `err_log` (appended), so a test can wait for what it logs. */
+static inline pid_t child_spawn_logged(char *const argv[], char *const env[], int *out_fd,
+                                       const char *err_log)
+{
+    int p[2] = {-1, -1};
+    if (pipe(p))
+        return -1;
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0)
+        return -1;
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent)
+            _exit(1);
+        for (int i = 0; env && env[i]; i++)
+            putenv(env[i]);
+        dup2(p[1], 1);
+        close(p[0]);
+        close(p[1]);
+        int fd = open(err_log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        if (fd >= 0) {
+            dup2(fd, 2);
+            close(fd);
+        }
+        execv(argv[0], argv);
+        fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
+        _exit(127);
+    }
+    for (int i = 0; i < MAX_CHILD; i++)
+        if (!g_children[i]) {
+            g_children[i] = pid;
+            break;
+        }
+    close(p[1]);
+    *out_fd = p[0];
+    return pid;
+}
+
+/* Whether the file at `path` contains `needle` (false if unreadable). */
+static inline bool file_contains(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return false;
+    bool hit = false;
+    char line[4096];
+    while (!hit && fgets(line, sizeof line, f))
+        hit = strstr(line, needle) != NULL;
+    fclose(f);
+    return hit;
+}
+
 /* Reads a child's stdout until a line contains " on HOST:PORT"; copies
  * HOST:PORT into addr and closes fd. Returns 0 on success. */
 static inline int read_address(int fd, char *addr, size_t cap, int timeout_ms)

@@ -26,6 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cluster.h"
 #include "proc.h"
 #include "rpcutil.h"
 #include "etcd.h"
@@ -100,36 +101,6 @@ static int coordinator_start(struct proc *p, const char *flag, const char *value
 }
 
 /* ---- client helpers -------------------------------------------------------------------- */
-
-static Moe__V1__ListWorkersResponse *list_workers(struct rpc_client *cl)
-{
-    Moe__V1__ListWorkersRequest rq = MOE__V1__LIST_WORKERS_REQUEST__INIT;
-    enum rpc_code code;
-    return call(cl, "/moe.v1.Admin/ListWorkers", &rq, &moe__v1__list_workers_response__descriptor,
-                &code, NULL, 0);
-}
-
-/* State of worker `id` in ListWorkers; 0 if absent, -1 on failure. */
-static int worker_state(struct rpc_client *coord, const char *id)
-{
-    Moe__V1__ListWorkersResponse *lw = list_workers(coord);
-    if (!lw)
-        return -1;
-    int st = 0;
-    for (size_t i = 0; i < lw->n_workers; i++)
-        if (!strcmp(lw->workers[i]->id, id))
-            st = lw->workers[i]->state;
-    moe__v1__list_workers_response__free_unpacked(lw, NULL);
-    return st;
-}
-
-static bool wait_worker_state(struct rpc_client *coord, const char *id, int want, int timeout_ms)
-{
-    for (int64_t t0 = moe_now_ms(); moe_now_ms() - t0 < timeout_ms; sleep_ms(50))
-        if (worker_state(coord, id) == want)
-            return true;
-    return false;
-}
 
 /* What one Generate produced. */
 struct gen_out {
@@ -271,47 +242,12 @@ static size_t reference_tokens(const char *prompt, int n, uint32_t *ids, size_t 
 
 static int make_model_copy(void)
 {
-    snprintf(g_tmp, sizeof g_tmp, "/tmp/moe-cluster-XXXXXX");
-    if (!mkdtemp(g_tmp))
-        return -1;
-    snprintf(g_model, sizeof g_model, "%s/qwen3_moe", g_tmp);
-    if (mkdir(g_model, 0755))
-        return -1;
-    const char *files[] = {"model.safetensors", "tokenizer.json", "generation_config.json"};
-    char src[1024], dst[1024];
-    for (int i = 0; i < 3; i++) {
-        snprintf(src, sizeof src, "%s",
-                 test_src_path("tests/golden/fixtures/qwen3_moe/") /* static buffer */);
-        strncat(src, files[i], sizeof src - strlen(src) - 1);
-        snprintf(dst, sizeof dst, "%s/%s", g_model, files[i]);
-        if (symlink(src, dst))
-            return -1;
-    }
-    FILE *in = fopen(test_src_path("tests/golden/fixtures/qwen3_moe/config.json"), "r");
-    snprintf(dst, sizeof dst, "%s/config.json", g_model);
-    FILE *out = fopen(dst, "w");
-    if (!in || !out)
-        return -1;
-    char line[1024];
-    while (fgets(line, sizeof line, in)) {
-        if (strstr(line, "\"max_position_embeddings\""))
-            fputs("  \"max_position_embeddings\": 16384,\n", out);
-        else
-            fputs(line, out);
-    }
-    fclose(in);
-    fclose(out);
-    return 0;
+    return model_copy_make(16384, g_tmp, sizeof g_tmp, g_model, sizeof g_model);
 }
 
 static void remove_model_copy(void)
 {
-    if (!g_tmp[0])
-        return;
-    char cmd[700];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
-    if (system(cmd)) {
-    }
+    model_copy_remove(g_tmp);
 }
 
 /* ---- static cluster tests ---------------------------------------------------------------- */
@@ -463,10 +399,16 @@ static void test_validation(struct rpc_client *coord)
     BAD((rq.prompt_case = MOE__V1__GENERATE_REQUEST__PROMPT_TOKEN_IDS, rq.token_ids = &tids),
         RPC_INVALID_ARGUMENT, "prompt");
     free(many);
+    /* Over the prompt's byte limit but within the port's message limit
+     * (the largest valid request + 64 KiB): refused by name. */
     char *huge = malloc((2u << 20) + 1);
+    memset(huge, 'a', (1u << 20) + 1000);
+    huge[(1u << 20) + 1000] = '\0';
+    BAD(rq.text = huge, RPC_INVALID_ARGUMENT, "prompt.text");
+    /* Larger than any valid request: the port refuses it undecoded. */
     memset(huge, 'a', 2u << 20);
     huge[2u << 20] = '\0';
-    BAD(rq.text = huge, RPC_INVALID_ARGUMENT, "prompt.text");
+    BAD(rq.text = huge, RPC_RESOURCE_EXHAUSTED, "larger than max");
     free(huge);
 #undef BAD
 }
@@ -945,7 +887,8 @@ static int run_static(void)
     Moe__V1__GenerateRequest rq = text_req("shutting down", &sp);
     struct shutdown_ctx sc = {co.pid, false};
     gen_run(coord, &rq, hook_sigterm, &sc, o);
-    if (getenv("MOE_DBG")) fprintf(stderr, "DBG %.6f test: stream ended %d\n", moe_now(), (int)o->n_ids);
+    if (getenv("MOE_DBG"))
+        fprintf(stderr, "DBG %.6f test: stream ended %d\n", moe_now(), (int)o->n_ids);
     CHECKF(o->code == RPC_OK && o->n_ids == 500, "stream during shutdown: %s %s, %zu tokens",
            rpc_code_name(o->code), o->message, o->n_ids);
     free(o);
@@ -959,41 +902,6 @@ static int run_static(void)
 }
 
 /* ---- etcd membership --------------------------------------------------------------------- */
-
-static int free_port(void);
-
-static int find_etcd(char *bin, size_t cap)
-{
-    const char *env = getenv("MOE_ETCD_BIN");
-    if (env && *env) {
-        snprintf(bin, cap, "%s", env);
-        return access(bin, X_OK) == 0;
-    }
-    const char *dirs[] = {"/usr/bin", "/usr/local/bin", "/bin"};
-    for (int i = 0; i < 3; i++) {
-        snprintf(bin, cap, "%s/etcd", dirs[i]);
-        if (access(bin, X_OK) == 0)
-            return 1;
-    }
-    return 0;
-}
-
-#include <netinet/in.h>
-#include <sys/socket.h>
-
-static int free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    int port = -1;
-    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
-        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-        port = ntohs(a.sin_port);
-    if (fd >= 0)
-        close(fd);
-    return port;
-}
 
 static bool ids_listed(struct rpc_client *coord, const char *a, const char *b)
 {
@@ -1014,45 +922,16 @@ static bool ids_listed(struct rpc_client *coord, const char *a, const char *b)
 
 static int run_etcd(void)
 {
-    char bin[512];
-    if (!find_etcd(bin, sizeof bin)) {
+    static struct test_etcd etcd;
+    if (!find_etcd(etcd.bin, sizeof etcd.bin)) {
         printf("no etcd binary: skipped\n");
         return TEST_SKIP_CODE;
     }
-    char data[700], client[64], peer[64], cluster[80];
-    snprintf(data, sizeof data, "%s/etcd-data", g_tmp);
-    int cp = free_port(), pp = free_port();
-    snprintf(client, sizeof client, "http://127.0.0.1:%d", cp);
-    snprintf(peer, sizeof peer, "http://127.0.0.1:%d", pp);
-    snprintf(cluster, sizeof cluster, "n=%s", peer);
-    char *argv[] = {bin,     "--name",
-                    "n",     "--data-dir",
-                    data,    "--listen-client-urls",
-                    client,  "--advertise-client-urls",
-                    client,  "--listen-peer-urls",
-                    peer,    "--initial-advertise-peer-urls",
-                    peer,    "--initial-cluster",
-                    cluster, "--heartbeat-interval",
-                    "10",    "--election-timeout",
-                    "100",   "--log-level",
-                    "error", NULL};
-    char log[700];
-    snprintf(log, sizeof log, "%s/etcd.log", g_tmp);
-    pid_t etcd = child_spawn(argv, NULL, NULL, log);
-    struct moe_etcd *ec = NULL;
-    struct moe_error err;
-    bool ready = false;
-    if (moe_etcd_create(client, 300, &ec, &err) == MOE_OK)
-        for (int64_t t0 = moe_now_ms(); !ready && moe_now_ms() - t0 < 30000; sleep_ms(30)) {
-            struct moe_etcd_kv kv;
-            enum moe_status st = moe_etcd_get(ec, "probe", &kv, NULL, &err);
-            moe_etcd_kv_clear(&kv);
-            ready = st == MOE_OK || st == MOE_ERR_NOT_FOUND;
-        }
-    moe_etcd_destroy(ec);
+    bool ready = test_etcd_start(&etcd, g_tmp) == 0;
     CHECKF(ready, "etcd did not start");
     if (!ready)
         return 1;
+    const char *client = etcd.client;
     struct proc w[2], co;
     if (worker_start(&w[0], "ea", "127.0.0.1:0", client) ||
         coordinator_start(&co, "--etcd", client))
@@ -1102,7 +981,7 @@ static int run_etcd(void)
     rpc_client_destroy(coord);
     kill(co.pid, SIGTERM);
     CHECK(child_wait(co.pid, 60000) == 0);
-    child_kill9(etcd);
+    test_etcd_kill(&etcd);
     return 0;
 }
 

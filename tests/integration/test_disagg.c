@@ -34,7 +34,7 @@
 #include "backend.h"
 #include "engine/engine.h"
 #include "disagg/kv_link.h"
-#include "disagg/kv_transfer.h"
+#include "disagg/kv_handoff.h"
 #include "model/model.h"
 #include "moe/v1/admin.pb-c.h"
 #include "moe/v1/inference.pb-c.h"
@@ -134,35 +134,35 @@ static void handoff_once(struct moe_backend *be, const struct moe_config *cfg, s
     CHECKF(rc.done && rc.n == n_dst, "reservation: %s", rc.error);
     check_engine(b, "after reserving");
 
-    struct kvl_opts lo = {.be = be,
-                          .listen = "127.0.0.1:0",
-                          .layout = {cfg->n_layer, cfg->n_kv_head, cfg->d_head, 1, 0}};
-    struct kvl *la = NULL, *lb = NULL;
-    CHECK(kvl_create(&lo, &la, &err) == MOE_OK && kvl_create(&lo, &lb, &err) == MOE_OK);
-    kvl_attach_kv(la, moe_engine_kv_cache(a));
-    kvl_attach_kv(lb, moe_engine_kv_cache(b));
-    CHECK(kvl_expect(lb, NULL, "h", rc.blocks, rc.n, n_prompt, 30000, &err) == MOE_OK);
-    struct kvl_target t = {.head_begin = 0, .head_end = cfg->n_kv_head};
-    snprintf(t.endpoint, sizeof t.endpoint, "%s", kvl_endpoint(lb));
-    struct kvl_push push = {.id = "h",
-                            .src_blocks = out->ex_blocks,
-                            .n_src_blocks = out->ex.n_blocks,
-                            .n_tokens = n_prompt,
-                            .dst_blocks = rc.blocks,
-                            .n_dst_blocks = rc.n,
-                            .dst_block_size = bs,
-                            .targets = &t,
-                            .n_targets = 1,
-                            .deadline_ms = 30000};
+    struct kv_link_opts lo = {.be = be,
+                              .listen = "127.0.0.1:0",
+                              .layout = {cfg->n_layer, cfg->n_kv_head, cfg->d_head, 1, 0}};
+    struct kv_link *la = NULL, *lb = NULL;
+    CHECK(kv_link_create(&lo, &la, &err) == MOE_OK && kv_link_create(&lo, &lb, &err) == MOE_OK);
+    kv_link_attach_kv(la, moe_engine_kv_cache(a));
+    kv_link_attach_kv(lb, moe_engine_kv_cache(b));
+    CHECK(kv_link_expect(lb, NULL, "h", rc.blocks, rc.n, n_prompt, 30000, &err) == MOE_OK);
+    struct kv_link_target t = {.head_begin = 0, .head_end = cfg->n_kv_head};
+    snprintf(t.endpoint, sizeof t.endpoint, "%s", kv_link_endpoint(lb));
+    struct kv_link_push push = {.id = "h",
+                                .src_blocks = out->ex_blocks,
+                                .n_src_blocks = out->ex.n_blocks,
+                                .n_tokens = n_prompt,
+                                .dst_blocks = rc.blocks,
+                                .n_dst_blocks = rc.n,
+                                .dst_block_size = bs,
+                                .targets = &t,
+                                .n_targets = 1,
+                                .deadline_ms = 30000};
     uint64_t sent = 0, got = 0;
     bool complete = false;
-    CHECKF(kvl_push(la, &push, &sent, &err) == MOE_OK, "%s", err.msg);
-    CHECK(kvl_forget(lb, NULL, "h", &got, &complete, &err) == MOE_OK);
+    CHECKF(kv_link_push(la, &push, &sent, &err) == MOE_OK, "%s", err.msg);
+    CHECK(kv_link_forget(lb, NULL, "h", &got, &complete, &err) == MOE_OK);
     CHECKF(complete && got == sent &&
                sent == (uint64_t)n_prompt * cfg->n_layer * 2 * cfg->n_kv_head * cfg->d_head * 4,
            "sent %" PRIu64 " bytes, %" PRIu64 " arrived (complete %d)", sent, got, complete);
-    kvl_destroy(la);
-    kvl_destroy(lb);
+    kv_link_destroy(la);
+    kv_link_destroy(lb);
     moe_engine_abort(a, id); /* the prefill side lets go */
     run_until_idle(a);
     CHECK(kv_used(a) == 0);

@@ -209,8 +209,8 @@ static void test_malformed(void)
         "HTTP/1.1 200 OK\r\nContent-Length: 9\r\nConnection: close\r\n\r\nnot json!",
         "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\nConnection: close\r\n\r\nbusy",
         "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
-        "HTTP/1.1 200 OK\r\nContent-Length: 50\r\nConnection: close\r\n\r\n"
-        "{\"header\":{\"revision\":\"3\"},\"kvs\":[{\"key\":\"@@@@\"}]}",
+        ("HTTP/1.1 200 OK\r\nContent-Length: 50\r\nConnection: close\r\n\r\n" /* one answer */
+         "{\"header\":{\"revision\":\"3\"},\"kvs\":[{\"key\":\"@@@@\"}]}"),
     };
     int port;
     struct fake_server s = {.answers = answers, .n = 4};

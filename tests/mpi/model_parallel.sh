@@ -15,20 +15,26 @@ mpirun=("$@")
 . "$(dirname "$0")/../lib.sh"
 test_begin moe-mp
 
+# A hang guard for the group's collectives: 4 ranks of a sanitized build on
+# two cores can spend seconds between two steps (the dead-rank case below
+# sets its own short timeout on purpose).
+comm_timeout=60000
+
 gen() { # gen OUTFILE LOGITS W ARGS...: tokens line into OUTFILE
   local out=$1 logits=$2 w=$3; shift 3
   if [ "$w" = 1 ]; then
     "$bin/moe-generate" "$@" --logits-out "$logits" >"$out" 2>"$out.err"
   else
-    timeout 120 "${mpirun[@]}" -np "$w" "$bin/moe-generate" "$@" --logits-out "$logits" \
-      >"$out" 2>"$out.err"
+    timeout 300 "${mpirun[@]}" -np "$w" "$bin/moe-generate" "$@" --logits-out "$logits" \
+      --comm-timeout-ms "$comm_timeout" >"$out" 2>"$out.err"
   fi
 }
 
 batch() { # batch OUTFILE W ARGS...: request lines into OUTFILE
   local out=$1 w=$2; shift 2
   local run=("$bin/moe-generate")
-  [ "$w" != 1 ] && run=(timeout 120 "${mpirun[@]}" -np "$w" "$bin/moe-generate")
+  [ "$w" != 1 ] && run=(timeout 300 "${mpirun[@]}" -np "$w" "$bin/moe-generate"
+                        --comm-timeout-ms "$comm_timeout")
   "${run[@]}" "$@" --print-outputs >"$out.all" 2>"$out.err"
   local rc=$?
   grep '^request' "$out.all" >"$out"

@@ -27,7 +27,7 @@ for f in "$ROOT"/kernels/cuda/*.cu; do
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 0.2; done
 done
 # kernels/cpu must not contract a*b+c (see kernels/CMakeLists.txt)
-for f in "$ROOT"/kernels/backend.c "$ROOT"/kernels/cpu/*.c "$ROOT"/kernels/cuda/*.c \
+for f in "$ROOT"/kernels/backend_select.c "$ROOT"/kernels/cpu/*.c "$ROOT"/kernels/cuda/*.c \
          "$ROOT"/common/moe_error.c "$ROOT"/common/threadpool.c "$ROOT"/common/clock.c; do
   o=$OUT/obj/$(basename "$f").o; objs+=("$o")
   cc "${CFLAGS[@]}" -ffp-contract=off -I"$CUDA_HOME/include" -c "$f" -o "$o" & pids+=($!)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Live expert placement end to end (issue 8), with real processes:
+"""Live expert placement end to end, with real processes:
 
     test_placement_live.py --bin-dir BUILD/bin --source-dir SRC
 

@@ -608,7 +608,7 @@ static void test_threads(void)
 /* The worst case the limits allow (macros recursing inside a deep
  * expression until the frame limit) fits a 512 KiB thread stack, as the
  * header promises. Sanitizers need bigger frames. */
-#ifdef __SANITIZE_ADDRESS__
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define SMALL_STACK (4u << 20)
 #else
 #define SMALL_STACK (512u << 10)

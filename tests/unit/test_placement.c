@@ -2,7 +2,7 @@
  * placements, and every malformed file refused with its location. */
 #include <string.h>
 
-#include "model/placement.h"
+#include "placement.h"
 #include "testlib.h"
 
 static void expect_bad(const char *json, const char *needle)

@@ -15,16 +15,16 @@ static void check_plan(const struct planner_result *r, int n_expert, int n_redun
                        const double *load)
 {
     struct moe_error err = {0};
-    const struct planner_map *m = &r->map;
-    CHECKF(planner_map_check(m, r->slots_per_rank, &err) == MOE_OK, "%s", err.msg);
+    const struct moe_placement *m = &r->map;
+    CHECKF(moe_placement_check(m, r->slots_per_rank, &err) == MOE_OK, "%s", err.msg);
     for (int l = 0; l < m->n_layer; l++) {
         int total = 0;
         for (int e = 0; e < n_expert; e++) {
-            int n = planner_map_n_replicas(m, l, e);
+            int n = moe_placement_n_replicas(m, l, e);
             CHECK(n >= 1);
             total += n;
             for (int i = 1; i < n; i++) /* ascending, hence distinct */
-                CHECK(planner_map_rank(m, l, e, i - 1) < planner_map_rank(m, l, e, i));
+                CHECK(moe_placement_rank(m, l, e, i - 1) < moe_placement_rank(m, l, e, i));
         }
         CHECKF(total == n_expert + n_redundant, "layer %d: %d replicas", l, total);
         double sum = 0, want = 0;
@@ -64,8 +64,8 @@ static void zipf_load(double *load, int n_layer, int n_expert, double s, double 
 static void test_uniform_no_moves(void)
 {
     struct moe_error err = {0};
-    struct planner_map cur;
-    CHECK(planner_map_default(4, 64, 8, &cur, &err) == MOE_OK);
+    struct moe_placement cur;
+    CHECK(moe_placement_default(4, 64, 8, &cur, &err) == MOE_OK);
     double *load = malloc(4 * 64 * sizeof *load);
     for (int i = 0; i < 4 * 64; i++)
         load[i] = 1000;
@@ -94,28 +94,28 @@ static void test_uniform_no_moves(void)
     CHECKF(r2.n_moves == 0, "replanning moved %d", r2.n_moves);
     planner_result_free(&r2);
     planner_result_free(&r);
-    planner_map_free(&cur);
+    moe_placement_free(&cur);
     free(load);
 }
 
 static void test_hot_expert_replicated(void)
 {
     struct moe_error err = {0};
-    struct planner_map cur;
-    CHECK(planner_map_default(1, 8, 4, &cur, &err) == MOE_OK);
+    struct moe_placement cur;
+    CHECK(moe_placement_default(1, 8, 4, &cur, &err) == MOE_OK);
     double load[8] = {100, 100, 100, 2000, 100, 100, 100, 100};
     struct planner_params pp = {.n_redundant = 4, .keep_tolerance = 0.05};
     struct planner_result r;
     CHECKF(planner_plan(&pp, &cur, load, &r, &err) == MOE_OK, "%s", err.msg);
     check_plan(&r, 8, 4, load);
-    CHECKF(planner_map_n_replicas(&r.map, 0, 3) == 4, "hot expert has %d replicas",
-           planner_map_n_replicas(&r.map, 0, 3));
+    CHECKF(moe_placement_n_replicas(&r.map, 0, 3) == 4, "hot expert has %d replicas",
+           moe_placement_n_replicas(&r.map, 0, 3));
     CHECK(r.slots_per_rank == 3);
     CHECK(r.imbalance_before > 2.0);
     CHECKF(r.imbalance_after < 1.15, "after %.3f", r.imbalance_after);
     CHECK(r.n_moves >= 3);
     /* the hot expert kept its original rank */
-    CHECK(planner_map_holds(&r.map, 0, 3, 1));
+    CHECK(moe_placement_holds(&r.map, 0, 3, 1));
     planner_result_free(&r);
 
     /* without redundancy it cannot be split: the plan is as good as one rank
@@ -129,7 +129,7 @@ static void test_hot_expert_replicated(void)
         mx = fmax(mx, r.load_after[k]);
     CHECKF(mx >= 2000 && mx <= 2000 * 1.05, "max %g", mx); /* within keep_tolerance */
     planner_result_free(&r);
-    planner_map_free(&cur);
+    moe_placement_free(&cur);
 }
 
 /* Skewed Zipf load, 64 experts on 8 ranks: with 8 redundant slots (one per
@@ -141,8 +141,8 @@ static void test_zipf_balance(void)
 {
     struct moe_error err = {0};
     const int L = 8, E = 64, N = 8;
-    struct planner_map cur;
-    CHECK(planner_map_default(L, E, N, &cur, &err) == MOE_OK);
+    struct moe_placement cur;
+    CHECK(moe_placement_default(L, E, N, &cur, &err) == MOE_OK);
     double *load = malloc((size_t)L * E * sizeof *load);
     for (int si = 0; si < 3; si++) {
         double s = (double[]){0.8, 1.0, 1.2}[si];
@@ -189,15 +189,15 @@ static void test_zipf_balance(void)
         }
     }
     free(load);
-    planner_map_free(&cur);
+    moe_placement_free(&cur);
 }
 
 static void test_large_and_deterministic(void)
 {
     struct moe_error err = {0};
     const int L = 4, E = 256, N = 64, R = 32;
-    struct planner_map cur;
-    CHECK(planner_map_default(L, E, N, &cur, &err) == MOE_OK);
+    struct moe_placement cur;
+    CHECK(moe_placement_default(L, E, N, &cur, &err) == MOE_OK);
     double *load = malloc((size_t)L * E * sizeof *load);
     zipf_load(load, L, E, 1.0, 1 << 20, 9);
     struct planner_params pp = {.n_redundant = R, .keep_tolerance = 0.05};
@@ -206,7 +206,7 @@ static void test_large_and_deterministic(void)
     CHECK(planner_plan(&pp, &cur, load, &b, &err) == MOE_OK);
     check_plan(&a, E, R, load);
     CHECK(a.slots_per_rank == 5);
-    CHECK(!memcmp(a.map.ranks, b.map.ranks, (size_t)L * E * PLANNER_MAX_REPLICAS * 2));
+    CHECK(!memcmp(a.map.ranks, b.map.ranks, (size_t)L * E * MOE_PLACEMENT_MAX_REPLICAS * 2));
     CHECK(!memcmp(a.map.n_replicas, b.map.n_replicas, (size_t)L * E));
     CHECK(a.n_moves == b.n_moves && a.imbalance_after == b.imbalance_after);
     CHECK(a.imbalance_after < a.imbalance_before);
@@ -215,14 +215,14 @@ static void test_large_and_deterministic(void)
     planner_result_free(&a);
     planner_result_free(&b);
     free(load);
-    planner_map_free(&cur);
+    moe_placement_free(&cur);
 }
 
 static void test_refusals(void)
 {
     struct moe_error err = {0};
-    struct planner_map cur;
-    CHECK(planner_map_default(2, 8, 2, &cur, &err) == MOE_OK);
+    struct moe_placement cur;
+    CHECK(moe_placement_default(2, 8, 2, &cur, &err) == MOE_OK);
     double load[16] = {0};
     struct planner_result r;
     /* more replicas than fit: 8 experts on 2 ranks can have at most 8 redundant */
@@ -242,21 +242,21 @@ static void test_refusals(void)
     planner_result_free(&r);
 
     /* map checks name the layer, expert and rank */
-    CHECK(planner_map_add(&cur, 1, 2, 2, &err) == MOE_ERR_INVALID);
+    CHECK(moe_placement_add(&cur, 1, 2, 2, &err) == MOE_ERR_INVALID);
     CHECKF(strstr(err.msg, "layer 1 expert 2: rank 2 is not in [0, 2)") != NULL, "%s", err.msg);
-    CHECK(planner_map_add(&cur, 1, 2, 0, &err) == MOE_ERR_INVALID); /* already there */
-    CHECK(planner_map_add(&cur, 1, 2, 1, &err) == MOE_OK);
-    CHECK(planner_map_rank(&cur, 1, 2, 0) == 0 && planner_map_rank(&cur, 1, 2, 1) == 1);
-    CHECK(planner_map_check(&cur, 4, &err) == MOE_ERR_INVALID);
+    CHECK(moe_placement_add(&cur, 1, 2, 0, &err) == MOE_ERR_INVALID); /* already there */
+    CHECK(moe_placement_add(&cur, 1, 2, 1, &err) == MOE_OK);
+    CHECK(moe_placement_rank(&cur, 1, 2, 0) == 0 && moe_placement_rank(&cur, 1, 2, 1) == 1);
+    CHECK(moe_placement_check(&cur, 4, &err) == MOE_ERR_INVALID);
     CHECKF(strstr(err.msg, "layer 1 rank 1: holds 5 experts, more than its 4 slots") != NULL, "%s",
            err.msg);
-    CHECK(planner_map_check(&cur, 5, &err) == MOE_OK);
-    CHECK(planner_map_n_redundant(&cur) == 1 && planner_map_max_slots(&cur) == 5);
+    CHECK(moe_placement_check(&cur, 5, &err) == MOE_OK);
+    CHECK(moe_placement_n_redundant(&cur) == 1 && moe_placement_max_slots(&cur) == 5);
     cur.n_replicas[3] = 0;
-    CHECK(planner_map_check(&cur, 0, &err) == MOE_ERR_INVALID);
+    CHECK(moe_placement_check(&cur, 0, &err) == MOE_ERR_INVALID);
     CHECKF(strstr(err.msg, "layer 0 expert 3: has 0 replicas") != NULL, "%s", err.msg);
-    planner_map_free(&cur);
-    planner_map_free(NULL);
+    moe_placement_free(&cur);
+    moe_placement_free(NULL);
     planner_result_free(NULL);
 }
 

@@ -170,7 +170,7 @@ static void test_valid_single(void)
     CHECKF(hb[0] == 0x4780, "65504 -> bf16 0x%04x, want 0x4780", hb[0]); /* rounds up to 65536 */
     CHECK(hb[1] == 0xFF80);                                              /* -inf */
     CHECK((hb[2] & 0x7F80) == 0x7F80 && (hb[2] & 0x7F));                 /* NaN */
-    uint16_t hs;
+    uint16_t hs = 0;
     CHECK(h && st_read_block(h, 0, 1, 1, 1, MOE_DTYPE_BF16, &hs, &err) == MOE_OK);
     CHECK(hs == 0x3380); /* 2^-24 exactly */
 

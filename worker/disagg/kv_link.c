@@ -22,24 +22,37 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
+
 #include "comm/comm.h"
+#include "hostport.h"
 #include "engine/generate.h" /* moe_now */
 #include "test_fault.h"
+#include "tls_opts.h"
 
-#define KVL_MAGIC 0x4b454f4du /* "MOEK" */
-#define KVL_MAX_BODY (1u << 24)
+#define KV_LINK_MAGIC 0x4b454f4du /* "MOEK" */
 
-enum kvl_type { T_EXPECT = 1, T_FORGET, T_ORDER, T_SLICE, T_STATUS };
+enum kv_link_type {
+    T_EXPECT = KV_LINK_MSG_EXPECT,
+    T_FORGET = KV_LINK_MSG_FORGET,
+    T_ORDER = KV_LINK_MSG_ORDER,
+    T_SLICE = KV_LINK_MSG_SLICE,
+    T_STATUS = KV_LINK_MSG_STATUS
+};
 
 struct wire_head {
     uint32_t magic, type, len;
 };
+_Static_assert(sizeof(struct wire_head) == KV_LINK_HEAD_BYTES, "KV link head size");
 
 /* ---- body encoding ------------------------------------------------------------------ */
 
@@ -96,12 +109,26 @@ struct rbuf {
     const uint8_t *p;
     size_t n, at;
     bool bad;
+    bool oom;
+    char why[160]; /* the first failure, naming the field */
 };
 
-static void get(struct rbuf *r, void *v, size_t n)
+/* Records the first failure of r, which names the field. */
+__attribute__((format(printf, 2, 3))) static void rbuf_fail(struct rbuf *r, const char *fmt, ...)
+{
+    if (r->bad)
+        return;
+    r->bad = true;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(r->why, sizeof r->why, fmt, ap);
+    va_end(ap);
+}
+
+static void get(struct rbuf *r, const char *field, void *v, size_t n)
 {
     if (r->bad || r->n - r->at < n) {
-        r->bad = true;
+        rbuf_fail(r, "'%s' runs past the end of the body (%zu bytes)", field, r->n);
         memset(v, 0, n);
         return;
     }
@@ -109,48 +136,153 @@ static void get(struct rbuf *r, void *v, size_t n)
     r->at += n;
 }
 
-static int32_t get_i32(struct rbuf *r)
+static int32_t get_i32(struct rbuf *r, const char *field)
 {
     int32_t v;
-    get(r, &v, sizeof v);
+    get(r, field, &v, sizeof v);
     return v;
 }
 
-static uint64_t get_u64(struct rbuf *r)
+static uint64_t get_u64(struct rbuf *r, const char *field)
 {
     uint64_t v;
-    get(r, &v, sizeof v);
+    get(r, field, &v, sizeof v);
     return v;
 }
 
-static void get_str(struct rbuf *r, char *out, size_t cap)
+static void get_str(struct rbuf *r, const char *field, char *out, size_t cap)
 {
-    int32_t n = get_i32(r);
-    if (n < 0 || (size_t)n >= cap || r->n - r->at < (size_t)n) {
-        r->bad = true;
-        out[0] = '\0';
+    int32_t n = get_i32(r, field);
+    out[0] = '\0';
+    if (!r->bad && (n < 0 || (size_t)n >= cap))
+        rbuf_fail(r, "'%s': length %d is not in [0, %zu]", field, (int)n, cap - 1);
+    if (r->bad)
         return;
-    }
-    get(r, out, (size_t)n);
-    out[n] = '\0';
+    get(r, field, out, (size_t)n);
+    out[r->bad ? 0 : n] = '\0';
 }
 
 /* A malloc'd array of at most `max` ints (NULL with r->bad on error). */
-static int32_t *get_ints(struct rbuf *r, int *n, int max)
+static int32_t *get_ints(struct rbuf *r, const char *field, int *n, int max)
 {
-    *n = get_i32(r);
-    if (r->bad || *n < 0 || *n > max || r->n - r->at < (size_t)*n * 4) {
-        r->bad = true;
+    *n = get_i32(r, field);
+    if (!r->bad && (*n < 0 || *n > max))
+        rbuf_fail(r, "'%s': %d entries, not in [0, %d]", field, *n, max);
+    if (!r->bad && r->n - r->at < (size_t)*n * 4)
+        rbuf_fail(r, "'%s' runs past the end of the body (%zu bytes)", field, r->n);
+    int32_t *v = r->bad ? NULL : malloc((size_t)(*n ? *n : 1) * sizeof *v);
+    if (!r->bad && !v) {
+        rbuf_fail(r, "'%s': out of memory for %d entries", field, *n);
+        r->oom = true;
+    }
+    if (r->bad) {
         *n = 0;
         return NULL;
     }
-    int32_t *v = malloc((size_t)(*n ? *n : 1) * sizeof *v);
-    if (!v) {
-        r->bad = true;
-        return NULL;
-    }
-    get(r, v, (size_t)*n * sizeof *v);
+    get(r, field, v, (size_t)*n * sizeof *v);
     return v;
+}
+
+static const char *type_name(uint32_t type)
+{
+    switch (type) {
+    case T_EXPECT: return "EXPECT";
+    case T_FORGET: return "FORGET";
+    case T_ORDER: return "ORDER";
+    case T_SLICE: return "SLICE";
+    case T_STATUS: return "STATUS";
+    default: return "?";
+    }
+}
+
+void kv_link_msg_clear(struct kv_link_msg *m)
+{
+    if (!m)
+        return;
+    free(m->blocks);
+    free(m->src_blocks);
+    free(m->targets);
+    memset(m, 0, sizeof *m);
+}
+
+enum moe_status kv_link_head_parse(const uint8_t *head, uint32_t *type, uint32_t *body_len,
+                                   struct moe_error *err)
+{
+    struct wire_head h;
+    memcpy(&h, head, sizeof h);
+    *type = 0;
+    *body_len = 0;
+    if (h.magic != KV_LINK_MAGIC || h.len > KV_LINK_MAX_BODY)
+        return moe_error_set(err, MOE_ERR_INVALID, "not a KV link message (magic %08x, %u bytes)",
+                             h.magic, h.len);
+    *type = h.type;
+    *body_len = h.len;
+    return MOE_OK;
+}
+
+enum moe_status kv_link_msg_parse(uint32_t type, const uint8_t *body, size_t len,
+                                  struct kv_link_msg *m, struct moe_error *err)
+{
+    memset(m, 0, sizeof *m);
+    m->type = type;
+    struct rbuf rb = {.p = body, .n = body ? len : 0}, *r = &rb;
+    switch (type) {
+    case T_EXPECT:
+        get_str(r, "id", m->id, sizeof m->id);
+        m->n_tokens = get_i32(r, "n_tokens");
+        m->ttl_ms = get_i32(r, "ttl_ms");
+        m->blocks = get_ints(r, "blocks", &m->n_blocks, KV_LINK_MAX_BLOCKS);
+        break;
+    case T_FORGET: get_str(r, "id", m->id, sizeof m->id); break;
+    case T_ORDER:
+        get_str(r, "id", m->id, sizeof m->id);
+        m->n_tokens = get_i32(r, "n_tokens");
+        m->deadline_ms = get_i32(r, "deadline_ms");
+        m->src_blocks = get_ints(r, "src_blocks", &m->n_src_blocks, KV_LINK_MAX_BLOCKS);
+        m->dst_block_size = get_i32(r, "dst_block_size");
+        m->blocks = get_ints(r, "dst_blocks", &m->n_blocks, KV_LINK_MAX_BLOCKS);
+        m->n_targets = get_i32(r, "n_targets");
+        if (!r->bad && (m->n_targets < 1 || m->n_targets > KV_LINK_MAX_RANKS)) {
+            rbuf_fail(r, "'n_targets': %d is not in [1, %d]", m->n_targets, KV_LINK_MAX_RANKS);
+        } else if (!r->bad && !(m->targets = calloc((size_t)m->n_targets, sizeof *m->targets))) {
+            rbuf_fail(r, "'targets': out of memory for %d entries", m->n_targets);
+            r->oom = true;
+        }
+        for (int i = 0; i < m->n_targets && !r->bad; i++) {
+            get_str(r, "targets.endpoint", m->targets[i].endpoint, sizeof m->targets[i].endpoint);
+            m->targets[i].head_begin = get_i32(r, "targets.head_begin");
+            m->targets[i].head_end = get_i32(r, "targets.head_end");
+        }
+        break;
+    case T_SLICE:
+        get_str(r, "id", m->id, sizeof m->id);
+        m->n_layer = get_i32(r, "n_layer");
+        m->d_head = get_i32(r, "d_head");
+        m->head_begin = get_i32(r, "head_begin");
+        m->head_end = get_i32(r, "head_end");
+        m->n_tokens = get_i32(r, "n_tokens");
+        m->dst_block_size = get_i32(r, "dst_block_size");
+        m->blocks = get_ints(r, "dst_blocks", &m->n_blocks, KV_LINK_MAX_BLOCKS);
+        m->transport = get_i32(r, "transport");
+        m->init = get_i32(r, "init");
+        get(r, "nccl_id", &m->nccl_id, sizeof m->nccl_id);
+        get_str(r, "sender", m->sender, sizeof m->sender);
+        break;
+    case T_STATUS:
+        m->status = get_i32(r, "status");
+        m->value = get_u64(r, "value");
+        m->flag = get_i32(r, "flag") != 0;
+        get_str(r, "msg", m->msg, sizeof m->msg);
+        break;
+    default:
+        m->type = 0;
+        return moe_error_set(err, MOE_ERR_INVALID, "unknown KV link message type %u", type);
+    }
+    if (!r->bad)
+        return MOE_OK;
+    kv_link_msg_clear(m);
+    return moe_error_set(err, r->oom ? MOE_ERR_NOMEM : MOE_ERR_INVALID, "malformed %s: %s",
+                         type_name(type), r->why);
 }
 
 /* ---- sockets ------------------------------------------------------------------------ */
@@ -175,17 +307,65 @@ static bool wait_fd(int fd, bool in, double deadline)
     }
 }
 
-static enum moe_status send_bytes(int fd, const void *buf, size_t n, double deadline,
+/* One connection: the socket and, with TLS, its OpenSSL session. */
+struct kv_sock {
+    int fd;
+    SSL *ssl; /* NULL: plaintext */
+};
+
+/* Waits for what OpenSSL asked for (`code`: SSL_ERROR_WANT_READ or _WRITE);
+ * false on a real error or the deadline. */
+static bool ssl_wait(struct kv_sock *ks, int code, double deadline)
+{
+    if (code != SSL_ERROR_WANT_READ && code != SSL_ERROR_WANT_WRITE)
+        return false;
+    return wait_fd(ks->fd, code == SSL_ERROR_WANT_READ, deadline);
+}
+
+/* Why an OpenSSL call failed, as text (the error queue cleared). */
+static const char *ssl_why(int code, char *buf, size_t cap)
+{
+    unsigned long e = ERR_get_error();
+    if (e)
+        ERR_error_string_n(e, buf, cap);
+    else if (code == SSL_ERROR_ZERO_RETURN)
+        snprintf(buf, cap, "the peer closed the TLS session");
+    else if (code == SSL_ERROR_SYSCALL)
+        snprintf(buf, cap, "%s", errno ? strerror(errno) : "the peer closed the connection");
+    else
+        snprintf(buf, cap, "TLS error %d", code);
+    ERR_clear_error();
+    return buf;
+}
+
+static enum moe_status send_bytes(struct kv_sock *ks, const void *buf, size_t n, double deadline,
                                   struct moe_error *err)
 {
     const uint8_t *p = buf;
     while (n > 0) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (ks->ssl) {
+            size_t k = 0;
+            int chunk = n > (1u << 30) ? 1 << 30 : (int)n;
+            ERR_clear_error();
+            if (SSL_write_ex(ks->ssl, p, (size_t)chunk, &k) == 1) {
+                p += k;
+                n -= k;
+                continue;
+            }
+            int code = SSL_get_error(ks->ssl, 0);
+            if (ssl_wait(ks, code, deadline))
+                continue;
+            char why[256];
+            if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE)
+                return moe_error_set(err, MOE_ERR_IO, "sending timed out");
+            return moe_error_set(err, MOE_ERR_IO, "TLS send: %s", ssl_why(code, why, sizeof why));
+        }
+        ssize_t k = send(ks->fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k > 0) {
             p += k;
             n -= (size_t)k;
         } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-            if (!wait_fd(fd, false, deadline))
+            if (!wait_fd(ks->fd, false, deadline))
                 return moe_error_set(err, MOE_ERR_IO, "sending timed out");
         } else {
             return moe_error_set(err, MOE_ERR_IO, "send: %s", strerror(errno));
@@ -194,19 +374,38 @@ static enum moe_status send_bytes(int fd, const void *buf, size_t n, double dead
     return MOE_OK;
 }
 
-static enum moe_status recv_bytes(int fd, void *buf, size_t n, double deadline,
+static enum moe_status recv_bytes(struct kv_sock *ks, void *buf, size_t n, double deadline,
                                   struct moe_error *err)
 {
     uint8_t *p = buf;
     while (n > 0) {
-        ssize_t k = recv(fd, p, n, MSG_DONTWAIT);
+        if (ks->ssl) {
+            size_t k = 0;
+            ERR_clear_error();
+            if (SSL_read_ex(ks->ssl, p, n, &k) == 1) {
+                p += k;
+                n -= k;
+                continue;
+            }
+            int code = SSL_get_error(ks->ssl, 0);
+            if (ssl_wait(ks, code, deadline))
+                continue;
+            char why[256];
+            if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE)
+                return moe_error_set(err, MOE_ERR_IO, "receiving timed out");
+            if (code == SSL_ERROR_ZERO_RETURN)
+                return moe_error_set(err, MOE_ERR_IO, "the peer closed the connection");
+            return moe_error_set(err, MOE_ERR_IO, "TLS receive: %s",
+                                 ssl_why(code, why, sizeof why));
+        }
+        ssize_t k = recv(ks->fd, p, n, MSG_DONTWAIT);
         if (k > 0) {
             p += k;
             n -= (size_t)k;
         } else if (k == 0) {
             return moe_error_set(err, MOE_ERR_IO, "the peer closed the connection");
         } else if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-            if (!wait_fd(fd, true, deadline))
+            if (!wait_fd(ks->fd, true, deadline))
                 return moe_error_set(err, MOE_ERR_IO, "receiving timed out");
         } else {
             return moe_error_set(err, MOE_ERR_IO, "recv: %s", strerror(errno));
@@ -216,34 +415,11 @@ static enum moe_status recv_bytes(int fd, void *buf, size_t n, double deadline,
 }
 
 /* Splits "host:port" (the last colon; [v6] brackets dropped). */
-static bool split_hostport(const char *s, char *host, size_t cap, int *port)
-{
-    const char *colon = strrchr(s, ':');
-    if (!colon || colon == s || !colon[1])
-        return false;
-    size_t hl = (size_t)(colon - s);
-    const char *h = s;
-    if (hl >= 2 && h[0] == '[' && h[hl - 1] == ']') {
-        h++;
-        hl -= 2;
-    }
-    if (hl >= cap)
-        return false;
-    memcpy(host, h, hl);
-    host[hl] = '\0';
-    char *end;
-    long p = strtol(colon + 1, &end, 10);
-    if (*end || p < 0 || p > 65535)
-        return false;
-    *port = (int)p;
-    return true;
-}
-
 static int connect_to(const char *endpoint, double deadline, struct moe_error *err)
 {
-    char host[KVL_ENDPOINT_MAX], port_s[16];
+    char host[KV_LINK_ENDPOINT_MAX], port_s[16];
     int port;
-    if (!split_hostport(endpoint, host, sizeof host, &port) || port == 0) {
+    if (!moe_hostport_split(endpoint, host, sizeof host, &port) || !host[0] || port == 0) {
         moe_error_set(err, MOE_ERR_INVALID, "KV endpoint '%.120s': not host:port", endpoint);
         return -1;
     }
@@ -282,45 +458,43 @@ static int connect_to(const char *endpoint, double deadline, struct moe_error *e
     return fd;
 }
 
-static enum moe_status send_msg(int fd, uint32_t type, const struct wbuf *b, double deadline,
-                                struct moe_error *err)
+static enum moe_status send_msg(struct kv_sock *ks, uint32_t type, const struct wbuf *b,
+                                double deadline, struct moe_error *err)
 {
     if (b->oom)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a KV link message");
-    struct wire_head h = {KVL_MAGIC, type, (uint32_t)b->n};
-    enum moe_status rc = send_bytes(fd, &h, sizeof h, deadline, err);
-    return rc ? rc : send_bytes(fd, b->p, b->n, deadline, err);
+    struct wire_head h = {KV_LINK_MAGIC, type, (uint32_t)b->n};
+    enum moe_status rc = send_bytes(ks, &h, sizeof h, deadline, err);
+    return rc ? rc : send_bytes(ks, b->p, b->n, deadline, err);
 }
 
 /* Reads one message; *body is malloc'd (the caller frees it). */
-static enum moe_status recv_msg(int fd, uint32_t *type, uint8_t **body, size_t *len,
+static enum moe_status recv_msg(struct kv_sock *ks, uint32_t *type, uint8_t **body, size_t *len,
                                 double deadline, struct moe_error *err)
 {
-    struct wire_head h;
+    uint8_t head[KV_LINK_HEAD_BYTES];
+    uint32_t t, n;
     *body = NULL;
     *type = 0;
     *len = 0;
-    enum moe_status rc = recv_bytes(fd, &h, sizeof h, deadline, err);
-    if (rc)
+    enum moe_status rc = recv_bytes(ks, head, sizeof head, deadline, err);
+    if (rc || (rc = kv_link_head_parse(head, &t, &n, err)))
         return rc;
-    if (h.magic != KVL_MAGIC || h.len > KVL_MAX_BODY)
-        return moe_error_set(err, MOE_ERR_INVALID, "not a KV link message (magic %08x, %u bytes)",
-                             h.magic, h.len);
-    if (!(*body = malloc(h.len ? h.len : 1)))
+    if (!(*body = malloc(n ? n : 1)))
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
-    if ((rc = recv_bytes(fd, *body, h.len, deadline, err))) {
+    if ((rc = recv_bytes(ks, *body, n, deadline, err))) {
         free(*body);
         *body = NULL;
         return rc;
     }
-    *type = h.type;
-    *len = h.len;
+    *type = t;
+    *len = n;
     return MOE_OK;
 }
 
 /* STATUS: {status, value, flag, message}. */
-static void send_status(int fd, enum moe_status st, uint64_t value, bool flag, const char *msg,
-                        double deadline)
+static void send_status(struct kv_sock *ks, enum moe_status st, uint64_t value, bool flag,
+                        const char *msg, double deadline)
 {
     struct wbuf b = {0};
     put_i32(&b, (int32_t)st);
@@ -328,59 +502,139 @@ static void send_status(int fd, enum moe_status st, uint64_t value, bool flag, c
     put_i32(&b, flag);
     put_str(&b, msg ? msg : "");
     struct moe_error ignored = {0};
-    send_msg(fd, T_STATUS, &b, deadline, &ignored);
+    send_msg(ks, T_STATUS, &b, deadline, &ignored);
     free(b.p);
 }
 
-static enum moe_status recv_status(int fd, const char *endpoint, double deadline, uint64_t *value,
-                                   bool *flag, struct moe_error *err)
+static enum moe_status recv_status(struct kv_sock *ks, const char *endpoint, double deadline,
+                                   uint64_t *value, bool *flag, struct moe_error *err)
 {
     uint32_t type = 0;
     uint8_t *body;
     size_t len = 0;
-    enum moe_status rc = recv_msg(fd, &type, &body, &len, deadline, err);
+    enum moe_status rc = recv_msg(ks, &type, &body, &len, deadline, err);
     if (rc)
         return moe_error_prefix(err, "KV endpoint %.120s", endpoint);
-    struct rbuf r = {body, len, 0, false};
-    enum moe_status st = (enum moe_status)get_i32(&r);
-    uint64_t v = get_u64(&r);
-    bool f = get_i32(&r) != 0;
-    char msg[sizeof err->msg];
-    get_str(&r, msg, sizeof msg);
+    struct kv_link_msg *m = malloc(sizeof *m);
+    rc = !m                 ? moe_error_set(err, MOE_ERR_NOMEM, "out of memory")
+         : type != T_STATUS ? moe_error_set(err, MOE_ERR_INVALID, "a %s message instead of STATUS",
+                                            type_name(type))
+                            : kv_link_msg_parse(type, body, len, m, err);
     free(body);
-    if (type != T_STATUS || r.bad)
-        return moe_error_set(err, MOE_ERR_INVALID, "KV endpoint %.120s: malformed answer",
-                             endpoint);
+    if (rc) {
+        free(m);
+        moe_error_prefix(err, "KV endpoint %.120s: malformed answer", endpoint);
+        return rc;
+    }
     if (value)
-        *value = v;
+        *value = m->value;
     if (flag)
-        *flag = f;
-    if (st != MOE_OK)
-        return moe_error_set(err, st, "KV endpoint %.120s: %s", endpoint, msg);
-    return MOE_OK;
+        *flag = m->flag;
+    if (m->status != MOE_OK)
+        rc = moe_error_set(err, (enum moe_status)m->status, "KV endpoint %.120s: %s", endpoint,
+                           m->msg);
+    kv_link_msg_clear(m);
+    free(m);
+    return rc;
+}
+
+static void sock_close(struct kv_sock *ks)
+{
+    SSL_free(ks->ssl);
+    ks->ssl = NULL;
+    if (ks->fd >= 0)
+        close(ks->fd);
+    ks->fd = -1;
+}
+
+/* Runs the TLS handshake of ks->ssl (set up for one side) to its end. */
+static enum moe_status sock_handshake(struct kv_sock *ks, bool server, const char *peer,
+                                      double deadline, struct moe_error *err)
+{
+    for (;;) {
+        ERR_clear_error();
+        int r = server ? SSL_accept(ks->ssl) : SSL_connect(ks->ssl);
+        if (r == 1)
+            return MOE_OK;
+        int code = SSL_get_error(ks->ssl, r);
+        if (ssl_wait(ks, code, deadline))
+            continue;
+        char why[256];
+        if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE)
+            return moe_error_set(err, MOE_ERR_IO, "KV endpoint %.120s: TLS handshake timed out",
+                                 peer);
+        long v = SSL_get_verify_result(ks->ssl);
+        if (v != X509_V_OK)
+            snprintf(why, sizeof why, "certificate verify failed: %s",
+                     X509_verify_cert_error_string(v));
+        else
+            ssl_why(code, why, sizeof why);
+        ERR_clear_error();
+        return moe_error_set(err, MOE_ERR_IO, "KV endpoint %.120s: TLS handshake: %s", peer, why);
+    }
+}
+
+/* Connects to `endpoint`; with `tls`, over TLS: the peer's certificate must
+ * chain to the CA and name the endpoint's host (or the server name). */
+static enum moe_status sock_connect(struct moe_tls *tls, const char *endpoint, double deadline,
+                                    struct kv_sock *ks, struct moe_error *err)
+{
+    ks->ssl = NULL;
+    ks->fd = connect_to(endpoint, deadline, err);
+    if (ks->fd < 0)
+        return err->code ? err->code : MOE_ERR_IO;
+    if (!tls)
+        return MOE_OK;
+    SSL_CTX *ctx = moe_tls_ssl_ctx(tls, false, err);
+    if (!ctx || !(ks->ssl = SSL_new(ctx))) {
+        if (ctx)
+            moe_error_set(err, MOE_ERR_NOMEM, "KV endpoint %.120s: SSL_new failed", endpoint);
+        sock_close(ks);
+        return err->code;
+    }
+    char host[KV_LINK_ENDPOINT_MAX];
+    int port;
+    const char *name = moe_tls_server_name(tls);
+    if (!name && moe_hostport_split(endpoint, host, sizeof host, &port) && host[0])
+        name = host;
+    unsigned char ip[16];
+    X509_VERIFY_PARAM *vp = SSL_get0_param(ks->ssl);
+    if (name && (inet_pton(AF_INET, name, ip) == 1 || inet_pton(AF_INET6, name, ip) == 1)) {
+        X509_VERIFY_PARAM_set1_ip_asc(vp, name);
+    } else if (name) {
+        SSL_set_tlsext_host_name(ks->ssl, name);
+        SSL_set1_host(ks->ssl, name);
+    }
+    SSL_set_fd(ks->ssl, ks->fd);
+    enum moe_status rc = sock_handshake(ks, false, endpoint, deadline, err);
+    if (rc)
+        sock_close(ks);
+    return rc;
 }
 
 /* One request, one STATUS answer. */
-static enum moe_status call(const char *endpoint, uint32_t type, const struct wbuf *b,
-                            int timeout_ms, uint64_t *value, bool *flag, struct moe_error *err)
+static enum moe_status call(struct moe_tls *tls, const char *endpoint, uint32_t type,
+                            const struct wbuf *b, int timeout_ms, uint64_t *value, bool *flag,
+                            struct moe_error *err)
 {
     double deadline = moe_now() + timeout_ms / 1e3;
-    int fd = connect_to(endpoint, deadline, err);
-    if (fd < 0)
-        return MOE_ERR_IO;
-    enum moe_status rc = send_msg(fd, type, b, deadline, err);
+    struct kv_sock ks;
+    enum moe_status rc = sock_connect(tls, endpoint, deadline, &ks, err);
+    if (rc)
+        return rc;
+    rc = send_msg(&ks, type, b, deadline, err);
     if (rc)
         moe_error_prefix(err, "KV endpoint %.120s", endpoint);
     else
-        rc = recv_status(fd, endpoint, deadline, value, flag, err);
-    close(fd);
+        rc = recv_status(&ks, endpoint, deadline, value, flag, err);
+    sock_close(&ks);
     return rc;
 }
 
 /* ---- the link ----------------------------------------------------------------------- */
 
 struct expected {
-    char id[KVL_ID_MAX];
+    char id[KV_LINK_ID_MAX];
     int32_t *blocks;
     int n_blocks, n_tokens;
     double deadline;
@@ -394,7 +648,7 @@ struct expected {
  * the sending side. Its mutex makes the slices of the pair go one at a time,
  * in the same order on both sides, as NCCL's point-to-point matching needs. */
 struct pair {
-    char peer[KVL_ENDPOINT_MAX];
+    char peer[KV_LINK_ENDPOINT_MAX];
     bool sending;
     struct moe_comm *comm; /* NULL until the first slice, or after a failure */
     bool broken;           /* NCCL could not connect: this pair uses the socket */
@@ -402,11 +656,11 @@ struct pair {
     struct pair *next;
 };
 
-struct kvl {
-    struct kvl_opts o;
+struct kv_link {
+    struct kv_link_opts o;
     bool nccl;          /* payloads device to device when the peer agrees */
     struct pair *pairs; /* under mu */
-    char endpoint[KVL_ENDPOINT_MAX];
+    char endpoint[KV_LINK_ENDPOINT_MAX];
     int head_begin, head_end;
     int listen_fd;
     pthread_t acceptor;
@@ -422,26 +676,26 @@ struct kvl {
     bool stopping;
 };
 
-void kvl_heads(int n_kv_head, int tp_size, int tp_rank, int *begin, int *end)
+void kv_link_heads(int n_kv_head, int tp_size, int tp_rank, int *begin, int *end)
 {
     int per = n_kv_head / (tp_size > 0 ? tp_size : 1);
     *begin = tp_rank * per;
     *end = *begin + per;
 }
 
-const char *kvl_endpoint(const struct kvl *l)
+const char *kv_link_endpoint(const struct kv_link *l)
 {
     return l->endpoint;
 }
 
-void kvl_attach_kv(struct kvl *l, struct moe_kv_cache *kv)
+void kv_link_attach_kv(struct kv_link *l, struct moe_kv_cache *kv)
 {
     pthread_mutex_lock(&l->mu);
     l->kv = kv;
     pthread_mutex_unlock(&l->mu);
 }
 
-static struct expected *find_locked(struct kvl *l, const char *id)
+static struct expected *find_locked(struct kv_link *l, const char *id)
 {
     double now = moe_now();
     for (struct expected **p = &l->table; *p;) {
@@ -459,7 +713,26 @@ static struct expected *find_locked(struct kvl *l, const char *id)
     return NULL;
 }
 
-static enum moe_status expect_local(struct kvl *l, const char *id, const int32_t *blocks,
+/* Checks that `n_tokens` KV positions in `blocks` lie inside cache `kv`: the
+ * ids come from the wire, and copy_rows trusts them. */
+static enum moe_status check_blocks(const struct moe_kv_cache *kv, const char *what, const char *id,
+                                    const int32_t *blocks, int n_blocks, int n_tokens,
+                                    struct moe_error *err)
+{
+    if (n_blocks > kv->n_block || n_tokens < 1 || n_tokens > n_blocks * kv->block_size)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "handoff %.100s: %s: %d tokens in %d blocks of %d (the cache has %d "
+                             "blocks)",
+                             id, what, n_tokens, n_blocks, kv->block_size, kv->n_block);
+    for (int i = 0; i < n_blocks; i++)
+        if (blocks[i] < 0 || blocks[i] >= kv->n_block)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "handoff %.100s: %s[%d] = %d is not a block in [0, %d)", id, what,
+                                 i, (int)blocks[i], kv->n_block);
+    return MOE_OK;
+}
+
+static enum moe_status expect_local(struct kv_link *l, const char *id, const int32_t *blocks,
                                     int n_blocks, int n_tokens, int ttl_ms, struct moe_error *err)
 {
     struct expected *e = calloc(1, sizeof *e);
@@ -473,10 +746,11 @@ static enum moe_status expect_local(struct kvl *l, const char *id, const int32_t
     e->n_tokens = n_tokens;
     e->deadline = moe_now() + ttl_ms / 1e3;
     pthread_mutex_lock(&l->mu);
-    enum moe_status rc = MOE_OK;
-    if (find_locked(l, id)) {
+    enum moe_status rc = l->kv ? check_blocks(l->kv, "blocks", id, blocks, n_blocks, n_tokens, err)
+                               : moe_error_set(err, MOE_ERR_IO, "this rank has no KV cache yet");
+    if (!rc && find_locked(l, id))
         rc = moe_error_set(err, MOE_ERR_INVALID, "handoff %.100s is already expected here", id);
-    } else {
+    if (!rc) {
         e->next = l->table;
         l->table = e;
         e = NULL;
@@ -489,7 +763,7 @@ static enum moe_status expect_local(struct kvl *l, const char *id, const int32_t
     return rc;
 }
 
-static void forget_local(struct kvl *l, const char *id, uint64_t *bytes, bool *complete)
+static void forget_local(struct kv_link *l, const char *id, uint64_t *bytes, bool *complete)
 {
     *bytes = 0;
     *complete = false;
@@ -515,9 +789,9 @@ static void forget_local(struct kvl *l, const char *id, uint64_t *bytes, bool *c
     pthread_mutex_unlock(&l->mu);
 }
 
-enum moe_status kvl_expect(struct kvl *l, const char *endpoint, const char *id,
-                           const int32_t *blocks, int n_blocks, int n_tokens, int ttl_ms,
-                           struct moe_error *err)
+enum moe_status kv_link_expect(struct kv_link *l, const char *endpoint, const char *id,
+                               const int32_t *blocks, int n_blocks, int n_tokens, int ttl_ms,
+                               struct moe_error *err)
 {
     if (!endpoint)
         return expect_local(l, id, blocks, n_blocks, n_tokens, ttl_ms, err);
@@ -526,13 +800,14 @@ enum moe_status kvl_expect(struct kvl *l, const char *endpoint, const char *id,
     put_i32(&b, n_tokens);
     put_i32(&b, ttl_ms);
     put_ints(&b, blocks, n_blocks);
-    enum moe_status rc = call(endpoint, T_EXPECT, &b, l->o.io_timeout_ms, NULL, NULL, err);
+    enum moe_status rc =
+        call(l->o.tls, endpoint, T_EXPECT, &b, l->o.io_timeout_ms, NULL, NULL, err);
     free(b.p);
     return rc;
 }
 
-enum moe_status kvl_forget(struct kvl *l, const char *endpoint, const char *id, uint64_t *bytes,
-                           bool *complete, struct moe_error *err)
+enum moe_status kv_link_forget(struct kv_link *l, const char *endpoint, const char *id,
+                               uint64_t *bytes, bool *complete, struct moe_error *err)
 {
     if (!endpoint) {
         forget_local(l, id, bytes, complete);
@@ -542,7 +817,8 @@ enum moe_status kvl_forget(struct kvl *l, const char *endpoint, const char *id, 
     put_str(&b, id);
     *bytes = 0;
     *complete = false;
-    enum moe_status rc = call(endpoint, T_FORGET, &b, l->o.io_timeout_ms, bytes, complete, err);
+    enum moe_status rc =
+        call(l->o.tls, endpoint, T_FORGET, &b, l->o.io_timeout_ms, bytes, complete, err);
     free(b.p);
     return rc;
 }
@@ -555,9 +831,10 @@ enum copy_dir { TO_HOST, FROM_HOST, TO_STAGE, FROM_STAGE };
  * or V) between the cache and the token-major buffer `buf` (n x (he - hb) x
  * d_head): host memory, or a staging buffer in backend memory. Runs of whole
  * rows inside a block move in one copy; a part of a row moves row by row. */
-static void copy_rows(struct kvl *l, struct moe_kv_cache *kv, float *base, const int32_t *blocks,
-                      int n, int hb, int he, float *buf, enum copy_dir dir)
+static void copy_rows(struct kv_link *l, struct moe_kv_cache *kv, float *base,
+                      const int32_t *blocks, int n, int hb, int he, float *buf, enum copy_dir dir)
 {
+    moe_kv_cache_fence(kv); /* the forward passes' writes (a push reads them) */
     struct moe_backend *be = l->o.be;
     int dh = l->o.layout.d_head, bs = kv->block_size;
     size_t row = (size_t)(he - hb) * dh;
@@ -578,10 +855,11 @@ static void copy_rows(struct kvl *l, struct moe_kv_cache *kv, float *base, const
         }
         t += run;
     }
+    moe_kv_cache_fence(kv); /* this copy's writes, for the next step */
 }
 
 /* The pair with `peer` on this side (made on first use). */
-static struct pair *pair_get(struct kvl *l, const char *peer, bool sending)
+static struct pair *pair_get(struct kv_link *l, const char *peer, bool sending)
 {
     pthread_mutex_lock(&l->mu);
     struct pair *p = l->pairs;
@@ -601,13 +879,13 @@ static struct pair *pair_get(struct kvl *l, const char *peer, bool sending)
 /* Moves one layer's K or V payload (`bytes`) of a slice: over the socket
  * through the host buffer `host`, or over the pair's NCCL communicator
  * through the staging buffer `stage`. */
-static enum moe_status move_payload(struct kvl *l, int fd, struct pair *pr, bool sending,
-                                    float *host, float *stage, size_t bytes, double deadline,
-                                    struct moe_error *err)
+static enum moe_status move_payload(struct kv_link *l, struct kv_sock *ks, struct pair *pr,
+                                    bool sending, float *host, float *stage, size_t bytes,
+                                    double deadline, struct moe_error *err)
 {
     if (!pr)
-        return sending ? send_bytes(fd, host, bytes, deadline, err)
-                       : recv_bytes(fd, host, bytes, deadline, err);
+        return sending ? send_bytes(ks, host, bytes, deadline, err)
+                       : recv_bytes(ks, host, bytes, deadline, err);
     l->o.be->ops->synchronize(l->o.be); /* the staging copies are on the backend's stream */
     return sending ? moe_comm_send(pr->comm, stage, bytes, 1, err)
                    : moe_comm_recv(pr->comm, stage, bytes, 0, err);
@@ -615,7 +893,7 @@ static enum moe_status move_payload(struct kvl *l, int fd, struct pair *pr, bool
 
 /* Both sides of a pair's first slice: the communicator, from the id the
  * sender made. */
-static enum moe_status pair_connect(struct kvl *l, struct pair *pr,
+static enum moe_status pair_connect(struct kv_link *l, struct pair *pr,
                                     const struct moe_comm_nccl_id *id, struct moe_error *err)
 {
     moe_comm_destroy(pr->comm);
@@ -630,7 +908,7 @@ static enum moe_status pair_connect(struct kvl *l, struct pair *pr,
  * communicator is up and NCCL carries the payload only if both are. A pair
  * that could not connect (e.g. both ranks on one GPU) falls back to the
  * socket for good. Returns whether NCCL carries this slice. */
-static bool pair_agree(struct kvl *l, int fd, struct pair *pr, bool init,
+static bool pair_agree(struct kv_link *l, struct kv_sock *ks, struct pair *pr, bool init,
                        const struct moe_comm_nccl_id *id, double deadline)
 {
     bool up = true;
@@ -643,11 +921,11 @@ static bool pair_agree(struct kvl *l, int fd, struct pair *pr, bool init,
     bool theirs = false, ok = true;
     struct moe_error ignored = {0};
     if (pr->sending) {
-        ok = recv_status(fd, pr->peer, deadline, NULL, &theirs, &ignored) == MOE_OK;
-        send_status(fd, MOE_OK, 0, up && theirs && ok, "", deadline);
+        ok = recv_status(ks, pr->peer, deadline, NULL, &theirs, &ignored) == MOE_OK;
+        send_status(ks, MOE_OK, 0, up && theirs && ok, "", deadline);
     } else {
-        send_status(fd, MOE_OK, 0, up, "", deadline);
-        ok = recv_status(fd, pr->peer, deadline, NULL, &theirs, &ignored) == MOE_OK;
+        send_status(ks, MOE_OK, 0, up, "", deadline);
+        ok = recv_status(ks, pr->peer, deadline, NULL, &theirs, &ignored) == MOE_OK;
     }
     bool use = up && theirs && ok;
     if (!use) {
@@ -658,7 +936,7 @@ static bool pair_agree(struct kvl *l, int fd, struct pair *pr, bool init,
     return use;
 }
 
-static void unpin(struct kvl *l, struct expected *e, uint64_t bytes)
+static void unpin(struct kv_link *l, struct expected *e, uint64_t bytes)
 {
     pthread_mutex_lock(&l->mu);
     e->writers--;
@@ -668,26 +946,22 @@ static void unpin(struct kvl *l, struct expected *e, uint64_t bytes)
     pthread_mutex_unlock(&l->mu);
 }
 
-/* The receiving side of one SLICE whose header is in r. */
-static void serve_slice(struct kvl *l, int fd, struct rbuf *r)
+/* The receiving side of one SLICE whose header is `m` (decoded by kv_link_msg_parse). */
+static void serve_slice(struct kv_link *l, struct kv_sock *ks, const struct kv_link_msg *m)
 {
     double deadline = moe_now() + l->o.io_timeout_ms / 1e3; /* for refusals */
-    char id[KVL_ID_MAX], sender[KVL_ENDPOINT_MAX], msg[512] = "";
-    get_str(r, id, sizeof id);
-    int n_layer = get_i32(r), d_head = get_i32(r), hb = get_i32(r), he = get_i32(r);
-    int n_tokens = get_i32(r), dst_bs = get_i32(r), n_dst;
-    int32_t *dst = get_ints(r, &n_dst, 1 << 22);
-    int transport = get_i32(r), init = get_i32(r);
-    struct moe_comm_nccl_id nid;
-    get(r, &nid, sizeof nid);
-    get_str(r, sender, sizeof sender);
+    char msg[512] = "";
+    const char *id = m->id, *sender = m->sender;
+    int n_layer = m->n_layer, d_head = m->d_head, hb = m->head_begin, he = m->head_end;
+    int n_tokens = m->n_tokens, dst_bs = m->dst_block_size, n_dst = m->n_blocks;
+    const int32_t *dst = m->blocks;
+    int transport = m->transport, init = m->init;
+    const struct moe_comm_nccl_id *nid = &m->nccl_id;
     enum moe_status st = MOE_ERR_INVALID;
     struct expected *e = NULL;
     struct moe_kv_cache *kv = NULL;
     pthread_mutex_lock(&l->mu);
-    if (r->bad) {
-        snprintf(msg, sizeof msg, "malformed SLICE header");
-    } else if (!l->kv || l->stopping) {
+    if (!l->kv || l->stopping) {
         st = MOE_ERR_IO;
         snprintf(msg, sizeof msg, "this rank has no KV cache yet or is stopping");
     } else if (!(e = find_locked(l, id))) {
@@ -719,13 +993,11 @@ static void serve_slice(struct kvl *l, int fd, struct rbuf *r)
             pr = NULL;
         }
     }
-    send_status(fd, st, 0, pr != NULL, msg, deadline); /* go ahead (and how), or why not */
-    if (st != MOE_OK) {
-        free(dst);
+    send_status(ks, st, 0, pr != NULL, msg, deadline); /* go ahead (and how), or why not */
+    if (st != MOE_OK)
         return;
-    }
     struct moe_error err = {0};
-    if (pr && !pair_agree(l, fd, pr, init, &nid, deadline)) {
+    if (pr && !pair_agree(l, ks, pr, init, nid, deadline)) {
         pthread_mutex_unlock(&pr->mu);
         pr = NULL;
     }
@@ -739,7 +1011,7 @@ static void serve_slice(struct kvl *l, int fd, struct rbuf *r)
         for (int kind = 0; kind < 2 && !st; kind++) {
             /* a sender that stops making progress fails the slice */
             double step = moe_now() + l->o.io_timeout_ms / 1e3;
-            if ((st = move_payload(l, fd, pr, false, host, stage, per * sizeof(float), step, &err)))
+            if ((st = move_payload(l, ks, pr, false, host, stage, per * sizeof(float), step, &err)))
                 break;
             float *base = kind ? kv->v[layer] : kv->k[layer];
             copy_rows(l, kv, base, dst, n_tokens, hb, he, pr ? stage : host,
@@ -757,15 +1029,15 @@ static void serve_slice(struct kvl *l, int fd, struct rbuf *r)
         pthread_mutex_unlock(&pr->mu);
     }
     free(host);
-    free(dst);
     unpin(l, e, st ? 0 : bytes);
-    send_status(fd, st, bytes, false, st ? err.msg : "", moe_now() + l->o.io_timeout_ms / 1e3);
+    send_status(ks, st, bytes, false, st ? err.msg : "", moe_now() + l->o.io_timeout_ms / 1e3);
 }
 
 /* Sends heads [hb, he) of `p` to one target. */
-static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const struct kvl_push *p,
-                                const struct kvl_target *t, int hb, int he, double deadline,
-                                uint64_t *bytes, struct moe_error *err)
+static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
+                                const struct kv_link_push *p, const struct kv_link_target *t,
+                                int hb, int he, double deadline, uint64_t *bytes,
+                                struct moe_error *err)
 {
     struct pair *pr = l->nccl ? pair_get(l, t->endpoint, true) : NULL;
     if (pr) {
@@ -783,8 +1055,8 @@ static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const st
         pr = NULL;
         init = false;
     }
-    int fd = connect_to(t->endpoint, deadline, err);
-    if (fd < 0) {
+    struct kv_sock sock, *ks = &sock;
+    if (sock_connect(l->o.tls, t->endpoint, deadline, ks, err)) {
         if (pr)
             pthread_mutex_unlock(&pr->mu);
         return MOE_ERR_IO;
@@ -803,11 +1075,11 @@ static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const st
     put_i32(&b, init);
     put(&b, &nid, sizeof nid);
     put_str(&b, l->endpoint);
-    enum moe_status rc = send_msg(fd, T_SLICE, &b, deadline, err);
+    enum moe_status rc = send_msg(ks, T_SLICE, &b, deadline, err);
     free(b.p);
     bool nccl = false;
     if (!rc) /* the receiver checks the header against its reservation first */
-        rc = recv_status(fd, t->endpoint, deadline, NULL, &nccl, err);
+        rc = recv_status(ks, t->endpoint, deadline, NULL, &nccl, err);
     if (pr && !rc && !nccl) {
         if (init) { /* the peer has no device path: the socket for good */
             pr->broken = true;
@@ -816,7 +1088,7 @@ static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const st
             pr->comm = NULL;
         }
     }
-    if (pr && !rc && nccl && !pair_agree(l, fd, pr, init, &nid, deadline))
+    if (pr && !rc && nccl && !pair_agree(l, ks, pr, init, &nid, deadline))
         nccl = false;
     if (pr && !nccl) {
         pthread_mutex_unlock(&pr->mu);
@@ -839,7 +1111,7 @@ static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const st
             float *base = kind ? kv->v[layer] : kv->k[layer];
             copy_rows(l, kv, base, p->src_blocks, p->n_tokens, hb, he, pr ? stage : host,
                       pr ? TO_STAGE : TO_HOST);
-            rc = move_payload(l, fd, pr, true, host, stage, per * sizeof(float), deadline, err);
+            rc = move_payload(l, ks, pr, true, host, stage, per * sizeof(float), deadline, err);
         }
         if (!rc && l->fault_die) {
             fprintf(stderr,
@@ -854,7 +1126,7 @@ static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const st
         l->o.be->ops->buf_free(l->o.be, stage);
     uint64_t got = 0;
     if (!rc)
-        rc = recv_status(fd, t->endpoint, deadline, &got, NULL, err);
+        rc = recv_status(ks, t->endpoint, deadline, &got, NULL, err);
     else if (!strstr(err->msg, "KV endpoint"))
         moe_error_prefix(err, "KV endpoint %.120s", t->endpoint);
     if (pr) {
@@ -864,14 +1136,14 @@ static enum moe_status push_one(struct kvl *l, struct moe_kv_cache *kv, const st
         }
         pthread_mutex_unlock(&pr->mu);
     }
-    close(fd);
+    sock_close(ks);
     if (!rc)
         *bytes += got;
     return rc;
 }
 
-enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *bytes,
-                         struct moe_error *err)
+enum moe_status kv_link_push(struct kv_link *l, const struct kv_link_push *p, uint64_t *bytes,
+                             struct moe_error *err)
 {
     *bytes = 0;
     double deadline = moe_now() + p->deadline_ms / 1e3;
@@ -880,15 +1152,19 @@ enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *byte
     pthread_mutex_unlock(&l->mu);
     if (!kv)
         return moe_error_set(err, MOE_ERR_IO, "this rank has no KV cache yet");
-    if (p->n_tokens < 1 || p->n_tokens > p->n_src_blocks * kv->block_size ||
-        p->dst_block_size < 1 || p->n_tokens > p->n_dst_blocks * p->dst_block_size)
+    if (p->n_tokens < 1 || p->n_tokens > (int64_t)p->n_src_blocks * kv->block_size ||
+        p->dst_block_size < 1 || p->n_tokens > (int64_t)p->n_dst_blocks * p->dst_block_size)
         return moe_error_set(err, MOE_ERR_INVALID,
                              "handoff %.100s: %d tokens do not fit %d blocks here / %d blocks "
                              "of %d there",
                              p->id, p->n_tokens, p->n_src_blocks, p->n_dst_blocks,
                              p->dst_block_size);
+    enum moe_status st =
+        check_blocks(kv, "src_blocks", p->id, p->src_blocks, p->n_src_blocks, p->n_tokens, err);
+    if (st)
+        return st;
     for (int i = 0; i < p->n_targets; i++) {
-        const struct kvl_target *t = &p->targets[i];
+        const struct kv_link_target *t = &p->targets[i];
         int hb = t->head_begin > l->head_begin ? t->head_begin : l->head_begin;
         int he = t->head_end < l->head_end ? t->head_end : l->head_end;
         if (hb >= he)
@@ -902,7 +1178,7 @@ enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *byte
 
 /* ---- orders ------------------------------------------------------------------------- */
 
-static void put_push(struct wbuf *b, const struct kvl_push *p)
+static void put_push(struct wbuf *b, const struct kv_link_push *p)
 {
     put_str(b, p->id);
     put_i32(b, p->n_tokens);
@@ -918,9 +1194,9 @@ static void put_push(struct wbuf *b, const struct kvl_push *p)
     }
 }
 
-struct kvl_order {
-    struct kvl *l;
-    char endpoint[KVL_ENDPOINT_MAX];
+struct kv_link_order {
+    struct kv_link *l;
+    char endpoint[KV_LINK_ENDPOINT_MAX];
     struct wbuf msg;
     int timeout_ms;
     pthread_t th;
@@ -931,16 +1207,18 @@ struct kvl_order {
 
 static void *order_main(void *arg)
 {
-    struct kvl_order *o = arg;
-    o->rc = call(o->endpoint, T_ORDER, &o->msg, o->timeout_ms, &o->bytes, NULL, &o->err);
+    struct kv_link_order *o = arg;
+    o->rc =
+        call(o->l->o.tls, o->endpoint, T_ORDER, &o->msg, o->timeout_ms, &o->bytes, NULL, &o->err);
     return NULL;
 }
 
-enum moe_status kvl_order_start(struct kvl *l, const char *endpoint, const struct kvl_push *p,
-                                struct kvl_order **out, struct moe_error *err)
+enum moe_status kv_link_order_start(struct kv_link *l, const char *endpoint,
+                                    const struct kv_link_push *p, struct kv_link_order **out,
+                                    struct moe_error *err)
 {
     *out = NULL;
-    struct kvl_order *o = calloc(1, sizeof *o);
+    struct kv_link_order *o = calloc(1, sizeof *o);
     if (!o)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     o->l = l;
@@ -958,7 +1236,7 @@ enum moe_status kvl_order_start(struct kvl *l, const char *endpoint, const struc
     return MOE_OK;
 }
 
-enum moe_status kvl_order_wait(struct kvl_order *o, uint64_t *bytes, struct moe_error *err)
+enum moe_status kv_link_order_wait(struct kv_link_order *o, uint64_t *bytes, struct moe_error *err)
 {
     pthread_join(o->th, NULL);
     enum moe_status rc = o->rc;
@@ -970,90 +1248,88 @@ enum moe_status kvl_order_wait(struct kvl_order *o, uint64_t *bytes, struct moe_
     return rc;
 }
 
-static void serve_order(struct kvl *l, int fd, struct rbuf *r, double io_deadline)
+static void serve_order(struct kv_link *l, struct kv_sock *ks, const struct kv_link_msg *m,
+                        double io_deadline)
 {
-    char id[KVL_ID_MAX];
-    struct kvl_push p = {.id = id};
-    get_str(r, id, sizeof id);
-    p.n_tokens = get_i32(r);
-    p.deadline_ms = get_i32(r);
-    int32_t *src = get_ints(r, &p.n_src_blocks, 1 << 22);
-    p.dst_block_size = get_i32(r);
-    int32_t *dst = get_ints(r, &p.n_dst_blocks, 1 << 22);
-    p.n_targets = get_i32(r);
-    struct kvl_target *t = NULL;
-    if (!r->bad && p.n_targets > 0 && p.n_targets <= KVL_MAX_RANKS &&
-        (t = calloc((size_t)p.n_targets, sizeof *t)))
-        for (int i = 0; i < p.n_targets; i++) {
-            get_str(r, t[i].endpoint, sizeof t[i].endpoint);
-            t[i].head_begin = get_i32(r);
-            t[i].head_end = get_i32(r);
-        }
-    p.src_blocks = src;
-    p.dst_blocks = dst;
-    p.targets = t;
+    struct kv_link_push p = {.id = m->id,
+                             .src_blocks = m->src_blocks,
+                             .n_src_blocks = m->n_src_blocks,
+                             .n_tokens = m->n_tokens,
+                             .dst_blocks = m->blocks,
+                             .n_dst_blocks = m->n_blocks,
+                             .dst_block_size = m->dst_block_size,
+                             .targets = m->targets,
+                             .n_targets = m->n_targets,
+                             .deadline_ms = m->deadline_ms};
     struct moe_error err = {0};
     uint64_t bytes = 0;
     enum moe_status st;
-    if (r->bad || !t || p.deadline_ms < 1)
-        st = moe_error_set(&err, MOE_ERR_INVALID, "malformed ORDER");
+    if (p.deadline_ms < 1)
+        st = moe_error_set(&err, MOE_ERR_INVALID, "malformed ORDER: 'deadline_ms' %d is not >= 1",
+                           p.deadline_ms);
     else
-        st = kvl_push(l, &p, &bytes, &err);
-    free(src);
-    free(dst);
-    free(t);
+        st = kv_link_push(l, &p, &bytes, &err);
     double deadline = moe_now() + l->o.io_timeout_ms / 1e3;
-    send_status(fd, st, bytes, false, st ? err.msg : "",
+    send_status(ks, st, bytes, false, st ? err.msg : "",
                 deadline > io_deadline ? deadline : io_deadline);
 }
 
 /* ---- server ------------------------------------------------------------------------- */
 
 struct conn {
-    struct kvl *l;
-    int fd;
+    struct kv_link *l;
+    struct kv_sock ks;
 };
 
 static void *conn_main(void *arg)
 {
     struct conn *c = arg;
-    struct kvl *l = c->l;
+    struct kv_link *l = c->l;
     double deadline = moe_now() + l->o.io_timeout_ms / 1e3;
     uint32_t type = 0;
     uint8_t *body = NULL;
     size_t len = 0;
     struct moe_error err = {0};
-    if (recv_msg(c->fd, &type, &body, &len, deadline, &err) == MOE_OK) {
-        struct rbuf r = {body, len, 0, false};
-        char id[KVL_ID_MAX];
-        switch (type) {
-        case T_EXPECT: {
-            get_str(&r, id, sizeof id);
-            int n_tokens = get_i32(&r), ttl = get_i32(&r), n;
-            int32_t *blocks = get_ints(&r, &n, 1 << 22);
-            enum moe_status st = r.bad ? moe_error_set(&err, MOE_ERR_INVALID, "malformed EXPECT")
-                                       : expect_local(l, id, blocks, n, n_tokens, ttl, &err);
-            free(blocks);
-            send_status(c->fd, st, 0, false, st ? err.msg : "", deadline);
+    struct kv_link_msg *m = NULL;
+    struct kv_sock *ks = &c->ks;
+    bool up = true;
+    if (l->o.tls) { /* the handshake: with a CA, the peer must show a certificate from it */
+        SSL_CTX *ctx = moe_tls_ssl_ctx(l->o.tls, true, &err);
+        up = ctx && (ks->ssl = SSL_new(ctx)) && SSL_set_fd(ks->ssl, ks->fd) == 1 &&
+             sock_handshake(ks, true, "(client)", deadline, &err) == MOE_OK;
+        if (!up)
+            fprintf(stderr, "moe-worker: KV link: a connection refused: %s\n",
+                    err.msg[0] ? err.msg : "cannot start TLS");
+    }
+    if (up && recv_msg(ks, &type, &body, &len, deadline, &err) == MOE_OK) {
+        enum moe_status st = (m = malloc(sizeof *m))
+                                 ? kv_link_msg_parse(type, body, len, m, &err)
+                                 : moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
+        switch (st ? 0 : type) {
+        case T_EXPECT:
+            st = expect_local(l, m->id, m->blocks, m->n_blocks, m->n_tokens, m->ttl_ms, &err);
+            send_status(ks, st, 0, false, st ? err.msg : "", deadline);
             break;
-        }
         case T_FORGET: {
-            get_str(&r, id, sizeof id);
             uint64_t bytes = 0;
             bool complete = false;
-            if (!r.bad)
-                forget_local(l, id, &bytes, &complete);
-            send_status(c->fd, r.bad ? MOE_ERR_INVALID : MOE_OK, bytes, complete,
-                        r.bad ? "malformed FORGET" : "", moe_now() + l->o.io_timeout_ms / 1e3);
+            forget_local(l, m->id, &bytes, &complete);
+            send_status(ks, MOE_OK, bytes, complete, "", moe_now() + l->o.io_timeout_ms / 1e3);
             break;
         }
-        case T_ORDER: serve_order(l, c->fd, &r, deadline); break;
-        case T_SLICE: serve_slice(l, c->fd, &r); break;
-        default: send_status(c->fd, MOE_ERR_INVALID, 0, false, "unknown message", deadline);
+        case T_ORDER: serve_order(l, ks, m, deadline); break;
+        case T_SLICE: serve_slice(l, ks, m); break;
+        case T_STATUS:
+            send_status(ks, MOE_ERR_INVALID, 0, false, "a STATUS is an answer, not a request",
+                        deadline);
+            break;
+        default: send_status(ks, st, 0, false, err.msg, deadline);
         }
     }
+    kv_link_msg_clear(m);
+    free(m);
     free(body);
-    close(c->fd);
+    sock_close(ks);
     free(c);
     pthread_mutex_lock(&l->mu);
     l->n_conns--;
@@ -1064,7 +1340,7 @@ static void *conn_main(void *arg)
 
 static void *accept_main(void *arg)
 {
-    struct kvl *l = arg;
+    struct kv_link *l = arg;
     for (;;) {
         struct pollfd p = {.fd = l->listen_fd, .events = POLLIN};
         int prc = poll(&p, 1, 100);
@@ -1087,7 +1363,8 @@ static void *accept_main(void *arg)
         pthread_t th;
         if (c) {
             c->l = l;
-            c->fd = fd;
+            c->ks.fd = fd;
+            c->ks.ssl = NULL;
             pthread_mutex_lock(&l->mu);
             l->n_conns++;
             pthread_mutex_unlock(&l->mu);
@@ -1106,25 +1383,26 @@ static void *accept_main(void *arg)
     return NULL;
 }
 
-enum moe_status kvl_create(const struct kvl_opts *o, struct kvl **out, struct moe_error *err)
+enum moe_status kv_link_create(const struct kv_link_opts *o, struct kv_link **out,
+                               struct moe_error *err)
 {
     *out = NULL;
-    const struct kvl_layout *lay = &o->layout;
+    const struct kv_link_layout *lay = &o->layout;
     if (lay->tp_size < 1 || lay->n_kv_head % lay->tp_size || lay->tp_rank < 0 ||
         lay->tp_rank >= lay->tp_size)
         return moe_error_set(err, MOE_ERR_INVALID, "KV link: %d KV heads over tp %d (rank %d)",
                              lay->n_kv_head, lay->tp_size, lay->tp_rank);
-    char host[KVL_ENDPOINT_MAX];
+    char host[KV_LINK_ENDPOINT_MAX];
     int port;
-    if (!split_hostport(o->listen, host, sizeof host, &port))
+    if (!moe_hostport_split(o->listen, host, sizeof host, &port) || !host[0])
         return moe_error_set(err, MOE_ERR_INVALID, "--kv-listen '%s': not host:port", o->listen);
-    struct kvl *l = calloc(1, sizeof *l);
+    struct kv_link *l = calloc(1, sizeof *l);
     if (!l)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     l->o = *o;
     if (l->o.io_timeout_ms <= 0)
         l->o.io_timeout_ms = 5000;
-    kvl_heads(lay->n_kv_head, lay->tp_size, lay->tp_rank, &l->head_begin, &l->head_end);
+    kv_link_heads(lay->n_kv_head, lay->tp_size, lay->tp_rank, &l->head_begin, &l->head_end);
     l->nccl = o->nccl && o->be->device == MOE_DEVICE_CUDA;
     /* test-only hooks, armed by MOE_TEST_FAULTS=1 alone (test_fault.h) */
     l->fault_delay_ms = moe_fault_int("MOE_FAULT_TRANSFER_DELAY_MS", 0);
@@ -1169,7 +1447,7 @@ enum moe_status kvl_create(const struct kvl_opts *o, struct kvl **out, struct mo
     int bound = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
                                                : ((struct sockaddr_in *)&ss)->sin_port);
     const char *adv = o->advertise_host ? o->advertise_host : host;
-    char name[KVL_ENDPOINT_MAX];
+    char name[KV_LINK_ENDPOINT_MAX];
     if (!adv[0] || !strcmp(adv, "0.0.0.0") || !strcmp(adv, "::") || !strcmp(adv, "[::]")) {
         if (gethostname(name, sizeof name))
             snprintf(name, sizeof name, "localhost");
@@ -1187,11 +1465,11 @@ enum moe_status kvl_create(const struct kvl_opts *o, struct kvl **out, struct mo
     *out = l;
     return MOE_OK;
 fail:
-    kvl_destroy(l);
+    kv_link_destroy(l);
     return err->code;
 }
 
-void kvl_destroy(struct kvl *l)
+void kv_link_destroy(struct kv_link *l)
 {
     if (!l)
         return;

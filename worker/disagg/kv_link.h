@@ -4,7 +4,7 @@
  * moves its own slice of the KV cache (the KV heads of its tensor-parallel
  * rank) straight to the ranks of the other group that hold those heads. The
  * group leaders only steer (moe.v1.Worker KvReserve / KvSend / KvTransfer,
- * see kv_transfer.h); no KV byte passes through a leader that does not own it.
+ * see kv_handoff.h); no KV byte passes through a leader that does not own it.
  *
  *   prefill rank i (heads [a, b))  --SLICE-->  decode rank j (heads [c, d)):
  *                                              the overlap of [a, b) and [c, d)
@@ -26,7 +26,7 @@
  * dead or stuck peer fails the handoff instead of hanging it.
  *
  * Payloads: over the same TCP connection through host memory (the host path,
- * and the fallback), or between GPUs over NCCL (kvl_opts.nccl: staged in a
+ * and the fallback), or between GPUs over NCCL (kv_link_opts.nccl: staged in a
  * device buffer, sent on a two-rank communicator per rank pair whose unique
  * id travels in the pair's first SLICE header). UNVERIFIED: no machine with
  * two GPUs has run the NCCL payload path yet. */
@@ -37,27 +37,28 @@
 #include <stdint.h>
 
 #include "backend.h"
+#include "comm/comm.h"
 #include "kv/kv_cache.h"
 #include "moe_error.h"
 
-#define KVL_ENDPOINT_MAX 128
-#define KVL_ID_MAX 200
-#define KVL_MAX_RANKS 256 /* ranks of a group */
+#define KV_LINK_ENDPOINT_MAX 128
+#define KV_LINK_ID_MAX 200
+#define KV_LINK_MAX_RANKS 256 /* ranks of a group */
 
 /* Which KV heads a rank holds: [tp_rank, tp_rank + 1) * n_kv_head / tp_size. */
-struct kvl_layout {
+struct kv_link_layout {
     int n_layer, n_kv_head, d_head; /* the model's */
     int tp_size, tp_rank;
 };
 
-struct kvl_opts {
+struct kv_link_opts {
     struct moe_backend *be; /* borrowed: the KV cache's backend */
     /* host:port to listen on; port 0 picks a free one. The advertised
      * endpoint uses advertise_host (NULL: the listen host; 0.0.0.0 or an
      * empty host: this machine's name). */
     const char *listen;
     const char *advertise_host;
-    struct kvl_layout layout;
+    struct kv_link_layout layout;
     int io_timeout_ms; /* per socket operation; 0 = 5000 */
     /* The device path: with a CUDA cache, slice payloads go device to device
      * over NCCL (a two-rank communicator per rank pair, made on the pair's
@@ -66,47 +67,54 @@ struct kvl_opts {
      * communicator cannot connect, uses the socket. */
     bool nccl;
     int device; /* CUDA device ordinal of the cache */
+    /* TLS on every connection (tls_opts.h; borrowed, outlives the link):
+     * this rank serves with its certificate and, when a CA is given,
+     * requires peers to present one from it (mutual TLS); it connects to
+     * peers verifying theirs. Only the messages' sockets: a NCCL payload
+     * (the device path) is not encrypted. NULL = plaintext. */
+    struct moe_tls *tls;
 };
 
-struct kvl;
+struct kv_link;
 
-enum moe_status kvl_create(const struct kvl_opts *o, struct kvl **out, struct moe_error *err);
+enum moe_status kv_link_create(const struct kv_link_opts *o, struct kv_link **out,
+                               struct moe_error *err);
 
 /* "host:port" where the other ranks reach this one. */
-const char *kvl_endpoint(const struct kvl *l);
+const char *kv_link_endpoint(const struct kv_link *l);
 
 /* The cache this rank serves. Slices are refused until it is set. */
-void kvl_attach_kv(struct kvl *l, struct moe_kv_cache *kv);
+void kv_link_attach_kv(struct kv_link *l, struct moe_kv_cache *kv);
 
 /* Stops listening and waits for the connections being served. NULL: no-op. */
-void kvl_destroy(struct kvl *l);
+void kv_link_destroy(struct kv_link *l);
 
 /* Heads [*begin, *end) of TP rank `tp_rank` of `tp_size`. */
-void kvl_heads(int n_kv_head, int tp_size, int tp_rank, int *begin, int *end);
+void kv_link_heads(int n_kv_head, int tp_size, int tp_rank, int *begin, int *end);
 
 /* ---- decode side ------------------------------------------------------------------- */
 
 /* Lets slices of handoff `id` (n_tokens KV positions) into `blocks` of this
  * rank for ttl_ms. `endpoint` NULL: this process's link `l`; else the remote
  * rank there. */
-enum moe_status kvl_expect(struct kvl *l, const char *endpoint, const char *id,
-                           const int32_t *blocks, int n_blocks, int n_tokens, int ttl_ms,
-                           struct moe_error *err);
+enum moe_status kv_link_expect(struct kv_link *l, const char *endpoint, const char *id,
+                               const int32_t *blocks, int n_blocks, int n_tokens, int ttl_ms,
+                               struct moe_error *err);
 
 /* Drops handoff `id` after any write into it ended. *bytes: bytes written;
  * *complete: every row of every layer of this rank's heads arrived. An
  * unknown id answers 0 bytes, not complete. */
-enum moe_status kvl_forget(struct kvl *l, const char *endpoint, const char *id, uint64_t *bytes,
-                           bool *complete, struct moe_error *err);
+enum moe_status kv_link_forget(struct kv_link *l, const char *endpoint, const char *id,
+                               uint64_t *bytes, bool *complete, struct moe_error *err);
 
 /* ---- prefill side ------------------------------------------------------------------- */
 
-struct kvl_target { /* one rank of the decode group */
-    char endpoint[KVL_ENDPOINT_MAX];
+struct kv_link_target { /* one rank of the decode group */
+    char endpoint[KV_LINK_ENDPOINT_MAX];
     int head_begin, head_end;
 };
 
-struct kvl_push {
+struct kv_link_push {
     const char *id;
     const int32_t *src_blocks; /* the sequence's blocks in the sender's cache */
     int n_src_blocks;
@@ -114,7 +122,7 @@ struct kvl_push {
     const int32_t *dst_blocks; /* reserved on the decode group (same ids on its ranks) */
     int n_dst_blocks;
     int dst_block_size;
-    const struct kvl_target *targets;
+    const struct kv_link_target *targets;
     int n_targets;
     int deadline_ms; /* the whole push */
 };
@@ -124,14 +132,74 @@ struct kvl_push {
  * MOE_TEST_FAULTS=1, see test_fault.h): MOE_FAULT_TRANSFER_DELAY_MS sleeps
  * before each layer; MOE_FAULT_DIE_DURING_TRANSFER exits after the first
  * layer went out. */
-enum moe_status kvl_push(struct kvl *l, const struct kvl_push *p, uint64_t *bytes,
-                         struct moe_error *err);
+enum moe_status kv_link_push(struct kv_link *l, const struct kv_link_push *p, uint64_t *bytes,
+                             struct moe_error *err);
 
-/* Asks the rank at `endpoint` to run kvl_push(p) there: started at once on a
- * thread of this process, collected by kvl_order_wait (which frees it). */
-struct kvl_order;
-enum moe_status kvl_order_start(struct kvl *l, const char *endpoint, const struct kvl_push *p,
-                                struct kvl_order **out, struct moe_error *err);
-enum moe_status kvl_order_wait(struct kvl_order *o, uint64_t *bytes, struct moe_error *err);
+/* Asks the rank at `endpoint` to run kv_link_push(p) there: started at once on a
+ * thread of this process, collected by kv_link_order_wait (which frees it). */
+struct kv_link_order;
+enum moe_status kv_link_order_start(struct kv_link *l, const char *endpoint,
+                                    const struct kv_link_push *p, struct kv_link_order **out,
+                                    struct moe_error *err);
+enum moe_status kv_link_order_wait(struct kv_link_order *o, uint64_t *bytes, struct moe_error *err);
+
+/* ---- the wire, as pure functions (the server and the clients above decode
+ * every message through these; tests/fuzz/fuzz_kv_link.c feeds them bytes) ---- */
+
+/* A message is a head of three host-order 32-bit words {magic "MOEK", type,
+ * body length <= KV_LINK_MAX_BODY} and a body of 32/64-bit words, int32 arrays
+ * (count, then items) and strings (length, then bytes, no NUL). */
+#define KV_LINK_HEAD_BYTES 12
+#define KV_LINK_MAX_BODY (1u << 24)
+#define KV_LINK_MAX_BLOCKS (1 << 22) /* per block list */
+
+enum kv_link_msg_type {
+    KV_LINK_MSG_EXPECT = 1, /* id, n_tokens, ttl_ms, blocks */
+    KV_LINK_MSG_FORGET,     /* id */
+    KV_LINK_MSG_ORDER,      /* id, n_tokens, deadline_ms, src_blocks, dst_block_size, blocks,
+                           n_targets x {endpoint, head_begin, head_end} */
+    KV_LINK_MSG_SLICE,      /* id, n_layer, d_head, head_begin, head_end, n_tokens,
+                           dst_block_size, blocks, transport, init, nccl_id, sender */
+    KV_LINK_MSG_STATUS,     /* status, value, flag, msg */
+};
+
+/* One decoded message: the fields its type carries (see above), the rest
+ * zero. `blocks` is the reservation of an EXPECT and the destination blocks
+ * of an ORDER or a SLICE. Arrays are malloc'd: kv_link_msg_clear frees them. */
+struct kv_link_msg {
+    uint32_t type;
+    char id[KV_LINK_ID_MAX];
+    int n_tokens, ttl_ms, deadline_ms, dst_block_size;
+    int32_t *blocks; /* (n_blocks) */
+    int n_blocks;
+    int32_t *src_blocks; /* (n_src_blocks) */
+    int n_src_blocks;
+    struct kv_link_target *targets; /* (n_targets), 1..KV_LINK_MAX_RANKS of them */
+    int n_targets;
+    int n_layer, d_head, head_begin, head_end;
+    int transport; /* SLICE: 1 = the payload goes over NCCL */
+    int init;      /* SLICE: the first slice of the pair: make the communicator */
+    struct moe_comm_nccl_id nccl_id;
+    char sender[KV_LINK_ENDPOINT_MAX];
+    int32_t status; /* STATUS: an enum moe_status */
+    uint64_t value;
+    bool flag;
+    char msg[MOE_ERROR_MSG_MAX];
+};
+
+/* Checks a head (KV_LINK_HEAD_BYTES at `head`): the magic and the body length.
+ * MOE_ERR_INVALID naming both when it is not a KV link message. */
+enum moe_status kv_link_head_parse(const uint8_t *head, uint32_t *type, uint32_t *body_len,
+                                   struct moe_error *err);
+
+/* Decodes the body of a message of `type` (`len` bytes at `body`) into *m.
+ * An unknown type, a body that ends inside a field, a length or count out
+ * of range is MOE_ERR_INVALID "malformed SLICE: 'sender' ..." naming the
+ * field; *m is then cleared. Bytes after the last field are ignored. */
+enum moe_status kv_link_msg_parse(uint32_t type, const uint8_t *body, size_t len,
+                                  struct kv_link_msg *m, struct moe_error *err);
+
+/* Frees the arrays of *m and zeroes it. NULL is a no-op. */
+void kv_link_msg_clear(struct kv_link_msg *m);
 
 #endif

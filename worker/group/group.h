@@ -22,7 +22,7 @@
 #include "comm/comm.h"
 #include "model/model.h"
 #include "moe_error.h"
-#include "model/placement.h"
+#include "placement.h"
 
 struct moe_group {
     int rank;

@@ -8,7 +8,7 @@
 #include "backend.h"
 #include "group/group.h"
 #include "model/model.h"
-#include "model/placement.h"
+#include "placement.h"
 
 struct moe_launch_args {
     const char *model;  /* checkpoint directory */

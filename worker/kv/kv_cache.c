@@ -15,6 +15,7 @@ enum moe_status moe_kv_cache_alloc(struct moe_backend *be, int n_layer, int n_bl
     struct moe_kv_cache *kv = calloc(1, sizeof *kv);
     if (!kv)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    pthread_mutex_init(&kv->fence, NULL);
     kv->n_layer = n_layer;
     kv->n_block = n_block;
     kv->block_size = block_size;
@@ -50,5 +51,14 @@ void moe_kv_cache_release(struct moe_backend *be, struct moe_kv_cache *kv)
     }
     free(kv->k);
     free(kv->v);
+    pthread_mutex_destroy(&kv->fence);
     free(kv);
+}
+
+void moe_kv_cache_fence(struct moe_kv_cache *kv)
+{
+    if (!kv)
+        return;
+    pthread_mutex_lock(&kv->fence);
+    pthread_mutex_unlock(&kv->fence);
 }

@@ -6,10 +6,21 @@
 #ifndef MOE_KV_CACHE_H
 #define MOE_KV_CACHE_H
 
+#include <pthread.h>
+
 #include "backend.h"
 #include "moe_error.h"
 
 struct moe_kv_cache {
+    /* Two kinds of thread touch the memory: the forward pass and the KV data
+     * plane (disagg/kv_link.c: slices written into reserved blocks, parked
+     * blocks read out). The protocol keeps them apart (a step uses a block
+     * only after its handoff was committed; a parked block is read only
+     * before it is released), but that order travels through other
+     * processes (sockets, MPI). Each side passes the fence around its
+     * accesses (moe_kv_cache_fence), so the order also holds, and is
+     * visible, inside this process (the memory model, ThreadSanitizer). */
+    pthread_mutex_t fence;
     int n_layer;
     int n_block;
     int block_size;
@@ -22,6 +33,12 @@ struct moe_kv_cache {
  * NULL and nothing is allocated. */
 enum moe_status moe_kv_cache_alloc(struct moe_backend *be, int n_layer, int n_block, int block_size,
                                    int kv_dim, struct moe_kv_cache **out, struct moe_error *err);
+
+/* Passes the fence (see struct moe_kv_cache): everything this thread wrote
+ * into the cache before is visible to a thread passing it after, and this
+ * thread sees what others wrote before they passed it. Call before and after
+ * a batch of accesses. NULL is a no-op. */
+void moe_kv_cache_fence(struct moe_kv_cache *kv);
 
 /* Frees a cache made by moe_kv_cache_alloc on the same backend. NULL is a
  * no-op. */

@@ -26,7 +26,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "model/placement.h"
+#include "placement.h"
 #include "quant.h"
 #include "clock.h"
 
@@ -349,8 +349,20 @@ static enum moe_status check_batch(const struct moe_model *m, const struct moe_k
     return MOE_OK;
 }
 
+static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
+                               const struct moe_batch *b, float *logits, struct moe_error *err);
+
 enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
                                   const struct moe_batch *b, float *logits, struct moe_error *err)
+{
+    moe_kv_cache_fence(kv); /* the KV data plane's writes before this step */
+    enum moe_status rc = forward(m, kv, b, logits, err);
+    moe_kv_cache_fence(kv); /* this step's writes, for the data plane */
+    return rc;
+}
+
+static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
+                               const struct moe_batch *b, float *logits, struct moe_error *err)
 {
     enum moe_status rc = check_batch(m, kv, b, err);
     if (rc)

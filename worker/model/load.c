@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/placement.h"
+#include "placement.h"
 #include "quant.h"
 #include "safetensors.h"
 

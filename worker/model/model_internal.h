@@ -5,7 +5,7 @@
 
 #include "comm/comm.h"
 #include "model/model.h"
-#include "model/placement.h"
+#include "placement.h"
 #include "clock.h"
 
 #define MOE_MAX_EP_RANKS 64

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/placement.h"
+#include "placement.h"
 #include "safetensors.h"
 
 /* ---- expert statistics and live placement ------------------------------------------ */

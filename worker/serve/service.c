@@ -9,11 +9,12 @@
 #include <unistd.h>
 
 #include "engine/generate.h"
-#include "disagg/kv_transfer.h"
+#include "disagg/kv_handoff.h"
 #include "moe/v1/worker.pb-c.h"
 #include "request_check.h"
 #include "rpc.h"
 #include "test_fault.h"
+#include "tls_opts.h"
 
 /* One Generate call in flight. Freed by the engine thread after the final
  * event, under ws->mu, so a handler holding ws->mu can still touch it. */
@@ -29,7 +30,7 @@ struct req {
     bool want_logprobs;
     int n_out;     /* tokens of the output so far (incl. handed-off ones) */
     int n_emitted; /* tokens this worker sent */
-    char handoff_id[KVX_ID_MAX];
+    char handoff_id[KV_HANDOFF_ID_MAX];
     struct req *prev, *next;
 };
 
@@ -43,7 +44,7 @@ struct worker_service {
     char dtype_name[16];
     int world_size, tp_size, role;
     struct moe_group *group;
-    struct kvx *kvx; /* KV handoff table (NULL: no backend given) */
+    struct kv_handoff *handoffs; /* KV handoff table (NULL: no backend given) */
 
     pthread_t thread;
     bool thread_started;
@@ -56,15 +57,6 @@ struct worker_service {
     struct req *reqs; /* doubly linked list of calls in flight */
     int n_reqs;
 };
-
-static void *pack_msg(const ProtobufCMessage *msg, size_t *len)
-{
-    *len = protobuf_c_message_get_packed_size(msg);
-    uint8_t *buf = malloc(*len ? *len : 1);
-    if (buf)
-        protobuf_c_message_pack(msg, buf);
-    return buf;
-}
 
 /* ---- engine thread --------------------------------------------------------------- */
 
@@ -130,12 +122,12 @@ static void on_token(void *user, const struct moe_token_event *ev)
     char stop_reason[64] = "";
     enum rpc_code code = RPC_OK;
     const char *status_msg = NULL;
-    bool parked = ev->parked && ws->kvx;
+    bool parked = ev->parked && ws->handoffs;
     if (ev->parked) {
         /* Prefill done: hand the sequence to the table; the stream ends OK
          * without a finish reason, with this side's timings. */
-        if (ws->kvx)
-            kvx_on_parked(ws->kvx, r->handoff_id, ev->parked);
+        if (ws->handoffs)
+            kv_handoff_on_parked(ws->handoffs, r->handoff_id, ev->parked);
         else
             moe_engine_abort(ws->engine, r->id);
         double t_adm = ev->t_admitted > 0 ? ev->t_admitted : now;
@@ -180,7 +172,7 @@ static void on_token(void *user, const struct moe_token_event *ev)
         }
     }
     size_t len;
-    void *bytes = pack_msg(&resp.base, &len);
+    void *bytes = rpc_pack(&resp.base, &len);
     if (bytes)
         rpc_stream_send(r->stream, bytes, len); /* fails harmlessly if the client left */
     free(bytes);
@@ -234,8 +226,8 @@ static void *engine_thread(void *arg)
         if (stop)
             break;
         check_deadlines(ws);
-        if (ws->kvx)
-            kvx_tick(ws->kvx);
+        if (ws->handoffs)
+            kv_handoff_tick(ws->handoffs);
         int n_tok = 0;
         if (moe_engine_step(ws->engine, &n_tok, &err) != MOE_OK)
             fprintf(stderr, "moe-worker: step failed (requests of that batch ended): %s\n",
@@ -308,7 +300,7 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
         snprintf(msg, sizeof msg, "request: not a valid WorkerGenerateRequest message");
         goto fail;
     }
-    if ((rq->prefill_only || rq->handoff_id[0]) && !ws->kvx) {
+    if ((rq->prefill_only || rq->handoff_id[0]) && !ws->handoffs) {
         code = RPC_UNIMPLEMENTED;
         snprintf(msg, sizeof msg,
                  "prefill_only / handoff_id: this worker cannot hand off KV (started "
@@ -320,29 +312,23 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
         snprintf(msg, sizeof msg, "handoff_id: required with prefill_only");
         goto fail;
     }
-    if (strlen(rq->handoff_id) >= KVX_ID_MAX) {
+    if (strlen(rq->handoff_id) >= KV_HANDOFF_ID_MAX) {
         code = RPC_INVALID_ARGUMENT;
-        snprintf(msg, sizeof msg, "handoff_id: longer than %d bytes", KVX_ID_MAX - 1);
+        snprintf(msg, sizeof msg, "handoff_id: longer than %d bytes", KV_HANDOFF_ID_MAX - 1);
         goto fail;
     }
-    if (strlen(rq->request_id) > MOE_REQ_MAX_ID_LEN) {
-        code = RPC_INVALID_ARGUMENT;
-        snprintf(msg, sizeof msg, "request_id: longer than %d bytes", MOE_REQ_MAX_ID_LEN);
-        goto fail;
-    }
-    if (moe_check_sampling(rq->sampling, msg, sizeof msg) ||
+    /* the coordinator's checks (common/request_check.c): a worker called
+     * directly is as strict */
+    if (moe_check_strings(&rq->base, msg, sizeof msg) ||
+        moe_check_generation(rq->request_id, rq->sampling, (unsigned)ws->cfg->vocab_size, msg,
+                             sizeof msg) ||
+        moe_check_token_ids(rq->prompt_token_ids, rq->n_prompt_token_ids,
+                            (unsigned)ws->cfg->vocab_size, "prompt_token_ids", msg, sizeof msg) ||
         moe_check_lengths(rq->n_prompt_token_ids, rq->sampling, (unsigned)ws->cfg->max_pos, msg,
                           sizeof msg)) {
         code = RPC_INVALID_ARGUMENT;
         goto fail;
     }
-    for (size_t i = 0; i < rq->n_prompt_token_ids; i++)
-        if (rq->prompt_token_ids[i] >= (uint32_t)ws->cfg->vocab_size) {
-            code = RPC_INVALID_ARGUMENT;
-            snprintf(msg, sizeof msg, "prompt_token_ids[%zu]: %u is outside the vocabulary [0, %d)",
-                     i, rq->prompt_token_ids[i], ws->cfg->vocab_size);
-            goto fail;
-        }
     if (rq->sampling && rq->sampling->n_stop && !ws->tok) {
         code = RPC_INVALID_ARGUMENT;
         snprintf(msg, sizeof msg, "sampling.stop: this worker has no tokenizer.json");
@@ -363,11 +349,11 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
     to_engine_params(rq->sampling, n_prompt, ws->cfg->max_pos, &p);
     p.prefill_only = rq->prefill_only;
     snprintf(r->handoff_id, sizeof r->handoff_id, "%s", rq->handoff_id);
-    struct kvx_claim claim = {0};
+    struct kv_handoff_claim claim = {0};
     bool import = rq->handoff_id[0] && !rq->prefill_only;
     if (import) {
         /* The KV arrived by handoff: continue after its generated tokens. */
-        code = kvx_claim(ws->kvx, rq->handoff_id, &claim, msg, sizeof msg);
+        code = kv_handoff_claim(ws->handoffs, rq->handoff_id, &claim, msg, sizeof msg);
         if (code == RPC_OK && (claim.n_prompt != n_prompt ||
                                memcmp(claim.tokens, prompt, (size_t)n_prompt * sizeof *prompt))) {
             code = RPC_INVALID_ARGUMENT;
@@ -421,7 +407,7 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
     free(prompt);
     if (rc) {
         pthread_mutex_unlock(&ws->mu);
-        code = rc == MOE_ERR_NOMEM ? RPC_RESOURCE_EXHAUSTED : RPC_INVALID_ARGUMENT;
+        code = rpc_code_from_status(rc);
         snprintf(msg, sizeof msg, "%s", err.msg);
         goto fail;
     }
@@ -454,6 +440,14 @@ static void handle_abort(struct rpc_call *call, const uint8_t *bytes, size_t len
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid AbortRequest", NULL, 0);
         return;
     }
+    {
+        char smsg[256];
+        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
+            moe__v1__abort_request__free_unpacked(rq, NULL);
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
+            return;
+        }
+    }
     Moe__V1__AbortResponse resp = MOE__V1__ABORT_RESPONSE__INIT;
     pthread_mutex_lock(&ws->mu);
     for (struct req *r = ws->reqs; r; r = r->next)
@@ -463,11 +457,7 @@ static void handle_abort(struct rpc_call *call, const uint8_t *bytes, size_t len
         }
     pthread_mutex_unlock(&ws->mu);
     moe__v1__abort_request__free_unpacked(rq, NULL);
-    size_t n;
-    void *out = pack_msg(&resp.base, &n);
-    rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
-                    n);
-    free(out);
+    rpc_call_finish_msg(call, &resp.base);
 }
 
 static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t len, void *user)
@@ -488,9 +478,9 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
     load.role = ws->role ? (Moe__V1__WorkerRole)ws->role : MOE__V1__WORKER_ROLE__WORKER_ROLE_MIXED;
     load.spec_draft_tokens = (uint64_t)st.spec_draft_tokens;
     load.spec_accepted_tokens = (uint64_t)st.spec_accepted_tokens;
-    if (ws->kvx) {
-        struct kvx_counters kc;
-        kvx_counters(ws->kvx, &kc);
+    if (ws->handoffs) {
+        struct kv_handoff_counters kc;
+        kv_handoff_counters(ws->handoffs, &kc);
         load.kv_transfers_out = kc.transfers_out;
         load.kv_transfers_in = kc.transfers_in;
         load.kv_transfer_bytes_out = kc.bytes_out;
@@ -506,7 +496,7 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
     load.world_size = (uint32_t)ws->world_size;
     load.tp_size = (uint32_t)ws->tp_size;
     load.ep_size = (uint32_t)ws->world_size;
-    /* expert statistics (issue 8): cumulative, the coordinator windows them */
+    /* expert statistics: cumulative, the coordinator windows them */
     const struct moe_config *c = ws->cfg;
     size_t n_stats = (size_t)c->n_layer * c->n_expert;
     uint64_t *tokens = n_stats ? malloc(n_stats * sizeof *tokens) : NULL;
@@ -530,7 +520,7 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
         }
     }
     size_t n;
-    void *out = pack_msg(&load.base, &n);
+    void *out = rpc_pack(&load.base, &n);
     free(tokens);
     free(rank_rows);
     rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
@@ -565,11 +555,7 @@ static void handle_model_info(struct rpc_call *call, const uint8_t *bytes, size_
     info.n_eos_token_ids = (size_t)c->n_eos;
     info.eos_token_ids = eos;
     info.bos_token_id = c->bos_id >= 0 ? (uint32_t)c->bos_id : 0;
-    size_t n;
-    void *out = pack_msg(&info.base, &n);
-    rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
-                    n);
-    free(out);
+    rpc_call_finish_msg(call, &info.base);
 }
 
 /* ---- life cycle ------------------------------------------------------------------------ */
@@ -596,8 +582,13 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
     pthread_mutex_init(&ws->mu, NULL);
     pthread_cond_init(&ws->wake, NULL);
     enum moe_status rc = MOE_OK;
+    /* No valid request is larger (the KV bytes go over the KV data plane). */
+    struct rpc_server_options so = {.tls = opts->tls,
+                                    .tls_client_auth = moe_tls_has_ca(opts->tls),
+                                    .max_receive_bytes = moe_worker_request_max_bytes(
+                                        (unsigned)ws->cfg->max_pos, ws->world_size)};
     ws->server = rpc_server_create(opts->listen ? opts->listen : "127.0.0.1:0",
-                                   opts->rpc_threads > 0 ? opts->rpc_threads : 2, NULL, err);
+                                   opts->rpc_threads > 0 ? opts->rpc_threads : 2, &so, err);
     if (!ws->server) {
         rc = err ? err->code : MOE_ERR_IO;
         goto fail;
@@ -612,17 +603,19 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
         (rc = rpc_health_register(ws->server, err)))
         goto fail;
     if (opts->be && opts->kv_link) {
-        struct kvx_opts ko = {.engine = engine,
-                              .link = opts->kv_link,
-                              .endpoints = opts->kv_endpoints,
-                              .world_size = ws->world_size,
-                              .tp_size = ws->tp_size,
-                              .n_kv_head = ws->cfg->n_kv_head,
-                              .d_head = ws->cfg->d_head,
-                              .ttl_ms = opts->handoff_ttl_ms,
-                              .wake = wake_engine,
-                              .wake_user = ws};
-        if ((rc = kvx_create(&ko, &ws->kvx, err)) || (rc = kvx_register(ws->kvx, ws->server, err)))
+        struct kv_handoff_opts ko = {.engine = engine,
+                                     .link = opts->kv_link,
+                                     .endpoints = opts->kv_endpoints,
+                                     .world_size = ws->world_size,
+                                     .tp_size = ws->tp_size,
+                                     .n_kv_head = ws->cfg->n_kv_head,
+                                     .d_head = ws->cfg->d_head,
+                                     .ttl_ms = opts->handoff_ttl_ms,
+                                     .wake = wake_engine,
+                                     .wake_user = ws,
+                                     .tls = opts->tls};
+        if ((rc = kv_handoff_create(&ko, &ws->handoffs, err)) ||
+            (rc = kv_handoff_register(ws->handoffs, ws->server, err)))
             goto fail;
     }
     if (pthread_create(&ws->thread, NULL, engine_thread, ws)) {
@@ -662,9 +655,9 @@ int worker_service_in_flight(struct worker_service *ws)
     return n;
 }
 
-struct kvx *worker_service_kvx(struct worker_service *ws)
+struct kv_handoff *worker_service_kvx(struct worker_service *ws)
 {
-    return ws->kvx;
+    return ws->handoffs;
 }
 
 bool worker_service_draining(struct worker_service *ws)
@@ -687,7 +680,7 @@ void worker_service_destroy(struct worker_service *ws, int grace_ms)
             moe_engine_abort(ws->engine, r->id);
         pthread_mutex_unlock(&ws->mu);
     }
-    kvx_shutdown(ws->kvx);
+    kv_handoff_shutdown(ws->handoffs);
     if (ws->server)
         rpc_server_destroy(ws->server, grace_ms);
     if (ws->thread_started) {
@@ -697,7 +690,7 @@ void worker_service_destroy(struct worker_service *ws, int grace_ms)
         pthread_mutex_unlock(&ws->mu);
         pthread_join(ws->thread, NULL);
     }
-    kvx_destroy(ws->kvx);
+    kv_handoff_destroy(ws->handoffs);
     pthread_mutex_destroy(&ws->mu);
     pthread_cond_destroy(&ws->wake);
     free(ws);

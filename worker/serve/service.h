@@ -1,5 +1,5 @@
 /* The worker's gRPC face: the internal moe.v1.Worker service (Generate,
- * Abort, GetLoad, GetModelInfo, and the KV handoff RPCs of kv_transfer.h)
+ * Abort, GetLoad, GetModelInfo, and the KV handoff RPCs of kv_handoff.h)
  * and grpc.health.v1.Health over one engine, with the engine's step loop on
  * its own thread.
  *
@@ -34,10 +34,14 @@ struct worker_service_opts {
     int tp_size;
     int role;                 /* Moe__V1__WorkerRole (0 = mixed), reported by GetLoad */
     struct moe_backend *be;   /* the KV cache's backend (KV handoff); NULL: no handoff */
-    struct kvl *kv_link;      /* this rank's KV data plane (KV handoff); NULL: no handoff */
-    const char *kv_endpoints; /* every rank's KV endpoint (world_size x KVL_ENDPOINT_MAX) */
+    struct kv_link *kv_link;  /* this rank's KV data plane (KV handoff); NULL: no handoff */
+    const char *kv_endpoints; /* every rank's KV endpoint (world_size x KV_LINK_ENDPOINT_MAX) */
     int handoff_ttl_ms;       /* lifetime of parked / reserved handoffs (0 = 30000) */
     struct moe_group *group;  /* worker group (placement epoch, per-rank load); NULL: one rank */
+    /* TLS (tls_opts.h; borrowed): the gRPC port serves TLS, requiring client
+     * certificates from the CA when one is given (mutual TLS); the channels
+     * to other workers (KV handoffs) use it too. NULL = plaintext. */
+    struct moe_tls *tls;
 };
 
 struct worker_service;
@@ -60,7 +64,7 @@ int worker_service_in_flight(struct worker_service *ws);
 
 /* For metrics: the KV handoff table (NULL without one) and whether the
  * worker drains. Thread-safe. */
-struct kvx *worker_service_kvx(struct worker_service *ws);
+struct kv_handoff *worker_service_kvx(struct worker_service *ws);
 bool worker_service_draining(struct worker_service *ws);
 
 /* Stops the engine thread and the server (running calls are cancelled after

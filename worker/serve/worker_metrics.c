@@ -7,7 +7,7 @@
 #include <time.h>
 
 #include "http_server.h"
-#include "disagg/kv_transfer.h"
+#include "disagg/kv_handoff.h"
 #include "metrics.h"
 #include "serve/service.h"
 #include "clock.h"
@@ -152,10 +152,10 @@ static void collect(void *user, struct moe_metrics_out *out)
         }
     }
 
-    struct kvx *kvx = worker_service_kvx(wm->ws);
-    if (kvx) {
-        struct kvx_counters kc;
-        kvx_counters(kvx, &kc);
+    struct kv_handoff *handoffs = worker_service_kvx(wm->ws);
+    if (handoffs) {
+        struct kv_handoff_counters kc;
+        kv_handoff_counters(handoffs, &kc);
         moe_metrics_out_family(out, "moe_kv_transfers_total", "counter",
                                "KV handoffs sent (out, acknowledged) and received (in).");
         moe_metrics_out_sample(out, "moe_kv_transfers_total", "direction=\"out\"",
@@ -260,14 +260,16 @@ enum moe_status worker_metrics_create(const char *model_name, struct moe_model *
 
 enum moe_status worker_metrics_serve(struct worker_metrics *wm, const char *listen,
                                      struct moe_engine *engine, struct worker_service *ws,
-                                     struct moe_error *err)
+                                     struct moe_tls *tls, struct moe_error *err)
 {
     wm->engine = engine;
     wm->ws = ws;
     enum moe_status st = moe_metrics_add_collector(wm->reg, collect, wm, err);
     if (st)
         return st;
-    struct http_server_opts o = {.listen = listen, .threads = 1, .name = "moe-worker"};
+    /* HTTPS with the worker's certificate when TLS is on; no client
+     * certificate is asked for (Prometheus scrapes it) */
+    struct http_server_opts o = {.listen = listen, .threads = 1, .name = "moe-worker", .tls = tls};
     wm->srv = http_server_create(&o, err);
     if (!wm->srv)
         return err->code;

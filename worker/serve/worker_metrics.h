@@ -31,6 +31,7 @@
 #include "model/model.h"
 #include "moe_error.h"
 
+struct moe_tls;
 struct worker_service;
 struct worker_metrics;
 
@@ -51,7 +52,7 @@ enum moe_status worker_metrics_forward(void *ctx, struct moe_model *m, struct mo
  * borrowed; they must outlive worker_metrics_destroy). */
 enum moe_status worker_metrics_serve(struct worker_metrics *wm, const char *listen,
                                      struct moe_engine *engine, struct worker_service *ws,
-                                     struct moe_error *err);
+                                     struct moe_tls *tls, struct moe_error *err);
 
 int worker_metrics_port(const struct worker_metrics *wm);
 

@@ -72,22 +72,48 @@ securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end -}}
 
-{{/* Flags and mounts of the pending TLS / token support (auth.enabled,
-     tls.enabled). ASSUMED flag names, to be checked when the flags land:
-       --api-token-file FILE (coordinator), --tls-cert/--tls-key/--tls-ca FILE */}}
+{{/* TLS and tokens (README "Security"): the Secrets (given, or generated
+     once by security-secrets.yaml), the name every certificate carries, and
+     the flags. Workers get the certificate (mutual TLS between coordinators,
+     workers and the KV data plane); coordinators also the token files. */}}
+{{- define "moe-serve.tlsSecretName" -}}
+{{- default (printf "%s-tls" (include "moe-serve.fullname" .)) .Values.tls.secretName -}}
+{{- end -}}
+{{- define "moe-serve.authSecretName" -}}
+{{- default (printf "%s-auth" (include "moe-serve.fullname" .)) .Values.auth.secretName -}}
+{{- end -}}
+{{- define "moe-serve.tlsServerName" -}}
+{{- default (printf "%s.%s.svc" (include "moe-serve.fullname" .) .Release.Namespace) .Values.tls.serverName -}}
+{{- end -}}
+
 {{- define "moe-serve.securityArgs" -}}
 {{- $root := .root -}}
 {{- if and $root.Values.auth.enabled (eq .component "coordinator") }}
 - --api-token-file
 - /etc/moe-serve/auth/token
+- --admin-token-file
+- /etc/moe-serve/auth/admin-token
 {{- end }}
 {{- if $root.Values.tls.enabled }}
-- --tls-cert
-- /etc/moe-serve/tls/tls.crt
-- --tls-key
-- /etc/moe-serve/tls/tls.key
-- --tls-ca
-- /etc/moe-serve/tls/ca.crt
+- --tls-dir
+- /etc/moe-serve/tls
+- --tls-server-name
+- {{ include "moe-serve.tlsServerName" $root | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* A health probe on a gRPC port: Kubernetes' own gRPC probe (plaintext),
+     or with TLS `moectl health` inside the container (TLS, the pod's
+     certificate for the workers' mutual TLS; health needs no token).
+     Args: root, port, service. */}}
+{{- define "moe-serve.healthProbe" -}}
+{{- if .root.Values.tls.enabled }}
+exec:
+  command: [moectl, --addr, "127.0.0.1:{{ .port }}", --tls-dir, /etc/moe-serve/tls, --tls-server-name, {{ include "moe-serve.tlsServerName" .root | quote }}, --timeout-ms, "3000", health, {{ .service | quote }}]
+{{- else }}
+grpc:
+  port: {{ .port }}
+  service: {{ .service | quote }}
 {{- end }}
 {{- end -}}
 
@@ -110,13 +136,13 @@ securityContext:
 {{- if and $root.Values.auth.enabled (eq .component "coordinator") }}
 - name: api-token
   secret:
-    secretName: {{ $root.Values.auth.secretName }}
+    secretName: {{ include "moe-serve.authSecretName" $root }}
     defaultMode: 0440
 {{- end }}
 {{- if $root.Values.tls.enabled }}
 - name: tls
   secret:
-    secretName: {{ $root.Values.tls.secretName }}
+    secretName: {{ include "moe-serve.tlsSecretName" $root }}
     defaultMode: 0440
 {{- end }}
 {{- end -}}
@@ -192,12 +218,7 @@ securityContext:
 {{- if and .Values.model.volume (not (hasPrefix (printf "%s/" (trimSuffix "/" .Values.model.mountPath)) .Values.model.path)) -}}
 {{- fail (printf "model.path (%s) must be under model.mountPath (%s) when model.volume is set" .Values.model.path .Values.model.mountPath) -}}
 {{- end -}}
-{{- if and .Values.auth.enabled (not .Values.auth.secretName) -}}
-{{- fail "auth.secretName: required when auth.enabled is true (a Secret with key `token`)" -}}
-{{- end -}}
-{{- if and .Values.tls.enabled (not .Values.tls.secretName) -}}
-{{- fail "tls.secretName: required when tls.enabled is true (a kubernetes.io/tls Secret with ca.crt)" -}}
-{{- end -}}
+
 {{- if and .Values.benchmark.enabled (eq .Values.benchmark.backend "openai") (not .Values.coordinator.http.enabled) -}}
 {{- fail "benchmark.backend: openai needs coordinator.http.enabled (the OpenAI-compatible port)" -}}
 {{- end -}}
@@ -403,21 +424,15 @@ containers:
           command: [moe-prestop, follower, {{ $w.drainTimeoutSeconds | quote }}]
     {{- else }}
     startupProbe:
-      grpc:
-        port: {{ $w.grpcPort }}
-        service: ""
+      {{- include "moe-serve.healthProbe" (dict "root" .root "port" $w.grpcPort "service" "") | nindent 6 }}
       periodSeconds: 5
       failureThreshold: {{ max 1 (div $w.startupTimeoutSeconds 5) }}
     readinessProbe:
-      grpc:
-        port: {{ $w.grpcPort }}
-        service: moe.v1.Worker
+      {{- include "moe-serve.healthProbe" (dict "root" .root "port" $w.grpcPort "service" "moe.v1.Worker") | nindent 6 }}
       periodSeconds: 5
       failureThreshold: 2
     livenessProbe:
-      grpc:
-        port: {{ $w.grpcPort }}
-        service: ""
+      {{- include "moe-serve.healthProbe" (dict "root" .root "port" $w.grpcPort "service" "") | nindent 6 }}
       periodSeconds: 10
       timeoutSeconds: 5
       failureThreshold: 6
@@ -498,14 +513,24 @@ app.kubernetes.io/component: worker
 moe-serve.io/pool: {{ .p.name }}
 {{- end -}}
 
-{{/* moe-bench and its arguments (benchmark.*): ASSUMED flags --backend
-     grpc|openai and --base-url, to be checked when bench/ lands. */}}
+{{/* moe-bench and its arguments (benchmark.*); with auth and TLS on, the
+     API token and the CA (the bench pods mount both). */}}
 {{- define "moe-serve.benchArgs" -}}
 - moe-bench
 - --backend
 - {{ .b.backend }}
 - --base-url
 - {{ .target | quote }}
+{{- if .root.Values.auth.enabled }}
+- --token-file
+- /etc/moe-serve/auth/token
+{{- end }}
+{{- if .root.Values.tls.enabled }}
+- --tls-ca
+- /etc/moe-serve/tls/ca.crt
+- --tls-server-name
+- {{ include "moe-serve.tlsServerName" .root | quote }}
+{{- end }}
 {{- range .b.args }}
 - {{ . | quote }}
 {{- end }}
