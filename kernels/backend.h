@@ -41,6 +41,13 @@ struct moe_matmul_params {
     float *y;
     bool accumulate;
     const float *w_scale; /* I8: (n_out) row scales, W[o] = q[o] * w_scale[o]; else NULL */
+    /* false (the default): x stays f32 all the way, the exact path the
+     * golden tests hold to transformers. true: the backend may round x to
+     * bf16 (BF16 weights) or quantize each row of x to int8 with its own
+     * scale (I8 weights) to use dot-product instructions, with the error
+     * bounds documented in kernels/cpu/matmul_dot.c; a backend or processor
+     * without such a path computes exactly. */
+    bool fast;
 };
 
 /* Causal grouped-query attention over a paged KV cache.
@@ -93,6 +100,7 @@ struct moe_grouped_matmul_params {
     /* I8: host (n_expert) pointers to each expert's (n_out) row scales, NULL
      * where the expert is not held; NULL for F32 and BF16. */
     const float *const *w_scale;
+    bool fast; /* as in struct moe_matmul_params */
 };
 
 struct moe_backend;

@@ -57,6 +57,7 @@ struct args {
     int comm_timeout_ms;
     bool profile;
     const char *placement_switch;
+    bool exact;
 };
 
 static void usage(FILE *f)
@@ -70,6 +71,8 @@ static void usage(FILE *f)
            "  --seed S            sampling seed (default 0)\n"
            "  --dtype T           weights in memory: f32, bf16 (default) or int8 (Linear\n"
            "                      weights quantized per output row at load; CPU only)\n"
+           "  --exact             f32 activations in every matmul (default: bf16 / int8\n"
+           "                      activations where the CPU has dot-product instructions)\n"
            "  --threads N         CPU threads, 0 = all cores (default 0)\n"
            "  --device D          auto|cpu|cuda (default auto)\n"
            "  --logits-out FILE   write prompt logits: f32 LE, one row of vocab_size per position\n"
@@ -120,6 +123,10 @@ static int parse_args(int argc, char **argv, struct args *a)
         }
         if (!strcmp(k, "--profile")) {
             a->profile = true;
+            continue;
+        }
+        if (!strcmp(k, "--exact")) {
+            a->exact = true;
             continue;
         }
         if (!strcmp(k, "--print-outputs")) {
@@ -420,7 +427,8 @@ int main(int argc, char **argv)
                                  .dtype = a.dtype,
                                  .tp = a.tp,
                                  .comm_timeout_ms = a.comm_timeout_ms,
-                                 .placement = a.placement};
+                                 .placement = a.placement,
+                                 .exact = a.exact};
     if (moe_launch_start(&argc, &argv, &la, &launch, &err))
         goto fail;
     group = launch.group;
@@ -519,8 +527,8 @@ int main(int argc, char **argv)
     }
     double decode_tps =
         res.n_tokens > 1 && res.decode_s > 0 ? (res.n_tokens - 1) / res.decode_s : 0;
-    printf("model: %s (%s, %.1f MiB of weights, loaded in %.2f s) on %s\n", a.model,
-           moe_launch_dtype_flag(a.dtype),
+    printf("model: %s (%s, %s, %.1f MiB of weights, loaded in %.2f s) on %s\n", a.model,
+           moe_launch_dtype_flag(a.dtype), a.exact ? "exact" : "fast",
            (double)moe_model_weight_bytes(model) / (1024.0 * 1024.0), t_load, be->name);
     printf("prefill: %d tokens in %.3f s, %.1f tokens/s\n", n_prompt, res.prefill_s,
            res.prefill_s > 0 ? n_prompt / res.prefill_s : 0);

@@ -66,6 +66,7 @@ struct args {
     int max_batch_tokens;
     int max_running;
     bool no_prefix_cache;
+    bool exact;
     int spec_tokens;
     int drain_timeout_s;
     int tp;
@@ -93,6 +94,8 @@ static void usage(FILE *f)
                "  --lease-ttl S         etcd lease TTL in seconds (default 5)\n"
                "  --dtype T             weights in memory: f32, bf16 (default) or int8\n"
                "                        (Linear weights quantized per row at load; CPU only)\n"
+               "  --exact               f32 activations in every matmul (default: bf16 / int8\n"
+               "                        activations where the CPU has dot-product instructions)\n"
                "  --threads N           CPU threads, 0 = all cores (default 0)\n"
                "  --device D            auto|cpu|cuda (default auto)\n"
                "  --kv-blocks N | --kv-memory MIB   KV cache size (default 512 MiB)\n"
@@ -143,6 +146,10 @@ static int parse_args(int argc, char **argv, struct args *a)
         }
         if (!strcmp(k, "--no-prefix-cache")) {
             a->no_prefix_cache = true;
+            continue;
+        }
+        if (!strcmp(k, "--exact")) {
+            a->exact = true;
             continue;
         }
         if (i + 1 >= argc)
@@ -254,7 +261,8 @@ int main(int argc, char **argv)
                                  .dtype = a.dtype,
                                  .tp = a.tp,
                                  .comm_timeout_ms = a.comm_timeout_ms,
-                                 .placement = a.placement};
+                                 .placement = a.placement,
+                                 .exact = a.exact};
     if (moe_launch_start(&argc, &argv, &la, &launch, &err))
         goto fail;
     group = launch.group;

@@ -1,6 +1,8 @@
-/* Paged KV cache write and causal grouped-query attention over it.
+/* Paged KV cache write and causal grouped-query attention over it: the
+ * reference (cpu_attention_ref) here, the tiled kernel that cpu_attention
+ * prefers in attention_tiled.c.
  *
- * One task per (token, query head). Positions are visited in chunks of
+ * Reference: one task per (token, query head). Positions are visited in chunks of
  * ATTN_CHUNK with an online softmax: scores of a chunk are computed, the
  * running max moves once per chunk (rescaling the partial sum), then the
  * chunk's V rows are added with weights exp(s - max). All in f32. */
@@ -68,10 +70,20 @@ static void attention_task(void *arg, int task, int thread)
     attention_one(p, task / p->n_head, task % p->n_head);
 }
 
-void cpu_attention(struct moe_pool *pool, const struct moe_attn_params *p)
+void cpu_attention_ref(struct moe_pool *pool, const struct moe_attn_params *p)
 {
     MOE_ASSERT(p->n_kv_head > 0 && p->n_head % p->n_kv_head == 0);
     MOE_ASSERT(p->block_size > 0 && p->d_head > 0);
     int n_tasks = p->n_tok * p->n_head;
     moe_pool_run(pool, n_tasks, attention_task, (void *)p);
+}
+
+void cpu_attention(struct moe_pool *pool, const struct moe_attn_params *p)
+{
+    MOE_ASSERT(p->n_kv_head > 0 && p->n_head % p->n_kv_head == 0);
+    MOE_ASSERT(p->block_size > 0 && p->d_head > 0);
+    if (cpu_attention_tiled_supported(p))
+        cpu_attention_tiled(pool, p);
+    else
+        cpu_attention_ref(pool, p);
 }

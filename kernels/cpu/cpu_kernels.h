@@ -34,6 +34,44 @@ enum cpu_isa cpu_kernels_force_isa(enum cpu_isa isa);
 
 const char *cpu_isa_name(enum cpu_isa isa);
 
+/* Dot-product extensions used by the fast matmul paths (matmul_dot.c), on
+ * top of CPU_ISA_AVX512 only. A bit set. AMX is detected and reported, but
+ * there is no AMX kernel yet: it could not be tested on the machines this was
+ * written on (AMD EPYC), so none was written (see matmul_dot.c). */
+enum cpu_feature {
+    CPU_FEAT_AVX512_BF16 = 1 << 0, /* vdpbf16ps: bf16 pairs, f32 accumulation */
+    CPU_FEAT_AVX512_VNNI = 1 << 1, /* vpdpbusd: u8 x s8 quads, i32 accumulation */
+    CPU_FEAT_AMX_BF16 = 1 << 2,    /* detected only: no kernel */
+    CPU_FEAT_AMX_INT8 = 1 << 3,    /* detected only: no kernel */
+};
+
+/* Features this processor (and OS) supports (cpuid, cached). */
+unsigned cpu_kernels_detect_features(void);
+
+/* Features the kernels use now: the detected ones (AVX512 ISA only) unless
+ * forced. The first call also applies the MOE_CPU_ISA environment variable
+ * (see cpu_kernels_env): benchmarks force a path with it. */
+unsigned cpu_kernels_features(void);
+
+/* Forces the feature set (masked to what the processor has); returns the set
+ * in use. Process-wide; for tests and benchmarks. */
+unsigned cpu_kernels_force_features(unsigned features);
+
+/* MOE_CPU_ISA=auto|scalar|avx2|avx512|avx512-bf16|avx512-vnni (avx512 alone:
+ * no dot-product extensions; the -bf16 / -vnni forms: that one only), read
+ * once by the first cpu_kernels_isa() / cpu_kernels_features() call and
+ * clamped to what the processor has (a note on stderr says so). Unknown
+ * values are reported on stderr and ignored. */
+void cpu_kernels_env(void);
+
+/* "avx512-bf16,avx512-vnni" etc. into buf; "none" for an empty set. */
+const char *cpu_features_name(unsigned features, char *buf, size_t len);
+
+/* What an fast-mode matmul of weight type `wt` runs on now: "avx512-bf16",
+ * "avx512-vnni", or "f32-fma" (the exact kernels, used where the processor
+ * has no dot-product path for that type). */
+const char *cpu_matmul_fast_path(enum moe_dtype wt);
+
 /* ---- matmul.c ---- */
 
 /* Fast matmul (see struct moe_matmul_params): threads over output-row tiles
@@ -42,6 +80,18 @@ void cpu_matmul(struct moe_pool *pool, const struct moe_matmul_params *p);
 
 /* Plain one-thread reference: f32 accumulation, one dot product per output. */
 void cpu_matmul_ref(const struct moe_matmul_params *p);
+
+/* ---- matmul_dot.c: the fast paths (p->fast) ---- */
+
+/* True when cpu_matmul would run p on a dot-product path (p->fast, AVX-512,
+ * the feature for p->w_dtype in use). */
+bool cpu_matmul_dot_supported(const struct moe_matmul_params *p);
+
+/* BF16 weights: x rounded to bf16 (nearest even), vdpbf16ps, f32 sums.
+ * I8 weights: each token row quantized to int8 with its own scale
+ * (max|x| / 127), vpdpbusd on (xq + 128) x q with exact i32 sums, less
+ * 128 * sum(q) per weight row. Caller checks cpu_matmul_dot_supported. */
+void cpu_matmul_dot(struct moe_pool *pool, const struct moe_matmul_params *p);
 
 /* ---- vec.c: small vector primitives with ISA dispatch ---- */
 
@@ -61,7 +111,18 @@ void cpu_rope(struct moe_pool *pool, float *x, const int32_t *pos, int n_tok, in
 
 void cpu_kv_write(const float *k, const float *v, const int32_t *slots, int n_tok, int kv_dim,
                   float *k_cache, float *v_cache);
+/* Tiled (FlashAttention-style) on AVX-512 with d_head <= 128, the
+ * reference below otherwise. */
 void cpu_attention(struct moe_pool *pool, const struct moe_attn_params *p);
+/* One task per (token, head), scores one at a time: the plain twin. */
+void cpu_attention_ref(struct moe_pool *pool, const struct moe_attn_params *p);
+
+/* ---- attention_tiled.c ---- */
+
+/* True when cpu_attention takes the tiled kernel for p (AVX-512 in use,
+ * d_head <= 128, at most 64 query heads per KV head). */
+bool cpu_attention_tiled_supported(const struct moe_attn_params *p);
+void cpu_attention_tiled(struct moe_pool *pool, const struct moe_attn_params *p);
 
 /* ---- router.c ---- */
 

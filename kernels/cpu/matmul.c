@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "simd_x86.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -348,41 +349,6 @@ AVX512_TARGET static void mk_avx512_any(int T, int R, enum moe_dtype wt, const f
  * register tile of PK_T tokens x PK_R outputs broadcasts one x element per
  * token and k against two weight vectors: 16 FMAs per 2 weight loads + 8
  * broadcasts, and no horizontal sums. */
-/* In-register transpose of a 16 x 16 f32 block: v[i] lane j <-> v[j] lane i.
- * 32-bit, then 64-bit interleaves within 128-bit lanes, then two rounds of
- * 128-bit lane shuffles. */
-AVX512_TARGET static inline __attribute__((always_inline)) void transpose16_avx512(__m512 v[16])
-{
-    __m512 t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        u[i] = _mm512_castpd_ps(
-            _mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-        u[i + 1] = _mm512_castpd_ps(
-            _mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-        u[i + 2] = _mm512_castpd_ps(
-            _mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-        u[i + 3] = _mm512_castpd_ps(
-            _mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    }
-    /* u[4q + c] holds, in 128-bit lane L, column 4L + c of rows 4q..4q+3. */
-    for (int c = 0; c < 4; c++) {
-        t[c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);     /* lanes 0, 2 of each */
-        t[4 + c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd); /* lanes 1, 3 */
-        t[8 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
-        t[12 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
-    }
-    for (int c = 0; c < 4; c++) {
-        v[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);           /* columns c */
-        v[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);  /* columns 4 + c */
-        v[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xdd);       /* columns 8 + c */
-        v[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xdd); /* columns 12 + c */
-    }
-}
-
 /* One panel: rows [o, o + R) (R <= PK_R) as f32 (int8 rows scaled), k-major:
  * panel[k * PK_R + r]. Blocks of 16 rows x 16 columns are converted and
  * transposed in registers; rows past R are zero. */
@@ -680,6 +646,10 @@ void cpu_matmul(struct moe_pool *pool, const struct moe_matmul_params *p)
     MOE_ASSERT(p->ldw >= p->n_in && p->n_in >= 0);
     MOE_ASSERT(p->w_dtype == MOE_DTYPE_F32 || p->w_dtype == MOE_DTYPE_BF16 ||
                (p->w_dtype == MOE_DTYPE_I8 && p->w_scale != NULL));
+    if (p->fast && cpu_matmul_dot_supported(p)) {
+        cpu_matmul_dot(pool, p);
+        return;
+    }
     int n_threads = moe_pool_size(pool);
     struct mm_job job = {.p = p, .isa = cpu_kernels_isa()};
 

@@ -75,6 +75,7 @@ enum moe_status cpu_grouped_matmul(struct moe_pool *pool, const struct moe_group
             .y = p->y + (size_t)r0 * p->n_out,
             .accumulate = p->accumulate,
             .w_scale = p->w_dtype == MOE_DTYPE_I8 ? p->w_scale[e] : NULL,
+            .fast = p->fast,
         };
         cpu_matmul(pool, &mp);
     }

@@ -1,10 +1,14 @@
 /* Run-time ISA selection and the small vector primitives (dot, sum of
  * squares, axpy, scale) used by attention and rmsnorm. */
 #include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cpu_kernels.h"
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define VEC_X86 1
 #endif
@@ -14,6 +18,8 @@
 
 static _Atomic int g_isa_detected = -1;
 static _Atomic int g_isa_active = -1;
+static _Atomic int g_feat_detected = -1;
+static _Atomic int g_feat_active = -1;
 
 enum cpu_isa cpu_kernels_detect_isa(void)
 {
@@ -33,23 +39,125 @@ enum cpu_isa cpu_kernels_detect_isa(void)
     return (enum cpu_isa)isa;
 }
 
+unsigned cpu_kernels_detect_features(void)
+{
+    int f = atomic_load_explicit(&g_feat_detected, memory_order_relaxed);
+    if (f >= 0)
+        return (unsigned)f;
+    f = 0;
+#ifdef VEC_X86
+    /* libgcc's checks include the OS saving the AVX-512 state (XCR0). */
+    if (cpu_kernels_detect_isa() == CPU_ISA_AVX512) {
+        unsigned a, b, c, d;
+        if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+            if (c & (1u << 11))
+                f |= CPU_FEAT_AVX512_VNNI;
+            /* AMX: tile + bf16 / int8, and the OS enabling the tile state
+             * (XCR0 bits 17, 18). Reported only. */
+            unsigned lo = 0, hi = 0;
+            if (c & (1u << 27)) /* OSXSAVE */
+                __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+            bool tiles = (d & (1u << 24)) && (lo & (3u << 17)) == (3u << 17);
+            if (tiles && (d & (1u << 22)))
+                f |= CPU_FEAT_AMX_BF16;
+            if (tiles && (d & (1u << 25)))
+                f |= CPU_FEAT_AMX_INT8;
+        }
+        if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)))
+            f |= CPU_FEAT_AVX512_BF16;
+    }
+#endif
+    atomic_store_explicit(&g_feat_detected, f, memory_order_relaxed);
+    return (unsigned)f;
+}
+
+/* Applies MOE_CPU_ISA once (both the ISA and the feature set). */
+static void apply_env_once(void)
+{
+    static _Atomic int done = 0;
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&done, &expected, 1))
+        return;
+    int isa = cpu_kernels_detect_isa();
+    int feat = (int)(cpu_kernels_detect_features() & (CPU_FEAT_AVX512_BF16 | CPU_FEAT_AVX512_VNNI));
+    const char *e = getenv("MOE_CPU_ISA");
+    if (e && *e && strcmp(e, "auto") != 0) {
+        static const struct {
+            const char *name;
+            enum cpu_isa isa;
+            unsigned feat;
+        } forms[] = {
+            {"scalar", CPU_ISA_SCALAR, 0},
+            {"avx2", CPU_ISA_AVX2, 0},
+            {"avx512", CPU_ISA_AVX512, 0},
+            {"avx512-bf16", CPU_ISA_AVX512, CPU_FEAT_AVX512_BF16},
+            {"avx512-vnni", CPU_ISA_AVX512, CPU_FEAT_AVX512_VNNI},
+        };
+        size_t i = 0;
+        while (i < sizeof forms / sizeof forms[0] && strcmp(e, forms[i].name) != 0)
+            i++;
+        if (i == sizeof forms / sizeof forms[0]) {
+            fprintf(stderr,
+                    "moe: MOE_CPU_ISA='%s' is not one of auto, scalar, avx2, avx512, avx512-bf16, "
+                    "avx512-vnni; ignored\n",
+                    e);
+        } else {
+            int want_isa = (int)forms[i].isa;
+            int want_feat = (int)forms[i].feat;
+            if (want_isa > isa || (want_feat & ~feat))
+                fprintf(stderr, "moe: MOE_CPU_ISA=%s: this processor lacks it; using what it has\n",
+                        e);
+            isa = want_isa < isa ? want_isa : isa;
+            feat &= want_feat;
+        }
+    }
+    if (isa != CPU_ISA_AVX512)
+        feat = 0;
+    int unset = -1;
+    atomic_compare_exchange_strong(&g_isa_active, &unset, isa);
+    unset = -1;
+    atomic_compare_exchange_strong(&g_feat_active, &unset, feat);
+}
+
+void cpu_kernels_env(void)
+{
+    apply_env_once();
+}
+
 enum cpu_isa cpu_kernels_isa(void)
 {
     int isa = atomic_load_explicit(&g_isa_active, memory_order_relaxed);
     if (isa >= 0)
         return (enum cpu_isa)isa;
-    isa = cpu_kernels_detect_isa();
-    atomic_store_explicit(&g_isa_active, isa, memory_order_relaxed);
-    return (enum cpu_isa)isa;
+    apply_env_once();
+    return (enum cpu_isa)atomic_load_explicit(&g_isa_active, memory_order_relaxed);
+}
+
+unsigned cpu_kernels_features(void)
+{
+    int f = atomic_load_explicit(&g_feat_active, memory_order_relaxed);
+    if (f >= 0)
+        return (unsigned)f;
+    apply_env_once();
+    return (unsigned)atomic_load_explicit(&g_feat_active, memory_order_relaxed);
 }
 
 enum cpu_isa cpu_kernels_force_isa(enum cpu_isa isa)
 {
+    apply_env_once(); /* a later first use must not undo this */
     enum cpu_isa best = cpu_kernels_detect_isa();
     if (isa > best)
         isa = best;
     atomic_store_explicit(&g_isa_active, (int)isa, memory_order_relaxed);
     return isa;
+}
+
+unsigned cpu_kernels_force_features(unsigned features)
+{
+    apply_env_once();
+    features &= cpu_kernels_detect_features() & (CPU_FEAT_AVX512_BF16 | CPU_FEAT_AVX512_VNNI);
+    atomic_store_explicit(&g_feat_active, (int)features, memory_order_relaxed);
+    return features;
 }
 
 const char *cpu_isa_name(enum cpu_isa isa)
@@ -60,6 +168,29 @@ const char *cpu_isa_name(enum cpu_isa isa)
     case CPU_ISA_AVX512: return "avx512";
     }
     return "?";
+}
+
+const char *cpu_features_name(unsigned features, char *buf, size_t len)
+{
+    static const struct {
+        unsigned bit;
+        const char *name;
+    } names[] = {{CPU_FEAT_AVX512_BF16, "avx512-bf16"},
+                 {CPU_FEAT_AVX512_VNNI, "avx512-vnni"},
+                 {CPU_FEAT_AMX_BF16, "amx-bf16"},
+                 {CPU_FEAT_AMX_INT8, "amx-int8"}};
+    size_t at = 0;
+    if (len)
+        buf[0] = '\0';
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if (!(features & names[i].bit))
+            continue;
+        int n = snprintf(buf + at, len > at ? len - at : 0, "%s%s", at ? "," : "", names[i].name);
+        at += n > 0 ? (size_t)n : 0;
+    }
+    if (!at && len)
+        snprintf(buf, len, "none");
+    return buf;
 }
 
 /* ---------------------------------------------------------------------------

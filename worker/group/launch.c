@@ -48,6 +48,7 @@ enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launc
         return rc;
     l->model_opts = (struct moe_model_opts){
         .dtype = a->dtype,
+        .fast = !a->exact,
         .tp_rank = g ? g->tp_rank : 0,
         .tp_size = g ? g->tp_size : 1,
         .tp_comm = g ? moe_group_model_tp(g) : NULL,

@@ -18,6 +18,7 @@ struct moe_launch_args {
     int tp; /* tensor-parallel size (under mpirun) */
     int comm_timeout_ms;
     const char *placement; /* placement file, or NULL */
+    bool exact;            /* --exact: f32 activations in every matmul (moe_model_opts.fast off) */
 };
 
 struct moe_launch {

@@ -138,9 +138,10 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
 }
 
 /* y (n_tok, n_out) (+)= x W^T, W (n_out, n_in) a whole weight in `dtype`
- * (I8: its row scales follow the values in the same buffer). */
-static void matmul_dtype(struct moe_model *m, enum moe_dtype dtype, const float *x, int n_tok,
-                         int n_in, const void *w, int n_out, float *y, bool accumulate)
+ * (I8: its row scales follow the values in the same buffer); `fast` lets the
+ * backend round x (struct moe_matmul_params). */
+static void matmul_dtype(struct moe_model *m, enum moe_dtype dtype, bool fast, const float *x,
+                         int n_tok, int n_in, const void *w, int n_out, float *y, bool accumulate)
 {
     struct moe_matmul_params p = {
         .x = x,
@@ -152,17 +153,19 @@ static void matmul_dtype(struct moe_model *m, enum moe_dtype dtype, const float 
         .n_out = n_out,
         .y = y,
         .accumulate = accumulate,
+        .fast = fast,
     };
     if (dtype == MOE_DTYPE_I8)
         p.w_scale = (const float *)((const char *)w + moe_i8_scale_offset(n_out, n_in));
     m->be->ops->matmul(m->be, &p);
 }
 
-/* A Linear weight (stored in lin_dtype). */
+/* A Linear weight (stored in lin_dtype), on the fast path unless the model
+ * was loaded exact (moe_model_opts.fast). */
 static void matmul(struct moe_model *m, const float *x, int n_tok, int n_in, const void *w,
                    int n_out, float *y, bool accumulate)
 {
-    matmul_dtype(m, m->lin_dtype, x, n_tok, n_in, w, n_out, y, accumulate);
+    matmul_dtype(m, m->lin_dtype, m->opts.fast, x, n_tok, n_in, w, n_out, y, accumulate);
 }
 
 /* SwiGLU FFN on n rows of xe: ye = down(silu(gate(xe)) * up(xe)). */
@@ -278,8 +281,9 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
     double t0 = moe_now();
     s->topk_w = (float *)(s->topk_ids + (size_t)n * c->top_k);
     s->h_w = (float *)(s->h_ids + (size_t)n * c->top_k);
-    matmul_dtype(m, m->base_dtype, s->h, n, c->d_model, w->router, c->n_expert, s->router_logits,
-                 false);
+    /* The router stays exact: a rounded logit can flip an expert choice. */
+    matmul_dtype(m, m->base_dtype, false, s->h, n, c->d_model, w->router, c->n_expert,
+                 s->router_logits, false);
     ops->router_topk(m->be, s->router_logits, n, c->n_expert, c->top_k, c->norm_topk_prob,
                      s->topk_ids, s->topk_w);
     m->prof.moe_layer_tokens += (uint64_t)n;

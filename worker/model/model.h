@@ -37,6 +37,14 @@ struct moe_model_opts {
      * dequantization (q * scale) and run the f32 kernels, so a test can hold
      * the int8 kernels to an f32 model with exactly the same weights. */
     bool i8_dequantized;
+    /* false (the default): f32 activations through every matmul, the
+     * reference the golden tests hold to transformers. true: the Linear
+     * layers (not the router) may round activations to bf16 (BF16 weights)
+     * or quantize them per token to int8 (I8 weights) where the backend has
+     * dot-product instructions for that (CPU: AVX512-BF16, AVX512-VNNI;
+     * struct moe_matmul_params.fast); elsewhere it computes as exact. The
+     * binaries default to fast and take --exact. */
+    bool fast;
     int tp_rank;
     int tp_size;
     struct moe_comm *tp_comm;              /* borrowed; NULL when tp_size == 1 */

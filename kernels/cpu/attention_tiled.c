@@ -1,0 +1,381 @@
+/* Causal grouped-query attention, tiled (FlashAttention-style) on AVX-512:
+ * the fast twin of cpu_attention_ref (attention.c), f32 throughout, used in
+ * both the exact and the fast mode.
+ *
+ * A task is a group of up to FA_ROWS query rows -- consecutive batch tokens
+ * of one sequence times the n_head / n_kv_head query heads that share a KV
+ * head -- against that KV head. Keys are visited in chunks of FA_KB
+ * positions aligned to absolute positions (0, 64, 128, ...), up to the
+ * group's last position:
+ *   S^T (keys x rows) = K_chunk Q^T     FMAs: a key element broadcast against
+ *                                       16 rows of the transposed queries
+ *   online softmax per row, vectorised over rows (lanes): running max m,
+ *   running sum l, rescale alpha = exp(m_old - m_new); keys after a row's
+ *   own position are masked (p = 0 exactly)
+ *   O (rows x d_head) = alpha O + P V   FMAs: p broadcast against V rows
+ * so every K and V element loaded feeds up to FA_ROWS rows, and nothing is a
+ * scalar dot product.
+ *
+ * Each row's arithmetic is the same whatever group it is in (the lanes are
+ * independent, the chunks are at absolute positions, a masked key adds an
+ * exact 0 and multiplies by an exact 1), so a token gives bit-identical
+ * output in a prefill, a chunked prefill or a decode step. exp is a vector
+ * polynomial (Cody-Waite reduction, degree 6: ~2 ulp) instead of libm's
+ * expf; the sums run in another order than the reference's: the results
+ * agree with it to ~1e-6 (tests/unit/test_kernels.c holds both to 1e-5 of a
+ * double reference).
+ *
+ * Shapes: d_head <= FA_MAX_D and n_head / n_kv_head <= FA_ROWS; others take
+ * the reference path. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+#include "simd_x86.h"
+
+#define FA_ROWS 64 /* query rows per task (4 vectors of 16) */
+#define FA_KB 64   /* keys per chunk */
+#define FA_MAX_D 128
+
+bool cpu_attention_tiled_supported(const struct moe_attn_params *p)
+{
+#if defined(__x86_64__)
+    return cpu_kernels_isa() == CPU_ISA_AVX512 && p->d_head <= FA_MAX_D &&
+           p->n_head / p->n_kv_head <= FA_ROWS;
+#else
+    (void)p;
+    return false;
+#endif
+}
+
+#if defined(__x86_64__)
+
+#define FA_TARGET MOE_AVX512_TARGET
+
+/* exp(x) for 16 lanes, ~2 ulp; exactly 0 below -87.3 (and for -inf),
+ * exactly 1 at 0. */
+FA_TARGET static inline __attribute__((always_inline)) __m512 exp512(__m512 x)
+{
+    const __m512 lo = _mm512_set1_ps(-87.33654f), hi = _mm512_set1_ps(88.72283f);
+    __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* r = x - n ln2, ln2 in two parts so n * ln2_hi is exact */
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 pl = _mm512_set1_ps(1.9875691500e-4f);
+    pl = _mm512_fmadd_ps(pl, r, _mm512_set1_ps(1.3981999507e-3f));
+    pl = _mm512_fmadd_ps(pl, r, _mm512_set1_ps(8.3334519073e-3f));
+    pl = _mm512_fmadd_ps(pl, r, _mm512_set1_ps(4.1665795894e-2f));
+    pl = _mm512_fmadd_ps(pl, r, _mm512_set1_ps(1.6666665459e-1f));
+    pl = _mm512_fmadd_ps(pl, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r2 = _mm512_mul_ps(r, r);
+    pl = _mm512_fmadd_ps(pl, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 e = _mm512_scalef_ps(pl, n);
+    return _mm512_mask_mov_ps(e, zero, _mm512_setzero_ps());
+}
+
+struct fa_group {
+    int t0, nt; /* batch rows [t0, t0 + nt), one sequence */
+    int max_pos;
+};
+
+struct fa_job {
+    const struct moe_attn_params *p;
+    const struct fa_group *groups; /* heaviest first */
+    int n_group;
+    int rep; /* query heads per KV head */
+    float *scratch;
+    size_t scratch_stride; /* floats per thread */
+};
+
+/* Per-thread scratch, in floats. */
+#define FA_QT_FLOATS (FA_MAX_D * FA_ROWS) /* Q^T (d, rows) */
+#define FA_O_FLOATS (FA_ROWS * FA_MAX_D)  /* O (rows, d) */
+#define FA_P_FLOATS (FA_KB * FA_ROWS)     /* S^T, then P^T (keys, rows) */
+#define FA_SCRATCH_FLOATS (FA_QT_FLOATS + FA_O_FLOATS + FA_P_FLOATS + 3 * FA_ROWS)
+
+/* S^T[j][rows] = sum_k K[j][k] Q^T[k][rows] for J keys (pointers kp) and
+ * MV vectors of 16 rows. */
+FA_TARGET static inline __attribute__((always_inline)) void fa_scores(const int J, const int MV,
+                                                                      const float *const *kp, int d,
+                                                                      const float *qt, float *st,
+                                                                      float scale)
+{
+    __m512 acc[16][4];
+#pragma GCC unroll 16
+    for (int j = 0; j < J; j++)
+#pragma GCC unroll 4
+        for (int v = 0; v < MV; v++)
+            acc[j][v] = _mm512_setzero_ps();
+    for (int k = 0; k < d; k++) {
+        __m512 q[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < MV; v++)
+            q[v] = _mm512_loadu_ps(qt + (size_t)k * FA_ROWS + 16 * v);
+#pragma GCC unroll 16
+        for (int j = 0; j < J; j++) {
+            __m512 kb = _mm512_set1_ps(kp[j][k]);
+#pragma GCC unroll 4
+            for (int v = 0; v < MV; v++)
+                acc[j][v] = _mm512_fmadd_ps(kb, q[v], acc[j][v]);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+#pragma GCC unroll 16
+    for (int j = 0; j < J; j++)
+#pragma GCC unroll 4
+        for (int v = 0; v < MV; v++)
+            _mm512_storeu_ps(st + (size_t)j * FA_ROWS + 16 * v, _mm512_mul_ps(acc[j][v], sc));
+}
+
+FA_TARGET static void fa_scores_any(int J, int MV, const float *const *kp, int d, const float *qt,
+                                    float *st, float scale)
+{
+#define FS_CASE(JJ, VV)                                                                            \
+    case (JJ)*8 + (VV): fa_scores(JJ, VV, kp, d, qt, st, scale); return;
+    switch (J * 8 + MV) {
+        FS_CASE(6, 4)
+        FS_CASE(8, 3)
+        FS_CASE(12, 2)
+        FS_CASE(16, 1)
+        FS_CASE(1, 4)
+        FS_CASE(1, 3)
+        FS_CASE(1, 2)
+        FS_CASE(1, 1)
+    default: break;
+    }
+#undef FS_CASE
+    MOE_ASSERT(0 && "fa_scores_any: unsupported tile");
+}
+
+/* O[rows r0 .. r0+RT) = alpha O + sum_j P^T[j][r] V[j] over nk keys, ND
+ * vectors of d (the last masked by dm). */
+FA_TARGET static inline __attribute__((always_inline)) void
+fa_pv(const int RT, const int ND, int r0, int nk, const float *const *vp, const float *pt,
+      const float *alpha, float *o, __mmask16 dm)
+{
+    __m512 acc[8][8];
+#pragma GCC unroll 8
+    for (int r = 0; r < RT; r++) {
+        __m512 a = _mm512_set1_ps(alpha[r0 + r]);
+#pragma GCC unroll 8
+        for (int v = 0; v < ND; v++)
+            acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)(r0 + r) * FA_MAX_D + 16 * v), a);
+    }
+    for (int j = 0; j < nk; j++) {
+        __m512 vv[8];
+#pragma GCC unroll 8
+        for (int v = 0; v < ND; v++)
+            vv[v] = v == ND - 1 ? _mm512_maskz_loadu_ps(dm, vp[j] + 16 * v)
+                                : _mm512_loadu_ps(vp[j] + 16 * v);
+#pragma GCC unroll 8
+        for (int r = 0; r < RT; r++) {
+            __m512 pb = _mm512_set1_ps(pt[(size_t)j * FA_ROWS + r0 + r]);
+#pragma GCC unroll 8
+            for (int v = 0; v < ND; v++)
+                acc[r][v] = _mm512_fmadd_ps(pb, vv[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RT; r++)
+#pragma GCC unroll 8
+        for (int v = 0; v < ND; v++)
+            _mm512_storeu_ps(o + (size_t)(r0 + r) * FA_MAX_D + 16 * v, acc[r][v]);
+}
+
+/* Rows per PV tile for ND vectors of d: about 24 accumulators. */
+static int fa_pv_rows(int nd)
+{
+    static const int rows[9] = {0, 8, 8, 8, 6, 4, 4, 3, 3};
+    return rows[nd];
+}
+
+FA_TARGET static void fa_pv_any(int RT, int ND, int r0, int nk, const float *const *vp,
+                                const float *pt, const float *alpha, float *o, __mmask16 dm)
+{
+#define PV_CASE(RR, DD)                                                                            \
+    case (RR)*16 + (DD): fa_pv(RR, DD, r0, nk, vp, pt, alpha, o, dm); return;
+    switch (RT * 16 + ND) {
+        PV_CASE(8, 1)
+        PV_CASE(8, 2)
+        PV_CASE(8, 3)
+        PV_CASE(6, 4)
+        PV_CASE(4, 5)
+        PV_CASE(4, 6)
+        PV_CASE(3, 7)
+        PV_CASE(3, 8)
+        PV_CASE(1, 1)
+        PV_CASE(1, 2)
+        PV_CASE(1, 3)
+        PV_CASE(1, 4)
+        PV_CASE(1, 5)
+        PV_CASE(1, 6)
+        PV_CASE(1, 7)
+        PV_CASE(1, 8)
+    default: break;
+    }
+#undef PV_CASE
+    MOE_ASSERT(0 && "fa_pv_any: unsupported tile");
+}
+
+FA_TARGET static void fa_task(void *arg, int task, int thread)
+{
+    const struct fa_job *j = arg;
+    const struct moe_attn_params *p = j->p;
+    const struct fa_group *g = &j->groups[task / p->n_kv_head];
+    const int kvh = task % p->n_kv_head;
+    const int d = p->d_head, rep = j->rep;
+    const int n_rows = g->nt * rep;
+    const int mv = (n_rows + 15) / 16;
+    const int nd = (d + 15) / 16;
+    const __mmask16 dm = d % 16 ? (__mmask16)((1u << (d % 16)) - 1u) : (__mmask16)0xffff;
+    const size_t slot_stride = (size_t)p->n_kv_head * d;
+    float *qt = j->scratch + (size_t)thread * j->scratch_stride;
+    float *o = qt + FA_QT_FLOATS;
+    float *pt = o + FA_O_FLOATS;
+    float *mrow = pt + FA_P_FLOATS, *lrow = mrow + FA_ROWS, *alpha = lrow + FA_ROWS;
+    int32_t rpos[FA_ROWS];
+
+    /* Q^T: row r = token i * rep + head g; padded rows are zero queries at
+     * the group's last position (finite, discarded). */
+    memset(qt, 0, (size_t)d * FA_ROWS * sizeof(float));
+    for (int r = 0; r < mv * 16; r++) {
+        rpos[r] = r < n_rows ? p->tok_pos[g->t0 + r / rep] : g->max_pos;
+        mrow[r] = -INFINITY;
+        lrow[r] = 0.0f;
+    }
+    for (int r = 0; r < n_rows; r++) {
+        const int t = g->t0 + r / rep, h = kvh * rep + r % rep;
+        const float *q = p->q + ((size_t)t * p->n_head + h) * d;
+        for (int k = 0; k < d; k++)
+            qt[(size_t)k * FA_ROWS + r] = q[k];
+    }
+    for (int r = 0; r < mv * 16; r++)
+        memset(o + (size_t)r * FA_MAX_D, 0, (size_t)nd * 16 * sizeof(float));
+
+    const int32_t *blocks = p->block_tables + (size_t)p->tok_seq[g->t0] * p->max_blocks;
+    const float *kp[FA_KB], *vp[FA_KB];
+    const int jt = mv == 4 ? 6 : mv == 3 ? 8 : mv == 2 ? 12 : 16;
+    const int rt = fa_pv_rows(nd);
+    for (int c0 = 0; c0 <= g->max_pos; c0 += FA_KB) {
+        const int nk = g->max_pos + 1 - c0 < FA_KB ? g->max_pos + 1 - c0 : FA_KB;
+        for (int i = 0; i < nk; i++) {
+            int pos = c0 + i;
+            size_t slot = (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
+            size_t off = slot * slot_stride + (size_t)kvh * d;
+            kp[i] = p->k_cache + off;
+            vp[i] = p->v_cache + off;
+        }
+        int i = 0;
+        for (; i + jt <= nk; i += jt)
+            fa_scores_any(jt, mv, kp + i, d, qt, pt + (size_t)i * FA_ROWS, p->scale);
+        for (; i < nk; i++)
+            fa_scores_any(1, mv, kp + i, d, qt, pt + (size_t)i * FA_ROWS, p->scale);
+        /* Online softmax, 16 rows per vector. */
+        for (int v = 0; v < mv; v++) {
+            const __m512i posv = _mm512_loadu_si512((const void *)(rpos + 16 * v));
+            __m512 cmax = _mm512_set1_ps(-INFINITY);
+            for (int kk = 0; kk < nk; kk++) {
+                float *s = pt + (size_t)kk * FA_ROWS + 16 * v;
+                __mmask16 masked = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(c0 + kk), posv);
+                __m512 sv =
+                    _mm512_mask_mov_ps(_mm512_loadu_ps(s), masked, _mm512_set1_ps(-INFINITY));
+                _mm512_storeu_ps(s, sv);
+                cmax = _mm512_max_ps(cmax, sv);
+            }
+            __m512 mold = _mm512_loadu_ps(mrow + 16 * v);
+            __m512 mnew = _mm512_max_ps(mold, cmax);
+            /* every row sees key 0 in chunk 0, so mnew is finite from then on */
+            __m512 a = exp512(_mm512_sub_ps(mold, mnew));
+            __m512 sum = _mm512_setzero_ps();
+            for (int kk = 0; kk < nk; kk++) {
+                float *s = pt + (size_t)kk * FA_ROWS + 16 * v;
+                __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s), mnew));
+                _mm512_storeu_ps(s, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            _mm512_storeu_ps(lrow + 16 * v,
+                             _mm512_fmadd_ps(_mm512_loadu_ps(lrow + 16 * v), a, sum));
+            _mm512_storeu_ps(mrow + 16 * v, mnew);
+            _mm512_storeu_ps(alpha + 16 * v, a);
+        }
+        int r = 0;
+        for (; r + rt <= n_rows; r += rt)
+            fa_pv_any(rt, nd, r, nk, vp, pt, alpha, o, dm);
+        for (; r < n_rows; r++)
+            fa_pv_any(1, nd, r, nk, vp, pt, alpha, o, dm);
+    }
+    for (int r = 0; r < n_rows; r++) {
+        const int t = g->t0 + r / rep, h = kvh * rep + r % rep;
+        float *out = p->out + ((size_t)t * p->n_head + h) * d;
+        const float inv = 1.0f / lrow[r];
+        const float *orow = o + (size_t)r * FA_MAX_D;
+        for (int k = 0; k < d; k += 16) {
+            __mmask16 m = d - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - k)) - 1u);
+            _mm512_mask_storeu_ps(
+                out + k, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, orow + k), _mm512_set1_ps(inv)));
+        }
+    }
+}
+
+static int fa_group_cmp(const void *a, const void *b)
+{
+    const struct fa_group *x = a, *y = b;
+    if (x->max_pos != y->max_pos)
+        return x->max_pos > y->max_pos ? -1 : 1; /* heaviest first */
+    return x->t0 - y->t0;
+}
+
+void cpu_attention_tiled(struct moe_pool *pool, const struct moe_attn_params *p)
+{
+    if (p->n_tok <= 0)
+        return;
+    const int rep = p->n_head / p->n_kv_head;
+    const int tok_per_group = FA_ROWS / rep;
+    struct fa_group *groups = malloc((size_t)p->n_tok * sizeof *groups);
+    MOE_ASSERT(groups != NULL);
+    int n_group = 0;
+    for (int t = 0; t < p->n_tok;) {
+        struct fa_group g = {.t0 = t, .nt = 0, .max_pos = -1};
+        while (t < p->n_tok && g.nt < tok_per_group && p->tok_seq[t] == p->tok_seq[g.t0]) {
+            g.max_pos = p->tok_pos[t] > g.max_pos ? p->tok_pos[t] : g.max_pos;
+            g.nt++;
+            t++;
+        }
+        groups[n_group++] = g;
+    }
+    qsort(groups, (size_t)n_group, sizeof *groups, fa_group_cmp);
+    int n_threads = moe_pool_size(pool);
+    struct fa_job j = {
+        .p = p,
+        .groups = groups,
+        .n_group = n_group,
+        .rep = rep,
+        .scratch_stride = FA_SCRATCH_FLOATS,
+    };
+    j.scratch = malloc((size_t)n_threads * j.scratch_stride * sizeof(float));
+    MOE_ASSERT(j.scratch != NULL);
+    int n_tasks = n_group * p->n_kv_head;
+    if (n_tasks == 1 || n_threads == 1) {
+        for (int t = 0; t < n_tasks; t++)
+            fa_task(&j, t, 0);
+    } else {
+        moe_pool_run(pool, n_tasks, fa_task, &j);
+    }
+    free(j.scratch);
+    free(groups);
+}
+
+#else
+
+void cpu_attention_tiled(struct moe_pool *pool, const struct moe_attn_params *p)
+{
+    (void)pool;
+    (void)p;
+    MOE_ASSERT(0 && "cpu_attention_tiled: AVX-512 only");
+}
+
+#endif

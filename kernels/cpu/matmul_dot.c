@@ -1,0 +1,664 @@
+/* The fast matmul paths (moe_matmul_params.fast): dot-product instructions
+ * that multiply narrow activations by narrow weights.
+ *
+ *   BF16 weights, AVX512-BF16: x is rounded to bf16 (nearest even) once per
+ *   call; vdpbf16ps multiplies bf16 pairs exactly and adds them into f32
+ *   accumulators (two roundings per pair, as an f32 FMA loop has one per
+ *   element). bf16 keeps 8 significant bits, so rounding x_k to nearest
+ *   moves it by less than 2^-8 |x_k|, and the error against the exact path
+ *   (f32 x, the same bf16 weights) is
+ *     |y - y_exact| <= 2^-8 sum_k |x_k w_k|               (the rounding of x)
+ *                    + (n_in + 2) 2^-24 sum_k |x_k w_k|   (f32 sums, either side)
+ *   (denormal inputs and outputs are flushed to zero by the instruction: an
+ *   absolute error below 2^-126 per product). tests/unit/test_matmul_fast.c
+ *   holds every output to this bound; random data reach ~0.65 of it.
+ *
+ *   I8 weights (W8A8), AVX512-VNNI: each token row x_t is quantized with its
+ *   own scale sx_t = max_k |x_tk| / 127 to xq_tk = round(x_tk / sx_t) in
+ *   [-127, 127]. vpdpbusd multiplies unsigned by signed bytes, so it is fed
+ *   u_tk = xq_tk + 128 (in [1, 255]) and the offset is taken back per weight
+ *   row: sum_k xq_tk q_ok = sum_k u_tk q_ok - 128 sum_k q_ok, all in exact
+ *   int32 arithmetic (|sum| < 255 * 127 * n_in < 2^31 for n_in <= 65536).
+ *   y_to = sx_t * w_scale_o * that. The row sums sum_k q_ok are computed in
+ *   the kernel, not at load: once per packed panel on the prefill path, and
+ *   with one extra vpdpbusd (against ones) per 64 weights of a row on the
+ *   streaming path, which is memory-bound there; so the int8 weight layout
+ *   (common/quant.h) and every caller stay as they are. Error against the
+ *   exact int8 path (f32 x, dequantized weights):
+ *     |y - y_exact| <= (sx_t / 2) w_scale_o sum_k |q_ok| + f32 rounding,
+ *   i.e. half a quantization step of x per element. Because the sums are
+ *   exact integers, the result does not depend on tiling or threads.
+ *
+ * Tiles as in matmul.c: decode-sized token counts stream the weights once
+ * through T x R register tiles (dot products, one horizontal sum per output);
+ * larger ones pack 32 weight rows into a panel of dword groups (bf16 pairs or
+ * int8 quads of k, 16 rows per vector) and broadcast one group of each token
+ * against two panel vectors: PK_T x 32 outputs per step, no horizontal sums.
+ *
+ * AMX: not implemented. The machines this was written on (AMD EPYC) have no
+ * AMX, and an untested AMX kernel (note gcc 12's _tile_loadconfig problem in
+ * ../shared/NOTES.md) would be worse than none; cpu_kernels_detect_features
+ * reports AMX where it exists, and an AMX machine runs these AVX-512 paths. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+#include "simd_x86.h"
+
+#if defined(__x86_64__)
+#define DOT_X86 1
+#endif
+
+#define DT_R 4          /* streaming: weight rows per register tile */
+#define DT_T 4          /* streaming: tokens per register tile */
+#define DT_TOK_BLOCK 64 /* streaming: tokens per task */
+#define DP_R 32         /* packed: weight rows per panel (2 vectors of 16) */
+#define DP_T 12         /* packed: tokens per register tile (24 accumulators) */
+/* Token blocks at least this wide use the packed path (packing is a 16 x 16
+ * dword transpose per 64 weight bytes, paid once per token block). */
+#define DP_MIN_TOK 32
+#define DP_TOK_BLOCK 256 /* packed: tokens per task */
+#define DOT_MAX_N_IN 65536
+
+enum dot_kind { DOT_BF16 = 0, DOT_I8 = 1 };
+
+static enum dot_kind kind_of(enum moe_dtype wt)
+{
+    return wt == MOE_DTYPE_I8 ? DOT_I8 : DOT_BF16;
+}
+
+bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
+{
+    if (!p->fast || cpu_kernels_isa() != CPU_ISA_AVX512 || p->n_in > DOT_MAX_N_IN)
+        return false;
+    unsigned f = cpu_kernels_features();
+    if (p->w_dtype == MOE_DTYPE_BF16)
+        return (f & CPU_FEAT_AVX512_BF16) != 0;
+    if (p->w_dtype == MOE_DTYPE_I8)
+        return (f & CPU_FEAT_AVX512_VNNI) != 0;
+    return false;
+}
+
+const char *cpu_matmul_fast_path(enum moe_dtype wt)
+{
+    struct moe_matmul_params p = {.fast = true, .w_dtype = wt};
+    if (!cpu_matmul_dot_supported(&p))
+        return "f32-fma";
+    return wt == MOE_DTYPE_I8 ? "avx512-vnni" : "avx512-bf16";
+}
+
+#ifdef DOT_X86
+
+#define DOT_TARGET                                                                                 \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,fma,avx2")))
+
+/* ---------------------------------------------------------------------------
+ * Activations: bf16 rows, or u8 rows (xq + 128) with their scales. Rows are
+ * ldx elements (a multiple of 64 bytes), zero past n_in. */
+
+DOT_TARGET static void act_bf16_rows(const float *x, int n_in, int r0, int r1, uint16_t *xa,
+                                     int ldx)
+{
+    for (int t = r0; t < r1; t++) {
+        const float *xr = x + (size_t)t * n_in;
+        uint16_t *d = xa + (size_t)t * ldx;
+        for (int k = 0; k < ldx; k += 32) {
+            int rem = n_in - k;
+            __mmask16 m0 = rem >= 16 ? 0xffff : rem > 0 ? (__mmask16)((1u << rem) - 1u) : 0;
+            __mmask16 m1 = rem >= 32 ? 0xffff : rem > 16 ? (__mmask16)((1u << (rem - 16)) - 1u) : 0;
+            __m512 lo = _mm512_maskz_loadu_ps(m0, xr + k);
+            __m512 hi = _mm512_maskz_loadu_ps(m1, xr + k + 16);
+            __m512bh b = _mm512_cvtne2ps_pbh(hi, lo); /* lanes 0..15 from lo */
+            _mm512_storeu_si512((void *)(d + k), (__m512i)b);
+        }
+    }
+}
+
+/* Returns the row's scale; NaN when the row holds a NaN or an infinity (the
+ * outputs then come out NaN, as on the exact path). */
+DOT_TARGET static float act_u8_row(const float *xr, int n_in, uint8_t *d, int ldx)
+{
+    __m512 amax = _mm512_setzero_ps(), bad = _mm512_setzero_ps();
+    for (int k = 0; k < n_in; k += 16) {
+        __mmask16 m = n_in - k >= 16 ? 0xffff : (__mmask16)((1u << (n_in - k)) - 1u);
+        __m512 v = _mm512_maskz_loadu_ps(m, xr + k);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+        bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps())); /* NaN if inf / NaN */
+    }
+    float a = _mm512_reduce_max_ps(amax);
+    if (isnan(_mm512_reduce_add_ps(bad))) {
+        memset(d, 128, (size_t)ldx);
+        return NAN;
+    }
+    if (a == 0.0f) {
+        memset(d, 128, (size_t)ldx);
+        return 0.0f;
+    }
+    const __m512 inv = _mm512_set1_ps(127.0f / a);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    const __m512i off = _mm512_set1_epi32(128);
+    for (int k = 0; k < ldx; k += 16) {
+        int rem = n_in - k;
+        __mmask16 m = rem >= 16 ? 0xffff : rem > 0 ? (__mmask16)((1u << rem) - 1u) : 0;
+        __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + k), inv);
+        __m512i q = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), off);
+        _mm_storeu_si128((__m128i *)(d + k), _mm512_cvtusepi32_epi8(q));
+    }
+    return a / 127.0f;
+}
+
+/* ---------------------------------------------------------------------------
+ * The dot-product step, by kind: acc += x . w over one 64-byte vector
+ * (32 bf16 pairs' worth, or 64 u8 x s8 quads' worth) */
+
+DOT_TARGET static inline __attribute__((always_inline)) __m512 dot_bf16(__m512 acc, __m512i x,
+                                                                        __m512i w)
+{
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+}
+
+/* acc += u8 x s8 quads. gcc 12 wraps the _mm512_dpbusd_epi32 builtin in
+ * register copies (3 instructions per step, measured 2.7x slower in the
+ * packed kernel); the instruction itself, with its accumulator tied. */
+DOT_TARGET static inline __attribute__((always_inline)) __m512i dot_u8s8(__m512i acc, __m512i x_u8,
+                                                                         __m512i w_s8)
+{
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x_u8), "vm"(w_s8));
+    return acc;
+}
+
+/* 64 bytes of a weight row from element k on; elements past n_in read as 0
+ * (and are not read). */
+DOT_TARGET static inline __attribute__((always_inline)) __m512i
+load_w(const enum dot_kind K, const char *row, int k, int n_in)
+{
+    int rem = n_in - k;
+    if (K == DOT_BF16) {
+        const char *at = row + (size_t)k * 2;
+        if (rem >= 32)
+            return _mm512_loadu_si512((const void *)at);
+        return _mm512_maskz_loadu_epi16(rem > 0 ? (__mmask32)((1u << rem) - 1u) : 0, at);
+    }
+    const char *at = row + k;
+    if (rem >= 64)
+        return _mm512_loadu_si512((const void *)at);
+    return _mm512_maskz_loadu_epi8(rem > 0 ? (__mmask64)((1ull << rem) - 1ull) : 0, at);
+}
+
+/* Lane i of the result = the sum of the 16 lanes of v[i]; float adds, or
+ * int32 adds (the bits of v are i32) with `ints`. */
+DOT_TARGET static inline __attribute__((always_inline)) __m512 add2(bool ints, __m512 a, __m512 b)
+{
+    if (ints)
+        return _mm512_castsi512_ps(
+            _mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+    return _mm512_add_ps(a, b);
+}
+
+DOT_TARGET static inline __attribute__((always_inline)) __m512 hsum16(bool ints, __m512 v[16])
+{
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* 128-bit lanes: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[i] = add2(ints, _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                    _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* 128-bit lanes: partial sums of v[4i .. 4i+3] */
+        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = add2(ints, _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                    _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)
+        w[i] = add2(ints, _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                    _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
+    return add2(ints, _mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
+}
+
+/* ---------------------------------------------------------------------------
+ * Streaming tiles: T tokens x R weight rows, one pass over n_in. Outputs
+ * f32 sums (BF16) or offset-corrected i32 sums (I8) into out. */
+
+union dot_out {
+    float f[DT_T][DT_R];
+    int32_t i[DT_T][DT_R];
+};
+
+DOT_TARGET static inline __attribute__((always_inline)) void
+mk_stream(const enum dot_kind K, const int T, const int R, const char *xa, int64_t ldxb,
+          const char *w, int64_t ldwb, int n_in, union dot_out *out)
+{
+    const int V = K == DOT_BF16 ? 32 : 64; /* elements per vector */
+    const int esz = K == DOT_BF16 ? 2 : 1;
+    /* Accumulators typed per kind (a cast array makes gcc keep them in memory). */
+    __m512 accf[DT_T][DT_R];
+    __m512i acci[DT_T][DT_R], rs[DT_R];
+    const __m512i ones = _mm512_set1_epi8(1);
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            if (K == DOT_BF16)
+                accf[t][r] = _mm512_setzero_ps();
+            else
+                acci[t][r] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        rs[r] = _mm512_setzero_si512();
+    /* The next register tile's rows, prefetched as far ahead as this one reads. */
+    const char *pf = w + R * ldwb;
+    int k = 0;
+    for (; k + V <= n_in; k += V) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            _mm_prefetch(pf + r * ldwb + (int64_t)k * esz, _MM_HINT_T0);
+        __m512i xv[DT_T];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++)
+            xv[t] = _mm512_loadu_si512((const void *)(xa + t * ldxb + (int64_t)k * esz));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m512i wv = _mm512_loadu_si512((const void *)(w + r * ldwb + (int64_t)k * esz));
+            if (K == DOT_I8)
+                rs[r] = dot_u8s8(rs[r], ones, wv);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                if (K == DOT_BF16)
+                    accf[t][r] = dot_bf16(accf[t][r], xv[t], wv);
+                else
+                    acci[t][r] = dot_u8s8(acci[t][r], xv[t], wv);
+            }
+        }
+    }
+    if (k < n_in) {
+        __m512i xv[DT_T];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++)
+            xv[t] = _mm512_loadu_si512((const void *)(xa + t * ldxb + (int64_t)k * esz));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m512i wv = load_w(K, w + r * ldwb, k, n_in);
+            if (K == DOT_I8)
+                rs[r] = dot_u8s8(rs[r], ones, wv);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                if (K == DOT_BF16)
+                    accf[t][r] = dot_bf16(accf[t][r], xv[t], wv);
+                else
+                    acci[t][r] = dot_u8s8(acci[t][r], xv[t], wv);
+            }
+        }
+    }
+    if (T == DT_T && R == DT_R) {
+        /* All 16 sums at once: a 4-level add tree into one vector
+         * (lane t * 4 + r), a third of the instructions of 16 reductions. */
+        __m512 v[16];
+#pragma GCC unroll 4
+        for (int t = 0; t < DT_T; t++)
+#pragma GCC unroll 4
+            for (int r = 0; r < DT_R; r++)
+                v[t * DT_R + r] = K == DOT_BF16 ? accf[t][r] : _mm512_castsi512_ps(acci[t][r]);
+        __m512 sums = hsum16(K == DOT_I8, v);
+        if (K == DOT_BF16) {
+            _mm512_storeu_ps(&out->f[0][0], sums);
+        } else {
+            __m512i off = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int r = 0; r < DT_R; r++)
+                off = _mm512_mask_set1_epi32(off, (__mmask16)(0x1111u << r),
+                                             128 * _mm512_reduce_add_epi32(rs[r]));
+            _mm512_storeu_si512((void *)&out->i[0][0],
+                                _mm512_sub_epi32(_mm512_castps_si512(sums), off));
+        }
+        return;
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        int32_t off = K == DOT_I8 ? 128 * _mm512_reduce_add_epi32(rs[r]) : 0;
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            if (K == DOT_BF16)
+                out->f[t][r] = _mm512_reduce_add_ps(accf[t][r]);
+            else
+                out->i[t][r] = _mm512_reduce_add_epi32(acci[t][r]) - off;
+        }
+    }
+}
+
+DOT_TARGET static void mk_stream_any(enum dot_kind kind, int T, int R, const char *xa, int64_t ldxb,
+                                     const char *w, int64_t ldwb, int n_in, union dot_out *out)
+{
+#define DS_CASE(TT, RR)                                                                            \
+    case (TT)*8 + (RR): mk_stream(DOT_BF16, TT, RR, xa, ldxb, w, ldwb, n_in, out); return;         \
+    case 64 + (TT)*8 + (RR): mk_stream(DOT_I8, TT, RR, xa, ldxb, w, ldwb, n_in, out); return;
+    switch ((kind == DOT_I8 ? 64 : 0) + T * 8 + R) {
+        DS_CASE(1, 4)
+        DS_CASE(2, 4)
+        DS_CASE(3, 4)
+        DS_CASE(4, 4)
+        DS_CASE(1, 1)
+        DS_CASE(2, 1)
+        DS_CASE(3, 1)
+        DS_CASE(4, 1)
+    default: break;
+    }
+#undef DS_CASE
+    MOE_ASSERT(0 && "mk_stream_any: unsupported tile");
+}
+
+/* ---------------------------------------------------------------------------
+ * Packed panels: rows [o, o + R) (R <= DP_R) as dword groups of k,
+ * panel[g * DP_R + r] = the group-th pair (bf16) / quad (int8) of row r;
+ * rows past R and elements past n_in are zero. n_grp = groups per row
+ * (whole vectors). I8: rs[r] = sum_k q_rk. */
+
+DOT_TARGET static void pack_panel(enum dot_kind kind, const char *w, int64_t ldwb, int n_in, int R,
+                                  int n_grp, int32_t *panel, int32_t rs[DP_R])
+{
+    const int V = kind == DOT_BF16 ? 32 : 64;
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int r0 = 0; r0 < DP_R; r0 += 16) {
+        const int rr = R - r0 < 16 ? (R - r0 > 0 ? R - r0 : 0) : 16;
+        __m512i sum = _mm512_setzero_si512();
+        for (int g0 = 0; g0 < n_grp; g0 += 16) {
+            const int k = g0 / 16 * V;
+            __m512 v[16];
+            for (int i = 0; i < 16; i++)
+                v[i] = i < rr
+                           ? _mm512_castsi512_ps(
+                                 kind == DOT_BF16 ? load_w(DOT_BF16, w + (r0 + i) * ldwb, k, n_in)
+                                                  : load_w(DOT_I8, w + (r0 + i) * ldwb, k, n_in))
+                           : _mm512_setzero_ps();
+            transpose16_avx512(v); /* v[j] = group g0 + j of rows r0 .. r0 + 15 */
+            for (int j = 0; j < 16; j++) {
+                __m512i g = _mm512_castps_si512(v[j]);
+                if (kind == DOT_I8)
+                    sum = _mm512_dpbusd_epi32(sum, ones, g);
+                _mm512_storeu_si512((void *)(panel + (size_t)(g0 + j) * DP_R + r0), g);
+            }
+        }
+        if (kind == DOT_I8)
+            _mm512_storeu_si512((void *)(rs + r0), sum);
+    }
+}
+
+/* T tokens (rows of xa from xt) x the panel's 32 rows, into y (row stride
+ * ldy) at output columns masked by m0 / m1. I8: scales sx (T) and sw (32,
+ * zero past R), row sums rs. */
+DOT_TARGET static inline __attribute__((always_inline)) void
+mk_packed(const enum dot_kind K, const int T, const char *xt, int64_t ldxb, int n_grp,
+          const int32_t *panel, float *y, int64_t ldy, __mmask16 m0, __mmask16 m1, bool accumulate,
+          const float *sx, const float *sw, const int32_t *rs)
+{
+    __m512 accf[DP_T][2];
+    __m512i acci[DP_T][2];
+#pragma GCC unroll 12
+    for (int t = 0; t < T; t++) {
+        if (K == DOT_BF16) {
+            accf[t][0] = _mm512_setzero_ps();
+            accf[t][1] = _mm512_setzero_ps();
+        } else {
+            acci[t][0] = _mm512_setzero_si512();
+            acci[t][1] = _mm512_setzero_si512();
+        }
+    }
+    for (int g = 0; g < n_grp; g++) {
+        __m512i w0 = _mm512_loadu_si512((const void *)(panel + (size_t)g * DP_R));
+        __m512i w1 = _mm512_loadu_si512((const void *)(panel + (size_t)g * DP_R + 16));
+#pragma GCC unroll 12
+        for (int t = 0; t < T; t++) {
+            int32_t xg;
+            memcpy(&xg, xt + t * ldxb + (int64_t)g * 4, 4);
+            __m512i xb = _mm512_set1_epi32(xg);
+            if (K == DOT_BF16) {
+                accf[t][0] = dot_bf16(accf[t][0], xb, w0);
+                accf[t][1] = dot_bf16(accf[t][1], xb, w1);
+            } else {
+                acci[t][0] = dot_u8s8(acci[t][0], xb, w0);
+                acci[t][1] = dot_u8s8(acci[t][1], xb, w1);
+            }
+        }
+    }
+    __m512i off0 = _mm512_setzero_si512(), off1 = off0;
+    __m512 sw0 = _mm512_setzero_ps(), sw1 = sw0;
+    if (K == DOT_I8) {
+        off0 = _mm512_slli_epi32(_mm512_loadu_si512((const void *)rs), 7);
+        off1 = _mm512_slli_epi32(_mm512_loadu_si512((const void *)(rs + 16)), 7);
+        sw0 = _mm512_loadu_ps(sw);
+        sw1 = _mm512_loadu_ps(sw + 16);
+    }
+#pragma GCC unroll 12
+    for (int t = 0; t < T; t++) {
+        __m512 v0, v1;
+        if (K == DOT_BF16) {
+            v0 = accf[t][0];
+            v1 = accf[t][1];
+        } else {
+            __m512 s = _mm512_set1_ps(sx[t]);
+            v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acci[t][0], off0)),
+                               _mm512_mul_ps(s, sw0));
+            v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acci[t][1], off1)),
+                               _mm512_mul_ps(s, sw1));
+        }
+        float *yt = y + t * ldy;
+        if (accumulate) {
+            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, yt), v0);
+            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, yt + 16), v1);
+        }
+        _mm512_mask_storeu_ps(yt, m0, v0);
+        _mm512_mask_storeu_ps(yt + 16, m1, v1);
+    }
+}
+
+DOT_TARGET static void mk_packed_any(enum dot_kind kind, int T, const char *xt, int64_t ldxb,
+                                     int n_grp, const int32_t *panel, float *y, int64_t ldy,
+                                     __mmask16 m0, __mmask16 m1, bool accumulate, const float *sx,
+                                     const float *sw, const int32_t *rs)
+{
+#define DP_CASE(TT)                                                                                \
+    case TT:                                                                                       \
+        if (kind == DOT_BF16)                                                                      \
+            mk_packed(DOT_BF16, TT, xt, ldxb, n_grp, panel, y, ldy, m0, m1, accumulate, sx, sw,    \
+                      rs);                                                                         \
+        else                                                                                       \
+            mk_packed(DOT_I8, TT, xt, ldxb, n_grp, panel, y, ldy, m0, m1, accumulate, sx, sw, rs); \
+        return;
+    switch (T) {
+        DP_CASE(1)
+        DP_CASE(2)
+        DP_CASE(3)
+        DP_CASE(4)
+        DP_CASE(5)
+        DP_CASE(6)
+        DP_CASE(7)
+        DP_CASE(8)
+        DP_CASE(9)
+        DP_CASE(10)
+        DP_CASE(11)
+        DP_CASE(12)
+    default: break;
+    }
+#undef DP_CASE
+    MOE_ASSERT(0 && "mk_packed_any: unsupported tile");
+}
+
+/* ---------------------------------------------------------------------------
+ * Tasks */
+
+struct dot_job {
+    const struct moe_matmul_params *p;
+    enum dot_kind kind;
+    const char *xa; /* (n_tok, ldx) bf16 or u8 activations */
+    int64_t ldxb;   /* bytes per activation row */
+    int ldx;        /* elements per activation row */
+    float *sx;      /* I8: (n_tok) token scales */
+    bool packed;
+    int row_block, n_row_blocks, tok_block;
+    char *scratch; /* packed: (n_threads, scratch_stride) panels */
+    size_t scratch_stride;
+};
+
+static void store_out(const struct moe_matmul_params *p, int t, int o, float v)
+{
+    float *y = p->y + (size_t)t * p->n_out + o;
+    *y = p->accumulate ? *y + v : v;
+}
+
+DOT_TARGET static void task_stream(const struct dot_job *j, int t0, int nt, int o0, int no)
+{
+    const struct moe_matmul_params *p = j->p;
+    const int64_t esz = j->kind == DOT_BF16 ? 2 : 1;
+    const int64_t ldwb = p->ldw * esz;
+    union dot_out out;
+    for (int o = o0; o < o0 + no;) {
+        int R = o0 + no - o >= DT_R ? DT_R : 1;
+        const char *w = (const char *)p->w + o * ldwb;
+        for (int t = t0; t < t0 + nt; t += DT_T) {
+            int T = t0 + nt - t < DT_T ? t0 + nt - t : DT_T;
+            mk_stream_any(j->kind, T, R, j->xa + t * j->ldxb, j->ldxb, w, ldwb, p->n_in, &out);
+            for (int tt = 0; tt < T; tt++)
+                for (int r = 0; r < R; r++)
+                    store_out(p, t + tt, o + r,
+                              j->kind == DOT_BF16
+                                  ? out.f[tt][r]
+                                  : (float)out.i[tt][r] * (j->sx[t + tt] * p->w_scale[o + r]));
+        }
+        o += R;
+    }
+}
+
+DOT_TARGET static void task_packed(const struct dot_job *j, int thread, int t0, int nt, int o0,
+                                   int no)
+{
+    const struct moe_matmul_params *p = j->p;
+    const int64_t esz = j->kind == DOT_BF16 ? 2 : 1;
+    const int64_t ldwb = p->ldw * esz;
+    const int n_grp = (int)(j->ldxb / 4);
+    int32_t *panel = (int32_t *)(j->scratch + (size_t)thread * j->scratch_stride);
+    int32_t rs[DP_R];
+    float sw[DP_R];
+    for (int o = o0; o < o0 + no; o += DP_R) {
+        int R = o0 + no - o < DP_R ? o0 + no - o : DP_R;
+        pack_panel(j->kind, (const char *)p->w + o * ldwb, ldwb, p->n_in, R, n_grp, panel, rs);
+        if (j->kind == DOT_I8)
+            for (int r = 0; r < DP_R; r++)
+                sw[r] = r < R ? p->w_scale[o + r] : 0.0f;
+        __mmask16 m0 = R >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << R) - 1u);
+        __mmask16 m1 = R >= 32  ? (__mmask16)0xffff
+                       : R > 16 ? (__mmask16)((1u << (R - 16)) - 1u)
+                                : (__mmask16)0;
+        for (int t = t0; t < t0 + nt; t += DP_T) {
+            int T = t0 + nt - t < DP_T ? t0 + nt - t : DP_T;
+            mk_packed_any(j->kind, T, j->xa + t * j->ldxb, j->ldxb, n_grp, panel,
+                          p->y + (size_t)t * p->n_out + o, p->n_out, m0, m1, p->accumulate,
+                          j->sx ? j->sx + t : NULL, sw, rs);
+        }
+    }
+}
+
+static void dot_task(void *arg, int task, int thread)
+{
+    const struct dot_job *j = arg;
+    const struct moe_matmul_params *p = j->p;
+    int rb = task % j->n_row_blocks, tb = task / j->n_row_blocks;
+    int o0 = rb * j->row_block, t0 = tb * j->tok_block;
+    int no = p->n_out - o0 < j->row_block ? p->n_out - o0 : j->row_block;
+    int nt = p->n_tok - t0 < j->tok_block ? p->n_tok - t0 : j->tok_block;
+    if (j->packed)
+        task_packed(j, thread, t0, nt, o0, no);
+    else
+        task_stream(j, t0, nt, o0, no);
+}
+
+/* Activation conversion, CVT_ROWS token rows per task. */
+#define CVT_ROWS 16
+
+static void cvt_task(void *arg, int task, int thread)
+{
+    (void)thread;
+    const struct dot_job *j = arg;
+    const struct moe_matmul_params *p = j->p;
+    int r0 = task * CVT_ROWS, r1 = r0 + CVT_ROWS < p->n_tok ? r0 + CVT_ROWS : p->n_tok;
+    if (j->kind == DOT_BF16) {
+        act_bf16_rows(p->x, p->n_in, r0, r1, (uint16_t *)j->xa, j->ldx);
+        return;
+    }
+    for (int t = r0; t < r1; t++)
+        j->sx[t] =
+            act_u8_row(p->x + (size_t)t * p->n_in, p->n_in, (uint8_t *)j->xa + t * j->ldxb, j->ldx);
+}
+
+void cpu_matmul_dot(struct moe_pool *pool, const struct moe_matmul_params *p)
+{
+    if (p->n_tok <= 0 || p->n_out <= 0)
+        return;
+    MOE_ASSERT(cpu_matmul_dot_supported(p));
+    MOE_ASSERT(p->ldw >= p->n_in && p->n_in >= 0);
+    MOE_ASSERT(p->w_dtype == MOE_DTYPE_BF16 || (p->w_dtype == MOE_DTYPE_I8 && p->w_scale));
+    const int n_threads = moe_pool_size(pool);
+    struct dot_job j = {.p = p, .kind = kind_of(p->w_dtype)};
+    const int V = j.kind == DOT_BF16 ? 32 : 64;
+    const int esz = j.kind == DOT_BF16 ? 2 : 1;
+    j.ldx = (p->n_in + V - 1) / V * V;
+    if (j.ldx == 0)
+        j.ldx = V;
+    j.ldxb = (int64_t)j.ldx * esz;
+
+    /* One allocation: activations, token scales, panels. */
+    size_t act_bytes = (size_t)p->n_tok * (size_t)j.ldxb;
+    size_t sx_bytes = j.kind == DOT_I8 ? ((size_t)p->n_tok * sizeof(float) + 63) / 64 * 64 : 0;
+    j.packed = p->n_tok >= DP_MIN_TOK;
+    j.scratch_stride = j.packed ? ((size_t)DP_R * (size_t)j.ldxb + 63) / 64 * 64 : 0;
+    size_t total = act_bytes + sx_bytes + (size_t)n_threads * j.scratch_stride;
+    char *buf = NULL;
+    MOE_ASSERT(posix_memalign((void **)&buf, 64, total) == 0);
+    j.xa = buf;
+    j.sx = j.kind == DOT_I8 ? (float *)(buf + act_bytes) : NULL;
+    j.scratch = j.packed ? buf + act_bytes + sx_bytes : NULL;
+
+    int n_cvt = (p->n_tok + CVT_ROWS - 1) / CVT_ROWS;
+    if ((size_t)p->n_tok * p->n_in < 65536 || n_cvt == 1) {
+        for (int t = 0; t < n_cvt; t++)
+            cvt_task(&j, t, 0);
+    } else {
+        moe_pool_run(pool, n_cvt, cvt_task, &j);
+    }
+
+    /* Rows per task: about 8 tasks per thread, 16..256. */
+    int rb = (p->n_out + 8 * n_threads - 1) / (8 * n_threads);
+    if (j.packed) {
+        rb = (rb + DP_R - 1) / DP_R * DP_R;
+        rb = rb > 2 * DP_R ? 2 * DP_R : rb;
+        j.tok_block = p->n_tok < DP_TOK_BLOCK ? p->n_tok : DP_TOK_BLOCK;
+        /* Even token blocks: no thin leftover block. */
+        int n_tb = (p->n_tok + DP_TOK_BLOCK - 1) / DP_TOK_BLOCK;
+        j.tok_block = (p->n_tok + n_tb - 1) / n_tb;
+    } else {
+        rb = (rb + DT_R - 1) / DT_R * DT_R;
+        rb = rb < 16 ? 16 : rb > 256 ? 256 : rb;
+        j.tok_block = p->n_tok < DT_TOK_BLOCK ? p->n_tok : DT_TOK_BLOCK;
+    }
+    j.row_block = rb > p->n_out ? p->n_out : rb;
+    j.n_row_blocks = (p->n_out + j.row_block - 1) / j.row_block;
+    int n_tasks = j.n_row_blocks * ((p->n_tok + j.tok_block - 1) / j.tok_block);
+    double flops = 2.0 * p->n_tok * (double)p->n_out * p->n_in;
+    if (flops < 65536.0 || n_tasks == 1) {
+        for (int t = 0; t < n_tasks; t++)
+            dot_task(&j, t, 0);
+    } else {
+        moe_pool_run(pool, n_tasks, dot_task, &j);
+    }
+    free(buf);
+}
+
+#else /* !DOT_X86 */
+
+void cpu_matmul_dot(struct moe_pool *pool, const struct moe_matmul_params *p)
+{
+    (void)pool;
+    (void)p;
+    MOE_ASSERT(0 && "cpu_matmul_dot: no dot-product path on this architecture");
+}
+
+#endif

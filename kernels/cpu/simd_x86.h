@@ -1,0 +1,47 @@
+/* Small AVX-512 helpers shared by the CPU kernels (x86-64 only; each
+ * user compiles its SIMD functions with a target attribute, never -march). */
+#ifndef MOE_SIMD_X86_H
+#define MOE_SIMD_X86_H
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define MOE_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx2")))
+
+/* In-register transpose of a 16 x 16 f32 block: v[i] lane j <-> v[j] lane i.
+ * 32-bit, then 64-bit interleaves within 128-bit lanes, then two rounds of
+ * 128-bit lane shuffles. */
+MOE_AVX512_TARGET static inline __attribute__((always_inline)) void transpose16_avx512(__m512 v[16])
+{
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_castpd_ps(
+            _mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        u[i + 1] = _mm512_castpd_ps(
+            _mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        u[i + 2] = _mm512_castpd_ps(
+            _mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        u[i + 3] = _mm512_castpd_ps(
+            _mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    /* u[4q + c] holds, in 128-bit lane L, column 4L + c of rows 4q..4q+3. */
+    for (int c = 0; c < 4; c++) {
+        t[c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);     /* lanes 0, 2 of each */
+        t[4 + c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd); /* lanes 1, 3 */
+        t[8 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+        t[12 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+    }
+    for (int c = 0; c < 4; c++) {
+        v[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);           /* columns c */
+        v[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);  /* columns 4 + c */
+        v[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xdd);       /* columns 8 + c */
+        v[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xdd); /* columns 12 + c */
+    }
+}
+
+#endif /* __x86_64__ */
+#endif

@@ -1,0 +1,393 @@
+/* The fast matmul paths (moe_matmul_params.fast, kernels/cpu/matmul_dot.c)
+ * on every one this processor has; a path it lacks is reported SKIPPED by
+ * name, and the test exits 77 when it has none (so nothing passes without
+ * running). AMX has no kernel yet and is always reported SKIPPED.
+ *
+ * Each path is held to two references computed here in double:
+ *   - the exact path's arithmetic (f32 x, the same weights), within the
+ *     documented bound of the approximation:
+ *       avx512-bf16: |y - ref| <= 2^-8 sum_k |x_k w_k| + (n_in + 2) 2^-24
+ *         sum_k |x_k w_k|  (bf16 has 8 significant bits: x rounded to
+ *         nearest moves by < 2^-8 |x|; then the f32 sums of either side);
+ *       avx512-vnni: |y - ref| <= (1 + 1e-3) (sx / 2) w_scale sum_k |q_k|
+ *         + 1e-5 sum_k |x_k w_k|  (half a quantization step of x per element);
+ *   - an emulation of what the instruction computes (x rounded / quantized
+ *     here, products and sums in double), to 1e-5 of sum_k |x_k w_k|: this
+ *     one fails if a path computes something else than it claims (a wrong
+ *     pair order, a lost offset, a wrong scale) even when the loose bound
+ *     above would hide it.
+ * Shapes: odd n_in / n_out (masked tails), a row stride wider than n_in,
+ * 1..5 tokens (streaming tiles), 31..300 tokens (packed panels with leftover
+ * tokens), accumulate on and off, through the ops table, the pool and the
+ * calling thread. Also: int8 results do not depend on the batch they are in
+ * (exact integer sums), a NaN row stays NaN, an all-zero row gives 0, and a
+ * forced-off feature falls back to the exact kernels bit for bit. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "cpu/cpu_kernels.h"
+#include "quant.h"
+#include "testlib.h"
+
+static uint64_t g_rng = 0x5851f42d4c957f2dull;
+
+static uint32_t rng_u32(void)
+{
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (uint32_t)(g_rng >> 16);
+}
+
+static float rng_float(void) /* [-1, 1) */
+{
+    return (float)((double)rng_u32() / 2147483648.0 - 1.0);
+}
+
+static struct moe_backend *g_cpu; /* 2 threads, through the ops table */
+static struct moe_pool *g_pool;   /* 3 threads, direct kernel calls */
+
+struct fcase {
+    int n_tok, n_in, n_out;
+    int64_t ldw;
+    bool accumulate;
+    int via; /* 0: ops table, 1: pool of 3, 2: calling thread */
+};
+
+/* Random weights of `dt` (I8: values in [-127, 127] and row scales, in one
+ * buffer as the model lays them out); x with one outlier per row. */
+static void *make_weights(enum moe_dtype dt, int n_out, int64_t ldw, const float **scale)
+{
+    size_t n = (size_t)n_out * ldw;
+    if (dt == MOE_DTYPE_BF16) {
+        uint16_t *w = malloc(n * 2);
+        for (size_t i = 0; i < n; i++)
+            w[i] = moe_f32_to_bf16(rng_float());
+        *scale = NULL;
+        return w;
+    }
+    size_t off = moe_i8_scale_offset(n_out, ldw);
+    char *buf = malloc(off + (size_t)n_out * sizeof(float));
+    int8_t *q = (int8_t *)buf;
+    for (size_t i = 0; i < n; i++)
+        q[i] = (int8_t)((int)(rng_u32() % 255) - 127);
+    float *sc = (float *)(buf + off);
+    for (int r = 0; r < n_out; r++)
+        sc[r] = (0.5f + 0.5f * fabsf(rng_float())) / 127.0f;
+    *scale = sc;
+    return buf;
+}
+
+static double w_at(enum moe_dtype dt, const void *w, const float *sc, int64_t ldw, int o, int k,
+                   bool raw)
+{
+    if (dt == MOE_DTYPE_BF16)
+        return moe_bf16_to_f32(((const uint16_t *)w)[(size_t)o * ldw + k]);
+    double q = ((const int8_t *)w)[(size_t)o * ldw + k];
+    return raw ? q : q * sc[o];
+}
+
+/* What the instruction path computes for row x (n_in): bf16 rounding, or
+ * the per-token quantization (xq and its scale). */
+static void emulate_act(enum moe_dtype dt, const float *x, int n_in, double *xe, double *sx)
+{
+    if (dt == MOE_DTYPE_BF16) {
+        for (int k = 0; k < n_in; k++)
+            xe[k] = moe_bf16_to_f32(moe_f32_to_bf16(x[k]));
+        *sx = 1.0;
+        return;
+    }
+    float a = 0.0f;
+    for (int k = 0; k < n_in; k++)
+        a = fmaxf(a, fabsf(x[k]));
+    float inv = a > 0.0f ? 127.0f / a : 0.0f;
+    for (int k = 0; k < n_in; k++) {
+        float q = nearbyintf(x[k] * inv);
+        xe[k] = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+    }
+    *sx = a > 0.0f ? (double)(a / 127.0f) : 0.0;
+}
+
+/* Runs one case on the fast path; returns the worst emulation error (the
+ * bound check is done here). */
+static double fast_case(enum moe_dtype dt, const struct fcase *c, double *worst_bound)
+{
+    const float *sc = NULL;
+    void *w = make_weights(dt, c->n_out, c->ldw, &sc);
+    float *x = malloc((size_t)c->n_tok * c->n_in * sizeof *x);
+    for (int t = 0; t < c->n_tok; t++)
+        for (int k = 0; k < c->n_in; k++)
+            x[(size_t)t * c->n_in + k] = rng_float() * (k == (t * 7) % c->n_in ? 8.0f : 1.0f);
+    size_t ny = (size_t)c->n_tok * c->n_out;
+    float *y = malloc((ny + 16) * sizeof *y), *y0 = malloc((ny + 16) * sizeof *y0);
+    for (size_t i = 0; i < ny + 16; i++)
+        y0[i] = y[i] = rng_float();
+    struct moe_matmul_params p = {
+        .x = x,
+        .n_tok = c->n_tok,
+        .n_in = c->n_in,
+        .w = w,
+        .w_dtype = dt,
+        .ldw = c->ldw,
+        .n_out = c->n_out,
+        .y = y,
+        .accumulate = c->accumulate,
+        .w_scale = sc,
+        .fast = true,
+    };
+    CHECK(cpu_matmul_dot_supported(&p));
+    if (c->via == 0)
+        g_cpu->ops->matmul(g_cpu, &p);
+    else
+        cpu_matmul(c->via == 1 ? g_pool : NULL, &p);
+    double worst_emu = 0;
+    double *xe = malloc((size_t)c->n_in * sizeof *xe);
+    for (int t = 0; t < c->n_tok; t++) {
+        const float *xt = x + (size_t)t * c->n_in;
+        double sx;
+        emulate_act(dt, xt, c->n_in, xe, &sx);
+        for (int o = 0; o < c->n_out; o++) {
+            double ref = 0, mag = 0, emu = 0, qsum = 0;
+            for (int k = 0; k < c->n_in; k++) {
+                double wv = w_at(dt, w, sc, c->ldw, o, k, false);
+                ref += (double)xt[k] * wv;
+                mag += fabs((double)xt[k] * wv);
+                if (dt == MOE_DTYPE_BF16) {
+                    emu += xe[k] * wv;
+                } else {
+                    double q = w_at(dt, w, sc, c->ldw, o, k, true);
+                    emu += xe[k] * q;
+                    qsum += fabs(q);
+                }
+            }
+            if (dt == MOE_DTYPE_I8)
+                emu *= sx * sc[o];
+            size_t i = (size_t)t * c->n_out + o;
+            double base = c->accumulate ? y0[i] : 0.0;
+            double got = (double)y[i] - base;
+            double bound = dt == MOE_DTYPE_BF16 ? ldexp(mag, -8) + (c->n_in + 2) * ldexp(mag, -24)
+                                                : (1 + 1e-3) * 0.5 * sx * sc[o] * qsum + 1e-5 * mag;
+            double slack = 1e-6 * fabs(base); /* the rounding of y += v */
+            double eb = fabs(got - ref) / (bound + slack + 1e-30);
+            double ee = fabs(got - emu) / (1e-5 * mag + slack + 1e-30);
+            if (!(eb <= *worst_bound))
+                *worst_bound = isnan(eb) ? INFINITY : eb;
+            if (!(ee <= worst_emu))
+                worst_emu = isnan(ee) ? INFINITY : ee;
+        }
+    }
+    for (int i = 0; i < 16; i++)
+        if (y[ny + i] != y0[ny + i])
+            worst_emu = INFINITY; /* wrote past the end */
+    free(xe);
+    free(x);
+    free(y);
+    free(y0);
+    free(w);
+    return worst_emu;
+}
+
+static void test_path(enum moe_dtype dt, const char *name)
+{
+    static const struct fcase fixed[] = {
+        {1, 64, 4, 64, false, 0},        {1, 1024, 2816, 1024, false, 0},
+        {2, 77, 13, 80, true, 1},        {3, 31, 5, 31, false, 2},
+        {4, 2816, 1024, 2816, false, 0}, {5, 100, 9, 128, true, 1},
+        {31, 63, 33, 64, false, 0},      {32, 64, 32, 64, false, 0},
+        {33, 129, 47, 130, true, 1},     {100, 1024, 96, 1024, false, 0},
+        {300, 200, 70, 256, true, 2},    {257, 65, 31, 65, false, 1},
+    };
+    double worst_bound = 0, worst_emu = 0;
+    int n = 0;
+    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++, n++)
+        worst_emu = fmax(worst_emu, fast_case(dt, &fixed[i], &worst_bound));
+    for (int i = 0; i < 40; i++, n++) {
+        struct fcase c = {
+            .n_tok = 1 + (int)(rng_u32() % (i % 2 ? 6 : 140)),
+            .n_in = 1 + (int)(rng_u32() % 300),
+            .n_out = 1 + (int)(rng_u32() % 90),
+            .accumulate = rng_u32() % 2,
+            .via = (int)(rng_u32() % 3),
+        };
+        c.ldw = c.n_in + (rng_u32() % 3 ? 0 : (int)(rng_u32() % 9));
+        worst_emu = fmax(worst_emu, fast_case(dt, &c, &worst_bound));
+    }
+    CHECKF(worst_bound <= 1.0, "%s: error %.3g x the documented bound", name, worst_bound);
+    CHECKF(worst_emu <= 1.0, "%s: differs from its emulation by %.3g x 1e-5 sum|xw|", name,
+           worst_emu);
+    printf("%s: %d cases, worst error %.3g of the documented bound, %.3g of 1e-5 sum|xw| vs the "
+           "emulated instruction\n",
+           name, n, worst_bound, worst_emu);
+}
+
+/* A token's int8 result does not depend on the other tokens of the call
+ * (exact integer sums): token rows alone (streaming tiles) equal the same
+ * rows inside a 200-token call (packed panels), bit for bit. */
+static void test_i8_batch_invariance(void)
+{
+    const int n_tok = 200, n_in = 300, n_out = 70;
+    const float *sc;
+    void *w = make_weights(MOE_DTYPE_I8, n_out, n_in, &sc);
+    float *x = malloc((size_t)n_tok * n_in * sizeof *x);
+    for (size_t i = 0; i < (size_t)n_tok * n_in; i++)
+        x[i] = rng_float();
+    float *ya = malloc((size_t)n_tok * n_out * sizeof *ya);
+    float *y1 = malloc((size_t)n_out * sizeof *y1);
+    struct moe_matmul_params p = {.x = x,
+                                  .n_tok = n_tok,
+                                  .n_in = n_in,
+                                  .w = w,
+                                  .w_dtype = MOE_DTYPE_I8,
+                                  .ldw = n_in,
+                                  .n_out = n_out,
+                                  .y = ya,
+                                  .w_scale = sc,
+                                  .fast = true};
+    cpu_matmul(g_pool, &p);
+    int differ = 0;
+    for (int t = 0; t < n_tok; t += 13) {
+        struct moe_matmul_params q = p;
+        q.x = x + (size_t)t * n_in;
+        q.n_tok = 1;
+        q.y = y1;
+        cpu_matmul(NULL, &q);
+        differ += memcmp(y1, ya + (size_t)t * n_out, (size_t)n_out * sizeof *y1) != 0;
+    }
+    CHECKF(differ == 0, "avx512-vnni: %d tokens differ alone vs in a batch of %d", differ, n_tok);
+    printf("avx512-vnni: one token alone equals the same token in a %d-token call, bit for bit\n",
+           n_tok);
+    free(w);
+    free(x);
+    free(ya);
+    free(y1);
+}
+
+/* A NaN in a row makes that row's outputs NaN; a zero row gives zeros. */
+static void test_special_rows(enum moe_dtype dt, const char *name)
+{
+    const int n_in = 70, n_out = 9;
+    const float *sc;
+    void *w = make_weights(dt, n_out, n_in, &sc);
+    for (int n_tok = 3; n_tok <= 40; n_tok += 37) { /* streaming and packed */
+        float *x = malloc((size_t)n_tok * n_in * sizeof *x);
+        for (size_t i = 0; i < (size_t)n_tok * n_in; i++)
+            x[i] = rng_float();
+        memset(x, 0, (size_t)n_in * sizeof *x); /* row 0: zeros */
+        x[n_in + 5] = NAN;                      /* row 1: a NaN */
+        float *y = malloc((size_t)n_tok * n_out * sizeof *y);
+        struct moe_matmul_params p = {.x = x,
+                                      .n_tok = n_tok,
+                                      .n_in = n_in,
+                                      .w = w,
+                                      .w_dtype = dt,
+                                      .ldw = n_in,
+                                      .n_out = n_out,
+                                      .y = y,
+                                      .w_scale = sc,
+                                      .fast = true};
+        cpu_matmul(g_pool, &p);
+        int zero_ok = 1, nan_ok = 1, rest_ok = 1;
+        for (int o = 0; o < n_out; o++) {
+            zero_ok &= y[o] == 0.0f;
+            nan_ok &= isnan(y[n_out + o]);
+            for (int t = 2; t < n_tok; t++)
+                rest_ok &= isfinite(y[(size_t)t * n_out + o]);
+        }
+        CHECKF(zero_ok && nan_ok && rest_ok, "%s, %d tokens: zero row %d, NaN row %d, others %d",
+               name, n_tok, zero_ok, nan_ok, rest_ok);
+        free(x);
+        free(y);
+    }
+    free(w);
+}
+
+/* With the feature forced off, fast = true runs the exact kernels. */
+static void test_forced_off(enum moe_dtype dt, unsigned feat, const char *name)
+{
+    const int n_tok = 7, n_in = 96, n_out = 20;
+    const float *sc;
+    void *w = make_weights(dt, n_out, n_in, &sc);
+    float *x = malloc((size_t)n_tok * n_in * sizeof *x);
+    for (size_t i = 0; i < (size_t)n_tok * n_in; i++)
+        x[i] = rng_float();
+    float *ye = malloc((size_t)n_tok * n_out * sizeof *ye);
+    float *yf = malloc((size_t)n_tok * n_out * sizeof *yf);
+    struct moe_matmul_params p = {.x = x,
+                                  .n_tok = n_tok,
+                                  .n_in = n_in,
+                                  .w = w,
+                                  .w_dtype = dt,
+                                  .ldw = n_in,
+                                  .n_out = n_out,
+                                  .y = ye,
+                                  .w_scale = sc};
+    cpu_matmul(NULL, &p);
+    unsigned before = cpu_kernels_features();
+    cpu_kernels_force_features(before & ~feat);
+    p.fast = true;
+    p.y = yf;
+    CHECK(!cpu_matmul_dot_supported(&p));
+    CHECK(strcmp(cpu_matmul_fast_path(dt), "f32-fma") == 0);
+    cpu_matmul(NULL, &p);
+    CHECKF(memcmp(ye, yf, (size_t)n_tok * n_out * sizeof *ye) == 0,
+           "%s forced off: fast differs from exact", name);
+    CHECK(cpu_kernels_force_features(before) == before);
+    free(w);
+    free(x);
+    free(ye);
+    free(yf);
+}
+
+int main(void)
+{
+    struct moe_error err = {0};
+    if (moe_backend_cpu_create(2, &g_cpu, &err) != MOE_OK ||
+        moe_pool_create(3, &g_pool, &err) != MOE_OK) {
+        fprintf(stderr, "setup: %s\n", err.msg);
+        return 1;
+    }
+    char names[128];
+    unsigned have = cpu_kernels_detect_features();
+    enum cpu_isa isa = cpu_kernels_detect_isa();
+    printf("cpu: isa %s, dot-product features %s\n", cpu_isa_name(isa),
+           cpu_features_name(have, names, sizeof names));
+    printf("SKIPPED: amx-bf16, amx-int8: no AMX kernel is implemented (%s)\n",
+           have & (CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8) ? "this processor has AMX"
+                                                          : "this processor has no AMX");
+    int ran = 0;
+    cpu_kernels_force_isa(isa);
+    if (isa == CPU_ISA_AVX512 && (have & CPU_FEAT_AVX512_BF16)) {
+        test_path(MOE_DTYPE_BF16, "avx512-bf16");
+        test_special_rows(MOE_DTYPE_BF16, "avx512-bf16");
+        test_forced_off(MOE_DTYPE_BF16, CPU_FEAT_AVX512_BF16, "avx512-bf16");
+        ran++;
+    } else {
+        printf("SKIPPED: avx512-bf16: this processor lacks AVX512-BF16\n");
+    }
+    if (isa == CPU_ISA_AVX512 && (have & CPU_FEAT_AVX512_VNNI)) {
+        test_path(MOE_DTYPE_I8, "avx512-vnni");
+        test_i8_batch_invariance();
+        test_special_rows(MOE_DTYPE_I8, "avx512-vnni");
+        test_forced_off(MOE_DTYPE_I8, CPU_FEAT_AVX512_VNNI, "avx512-vnni");
+        ran++;
+    } else {
+        printf("SKIPPED: avx512-vnni: this processor lacks AVX512-VNNI\n");
+    }
+    /* Off AVX-512 (forced), fast asks for nothing the kernels cannot do. */
+    if (isa == CPU_ISA_AVX512) {
+        cpu_kernels_force_isa(CPU_ISA_AVX2);
+        struct moe_matmul_params p = {.fast = true, .w_dtype = MOE_DTYPE_BF16, .n_in = 8};
+        CHECK(!cpu_matmul_dot_supported(&p));
+        cpu_kernels_force_isa(isa);
+    }
+    moe_pool_destroy(g_pool);
+    moe_backend_destroy(g_cpu);
+    if (!ran) {
+        printf("SKIPPED: no fast matmul path on this processor\n");
+        test_summary();
+        return TEST_SKIP_CODE;
+    }
+    return test_summary();
+}
