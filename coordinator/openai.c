@@ -866,23 +866,27 @@ static void call_fail_locked(struct oa_call *call, int status, const char *msg)
 
 /* Every choice ended: the answer to rq (taken from call->rq under the lock).
  * Called without call->mu: ending rq waits for a running on_close, which
- * takes call->mu. Nothing else touches the call any more. */
+ * takes call->mu. Only on_close may still touch the call (it sets `gone`),
+ * so the flags are read once under the lock. */
 static void call_complete(struct oa_call *call, struct http_request *rq)
 {
     struct coord_http *h = call->h;
     if (!rq)
         return;
-    if (call->failed && !call->started) {
+    pthread_mutex_lock(&call->mu);
+    bool gone = call->gone, failed = call->failed, started = call->started;
+    pthread_mutex_unlock(&call->mu);
+    if (failed && !started) {
         coord_http_error(h, rq, call->route, call->err_status,
                          call->err_param[0] ? call->err_param : NULL, "%s", call->err_msg);
         return;
     }
     coord_metrics_http(h->c->metrics, call->route,
-                       call->gone     ? 499
-                       : call->failed ? call->err_status
-                                      : 200);
+                       gone     ? 499
+                       : failed ? call->err_status
+                                : 200);
     if (call->stream) {
-        if (call->failed) {
+        if (failed) {
             char *e = http_error_json(call->err_status, coord_http_error_type(call->err_status),
                                       call->err_param[0] ? call->err_param : NULL, call->err_msg);
             if (e) {
