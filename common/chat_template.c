@@ -343,30 +343,6 @@ static struct jv message_value(struct jctx *c, const cJSON *m, int index)
     return v;
 }
 
-static void var_set(struct jctx *c, struct jscope *s, const char *name, struct jv v)
-{
-    for (int i = 0; i < s->n; i++)
-        if (!strcmp(s->names[i], name)) {
-            s->vals[i] = v;
-            return;
-        }
-    if (s->n == s->cap) {
-        int cap = s->cap ? 2 * s->cap : 16;
-        const char **nn = jalloc(c, (size_t)cap * sizeof(*nn));
-        struct jv *nv = jalloc(c, (size_t)cap * sizeof(*nv));
-        if (s->n) {
-            memcpy(nn, s->names, (size_t)s->n * sizeof(*nn));
-            memcpy(nv, s->vals, (size_t)s->n * sizeof(*nv));
-        }
-        s->names = nn;
-        s->vals = nv;
-        s->cap = cap;
-    }
-    s->names[s->n] = name;
-    s->vals[s->n] = v;
-    s->n++;
-}
-
 /* ---- render -------------------------------------------------------------------------- */
 
 static void render_body(struct jctx *c, const struct chat_template *t,
@@ -376,11 +352,11 @@ static void render_body(struct jctx *c, const struct chat_template *t,
     const char *bos = vars->bos_token ? vars->bos_token : t->bos;
     const char *eos = vars->eos_token ? vars->eos_token : t->eos;
     if (bos)
-        var_set(c, vs, "bos_token", jv_cstr(c, bos));
+        jinja_scope_set(c, vs, "bos_token", jv_cstr(c, bos));
     if (eos)
-        var_set(c, vs, "eos_token", jv_cstr(c, eos));
-    var_set(c, vs, "tools", jv_none());
-    var_set(c, vs, "documents", jv_none());
+        jinja_scope_set(c, vs, "eos_token", jv_cstr(c, eos));
+    jinja_scope_set(c, vs, "tools", jv_none());
+    jinja_scope_set(c, vs, "documents", jv_none());
     if (vars->extra) {
         if (!cJSON_IsObject(vars->extra))
             jerr(c, 0, MOE_ERR_INVALID, "extra template variables must be a JSON object");
@@ -390,7 +366,7 @@ static void render_body(struct jctx *c, const struct chat_template *t,
             size_t n = strlen(e->string);
             char *name = jalloc(c, n + 1);
             memcpy(name, e->string, n + 1);
-            var_set(c, vs, name, from_json(c, e, name, 1));
+            jinja_scope_set(c, vs, name, from_json(c, e, name, 1));
         }
     }
     if (!cJSON_IsArray(vars->messages))
@@ -401,8 +377,8 @@ static void render_body(struct jctx *c, const struct chat_template *t,
     cJSON_ArrayForEach(m, vars->messages) jlist_push(c, msgs, message_value(c, m, i++));
     struct jv mv = {.t = JV_LIST};
     mv.u.l = msgs;
-    var_set(c, vs, "messages", mv);
-    var_set(c, vs, "add_generation_prompt", jv_bool(vars->add_generation_prompt));
+    jinja_scope_set(c, vs, "messages", mv);
+    jinja_scope_set(c, vs, "add_generation_prompt", jv_bool(vars->add_generation_prompt));
     c->vars = vs;
 
     struct jscope *root = jalloc(c, sizeof(*root));

@@ -27,7 +27,7 @@ static struct jscope *scope_new(struct jctx *c, struct jscope *parent)
     return s;
 }
 
-static void scope_set(struct jctx *c, struct jscope *s, const char *name, struct jv v)
+void jinja_scope_set(struct jctx *c, struct jscope *s, const char *name, struct jv v)
 {
     for (int i = 0; i < s->n; i++)
         if (!strcmp(s->names[i], name)) {
@@ -54,7 +54,7 @@ static void scope_set(struct jctx *c, struct jscope *s, const char *name, struct
 void jinja_frame_start(struct jctx *c, struct jscope *sc, const struct jnode *body)
 {
     for (int i = 0; body && i < body->n_locals; i++)
-        scope_set(c, sc, body->locals[i], jv_undef(body->locals[i]));
+        jinja_scope_set(c, sc, body->locals[i], jv_undef(body->locals[i]));
 }
 
 static struct jv *scope_find(struct jscope *s, const char *name)
@@ -643,7 +643,7 @@ struct jv jinja_call_macro(struct jctx *c, int line, struct jmacro *m, int n_pos
             }
         if (!got)
             v = def->kwv[i] ? jinja_eval(c, def->kwv[i], sc) : jv_undef(def->kwn[i]);
-        scope_set(c, sc, def->kwn[i], v);
+        jinja_scope_set(c, sc, def->kwn[i], v);
     }
     jinja_frame_start(c, sc, def->b);
     c->depth++;
@@ -818,7 +818,7 @@ static void assign_targets(struct jctx *c, int line, struct jscope *sc, const ch
                            struct jv v)
 {
     if (n == 1) {
-        scope_set(c, sc, names[0], v);
+        jinja_scope_set(c, sc, names[0], v);
         return;
     }
     struct jlist *items = jinja_iter(c, line, v);
@@ -830,7 +830,7 @@ static void assign_targets(struct jctx *c, int line, struct jscope *sc, const ch
             jerr(c, line, MOE_ERR_INVALID, "too many values to unpack (expected %d)", n);
     }
     for (int i = 0; i < n; i++)
-        scope_set(c, sc, names[i], items->v[i]);
+        jinja_scope_set(c, sc, names[i], items->v[i]);
 }
 
 static void exec_for(struct jctx *c, const struct jnode *n, struct jscope *sc)
@@ -862,7 +862,7 @@ static void exec_for(struct jctx *c, const struct jnode *n, struct jscope *sc)
             L->index0 = i;
             it->n = 0;
             assign_targets(c, n->line, it, n->names, n->n_names, items->v[i]);
-            scope_set(c, it, "loop", lv);
+            jinja_scope_set(c, it, "loop", lv);
             jinja_frame_start(c, it, n->b);
             jinja_exec(c, n->b, it);
             if (!c->brk) {
@@ -937,7 +937,7 @@ void jinja_exec(struct jctx *c, const struct jnode *n, struct jscope *sc)
             eval_args(c, f, sc, &a);
             v = jinja_filter(c, f->line, f->op, v, &a);
         }
-        scope_set(c, sc, n->names[0], v);
+        jinja_scope_set(c, sc, n->names[0], v);
         break;
     }
     case JN_MACRO: {
@@ -946,7 +946,7 @@ void jinja_exec(struct jctx *c, const struct jnode *n, struct jscope *sc)
         m->scope = sc;
         struct jv v = {.t = JV_MACRO};
         v.u.macro = m;
-        scope_set(c, sc, n->name, v);
+        jinja_scope_set(c, sc, n->name, v);
         break;
     }
     case JN_SCOPE: {

@@ -388,6 +388,9 @@ struct jv jinja_dict_items(struct jctx *c, const struct jdict *d, int kind);
 /* Marks on each frame body the names that start undefined in it, as
  * jinja2's idtracking decides (jinja_scope.c). False when out of memory. */
 bool jinja_resolve_names(struct jnode *root, struct jarena *arena);
+/* Sets name to v in scope s itself (not a parent): replaces the value if s
+ * has the name, adds it otherwise. `name` must outlive the render. */
+void jinja_scope_set(struct jctx *c, struct jscope *s, const char *name, struct jv v);
 /* Binds a frame body's `locals` to undefined in sc (at frame start). */
 void jinja_frame_start(struct jctx *c, struct jscope *sc, const struct jnode *body);
 
