@@ -82,6 +82,16 @@ struct rpc_call;
  * RESOURCE_EXHAUSTED if that runs out of memory). */
 void rpc_call_finish_msg(struct rpc_call *call, const void *msg);
 
+/* The request of a unary call: `bytes` unpacked as `desc` (a generated
+ * descriptor, e.g. &moe__v1__abort_request__descriptor) with every string
+ * field checked (moe_check_strings). NULL after answering the call
+ * INVALID_ARGUMENT with what is wrong ("request: not a valid
+ * moe.v1.AbortRequest", or the field path). The caller frees the message
+ * (its generated free_unpacked). */
+struct ProtobufCMessageDescriptor;
+void *rpc_call_unpack(struct rpc_call *call, const struct ProtobufCMessageDescriptor *desc,
+                      const uint8_t *bytes, size_t len);
+
 #define RPC_DEFAULT_MAX_MESSAGE ((size_t)64 << 20)
 
 /* ---- server ------------------------------------------------------------------ */

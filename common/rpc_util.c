@@ -1,8 +1,10 @@
 /* Small helpers shared by every user of the rpc layer: status code names
- * and mappings, packing protobuf-c messages. */
+ * and mappings, packing and unpacking protobuf-c messages. */
 #include <protobuf-c/protobuf-c.h>
+#include <stdio.h>
 #include <stdlib.h>
 
+#include "request_check.h"
 #include "rpc.h"
 
 const char *rpc_code_name(enum rpc_code code)
@@ -65,4 +67,22 @@ void rpc_call_finish_msg(struct rpc_call *call, const void *msg)
     rpc_call_finish(call, out ? RPC_OK : RPC_RESOURCE_EXHAUSTED, out ? NULL : "out of memory", out,
                     len);
     free(out);
+}
+
+void *rpc_call_unpack(struct rpc_call *call, const struct ProtobufCMessageDescriptor *desc,
+                      const uint8_t *bytes, size_t len)
+{
+    char msg[256];
+    ProtobufCMessage *m = protobuf_c_message_unpack(desc, NULL, len, bytes);
+    if (!m) {
+        snprintf(msg, sizeof msg, "request: not a valid %s", desc->name);
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, msg, NULL, 0);
+        return NULL;
+    }
+    if (moe_check_strings(m, msg, sizeof msg)) {
+        protobuf_c_message_free_unpacked(m, NULL);
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, msg, NULL, 0);
+        return NULL;
+    }
+    return m;
 }

@@ -149,20 +149,10 @@ static void set_drained(struct coord *c, struct rpc_call *call, const char *id, 
 
 static void handle_drain(struct rpc_call *call, const uint8_t *req, size_t len, void *user)
 {
-    Moe__V1__DrainWorkerRequest *rq = moe__v1__drain_worker_request__unpack(NULL, len, req);
-    if (!rq) {
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT,
-                        "request: not a valid moe.v1.DrainWorkerRequest", NULL, 0);
+    Moe__V1__DrainWorkerRequest *rq =
+        rpc_call_unpack(call, &moe__v1__drain_worker_request__descriptor, req, len);
+    if (!rq)
         return;
-    }
-    {
-        char smsg[256];
-        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
-            moe__v1__drain_worker_request__free_unpacked(rq, NULL);
-            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
-            return;
-        }
-    }
     Moe__V1__DrainWorkerResponse resp = MOE__V1__DRAIN_WORKER_RESPONSE__INIT;
     resp.state = 0;
     set_drained(user, call, rq->id, true, &resp.state);
@@ -173,20 +163,10 @@ static void handle_drain(struct rpc_call *call, const uint8_t *req, size_t len, 
 
 static void handle_undrain(struct rpc_call *call, const uint8_t *req, size_t len, void *user)
 {
-    Moe__V1__UndrainWorkerRequest *rq = moe__v1__undrain_worker_request__unpack(NULL, len, req);
-    if (!rq) {
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT,
-                        "request: not a valid moe.v1.UndrainWorkerRequest", NULL, 0);
+    Moe__V1__UndrainWorkerRequest *rq =
+        rpc_call_unpack(call, &moe__v1__undrain_worker_request__descriptor, req, len);
+    if (!rq)
         return;
-    }
-    {
-        char smsg[256];
-        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
-            moe__v1__undrain_worker_request__free_unpacked(rq, NULL);
-            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
-            return;
-        }
-    }
     Moe__V1__UndrainWorkerResponse resp = MOE__V1__UNDRAIN_WORKER_RESPONSE__INIT;
     resp.state = 0;
     set_drained(user, call, rq->id, false, &resp.state);

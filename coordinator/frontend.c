@@ -15,20 +15,10 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *req, size_
 
 static void handle_abort(struct rpc_call *call, const uint8_t *req, size_t len, void *user)
 {
-    Moe__V1__AbortRequest *rq = moe__v1__abort_request__unpack(NULL, len, req);
-    if (!rq) {
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid moe.v1.AbortRequest",
-                        NULL, 0);
+    Moe__V1__AbortRequest *rq =
+        rpc_call_unpack(call, &moe__v1__abort_request__descriptor, req, len);
+    if (!rq)
         return;
-    }
-    {
-        char smsg[256];
-        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
-            moe__v1__abort_request__free_unpacked(rq, NULL);
-            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
-            return;
-        }
-    }
     Moe__V1__AbortResponse resp = MOE__V1__ABORT_RESPONSE__INIT;
     if (strlen(rq->request_id) > MOE_REQ_MAX_ID_LEN) {
         moe__v1__abort_request__free_unpacked(rq, NULL);
@@ -78,20 +68,10 @@ static void handle_tokenize(struct rpc_call *call, const uint8_t *req, size_t le
 {
     struct coord *c = user;
     char msg[1024];
-    Moe__V1__TokenizeRequest *rq = moe__v1__tokenize_request__unpack(NULL, len, req);
-    if (!rq) {
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid moe.v1.TokenizeRequest",
-                        NULL, 0);
+    Moe__V1__TokenizeRequest *rq =
+        rpc_call_unpack(call, &moe__v1__tokenize_request__descriptor, req, len);
+    if (!rq)
         return;
-    }
-    {
-        char smsg[256];
-        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
-            moe__v1__tokenize_request__free_unpacked(rq, NULL);
-            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
-            return;
-        }
-    }
     enum rpc_code code = RPC_OK;
     int32_t *ids = NULL;
     uint32_t *out = NULL;

@@ -576,12 +576,10 @@ static void handle_stats(struct rpc_call *call, const uint8_t *req, size_t len, 
     struct coord_placement *p = c->placement;
     if (!need_experts(c, call))
         return;
-    Moe__V1__GetExpertStatsRequest *rq = moe__v1__get_expert_stats_request__unpack(NULL, len, req);
-    if (!rq) {
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT,
-                        "request: not a valid moe.v1.GetExpertStatsRequest", NULL, 0);
+    Moe__V1__GetExpertStatsRequest *rq =
+        rpc_call_unpack(call, &moe__v1__get_expert_stats_request__descriptor, req, len);
+    if (!rq)
         return;
-    }
     double window = rq->window_s ? rq->window_s : STATS_DEFAULT_WINDOW_S;
     moe__v1__get_expert_stats_request__free_unpacked(rq, NULL);
     size_t n = (size_t)c->cfg.n_layer * c->cfg.n_expert;
@@ -713,12 +711,10 @@ static void handle_plan(struct rpc_call *call, const uint8_t *req, size_t len, v
     struct coord_placement *p = c->placement;
     if (!need_experts(c, call))
         return;
-    Moe__V1__PlanPlacementRequest *rq = moe__v1__plan_placement_request__unpack(NULL, len, req);
-    if (!rq) {
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT,
-                        "request: not a valid moe.v1.PlanPlacementRequest", NULL, 0);
+    Moe__V1__PlanPlacementRequest *rq =
+        rpc_call_unpack(call, &moe__v1__plan_placement_request__descriptor, req, len);
+    if (!rq)
         return;
-    }
     struct moe_error err = {0};
     struct moe_placement cur = {0};
     struct planner_result res = {0};
@@ -849,12 +845,10 @@ static void handle_apply(struct rpc_call *call, const uint8_t *req, size_t len, 
     struct coord_placement *p = c->placement;
     if (!need_experts(c, call))
         return;
-    Moe__V1__ApplyPlacementRequest *rq = moe__v1__apply_placement_request__unpack(NULL, len, req);
-    if (!rq) {
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT,
-                        "request: not a valid moe.v1.ApplyPlacementRequest", NULL, 0);
+    Moe__V1__ApplyPlacementRequest *rq =
+        rpc_call_unpack(call, &moe__v1__apply_placement_request__descriptor, req, len);
+    if (!rq)
         return;
-    }
     struct moe_error err = {0};
     struct moe_placement next = {0}, cur = {0};
     int n_rank = group_ranks(c);

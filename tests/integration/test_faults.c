@@ -1065,6 +1065,18 @@ static int run_input(void)
     CHECKF(code == RPC_INVALID_ARGUMENT && strstr(msg, "sampling.stop[0]: not valid UTF-8"),
            "worker, invalid UTF-8 stop string: %s '%s'", rpc_code_name(code), msg);
 
+    /* The Admin service checks its strings too (every unary handler unpacks
+     * through rpc_call_unpack): a placement with invalid UTF-8. */
+    Moe__V1__ApplyPlacementRequest ap = MOE__V1__APPLY_PLACEMENT_REQUEST__INIT;
+    ap.placement_json = (char *)bad;
+    b = pack(&ap, &len);
+    struct rpc_reply rep;
+    code = rpc_client_call(co.cl, "/moe.v1.Admin/ApplyPlacement", b, len, 30000, &rep);
+    free(b);
+    CHECKF(code == RPC_INVALID_ARGUMENT && strstr(rep.message, "placement_json: not valid UTF-8"),
+           "Admin ApplyPlacement, invalid UTF-8: %s '%s'", rpc_code_name(code), rep.message);
+    rpc_reply_clear(&rep);
+
     /* HTTP: invalid UTF-8 in the body, a body over the derived limit. */
     char url[128], file[700], answer[4096];
     snprintf(url, sizeof url, "http://%s/v1/completions", http);

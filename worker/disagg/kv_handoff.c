@@ -756,20 +756,10 @@ static void handle_transfer(struct rpc_call *call, const uint8_t *bytes, size_t 
 {
     struct kv_handoff *x = user;
     char msg[512] = "";
-    Moe__V1__KvTransferChunk *ch = moe__v1__kv_transfer_chunk__unpack(NULL, len, bytes);
-    if (!ch) {
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid KvTransferChunk", NULL,
-                        0);
+    Moe__V1__KvTransferChunk *ch =
+        rpc_call_unpack(call, &moe__v1__kv_transfer_chunk__descriptor, bytes, len);
+    if (!ch)
         return;
-    }
-    {
-        char smsg[256];
-        if (moe_check_strings(&ch->base, smsg, sizeof smsg)) {
-            moe__v1__kv_transfer_chunk__free_unpacked(ch, NULL);
-            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
-            return;
-        }
-    }
     enum rpc_code code = RPC_OK;
     bool woke = false, answered_later = false;
     pthread_mutex_lock(&x->mu);
@@ -1074,19 +1064,10 @@ static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len,
     char msg[512];
     enum rpc_code code = RPC_OK;
     struct sender *s = NULL;
-    Moe__V1__KvSendRequest *rq = moe__v1__kv_send_request__unpack(NULL, len, bytes);
-    if (!rq) {
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid KvSendRequest", NULL, 0);
+    Moe__V1__KvSendRequest *rq =
+        rpc_call_unpack(call, &moe__v1__kv_send_request__descriptor, bytes, len);
+    if (!rq)
         return;
-    }
-    {
-        char smsg[256];
-        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
-            moe__v1__kv_send_request__free_unpacked(rq, NULL);
-            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
-            return;
-        }
-    }
     pthread_mutex_lock(&x->mu);
     struct handoff *h = find_locked(x, rq->handoff_id, true);
     if (x->stopping) {
@@ -1158,20 +1139,10 @@ static void handle_send(struct rpc_call *call, const uint8_t *bytes, size_t len,
 static void handle_release(struct rpc_call *call, const uint8_t *bytes, size_t len, void *user)
 {
     struct kv_handoff *x = user;
-    Moe__V1__KvReleaseRequest *rq = moe__v1__kv_release_request__unpack(NULL, len, bytes);
-    if (!rq) {
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid KvReleaseRequest", NULL,
-                        0);
+    Moe__V1__KvReleaseRequest *rq =
+        rpc_call_unpack(call, &moe__v1__kv_release_request__descriptor, bytes, len);
+    if (!rq)
         return;
-    }
-    {
-        char smsg[256];
-        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
-            moe__v1__kv_release_request__free_unpacked(rq, NULL);
-            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
-            return;
-        }
-    }
     Moe__V1__KvReleaseResponse resp = MOE__V1__KV_RELEASE_RESPONSE__INIT;
     pthread_mutex_lock(&x->mu);
     for (int side = 0; side < 2; side++) {

@@ -435,19 +435,10 @@ fail:
 static void handle_abort(struct rpc_call *call, const uint8_t *bytes, size_t len, void *user)
 {
     struct worker_service *ws = user;
-    Moe__V1__AbortRequest *rq = moe__v1__abort_request__unpack(NULL, len, bytes);
-    if (!rq) {
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: not a valid AbortRequest", NULL, 0);
+    Moe__V1__AbortRequest *rq =
+        rpc_call_unpack(call, &moe__v1__abort_request__descriptor, bytes, len);
+    if (!rq)
         return;
-    }
-    {
-        char smsg[256];
-        if (moe_check_strings(&rq->base, smsg, sizeof smsg)) {
-            moe__v1__abort_request__free_unpacked(rq, NULL);
-            rpc_call_finish(call, RPC_INVALID_ARGUMENT, smsg, NULL, 0);
-            return;
-        }
-    }
     Moe__V1__AbortResponse resp = MOE__V1__ABORT_RESPONSE__INIT;
     pthread_mutex_lock(&ws->mu);
     for (struct req *r = ws->reqs; r; r = r->next)
