@@ -548,7 +548,7 @@ def part_reload():
         for p in (c, w):
             p.send_signal(signal.SIGHUP)
         for p in (c, w):
-            t_end = time.monotonic() + 10
+            t_end = time.monotonic() + 30
             while time.monotonic() < t_end and \
                     len(re.findall(r"SIGHUP: (TLS|TLS reload)", tl.read_log(p))) < n_reloads[0]:
                 time.sleep(0.02)
