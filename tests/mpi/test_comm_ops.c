@@ -327,7 +327,7 @@ static void test_failures(int me, int w)
         CHECK(st == MOE_ERR_IO);
         CHECKF(strstr(err.msg, "rank 0: recv timed out after 300 ms waiting for rank 1") != NULL,
                "message: %s", err.msg);
-        CHECKF(dt >= 300 && dt < 3000, "timeout after %lld ms", (long long)dt);
+        CHECKF(dt >= 300 && dt < 10000, "timeout after %lld ms", (long long)dt);
         CHECK(c->broken);
         st = moe_comm_barrier(c, &err);
         CHECK(st == MOE_ERR_IO && strstr(err.msg, "broken") != NULL);
