@@ -67,7 +67,7 @@ struct http_server {
     struct MHD_Daemon *d;
     int port;
     bool quiesced;
-    int quiesced_fd; /* the listening socket MHD_quiesce_daemon handed back, or -1 */
+    int quiesced_fd;         /* the listening socket MHD_quiesce_daemon handed back, or -1 */
     struct tls_gen *tls_cur; /* tls_mu; older ones hang off ->prev until destroy */
     pthread_mutex_t tls_mu;
     struct http_server *tls_next; /* tls_servers_mu: the HTTPS servers of the process */

@@ -881,10 +881,7 @@ static void call_complete(struct oa_call *call, struct http_request *rq)
                          call->err_param[0] ? call->err_param : NULL, "%s", call->err_msg);
         return;
     }
-    coord_metrics_http(h->c->metrics, call->route,
-                       gone     ? 499
-                       : failed ? call->err_status
-                                : 200);
+    coord_metrics_http(h->c->metrics, call->route, gone ? 499 : failed ? call->err_status : 200);
     if (call->stream) {
         if (failed) {
             char *e = http_error_json(call->err_status, coord_http_error_type(call->err_status),

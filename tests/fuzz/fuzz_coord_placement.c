@@ -51,8 +51,8 @@ static void check_map(const struct moe_placement *m, int n_layer, int n_expert, 
     struct moe_error err = {0};
     FUZZ_CHECK(m->n_layer == n_layer && m->n_expert == n_expert && m->n_rank >= 1, "%s: shape",
                what);
-    FUZZ_CHECK(moe_placement_check(m, 0, &err) == MOE_OK, "%s accepted but not well formed: %s", what,
-               err.msg);
+    FUZZ_CHECK(moe_placement_check(m, 0, &err) == MOE_OK, "%s accepted but not well formed: %s",
+               what, err.msg);
 }
 
 static void plan_from(const struct moe_placement *cur, int slots)
