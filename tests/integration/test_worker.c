@@ -341,10 +341,10 @@ static void act_drain(void *user, struct rpc_client_stream *st)
     d->refused = d->late.code == RPC_UNAVAILABLE && strstr(d->late.message, "draining");
 }
 
-/* SIGTERM with a request in flight: the worker says it drains, refuses new
- * work naming the reason, lets the running request finish, exits 0. Its own
- * worker runs every step 10 ms slower (a test-only fault hook), so the
- * request stays in flight for seconds while the test looks. */
+/* Abort, then SIGTERM with a request in flight: the worker says it drains,
+ * refuses new work naming the reason, lets the running request finish,
+ * exits 0. Its own worker runs every step 10 ms slower (a test-only fault
+ * hook), so a request stays in flight for seconds while the test looks. */
 static void test_drain(char *const wargv[])
 {
     setenv("MOE_TEST_FAULTS", "1", 1);
@@ -366,6 +366,7 @@ static void test_drain(char *const wargv[])
         test_proc_kill(&w);
         return;
     }
+    test_abort(c); /* here, where 240 tokens take seconds: Abort cannot come too late */
     /* the request in flight: SIGTERM goes out once its second token arrived */
     uint32_t prompt[4] = {12, 13, 14, 15};
     struct gen_result in_flight;
@@ -412,7 +413,6 @@ int main(int argc, char **argv)
         test_bad_fields(c);
         test_concurrent(c);
         test_cancel_and_deadline(c);
-        test_abort(c);
         CHECK(kv_returns_to_zero(c, 30.0));
         rpc_client_destroy(c);
     }
