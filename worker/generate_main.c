@@ -99,6 +99,77 @@ static void usage(FILE *f)
            "10000)\n");
 }
 
+#define ARRAY_LEN(t) (sizeof(t) / sizeof *(t))
+
+/* A flag without a value: sets a bool of struct args. */
+struct flag_opt {
+    const char *name;
+    bool *field;
+};
+
+/* An option whose value is kept as given. */
+struct str_opt {
+    const char *name;
+    const char **field;
+};
+
+/* A whole-number option, refused outside [lo, hi]; `alias` is another
+ * spelling (or NULL), messages use `name`. */
+struct int_opt {
+    const char *name;
+    const char *alias;
+    long lo, hi;
+    int *field;
+};
+
+/* The options whose value needs its own check (not a plain string or a
+ * whole number in a range). Returns 0, 1 when `k` is none of them, or the
+ * exit code of a bad value. */
+static int parse_special(const char *k, const char *v, struct args *a)
+{
+    long n;
+    if (!strcmp(k, "--temperature")) {
+        if (!cli_parse_float(v, 0.0f, 100.0f, &a->temperature))
+            return cli_fail("--temperature: '%s' is not a number in [0, 100]", v);
+    } else if (!strcmp(k, "--top-p")) {
+        if (!cli_parse_float(v, 0.0f, 1.0f, &a->top_p) || a->top_p == 0.0f)
+            return cli_fail("--top-p: '%s' is not a number in (0, 1]", v);
+    } else if (!strcmp(k, "--top-k")) {
+        if (!cli_parse_long(v, 0, INT_MAX, &n))
+            return cli_fail("--top-k: '%s' is not a whole number >= 0", v);
+        a->top_k = (int)n;
+    } else if (!strcmp(k, "--seed")) {
+        char *end;
+        errno = 0;
+        a->seed = strtoull(v, &end, 10);
+        if (errno || end == v || *end || *v == '-')
+            return cli_fail("--seed: '%s' is not a whole number >= 0", v);
+    } else if (!strcmp(k, "--dtype")) {
+        if (!moe_launch_parse_dtype(v, &a->dtype))
+            return cli_fail("--dtype: '%s' is not one of f32, bf16, int8", v);
+    } else if (!strcmp(k, "--kv-memory")) {
+        if (!cli_parse_long(v, 1, 1 << 24, &n))
+            return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
+        a->kv_memory_mib = n;
+    } else {
+        return 1;
+    }
+    return 0;
+}
+
+/* The options that make sense together: a model and exactly one source of
+ * prompts. */
+static int check_args(const struct args *a)
+{
+    if (!a->model)
+        return cli_fail("--model DIR is required");
+    if ((a->prompt != NULL) + (a->tokens != NULL) + (a->prompts_file != NULL) != 1)
+        return cli_fail("give exactly one of --prompt TEXT, --tokens IDS or --prompts-file FILE");
+    if (a->logits_out && a->prompts_file)
+        return cli_fail("--logits-out works with one prompt, not with --prompts-file");
+    return 0;
+}
+
 static int parse_args(int argc, char **argv, struct args *a)
 {
     *a = (struct args){.n_predict = 32,
@@ -107,126 +178,80 @@ static int parse_args(int argc, char **argv, struct args *a)
                        .device = "auto",
                        .tp = 1,
                        .comm_timeout_ms = 10000};
+    const struct flag_opt flags[] = {
+        {"--ignore-eos", &a->ignore_eos},
+        {"--no-prefix-cache", &a->no_prefix_cache},
+        {"--profile", &a->profile},
+        {"--exact", &a->exact},
+        {"--print-outputs", &a->print_outputs},
+    };
+    const struct str_opt strs[] = {
+        {"--model", &a->model},
+        {"--prompt", &a->prompt},
+        {"--tokens", &a->tokens},
+        {"--logits-out", &a->logits_out},
+        {"--device", &a->device},
+        {"--placement", &a->placement},
+        {"--placement-switch", &a->placement_switch},
+        {"--prompts-file", &a->prompts_file},
+    };
+    const struct int_opt ints[] = {
+        {"-n", "--n-predict", 0, 1 << 20, &a->n_predict},
+        {"--threads", NULL, 0, 1024, &a->threads},
+        {"--tp", NULL, 1, 1024, &a->tp},
+        {"--comm-timeout-ms", NULL, 100, 3600000, &a->comm_timeout_ms},
+        {"--kv-blocks", NULL, 1, 1 << 24, &a->kv_blocks},
+        {"--block-size", NULL, 1, 1024, &a->block_size},
+        {"--max-batch-tokens", NULL, 1, 1 << 20, &a->max_batch_tokens},
+        {"--spec-tokens", NULL, 0, MOE_SPEC_TOKENS_MAX, &a->spec_tokens},
+        {"--max-running", NULL, 1, 1 << 16, &a->max_running},
+    };
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
         if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
             usage(stdout);
             exit(0);
         }
-        if (!strcmp(k, "--ignore-eos")) {
-            a->ignore_eos = true;
-            continue;
-        }
-        if (!strcmp(k, "--no-prefix-cache")) {
-            a->no_prefix_cache = true;
-            continue;
-        }
-        if (!strcmp(k, "--profile")) {
-            a->profile = true;
-            continue;
-        }
-        if (!strcmp(k, "--exact")) {
-            a->exact = true;
-            continue;
-        }
-        if (!strcmp(k, "--print-outputs")) {
-            a->print_outputs = true;
+        const struct flag_opt *f = NULL;
+        for (size_t j = 0; j < ARRAY_LEN(flags) && !f; j++)
+            if (!strcmp(k, flags[j].name))
+                f = &flags[j];
+        if (f) {
+            *f->field = true;
             continue;
         }
         if (i + 1 >= argc)
             return cli_fail("option '%s' needs a value", k);
         const char *v = argv[++i];
-        long n;
-        if (!strcmp(k, "--model")) {
-            a->model = v;
-        } else if (!strcmp(k, "--prompt")) {
-            a->prompt = v;
-        } else if (!strcmp(k, "--tokens")) {
-            a->tokens = v;
-        } else if (!strcmp(k, "--logits-out")) {
-            a->logits_out = v;
-        } else if (!strcmp(k, "--device")) {
-            a->device = v;
-        } else if (!strcmp(k, "-n") || !strcmp(k, "--n-predict")) {
-            if (!cli_parse_long(v, 0, 1 << 20, &n))
-                return cli_fail("-n: '%s' is not a whole number in [0, 1048576]", v);
-            a->n_predict = (int)n;
-        } else if (!strcmp(k, "--temperature")) {
-            if (!cli_parse_float(v, 0.0f, 100.0f, &a->temperature))
-                return cli_fail("--temperature: '%s' is not a number in [0, 100]", v);
-        } else if (!strcmp(k, "--top-p")) {
-            if (!cli_parse_float(v, 0.0f, 1.0f, &a->top_p) || a->top_p == 0.0f)
-                return cli_fail("--top-p: '%s' is not a number in (0, 1]", v);
-        } else if (!strcmp(k, "--top-k")) {
-            if (!cli_parse_long(v, 0, INT_MAX, &n))
-                return cli_fail("--top-k: '%s' is not a whole number >= 0", v);
-            a->top_k = (int)n;
-        } else if (!strcmp(k, "--seed")) {
-            char *end;
-            errno = 0;
-            a->seed = strtoull(v, &end, 10);
-            if (errno || end == v || *end || *v == '-')
-                return cli_fail("--seed: '%s' is not a whole number >= 0", v);
-        } else if (!strcmp(k, "--dtype")) {
-            if (!moe_launch_parse_dtype(v, &a->dtype))
-                return cli_fail("--dtype: '%s' is not one of f32, bf16, int8", v);
-        } else if (!strcmp(k, "--threads")) {
-            if (!cli_parse_long(v, 0, 1024, &n))
-                return cli_fail("--threads: '%s' is not a whole number in [0, 1024]", v);
-            a->threads = (int)n;
-        } else if (!strcmp(k, "--tp")) {
-            if (!cli_parse_long(v, 1, 1024, &n))
-                return cli_fail("--tp: '%s' is not a whole number in [1, 1024]", v);
-            a->tp = (int)n;
-        } else if (!strcmp(k, "--placement")) {
-            a->placement = v;
-        } else if (!strcmp(k, "--placement-switch")) {
-            a->placement_switch = v;
-        } else if (!strcmp(k, "--comm-timeout-ms")) {
-            if (!cli_parse_long(v, 100, 3600000, &n))
-                return cli_fail("--comm-timeout-ms: '%s' is not a whole number in [100, 3600000]",
-                                v);
-            a->comm_timeout_ms = (int)n;
-        } else if (!strcmp(k, "--prompts-file")) {
-            a->prompts_file = v;
-        } else if (!strcmp(k, "--kv-blocks")) {
-            if (!cli_parse_long(v, 1, 1 << 24, &n))
-                return cli_fail("--kv-blocks: '%s' is not a whole number in [1, 16777216]", v);
-            a->kv_blocks = (int)n;
-        } else if (!strcmp(k, "--kv-memory")) {
-            if (!cli_parse_long(v, 1, 1 << 24, &n))
-                return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
-            a->kv_memory_mib = n;
-        } else if (!strcmp(k, "--block-size")) {
-            if (!cli_parse_long(v, 1, 1024, &n))
-                return cli_fail("--block-size: '%s' is not a whole number in [1, 1024]", v);
-            a->block_size = (int)n;
-        } else if (!strcmp(k, "--max-batch-tokens")) {
-            if (!cli_parse_long(v, 1, 1 << 20, &n))
-                return cli_fail("--max-batch-tokens: '%s' is not a whole number in [1, 1048576]",
-                                v);
-            a->max_batch_tokens = (int)n;
-        } else if (!strcmp(k, "--spec-tokens")) {
-            if (!cli_parse_long(v, 0, MOE_SPEC_TOKENS_MAX, &n))
-                return cli_fail("--spec-tokens: '%s' is not a whole number in [0, %d]", v,
-                                MOE_SPEC_TOKENS_MAX);
-            a->spec_tokens = (int)n;
-        } else if (!strcmp(k, "--max-running")) {
-            if (!cli_parse_long(v, 1, 1 << 16, &n))
-                return cli_fail("--max-running: '%s' is not a whole number in [1, 65536]", v);
-            a->max_running = (int)n;
-        } else {
+        const struct str_opt *s = NULL;
+        for (size_t j = 0; j < ARRAY_LEN(strs) && !s; j++)
+            if (!strcmp(k, strs[j].name))
+                s = &strs[j];
+        if (s) {
+            *s->field = v;
+            continue;
+        }
+        const struct int_opt *o = NULL;
+        for (size_t j = 0; j < ARRAY_LEN(ints) && !o; j++)
+            if (!strcmp(k, ints[j].name) || (ints[j].alias && !strcmp(k, ints[j].alias)))
+                o = &ints[j];
+        if (o) {
+            long n;
+            if (!cli_parse_long(v, o->lo, o->hi, &n))
+                return cli_fail("%s: '%s' is not a whole number in [%ld, %ld]", o->name, v, o->lo,
+                                o->hi);
+            *o->field = (int)n;
+            continue;
+        }
+        int rc = parse_special(k, v, a);
+        if (rc == 1) {
             usage(stderr);
             return cli_fail("unknown option '%s'", k);
         }
+        if (rc)
+            return rc;
     }
-    if (!a->model)
-        return cli_fail("--model DIR is required");
-    if ((a->prompt != NULL) + (a->tokens != NULL) + (a->prompts_file != NULL) != 1)
-        return cli_fail("give exactly one of --prompt TEXT, --tokens IDS or --prompts-file FILE");
-    if (a->logits_out && a->prompts_file)
-        return cli_fail("--logits-out works with one prompt, not with --prompts-file");
-    return 0;
+    return check_args(a);
 }
 
 /* "1,2, 3" -> ids; every id must be a whole number in [0, vocab). */
