@@ -543,6 +543,7 @@ enum disagg_result {
     DISAGG_NO,      /* not a disaggregated cluster, or the prefill failed: plain path */
     DISAGG_SETTLED, /* the request ended (code and msg set) */
     DISAGG_DECODE,  /* *d holds the decode worker, f->handoff_id is armed */
+    DISAGG_NEXT,    /* inside disagg_prepare only: this step went well, the next one runs */
 };
 
 static bool has_role_serving(struct coord *c, int role)
@@ -626,29 +627,28 @@ static void fix_seed(struct fwd *f)
     f->sampling = &f->sp;
 }
 
-/* Prefill on a prefill worker, reserve on a decode worker, move the KV.
- * On DISAGG_DECODE the caller runs the decode attempt on *d (one reference
- * and in_flight held, as from coord_router_pick). */
-static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
-                                         struct coord_worker **d, enum rpc_code *code, char *msg,
-                                         size_t cap)
-{
-    struct coord *c = f->c;
-    *d = NULL;
-    if (!has_role_serving(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE))
-        return DISAGG_NO;
-    struct coord_worker *p = coord_router_pick_role(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL,
-                                                    f->prompt, f->n_prompt, NULL, 0, 0);
-    if (!p)
-        return DISAGG_NO;
-    static uint64_t seq;
-    fix_seed(f);
-    snprintf(f->handoff_id, sizeof f->handoff_id, "%s#%llu", f->request_id,
-             (unsigned long long)__atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED));
-    char hid[sizeof f->handoff_id];
-    snprintf(hid, sizeof hid, "%s", f->handoff_id);
+/* One request's try at disaggregated serving, across its steps: the
+ * prefill worker (one reference held until the try ends), the handoff id,
+ * and where a request that ends here gets its status. */
+struct disagg {
+    struct fwd *f;
+    struct coord *c;
+    struct coord_worker *p;            /* the prefill worker */
+    char hid[MOE_REQ_MAX_ID_LEN + 64]; /* = the fwd's handoff_id while it is armed */
+    double t_reserve;                  /* when the reservation began: transfer_ms counts from it */
+    enum rpc_code *code;               /* DISAGG_SETTLED: the request's status */
+    char *msg;
+    size_t cap;
+};
 
-    /* 1. Prefill and the first token. */
+/* 1. Prefill on p and relay the first token. DISAGG_NEXT when the sequence
+ * is parked on p with a token sent; otherwise p is released and the result
+ * says how the request goes on. */
+static enum disagg_result disagg_prefill(struct disagg *g, struct moe_detok *dt)
+{
+    struct fwd *f = g->f;
+    struct coord *c = g->c;
+    struct coord_worker *p = g->p;
     struct attempt at;
     f->prefill_only = true;
     attempt_run(f, p, dt, &at);
@@ -657,15 +657,14 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     pthread_mutex_lock(&f->mu);
     bool gone = f->cancelled || f->aborted;
     pthread_mutex_unlock(&f->mu);
-    enum disagg_result res = DISAGG_NO;
     if (at.saw_final || gone || at.client_gone || at.failed_local) {
         /* Finished at its first token, or ended here. */
         if (!at.saw_final)
-            handoff_release(p, hid, "request ended during prefill");
+            handoff_release(p, g->hid, "request ended during prefill");
         coord_router_done(c, p);
         if (at.saw_final || at.failed_local) {
-            *code = at.saw_final ? at.code : RPC_INTERNAL;
-            snprintf(msg, cap, "%s%s", at.saw_final ? "" : "prefill: ", at.message);
+            *g->code = at.saw_final ? at.code : RPC_INTERNAL;
+            snprintf(g->msg, g->cap, "%s%s", at.saw_final ? "" : "prefill: ", at.message);
             return DISAGG_SETTLED;
         }
         pthread_mutex_lock(&f->mu);
@@ -678,8 +677,8 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
             mark_down(c, p, "Generate (prefill)", at.message);
         if (at.n_msgs == 0 && at.code != RPC_OK && at.code != RPC_UNAVAILABLE &&
             at.code != RPC_UNKNOWN) {
-            *code = at.code; /* refused (bad request): pass it on */
-            snprintf(msg, cap, "%s", at.message);
+            *g->code = at.code; /* refused (bad request): pass it on */
+            snprintf(g->msg, g->cap, "%s", at.message);
             coord_router_done(c, p);
             return DISAGG_SETTLED;
         }
@@ -687,105 +686,139 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
                 "moe-coordinator: request %s: prefill on %s failed (%s: %s); recomputing "
                 "on a decode worker\n",
                 f->request_id, p->id, rpc_code_name(at.code), at.message);
-        handoff_release(p, hid, "prefill failed");
+        handoff_release(p, g->hid, "prefill failed");
         coord_metrics_handoff(c->metrics, "prefill_failed", 0);
         coord_router_done(c, p);
         f->skip = f->n_tokens;
         f->skip_from = 0;
         return DISAGG_NO;
     }
+    return DISAGG_NEXT;
+}
 
-    /* 2. A decode worker reserves the blocks. */
-    double t0 = moe_now();
+/* The decode workers asked to reserve, and how the last refusal read. */
+struct reserve_tries {
+    struct coord_worker *tried[HANDOFF_DECODE_TRIES]; /* pointers only, compared */
+    size_t n_tried;
+    char last[512]; /* the last refusal, or "" */
+    bool full;      /* a decode worker answered that it has no room */
+};
+
+/* Asks decode workers (the router's order, each at most once, at most
+ * HANDOFF_DECODE_TRIES) to reserve blocks for the prompt. Returns the first
+ * whose answer is usable (*rr, one reference and in_flight held), or NULL
+ * with t saying who refused and why. */
+static struct coord_worker *reserve_decode(struct disagg *g, Moe__V1__KvReserveResponse **rr,
+                                           struct reserve_tries *t)
+{
+    struct fwd *f = g->f;
+    struct coord *c = g->c;
     pthread_mutex_lock(&c->mu);
-    uint32_t bs = p->block_size ? p->block_size : COORD_DEFAULT_BLOCK;
-    uint32_t tp = p->tp_size ? p->tp_size : 1;
+    uint32_t bs = g->p->block_size ? g->p->block_size : COORD_DEFAULT_BLOCK;
+    uint32_t tp = g->p->tp_size ? g->p->tp_size : 1;
     pthread_mutex_unlock(&c->mu);
-    struct coord_worker *tried[HANDOFF_DECODE_TRIES];
-    size_t n_tried = 0;
-    Moe__V1__KvReserveResponse *rr = NULL;
-    char last[512] = "";
-    bool full = false; /* a decode worker answered that it has no room */
-    while (n_tried < HANDOFF_DECODE_TRIES) {
+    *rr = NULL;
+    while (t->n_tried < HANDOFF_DECODE_TRIES) {
         struct coord_worker *w =
             coord_router_pick_role(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE, f->prompt,
-                                   f->n_prompt, tried, n_tried, (uint32_t)f->n_prompt);
+                                   f->n_prompt, t->tried, t->n_tried, (uint32_t)f->n_prompt);
         if (!w)
             break;
         Moe__V1__KvReserveRequest rq = MOE__V1__KV_RESERVE_REQUEST__INIT;
-        rq.handoff_id = hid;
+        rq.handoff_id = g->hid;
         rq.request_id = f->request_id;
         rq.n_tokens = (uint32_t)f->n_prompt; /* the receiver counts blocks in its own size */
         rq.block_size = bs;
         rq.tp_size = tp;
         char m[512];
         enum rpc_code rc = worker_call(w, "/moe.v1.Worker/KvReserve", &rq,
-                                       &moe__v1__kv_reserve_response__descriptor, (void **)&rr,
+                                       &moe__v1__kv_reserve_response__descriptor, (void **)rr,
                                        min64(HANDOFF_CALL_MS, ms_left(f)), m, sizeof m);
-        uint32_t dbs = rr && rr->block_size ? rr->block_size : 0;
-        if (rc == RPC_OK && rr && dbs && rr->tp_size && rr->n_rank_endpoints &&
-            rr->n_block_ids == (f->n_prompt + dbs - 1) / dbs) {
-            *d = w;
-            break;
-        }
-        if (rr)
-            moe__v1__kv_reserve_response__free_unpacked(rr, NULL);
-        rr = NULL;
-        snprintf(last, sizeof last, "%.120s at %.120s: KvReserve %s %.200s", w->id, w->address,
-                 rpc_code_name(rc), m);
-        full |= rc == RPC_RESOURCE_EXHAUSTED;
+        uint32_t dbs = *rr && (*rr)->block_size ? (*rr)->block_size : 0;
+        if (rc == RPC_OK && *rr && dbs && (*rr)->tp_size && (*rr)->n_rank_endpoints &&
+            (*rr)->n_block_ids == (f->n_prompt + dbs - 1) / dbs)
+            return w;
+        if (*rr)
+            moe__v1__kv_reserve_response__free_unpacked(*rr, NULL);
+        *rr = NULL;
+        snprintf(t->last, sizeof t->last, "%.120s at %.120s: KvReserve %s %.200s", w->id,
+                 w->address, rpc_code_name(rc), m);
+        t->full |= rc == RPC_RESOURCE_EXHAUSTED;
         if (rc == RPC_UNAVAILABLE || (rc == RPC_DEADLINE_EXCEEDED && ms_left(f) > 0))
             mark_down(c, w, "KvReserve", m); /* gone, or stopped answering */
         else
-            handoff_release(w, hid, "reservation not usable");
-        tried[n_tried++] = w; /* pointer only, compared */
+            handoff_release(w, g->hid, "reservation not usable");
+        t->tried[t->n_tried++] = w;
         coord_router_done(c, w);
     }
+    return NULL;
+}
+
+/* 2. A decode worker reserves the blocks. DISAGG_NEXT with *d and *rr set;
+ * otherwise p is released, and a decode pool without room settles the
+ * request (RESOURCE_EXHAUSTED) while an unreachable one recomputes it. */
+static enum disagg_result disagg_reserve(struct disagg *g, struct coord_worker **d,
+                                         Moe__V1__KvReserveResponse **rr)
+{
+    struct fwd *f = g->f;
+    struct coord *c = g->c;
+    g->t_reserve = moe_now();
+    struct reserve_tries t = {.n_tried = 0};
+    *d = reserve_decode(g, rr, &t);
+    if (*d)
+        return DISAGG_NEXT;
     /* Decode workers serve, but none had free blocks for it (the router
      * skipped them all): the pool is full, not gone. */
-    bool none_fits =
-        !*d && !n_tried && has_role_serving(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE);
-    if (!*d && (full || none_fits)) {
+    bool none_fits = !t.n_tried && has_role_serving(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE);
+    if (t.full || none_fits) {
         /* The decode pool is alive but has no room: the client should back off. */
-        handoff_release(p, hid, "no decode worker could reserve");
+        handoff_release(g->p, g->hid, "no decode worker could reserve");
         coord_metrics_handoff(c->metrics, "no_decode_worker", 0);
-        coord_router_done(c, p);
-        *code = RPC_RESOURCE_EXHAUSTED;
-        if (full)
-            snprintf(msg, cap,
+        coord_router_done(c, g->p);
+        *g->code = RPC_RESOURCE_EXHAUSTED;
+        if (t.full)
+            snprintf(g->msg, g->cap,
                      "no decode worker could take the KV of this request (%zu tokens): last "
                      "refusal from %s",
-                     f->n_prompt, last);
+                     f->n_prompt, t.last);
         else
-            snprintf(msg, cap,
+            snprintf(g->msg, g->cap,
                      "no decode worker has free KV blocks for the %zu tokens of this request",
                      f->n_prompt);
         return DISAGG_SETTLED;
     }
-    if (!*d) {
-        /* No decode worker is reachable (died, stalled, partitioned): the
-         * request is recomputed on another worker -- a mixed or decode one,
-         * else the prefill worker itself, whose prefix cache likely still
-         * holds the prompt -- and the token already sent is not sent again. */
-        if (n_tried)
-            snprintf(f->fallback_cause, sizeof f->fallback_cause,
-                     "no decode worker could take the KV handoff (last: %.400s)", last);
-        else
-            snprintf(f->fallback_cause, sizeof f->fallback_cause,
-                     "no decode worker is serving to take the KV handoff");
-        fprintf(stderr, "moe-coordinator: request %s: %s; recomputing on another worker\n",
-                f->request_id, f->fallback_cause);
-        handoff_release(p, hid, "no decode worker reachable");
-        coord_metrics_handoff(c->metrics, "no_decode_worker", 0);
-        coord_router_done(c, p);
-        f->skip = f->n_tokens;
-        f->skip_from = 0;
-        return DISAGG_NO;
-    }
+    /* No decode worker is reachable (died, stalled, partitioned): the
+     * request is recomputed on another worker -- a mixed or decode one,
+     * else the prefill worker itself, whose prefix cache likely still
+     * holds the prompt -- and the token already sent is not sent again. */
+    if (t.n_tried)
+        snprintf(f->fallback_cause, sizeof f->fallback_cause,
+                 "no decode worker could take the KV handoff (last: %.400s)", t.last);
+    else
+        snprintf(f->fallback_cause, sizeof f->fallback_cause,
+                 "no decode worker is serving to take the KV handoff");
+    fprintf(stderr, "moe-coordinator: request %s: %s; recomputing on another worker\n",
+            f->request_id, f->fallback_cause);
+    handoff_release(g->p, g->hid, "no decode worker reachable");
+    coord_metrics_handoff(c->metrics, "no_decode_worker", 0);
+    coord_router_done(c, g->p);
+    f->skip = f->n_tokens;
+    f->skip_from = 0;
+    return DISAGG_NO;
+}
 
-    /* 3. The prefill worker pushes the KV. */
+/* 3. The prefill worker pushes the KV to *d (rr: its reservation, freed
+ * here). DISAGG_DECODE with f->handoff_id armed; a failed push releases
+ * both sides and *d, and the request is recomputed. Releases p. */
+static enum disagg_result disagg_send(struct disagg *g, struct coord_worker **d,
+                                      Moe__V1__KvReserveResponse *rr)
+{
+    struct fwd *f = g->f;
+    struct coord *c = g->c;
+    struct coord_worker *p = g->p;
+    enum disagg_result res;
     Moe__V1__KvSendRequest sq = MOE__V1__KV_SEND_REQUEST__INIT;
-    sq.handoff_id = hid;
+    sq.handoff_id = g->hid;
     sq.target_address = (*d)->address;
     sq.n_block_ids = rr->n_block_ids;
     sq.block_ids = rr->block_ids;
@@ -801,25 +834,25 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
         worker_call(p, "/moe.v1.Worker/KvSend", &sq, &moe__v1__kv_send_response__descriptor,
                     (void **)&sr, send_ms + WORKER_DEADLINE_SLACK_MS, m, sizeof m);
     moe__v1__kv_reserve_response__free_unpacked(rr, NULL);
-    f->transfer_ms = 1e3 * (moe_now() - t0);
+    f->transfer_ms = 1e3 * (moe_now() - g->t_reserve);
     f->disagg = true;
     if (rc == RPC_OK && sr && sr->ok) {
         coord_metrics_handoff(c->metrics, NULL, f->transfer_ms / 1e3);
-        snprintf(f->handoff_id, sizeof f->handoff_id, "%s", hid);
+        snprintf(f->handoff_id, sizeof f->handoff_id, "%s", g->hid);
         res = DISAGG_DECODE;
     } else {
         /* Both sides give the blocks up; the decode side recomputes. */
         fprintf(stderr,
                 "moe-coordinator: request %s: KV handoff %s from %s to %s failed (%s: %s); "
                 "recomputing\n",
-                f->request_id, hid, p->id, (*d)->id, rpc_code_name(rc), m);
+                f->request_id, g->hid, p->id, (*d)->id, rpc_code_name(rc), m);
         /* The prefill worker's own failure (it answered nothing) takes it out
          * of routing; a failure it reports about the decode side does not. */
         if (rc == RPC_UNAVAILABLE && !strstr(m, "KvTransfer") && strncmp(m, "handoff ", 8))
             mark_down(c, p, "KvSend", m);
         coord_metrics_handoff(c->metrics, "send_failed", 0);
-        handoff_release(*d, hid, "handoff failed");
-        handoff_release(p, hid, "handoff failed");
+        handoff_release(*d, g->hid, "handoff failed");
+        handoff_release(p, g->hid, "handoff failed");
         coord_router_done(c, *d);
         *d = NULL;
         f->skip = f->n_tokens;
@@ -830,6 +863,37 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
         moe__v1__kv_send_response__free_unpacked(sr, NULL);
     coord_router_done(c, p);
     return res;
+}
+
+/* Prefill on a prefill worker, reserve on a decode worker, move the KV.
+ * On DISAGG_DECODE the caller runs the decode attempt on *d (one reference
+ * and in_flight held, as from coord_router_pick). */
+static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
+                                         struct coord_worker **d, enum rpc_code *code, char *msg,
+                                         size_t cap)
+{
+    struct coord *c = f->c;
+    *d = NULL;
+    if (!has_role_serving(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE))
+        return DISAGG_NO;
+    struct coord_worker *p = coord_router_pick_role(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL,
+                                                    f->prompt, f->n_prompt, NULL, 0, 0);
+    if (!p)
+        return DISAGG_NO;
+    struct disagg g = {.f = f, .c = c, .p = p, .code = code, .msg = msg, .cap = cap};
+    static uint64_t seq;
+    fix_seed(f);
+    snprintf(f->handoff_id, sizeof f->handoff_id, "%s#%llu", f->request_id,
+             (unsigned long long)__atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED));
+    snprintf(g.hid, sizeof g.hid, "%s", f->handoff_id);
+
+    enum disagg_result res = disagg_prefill(&g, dt);
+    if (res != DISAGG_NEXT)
+        return res;
+    Moe__V1__KvReserveResponse *rr = NULL;
+    if ((res = disagg_reserve(&g, d, &rr)) != DISAGG_NEXT)
+        return res;
+    return disagg_send(&g, d, rr);
 }
 
 static void *fwd_thread(void *arg)
