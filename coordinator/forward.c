@@ -896,152 +896,167 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     return disagg_send(&g, d, rr);
 }
 
-static void *fwd_thread(void *arg)
+/* The client's cancel and Abort flags, read under f->mu. */
+static void client_flags(struct fwd *f, bool *aborted, bool *cancelled)
 {
-    struct fwd *f = arg;
-    struct coord *c = f->c;
-    char msg[1024] = "";
-    enum rpc_code code = prepare_prompt(f, msg, sizeof msg);
-    struct moe_detok dt;
-    moe_detok_init(&dt, c->tok, f->rq->sampling ? f->rq->sampling->skip_special_tokens : false);
-    struct coord_worker *tried[COORD_MAX_RETRIES + 1];
-    size_t n_tried = 0;
-    struct attempt at = {0};
-    bool done = code != RPC_OK;
-    bool disagg_tried = false;
-    f->sampling = f->rq->sampling;
-    while (!done) {
-        pthread_mutex_lock(&f->mu);
-        bool cancelled = f->cancelled, aborted = f->aborted;
-        pthread_mutex_unlock(&f->mu);
-        if (aborted) {
-            send_abort_final(f);
-            code = RPC_OK;
-            break;
-        }
-        if (cancelled) {
-            code = RPC_CANCELLED;
-            snprintf(msg, sizeof msg, "cancelled by the client");
-            break;
-        }
-        if (ms_left(f) <= 0) {
-            code = RPC_DEADLINE_EXCEEDED;
-            snprintf(msg, sizeof msg, "deadline_ms passed before a worker was found");
-            break;
-        }
-        struct coord_worker *w = NULL;
-        if (!disagg_tried) {
-            disagg_tried = true;
-            enum disagg_result dr = disagg_prepare(f, &dt, &w, &code, msg, sizeof msg);
-            if (dr == DISAGG_SETTLED)
-                break;
-            if (dr == DISAGG_NO)
-                continue; /* re-checks cancel / abort / deadline, then a plain pick */
-        }
-        if (!w)
-            w = coord_router_pick(c, f->prompt, f->n_prompt, tried, n_tried);
-        if (!w) {
-            code = RPC_UNAVAILABLE;
-            if (n_tried)
-                snprintf(msg, sizeof msg, "no other worker is serving after a failure: %s",
-                         at.message);
-            else if (f->fallback_cause[0])
-                snprintf(msg, sizeof msg, "no worker can recompute the request: %s",
-                         f->fallback_cause);
-            else
-                snprintf(msg, sizeof msg, "no worker is serving model '%s'", c->model_name);
-            break;
-        }
-        bool handoff = f->handoff_id[0] != '\0';
-        attempt_run(f, w, &dt, &at);
-        f->handoff_id[0] = '\0';
-        pthread_mutex_lock(&f->mu);
-        aborted = f->aborted;
-        cancelled = f->cancelled;
-        pthread_mutex_unlock(&f->mu);
-        if (handoff && at.n_msgs == 0 && !at.saw_final && !aborted && !cancelled &&
-            !at.client_gone && !at.failed_local && at.code != RPC_UNAVAILABLE &&
-            at.code != RPC_INVALID_ARGUMENT) {
-            /* The handed-off KV is not there (expired, released): recompute
-             * on the same worker (the tokens sent so far are skipped). */
-            fprintf(stderr,
-                    "moe-coordinator: request %s: decode from handoff on %s refused (%s: "
-                    "%s); recomputing there\n",
-                    f->request_id, w->id, rpc_code_name(at.code), at.message);
-            coord_metrics_handoff(c->metrics, "decode_refused", 0);
-            f->skip = f->n_tokens;
-            f->skip_from = 0;
-            attempt_run(f, w, &dt, &at);
-            pthread_mutex_lock(&f->mu);
-            aborted = f->aborted;
-            cancelled = f->cancelled;
-            pthread_mutex_unlock(&f->mu);
-        } else if (handoff && at.n_msgs == 0 && !at.saw_final) {
-            f->skip = f->n_tokens; /* a retry elsewhere recomputes */
-            f->skip_from = 0;
-        }
-        if (at.code == RPC_UNAVAILABLE && !aborted && !cancelled) {
-            /* Take it out of routing until a poll answers (or says draining). */
-            pthread_mutex_lock(&c->mu);
-            if (strstr(at.message, "draining"))
-                w->reported_draining = true;
-            else
-                w->down = true;
-            snprintf(w->last_error, sizeof w->last_error, "Generate: %.200s", at.message);
-            pthread_mutex_unlock(&c->mu);
-        }
-        tried[n_tried++] = w; /* pointer only: compared, never used after done() */
-        char wid[400];
-        snprintf(wid, sizeof wid, "%.150s at %.200s", w->id, w->address);
-        coord_router_done(c, w);
+    pthread_mutex_lock(&f->mu);
+    *aborted = f->aborted;
+    *cancelled = f->cancelled;
+    pthread_mutex_unlock(&f->mu);
+}
 
-        if (at.saw_final) {
-            code = at.code; /* OK, or DEADLINE_EXCEEDED after the worker's deadline */
-            snprintf(msg, sizeof msg, "%s", at.message);
-            done = true;
-        } else if (aborted) {
-            send_abort_final(f);
-            code = RPC_OK;
-            done = true;
-        } else if (cancelled || at.client_gone) {
-            code = RPC_CANCELLED;
-            snprintf(msg, sizeof msg, "cancelled by the client");
-            done = true;
-        } else if (at.failed_local) {
-            code = RPC_INTERNAL;
-            snprintf(msg, sizeof msg, "worker %s: %s", wid, at.message);
-            done = true;
-        } else if (retryable(&at) && n_tried <= COORD_MAX_RETRIES) {
-            fprintf(stderr,
-                    "moe-coordinator: request %s: worker %s failed before the first "
-                    "token (%s: %s); retrying elsewhere\n",
-                    f->request_id, wid, rpc_code_name(at.code), at.message);
-        } else if (at.n_msgs == 0 && at.code != RPC_OK && !retryable(&at)) {
-            code = at.code; /* the worker refused it: pass its answer on */
-            snprintf(msg, sizeof msg, "%s", at.message);
-            done = true;
-        } else if (at.code == RPC_DEADLINE_EXCEEDED) {
-            code = RPC_DEADLINE_EXCEEDED;
-            snprintf(msg, sizeof msg, "deadline passed after %u tokens", f->n_tokens);
-            done = true;
-        } else if (at.stalled_ms) {
-            code = RPC_UNAVAILABLE;
-            snprintf(msg, sizeof msg,
-                     "worker %s stalled after %u tokens: no message for %lld ms and no progress "
-                     "on the worker (--stall-timeout-ms %d)",
-                     wid, f->n_tokens, (long long)at.stalled_ms, c->opts.stall_timeout_ms);
-            done = true;
-        } else {
-            code = RPC_UNAVAILABLE;
-            snprintf(
-                msg, sizeof msg, "worker %s failed after %u tokens: %s%s%.400s", wid, f->n_tokens,
-                at.code == RPC_OK ? "stream ended without a final message" : rpc_code_name(at.code),
-                at.message[0] ? ": " : "", at.message);
-            done = true;
-        }
+/* Before each attempt: an Abort, a cancel or a passed deadline ends the
+ * request (code and msg set, an abort's last message sent). */
+static bool ended_before_attempt(struct fwd *f, enum rpc_code *code, char *msg, size_t cap)
+{
+    bool aborted, cancelled;
+    client_flags(f, &aborted, &cancelled);
+    if (aborted) {
+        send_abort_final(f);
+        *code = RPC_OK;
+        return true;
     }
-    moe_detok_free(&dt);
+    if (cancelled) {
+        *code = RPC_CANCELLED;
+        snprintf(msg, cap, "cancelled by the client");
+        return true;
+    }
+    if (ms_left(f) <= 0) {
+        *code = RPC_DEADLINE_EXCEEDED;
+        snprintf(msg, cap, "deadline_ms passed before a worker was found");
+        return true;
+    }
+    return false;
+}
 
+/* No worker left to try: words why. Returns RPC_UNAVAILABLE. */
+static enum rpc_code no_worker(const struct fwd *f, size_t n_tried, const struct attempt *last,
+                               char *msg, size_t cap)
+{
+    if (n_tried)
+        snprintf(msg, cap, "no other worker is serving after a failure: %s", last->message);
+    else if (f->fallback_cause[0])
+        snprintf(msg, cap, "no worker can recompute the request: %s", f->fallback_cause);
+    else
+        snprintf(msg, cap, "no worker is serving model '%s'", f->c->model_name);
+    return RPC_UNAVAILABLE;
+}
+
+/* Runs one attempt on w. When it continued a KV handoff the worker no
+ * longer holds (expired, released), it is recomputed there at once (the
+ * tokens sent so far are skipped). Reads the client's flags after it. */
+static void attempt_on(struct fwd *f, struct coord_worker *w, struct moe_detok *dt,
+                       struct attempt *at, bool *aborted, bool *cancelled)
+{
+    bool handoff = f->handoff_id[0] != '\0';
+    attempt_run(f, w, dt, at);
+    f->handoff_id[0] = '\0';
+    client_flags(f, aborted, cancelled);
+    if (handoff && at->n_msgs == 0 && !at->saw_final && !*aborted && !*cancelled &&
+        !at->client_gone && !at->failed_local && at->code != RPC_UNAVAILABLE &&
+        at->code != RPC_INVALID_ARGUMENT) {
+        fprintf(stderr,
+                "moe-coordinator: request %s: decode from handoff on %s refused (%s: "
+                "%s); recomputing there\n",
+                f->request_id, w->id, rpc_code_name(at->code), at->message);
+        coord_metrics_handoff(f->c->metrics, "decode_refused", 0);
+        f->skip = f->n_tokens;
+        f->skip_from = 0;
+        attempt_run(f, w, dt, at);
+        client_flags(f, aborted, cancelled);
+    } else if (handoff && at->n_msgs == 0 && !at->saw_final) {
+        f->skip = f->n_tokens; /* a retry elsewhere recomputes */
+        f->skip_from = 0;
+    }
+}
+
+/* Takes a worker that answered UNAVAILABLE out of routing until a poll
+ * answers (or says draining). */
+static void mark_unavailable(struct coord *c, struct coord_worker *w, const char *message)
+{
+    pthread_mutex_lock(&c->mu);
+    if (strstr(message, "draining"))
+        w->reported_draining = true;
+    else
+        w->down = true;
+    snprintf(w->last_error, sizeof w->last_error, "Generate: %.200s", message);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* What the forwarding loop does after an attempt, in the order the cases
+ * are told apart. Every value but AFTER_RETRY ends the request. */
+enum after_attempt {
+    AFTER_FINAL,     /* the worker sent its final message: its status is the request's */
+    AFTER_ABORTED,   /* Abort(request_id): a last ABORT message, status OK */
+    AFTER_CANCELLED, /* the client went away */
+    AFTER_LOCAL,     /* failed here: out of memory, a malformed message, a recomputed token
+                        that differs from the one sent */
+    AFTER_RETRY,     /* failed before the worker did any work, retries left: another worker */
+    AFTER_REFUSED,   /* the worker refused the request: its answer is passed on */
+    AFTER_DEADLINE,  /* the deadline passed mid-stream */
+    AFTER_STALLED,   /* the stall watchdog ended a stream that made no progress */
+    AFTER_BROKEN,    /* the worker failed mid-stream */
+};
+
+/* The retry decision: how attempt `at` ended, after n_tried attempts. */
+static enum after_attempt after_attempt(const struct attempt *at, bool aborted, bool cancelled,
+                                        size_t n_tried)
+{
+    if (at->saw_final)
+        return AFTER_FINAL;
+    if (aborted)
+        return AFTER_ABORTED;
+    if (cancelled || at->client_gone)
+        return AFTER_CANCELLED;
+    if (at->failed_local)
+        return AFTER_LOCAL;
+    if (retryable(at) && n_tried <= COORD_MAX_RETRIES)
+        return AFTER_RETRY;
+    if (at->n_msgs == 0 && at->code != RPC_OK && !retryable(at))
+        return AFTER_REFUSED;
+    if (at->code == RPC_DEADLINE_EXCEEDED)
+        return AFTER_DEADLINE;
+    if (at->stalled_ms)
+        return AFTER_STALLED;
+    return AFTER_BROKEN;
+}
+
+/* Ends the request after its last attempt on worker `wid` (sends the last
+ * message of an abort): returns its status, msg set. */
+static enum rpc_code settle(struct fwd *f, enum after_attempt how, const struct attempt *at,
+                            const char *wid, char *msg, size_t cap)
+{
+    switch (how) {
+    case AFTER_FINAL:
+        snprintf(msg, cap, "%s", at->message);
+        return at->code; /* OK, or DEADLINE_EXCEEDED after the worker's deadline */
+    case AFTER_ABORTED: send_abort_final(f); return RPC_OK;
+    case AFTER_CANCELLED: snprintf(msg, cap, "cancelled by the client"); return RPC_CANCELLED;
+    case AFTER_LOCAL: snprintf(msg, cap, "worker %s: %s", wid, at->message); return RPC_INTERNAL;
+    case AFTER_REFUSED: snprintf(msg, cap, "%s", at->message); return at->code;
+    case AFTER_DEADLINE:
+        snprintf(msg, cap, "deadline passed after %u tokens", f->n_tokens);
+        return RPC_DEADLINE_EXCEEDED;
+    case AFTER_STALLED:
+        snprintf(msg, cap,
+                 "worker %s stalled after %u tokens: no message for %lld ms and no progress "
+                 "on the worker (--stall-timeout-ms %d)",
+                 wid, f->n_tokens, (long long)at->stalled_ms, f->c->opts.stall_timeout_ms);
+        return RPC_UNAVAILABLE;
+    case AFTER_RETRY: /* not an end: the caller retries */
+    case AFTER_BROKEN: break;
+    }
+    snprintf(msg, cap, "worker %s failed after %u tokens: %s%s%.400s", wid, f->n_tokens,
+             at->code == RPC_OK ? "stream ended without a final message" : rpc_code_name(at->code),
+             at->message[0] ? ": " : "", at->message);
+    return RPC_UNAVAILABLE;
+}
+
+/* The request is over: unlinks it, counts it, gives the sink its status
+ * (no cancel after this) and frees it. */
+static void fwd_finish(struct fwd *f, enum rpc_code code, const char *msg)
+{
+    struct coord *c = f->c;
     pthread_mutex_lock(&c->mu);
     for (struct fwd **p = &c->reqs; *p; p = &(*p)->next)
         if (*p == f) {
@@ -1062,6 +1077,65 @@ static void *fwd_thread(void *arg)
     c->n_threads--;
     pthread_cond_broadcast(&c->cond);
     pthread_mutex_unlock(&c->mu);
+}
+
+/* The forwarding thread: the prompt, then attempts (a disaggregated one
+ * first when the cluster has prefill and decode workers) until one ends
+ * the request. */
+static void *fwd_thread(void *arg)
+{
+    struct fwd *f = arg;
+    struct coord *c = f->c;
+    char msg[1024] = "";
+    enum rpc_code code = prepare_prompt(f, msg, sizeof msg);
+    struct moe_detok dt;
+    moe_detok_init(&dt, c->tok, f->rq->sampling ? f->rq->sampling->skip_special_tokens : false);
+    struct coord_worker *tried[COORD_MAX_RETRIES + 1];
+    size_t n_tried = 0;
+    struct attempt at = {0};
+    bool done = code != RPC_OK;
+    bool disagg_tried = false;
+    f->sampling = f->rq->sampling;
+    while (!done) {
+        if (ended_before_attempt(f, &code, msg, sizeof msg))
+            break;
+        struct coord_worker *w = NULL;
+        if (!disagg_tried) {
+            disagg_tried = true;
+            enum disagg_result dr = disagg_prepare(f, &dt, &w, &code, msg, sizeof msg);
+            if (dr == DISAGG_SETTLED)
+                break;
+            if (dr == DISAGG_NO)
+                continue; /* re-checks cancel / abort / deadline, then a plain pick */
+        }
+        if (!w)
+            w = coord_router_pick(c, f->prompt, f->n_prompt, tried, n_tried);
+        if (!w) {
+            code = no_worker(f, n_tried, &at, msg, sizeof msg);
+            break;
+        }
+        bool aborted, cancelled;
+        attempt_on(f, w, &dt, &at, &aborted, &cancelled);
+        if (at.code == RPC_UNAVAILABLE && !aborted && !cancelled)
+            mark_unavailable(c, w, at.message);
+        tried[n_tried++] = w; /* pointer only: compared, never used after done() */
+        char wid[400];
+        snprintf(wid, sizeof wid, "%.150s at %.200s", w->id, w->address);
+        coord_router_done(c, w);
+
+        enum after_attempt how = after_attempt(&at, aborted, cancelled, n_tried);
+        if (how == AFTER_RETRY) {
+            fprintf(stderr,
+                    "moe-coordinator: request %s: worker %s failed before the first "
+                    "token (%s: %s); retrying elsewhere\n",
+                    f->request_id, wid, rpc_code_name(at.code), at.message);
+            continue;
+        }
+        code = settle(f, how, &at, wid, msg, sizeof msg);
+        done = true;
+    }
+    moe_detok_free(&dt);
+    fwd_finish(f, code, msg);
     return NULL;
 }
 
