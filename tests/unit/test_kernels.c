@@ -56,8 +56,8 @@ static double max_rel_err(const float *a, const double *b, size_t n)
     return num / den;
 }
 
-static struct moe_backend *g_cpu; /* 2 threads */
-static struct moe_pool *g_pool;   /* 3 threads, for direct kernel calls */
+static struct moe_backend *g_cpu;     /* 2 threads */
+static struct moe_threadpool *g_pool; /* 3 threads, for direct kernel calls */
 
 /* ---- matmul ---- */
 
@@ -1202,7 +1202,7 @@ int main(void)
 {
     struct moe_error err = {0};
     if (moe_backend_cpu_create(2, &g_cpu, &err) != MOE_OK ||
-        moe_pool_create(3, &g_pool, &err) != MOE_OK) {
+        moe_threadpool_create(3, &g_pool, &err) != MOE_OK) {
         fprintf(stderr, "setup: %s\n", err.msg);
         return 1;
     }
@@ -1234,7 +1234,7 @@ int main(void)
     test_backend_select();
     test_cuda();
 
-    moe_pool_destroy(g_pool);
+    moe_threadpool_destroy(g_pool);
     moe_backend_destroy(g_cpu);
     return test_summary();
 }

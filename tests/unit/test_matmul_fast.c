@@ -46,8 +46,8 @@ static float rng_float(void) /* [-1, 1) */
     return (float)((double)rng_u32() / 2147483648.0 - 1.0);
 }
 
-static struct moe_backend *g_cpu; /* 2 threads, through the ops table */
-static struct moe_pool *g_pool;   /* 3 threads, direct kernel calls */
+static struct moe_backend *g_cpu;     /* 2 threads, through the ops table */
+static struct moe_threadpool *g_pool; /* 3 threads, direct kernel calls */
 
 struct fcase {
     int n_tok, n_in, n_out;
@@ -344,7 +344,7 @@ int main(void)
 {
     struct moe_error err = {0};
     if (moe_backend_cpu_create(2, &g_cpu, &err) != MOE_OK ||
-        moe_pool_create(3, &g_pool, &err) != MOE_OK) {
+        moe_threadpool_create(3, &g_pool, &err) != MOE_OK) {
         fprintf(stderr, "setup: %s\n", err.msg);
         return 1;
     }
@@ -382,7 +382,7 @@ int main(void)
         CHECK(!cpu_matmul_dot_supported(&p));
         cpu_kernels_force_isa(isa);
     }
-    moe_pool_destroy(g_pool);
+    moe_threadpool_destroy(g_pool);
     moe_backend_destroy(g_cpu);
     if (!ran) {
         printf("SKIPPED: no fast matmul path on this processor\n");

@@ -30,8 +30,8 @@ static float rng_float(void) /* [-1, 1) */
     return (float)((double)(uint32_t)(g_rng >> 16) / 2147483648.0 - 1.0);
 }
 
-static struct moe_backend *g_cpu; /* 2 threads, through the ops table */
-static struct moe_pool *g_pool;   /* 3 threads, direct kernel calls */
+static struct moe_backend *g_cpu;     /* 2 threads, through the ops table */
+static struct moe_threadpool *g_pool; /* 3 threads, direct kernel calls */
 
 /* ---- quantization ---- */
 
@@ -322,7 +322,7 @@ int main(void)
 {
     struct moe_error err = {0};
     if (moe_backend_cpu_create(2, &g_cpu, &err) != MOE_OK ||
-        moe_pool_create(3, &g_pool, &err) != MOE_OK) {
+        moe_threadpool_create(3, &g_pool, &err) != MOE_OK) {
         fprintf(stderr, "setup: %s\n", err.msg);
         return 1;
     }
@@ -336,7 +336,7 @@ int main(void)
     cpu_kernels_force_isa(best);
     test_matmul_i8_detects_error();
     test_grouped_i8();
-    moe_pool_destroy(g_pool);
+    moe_threadpool_destroy(g_pool);
     moe_backend_destroy(g_cpu);
     return test_summary();
 }
