@@ -80,26 +80,26 @@ int main(int argc, char **argv)
         return 1;
     }
     for (int th = 1; th <= max_threads; th++) {
-        struct moe_pool *pool = NULL;
+        struct moe_threadpool *pool = NULL;
         struct moe_error err = {0};
-        if (moe_pool_create(th, &pool, &err) != MOE_OK) {
+        if (moe_threadpool_create(th, &pool, &err) != MOE_OK) {
             fprintf(stderr, "bench-triad: %s\n", err.msg);
             return 1;
         }
         struct triad_job j = {.a = a, .b = b, .c = c, .n = n, .n_part = th, .init = 1};
-        moe_pool_run(pool, th, triad_task, &j);
+        moe_threadpool_run(pool, th, triad_task, &j);
         j.init = 0;
-        moe_pool_run(pool, th, triad_task, &j); /* warm-up */
+        moe_threadpool_run(pool, th, triad_task, &j); /* warm-up */
         for (int r = 0; r < reps; r++) {
             double t0 = moe_now();
-            moe_pool_run(pool, th, triad_task, &j);
+            moe_threadpool_run(pool, th, triad_task, &j);
             gbs[r] = 3.0 * (double)n * sizeof(double) / (moe_now() - t0) * 1e-9;
         }
         qsort(gbs, (size_t)reps, sizeof *gbs, cmp_double);
         printf("triad threads %d: best %.2f GB/s, median %.2f GB/s (%d reps, 3 x %ld MiB)\n", th,
                gbs[reps - 1], gbs[reps / 2], reps, mib);
         fflush(stdout);
-        moe_pool_destroy(pool);
+        moe_threadpool_destroy(pool);
     }
     free(a);
     free(b);

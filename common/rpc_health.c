@@ -130,8 +130,7 @@ static void health_watch(struct rpc_stream *stream, const uint8_t *req, size_t l
 
 enum moe_status rpc_health_register(struct rpc_server *server, struct moe_error *err)
 {
-    struct rpc_health **slot = rpc_server_health_slot(server);
-    if (*slot) {
+    if (rpc_server_health(server)) {
         return moe_error_set(err, MOE_ERR_INVALID, "rpc_health_register: registered twice");
     }
     struct rpc_health *h = calloc(1, sizeof(*h));
@@ -139,7 +138,7 @@ enum moe_status rpc_health_register(struct rpc_server *server, struct moe_error 
         return moe_error_set(err, MOE_ERR_NOMEM, "rpc_health_register: out of memory");
     }
     pthread_mutex_init(&h->mu, NULL);
-    *slot = h; /* owned by the server from here on */
+    rpc_server_attach_health(server, h); /* owned by the server from here on */
     enum moe_status st =
         rpc_server_add_unary(server, "/grpc.health.v1.Health/Check", health_check, h, err);
     if (st == MOE_OK) {
@@ -157,7 +156,7 @@ enum moe_status rpc_health_register(struct rpc_server *server, struct moe_error 
 
 void rpc_health_set(struct rpc_server *server, const char *service, enum rpc_health_status status)
 {
-    struct rpc_health *h = *rpc_server_health_slot(server);
+    struct rpc_health *h = rpc_server_health(server);
     if (!h) {
         return;
     }

@@ -7,13 +7,25 @@
 
 #include "rpc.h"
 
+/* ---- the server's health state (rpc_health.c) ----
+ * A server holds at most one health state (the table behind
+ * grpc.health.v1.Health). rpc_health_register creates it and attaches it;
+ * from then on the server owns it: rpc_server_destroy frees it with
+ * rpc_health_free once every call has ended, so no Check or Watch handler
+ * outlives it. rpc_health.c reaches it only through rpc_server_health. */
 struct rpc_health;
 
-/* Frees the health state of a server (after every call ended). NULL: no-op. */
-void rpc_health_free(struct rpc_health *health);
+/* Gives `health` to the server, which owns it from here on. The server must
+ * have none yet (asserted): check rpc_server_health first. */
+void rpc_server_attach_health(struct rpc_server *server, struct rpc_health *health);
 
-/* The server's health state slot (NULL until rpc_health_register). */
-struct rpc_health **rpc_server_health_slot(struct rpc_server *server);
+/* The server's health state, or NULL without rpc_health_register (which runs
+ * before rpc_server_start, so any thread may read it once serving). */
+struct rpc_health *rpc_server_health(const struct rpc_server *server);
+
+/* Frees a health state (rpc_server_destroy, after every call ended). NULL:
+ * no-op. */
+void rpc_health_free(struct rpc_health *health);
 
 /* Marks the registered method `path` as answered while the server drains
  * (rpc_server_destroy) and not waited for: the health probes. */

@@ -110,7 +110,7 @@ struct rpc_server {
     long n_busy;  /* of those, not drain_exempt */
     struct rpc_tag shutdown_tag;
 
-    struct rpc_health *health;
+    struct rpc_health *health; /* owned (rpc_server_attach_health); NULL: no health service */
 };
 
 /* A queued outgoing item: a message, or (bb == NULL) the final status. */
@@ -1116,9 +1116,15 @@ int rpc_server_port(const struct rpc_server *server)
     return server->port;
 }
 
-struct rpc_health **rpc_server_health_slot(struct rpc_server *server)
+void rpc_server_attach_health(struct rpc_server *server, struct rpc_health *health)
 {
-    return &server->health;
+    MOE_ASSERT(!server->health);
+    server->health = health;
+}
+
+struct rpc_health *rpc_server_health(const struct rpc_server *server)
+{
+    return server->health;
 }
 
 /* Marks a registered method as answered while the server drains and not

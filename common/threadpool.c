@@ -28,18 +28,18 @@
 #define POOL_SPIN_NS 200000 /* how long an idle helper spins before sleeping */
 
 struct pool_helper {
-    struct moe_pool *pool;
+    struct moe_threadpool *pool;
     pthread_t thread;
     int id;
 };
 
-struct moe_pool {
+struct moe_threadpool {
     int n_threads;
     struct pool_helper *helpers; /* (n_threads - 1) */
     int n_started;
 
     _Atomic uint64_t ctl;
-    _Atomic(moe_pool_fn) fn;
+    _Atomic(moe_threadpool_fn) fn;
     _Atomic(void *) arg;
     _Atomic int n_done; /* tasks finished in the current run */
     _Atomic int n_sleeping;
@@ -65,9 +65,9 @@ static inline uint32_t ctl_gen(uint64_t v)
 }
 
 /* Claims and runs tasks of generation `gen` until none is left. */
-static void pool_work(struct moe_pool *pool, uint32_t gen, int thread)
+static void pool_work(struct moe_threadpool *pool, uint32_t gen, int thread)
 {
-    moe_pool_fn fn = atomic_load_explicit(&pool->fn, memory_order_relaxed);
+    moe_threadpool_fn fn = atomic_load_explicit(&pool->fn, memory_order_relaxed);
     void *arg = atomic_load_explicit(&pool->arg, memory_order_relaxed);
     uint64_t v = atomic_load_explicit(&pool->ctl, memory_order_acquire);
     for (;;) {
@@ -91,7 +91,7 @@ static void pool_work(struct moe_pool *pool, uint32_t gen, int thread)
 static void *pool_helper_main(void *p)
 {
     struct pool_helper *h = p;
-    struct moe_pool *pool = h->pool;
+    struct moe_threadpool *pool = h->pool;
     uint32_t seen = ctl_gen(atomic_load(&pool->ctl));
     for (;;) {
         uint32_t gen = seen;
@@ -130,7 +130,8 @@ static int online_cores(void)
     return n < 1 ? 1 : (int)n;
 }
 
-enum moe_status moe_pool_create(int n_threads, struct moe_pool **out, struct moe_error *err)
+enum moe_status moe_threadpool_create(int n_threads, struct moe_threadpool **out,
+                                      struct moe_error *err)
 {
     *out = NULL;
     if (n_threads <= 0)
@@ -138,7 +139,7 @@ enum moe_status moe_pool_create(int n_threads, struct moe_pool **out, struct moe
     if (n_threads > 1024)
         return moe_error_set(err, MOE_ERR_INVALID, "threadpool: n_threads %d is more than 1024",
                              n_threads);
-    struct moe_pool *pool = calloc(1, sizeof(*pool));
+    struct moe_threadpool *pool = calloc(1, sizeof(*pool));
     if (!pool)
         return moe_error_set(err, MOE_ERR_NOMEM, "threadpool: out of memory");
     pool->n_threads = n_threads;
@@ -172,11 +173,11 @@ enum moe_status moe_pool_create(int n_threads, struct moe_pool **out, struct moe
     *out = pool;
     return MOE_OK;
 fail:
-    moe_pool_destroy(pool);
+    moe_threadpool_destroy(pool);
     return err ? err->code : MOE_ERR_INTERNAL;
 }
 
-void moe_pool_destroy(struct moe_pool *pool)
+void moe_threadpool_destroy(struct moe_threadpool *pool)
 {
     if (!pool)
         return;
@@ -192,13 +193,14 @@ void moe_pool_destroy(struct moe_pool *pool)
     free(pool);
 }
 
-int moe_pool_size(const struct moe_pool *pool)
+int moe_threadpool_size(const struct moe_threadpool *pool)
 {
     return pool ? pool->n_threads : 1;
 }
 
 /* One run of at most POOL_MAX_TASKS tasks. */
-static void pool_run_chunk(struct moe_pool *pool, int n_tasks, moe_pool_fn fn, void *arg)
+static void pool_run_chunk(struct moe_threadpool *pool, int n_tasks, moe_threadpool_fn fn,
+                           void *arg)
 {
     pool->gen = (pool->gen + 1) & ((1u << (64 - POOL_GEN_SHIFT)) - 1);
     atomic_store_explicit(&pool->fn, fn, memory_order_relaxed);
@@ -221,7 +223,7 @@ static void pool_run_chunk(struct moe_pool *pool, int n_tasks, moe_pool_fn fn, v
 }
 
 struct pool_offset_arg {
-    moe_pool_fn fn;
+    moe_threadpool_fn fn;
     void *arg;
     int offset;
 };
@@ -232,7 +234,7 @@ static void pool_offset_fn(void *p, int task, int thread)
     a->fn(a->arg, a->offset + task, thread);
 }
 
-void moe_pool_run(struct moe_pool *pool, int n_tasks, moe_pool_fn fn, void *arg)
+void moe_threadpool_run(struct moe_threadpool *pool, int n_tasks, moe_threadpool_fn fn, void *arg)
 {
     if (n_tasks <= 0)
         return;

@@ -172,6 +172,157 @@ static int parse_args(int argc, char **argv, struct coord_opts *o, struct sec_ar
     return 0;
 }
 
+/* TLS for the ports and etcd, and the bearer tokens. */
+static enum moe_status start_security(struct coord *c, struct sec_args *sec, struct moe_error *err)
+{
+    enum moe_status rc;
+    if ((rc = moe_etcd_set_tls(&sec->etcd_tls, err)) ||
+        (rc = moe_tls_create(&sec->tls, &c->opts.tls, err)))
+        return rc;
+    if (sec->api_token_file &&
+        (rc = moe_tokens_load("--api-token-file", sec->api_token_file, &c->opts.api_tokens, err)))
+        return rc;
+    if (sec->admin_token_file && (rc = moe_tokens_load("--admin-token-file", sec->admin_token_file,
+                                                       &c->opts.admin_tokens, err)))
+        return rc;
+    return MOE_OK;
+}
+
+/* The model's config.json, its tokenizer.json when there is one, and the
+ * served model's name: the model directory's last component, as the workers
+ * report it. */
+static enum moe_status load_model_files(struct coord *c, struct moe_error *err)
+{
+    enum moe_status rc;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", c->opts.model_dir);
+    if ((rc = moe_config_load(path, &c->cfg, err)))
+        return rc;
+    snprintf(path, sizeof path, "%s/tokenizer.json", c->opts.model_dir);
+    if (access(path, F_OK) == 0) {
+        if ((rc = moe_tokenizer_load(path, &c->tok, err)))
+            return rc;
+    } else {
+        fprintf(stderr, "moe-coordinator: no %s: only token_ids prompts are accepted\n", path);
+    }
+    const char *dir = c->opts.model_dir;
+    size_t dl = strlen(dir);
+    while (dl > 1 && dir[dl - 1] == '/')
+        dl--;
+    const char *base = dir + dl;
+    while (base > dir && base[-1] != '/')
+        base--;
+    snprintf(c->model_name, sizeof c->model_name, "%.*s", (int)(dir + dl - base), base);
+    return MOE_OK;
+}
+
+/* The workers (a static list or etcd), their poller and the stall
+ * watchdog. */
+static enum moe_status start_workers(struct coord *c, struct moe_error *err)
+{
+    c->affinity = calloc(COORD_AFFINITY_SLOTS, sizeof *c->affinity);
+    c->metrics = coord_metrics_create(c);
+    if (!c->affinity || !c->metrics)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    enum moe_status rc = c->opts.workers ? coord_registry_add_static(c, c->opts.workers, err)
+                                         : coord_registry_start_etcd(c, err);
+    if (!rc)
+        rc = coord_registry_start_poller(c, err);
+    if (!rc)
+        rc = coord_watchdog_start(c, err);
+    return rc;
+}
+
+/* The gRPC server (Inference, Admin, the placement service, health) with
+ * its receive limit and tokens, and the HTTP front door; both SERVING. */
+static enum moe_status start_servers(struct coord *c, struct moe_error *err)
+{
+    /* No valid request is larger than a prompt at its limit (or a placement
+     * map of this model): bigger messages are refused before decoding. */
+    size_t max_rq = moe_request_max_bytes((unsigned)c->cfg.max_pos);
+    size_t max_pl = ((size_t)64 << 10) + (size_t)256 * (c->cfg.n_layer + 1) * c->cfg.n_expert;
+    struct rpc_server_options so = {.tls = c->opts.tls,
+                                    .max_receive_bytes = max_rq > max_pl ? max_rq : max_pl};
+    if (!c->opts.http_max_body)
+        c->opts.http_max_body = moe_http_body_max_bytes((unsigned)c->cfg.max_pos);
+    c->server = rpc_server_create(c->opts.listen, c->opts.rpc_threads, &so, err);
+    if (!c->server) /* err filled, and never MOE_OK here */
+        return err->code != MOE_OK ? err->code : MOE_ERR_INTERNAL;
+    enum moe_status rc;
+    if ((c->opts.api_tokens && (rc = rpc_server_require_token(c->server, "/moe.v1.Inference/",
+                                                              c->opts.api_tokens, err))) ||
+        (c->opts.admin_tokens &&
+         (rc = rpc_server_require_token(c->server, "/moe.v1.Admin/", c->opts.admin_tokens, err))) ||
+        (rc = coord_frontend_register(c, err)) || (rc = coord_admin_register(c, err)) ||
+        (rc = coord_placement_start(c, err)) || (rc = rpc_server_start(c->server, err)))
+        return rc;
+    if (c->opts.http_listen && (rc = coord_http_start(c, err)))
+        return rc;
+    rpc_health_set(c->server, "moe.v1.Inference", RPC_HEALTH_SERVING);
+    rpc_health_set(c->server, "moe.v1.Admin", RPC_HEALTH_SERVING);
+    return MOE_OK;
+}
+
+/* The line that says the coordinator serves (tests and scripts wait for
+ * it). */
+static void announce(struct coord *c)
+{
+    int host_len = moe_hostport_host_len(c->opts.listen);
+    pthread_mutex_lock(&c->mu);
+    size_t n_workers = c->n_workers;
+    pthread_mutex_unlock(&c->mu);
+    printf("moe-coordinator: serving on %.*s:%d (model %s, %zu workers %s%s%s%s)\n", host_len,
+           c->opts.listen, rpc_server_port(c->server), c->model_name, n_workers,
+           c->opts.etcd ? "from etcd" : "listed", c->opts.tls ? ", TLS" : "",
+           c->opts.api_tokens ? ", API tokens" : "", c->opts.admin_tokens ? ", admin tokens" : "");
+    if (c->http) {
+        printf("moe-coordinator: OpenAI HTTP API and /metrics on %.*s:%d\n",
+               moe_hostport_host_len(c->opts.http_listen), c->opts.http_listen, coord_http_port(c));
+    }
+    fflush(stdout);
+}
+
+/* After SIGTERM or SIGINT: no new HTTP connections, every health status
+ * NOT_SERVING; running requests get the grace period (coord_close). */
+static void begin_shutdown(struct coord *c)
+{
+    pthread_mutex_lock(&c->mu);
+    int running = c->n_running;
+    pthread_mutex_unlock(&c->mu);
+    fprintf(stderr, "moe-coordinator: %s: shutting down (%d requests in flight, grace %d ms)\n",
+            g_signal == SIGTERM ? "SIGTERM" : "SIGINT", running, c->opts.grace_ms);
+    coord_http_quiesce(c);
+    rpc_health_set(c->server, "", RPC_HEALTH_NOT_SERVING);
+    rpc_health_set(c->server, "moe.v1.Inference", RPC_HEALTH_NOT_SERVING);
+    rpc_health_set(c->server, "moe.v1.Admin", RPC_HEALTH_NOT_SERVING);
+}
+
+/* Stops and frees everything, whatever step main reached. */
+static void coord_close(struct coord *c, struct moe_sighup *sighup)
+{
+    /* Waits for every stream (cancelled after the grace period); the
+     * forwarding threads then end on their own. */
+    double t_stop = moe_now();
+    rpc_server_destroy(c->server, c->opts.grace_ms);
+    /* HTTP requests had the same grace, running alongside the gRPC ones. */
+    int left_ms = c->opts.grace_ms - (int)(1e3 * (moe_now() - t_stop));
+    coord_http_stop(c, left_ms > 0 ? left_ms : 0);
+    coord_wait_threads(c);
+    coord_watchdog_stop(c);
+    coord_placement_stop(c);
+    coord_registry_stop(c);
+    free(c->workers);
+    free(c->affinity);
+    coord_metrics_destroy(c->metrics);
+    moe_tokenizer_free(c->tok);
+    moe_sighup_stop(sighup);
+    moe_tokens_destroy(c->opts.api_tokens);
+    moe_tokens_destroy(c->opts.admin_tokens);
+    moe_tls_destroy(c->opts.tls);
+    pthread_cond_destroy(&c->cond);
+    pthread_mutex_destroy(&c->mu);
+}
+
 int main(int argc, char **argv)
 {
     cli_init("moe-coordinator");
@@ -184,11 +335,7 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     struct moe_error err = {0};
     struct moe_sighup *sighup = NULL;
-    if (moe_etcd_set_tls(&sec.etcd_tls, &err) || moe_tls_create(&sec.tls, &c.opts.tls, &err) ||
-        (sec.api_token_file &&
-         moe_tokens_load("--api-token-file", sec.api_token_file, &c.opts.api_tokens, &err)) ||
-        (sec.admin_token_file &&
-         moe_tokens_load("--admin-token-file", sec.admin_token_file, &c.opts.admin_tokens, &err))) {
+    if (start_security(&c, &sec, &err)) {
         fprintf(stderr, "moe-coordinator: %s\n", err.msg);
         moe_tls_destroy(c.opts.tls);
         moe_tokens_destroy(c.opts.api_tokens);
@@ -198,61 +345,8 @@ int main(int argc, char **argv)
     pthread_mutex_init(&c.mu, NULL);
     pthread_cond_init(&c.cond, NULL);
     rc = 1;
-
-    char path[4096];
-    snprintf(path, sizeof path, "%s/config.json", c.opts.model_dir);
-    if (moe_config_load(path, &c.cfg, &err))
+    if (load_model_files(&c, &err) || start_workers(&c, &err) || start_servers(&c, &err))
         goto fail;
-    snprintf(path, sizeof path, "%s/tokenizer.json", c.opts.model_dir);
-    if (access(path, F_OK) == 0) {
-        if (moe_tokenizer_load(path, &c.tok, &err))
-            goto fail;
-    } else {
-        fprintf(stderr, "moe-coordinator: no %s: only token_ids prompts are accepted\n", path);
-    }
-    /* The served model's name: the model directory's last component, as the
-     * workers report it. */
-    size_t dl = strlen(c.opts.model_dir);
-    while (dl > 1 && c.opts.model_dir[dl - 1] == '/')
-        dl--;
-    const char *base = c.opts.model_dir + dl;
-    while (base > c.opts.model_dir && base[-1] != '/')
-        base--;
-    snprintf(c.model_name, sizeof c.model_name, "%.*s", (int)(c.opts.model_dir + dl - base), base);
-    c.affinity = calloc(COORD_AFFINITY_SLOTS, sizeof *c.affinity);
-    c.metrics = coord_metrics_create(&c);
-    if (!c.affinity || !c.metrics) {
-        moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
-        goto fail;
-    }
-
-    if (c.opts.workers ? coord_registry_add_static(&c, c.opts.workers, &err)
-                       : coord_registry_start_etcd(&c, &err))
-        goto fail;
-    if (coord_registry_start_poller(&c, &err) || coord_watchdog_start(&c, &err))
-        goto fail;
-
-    /* No valid request is larger than a prompt at its limit (or a placement
-     * map of this model): bigger messages are refused before decoding. */
-    size_t max_rq = moe_request_max_bytes((unsigned)c.cfg.max_pos);
-    size_t max_pl = ((size_t)64 << 10) + (size_t)256 * (c.cfg.n_layer + 1) * c.cfg.n_expert;
-    struct rpc_server_options so = {.tls = c.opts.tls,
-                                    .max_receive_bytes = max_rq > max_pl ? max_rq : max_pl};
-    if (!c.opts.http_max_body)
-        c.opts.http_max_body = moe_http_body_max_bytes((unsigned)c.cfg.max_pos);
-    c.server = rpc_server_create(c.opts.listen, c.opts.rpc_threads, &so, &err);
-    if (!c.server ||
-        (c.opts.api_tokens &&
-         rpc_server_require_token(c.server, "/moe.v1.Inference/", c.opts.api_tokens, &err)) ||
-        (c.opts.admin_tokens &&
-         rpc_server_require_token(c.server, "/moe.v1.Admin/", c.opts.admin_tokens, &err)) ||
-        coord_frontend_register(&c, &err) || coord_admin_register(&c, &err) ||
-        coord_placement_start(&c, &err) || rpc_server_start(c.server, &err))
-        goto fail;
-    if (c.opts.http_listen && coord_http_start(&c, &err))
-        goto fail;
-    rpc_health_set(c.server, "moe.v1.Inference", RPC_HEALTH_SERVING);
-    rpc_health_set(c.server, "moe.v1.Admin", RPC_HEALTH_SERVING);
 
     struct sigaction sa = {.sa_handler = on_signal};
     sigemptyset(&sa.sa_mask);
@@ -262,57 +356,16 @@ int main(int argc, char **argv)
     if ((c.opts.tls || c.opts.api_tokens || c.opts.admin_tokens) &&
         moe_sighup_start("moe-coordinator", c.opts.tls, reloadable, 2, &sighup, &err))
         goto fail;
-    int host_len = moe_hostport_host_len(c.opts.listen);
-    pthread_mutex_lock(&c.mu);
-    size_t n_workers = c.n_workers;
-    pthread_mutex_unlock(&c.mu);
-    printf("moe-coordinator: serving on %.*s:%d (model %s, %zu workers %s%s%s%s)\n", host_len,
-           c.opts.listen, rpc_server_port(c.server), c.model_name, n_workers,
-           c.opts.etcd ? "from etcd" : "listed", c.opts.tls ? ", TLS" : "",
-           c.opts.api_tokens ? ", API tokens" : "", c.opts.admin_tokens ? ", admin tokens" : "");
-    if (c.http) {
-        printf("moe-coordinator: OpenAI HTTP API and /metrics on %.*s:%d\n",
-               moe_hostport_host_len(c.opts.http_listen), c.opts.http_listen, coord_http_port(&c));
-    }
-    fflush(stdout);
-
+    announce(&c);
     while (!g_signal)
         usleep(100 * 1000);
-    pthread_mutex_lock(&c.mu);
-    int running = c.n_running;
-    pthread_mutex_unlock(&c.mu);
-    fprintf(stderr, "moe-coordinator: %s: shutting down (%d requests in flight, grace %d ms)\n",
-            g_signal == SIGTERM ? "SIGTERM" : "SIGINT", running, c.opts.grace_ms);
-    coord_http_quiesce(&c);
-    rpc_health_set(c.server, "", RPC_HEALTH_NOT_SERVING);
-    rpc_health_set(c.server, "moe.v1.Inference", RPC_HEALTH_NOT_SERVING);
-    rpc_health_set(c.server, "moe.v1.Admin", RPC_HEALTH_NOT_SERVING);
+    begin_shutdown(&c);
     rc = 0;
     goto out;
 
 fail:
     fprintf(stderr, "moe-coordinator: %s\n", err.msg);
 out:
-    /* Waits for every stream (cancelled after the grace period); the
-     * forwarding threads then end on their own. */
-    double t_stop = moe_now();
-    rpc_server_destroy(c.server, c.opts.grace_ms);
-    /* HTTP requests had the same grace, running alongside the gRPC ones. */
-    int left_ms = c.opts.grace_ms - (int)(1e3 * (moe_now() - t_stop));
-    coord_http_stop(&c, left_ms > 0 ? left_ms : 0);
-    coord_wait_threads(&c);
-    coord_watchdog_stop(&c);
-    coord_placement_stop(&c);
-    coord_registry_stop(&c);
-    free(c.workers);
-    free(c.affinity);
-    coord_metrics_destroy(c.metrics);
-    moe_tokenizer_free(c.tok);
-    moe_sighup_stop(sighup);
-    moe_tokens_destroy(c.opts.api_tokens);
-    moe_tokens_destroy(c.opts.admin_tokens);
-    moe_tls_destroy(c.opts.tls);
-    pthread_cond_destroy(&c.cond);
-    pthread_mutex_destroy(&c.mu);
+    coord_close(&c, sighup);
     return rc;
 }

@@ -543,6 +543,7 @@ enum disagg_result {
     DISAGG_NO,      /* not a disaggregated cluster, or the prefill failed: plain path */
     DISAGG_SETTLED, /* the request ended (code and msg set) */
     DISAGG_DECODE,  /* *d holds the decode worker, f->handoff_id is armed */
+    DISAGG_NEXT,    /* inside disagg_prepare only: this step went well, the next one runs */
 };
 
 static bool has_role_serving(struct coord *c, int role)
@@ -626,29 +627,28 @@ static void fix_seed(struct fwd *f)
     f->sampling = &f->sp;
 }
 
-/* Prefill on a prefill worker, reserve on a decode worker, move the KV.
- * On DISAGG_DECODE the caller runs the decode attempt on *d (one reference
- * and in_flight held, as from coord_router_pick). */
-static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
-                                         struct coord_worker **d, enum rpc_code *code, char *msg,
-                                         size_t cap)
-{
-    struct coord *c = f->c;
-    *d = NULL;
-    if (!has_role_serving(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE))
-        return DISAGG_NO;
-    struct coord_worker *p = coord_router_pick_role(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL,
-                                                    f->prompt, f->n_prompt, NULL, 0, 0);
-    if (!p)
-        return DISAGG_NO;
-    static uint64_t seq;
-    fix_seed(f);
-    snprintf(f->handoff_id, sizeof f->handoff_id, "%s#%llu", f->request_id,
-             (unsigned long long)__atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED));
-    char hid[sizeof f->handoff_id];
-    snprintf(hid, sizeof hid, "%s", f->handoff_id);
+/* One request's try at disaggregated serving, across its steps: the
+ * prefill worker (one reference held until the try ends), the handoff id,
+ * and where a request that ends here gets its status. */
+struct disagg {
+    struct fwd *f;
+    struct coord *c;
+    struct coord_worker *p;            /* the prefill worker */
+    char hid[MOE_REQ_MAX_ID_LEN + 64]; /* = the fwd's handoff_id while it is armed */
+    double t_reserve;                  /* when the reservation began: transfer_ms counts from it */
+    enum rpc_code *code;               /* DISAGG_SETTLED: the request's status */
+    char *msg;
+    size_t cap;
+};
 
-    /* 1. Prefill and the first token. */
+/* 1. Prefill on p and relay the first token. DISAGG_NEXT when the sequence
+ * is parked on p with a token sent; otherwise p is released and the result
+ * says how the request goes on. */
+static enum disagg_result disagg_prefill(struct disagg *g, struct moe_detok *dt)
+{
+    struct fwd *f = g->f;
+    struct coord *c = g->c;
+    struct coord_worker *p = g->p;
     struct attempt at;
     f->prefill_only = true;
     attempt_run(f, p, dt, &at);
@@ -657,15 +657,14 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     pthread_mutex_lock(&f->mu);
     bool gone = f->cancelled || f->aborted;
     pthread_mutex_unlock(&f->mu);
-    enum disagg_result res = DISAGG_NO;
     if (at.saw_final || gone || at.client_gone || at.failed_local) {
         /* Finished at its first token, or ended here. */
         if (!at.saw_final)
-            handoff_release(p, hid, "request ended during prefill");
+            handoff_release(p, g->hid, "request ended during prefill");
         coord_router_done(c, p);
         if (at.saw_final || at.failed_local) {
-            *code = at.saw_final ? at.code : RPC_INTERNAL;
-            snprintf(msg, cap, "%s%s", at.saw_final ? "" : "prefill: ", at.message);
+            *g->code = at.saw_final ? at.code : RPC_INTERNAL;
+            snprintf(g->msg, g->cap, "%s%s", at.saw_final ? "" : "prefill: ", at.message);
             return DISAGG_SETTLED;
         }
         pthread_mutex_lock(&f->mu);
@@ -678,8 +677,8 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
             mark_down(c, p, "Generate (prefill)", at.message);
         if (at.n_msgs == 0 && at.code != RPC_OK && at.code != RPC_UNAVAILABLE &&
             at.code != RPC_UNKNOWN) {
-            *code = at.code; /* refused (bad request): pass it on */
-            snprintf(msg, cap, "%s", at.message);
+            *g->code = at.code; /* refused (bad request): pass it on */
+            snprintf(g->msg, g->cap, "%s", at.message);
             coord_router_done(c, p);
             return DISAGG_SETTLED;
         }
@@ -687,105 +686,139 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
                 "moe-coordinator: request %s: prefill on %s failed (%s: %s); recomputing "
                 "on a decode worker\n",
                 f->request_id, p->id, rpc_code_name(at.code), at.message);
-        handoff_release(p, hid, "prefill failed");
+        handoff_release(p, g->hid, "prefill failed");
         coord_metrics_handoff(c->metrics, "prefill_failed", 0);
         coord_router_done(c, p);
         f->skip = f->n_tokens;
         f->skip_from = 0;
         return DISAGG_NO;
     }
+    return DISAGG_NEXT;
+}
 
-    /* 2. A decode worker reserves the blocks. */
-    double t0 = moe_now();
+/* The decode workers asked to reserve, and how the last refusal read. */
+struct reserve_tries {
+    struct coord_worker *tried[HANDOFF_DECODE_TRIES]; /* pointers only, compared */
+    size_t n_tried;
+    char last[512]; /* the last refusal, or "" */
+    bool full;      /* a decode worker answered that it has no room */
+};
+
+/* Asks decode workers (the router's order, each at most once, at most
+ * HANDOFF_DECODE_TRIES) to reserve blocks for the prompt. Returns the first
+ * whose answer is usable (*rr, one reference and in_flight held), or NULL
+ * with t saying who refused and why. */
+static struct coord_worker *reserve_decode(struct disagg *g, Moe__V1__KvReserveResponse **rr,
+                                           struct reserve_tries *t)
+{
+    struct fwd *f = g->f;
+    struct coord *c = g->c;
     pthread_mutex_lock(&c->mu);
-    uint32_t bs = p->block_size ? p->block_size : COORD_DEFAULT_BLOCK;
-    uint32_t tp = p->tp_size ? p->tp_size : 1;
+    uint32_t bs = g->p->block_size ? g->p->block_size : COORD_DEFAULT_BLOCK;
+    uint32_t tp = g->p->tp_size ? g->p->tp_size : 1;
     pthread_mutex_unlock(&c->mu);
-    struct coord_worker *tried[HANDOFF_DECODE_TRIES];
-    size_t n_tried = 0;
-    Moe__V1__KvReserveResponse *rr = NULL;
-    char last[512] = "";
-    bool full = false; /* a decode worker answered that it has no room */
-    while (n_tried < HANDOFF_DECODE_TRIES) {
+    *rr = NULL;
+    while (t->n_tried < HANDOFF_DECODE_TRIES) {
         struct coord_worker *w =
             coord_router_pick_role(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE, f->prompt,
-                                   f->n_prompt, tried, n_tried, (uint32_t)f->n_prompt);
+                                   f->n_prompt, t->tried, t->n_tried, (uint32_t)f->n_prompt);
         if (!w)
             break;
         Moe__V1__KvReserveRequest rq = MOE__V1__KV_RESERVE_REQUEST__INIT;
-        rq.handoff_id = hid;
+        rq.handoff_id = g->hid;
         rq.request_id = f->request_id;
         rq.n_tokens = (uint32_t)f->n_prompt; /* the receiver counts blocks in its own size */
         rq.block_size = bs;
         rq.tp_size = tp;
         char m[512];
         enum rpc_code rc = worker_call(w, "/moe.v1.Worker/KvReserve", &rq,
-                                       &moe__v1__kv_reserve_response__descriptor, (void **)&rr,
+                                       &moe__v1__kv_reserve_response__descriptor, (void **)rr,
                                        min64(HANDOFF_CALL_MS, ms_left(f)), m, sizeof m);
-        uint32_t dbs = rr && rr->block_size ? rr->block_size : 0;
-        if (rc == RPC_OK && rr && dbs && rr->tp_size && rr->n_rank_endpoints &&
-            rr->n_block_ids == (f->n_prompt + dbs - 1) / dbs) {
-            *d = w;
-            break;
-        }
-        if (rr)
-            moe__v1__kv_reserve_response__free_unpacked(rr, NULL);
-        rr = NULL;
-        snprintf(last, sizeof last, "%.120s at %.120s: KvReserve %s %.200s", w->id, w->address,
-                 rpc_code_name(rc), m);
-        full |= rc == RPC_RESOURCE_EXHAUSTED;
+        uint32_t dbs = *rr && (*rr)->block_size ? (*rr)->block_size : 0;
+        if (rc == RPC_OK && *rr && dbs && (*rr)->tp_size && (*rr)->n_rank_endpoints &&
+            (*rr)->n_block_ids == (f->n_prompt + dbs - 1) / dbs)
+            return w;
+        if (*rr)
+            moe__v1__kv_reserve_response__free_unpacked(*rr, NULL);
+        *rr = NULL;
+        snprintf(t->last, sizeof t->last, "%.120s at %.120s: KvReserve %s %.200s", w->id,
+                 w->address, rpc_code_name(rc), m);
+        t->full |= rc == RPC_RESOURCE_EXHAUSTED;
         if (rc == RPC_UNAVAILABLE || (rc == RPC_DEADLINE_EXCEEDED && ms_left(f) > 0))
             mark_down(c, w, "KvReserve", m); /* gone, or stopped answering */
         else
-            handoff_release(w, hid, "reservation not usable");
-        tried[n_tried++] = w; /* pointer only, compared */
+            handoff_release(w, g->hid, "reservation not usable");
+        t->tried[t->n_tried++] = w;
         coord_router_done(c, w);
     }
+    return NULL;
+}
+
+/* 2. A decode worker reserves the blocks. DISAGG_NEXT with *d and *rr set;
+ * otherwise p is released, and a decode pool without room settles the
+ * request (RESOURCE_EXHAUSTED) while an unreachable one recomputes it. */
+static enum disagg_result disagg_reserve(struct disagg *g, struct coord_worker **d,
+                                         Moe__V1__KvReserveResponse **rr)
+{
+    struct fwd *f = g->f;
+    struct coord *c = g->c;
+    g->t_reserve = moe_now();
+    struct reserve_tries t = {.n_tried = 0};
+    *d = reserve_decode(g, rr, &t);
+    if (*d)
+        return DISAGG_NEXT;
     /* Decode workers serve, but none had free blocks for it (the router
      * skipped them all): the pool is full, not gone. */
-    bool none_fits =
-        !*d && !n_tried && has_role_serving(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE);
-    if (!*d && (full || none_fits)) {
+    bool none_fits = !t.n_tried && has_role_serving(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE);
+    if (t.full || none_fits) {
         /* The decode pool is alive but has no room: the client should back off. */
-        handoff_release(p, hid, "no decode worker could reserve");
+        handoff_release(g->p, g->hid, "no decode worker could reserve");
         coord_metrics_handoff(c->metrics, "no_decode_worker", 0);
-        coord_router_done(c, p);
-        *code = RPC_RESOURCE_EXHAUSTED;
-        if (full)
-            snprintf(msg, cap,
+        coord_router_done(c, g->p);
+        *g->code = RPC_RESOURCE_EXHAUSTED;
+        if (t.full)
+            snprintf(g->msg, g->cap,
                      "no decode worker could take the KV of this request (%zu tokens): last "
                      "refusal from %s",
-                     f->n_prompt, last);
+                     f->n_prompt, t.last);
         else
-            snprintf(msg, cap,
+            snprintf(g->msg, g->cap,
                      "no decode worker has free KV blocks for the %zu tokens of this request",
                      f->n_prompt);
         return DISAGG_SETTLED;
     }
-    if (!*d) {
-        /* No decode worker is reachable (died, stalled, partitioned): the
-         * request is recomputed on another worker -- a mixed or decode one,
-         * else the prefill worker itself, whose prefix cache likely still
-         * holds the prompt -- and the token already sent is not sent again. */
-        if (n_tried)
-            snprintf(f->fallback_cause, sizeof f->fallback_cause,
-                     "no decode worker could take the KV handoff (last: %.400s)", last);
-        else
-            snprintf(f->fallback_cause, sizeof f->fallback_cause,
-                     "no decode worker is serving to take the KV handoff");
-        fprintf(stderr, "moe-coordinator: request %s: %s; recomputing on another worker\n",
-                f->request_id, f->fallback_cause);
-        handoff_release(p, hid, "no decode worker reachable");
-        coord_metrics_handoff(c->metrics, "no_decode_worker", 0);
-        coord_router_done(c, p);
-        f->skip = f->n_tokens;
-        f->skip_from = 0;
-        return DISAGG_NO;
-    }
+    /* No decode worker is reachable (died, stalled, partitioned): the
+     * request is recomputed on another worker -- a mixed or decode one,
+     * else the prefill worker itself, whose prefix cache likely still
+     * holds the prompt -- and the token already sent is not sent again. */
+    if (t.n_tried)
+        snprintf(f->fallback_cause, sizeof f->fallback_cause,
+                 "no decode worker could take the KV handoff (last: %.400s)", t.last);
+    else
+        snprintf(f->fallback_cause, sizeof f->fallback_cause,
+                 "no decode worker is serving to take the KV handoff");
+    fprintf(stderr, "moe-coordinator: request %s: %s; recomputing on another worker\n",
+            f->request_id, f->fallback_cause);
+    handoff_release(g->p, g->hid, "no decode worker reachable");
+    coord_metrics_handoff(c->metrics, "no_decode_worker", 0);
+    coord_router_done(c, g->p);
+    f->skip = f->n_tokens;
+    f->skip_from = 0;
+    return DISAGG_NO;
+}
 
-    /* 3. The prefill worker pushes the KV. */
+/* 3. The prefill worker pushes the KV to *d (rr: its reservation, freed
+ * here). DISAGG_DECODE with f->handoff_id armed; a failed push releases
+ * both sides and *d, and the request is recomputed. Releases p. */
+static enum disagg_result disagg_send(struct disagg *g, struct coord_worker **d,
+                                      Moe__V1__KvReserveResponse *rr)
+{
+    struct fwd *f = g->f;
+    struct coord *c = g->c;
+    struct coord_worker *p = g->p;
+    enum disagg_result res;
     Moe__V1__KvSendRequest sq = MOE__V1__KV_SEND_REQUEST__INIT;
-    sq.handoff_id = hid;
+    sq.handoff_id = g->hid;
     sq.target_address = (*d)->address;
     sq.n_block_ids = rr->n_block_ids;
     sq.block_ids = rr->block_ids;
@@ -801,25 +834,25 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
         worker_call(p, "/moe.v1.Worker/KvSend", &sq, &moe__v1__kv_send_response__descriptor,
                     (void **)&sr, send_ms + WORKER_DEADLINE_SLACK_MS, m, sizeof m);
     moe__v1__kv_reserve_response__free_unpacked(rr, NULL);
-    f->transfer_ms = 1e3 * (moe_now() - t0);
+    f->transfer_ms = 1e3 * (moe_now() - g->t_reserve);
     f->disagg = true;
     if (rc == RPC_OK && sr && sr->ok) {
         coord_metrics_handoff(c->metrics, NULL, f->transfer_ms / 1e3);
-        snprintf(f->handoff_id, sizeof f->handoff_id, "%s", hid);
+        snprintf(f->handoff_id, sizeof f->handoff_id, "%s", g->hid);
         res = DISAGG_DECODE;
     } else {
         /* Both sides give the blocks up; the decode side recomputes. */
         fprintf(stderr,
                 "moe-coordinator: request %s: KV handoff %s from %s to %s failed (%s: %s); "
                 "recomputing\n",
-                f->request_id, hid, p->id, (*d)->id, rpc_code_name(rc), m);
+                f->request_id, g->hid, p->id, (*d)->id, rpc_code_name(rc), m);
         /* The prefill worker's own failure (it answered nothing) takes it out
          * of routing; a failure it reports about the decode side does not. */
         if (rc == RPC_UNAVAILABLE && !strstr(m, "KvTransfer") && strncmp(m, "handoff ", 8))
             mark_down(c, p, "KvSend", m);
         coord_metrics_handoff(c->metrics, "send_failed", 0);
-        handoff_release(*d, hid, "handoff failed");
-        handoff_release(p, hid, "handoff failed");
+        handoff_release(*d, g->hid, "handoff failed");
+        handoff_release(p, g->hid, "handoff failed");
         coord_router_done(c, *d);
         *d = NULL;
         f->skip = f->n_tokens;
@@ -832,152 +865,198 @@ static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
     return res;
 }
 
-static void *fwd_thread(void *arg)
+/* Prefill on a prefill worker, reserve on a decode worker, move the KV.
+ * On DISAGG_DECODE the caller runs the decode attempt on *d (one reference
+ * and in_flight held, as from coord_router_pick). */
+static enum disagg_result disagg_prepare(struct fwd *f, struct moe_detok *dt,
+                                         struct coord_worker **d, enum rpc_code *code, char *msg,
+                                         size_t cap)
 {
-    struct fwd *f = arg;
     struct coord *c = f->c;
-    char msg[1024] = "";
-    enum rpc_code code = prepare_prompt(f, msg, sizeof msg);
-    struct moe_detok dt;
-    moe_detok_init(&dt, c->tok, f->rq->sampling ? f->rq->sampling->skip_special_tokens : false);
-    struct coord_worker *tried[COORD_MAX_RETRIES + 1];
-    size_t n_tried = 0;
-    struct attempt at = {0};
-    bool done = code != RPC_OK;
-    bool disagg_tried = false;
-    f->sampling = f->rq->sampling;
-    while (!done) {
-        pthread_mutex_lock(&f->mu);
-        bool cancelled = f->cancelled, aborted = f->aborted;
-        pthread_mutex_unlock(&f->mu);
-        if (aborted) {
-            send_abort_final(f);
-            code = RPC_OK;
-            break;
-        }
-        if (cancelled) {
-            code = RPC_CANCELLED;
-            snprintf(msg, sizeof msg, "cancelled by the client");
-            break;
-        }
-        if (ms_left(f) <= 0) {
-            code = RPC_DEADLINE_EXCEEDED;
-            snprintf(msg, sizeof msg, "deadline_ms passed before a worker was found");
-            break;
-        }
-        struct coord_worker *w = NULL;
-        if (!disagg_tried) {
-            disagg_tried = true;
-            enum disagg_result dr = disagg_prepare(f, &dt, &w, &code, msg, sizeof msg);
-            if (dr == DISAGG_SETTLED)
-                break;
-            if (dr == DISAGG_NO)
-                continue; /* re-checks cancel / abort / deadline, then a plain pick */
-        }
-        if (!w)
-            w = coord_router_pick(c, f->prompt, f->n_prompt, tried, n_tried);
-        if (!w) {
-            code = RPC_UNAVAILABLE;
-            if (n_tried)
-                snprintf(msg, sizeof msg, "no other worker is serving after a failure: %s",
-                         at.message);
-            else if (f->fallback_cause[0])
-                snprintf(msg, sizeof msg, "no worker can recompute the request: %s",
-                         f->fallback_cause);
-            else
-                snprintf(msg, sizeof msg, "no worker is serving model '%s'", c->model_name);
-            break;
-        }
-        bool handoff = f->handoff_id[0] != '\0';
-        attempt_run(f, w, &dt, &at);
-        f->handoff_id[0] = '\0';
-        pthread_mutex_lock(&f->mu);
-        aborted = f->aborted;
-        cancelled = f->cancelled;
-        pthread_mutex_unlock(&f->mu);
-        if (handoff && at.n_msgs == 0 && !at.saw_final && !aborted && !cancelled &&
-            !at.client_gone && !at.failed_local && at.code != RPC_UNAVAILABLE &&
-            at.code != RPC_INVALID_ARGUMENT) {
-            /* The handed-off KV is not there (expired, released): recompute
-             * on the same worker (the tokens sent so far are skipped). */
-            fprintf(stderr,
-                    "moe-coordinator: request %s: decode from handoff on %s refused (%s: "
-                    "%s); recomputing there\n",
-                    f->request_id, w->id, rpc_code_name(at.code), at.message);
-            coord_metrics_handoff(c->metrics, "decode_refused", 0);
-            f->skip = f->n_tokens;
-            f->skip_from = 0;
-            attempt_run(f, w, &dt, &at);
-            pthread_mutex_lock(&f->mu);
-            aborted = f->aborted;
-            cancelled = f->cancelled;
-            pthread_mutex_unlock(&f->mu);
-        } else if (handoff && at.n_msgs == 0 && !at.saw_final) {
-            f->skip = f->n_tokens; /* a retry elsewhere recomputes */
-            f->skip_from = 0;
-        }
-        if (at.code == RPC_UNAVAILABLE && !aborted && !cancelled) {
-            /* Take it out of routing until a poll answers (or says draining). */
-            pthread_mutex_lock(&c->mu);
-            if (strstr(at.message, "draining"))
-                w->reported_draining = true;
-            else
-                w->down = true;
-            snprintf(w->last_error, sizeof w->last_error, "Generate: %.200s", at.message);
-            pthread_mutex_unlock(&c->mu);
-        }
-        tried[n_tried++] = w; /* pointer only: compared, never used after done() */
-        char wid[400];
-        snprintf(wid, sizeof wid, "%.150s at %.200s", w->id, w->address);
-        coord_router_done(c, w);
+    *d = NULL;
+    if (!has_role_serving(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE))
+        return DISAGG_NO;
+    struct coord_worker *p = coord_router_pick_role(c, MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL,
+                                                    f->prompt, f->n_prompt, NULL, 0, 0);
+    if (!p)
+        return DISAGG_NO;
+    struct disagg g = {.f = f, .c = c, .p = p, .code = code, .msg = msg, .cap = cap};
+    static uint64_t seq;
+    fix_seed(f);
+    snprintf(f->handoff_id, sizeof f->handoff_id, "%s#%llu", f->request_id,
+             (unsigned long long)__atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED));
+    snprintf(g.hid, sizeof g.hid, "%s", f->handoff_id);
 
-        if (at.saw_final) {
-            code = at.code; /* OK, or DEADLINE_EXCEEDED after the worker's deadline */
-            snprintf(msg, sizeof msg, "%s", at.message);
-            done = true;
-        } else if (aborted) {
-            send_abort_final(f);
-            code = RPC_OK;
-            done = true;
-        } else if (cancelled || at.client_gone) {
-            code = RPC_CANCELLED;
-            snprintf(msg, sizeof msg, "cancelled by the client");
-            done = true;
-        } else if (at.failed_local) {
-            code = RPC_INTERNAL;
-            snprintf(msg, sizeof msg, "worker %s: %s", wid, at.message);
-            done = true;
-        } else if (retryable(&at) && n_tried <= COORD_MAX_RETRIES) {
-            fprintf(stderr,
-                    "moe-coordinator: request %s: worker %s failed before the first "
-                    "token (%s: %s); retrying elsewhere\n",
-                    f->request_id, wid, rpc_code_name(at.code), at.message);
-        } else if (at.n_msgs == 0 && at.code != RPC_OK && !retryable(&at)) {
-            code = at.code; /* the worker refused it: pass its answer on */
-            snprintf(msg, sizeof msg, "%s", at.message);
-            done = true;
-        } else if (at.code == RPC_DEADLINE_EXCEEDED) {
-            code = RPC_DEADLINE_EXCEEDED;
-            snprintf(msg, sizeof msg, "deadline passed after %u tokens", f->n_tokens);
-            done = true;
-        } else if (at.stalled_ms) {
-            code = RPC_UNAVAILABLE;
-            snprintf(msg, sizeof msg,
-                     "worker %s stalled after %u tokens: no message for %lld ms and no progress "
-                     "on the worker (--stall-timeout-ms %d)",
-                     wid, f->n_tokens, (long long)at.stalled_ms, c->opts.stall_timeout_ms);
-            done = true;
-        } else {
-            code = RPC_UNAVAILABLE;
-            snprintf(
-                msg, sizeof msg, "worker %s failed after %u tokens: %s%s%.400s", wid, f->n_tokens,
-                at.code == RPC_OK ? "stream ended without a final message" : rpc_code_name(at.code),
-                at.message[0] ? ": " : "", at.message);
-            done = true;
-        }
+    enum disagg_result res = disagg_prefill(&g, dt);
+    if (res != DISAGG_NEXT)
+        return res;
+    Moe__V1__KvReserveResponse *rr = NULL;
+    if ((res = disagg_reserve(&g, d, &rr)) != DISAGG_NEXT)
+        return res;
+    return disagg_send(&g, d, rr);
+}
+
+/* The client's cancel and Abort flags, read under f->mu. */
+static void client_flags(struct fwd *f, bool *aborted, bool *cancelled)
+{
+    pthread_mutex_lock(&f->mu);
+    *aborted = f->aborted;
+    *cancelled = f->cancelled;
+    pthread_mutex_unlock(&f->mu);
+}
+
+/* Before each attempt: an Abort, a cancel or a passed deadline ends the
+ * request (code and msg set, an abort's last message sent). */
+static bool ended_before_attempt(struct fwd *f, enum rpc_code *code, char *msg, size_t cap)
+{
+    bool aborted, cancelled;
+    client_flags(f, &aborted, &cancelled);
+    if (aborted) {
+        send_abort_final(f);
+        *code = RPC_OK;
+        return true;
     }
-    moe_detok_free(&dt);
+    if (cancelled) {
+        *code = RPC_CANCELLED;
+        snprintf(msg, cap, "cancelled by the client");
+        return true;
+    }
+    if (ms_left(f) <= 0) {
+        *code = RPC_DEADLINE_EXCEEDED;
+        snprintf(msg, cap, "deadline_ms passed before a worker was found");
+        return true;
+    }
+    return false;
+}
 
+/* No worker left to try: words why. Returns RPC_UNAVAILABLE. */
+static enum rpc_code no_worker(const struct fwd *f, size_t n_tried, const struct attempt *last,
+                               char *msg, size_t cap)
+{
+    if (n_tried)
+        snprintf(msg, cap, "no other worker is serving after a failure: %s", last->message);
+    else if (f->fallback_cause[0])
+        snprintf(msg, cap, "no worker can recompute the request: %s", f->fallback_cause);
+    else
+        snprintf(msg, cap, "no worker is serving model '%s'", f->c->model_name);
+    return RPC_UNAVAILABLE;
+}
+
+/* Runs one attempt on w. When it continued a KV handoff the worker no
+ * longer holds (expired, released), it is recomputed there at once (the
+ * tokens sent so far are skipped). Reads the client's flags after it. */
+static void attempt_on(struct fwd *f, struct coord_worker *w, struct moe_detok *dt,
+                       struct attempt *at, bool *aborted, bool *cancelled)
+{
+    bool handoff = f->handoff_id[0] != '\0';
+    attempt_run(f, w, dt, at);
+    f->handoff_id[0] = '\0';
+    client_flags(f, aborted, cancelled);
+    if (handoff && at->n_msgs == 0 && !at->saw_final && !*aborted && !*cancelled &&
+        !at->client_gone && !at->failed_local && at->code != RPC_UNAVAILABLE &&
+        at->code != RPC_INVALID_ARGUMENT) {
+        fprintf(stderr,
+                "moe-coordinator: request %s: decode from handoff on %s refused (%s: "
+                "%s); recomputing there\n",
+                f->request_id, w->id, rpc_code_name(at->code), at->message);
+        coord_metrics_handoff(f->c->metrics, "decode_refused", 0);
+        f->skip = f->n_tokens;
+        f->skip_from = 0;
+        attempt_run(f, w, dt, at);
+        client_flags(f, aborted, cancelled);
+    } else if (handoff && at->n_msgs == 0 && !at->saw_final) {
+        f->skip = f->n_tokens; /* a retry elsewhere recomputes */
+        f->skip_from = 0;
+    }
+}
+
+/* Takes a worker that answered UNAVAILABLE out of routing until a poll
+ * answers (or says draining). */
+static void mark_unavailable(struct coord *c, struct coord_worker *w, const char *message)
+{
+    pthread_mutex_lock(&c->mu);
+    if (strstr(message, "draining"))
+        w->reported_draining = true;
+    else
+        w->down = true;
+    snprintf(w->last_error, sizeof w->last_error, "Generate: %.200s", message);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* What the forwarding loop does after an attempt, in the order the cases
+ * are told apart. Every value but AFTER_RETRY ends the request. */
+enum after_attempt {
+    AFTER_FINAL,     /* the worker sent its final message: its status is the request's */
+    AFTER_ABORTED,   /* Abort(request_id): a last ABORT message, status OK */
+    AFTER_CANCELLED, /* the client went away */
+    AFTER_LOCAL,     /* failed here: out of memory, a malformed message, a recomputed token
+                        that differs from the one sent */
+    AFTER_RETRY,     /* failed before the worker did any work, retries left: another worker */
+    AFTER_REFUSED,   /* the worker refused the request: its answer is passed on */
+    AFTER_DEADLINE,  /* the deadline passed mid-stream */
+    AFTER_STALLED,   /* the stall watchdog ended a stream that made no progress */
+    AFTER_BROKEN,    /* the worker failed mid-stream */
+};
+
+/* The retry decision: how attempt `at` ended, after n_tried attempts. */
+static enum after_attempt after_attempt(const struct attempt *at, bool aborted, bool cancelled,
+                                        size_t n_tried)
+{
+    if (at->saw_final)
+        return AFTER_FINAL;
+    if (aborted)
+        return AFTER_ABORTED;
+    if (cancelled || at->client_gone)
+        return AFTER_CANCELLED;
+    if (at->failed_local)
+        return AFTER_LOCAL;
+    if (retryable(at) && n_tried <= COORD_MAX_RETRIES)
+        return AFTER_RETRY;
+    if (at->n_msgs == 0 && at->code != RPC_OK && !retryable(at))
+        return AFTER_REFUSED;
+    if (at->code == RPC_DEADLINE_EXCEEDED)
+        return AFTER_DEADLINE;
+    if (at->stalled_ms)
+        return AFTER_STALLED;
+    return AFTER_BROKEN;
+}
+
+/* Ends the request after its last attempt on worker `wid` (sends the last
+ * message of an abort): returns its status, msg set. */
+static enum rpc_code settle(struct fwd *f, enum after_attempt how, const struct attempt *at,
+                            const char *wid, char *msg, size_t cap)
+{
+    switch (how) {
+    case AFTER_FINAL:
+        snprintf(msg, cap, "%s", at->message);
+        return at->code; /* OK, or DEADLINE_EXCEEDED after the worker's deadline */
+    case AFTER_ABORTED: send_abort_final(f); return RPC_OK;
+    case AFTER_CANCELLED: snprintf(msg, cap, "cancelled by the client"); return RPC_CANCELLED;
+    case AFTER_LOCAL: snprintf(msg, cap, "worker %s: %s", wid, at->message); return RPC_INTERNAL;
+    case AFTER_REFUSED: snprintf(msg, cap, "%s", at->message); return at->code;
+    case AFTER_DEADLINE:
+        snprintf(msg, cap, "deadline passed after %u tokens", f->n_tokens);
+        return RPC_DEADLINE_EXCEEDED;
+    case AFTER_STALLED:
+        snprintf(msg, cap,
+                 "worker %s stalled after %u tokens: no message for %lld ms and no progress "
+                 "on the worker (--stall-timeout-ms %d)",
+                 wid, f->n_tokens, (long long)at->stalled_ms, f->c->opts.stall_timeout_ms);
+        return RPC_UNAVAILABLE;
+    case AFTER_RETRY: /* not an end: the caller retries */
+    case AFTER_BROKEN: break;
+    }
+    snprintf(msg, cap, "worker %s failed after %u tokens: %s%s%.400s", wid, f->n_tokens,
+             at->code == RPC_OK ? "stream ended without a final message" : rpc_code_name(at->code),
+             at->message[0] ? ": " : "", at->message);
+    return RPC_UNAVAILABLE;
+}
+
+/* The request is over: unlinks it, counts it, gives the sink its status
+ * (no cancel after this) and frees it. */
+static void fwd_finish(struct fwd *f, enum rpc_code code, const char *msg)
+{
+    struct coord *c = f->c;
     pthread_mutex_lock(&c->mu);
     for (struct fwd **p = &c->reqs; *p; p = &(*p)->next)
         if (*p == f) {
@@ -998,6 +1077,65 @@ static void *fwd_thread(void *arg)
     c->n_threads--;
     pthread_cond_broadcast(&c->cond);
     pthread_mutex_unlock(&c->mu);
+}
+
+/* The forwarding thread: the prompt, then attempts (a disaggregated one
+ * first when the cluster has prefill and decode workers) until one ends
+ * the request. */
+static void *fwd_thread(void *arg)
+{
+    struct fwd *f = arg;
+    struct coord *c = f->c;
+    char msg[1024] = "";
+    enum rpc_code code = prepare_prompt(f, msg, sizeof msg);
+    struct moe_detok dt;
+    moe_detok_init(&dt, c->tok, f->rq->sampling ? f->rq->sampling->skip_special_tokens : false);
+    struct coord_worker *tried[COORD_MAX_RETRIES + 1];
+    size_t n_tried = 0;
+    struct attempt at = {0};
+    bool done = code != RPC_OK;
+    bool disagg_tried = false;
+    f->sampling = f->rq->sampling;
+    while (!done) {
+        if (ended_before_attempt(f, &code, msg, sizeof msg))
+            break;
+        struct coord_worker *w = NULL;
+        if (!disagg_tried) {
+            disagg_tried = true;
+            enum disagg_result dr = disagg_prepare(f, &dt, &w, &code, msg, sizeof msg);
+            if (dr == DISAGG_SETTLED)
+                break;
+            if (dr == DISAGG_NO)
+                continue; /* re-checks cancel / abort / deadline, then a plain pick */
+        }
+        if (!w)
+            w = coord_router_pick(c, f->prompt, f->n_prompt, tried, n_tried);
+        if (!w) {
+            code = no_worker(f, n_tried, &at, msg, sizeof msg);
+            break;
+        }
+        bool aborted, cancelled;
+        attempt_on(f, w, &dt, &at, &aborted, &cancelled);
+        if (at.code == RPC_UNAVAILABLE && !aborted && !cancelled)
+            mark_unavailable(c, w, at.message);
+        tried[n_tried++] = w; /* pointer only: compared, never used after done() */
+        char wid[400];
+        snprintf(wid, sizeof wid, "%.150s at %.200s", w->id, w->address);
+        coord_router_done(c, w);
+
+        enum after_attempt how = after_attempt(&at, aborted, cancelled, n_tried);
+        if (how == AFTER_RETRY) {
+            fprintf(stderr,
+                    "moe-coordinator: request %s: worker %s failed before the first "
+                    "token (%s: %s); retrying elsewhere\n",
+                    f->request_id, wid, rpc_code_name(at.code), at.message);
+            continue;
+        }
+        code = settle(f, how, &at, wid, msg, sizeof msg);
+        done = true;
+    }
+    moe_detok_free(&dt);
+    fwd_finish(f, code, msg);
     return NULL;
 }
 

@@ -99,6 +99,77 @@ static void usage(FILE *f)
            "10000)\n");
 }
 
+#define ARRAY_LEN(t) (sizeof(t) / sizeof *(t))
+
+/* A flag without a value: sets a bool of struct args. */
+struct flag_opt {
+    const char *name;
+    bool *field;
+};
+
+/* An option whose value is kept as given. */
+struct str_opt {
+    const char *name;
+    const char **field;
+};
+
+/* A whole-number option, refused outside [lo, hi]; `alias` is another
+ * spelling (or NULL), messages use `name`. */
+struct int_opt {
+    const char *name;
+    const char *alias;
+    long lo, hi;
+    int *field;
+};
+
+/* The options whose value needs its own check (not a plain string or a
+ * whole number in a range). Returns 0, 1 when `k` is none of them, or the
+ * exit code of a bad value. */
+static int parse_special(const char *k, const char *v, struct args *a)
+{
+    long n;
+    if (!strcmp(k, "--temperature")) {
+        if (!cli_parse_float(v, 0.0f, 100.0f, &a->temperature))
+            return cli_fail("--temperature: '%s' is not a number in [0, 100]", v);
+    } else if (!strcmp(k, "--top-p")) {
+        if (!cli_parse_float(v, 0.0f, 1.0f, &a->top_p) || a->top_p == 0.0f)
+            return cli_fail("--top-p: '%s' is not a number in (0, 1]", v);
+    } else if (!strcmp(k, "--top-k")) {
+        if (!cli_parse_long(v, 0, INT_MAX, &n))
+            return cli_fail("--top-k: '%s' is not a whole number >= 0", v);
+        a->top_k = (int)n;
+    } else if (!strcmp(k, "--seed")) {
+        char *end;
+        errno = 0;
+        a->seed = strtoull(v, &end, 10);
+        if (errno || end == v || *end || *v == '-')
+            return cli_fail("--seed: '%s' is not a whole number >= 0", v);
+    } else if (!strcmp(k, "--dtype")) {
+        if (!moe_launch_parse_dtype(v, &a->dtype))
+            return cli_fail("--dtype: '%s' is not one of f32, bf16, int8", v);
+    } else if (!strcmp(k, "--kv-memory")) {
+        if (!cli_parse_long(v, 1, 1 << 24, &n))
+            return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
+        a->kv_memory_mib = n;
+    } else {
+        return 1;
+    }
+    return 0;
+}
+
+/* The options that make sense together: a model and exactly one source of
+ * prompts. */
+static int check_args(const struct args *a)
+{
+    if (!a->model)
+        return cli_fail("--model DIR is required");
+    if ((a->prompt != NULL) + (a->tokens != NULL) + (a->prompts_file != NULL) != 1)
+        return cli_fail("give exactly one of --prompt TEXT, --tokens IDS or --prompts-file FILE");
+    if (a->logits_out && a->prompts_file)
+        return cli_fail("--logits-out works with one prompt, not with --prompts-file");
+    return 0;
+}
+
 static int parse_args(int argc, char **argv, struct args *a)
 {
     *a = (struct args){.n_predict = 32,
@@ -107,126 +178,80 @@ static int parse_args(int argc, char **argv, struct args *a)
                        .device = "auto",
                        .tp = 1,
                        .comm_timeout_ms = 10000};
+    const struct flag_opt flags[] = {
+        {"--ignore-eos", &a->ignore_eos},
+        {"--no-prefix-cache", &a->no_prefix_cache},
+        {"--profile", &a->profile},
+        {"--exact", &a->exact},
+        {"--print-outputs", &a->print_outputs},
+    };
+    const struct str_opt strs[] = {
+        {"--model", &a->model},
+        {"--prompt", &a->prompt},
+        {"--tokens", &a->tokens},
+        {"--logits-out", &a->logits_out},
+        {"--device", &a->device},
+        {"--placement", &a->placement},
+        {"--placement-switch", &a->placement_switch},
+        {"--prompts-file", &a->prompts_file},
+    };
+    const struct int_opt ints[] = {
+        {"-n", "--n-predict", 0, 1 << 20, &a->n_predict},
+        {"--threads", NULL, 0, 1024, &a->threads},
+        {"--tp", NULL, 1, 1024, &a->tp},
+        {"--comm-timeout-ms", NULL, 100, 3600000, &a->comm_timeout_ms},
+        {"--kv-blocks", NULL, 1, 1 << 24, &a->kv_blocks},
+        {"--block-size", NULL, 1, 1024, &a->block_size},
+        {"--max-batch-tokens", NULL, 1, 1 << 20, &a->max_batch_tokens},
+        {"--spec-tokens", NULL, 0, MOE_SPEC_TOKENS_MAX, &a->spec_tokens},
+        {"--max-running", NULL, 1, 1 << 16, &a->max_running},
+    };
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
         if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
             usage(stdout);
             exit(0);
         }
-        if (!strcmp(k, "--ignore-eos")) {
-            a->ignore_eos = true;
-            continue;
-        }
-        if (!strcmp(k, "--no-prefix-cache")) {
-            a->no_prefix_cache = true;
-            continue;
-        }
-        if (!strcmp(k, "--profile")) {
-            a->profile = true;
-            continue;
-        }
-        if (!strcmp(k, "--exact")) {
-            a->exact = true;
-            continue;
-        }
-        if (!strcmp(k, "--print-outputs")) {
-            a->print_outputs = true;
+        const struct flag_opt *f = NULL;
+        for (size_t j = 0; j < ARRAY_LEN(flags) && !f; j++)
+            if (!strcmp(k, flags[j].name))
+                f = &flags[j];
+        if (f) {
+            *f->field = true;
             continue;
         }
         if (i + 1 >= argc)
             return cli_fail("option '%s' needs a value", k);
         const char *v = argv[++i];
-        long n;
-        if (!strcmp(k, "--model")) {
-            a->model = v;
-        } else if (!strcmp(k, "--prompt")) {
-            a->prompt = v;
-        } else if (!strcmp(k, "--tokens")) {
-            a->tokens = v;
-        } else if (!strcmp(k, "--logits-out")) {
-            a->logits_out = v;
-        } else if (!strcmp(k, "--device")) {
-            a->device = v;
-        } else if (!strcmp(k, "-n") || !strcmp(k, "--n-predict")) {
-            if (!cli_parse_long(v, 0, 1 << 20, &n))
-                return cli_fail("-n: '%s' is not a whole number in [0, 1048576]", v);
-            a->n_predict = (int)n;
-        } else if (!strcmp(k, "--temperature")) {
-            if (!cli_parse_float(v, 0.0f, 100.0f, &a->temperature))
-                return cli_fail("--temperature: '%s' is not a number in [0, 100]", v);
-        } else if (!strcmp(k, "--top-p")) {
-            if (!cli_parse_float(v, 0.0f, 1.0f, &a->top_p) || a->top_p == 0.0f)
-                return cli_fail("--top-p: '%s' is not a number in (0, 1]", v);
-        } else if (!strcmp(k, "--top-k")) {
-            if (!cli_parse_long(v, 0, INT_MAX, &n))
-                return cli_fail("--top-k: '%s' is not a whole number >= 0", v);
-            a->top_k = (int)n;
-        } else if (!strcmp(k, "--seed")) {
-            char *end;
-            errno = 0;
-            a->seed = strtoull(v, &end, 10);
-            if (errno || end == v || *end || *v == '-')
-                return cli_fail("--seed: '%s' is not a whole number >= 0", v);
-        } else if (!strcmp(k, "--dtype")) {
-            if (!moe_launch_parse_dtype(v, &a->dtype))
-                return cli_fail("--dtype: '%s' is not one of f32, bf16, int8", v);
-        } else if (!strcmp(k, "--threads")) {
-            if (!cli_parse_long(v, 0, 1024, &n))
-                return cli_fail("--threads: '%s' is not a whole number in [0, 1024]", v);
-            a->threads = (int)n;
-        } else if (!strcmp(k, "--tp")) {
-            if (!cli_parse_long(v, 1, 1024, &n))
-                return cli_fail("--tp: '%s' is not a whole number in [1, 1024]", v);
-            a->tp = (int)n;
-        } else if (!strcmp(k, "--placement")) {
-            a->placement = v;
-        } else if (!strcmp(k, "--placement-switch")) {
-            a->placement_switch = v;
-        } else if (!strcmp(k, "--comm-timeout-ms")) {
-            if (!cli_parse_long(v, 100, 3600000, &n))
-                return cli_fail("--comm-timeout-ms: '%s' is not a whole number in [100, 3600000]",
-                                v);
-            a->comm_timeout_ms = (int)n;
-        } else if (!strcmp(k, "--prompts-file")) {
-            a->prompts_file = v;
-        } else if (!strcmp(k, "--kv-blocks")) {
-            if (!cli_parse_long(v, 1, 1 << 24, &n))
-                return cli_fail("--kv-blocks: '%s' is not a whole number in [1, 16777216]", v);
-            a->kv_blocks = (int)n;
-        } else if (!strcmp(k, "--kv-memory")) {
-            if (!cli_parse_long(v, 1, 1 << 24, &n))
-                return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
-            a->kv_memory_mib = n;
-        } else if (!strcmp(k, "--block-size")) {
-            if (!cli_parse_long(v, 1, 1024, &n))
-                return cli_fail("--block-size: '%s' is not a whole number in [1, 1024]", v);
-            a->block_size = (int)n;
-        } else if (!strcmp(k, "--max-batch-tokens")) {
-            if (!cli_parse_long(v, 1, 1 << 20, &n))
-                return cli_fail("--max-batch-tokens: '%s' is not a whole number in [1, 1048576]",
-                                v);
-            a->max_batch_tokens = (int)n;
-        } else if (!strcmp(k, "--spec-tokens")) {
-            if (!cli_parse_long(v, 0, MOE_SPEC_TOKENS_MAX, &n))
-                return cli_fail("--spec-tokens: '%s' is not a whole number in [0, %d]", v,
-                                MOE_SPEC_TOKENS_MAX);
-            a->spec_tokens = (int)n;
-        } else if (!strcmp(k, "--max-running")) {
-            if (!cli_parse_long(v, 1, 1 << 16, &n))
-                return cli_fail("--max-running: '%s' is not a whole number in [1, 65536]", v);
-            a->max_running = (int)n;
-        } else {
+        const struct str_opt *s = NULL;
+        for (size_t j = 0; j < ARRAY_LEN(strs) && !s; j++)
+            if (!strcmp(k, strs[j].name))
+                s = &strs[j];
+        if (s) {
+            *s->field = v;
+            continue;
+        }
+        const struct int_opt *o = NULL;
+        for (size_t j = 0; j < ARRAY_LEN(ints) && !o; j++)
+            if (!strcmp(k, ints[j].name) || (ints[j].alias && !strcmp(k, ints[j].alias)))
+                o = &ints[j];
+        if (o) {
+            long n;
+            if (!cli_parse_long(v, o->lo, o->hi, &n))
+                return cli_fail("%s: '%s' is not a whole number in [%ld, %ld]", o->name, v, o->lo,
+                                o->hi);
+            *o->field = (int)n;
+            continue;
+        }
+        int rc = parse_special(k, v, a);
+        if (rc == 1) {
             usage(stderr);
             return cli_fail("unknown option '%s'", k);
         }
+        if (rc)
+            return rc;
     }
-    if (!a->model)
-        return cli_fail("--model DIR is required");
-    if ((a->prompt != NULL) + (a->tokens != NULL) + (a->prompts_file != NULL) != 1)
-        return cli_fail("give exactly one of --prompt TEXT, --tokens IDS or --prompts-file FILE");
-    if (a->logits_out && a->prompts_file)
-        return cli_fail("--logits-out works with one prompt, not with --prompts-file");
-    return 0;
+    return check_args(a);
 }
 
 /* "1,2, 3" -> ids; every id must be a whole number in [0, vocab). */
@@ -401,159 +426,198 @@ static void print_profile(const struct moe_model *model, const struct moe_group 
         (unsigned long long)moe_model_ep_rows_computed(model));
 }
 
-int main(int argc, char **argv)
-{
-    cli_init("moe-generate");
+/* What main builds; gen_run_close frees it. */
+struct gen_run {
     struct args a;
-    int rc = parse_args(argc, argv, &a);
+    struct moe_error err;
+    struct moe_launch launch;
+    struct moe_group *group; /* = launch.group */
+    struct moe_backend *be;  /* = launch.be */
+    struct moe_model *model;
+    const struct moe_config *cfg;
+    double t_load; /* seconds moe_model_load took */
+    struct moe_tokenizer *tok;
+    int32_t *prompt; /* (n_prompt) */
+    int n_prompt;
+    float *logits; /* (n_prompt, vocab_size) with --logits-out */
+    char *text;    /* the generated tokens, decoded */
+    struct moe_gen_result res;
+};
+
+/* Prints the error in g->err ("rank R: " first under mpirun); returns the
+ * exit code of a failed run. */
+static int report_error(const struct gen_run *g)
+{
+    if (g->group)
+        fprintf(stderr, "moe-generate: rank %d: %s\n", g->group->rank, g->err.msg);
+    else
+        fprintf(stderr, "moe-generate: %s\n", g->err.msg);
+    return 1;
+}
+
+/* MPI (when under mpirun) and the backend; with --placement-switch the
+ * leader proposes the new placement for epoch 1 before anything runs. */
+static enum moe_status start_group(struct gen_run *g, int *argc, char ***argv)
+{
+    const struct args *a = &g->a;
+    struct moe_launch_args la = {.model = a->model,
+                                 .device = a->device,
+                                 .threads = a->threads,
+                                 .dtype = a->dtype,
+                                 .tp = a->tp,
+                                 .comm_timeout_ms = a->comm_timeout_ms,
+                                 .placement = a->placement,
+                                 .exact = a->exact};
+    enum moe_status rc = moe_launch_start(argc, argv, &la, &g->launch, &g->err);
     if (rc)
         return rc;
-
-    struct moe_error err = {0};
-    struct moe_model *model = NULL;
-    struct moe_tokenizer *tok = NULL;
-    int32_t *prompt = NULL;
-    float *logits = NULL;
-    char *text = NULL;
-    struct moe_gen_result res = {0};
-    struct moe_launch launch = {0};
-    struct moe_group *group = NULL; /* = launch.group */
-    struct moe_backend *be = NULL;  /* = launch.be */
-    rc = 1;
-
-    struct moe_launch_args la = {.model = a.model,
-                                 .device = a.device,
-                                 .threads = a.threads,
-                                 .dtype = a.dtype,
-                                 .tp = a.tp,
-                                 .comm_timeout_ms = a.comm_timeout_ms,
-                                 .placement = a.placement,
-                                 .exact = a.exact};
-    if (moe_launch_start(&argc, &argv, &la, &launch, &err))
-        goto fail;
-    group = launch.group;
-    be = launch.be;
-    if (group && a.placement_switch && group->rank == 0) {
+    g->group = g->launch.group;
+    g->be = g->launch.be;
+    if (g->group && a->placement_switch && g->group->rank == 0) {
         struct moe_placement next;
-        if (moe_placement_load_for_model(a.placement_switch, a.model, group->size, &next, &err))
-            goto fail;
-        enum moe_status prc = moe_group_propose_placement(group, &next, 1, &err);
+        if ((rc = moe_placement_load_for_model(a->placement_switch, a->model, g->group->size, &next,
+                                               &g->err)))
+            return rc;
+        rc = moe_group_propose_placement(g->group, &next, 1, &g->err);
         moe_placement_free(&next);
-        if (prc)
-            goto fail;
     }
-    struct moe_model_opts mo = launch.model_opts;
-    double t_load = moe_now();
-    if (moe_model_load(a.model, &mo, be, &model, &err))
-        goto fail;
-    t_load = moe_now() - t_load;
-    const struct moe_config *cfg = moe_model_config(model);
-    if (group) {
+    return rc;
+}
+
+/* This rank's part of the model, timed; under mpirun one line per rank. */
+static enum moe_status load_model(struct gen_run *g)
+{
+    struct moe_model_opts mo = g->launch.model_opts;
+    g->t_load = moe_now();
+    enum moe_status rc = moe_model_load(g->a.model, &mo, g->be, &g->model, &g->err);
+    if (rc)
+        return rc;
+    g->t_load = moe_now() - g->t_load;
+    g->cfg = moe_model_config(g->model);
+    if (g->group) {
         fprintf(stderr, "moe-generate: rank %d of %d (tp %d/%d): %.1f MiB of weights\n",
-                group->rank, group->size, group->tp_rank, group->tp_size,
-                (double)moe_model_weight_bytes(model) / (1024.0 * 1024.0));
-        if (group->rank != 0) {
-            if (moe_group_follow(group, model, &err))
-                goto fail;
-            rc = 0;
-            goto out;
-        }
+                g->group->rank, g->group->size, g->group->tp_rank, g->group->tp_size,
+                (double)moe_model_weight_bytes(g->model) / (1024.0 * 1024.0));
     }
+    return MOE_OK;
+}
 
-    /* The tokenizer is optional with --tokens (random benchmark models have none). */
+/* The model's tokenizer.json: required with --prompt, optional otherwise
+ * (random benchmark models have none). */
+static enum moe_status load_tokenizer(struct gen_run *g)
+{
     char tok_path[4096];
-    snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", a.model);
+    snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", g->a.model);
     FILE *probe = fopen(tok_path, "rb");
-    if (probe || a.prompt) {
-        if (probe)
-            fclose(probe);
-        if (moe_tokenizer_load(tok_path, &tok, &err))
-            goto fail;
-        if (moe_tokenizer_n_vocab(tok) > cfg->vocab_size) {
-            moe_error_set(&err, MOE_ERR_FORMAT, "%s: %d token ids but config.json vocab_size is %d",
-                          tok_path, moe_tokenizer_n_vocab(tok), cfg->vocab_size);
-            goto fail;
-        }
-    }
+    if (!probe && !g->a.prompt)
+        return MOE_OK;
+    if (probe)
+        fclose(probe);
+    enum moe_status rc = moe_tokenizer_load(tok_path, &g->tok, &g->err);
+    if (rc)
+        return rc;
+    if (moe_tokenizer_n_vocab(g->tok) > g->cfg->vocab_size)
+        return moe_error_set(&g->err, MOE_ERR_FORMAT,
+                             "%s: %d token ids but config.json vocab_size is %d", tok_path,
+                             moe_tokenizer_n_vocab(g->tok), g->cfg->vocab_size);
+    return MOE_OK;
+}
 
-    if (a.prompts_file) {
-        rc = run_batch(&a, model, tok, group);
-        goto out;
+/* The prompt's ids, from --prompt (encoded) or --tokens. Returns 0 or the
+ * exit code, the error reported. */
+static int read_prompt(struct gen_run *g)
+{
+    if (!g->a.prompt)
+        return parse_tokens(g->a.tokens, g->cfg->vocab_size, &g->prompt, &g->n_prompt);
+    size_t n = 0;
+    if (moe_tokenizer_encode(g->tok, g->a.prompt, strlen(g->a.prompt), true, &g->prompt, &n,
+                             &g->err))
+        return report_error(g);
+    if (n == 0) {
+        moe_error_set(&g->err, MOE_ERR_INVALID, "--prompt: the prompt encodes to no tokens");
+        return report_error(g);
     }
-    int n_prompt = 0;
-    if (a.prompt) {
-        size_t n = 0;
-        if (moe_tokenizer_encode(tok, a.prompt, strlen(a.prompt), true, &prompt, &n, &err))
-            goto fail;
-        if (n == 0) {
-            moe_error_set(&err, MOE_ERR_INVALID, "--prompt: the prompt encodes to no tokens");
-            goto fail;
-        }
-        n_prompt = (int)n;
-    } else if ((rc = parse_tokens(a.tokens, cfg->vocab_size, &prompt, &n_prompt))) {
-        goto out;
-    }
-    rc = 1;
-    if (a.logits_out) {
-        logits = malloc((size_t)n_prompt * (size_t)cfg->vocab_size * sizeof *logits);
-        if (!logits) {
-            moe_error_set(&err, MOE_ERR_NOMEM, "out of memory for %d rows of logits", n_prompt);
-            goto fail;
-        }
-    }
-    struct moe_gen_opts go = {
-        .n_predict = a.n_predict,
-        .sp = {.temperature = a.temperature, .top_p = a.top_p, .top_k = a.top_k},
-        .seed = a.seed,
-        .ignore_eos = a.ignore_eos,
-        .forward = group ? moe_group_forward : NULL,
-        .forward_ctx = group,
-    };
-    if (moe_generate(model, prompt, n_prompt, &go, logits, &res, &err))
-        goto fail;
-    if (a.logits_out &&
-        (rc = write_logits(a.logits_out, logits, (size_t)n_prompt * cfg->vocab_size)))
-        goto out;
+    g->n_prompt = (int)n;
+    return 0;
+}
 
-    printf("tokens:");
-    for (int i = 0; i < res.n_tokens; i++)
-        printf(" %d", res.tokens[i]);
-    printf("\n");
-    if (tok) {
-        size_t len;
-        if (moe_tokenizer_decode(tok, res.tokens, (size_t)res.n_tokens, true, &text, &len, &err))
-            goto fail;
-        printf("text: %s\n", text);
-    }
+/* The speed lines after a single-prompt run. */
+static void print_speed(const struct gen_run *g)
+{
+    const struct args *a = &g->a;
+    const struct moe_gen_result *res = &g->res;
     double decode_tps =
-        res.n_tokens > 1 && res.decode_s > 0 ? (res.n_tokens - 1) / res.decode_s : 0;
-    printf("model: %s (%s, %s, %.1f MiB of weights, loaded in %.2f s) on %s\n", a.model,
-           moe_launch_dtype_flag(a.dtype), a.exact ? "exact" : "fast",
-           (double)moe_model_weight_bytes(model) / (1024.0 * 1024.0), t_load, be->name);
-    printf("prefill: %d tokens in %.3f s, %.1f tokens/s\n", n_prompt, res.prefill_s,
-           res.prefill_s > 0 ? n_prompt / res.prefill_s : 0);
+        res->n_tokens > 1 && res->decode_s > 0 ? (res->n_tokens - 1) / res->decode_s : 0;
+    printf("model: %s (%s, %s, %.1f MiB of weights, loaded in %.2f s) on %s\n", a->model,
+           moe_launch_dtype_flag(a->dtype), a->exact ? "exact" : "fast",
+           (double)moe_model_weight_bytes(g->model) / (1024.0 * 1024.0), g->t_load, g->be->name);
+    printf("prefill: %d tokens in %.3f s, %.1f tokens/s\n", g->n_prompt, res->prefill_s,
+           res->prefill_s > 0 ? g->n_prompt / res->prefill_s : 0);
     printf("decode: %d tokens in %.3f s, %.1f tokens/s%s\n",
-           res.n_tokens > 0 ? res.n_tokens - 1 : 0, res.decode_s, decode_tps,
-           res.stopped_at_eos ? " (stopped at EOS)" : "");
-    if (group) {
+           res->n_tokens > 0 ? res->n_tokens - 1 : 0, res->decode_s, decode_tps,
+           res->stopped_at_eos ? " (stopped at EOS)" : "");
+    if (g->group) {
         uint64_t bytes, rows;
-        moe_model_ep_traffic(model, &bytes, &rows);
+        moe_model_ep_traffic(g->model, &bytes, &rows);
         printf("group: %d ranks, tp %d; rank 0 sent %llu bytes for %llu routed rows in the expert "
                "all-to-alls\n",
-               group->size, group->tp_size, (unsigned long long)bytes, (unsigned long long)rows);
+               g->group->size, g->group->tp_size, (unsigned long long)bytes,
+               (unsigned long long)rows);
     }
-    rc = 0;
-    goto out;
+}
 
-fail:
-    if (group)
-        fprintf(stderr, "moe-generate: rank %d: %s\n", group->rank, err.msg);
-    else
-        fprintf(stderr, "moe-generate: %s\n", err.msg);
-out:
-    if (a.profile && model)
-        print_profile(model, group);
-    if (a.profile && group && group->rank == 0 && group->size > 1) {
+/* --prompt or --tokens: one sequence through moe_generate; prints the ids,
+ * the text and the speed, and writes --logits-out. Returns the exit code. */
+static int run_prompt(struct gen_run *g)
+{
+    const struct args *a = &g->a;
+    int rc = read_prompt(g);
+    if (rc)
+        return rc;
+    size_t n_logits = (size_t)g->n_prompt * (size_t)g->cfg->vocab_size;
+    if (a->logits_out && !(g->logits = malloc(n_logits * sizeof *g->logits))) {
+        moe_error_set(&g->err, MOE_ERR_NOMEM, "out of memory for %d rows of logits", g->n_prompt);
+        return report_error(g);
+    }
+    struct moe_gen_opts go = {
+        .n_predict = a->n_predict,
+        .sp = {.temperature = a->temperature, .top_p = a->top_p, .top_k = a->top_k},
+        .seed = a->seed,
+        .ignore_eos = a->ignore_eos,
+        .forward = g->group ? moe_group_forward : NULL,
+        .forward_ctx = g->group,
+    };
+    if (moe_generate(g->model, g->prompt, g->n_prompt, &go, g->logits, &g->res, &g->err))
+        return report_error(g);
+    if (a->logits_out && (rc = write_logits(a->logits_out, g->logits, n_logits)))
+        return rc;
+
+    printf("tokens:");
+    for (int i = 0; i < g->res.n_tokens; i++)
+        printf(" %d", g->res.tokens[i]);
+    printf("\n");
+    if (g->tok) {
+        size_t len;
+        if (moe_tokenizer_decode(g->tok, g->res.tokens, (size_t)g->res.n_tokens, true, &g->text,
+                                 &len, &g->err)) {
+            report_error(g);
+            return a->logits_out ? 0 : 1; /* the exit code this path has always had */
+        }
+        printf("text: %s\n", g->text);
+    }
+    print_speed(g);
+    return 0;
+}
+
+/* At the end, on every path: what --profile and --placement-switch report
+ * (per rank, and for the group on the leader). */
+static void print_group_report(const struct gen_run *g)
+{
+    const struct args *a = &g->a;
+    struct moe_group *group = g->group;
+    if (a->profile && g->model)
+        print_profile(g->model, group);
+    if (a->profile && group && group->rank == 0 && group->size > 1) {
         uint64_t rows[MOE_MAX_EP_RANKS_PRINT], steps, max = 0, sum = 0;
         int n = group->size < MOE_MAX_EP_RANKS_PRINT ? group->size : MOE_MAX_EP_RANKS_PRINT;
         if (group->size <= MOE_MAX_EP_RANKS_PRINT) {
@@ -567,23 +631,50 @@ out:
             printf("; max/mean %.3f\n", sum ? (double)max * n / (double)sum : 0.0);
         }
     }
-    if (group && group->rank == 0 && a.placement_switch) {
+    if (group && group->rank == 0 && a->placement_switch) {
         double pause;
         int64_t epoch = moe_group_placement_epoch(group, &pause);
         printf("placement: epoch %lld in force, the switch paused one step for %.3f ms\n",
                (long long)epoch, pause * 1e3);
     }
-    if (group && group->rank == 0) {
+}
+
+/* Stops the group (on the leader) and frees what the run built. */
+static void gen_run_close(struct gen_run *g)
+{
+    if (g->group && g->group->rank == 0) {
         struct moe_error stop_err;
-        if (moe_group_stop(group, &stop_err))
+        if (moe_group_stop(g->group, &stop_err))
             fprintf(stderr, "moe-generate: stopping the group: %s\n", stop_err.msg);
     }
-    moe_gen_result_free(&res);
-    free(text);
-    free(logits);
-    free(prompt);
-    moe_tokenizer_free(tok);
-    moe_model_free(model);
-    moe_launch_finish(&launch);
+    moe_gen_result_free(&g->res);
+    free(g->text);
+    free(g->logits);
+    free(g->prompt);
+    moe_tokenizer_free(g->tok);
+    moe_model_free(g->model);
+    moe_launch_finish(&g->launch);
+}
+
+int main(int argc, char **argv)
+{
+    cli_init("moe-generate");
+    struct gen_run run = {0}, *g = &run;
+    int rc = parse_args(argc, argv, &g->a);
+    if (rc)
+        return rc;
+
+    if (start_group(g, &argc, &argv) || load_model(g))
+        rc = report_error(g);
+    else if (g->group && g->group->rank != 0) /* a follower: runs the leader's steps */
+        rc = moe_group_follow(g->group, g->model, &g->err) ? report_error(g) : 0;
+    else if (load_tokenizer(g))
+        rc = report_error(g);
+    else if (g->a.prompts_file)
+        rc = run_batch(&g->a, g->model, g->tok, g->group);
+    else
+        rc = run_prompt(g);
+    print_group_report(g);
+    gen_run_close(g);
     return rc;
 }

@@ -223,250 +223,349 @@ static int parse_args(int argc, char **argv, struct args *a)
     return 0;
 }
 
+/* What main builds, in the order it builds it; worker_run_close frees it in
+ * the reverse order. */
+struct worker_run {
+    struct args a;
+    struct moe_error err;
+    struct moe_tls *tls;       /* --tls-*: every port of every rank */
+    struct moe_sighup *sighup; /* re-reads the certificate on SIGHUP */
+    struct moe_launch launch;
+    struct moe_group *group; /* = launch.group */
+    struct moe_backend *be;  /* = launch.be */
+    struct moe_model *model;
+    const struct moe_config *cfg;
+    struct kv_link *kv_link;          /* disaggregated roles only */
+    char *kv_endpoints;               /* every rank's, by rank */
+    struct moe_kv_cache *follower_kv; /* a follower's cache, shared with kv_link */
+    struct moe_tokenizer *tok;
+    const char *name; /* the model's name: the last part of --model */
+    struct moe_engine_opts eo;
+    struct worker_metrics *metrics;
+    struct moe_engine *engine;
+    struct worker_service *ws;
+    char address[300]; /* where clients reach the gRPC port */
+    char id[160];      /* the worker's name in etcd and Admin */
+    struct worker_registration *reg;
+};
+
+/* TLS for every port and etcd, and the SIGHUP reload of the certificate. */
+static enum moe_status start_tls(struct worker_run *r)
+{
+    enum moe_status rc = moe_etcd_set_tls(&r->a.etcd_tls, &r->err);
+    if (!rc)
+        rc = moe_tls_create(&r->a.tls, &r->tls, &r->err);
+    if (!rc && r->tls)
+        rc = moe_sighup_start("moe-worker", r->tls, NULL, 0, &r->sighup, &r->err);
+    return rc;
+}
+
+/* MPI (when under mpirun), the backend, and this rank's part of the model. */
+static enum moe_status start_model(struct worker_run *r, int *argc, char ***argv)
+{
+    const struct args *a = &r->a;
+    struct moe_launch_args la = {.model = a->model,
+                                 .device = a->device,
+                                 .threads = a->threads,
+                                 .dtype = a->dtype,
+                                 .tp = a->tp,
+                                 .comm_timeout_ms = a->comm_timeout_ms,
+                                 .placement = a->placement,
+                                 .exact = a->exact};
+    enum moe_status rc = moe_launch_start(argc, argv, &la, &r->launch, &r->err);
+    if (rc)
+        return rc;
+    r->group = r->launch.group;
+    r->be = r->launch.be;
+    struct moe_model_opts mo = r->launch.model_opts;
+    if ((rc = moe_model_load(a->model, &mo, r->be, &r->model, &r->err)))
+        return rc;
+    r->cfg = moe_model_config(r->model);
+    return MOE_OK;
+}
+
+/* The KV data plane of a prefill or decode worker (nothing for mixed): every
+ * rank moves its own heads. */
+static enum moe_status start_kv_link(struct worker_run *r)
+{
+    const struct args *a = &r->a;
+    if (!strcmp(a->role, "mixed"))
+        return MOE_OK;
+    struct moe_group *group = r->group;
+    int world = group ? group->size : 1;
+    char listen[300];
+    if (a->kv_listen && (!group || group->size == 1)) {
+        snprintf(listen, sizeof listen, "%s", a->kv_listen);
+    } else {
+        const char *src = a->kv_listen ? a->kv_listen : a->listen;
+        snprintf(listen, sizeof listen, "%.*s:0", moe_hostport_host_len(src), src);
+    }
+    char adv_host[KV_LINK_ENDPOINT_MAX] = "";
+    if (a->advertise) {
+        snprintf(adv_host, sizeof adv_host, "%.*s", moe_hostport_host_len(a->advertise),
+                 a->advertise);
+    }
+    struct kv_link_opts ko = {.be = r->be,
+                              .listen = listen,
+                              .advertise_host = adv_host[0] ? adv_host : NULL,
+                              .layout = {.n_layer = r->cfg->n_layer,
+                                         .n_kv_head = r->cfg->n_kv_head,
+                                         .d_head = r->cfg->d_head,
+                                         .tp_size = group ? group->tp_size : 1,
+                                         .tp_rank = group ? group->tp_rank : 0},
+                              .nccl = !a->kv_socket_only,
+                              .tls = r->tls};
+    if (!(r->kv_endpoints = calloc((size_t)world, KV_LINK_ENDPOINT_MAX)))
+        return moe_error_set(&r->err, MOE_ERR_NOMEM, "out of memory");
+    enum moe_status rc = kv_link_create(&ko, &r->kv_link, &r->err);
+    if (rc)
+        return rc;
+    snprintf(r->kv_endpoints, KV_LINK_ENDPOINT_MAX, "%s", kv_link_endpoint(r->kv_link));
+    return MOE_OK;
+}
+
+/* A follower rank: runs the leader's step plans until it stops the group. */
+static enum moe_status follow_leader(struct worker_run *r)
+{
+    struct moe_group *group = r->group;
+    fprintf(stderr, "moe-worker: rank %d of %d (tp %d/%d) following, %.1f MiB of weights\n",
+            group->rank, group->size, group->tp_rank, group->tp_size,
+            (double)moe_model_weight_bytes(r->model) / (1024.0 * 1024.0));
+    /* A follower's life is the leader's: it drains on SIGTERM and then
+     * stops the group, so a SIGTERM that mpirun forwards here is ignored. */
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
+    enum moe_status rc;
+    if (r->kv_link) {
+        if ((rc = moe_group_share_kv(group, r->model, 0, 0, kv_link_endpoint(r->kv_link),
+                                     r->kv_endpoints, &r->follower_kv, &r->err)))
+            return rc;
+        kv_link_attach_kv(r->kv_link, r->follower_kv);
+    }
+    return moe_group_follow(group, r->model, &r->err);
+}
+
+/* The engine on the leader: the tokenizer (if the model has one), the KV
+ * cache size, the metrics' step timer, and the KV cache shared with the
+ * data plane. */
+static enum moe_status start_engine(struct worker_run *r)
+{
+    const struct args *a = &r->a;
+    struct moe_group *group = r->group;
+    enum moe_status rc;
+    char tok_path[4096];
+    snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", a->model);
+    if (access(tok_path, F_OK) == 0 && (rc = moe_tokenizer_load(tok_path, &r->tok, &r->err)))
+        return rc;
+
+    r->eo = (struct moe_engine_opts){
+        .n_block = a->kv_blocks,
+        .block_size = a->block_size ? a->block_size : 16,
+        .max_batch_tokens = a->max_batch_tokens,
+        .max_running = a->max_running,
+        .no_prefix_cache = a->no_prefix_cache,
+        .spec_tokens = a->spec_tokens,
+        .forward = group ? moe_group_forward : NULL,
+        .forward_ctx = group,
+    };
+    struct moe_engine_opts *eo = &r->eo;
+    const char *name = strrchr(a->model, '/');
+    r->name = name && name[1] ? name + 1 : a->model;
+    if (a->metrics_listen) { /* times every step: the engine calls through it */
+        if ((rc = worker_metrics_create(r->name, r->model, group, eo->forward, eo->forward_ctx,
+                                        &r->metrics, &r->err)))
+            return rc;
+        eo->forward = worker_metrics_forward;
+        eo->forward_ctx = r->metrics;
+    }
+    if (!eo->n_block) {
+        const struct moe_config *cfg = r->cfg;
+        size_t block_bytes = (size_t)eo->block_size * cfg->n_layer * 2 * (size_t)cfg->n_kv_head *
+                             cfg->d_head * sizeof(float);
+        long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
+        eo->n_block = (int)(((size_t)mib << 20) / block_bytes);
+        if (eo->n_block < 1)
+            return moe_error_set(&r->err, MOE_ERR_INVALID, "--kv-memory: %ld MiB holds no KV block",
+                                 mib);
+    }
+    if ((rc = moe_engine_create(r->model, r->tok, eo, &r->engine, &r->err)))
+        return rc;
+    if (r->kv_link) {
+        struct moe_kv_cache *none;
+        if (group && (rc = moe_group_share_kv(group, r->model, eo->n_block, eo->block_size,
+                                              kv_link_endpoint(r->kv_link), r->kv_endpoints, &none,
+                                              &r->err)))
+            return rc;
+        kv_link_attach_kv(r->kv_link, moe_engine_kv_cache(r->engine));
+    }
+    return MOE_OK;
+}
+
+/* The gRPC service and /metrics; fills in the address and the id the worker
+ * goes by. */
+static enum moe_status start_service(struct worker_run *r)
+{
+    const struct args *a = &r->a;
+    struct moe_group *group = r->group;
+    struct worker_service_opts so = {
+        .listen = a->listen,
+        .model_name = r->name,
+        .dtype_name = moe_launch_dtype_flag(a->dtype),
+        .world_size = group ? group->size : 1,
+        .group = group,
+        .tp_size = group ? group->tp_size : 1,
+        .role = !strcmp(a->role, "prefill")  ? MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL
+                : !strcmp(a->role, "decode") ? MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE
+                                             : MOE__V1__WORKER_ROLE__WORKER_ROLE_MIXED,
+        .be = r->be,
+        .kv_link = r->kv_link,
+        .kv_endpoints = r->kv_endpoints,
+        .handoff_ttl_ms = a->handoff_ttl_ms,
+        .tls = r->tls,
+    };
+    enum moe_status rc = worker_service_create(r->engine, r->model, r->tok, &so, &r->ws, &r->err);
+    if (rc)
+        return rc;
+    if (r->metrics && (rc = worker_metrics_serve(r->metrics, a->metrics_listen, r->engine, r->ws,
+                                                 r->tls, &r->err)))
+        return rc;
+    int port = worker_service_port(r->ws);
+
+    if (a->advertise) {
+        snprintf(r->address, sizeof r->address, "%s", a->advertise);
+    } else {
+        snprintf(r->address, sizeof r->address, "%.*s:%d", moe_hostport_host_len(a->listen),
+                 a->listen, port);
+    }
+    snprintf(r->id, sizeof r->id, "%s", a->worker_id ? a->worker_id : "");
+    if (!r->id[0])
+        snprintf(r->id, sizeof r->id, "worker-%d", port);
+    return MOE_OK;
+}
+
+/* With --etcd: registers the worker under a lease kept alive by ticks. */
+static enum moe_status start_registration(struct worker_run *r)
+{
+    const struct args *a = &r->a;
+    if (!a->etcd)
+        return MOE_OK;
+    struct worker_registration_opts ro = {.endpoints = a->etcd,
+                                          .lease_ttl_s = a->lease_ttl,
+                                          .id = r->id,
+                                          .address = r->address,
+                                          .role = a->role,
+                                          .device = r->be->name,
+                                          .model_name = r->name,
+                                          .kv_blocks_total = r->eo.n_block,
+                                          .block_size = r->eo.block_size,
+                                          .group = r->group,
+                                          .cfg = r->cfg};
+    return worker_registration_create(&ro, &r->reg, &r->err);
+}
+
+/* The line that says the worker serves (tests and scripts wait for it). */
+static void announce(const struct worker_run *r)
+{
+    const struct args *a = &r->a;
+    const struct moe_group *group = r->group;
+    printf("moe-worker: %s serving %s on %s (%s, %s, %d KV blocks x %d tokens, %d rank%s, "
+           "tp %d, pid %d)%s%s\n",
+           r->id, r->name, r->address, a->role, r->be->name, r->eo.n_block, r->eo.block_size,
+           group ? group->size : 1, group && group->size > 1 ? "s" : "", group ? group->tp_size : 1,
+           (int)getpid(), a->etcd ? ", registered in etcd" : "",
+           r->tls ? (moe_tls_has_ca(r->tls) ? ", mutual TLS" : ", TLS") : "");
+    if (r->metrics) {
+        printf("moe-worker: /metrics on %.*s:%d\n", moe_hostport_host_len(a->metrics_listen),
+               a->metrics_listen, worker_metrics_port(r->metrics));
+    }
+    fflush(stdout);
+}
+
+/* Serves, keeping the registration alive, until SIGTERM or SIGINT. */
+static void serve_until_signal(struct worker_run *r)
+{
+    while (!g_signal) {
+        usleep(100 * 1000);
+        worker_registration_tick(r->reg);
+    }
+}
+
+/* Drain: stop taking work, let running requests finish (for at most
+ * --drain-timeout), then leave. */
+static void drain(struct worker_run *r)
+{
+    fprintf(stderr, "moe-worker: %s: draining (%d requests in flight)\n",
+            g_signal == SIGTERM ? "SIGTERM" : "SIGINT", worker_service_in_flight(r->ws));
+    worker_service_drain(r->ws);
+    worker_registration_leave(r->reg);
+    double t0 = moe_now();
+    while (worker_service_in_flight(r->ws) > 0 && moe_now() - t0 < r->a.drain_timeout_s)
+        usleep(20 * 1000);
+    int left = worker_service_in_flight(r->ws);
+    if (left)
+        fprintf(stderr, "moe-worker: drain timeout: cancelling %d requests\n", left);
+}
+
+/* Stops and frees whatever start_* built, in the reverse order. */
+static void worker_run_close(struct worker_run *r)
+{
+    worker_registration_destroy(r->reg); /* stops following the placement, leaves etcd */
+    worker_metrics_destroy(r->metrics);  /* reads the service and the engine */
+    worker_service_destroy(r->ws, 1000); /* joins the engine thread: MPI is ours again */
+    if (r->group && r->group->rank == 0) {
+        struct moe_error stop_err;
+        if (moe_group_stop(r->group, &stop_err))
+            fprintf(stderr, "moe-worker: stopping the group: %s\n", stop_err.msg);
+    }
+    kv_link_destroy(r->kv_link); /* before the cache it writes into goes */
+    free(r->kv_endpoints);
+    moe_kv_cache_free(r->model, r->follower_kv);
+    moe_engine_destroy(r->engine);
+    moe_tokenizer_free(r->tok);
+    moe_model_free(r->model);
+    moe_launch_finish(&r->launch);
+    moe_sighup_stop(r->sighup);
+    moe_tls_destroy(r->tls);
+}
+
 int main(int argc, char **argv)
 {
     cli_init("moe-worker");
-    struct args a;
-    int rc = parse_args(argc, argv, &a);
+    struct worker_run run = {0}, *r = &run;
+    int rc = parse_args(argc, argv, &r->a);
     if (rc)
         return rc;
     signal(SIGPIPE, SIG_IGN);
-
-    struct moe_error err = {0};
-    struct moe_model *model = NULL;
-    struct moe_tokenizer *tok = NULL;
-    struct moe_engine *engine = NULL;
-    struct worker_service *ws = NULL;
-    struct worker_metrics *metrics = NULL;
-    struct worker_registration *reg = NULL;
-    struct moe_launch launch = {0};
-    struct moe_group *group = NULL;          /* = launch.group */
-    struct moe_backend *be = NULL;           /* = launch.be */
-    struct kv_link *kv_link = NULL;          /* disaggregated roles only */
-    char *kv_endpoints = NULL;               /* every rank's, by rank */
-    struct moe_kv_cache *follower_kv = NULL; /* a follower's cache, shared with kv_link */
-    struct moe_tls *tls = NULL;              /* --tls-*: every port of every rank */
-    struct moe_sighup *sighup = NULL;
-    rc = 1;
-    if (moe_etcd_set_tls(&a.etcd_tls, &err) || moe_tls_create(&a.tls, &tls, &err) ||
-        (tls && moe_sighup_start("moe-worker", tls, NULL, 0, &sighup, &err))) {
-        fprintf(stderr, "moe-worker: %s\n", err.msg);
-        moe_tls_destroy(tls);
+    if (start_tls(r)) {
+        fprintf(stderr, "moe-worker: %s\n", r->err.msg);
+        moe_tls_destroy(r->tls);
         return 2;
     }
 
-    struct moe_launch_args la = {.model = a.model,
-                                 .device = a.device,
-                                 .threads = a.threads,
-                                 .dtype = a.dtype,
-                                 .tp = a.tp,
-                                 .comm_timeout_ms = a.comm_timeout_ms,
-                                 .placement = a.placement,
-                                 .exact = a.exact};
-    if (moe_launch_start(&argc, &argv, &la, &launch, &err))
+    rc = 1;
+    if (start_model(r, &argc, &argv) || start_kv_link(r))
         goto fail;
-    group = launch.group;
-    be = launch.be;
-    struct moe_model_opts mo = launch.model_opts;
-    if (moe_model_load(a.model, &mo, be, &model, &err))
-        goto fail;
-    const struct moe_config *cfg = moe_model_config(model);
-    int world = group ? group->size : 1;
-    if (strcmp(a.role, "mixed")) {
-        /* the KV data plane: every rank moves its own heads */
-        char listen[300];
-        if (a.kv_listen && (!group || group->size == 1)) {
-            snprintf(listen, sizeof listen, "%s", a.kv_listen);
-        } else {
-            const char *src = a.kv_listen ? a.kv_listen : a.listen;
-            snprintf(listen, sizeof listen, "%.*s:0", moe_hostport_host_len(src), src);
-        }
-        char adv_host[KV_LINK_ENDPOINT_MAX] = "";
-        if (a.advertise) {
-            snprintf(adv_host, sizeof adv_host, "%.*s", moe_hostport_host_len(a.advertise),
-                     a.advertise);
-        }
-        struct kv_link_opts ko = {.be = be,
-                                  .listen = listen,
-                                  .advertise_host = adv_host[0] ? adv_host : NULL,
-                                  .layout = {.n_layer = cfg->n_layer,
-                                             .n_kv_head = cfg->n_kv_head,
-                                             .d_head = cfg->d_head,
-                                             .tp_size = group ? group->tp_size : 1,
-                                             .tp_rank = group ? group->tp_rank : 0},
-                                  .nccl = !a.kv_socket_only,
-                                  .tls = tls};
-        if (!(kv_endpoints = calloc((size_t)world, KV_LINK_ENDPOINT_MAX))) {
-            moe_error_set(&err, MOE_ERR_NOMEM, "out of memory");
-            goto fail;
-        }
-        if (kv_link_create(&ko, &kv_link, &err))
-            goto fail;
-        snprintf(kv_endpoints, KV_LINK_ENDPOINT_MAX, "%s", kv_link_endpoint(kv_link));
-    }
-    if (group && group->rank != 0) {
-        /* Followers run the leader's step plans until it stops the group. */
-        fprintf(stderr, "moe-worker: rank %d of %d (tp %d/%d) following, %.1f MiB of weights\n",
-                group->rank, group->size, group->tp_rank, group->tp_size,
-                (double)moe_model_weight_bytes(model) / (1024.0 * 1024.0));
-        /* A follower's life is the leader's: it drains on SIGTERM and then
-         * stops the group, so a SIGTERM that mpirun forwards here is ignored. */
-        signal(SIGTERM, SIG_IGN);
-        signal(SIGINT, SIG_IGN);
-        if (kv_link) {
-            if (moe_group_share_kv(group, model, 0, 0, kv_link_endpoint(kv_link), kv_endpoints,
-                                   &follower_kv, &err))
-                goto fail;
-            kv_link_attach_kv(kv_link, follower_kv);
-        }
-        if (moe_group_follow(group, model, &err))
+    if (r->group && r->group->rank != 0) {
+        if (follow_leader(r))
             goto fail;
         rc = 0;
         goto out;
     }
-    char tok_path[4096];
-    snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", a.model);
-    if (access(tok_path, F_OK) == 0 && moe_tokenizer_load(tok_path, &tok, &err))
+    if (start_engine(r) || start_service(r) || start_registration(r))
         goto fail;
-
-    struct moe_engine_opts eo = {
-        .n_block = a.kv_blocks,
-        .block_size = a.block_size ? a.block_size : 16,
-        .max_batch_tokens = a.max_batch_tokens,
-        .max_running = a.max_running,
-        .no_prefix_cache = a.no_prefix_cache,
-        .spec_tokens = a.spec_tokens,
-        .forward = group ? moe_group_forward : NULL,
-        .forward_ctx = group,
-    };
-    const char *name = strrchr(a.model, '/');
-    name = name && name[1] ? name + 1 : a.model;
-    if (a.metrics_listen) { /* times every step: the engine calls through it */
-        if (worker_metrics_create(name, model, group, eo.forward, eo.forward_ctx, &metrics, &err))
-            goto fail;
-        eo.forward = worker_metrics_forward;
-        eo.forward_ctx = metrics;
-    }
-    if (!eo.n_block) {
-        size_t block_bytes = (size_t)eo.block_size * cfg->n_layer * 2 * (size_t)cfg->n_kv_head *
-                             cfg->d_head * sizeof(float);
-        long mib = a.kv_memory_mib ? a.kv_memory_mib : 512;
-        eo.n_block = (int)(((size_t)mib << 20) / block_bytes);
-        if (eo.n_block < 1) {
-            moe_error_set(&err, MOE_ERR_INVALID, "--kv-memory: %ld MiB holds no KV block", mib);
-            goto fail;
-        }
-    }
-    if (moe_engine_create(model, tok, &eo, &engine, &err))
-        goto fail;
-    if (kv_link) {
-        struct moe_kv_cache *none;
-        if (group && moe_group_share_kv(group, model, eo.n_block, eo.block_size,
-                                        kv_link_endpoint(kv_link), kv_endpoints, &none, &err))
-            goto fail;
-        kv_link_attach_kv(kv_link, moe_engine_kv_cache(engine));
-    }
-    struct worker_service_opts so = {
-        .listen = a.listen,
-        .model_name = name,
-        .dtype_name = moe_launch_dtype_flag(a.dtype),
-        .world_size = group ? group->size : 1,
-        .group = group,
-        .tp_size = group ? group->tp_size : 1,
-        .role = !strcmp(a.role, "prefill")  ? MOE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL
-                : !strcmp(a.role, "decode") ? MOE__V1__WORKER_ROLE__WORKER_ROLE_DECODE
-                                            : MOE__V1__WORKER_ROLE__WORKER_ROLE_MIXED,
-        .be = be,
-        .kv_link = kv_link,
-        .kv_endpoints = kv_endpoints,
-        .handoff_ttl_ms = a.handoff_ttl_ms,
-        .tls = tls,
-    };
-    if (worker_service_create(engine, model, tok, &so, &ws, &err))
-        goto fail;
-    if (metrics && worker_metrics_serve(metrics, a.metrics_listen, engine, ws, tls, &err))
-        goto fail;
-    int port = worker_service_port(ws);
-
-    char address[300];
-    if (a.advertise) {
-        snprintf(address, sizeof address, "%s", a.advertise);
-    } else {
-        snprintf(address, sizeof address, "%.*s:%d", moe_hostport_host_len(a.listen), a.listen,
-                 port);
-    }
-    char id[160];
-    snprintf(id, sizeof id, "%s", a.worker_id ? a.worker_id : "");
-    if (!id[0])
-        snprintf(id, sizeof id, "worker-%d", port);
-    if (a.etcd) {
-        struct worker_registration_opts ro = {.endpoints = a.etcd,
-                                              .lease_ttl_s = a.lease_ttl,
-                                              .id = id,
-                                              .address = address,
-                                              .role = a.role,
-                                              .device = be->name,
-                                              .model_name = name,
-                                              .kv_blocks_total = eo.n_block,
-                                              .block_size = eo.block_size,
-                                              .group = group,
-                                              .cfg = cfg};
-        if (worker_registration_create(&ro, &reg, &err))
-            goto fail;
-    }
     struct sigaction sa = {.sa_handler = on_signal};
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
-    printf("moe-worker: %s serving %s on %s (%s, %s, %d KV blocks x %d tokens, %d rank%s, "
-           "tp %d, pid %d)%s%s\n",
-           id, name, address, a.role, be->name, eo.n_block, eo.block_size, group ? group->size : 1,
-           group && group->size > 1 ? "s" : "", group ? group->tp_size : 1, (int)getpid(),
-           a.etcd ? ", registered in etcd" : "",
-           tls ? (moe_tls_has_ca(tls) ? ", mutual TLS" : ", TLS") : "");
-    if (metrics) {
-        printf("moe-worker: /metrics on %.*s:%d\n", moe_hostport_host_len(a.metrics_listen),
-               a.metrics_listen, worker_metrics_port(metrics));
-    }
-    fflush(stdout);
-
-    while (!g_signal) {
-        usleep(100 * 1000);
-        worker_registration_tick(reg);
-    }
-    /* Drain: stop taking work, let running requests finish, then leave. */
-    fprintf(stderr, "moe-worker: %s: draining (%d requests in flight)\n",
-            g_signal == SIGTERM ? "SIGTERM" : "SIGINT", worker_service_in_flight(ws));
-    worker_service_drain(ws);
-    worker_registration_leave(reg);
-    double t0 = moe_now();
-    while (worker_service_in_flight(ws) > 0 && moe_now() - t0 < a.drain_timeout_s)
-        usleep(20 * 1000);
-    int left = worker_service_in_flight(ws);
-    if (left)
-        fprintf(stderr, "moe-worker: drain timeout: cancelling %d requests\n", left);
+    announce(r);
+    serve_until_signal(r);
+    drain(r);
     rc = 0;
     goto out;
 
 fail:
-    fprintf(stderr, "moe-worker: %s\n", err.msg);
+    fprintf(stderr, "moe-worker: %s\n", r->err.msg);
 out:
-    worker_registration_destroy(reg); /* stops following the placement, leaves etcd */
-    worker_metrics_destroy(metrics);  /* reads the service and the engine */
-    worker_service_destroy(ws, 1000); /* joins the engine thread: MPI is ours again */
-    if (group && group->rank == 0) {
-        struct moe_error stop_err;
-        if (moe_group_stop(group, &stop_err))
-            fprintf(stderr, "moe-worker: stopping the group: %s\n", stop_err.msg);
-    }
-    kv_link_destroy(kv_link); /* before the cache it writes into goes */
-    free(kv_endpoints);
-    moe_kv_cache_free(model, follower_kv);
-    moe_engine_destroy(engine);
-    moe_tokenizer_free(tok);
-    moe_model_free(model);
-    moe_launch_finish(&launch);
-    moe_sighup_stop(sighup);
-    moe_tls_destroy(tls);
+    worker_run_close(r);
     return rc;
 }

@@ -70,15 +70,15 @@ static void attention_task(void *arg, int task, int thread)
     attention_one(p, task / p->n_head, task % p->n_head);
 }
 
-void cpu_attention_ref(struct moe_pool *pool, const struct moe_attn_params *p)
+void cpu_attention_ref(struct moe_threadpool *pool, const struct moe_attn_params *p)
 {
     MOE_ASSERT(p->n_kv_head > 0 && p->n_head % p->n_kv_head == 0);
     MOE_ASSERT(p->block_size > 0 && p->d_head > 0);
     int n_tasks = p->n_tok * p->n_head;
-    moe_pool_run(pool, n_tasks, attention_task, (void *)p);
+    moe_threadpool_run(pool, n_tasks, attention_task, (void *)p);
 }
 
-void cpu_attention(struct moe_pool *pool, const struct moe_attn_params *p)
+void cpu_attention(struct moe_threadpool *pool, const struct moe_attn_params *p)
 {
     MOE_ASSERT(p->n_kv_head > 0 && p->n_head % p->n_kv_head == 0);
     MOE_ASSERT(p->block_size > 0 && p->d_head > 0);

@@ -329,7 +329,7 @@ static int fa_group_cmp(const void *a, const void *b)
     return x->t0 - y->t0;
 }
 
-void cpu_attention_tiled(struct moe_pool *pool, const struct moe_attn_params *p)
+void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_params *p)
 {
     if (p->n_tok <= 0)
         return;
@@ -348,7 +348,7 @@ void cpu_attention_tiled(struct moe_pool *pool, const struct moe_attn_params *p)
         groups[n_group++] = g;
     }
     qsort(groups, (size_t)n_group, sizeof *groups, fa_group_cmp);
-    int n_threads = moe_pool_size(pool);
+    int n_threads = moe_threadpool_size(pool);
     struct fa_job j = {
         .p = p,
         .groups = groups,
@@ -363,7 +363,7 @@ void cpu_attention_tiled(struct moe_pool *pool, const struct moe_attn_params *p)
         for (int t = 0; t < n_tasks; t++)
             fa_task(&j, t, 0);
     } else {
-        moe_pool_run(pool, n_tasks, fa_task, &j);
+        moe_threadpool_run(pool, n_tasks, fa_task, &j);
     }
     free(j.scratch);
     free(groups);
@@ -371,7 +371,7 @@ void cpu_attention_tiled(struct moe_pool *pool, const struct moe_attn_params *p)
 
 #else
 
-void cpu_attention_tiled(struct moe_pool *pool, const struct moe_attn_params *p)
+void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_params *p)
 {
     (void)pool;
     (void)p;

@@ -7,11 +7,11 @@
 
 struct cpu_backend {
     struct moe_backend base; /* first: a struct moe_backend * is a struct cpu_backend * */
-    struct moe_pool *pool;
+    struct moe_threadpool *pool;
     struct moe_error first_error; /* code MOE_OK while none (ops are called from one thread) */
 };
 
-static struct moe_pool *be_pool(struct moe_backend *be)
+static struct moe_threadpool *be_pool(struct moe_backend *be)
 {
     return ((struct cpu_backend *)be)->pool;
 }
@@ -209,7 +209,7 @@ enum moe_status moe_backend_cpu_create(int n_threads, struct moe_backend **out,
     struct cpu_backend *cb = calloc(1, sizeof(*cb));
     if (!cb)
         return moe_error_set(err, MOE_ERR_NOMEM, "cpu backend: out of memory");
-    enum moe_status st = moe_pool_create(n_threads, &cb->pool, err);
+    enum moe_status st = moe_threadpool_create(n_threads, &cb->pool, err);
     if (st != MOE_OK)
         goto fail;
     cb->base.name = "cpu";
@@ -228,6 +228,6 @@ void cpu_backend_destroy(struct moe_backend *be)
     if (!be)
         return;
     struct cpu_backend *cb = (struct cpu_backend *)be;
-    moe_pool_destroy(cb->pool);
+    moe_threadpool_destroy(cb->pool);
     free(cb);
 }

@@ -76,7 +76,7 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt);
 
 /* Fast matmul (see struct moe_matmul_params): threads over output-row tiles
  * (and token tiles for large n_tok), SIMD per cpu_kernels_isa(). */
-void cpu_matmul(struct moe_pool *pool, const struct moe_matmul_params *p);
+void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p);
 
 /* Plain one-thread reference: f32 accumulation, one dot product per output. */
 void cpu_matmul_ref(const struct moe_matmul_params *p);
@@ -91,7 +91,7 @@ bool cpu_matmul_dot_supported(const struct moe_matmul_params *p);
  * I8 weights: each token row quantized to int8 with its own scale
  * (max|x| / 127), vpdpbusd on (xq + 128) x q with exact i32 sums, less
  * 128 * sum(q) per weight row. Caller checks cpu_matmul_dot_supported. */
-void cpu_matmul_dot(struct moe_pool *pool, const struct moe_matmul_params *p);
+void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params *p);
 
 /* ---- vec.c: small vector primitives with ISA dispatch ---- */
 
@@ -102,9 +102,9 @@ void cpu_vec_scale(float *y, float a, int n);                /* y *= a */
 
 /* ---- norm.c ---- */
 
-void cpu_rmsnorm(struct moe_pool *pool, const float *x, const float *w, float *y, int n_rows,
+void cpu_rmsnorm(struct moe_threadpool *pool, const float *x, const float *w, float *y, int n_rows,
                  int dim, float eps);
-void cpu_rope(struct moe_pool *pool, float *x, const int32_t *pos, int n_tok, int n_heads,
+void cpu_rope(struct moe_threadpool *pool, float *x, const int32_t *pos, int n_tok, int n_heads,
               int d_head, float theta);
 
 /* ---- attention.c ---- */
@@ -113,16 +113,16 @@ void cpu_kv_write(const float *k, const float *v, const int32_t *slots, int n_to
                   float *k_cache, float *v_cache);
 /* Tiled (FlashAttention-style) on AVX-512 with d_head <= 128, the
  * reference below otherwise. */
-void cpu_attention(struct moe_pool *pool, const struct moe_attn_params *p);
+void cpu_attention(struct moe_threadpool *pool, const struct moe_attn_params *p);
 /* One task per (token, head), scores one at a time: the plain twin. */
-void cpu_attention_ref(struct moe_pool *pool, const struct moe_attn_params *p);
+void cpu_attention_ref(struct moe_threadpool *pool, const struct moe_attn_params *p);
 
 /* ---- attention_tiled.c ---- */
 
 /* True when cpu_attention takes the tiled kernel for p (AVX-512 in use,
  * d_head <= 128, at most 64 query heads per KV head). */
 bool cpu_attention_tiled_supported(const struct moe_attn_params *p);
-void cpu_attention_tiled(struct moe_pool *pool, const struct moe_attn_params *p);
+void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_params *p);
 
 /* ---- router.c ---- */
 
@@ -131,14 +131,14 @@ void cpu_router_topk(const float *logits, int n_tok, int n_expert, int top_k, bo
 
 /* ---- elementwise.c ---- */
 
-void cpu_swiglu(struct moe_pool *pool, const float *gate_up, float *out, int n_rows, int dim);
+void cpu_swiglu(struct moe_threadpool *pool, const float *gate_up, float *out, int n_rows, int dim);
 void cpu_gather_rows(const float *src, const int32_t *idx, int n, int dim, float *dst);
 /* scale may be NULL (all ones). */
 void cpu_scatter_add_rows(const float *src, const int32_t *idx, const float *scale, int n, int dim,
                           float *dst);
 void cpu_embed(const void *table, enum moe_dtype dtype, const int32_t *ids, int n_tok, int dim,
                float *dst);
-void cpu_add(struct moe_pool *pool, float *y, const float *x, size_t n);
+void cpu_add(struct moe_threadpool *pool, float *y, const float *x, size_t n);
 
 /* ---- moe_ops.c: ops added for the GPU path (semantics in backend.h) ---- */
 
@@ -149,7 +149,8 @@ enum moe_status moe_grouped_matmul_check(const struct moe_grouped_matmul_params 
                                          struct moe_error *err);
 /* Loops over the experts with rows calling cpu_matmul; computes nothing and
  * returns the error when moe_grouped_matmul_check fails. */
-enum moe_status cpu_grouped_matmul(struct moe_pool *pool, const struct moe_grouped_matmul_params *p,
+enum moe_status cpu_grouped_matmul(struct moe_threadpool *pool,
+                                   const struct moe_grouped_matmul_params *p,
                                    struct moe_error *err);
 void cpu_unpermute_combine(const float *rows, const float *weights, const int32_t *tok_rows,
                            int n_tok, int top_k, int dim, float *y);

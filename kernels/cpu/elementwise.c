@@ -29,15 +29,15 @@ static void swiglu_task(void *arg, int task, int thread)
     swiglu_row(arg, task);
 }
 
-void cpu_swiglu(struct moe_pool *pool, const float *gate_up, float *out, int n_rows, int dim)
+void cpu_swiglu(struct moe_threadpool *pool, const float *gate_up, float *out, int n_rows, int dim)
 {
     struct swiglu_job j = {gate_up, out, n_rows, dim};
-    if ((size_t)n_rows * dim < PAR_MIN_ELEMS / 4 || moe_pool_size(pool) == 1) {
+    if ((size_t)n_rows * dim < PAR_MIN_ELEMS / 4 || moe_threadpool_size(pool) == 1) {
         for (int r = 0; r < n_rows; r++)
             swiglu_row(&j, r);
         return;
     }
-    moe_pool_run(pool, n_rows, swiglu_task, &j);
+    moe_threadpool_run(pool, n_rows, swiglu_task, &j);
 }
 
 /* ---- rows ---- */
@@ -106,13 +106,13 @@ static void add_task(void *arg, int task, int thread)
         j->y[i] += j->x[i];
 }
 
-void cpu_add(struct moe_pool *pool, float *y, const float *x, size_t n)
+void cpu_add(struct moe_threadpool *pool, float *y, const float *x, size_t n)
 {
     struct add_job j = {y, x, n, n};
-    if (n < 4 * PAR_MIN_ELEMS || moe_pool_size(pool) == 1) {
+    if (n < 4 * PAR_MIN_ELEMS || moe_threadpool_size(pool) == 1) {
         add_task(&j, 0, 0);
         return;
     }
     j.per_task = PAR_MIN_ELEMS;
-    moe_pool_run(pool, (int)((n + j.per_task - 1) / j.per_task), add_task, &j);
+    moe_threadpool_run(pool, (int)((n + j.per_task - 1) / j.per_task), add_task, &j);
 }

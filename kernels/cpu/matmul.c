@@ -639,7 +639,7 @@ static void mm_task(void *arg, int task, int thread)
     mm_run_tile(job->isa, &mt);
 }
 
-void cpu_matmul(struct moe_pool *pool, const struct moe_matmul_params *p)
+void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
 {
     if (p->n_tok <= 0 || p->n_out <= 0)
         return;
@@ -650,7 +650,7 @@ void cpu_matmul(struct moe_pool *pool, const struct moe_matmul_params *p)
         cpu_matmul_dot(pool, p);
         return;
     }
-    int n_threads = moe_pool_size(pool);
+    int n_threads = moe_threadpool_size(pool);
     struct mm_job job = {.p = p, .isa = cpu_kernels_isa()};
 
     /* Rows per task: about 8 tasks per thread, a multiple of MK_R, 16..256. */
@@ -700,7 +700,7 @@ void cpu_matmul(struct moe_pool *pool, const struct moe_matmul_params *p)
         for (int t = 0; t < n_tasks; t++)
             mm_task(&job, t, 0);
     } else {
-        moe_pool_run(pool, n_tasks, mm_task, &job);
+        moe_threadpool_run(pool, n_tasks, mm_task, &job);
     }
     free(heap_scratch);
 }

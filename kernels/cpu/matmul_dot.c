@@ -589,14 +589,14 @@ static void cvt_task(void *arg, int task, int thread)
             act_u8_row(p->x + (size_t)t * p->n_in, p->n_in, (uint8_t *)j->xa + t * j->ldxb, j->ldx);
 }
 
-void cpu_matmul_dot(struct moe_pool *pool, const struct moe_matmul_params *p)
+void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params *p)
 {
     if (p->n_tok <= 0 || p->n_out <= 0)
         return;
     MOE_ASSERT(cpu_matmul_dot_supported(p));
     MOE_ASSERT(p->ldw >= p->n_in && p->n_in >= 0);
     MOE_ASSERT(p->w_dtype == MOE_DTYPE_BF16 || (p->w_dtype == MOE_DTYPE_I8 && p->w_scale));
-    const int n_threads = moe_pool_size(pool);
+    const int n_threads = moe_threadpool_size(pool);
     struct dot_job j = {.p = p, .kind = kind_of(p->w_dtype)};
     const int V = j.kind == DOT_BF16 ? 32 : 64;
     const int esz = j.kind == DOT_BF16 ? 2 : 1;
@@ -622,7 +622,7 @@ void cpu_matmul_dot(struct moe_pool *pool, const struct moe_matmul_params *p)
         for (int t = 0; t < n_cvt; t++)
             cvt_task(&j, t, 0);
     } else {
-        moe_pool_run(pool, n_cvt, cvt_task, &j);
+        moe_threadpool_run(pool, n_cvt, cvt_task, &j);
     }
 
     /* Rows per task: about 8 tasks per thread, 16..256. */
@@ -647,14 +647,14 @@ void cpu_matmul_dot(struct moe_pool *pool, const struct moe_matmul_params *p)
         for (int t = 0; t < n_tasks; t++)
             dot_task(&j, t, 0);
     } else {
-        moe_pool_run(pool, n_tasks, dot_task, &j);
+        moe_threadpool_run(pool, n_tasks, dot_task, &j);
     }
     free(buf);
 }
 
 #else /* !DOT_X86 */
 
-void cpu_matmul_dot(struct moe_pool *pool, const struct moe_matmul_params *p)
+void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params *p)
 {
     (void)pool;
     (void)p;

@@ -54,8 +54,8 @@ enum moe_status moe_grouped_matmul_check(const struct moe_grouped_matmul_params 
     return MOE_OK;
 }
 
-enum moe_status cpu_grouped_matmul(struct moe_pool *pool, const struct moe_grouped_matmul_params *p,
-                                   struct moe_error *err)
+enum moe_status cpu_grouped_matmul(struct moe_threadpool *pool,
+                                   const struct moe_grouped_matmul_params *p, struct moe_error *err)
 {
     enum moe_status st = moe_grouped_matmul_check(p, err);
     if (st != MOE_OK)

@@ -41,19 +41,19 @@ static void rmsnorm_task(void *arg, int task, int thread)
     rmsnorm_rows(j, r0, r1);
 }
 
-void cpu_rmsnorm(struct moe_pool *pool, const float *x, const float *w, float *y, int n_rows,
+void cpu_rmsnorm(struct moe_threadpool *pool, const float *x, const float *w, float *y, int n_rows,
                  int dim, float eps)
 {
     if (n_rows <= 0 || dim <= 0)
         return;
     struct rmsnorm_job j = {x, w, y, n_rows, dim, 1, eps};
-    if ((size_t)n_rows * dim < PAR_MIN_ELEMS || moe_pool_size(pool) == 1) {
+    if ((size_t)n_rows * dim < PAR_MIN_ELEMS || moe_threadpool_size(pool) == 1) {
         rmsnorm_rows(&j, 0, n_rows);
         return;
     }
     int per = PAR_MIN_ELEMS / 4 / dim;
     j.rows_per_task = per < 1 ? 1 : per;
-    moe_pool_run(pool, (n_rows + j.rows_per_task - 1) / j.rows_per_task, rmsnorm_task, &j);
+    moe_threadpool_run(pool, (n_rows + j.rows_per_task - 1) / j.rows_per_task, rmsnorm_task, &j);
 }
 
 /* ---- rope ---- */
@@ -93,7 +93,7 @@ static void rope_task(void *arg, int task, int thread)
     rope_token(arg, task);
 }
 
-void cpu_rope(struct moe_pool *pool, float *x, const int32_t *pos, int n_tok, int n_heads,
+void cpu_rope(struct moe_threadpool *pool, float *x, const int32_t *pos, int n_tok, int n_heads,
               int d_head, float theta)
 {
     MOE_ASSERT(d_head % 2 == 0 && d_head / 2 <= ROPE_MAX_HALF);
@@ -102,10 +102,10 @@ void cpu_rope(struct moe_pool *pool, float *x, const int32_t *pos, int n_tok, in
     for (int i = 0; i < half; i++)
         inv_freq[i] = 1.0f / powf(theta, (float)(2 * i) / (float)d_head);
     struct rope_job j = {x, pos, n_tok, n_heads, d_head, inv_freq};
-    if ((size_t)n_tok * n_heads * d_head < PAR_MIN_ELEMS || moe_pool_size(pool) == 1) {
+    if ((size_t)n_tok * n_heads * d_head < PAR_MIN_ELEMS || moe_threadpool_size(pool) == 1) {
         for (int t = 0; t < n_tok; t++)
             rope_token(&j, t);
         return;
     }
-    moe_pool_run(pool, n_tok, rope_task, &j);
+    moe_threadpool_run(pool, n_tok, rope_task, &j);
 }

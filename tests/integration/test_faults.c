@@ -992,11 +992,9 @@ static int run_input(void)
      * once it is known to exceed the context, naming the limit. */
     size_t big = ((size_t)1 << 20) - 64;
     char *text = malloc(big + 1);
-    uint64_t x = 88172645463325252ull;
-    for (size_t i = 0; i < big; i++) {
-        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-        text[i] = (char)('a' + x % 26);
-    }
+    struct test_rng rng = {88172645463325252ull};
+    for (size_t i = 0; i < big; i++)
+        text[i] = (char)('a' + test_rng_u64(&rng) % 26);
     text[big] = '\0';
     enum rpc_code code = text_generate(co.cl, text, NULL, NULL, NULL, msg, sizeof msg, &ms);
     printf("input: 1 MiB prompt: %s in %" PRId64 " ms: %s\n", rpc_code_name(code), ms, msg);

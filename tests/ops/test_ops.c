@@ -24,37 +24,12 @@
 
 /* ---- deterministic inputs ---- */
 
-static uint64_t g_rng;
-
-static void rng_seed(uint64_t s)
-{
-    g_rng = s * 0x9e3779b97f4a7c15ull + 0x632be59bd9b4e019ull;
-    if (!g_rng)
-        g_rng = 1;
-}
-
-static uint32_t rng_u32(void)
-{
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (uint32_t)(g_rng >> 16);
-}
-
-static int rng_int(int lo, int hi) /* [lo, hi] */
-{
-    return lo + (int)(rng_u32() % (uint32_t)(hi - lo + 1));
-}
-
-static float rng_float(void) /* [-1, 1) */
-{
-    return (float)((double)rng_u32() / 2147483648.0 - 1.0);
-}
+static struct test_rng g_rng; /* seeded per case (test_rng_seed) */
 
 static void fill_floats(float *p, size_t n, float scale)
 {
     for (size_t i = 0; i < n; i++)
-        p[i] = scale * rng_float();
+        p[i] = scale * test_rng_float(&g_rng);
 }
 
 /* Random permutation of 0..n-1 into p. */
@@ -63,7 +38,7 @@ static void shuffle_ids(int32_t *p, int n)
     for (int i = 0; i < n; i++)
         p[i] = i;
     for (int i = n - 1; i > 0; i--) {
-        int j = rng_int(0, i);
+        int j = test_rng_int(&g_rng, 0, i);
         int32_t t = p[i];
         p[i] = p[j];
         p[j] = t;
@@ -193,7 +168,7 @@ static void run_rope(struct run *r, const struct op_case *c)
     int32_t *pos = calloc(1, ((size_t)n_tok + 1) * sizeof(int32_t));
     fill_floats(x, n, 1.0f);
     for (int t = 0; t < n_tok; t++)
-        pos[t] = rng_int(0, c->a[3]);
+        pos[t] = test_rng_int(&g_rng, 0, c->a[3]);
     float *dx = run_buf(r, x, n * 4);
     r->be->ops->rope(r->be, dx, run_buf(r, pos, (size_t)n_tok * 4), n_tok, n_heads, d_head,
                      (float)c->a[4]);
@@ -245,11 +220,11 @@ static void run_attention(struct run *r, const struct op_case *c)
     shuffle_ids(perm, n_block);
     int n_tok = 0;
     for (int s = 0; s < n_seq; s++) {
-        len[s] = rng_int(1, max_len);
+        len[s] = test_rng_int(&g_rng, 1, max_len);
         int used = (len[s] + bs - 1) / bs;
         for (int b = 0; b < max_blocks; b++)
             table[s * max_blocks + b] = b < used ? perm[s * max_blocks + b] : -1;
-        n_new[s] = mode == 0 ? 1 : mode == 1 ? len[s] : rng_int(1, len[s]);
+        n_new[s] = mode == 0 ? 1 : mode == 1 ? len[s] : test_rng_int(&g_rng, 1, len[s]);
         n_tok += n_new[s];
     }
     int32_t *seq = calloc(1, (size_t)n_tok * 4), *pos = calloc(1, (size_t)n_tok * 4);
@@ -306,7 +281,7 @@ static void run_router(struct run *r, const struct op_case *c)
     fill_floats(x, n, 4.0f);
     if (mode == 1)
         for (size_t i = 0; i < n; i++)
-            x[i] = (float)(rng_u32() % 3u) * 0.5f;
+            x[i] = (float)(test_rng_u32(&g_rng) % 3u) * 0.5f;
     if (mode == 2)
         for (int t = 0; t < n_tok; t++)
             x[(size_t)t * n_e + n_e / 3] = 50.0f;
@@ -341,7 +316,7 @@ static void run_gather(struct run *r, const struct op_case *c)
     fill_floats(src, ns, 1.0f);
     fill_floats(dst, nd, 1.0f);
     for (int i = 0; i < n; i++)
-        idx[i] = rng_int(0, n_src - 1); /* repeats allowed */
+        idx[i] = test_rng_int(&g_rng, 0, n_src - 1); /* repeats allowed */
     float *dd = run_buf(r, dst, nd * 4);
     r->be->ops->gather_rows(r->be, run_buf(r, src, ns * 4), run_buf(r, idx, ((size_t)n + 1) * 4), n,
                             dim, dd);
@@ -386,12 +361,12 @@ static void run_embed(struct run *r, const struct op_case *c)
     int32_t *ids = calloc(1, ((size_t)n_tok + 1) * 4);
     fill_floats(tf, nt, 2.0f);
     for (size_t i = 0; i < nt; i++) {
-        uint32_t u = rng_u32();
+        uint32_t u = test_rng_u32(&g_rng);
         /* f16: any finite pattern, subnormals included; bf16: from the floats */
         th[i] = dt == MOE_DTYPE_F16 ? (uint16_t)(u & 0x7bffu) : moe_f32_to_bf16(tf[i]);
     }
     for (int t = 0; t < n_tok; t++)
-        ids[t] = rng_int(0, n_vocab - 1);
+        ids[t] = test_rng_int(&g_rng, 0, n_vocab - 1);
     const void *table = run_buf(r, dt == MOE_DTYPE_F32 ? (void *)tf : (void *)th, nt * es);
     float *dst = run_buf(r, NULL, ((size_t)n_tok * dim + 1) * 4);
     r->be->ops->embed(r->be, table, dt, run_buf(r, ids, ((size_t)n_tok + 1) * 4), n_tok, dim, dst);
@@ -436,9 +411,9 @@ static void run_grouped(struct run *r, const struct op_case *c)
     fill_floats(y, ny, 1.0f);
     for (size_t i = 0; i < nw; i++)
         wb[i] = moe_f32_to_bf16(wf[i]);
-    int hot = rng_int(0, n_e - 1);
+    int hot = test_rng_int(&g_rng, 0, n_e - 1);
     for (int i = 0; i < n_rows; i++) {
-        int e = mode == 1 ? hot : rng_int(0, n_e - 1);
+        int e = mode == 1 ? hot : test_rng_int(&g_rng, 0, n_e - 1);
         cnt[mode == 2 ? e & ~1 : e]++;
     }
     for (int e = 0; e < n_e; e++)
@@ -491,7 +466,7 @@ static void run_combine(struct run *r, const struct op_case *c)
         for (int j = 0; j < k; j++) {
             int e, dup;
             do {
-                e = rng_int(0, n_e - 1);
+                e = test_rng_int(&g_rng, 0, n_e - 1);
                 dup = 0;
                 for (int i = 0; i < j; i++)
                     dup |= ids[t * k + i] == e;
@@ -516,7 +491,7 @@ static void run_combine(struct run *r, const struct op_case *c)
             tr[i] = v;
         }
         for (int j = 0; j < k && c->a[4]; j++)
-            if (rng_int(0, 2) == 0)
+            if (test_rng_int(&g_rng, 0, 2) == 0)
                 tr[j] = -1;
     }
     size_t nr = n_route * dim, ny = (size_t)n_tok * dim;
@@ -543,7 +518,7 @@ static float *sample_logits(size_t n, float scale, bool ties)
 {
     float *l = calloc(n + 1, 4);
     for (size_t i = 0; i < n; i++)
-        l[i] = ties ? (float)rng_int(0, 4) : scale * rng_float();
+        l[i] = ties ? (float)test_rng_int(&g_rng, 0, 4) : scale * test_rng_float(&g_rng);
     return l;
 }
 
@@ -569,7 +544,7 @@ static void run_sample(struct run *r, const struct op_case *c)
     float *l = sample_logits(nl, (float)c->a[4], c->a[5]);
     double *u = calloc((size_t)n + 1, sizeof *u);
     for (int i = 0; i < n; i++)
-        u[i] = (double)rng_u32() / 4294967296.0;
+        u[i] = (double)test_rng_u32(&g_rng) / 4294967296.0;
     if (n > 1) {
         u[0] = 0.0;
         u[1] = 1.0 - 0x1p-53;
@@ -816,9 +791,9 @@ static void check_case(size_t i, const struct op_case *c, struct moe_backend *cp
     char name[128];
     case_name(c, name, sizeof name);
     struct run rc = {.be = cpu}, rg = {.be = cuda};
-    rng_seed(1000 + i);
+    test_rng_seed(&g_rng, 1000 + i);
     c->run(&rc, c);
-    rng_seed(1000 + i);
+    test_rng_seed(&g_rng, 1000 + i);
     c->run(&rg, c);
     struct moe_error err = {0};
     enum moe_status st = cpu->ops->status(cpu, &err);
@@ -846,7 +821,7 @@ static void check_refused(const struct op_case *c, struct moe_backend *be)
     char name[128];
     case_name(c, name, sizeof name);
     struct run rg = {.be = be};
-    rng_seed(7);
+    test_rng_seed(&g_rng, 7);
     c->run(&rg, c);
     struct moe_error err = {0};
     enum moe_status st = be->ops->status(be, &err);

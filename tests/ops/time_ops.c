@@ -13,16 +13,9 @@
 
 #include "clock.h"
 #include "backend.h"
+#include "testlib.h" /* test_rng only: time_ops does not link testlib.c */
 
-static uint64_t g_rng = 88172645463325252ull;
-
-static uint32_t rnd(void)
-{
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (uint32_t)(g_rng >> 16);
-}
+static struct test_rng g_rng = {88172645463325252ull};
 
 static void *upload(struct moe_backend *be, const void *host, size_t bytes)
 {
@@ -48,7 +41,7 @@ static void time_experts(struct moe_backend *be, int n_tok, int iters)
     int n_rows = n_tok * TOP_K;
     int32_t off[N_EXPERT + 1] = {0}, cnt[N_EXPERT] = {0};
     for (int i = 0; i < n_rows; i++)
-        cnt[rnd() % N_EXPERT]++;
+        cnt[test_rng_u32(&g_rng) % N_EXPERT]++;
     int touched = 0;
     for (int e = 0; e < N_EXPERT; e++) {
         off[e + 1] = off[e] + cnt[e];
@@ -57,7 +50,7 @@ static void time_experts(struct moe_backend *be, int n_tok, int iters)
     size_t wgu = (size_t)2 * D_FF * D_MODEL, wdn = (size_t)D_MODEL * D_FF;
     uint16_t *hw = malloc((wgu + wdn) * 2);
     for (size_t i = 0; i < wgu + wdn; i++)
-        hw[i] = (uint16_t)(0x3c00u + (rnd() & 0xffu)); /* small bf16 values */
+        hw[i] = (uint16_t)(0x3c00u + (test_rng_u32(&g_rng) & 0xffu)); /* small bf16 values */
     const void *gu[N_EXPERT], *dn[N_EXPERT];
     void *dev_w[N_EXPERT];
     for (int e = 0; e < N_EXPERT; e++) {
@@ -163,9 +156,9 @@ static void time_sampling(struct moe_backend *be, int n, int vocab, int iters)
     float *hl = malloc(nl * 4);
     double *hu = malloc((size_t)n * 8);
     for (size_t i = 0; i < nl; i++)
-        hl[i] = (float)(rnd() % 20000) / 1000.0f;
+        hl[i] = (float)(test_rng_u32(&g_rng) % 20000) / 1000.0f;
     for (int i = 0; i < n; i++)
-        hu[i] = (double)rnd() / 4294967296.0;
+        hu[i] = (double)test_rng_u32(&g_rng) / 4294967296.0;
     float *l = upload(be, hl, nl * 4);
     double *u = upload(be, hu, (size_t)n * 8);
     int32_t *ids = upload(be, NULL, (size_t)n * 4);

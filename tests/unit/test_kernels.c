@@ -15,31 +15,13 @@
 
 /* ---- helpers ---- */
 
-static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-
-static uint32_t rng_u32(void)
-{
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (uint32_t)(g_rng >> 16);
-}
-
-static int rng_int(int lo, int hi) /* [lo, hi] */
-{
-    return lo + (int)(rng_u32() % (uint32_t)(hi - lo + 1));
-}
-
-static float rng_float(void) /* [-1, 1) */
-{
-    return (float)((double)rng_u32() / 2147483648.0 - 1.0);
-}
+static struct test_rng g_rng = {0x9e3779b97f4a7c15ull};
 
 static float *rand_floats(size_t n)
 {
     float *p = malloc((n ? n : 1) * sizeof(float));
     for (size_t i = 0; i < n; i++)
-        p[i] = rng_float();
+        p[i] = test_rng_float(&g_rng);
     return p;
 }
 
@@ -56,8 +38,8 @@ static double max_rel_err(const float *a, const double *b, size_t n)
     return num / den;
 }
 
-static struct moe_backend *g_cpu; /* 2 threads */
-static struct moe_pool *g_pool;   /* 3 threads, for direct kernel calls */
+static struct moe_backend *g_cpu;     /* 2 threads */
+static struct moe_threadpool *g_pool; /* 3 threads, for direct kernel calls */
 
 /* ---- matmul ---- */
 
@@ -151,12 +133,12 @@ static void test_matmul(const char *isa)
         }
     }
     for (int i = 0; i < 40; i++) {
-        int n_tok = rng_int(1, 37);
-        int n_in = rng_int(1, 300);
-        int n_out = rng_int(1, 70);
-        int64_t ldw = n_in + (rng_int(0, 1) ? rng_int(1, 20) : 0);
-        enum moe_dtype d = rng_int(0, 1) ? MOE_DTYPE_BF16 : MOE_DTYPE_F32;
-        bool acc = rng_int(0, 1);
+        int n_tok = test_rng_int(&g_rng, 1, 37);
+        int n_in = test_rng_int(&g_rng, 1, 300);
+        int n_out = test_rng_int(&g_rng, 1, 70);
+        int64_t ldw = n_in + (test_rng_int(&g_rng, 0, 1) ? test_rng_int(&g_rng, 1, 20) : 0);
+        enum moe_dtype d = test_rng_int(&g_rng, 0, 1) ? MOE_DTYPE_BF16 : MOE_DTYPE_F32;
+        bool acc = test_rng_int(&g_rng, 0, 1);
         double e = matmul_case(d, n_tok, n_in, n_out, ldw, acc, i % 3);
         CHECKF(e < tol, "%s matmul %s n_tok %d n_in %d n_out %d ldw %lld acc %d: err %.3g", isa,
                moe_dtype_name(d), n_tok, n_in, n_out, (long long)ldw, acc, e);
@@ -171,9 +153,9 @@ static void test_matmul_ref(void)
     double worst = 0.0;
     for (int i = 0; i < 10; i++) {
         enum moe_dtype d = i % 2 ? MOE_DTYPE_BF16 : MOE_DTYPE_F32;
-        int n_in = rng_int(1, 200);
-        double e = matmul_case(d, rng_int(1, 9), n_in, rng_int(1, 20), n_in + rng_int(0, 3),
-                               i % 3 == 0, 3);
+        int n_in = test_rng_int(&g_rng, 1, 200);
+        double e = matmul_case(d, test_rng_int(&g_rng, 1, 9), n_in, test_rng_int(&g_rng, 1, 20),
+                               n_in + test_rng_int(&g_rng, 0, 3), i % 3 == 0, 3);
         worst = e > worst ? e : worst;
     }
     CHECKF(worst < 2e-6, "matmul_ref err %.3g", worst);
@@ -209,7 +191,7 @@ static void test_rmsnorm(const char *isa)
     double worst = 0.0;
     for (size_t di = 0; di < sizeof(dims) / sizeof(dims[0]); di++) {
         for (int in_place = 0; in_place < 2; in_place++) {
-            int dim = dims[di], n_rows = rng_int(1, 50);
+            int dim = dims[di], n_rows = test_rng_int(&g_rng, 1, 50);
             size_t n = (size_t)n_rows * dim;
             float *x = rand_floats(n), *w = rand_floats((size_t)dim);
             float *y = in_place ? x : malloc(n * sizeof(float));
@@ -245,7 +227,8 @@ static void test_rope(void)
     static const int d_heads[] = {2, 16, 64, 128};
     double worst_f = 0.0, worst_d = 0.0;
     for (size_t di = 0; di < 4; di++) {
-        int d = d_heads[di], half = d / 2, n_tok = rng_int(1, 20), n_heads = rng_int(1, 5);
+        int d = d_heads[di], half = d / 2, n_tok = test_rng_int(&g_rng, 1, 20),
+            n_heads = test_rng_int(&g_rng, 1, 5);
         float theta = di % 2 ? 1000000.0f : 10000.0f;
         size_t n = (size_t)n_tok * n_heads * d;
         float *x = rand_floats(n);
@@ -253,7 +236,7 @@ static void test_rope(void)
         double *xd = malloc(n * sizeof(double));
         int32_t *pos = malloc((size_t)n_tok * sizeof(int32_t));
         for (int t = 0; t < n_tok; t++)
-            pos[t] = t == 0 ? 0 : rng_int(0, 5000);
+            pos[t] = t == 0 ? 0 : test_rng_int(&g_rng, 0, 5000);
         /* xf: the float operation order of HF (see norm.c); xd: exact math. */
         for (int t = 0; t < n_tok; t++) {
             for (int h = 0; h < n_heads; h++) {
@@ -299,12 +282,12 @@ static void attention_case(const char *isa, int n_kv_head, int rep, int d_head, 
                            double *worst)
 {
     int n_head = n_kv_head * rep, kv_dim = n_kv_head * d_head;
-    int n_seq = rng_int(1, 3);
+    int n_seq = test_rng_int(&g_rng, 1, 3);
     int max_blocks = 0, n_block_total = 0;
     int seq_len[3], n_new[3];
     for (int s = 0; s < n_seq; s++) {
-        seq_len[s] = rng_int(1, 150);
-        n_new[s] = rng_int(1, seq_len[s] < 9 ? seq_len[s] : 9);
+        seq_len[s] = test_rng_int(&g_rng, 1, 150);
+        n_new[s] = test_rng_int(&g_rng, 1, seq_len[s] < 9 ? seq_len[s] : 9);
         int nb = (seq_len[s] + block_size - 1) / block_size;
         max_blocks = nb > max_blocks ? nb : max_blocks;
         n_block_total += nb;
@@ -315,7 +298,7 @@ static void attention_case(const char *isa, int n_kv_head, int rep, int d_head, 
     for (int i = 0; i < n_block; i++)
         perm[i] = i;
     for (int i = n_block - 1; i > 0; i--) {
-        int j = rng_int(0, i);
+        int j = test_rng_int(&g_rng, 0, i);
         int32_t tmp = perm[i];
         perm[i] = perm[j];
         perm[j] = tmp;
@@ -435,7 +418,8 @@ static void test_attention(const char *isa)
     int n = 0;
     for (int r = 0; r < 3; r++)
         for (int d = 0; d < 4; d++, n++)
-            attention_case(isa, rng_int(1, 3), reps[r], d_heads[d], blocks[(r + d) % 3], &worst);
+            attention_case(isa, test_rng_int(&g_rng, 1, 3), reps[r], d_heads[d],
+                           blocks[(r + d) % 3], &worst);
     printf("%s: attention %d cases, worst err %.3g\n", isa, n, worst);
 }
 
@@ -543,12 +527,14 @@ static void test_router(void)
     int bad_ids = 0;
     double worst = 0.0;
     for (int c = 0; c < 60; c++) {
-        int n_expert = rng_int(1, 64), top_k = rng_int(1, n_expert), n_tok = rng_int(1, 7);
+        int n_expert = test_rng_int(&g_rng, 1, 64), top_k = test_rng_int(&g_rng, 1, n_expert),
+            n_tok = test_rng_int(&g_rng, 1, 7);
         bool renorm = c % 2;
         bool ties = c % 3 == 0; /* logits from a handful of values: many ties */
         float *logits = malloc((size_t)n_tok * n_expert * sizeof(float));
         for (int i = 0; i < n_tok * n_expert; i++)
-            logits[i] = ties ? (float)rng_int(-2, 2) * 0.5f : rng_float() * 4.0f;
+            logits[i] =
+                ties ? (float)test_rng_int(&g_rng, -2, 2) * 0.5f : test_rng_float(&g_rng) * 4.0f;
         int32_t *ids = malloc((size_t)n_tok * top_k * sizeof(int32_t));
         float *w = malloc((size_t)n_tok * top_k * sizeof(float));
         g_cpu->ops->router_topk(g_cpu, logits, n_tok, n_expert, top_k, renorm, ids, w);
@@ -592,7 +578,8 @@ static void test_elementwise(void)
 {
     /* swiglu */
     for (int c = 0; c < 6; c++) {
-        int n_rows = rng_int(1, 40), dim = c == 5 ? 3000 : rng_int(1, 300);
+        int n_rows = test_rng_int(&g_rng, 1, 40),
+            dim = c == 5 ? 3000 : test_rng_int(&g_rng, 1, 300);
         float *gu = rand_floats((size_t)n_rows * 2 * dim);
         for (size_t i = 0; i < (size_t)n_rows * 2 * dim; i++)
             gu[i] *= 8.0f;
@@ -626,7 +613,7 @@ static void test_elementwise(void)
         CHECK(ok);
         float scale[12];
         for (int i = 0; i < n; i++)
-            scale[i] = rng_float();
+            scale[i] = test_rng_float(&g_rng);
         float *dst = rand_floats((size_t)n_src * dim);
         double *ref = malloc((size_t)n_src * dim * sizeof(double));
         for (int i = 0; i < n_src * dim; i++)
@@ -779,9 +766,9 @@ static void test_backend_select(void)
 static void random_offsets(int32_t *off, int n_expert, int n_rows, int mode)
 {
     int32_t *cnt = calloc((size_t)n_expert, sizeof *cnt);
-    int hot = rng_int(0, n_expert - 1);
+    int hot = test_rng_int(&g_rng, 0, n_expert - 1);
     for (int r = 0; r < n_rows; r++) {
-        int e = mode == 1 ? hot : rng_int(0, n_expert - 1);
+        int e = mode == 1 ? hot : test_rng_int(&g_rng, 0, n_expert - 1);
         if (mode == 2)
             e &= ~1; /* odd experts stay empty */
         cnt[e]++;
@@ -911,7 +898,7 @@ static void random_routing(int n_tok, int top_k, int n_expert, int32_t *route_to
         for (int j = 0; j < top_k; j++) {
             int e, dup;
             do {
-                e = rng_int(0, n_expert - 1);
+                e = test_rng_int(&g_rng, 0, n_expert - 1);
                 dup = 0;
                 for (int i = 0; i < j; i++)
                     dup |= ids[t * top_k + i] == e;
@@ -928,7 +915,7 @@ static void random_routing(int n_tok, int top_k, int n_expert, int32_t *route_to
     for (int i = 0; i < n_route; i++) {
         int at = cur[ids[i]]++;
         route_tok[at] = i / top_k;
-        route_w[at] = rng_float();
+        route_w[at] = test_rng_float(&g_rng);
     }
     /* a token's positions, sorted by expert = sorted by position */
     int32_t *fill = calloc((size_t)n_tok + 1, sizeof *fill);
@@ -969,7 +956,7 @@ static void test_unpermute_combine(void)
         for (int t = 0; t < n_tok; t++)
             for (int j = 0; j < k; j++) {
                 int32_t *e = &tok_rows[(size_t)t * k + j];
-                if (rng_int(0, 2) == 0) {
+                if (test_rng_int(&g_rng, 0, 2) == 0) {
                     *e = -1;
                     continue;
                 }
@@ -1064,10 +1051,11 @@ static void test_sampling(void)
         size_t nl = (size_t)n * vocab;
         float *l = malloc(nl * sizeof(float));
         for (size_t i = 0; i < nl; i++)
-            l[i] = cases[c].ties ? (float)rng_int(0, 4) : cases[c].scale * rng_float();
+            l[i] = cases[c].ties ? (float)test_rng_int(&g_rng, 0, 4)
+                                 : cases[c].scale * test_rng_float(&g_rng);
         double *u = malloc((size_t)n * sizeof(double));
         for (int r = 0; r < n; r++)
-            u[r] = (double)rng_u32() / 4294967296.0;
+            u[r] = (double)test_rng_u32(&g_rng) / 4294967296.0;
         u[0] = 0.0;
         if (n > 1)
             u[1] = 1.0 - 0x1p-53; /* the top of [0, 1): the last-candidate fallback */
@@ -1096,7 +1084,7 @@ static void test_sampling(void)
     /* a dominant logit and a small top_p: only the argmax is ever kept */
     float row[64];
     for (int i = 0; i < 64; i++)
-        row[i] = rng_float();
+        row[i] = test_rng_float(&g_rng);
     row[37] = 20.0f;
     int32_t id = -1;
     double us[3] = {0.0, 0.5, 0.999999};
@@ -1163,7 +1151,7 @@ static int test_cuda(void)
     static const int dims[] = {1, 31, 64, 1000, 4097};
     double worst = 0.0;
     for (int c = 0; c < 5; c++) {
-        int dim = dims[c], n_rows = rng_int(1, 70);
+        int dim = dims[c], n_rows = test_rng_int(&g_rng, 1, 70);
         size_t n = (size_t)n_rows * dim;
         float *x = rand_floats(n), *w = rand_floats((size_t)dim);
         float *y_cpu = malloc(n * sizeof(float)), *y_gpu = malloc(n * sizeof(float));
@@ -1202,7 +1190,7 @@ int main(void)
 {
     struct moe_error err = {0};
     if (moe_backend_cpu_create(2, &g_cpu, &err) != MOE_OK ||
-        moe_pool_create(3, &g_pool, &err) != MOE_OK) {
+        moe_threadpool_create(3, &g_pool, &err) != MOE_OK) {
         fprintf(stderr, "setup: %s\n", err.msg);
         return 1;
     }
@@ -1234,7 +1222,7 @@ int main(void)
     test_backend_select();
     test_cuda();
 
-    moe_pool_destroy(g_pool);
+    moe_threadpool_destroy(g_pool);
     moe_backend_destroy(g_cpu);
     return test_summary();
 }

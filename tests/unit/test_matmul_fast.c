@@ -31,23 +31,10 @@
 #include "quant.h"
 #include "testlib.h"
 
-static uint64_t g_rng = 0x5851f42d4c957f2dull;
+static struct test_rng g_rng = {0x5851f42d4c957f2dull};
 
-static uint32_t rng_u32(void)
-{
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (uint32_t)(g_rng >> 16);
-}
-
-static float rng_float(void) /* [-1, 1) */
-{
-    return (float)((double)rng_u32() / 2147483648.0 - 1.0);
-}
-
-static struct moe_backend *g_cpu; /* 2 threads, through the ops table */
-static struct moe_pool *g_pool;   /* 3 threads, direct kernel calls */
+static struct moe_backend *g_cpu;     /* 2 threads, through the ops table */
+static struct moe_threadpool *g_pool; /* 3 threads, direct kernel calls */
 
 struct fcase {
     int n_tok, n_in, n_out;
@@ -64,7 +51,7 @@ static void *make_weights(enum moe_dtype dt, int n_out, int64_t ldw, const float
     if (dt == MOE_DTYPE_BF16) {
         uint16_t *w = malloc(n * 2);
         for (size_t i = 0; i < n; i++)
-            w[i] = moe_f32_to_bf16(rng_float());
+            w[i] = moe_f32_to_bf16(test_rng_float(&g_rng));
         *scale = NULL;
         return w;
     }
@@ -72,10 +59,10 @@ static void *make_weights(enum moe_dtype dt, int n_out, int64_t ldw, const float
     char *buf = malloc(off + (size_t)n_out * sizeof(float));
     int8_t *q = (int8_t *)buf;
     for (size_t i = 0; i < n; i++)
-        q[i] = (int8_t)((int)(rng_u32() % 255) - 127);
+        q[i] = (int8_t)((int)(test_rng_u32(&g_rng) % 255) - 127);
     float *sc = (float *)(buf + off);
     for (int r = 0; r < n_out; r++)
-        sc[r] = (0.5f + 0.5f * fabsf(rng_float())) / 127.0f;
+        sc[r] = (0.5f + 0.5f * fabsf(test_rng_float(&g_rng))) / 127.0f;
     *scale = sc;
     return buf;
 }
@@ -119,11 +106,12 @@ static double fast_case(enum moe_dtype dt, const struct fcase *c, double *worst_
     float *x = malloc((size_t)c->n_tok * c->n_in * sizeof *x);
     for (int t = 0; t < c->n_tok; t++)
         for (int k = 0; k < c->n_in; k++)
-            x[(size_t)t * c->n_in + k] = rng_float() * (k == (t * 7) % c->n_in ? 8.0f : 1.0f);
+            x[(size_t)t * c->n_in + k] =
+                test_rng_float(&g_rng) * (k == (t * 7) % c->n_in ? 8.0f : 1.0f);
     size_t ny = (size_t)c->n_tok * c->n_out;
     float *y = malloc((ny + 16) * sizeof *y), *y0 = malloc((ny + 16) * sizeof *y0);
     for (size_t i = 0; i < ny + 16; i++)
-        y0[i] = y[i] = rng_float();
+        y0[i] = y[i] = test_rng_float(&g_rng);
     struct moe_matmul_params p = {
         .x = x,
         .n_tok = c->n_tok,
@@ -205,13 +193,13 @@ static void test_path(enum moe_dtype dt, const char *name)
         worst_emu = fmax(worst_emu, fast_case(dt, &fixed[i], &worst_bound));
     for (int i = 0; i < 40; i++, n++) {
         struct fcase c = {
-            .n_tok = 1 + (int)(rng_u32() % (i % 2 ? 6 : 140)),
-            .n_in = 1 + (int)(rng_u32() % 300),
-            .n_out = 1 + (int)(rng_u32() % 90),
-            .accumulate = rng_u32() % 2,
-            .via = (int)(rng_u32() % 3),
+            .n_tok = 1 + (int)(test_rng_u32(&g_rng) % (i % 2 ? 6 : 140)),
+            .n_in = 1 + (int)(test_rng_u32(&g_rng) % 300),
+            .n_out = 1 + (int)(test_rng_u32(&g_rng) % 90),
+            .accumulate = test_rng_u32(&g_rng) % 2,
+            .via = (int)(test_rng_u32(&g_rng) % 3),
         };
-        c.ldw = c.n_in + (rng_u32() % 3 ? 0 : (int)(rng_u32() % 9));
+        c.ldw = c.n_in + (test_rng_u32(&g_rng) % 3 ? 0 : (int)(test_rng_u32(&g_rng) % 9));
         worst_emu = fmax(worst_emu, fast_case(dt, &c, &worst_bound));
     }
     CHECKF(worst_bound <= 1.0, "%s: error %.3g x the documented bound", name, worst_bound);
@@ -232,7 +220,7 @@ static void test_i8_batch_invariance(void)
     void *w = make_weights(MOE_DTYPE_I8, n_out, n_in, &sc);
     float *x = malloc((size_t)n_tok * n_in * sizeof *x);
     for (size_t i = 0; i < (size_t)n_tok * n_in; i++)
-        x[i] = rng_float();
+        x[i] = test_rng_float(&g_rng);
     float *ya = malloc((size_t)n_tok * n_out * sizeof *ya);
     float *y1 = malloc((size_t)n_out * sizeof *y1);
     struct moe_matmul_params p = {.x = x,
@@ -273,7 +261,7 @@ static void test_special_rows(enum moe_dtype dt, const char *name)
     for (int n_tok = 3; n_tok <= 40; n_tok += 37) { /* streaming and packed */
         float *x = malloc((size_t)n_tok * n_in * sizeof *x);
         for (size_t i = 0; i < (size_t)n_tok * n_in; i++)
-            x[i] = rng_float();
+            x[i] = test_rng_float(&g_rng);
         memset(x, 0, (size_t)n_in * sizeof *x); /* row 0: zeros */
         x[n_in + 5] = NAN;                      /* row 1: a NaN */
         float *y = malloc((size_t)n_tok * n_out * sizeof *y);
@@ -311,7 +299,7 @@ static void test_forced_off(enum moe_dtype dt, unsigned feat, const char *name)
     void *w = make_weights(dt, n_out, n_in, &sc);
     float *x = malloc((size_t)n_tok * n_in * sizeof *x);
     for (size_t i = 0; i < (size_t)n_tok * n_in; i++)
-        x[i] = rng_float();
+        x[i] = test_rng_float(&g_rng);
     float *ye = malloc((size_t)n_tok * n_out * sizeof *ye);
     float *yf = malloc((size_t)n_tok * n_out * sizeof *yf);
     struct moe_matmul_params p = {.x = x,
@@ -344,7 +332,7 @@ int main(void)
 {
     struct moe_error err = {0};
     if (moe_backend_cpu_create(2, &g_cpu, &err) != MOE_OK ||
-        moe_pool_create(3, &g_pool, &err) != MOE_OK) {
+        moe_threadpool_create(3, &g_pool, &err) != MOE_OK) {
         fprintf(stderr, "setup: %s\n", err.msg);
         return 1;
     }
@@ -382,7 +370,7 @@ int main(void)
         CHECK(!cpu_matmul_dot_supported(&p));
         cpu_kernels_force_isa(isa);
     }
-    moe_pool_destroy(g_pool);
+    moe_threadpool_destroy(g_pool);
     moe_backend_destroy(g_cpu);
     if (!ran) {
         printf("SKIPPED: no fast matmul path on this processor\n");

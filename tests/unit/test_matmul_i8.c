@@ -20,18 +20,10 @@
 
 #define SUM_ORDER_TOL 1e-5
 
-static uint64_t g_rng = 0x243f6a8885a308d3ull;
+static struct test_rng g_rng = {0x243f6a8885a308d3ull};
 
-static float rng_float(void) /* [-1, 1) */
-{
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (float)((double)(uint32_t)(g_rng >> 16) / 2147483648.0 - 1.0);
-}
-
-static struct moe_backend *g_cpu; /* 2 threads, through the ops table */
-static struct moe_pool *g_pool;   /* 3 threads, direct kernel calls */
+static struct moe_backend *g_cpu;     /* 2 threads, through the ops table */
+static struct moe_threadpool *g_pool; /* 3 threads, direct kernel calls */
 
 /* ---- quantization ---- */
 
@@ -41,7 +33,7 @@ static void fill_rows(float *w, int n_rows, int n_cols)
     for (int r = 0; r < n_rows; r++) {
         float mag = powf(10.0f, (float)(r % 7) - 4.0f); /* 1e-4 .. 1e2 */
         for (int k = 0; k < n_cols; k++)
-            w[(size_t)r * n_cols + k] = r % 5 == 3 ? 0.0f : mag * rng_float();
+            w[(size_t)r * n_cols + k] = r % 5 == 3 ? 0.0f : mag * test_rng_float(&g_rng);
         if (r % 6 == 1)
             w[(size_t)r * n_cols + (r % n_cols)] = -50.0f * mag; /* an outlier sets the scale */
     }
@@ -134,11 +126,11 @@ static double i8_case(int n_tok, int n_in, int n_out, int64_t ldw, bool accumula
     size_t nx = (size_t)n_tok * n_in, ny = (size_t)n_tok * n_out;
     float *x = malloc(nx * sizeof *x + 1);
     for (size_t i = 0; i < nx; i++)
-        x[i] = rng_float();
+        x[i] = test_rng_float(&g_rng);
     float *y = malloc((ny + 16) * sizeof *y), *y_ref = malloc((ny + 16) * sizeof *y);
     float *y0 = malloc((ny + 16) * sizeof *y);
     for (size_t i = 0; i < ny + 16; i++)
-        y0[i] = y[i] = y_ref[i] = rng_float(); /* accumulate base, then 16 canaries */
+        y0[i] = y[i] = y_ref[i] = test_rng_float(&g_rng); /* accumulate base, then 16 canaries */
     struct moe_matmul_params p = {
         .x = x,
         .n_tok = n_tok,
@@ -221,7 +213,7 @@ static void test_matmul_i8_detects_error(void)
     struct i8_weights iw = make_weights(n_out, n_in);
     float x[3 * 40], y[18], y_ref[18];
     for (int i = 0; i < n_tok * n_in; i++)
-        x[i] = rng_float();
+        x[i] = test_rng_float(&g_rng);
     struct moe_matmul_params p = {.x = x,
                                   .n_tok = n_tok,
                                   .n_in = n_in,
@@ -266,7 +258,7 @@ static void test_grouped_i8(void)
     }
     float x[37 * 45], y[37 * 19], y_ref[37 * 19];
     for (int i = 0; i < n_rows * n_in; i++)
-        x[i] = rng_float();
+        x[i] = test_rng_float(&g_rng);
     struct moe_grouped_matmul_params p = {
         .x = x,
         .n_rows = n_rows,
@@ -322,7 +314,7 @@ int main(void)
 {
     struct moe_error err = {0};
     if (moe_backend_cpu_create(2, &g_cpu, &err) != MOE_OK ||
-        moe_pool_create(3, &g_pool, &err) != MOE_OK) {
+        moe_threadpool_create(3, &g_pool, &err) != MOE_OK) {
         fprintf(stderr, "setup: %s\n", err.msg);
         return 1;
     }
@@ -336,7 +328,7 @@ int main(void)
     cpu_kernels_force_isa(best);
     test_matmul_i8_detects_error();
     test_grouped_i8();
-    moe_pool_destroy(g_pool);
+    moe_threadpool_destroy(g_pool);
     moe_backend_destroy(g_cpu);
     return test_summary();
 }

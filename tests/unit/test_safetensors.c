@@ -546,15 +546,7 @@ static void test_truncated(void)
     free(full);
 }
 
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-
-static uint32_t rng(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
+static struct test_rng g_rng = {0x9E3779B97F4A7C15ull};
 
 static void test_fuzz(void)
 {
@@ -571,17 +563,19 @@ static void test_fuzz(void)
     for (int iter = 0; iter < 3000; iter++) {
         memcpy(hdr, base, base_len + 1);
         size_t len = base_len;
-        int n_mut = 1 + (int)(rng() % 3);
+        int n_mut = 1 + (int)(test_rng_u32(&g_rng) % 3);
         for (int k = 0; k < n_mut; k++) {
-            size_t at = rng() % len;
-            switch (rng() % 6) {
-            case 0: /* overwrite a byte */ hdr[at] = alphabet[rng() % (sizeof alphabet - 1)]; break;
+            size_t at = test_rng_u32(&g_rng) % len;
+            switch (test_rng_u32(&g_rng) % 6) {
+            case 0: /* overwrite a byte */
+                hdr[at] = alphabet[test_rng_u32(&g_rng) % (sizeof alphabet - 1)];
+                break;
             case 1: /* delete a byte */
                 memmove(hdr + at, hdr + at + 1, len - at);
                 len--;
                 break;
             case 2: { /* insert a token */
-                const char *t = tokens[rng() % (sizeof tokens / sizeof tokens[0])];
+                const char *t = tokens[test_rng_u32(&g_rng) % (sizeof tokens / sizeof tokens[0])];
                 size_t tl = strlen(t);
                 if (len + tl + 1 >= sizeof hdr)
                     break;
@@ -593,7 +587,7 @@ static void test_fuzz(void)
             default: /* change a digit */
                 for (size_t i = at; i < len; i++)
                     if (hdr[i] >= '0' && hdr[i] <= '9') {
-                        hdr[i] = (char)('0' + rng() % 10);
+                        hdr[i] = (char)('0' + test_rng_u32(&g_rng) % 10);
                         break;
                     }
                 break;
@@ -601,10 +595,12 @@ static void test_fuzz(void)
         }
         hdr[len] = '\0';
         size_t n_data = builder.n_data;
-        if (rng() % 8 == 0)
-            n_data = rng() % (n_data + 1); /* sometimes a short data area */
+        if (test_rng_u32(&g_rng) % 8 == 0)
+            n_data = test_rng_u32(&g_rng) % (n_data + 1); /* sometimes a short data area */
         size_t n;
-        uint64_t hl_field = rng() % 16 == 0 ? (uint64_t)rng() % (len + 64) : strlen(hdr);
+        uint64_t hl_field = test_rng_u32(&g_rng) % 16 == 0
+                                ? (uint64_t)test_rng_u32(&g_rng) % (len + 64)
+                                : strlen(hdr);
         unsigned char *file = st_build(hl_field, hdr, builder.data, n_data, &n);
         const char *p = test_write_temp("fuzz.safetensors", file, n);
         free(file);

@@ -23,12 +23,12 @@ static void count_task(void *p, int task, int thread)
 }
 
 /* Runs n_tasks once; returns the number of tasks not run exactly once. */
-static int run_once(struct moe_pool *pool, int n_tasks)
+static int run_once(struct moe_threadpool *pool, int n_tasks)
 {
     _Atomic int *hits = calloc((size_t)n_tasks + 1, sizeof(*hits));
-    struct count_arg a = {.hits = hits, .n_threads = moe_pool_size(pool)};
+    struct count_arg a = {.hits = hits, .n_threads = moe_threadpool_size(pool)};
     atomic_init(&a.bad_thread, 0);
-    moe_pool_run(pool, n_tasks, count_task, &a);
+    moe_threadpool_run(pool, n_tasks, count_task, &a);
     int wrong = 0;
     for (int i = 0; i < n_tasks; i++)
         wrong += atomic_load(&hits[i]) != 1;
@@ -63,13 +63,13 @@ static void sleep_ms(int ms)
 
 static void test_pool(int n_threads)
 {
-    struct moe_pool *pool = NULL;
+    struct moe_threadpool *pool = NULL;
     struct moe_error err = {0};
-    CHECKF(moe_pool_create(n_threads, &pool, &err) == MOE_OK, "%s", err.msg);
+    CHECKF(moe_threadpool_create(n_threads, &pool, &err) == MOE_OK, "%s", err.msg);
     if (!pool)
         return;
-    CHECK(moe_pool_size(pool) == (n_threads <= 0 ? moe_pool_size(pool) : n_threads));
-    CHECK(moe_pool_size(pool) >= 1);
+    CHECK(moe_threadpool_size(pool) == (n_threads <= 0 ? moe_threadpool_size(pool) : n_threads));
+    CHECK(moe_threadpool_size(pool) >= 1);
 
     int sizes[] = {0, 1, 2, 3, 7, 64, 1000, 4099};
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++)
@@ -90,13 +90,13 @@ static void test_pool(int n_threads)
     struct scratch_arg sa;
     int out[500];
     sa.out = out;
-    moe_pool_run(pool, 500, scratch_task, &sa);
+    moe_threadpool_run(pool, 500, scratch_task, &sa);
     int bad = 0;
     for (int i = 0; i < 500; i++)
         bad += out[i] != i;
     CHECKF(bad == 0, "threads %d: per-thread scratch clobbered in %d tasks", n_threads, bad);
 
-    moe_pool_destroy(pool);
+    moe_threadpool_destroy(pool);
 }
 
 /* With slow tasks, helpers must take part (the caller alone would do all). */
@@ -118,9 +118,9 @@ static void busy_task(void *p, int task, int thread)
 
 static void test_helpers_participate(void)
 {
-    struct moe_pool *pool = NULL;
+    struct moe_threadpool *pool = NULL;
     struct moe_error err = {0};
-    if (moe_pool_create(2, &pool, &err) != MOE_OK) {
+    if (moe_threadpool_create(2, &pool, &err) != MOE_OK) {
         CHECKF(0, "%s", err.msg);
         return;
     }
@@ -129,12 +129,12 @@ static void test_helpers_participate(void)
     for (int tries = 0; tries < 5 && !helped; tries++) {
         struct busy_arg a;
         atomic_init(&a.by_helper, 0);
-        moe_pool_run(pool, 100, busy_task, &a);
+        moe_threadpool_run(pool, 100, busy_task, &a);
         helped = atomic_load(&a.by_helper) > 0;
         sleep_ms(1); /* next try starts with the helper asleep */
     }
     CHECKF(helped, "the helper thread never ran a task");
-    moe_pool_destroy(pool);
+    moe_threadpool_destroy(pool);
 }
 
 int main(void)
@@ -144,19 +144,19 @@ int main(void)
     test_pool(3);
     test_pool(8);
     test_pool(0);
-    moe_pool_destroy(NULL);
+    moe_threadpool_destroy(NULL);
     test_helpers_participate();
 
     /* A NULL pool runs tasks inline. */
     CHECK(run_once(NULL, 5) == 0);
 
-    struct moe_pool *pool = NULL;
+    struct moe_threadpool *pool = NULL;
     struct moe_error err = {0};
-    CHECK(moe_pool_create(100000, &pool, &err) == MOE_ERR_INVALID && pool == NULL);
+    CHECK(moe_threadpool_create(100000, &pool, &err) == MOE_ERR_INVALID && pool == NULL);
     CHECK(strstr(err.msg, "100000") != NULL);
 
     /* Timing of an empty run on 2 threads (informational). */
-    if (moe_pool_create(2, &pool, &err) == MOE_OK) {
+    if (moe_threadpool_create(2, &pool, &err) == MOE_OK) {
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
         int n = 20000;
@@ -165,7 +165,7 @@ int main(void)
         clock_gettime(CLOCK_MONOTONIC, &t1);
         double us = ((t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec)) / 1e3 / n;
         printf("threadpool: %.2f us per run of 2 tasks on 2 threads (incl. calloc/check)\n", us);
-        moe_pool_destroy(pool);
+        moe_threadpool_destroy(pool);
     }
     return test_summary();
 }

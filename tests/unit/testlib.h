@@ -4,6 +4,7 @@
 #ifndef MOE_TESTLIB_H
 #define MOE_TESTLIB_H
 
+#include <stdint.h>
 #include <stdio.h>
 
 extern _Atomic int test_n_pass; /* atomic: CHECK may run on any thread */
@@ -46,5 +47,50 @@ const char *test_write_temp(const char *name, const void *data, size_t n);
 
 /* Temporary directory for this test process (created on first use). */
 const char *test_temp_dir(void);
+
+/* ---- deterministic random inputs ---------------------------------------------------- */
+
+/* One stream of pseudo-random numbers (xorshift64): a seed gives the same
+ * numbers on every machine, so a failure can be replayed. `state` is the
+ * seed and must not be 0: static struct test_rng g_rng = {SEED}; */
+struct test_rng {
+    uint64_t state;
+};
+
+/* Seeds from a small number (a case index): seeds next to each other give
+ * unrelated streams. */
+static inline void test_rng_seed(struct test_rng *r, uint64_t seed)
+{
+    r->state = seed * 0x9e3779b97f4a7c15ull + 0x632be59bd9b4e019ull;
+    if (!r->state)
+        r->state = 1;
+}
+
+/* The next 64-bit state. */
+static inline uint64_t test_rng_u64(struct test_rng *r)
+{
+    r->state ^= r->state << 13;
+    r->state ^= r->state >> 7;
+    r->state ^= r->state << 17;
+    return r->state;
+}
+
+/* 32 bits from the middle of the next state. */
+static inline uint32_t test_rng_u32(struct test_rng *r)
+{
+    return (uint32_t)(test_rng_u64(r) >> 16);
+}
+
+/* A whole number in [lo, hi]. */
+static inline int test_rng_int(struct test_rng *r, int lo, int hi)
+{
+    return lo + (int)(test_rng_u32(r) % (uint32_t)(hi - lo + 1));
+}
+
+/* A float in [-1, 1). */
+static inline float test_rng_float(struct test_rng *r)
+{
+    return (float)((double)test_rng_u32(r) / 2147483648.0 - 1.0);
+}
 
 #endif

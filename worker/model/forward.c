@@ -105,8 +105,16 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
         s->h_ep_rexp = malloc(n_route * sizeof *s->h_ep_rexp);
         s->h_ep_idx = malloc(n_route * sizeof *s->h_ep_idx);
         s->h_ep_w = malloc(n_route * sizeof *s->h_ep_w);
+        s->h_ep_dest = malloc(n_route * sizeof *s->h_ep_dest);
+        s->h_ep_order = malloc(n_route * sizeof *s->h_ep_order);
+        s->h_ep_ctok = malloc(n_route * sizeof *s->h_ep_ctok);
+        s->h_ep_cw = malloc(n_route * sizeof *s->h_ep_cw);
+        s->h_ep_off = malloc(((size_t)c->n_expert + 1) * sizeof *s->h_ep_off);
+        size_t n_keys = c->n_expert > MOE_MAX_EP_RANKS ? (size_t)c->n_expert : MOE_MAX_EP_RANKS;
+        s->h_ep_cursor = malloc(n_keys * sizeof *s->h_ep_cursor);
         ok = ok && s->h_ep_tok && s->h_ep_exp && s->h_ep_pos && s->h_ep_rexp && s->h_ep_idx &&
-             s->h_ep_w;
+             s->h_ep_w && s->h_ep_dest && s->h_ep_order && s->h_ep_ctok && s->h_ep_cw &&
+             s->h_ep_off && s->h_ep_cursor;
     }
 #undef ALLOC
     s->h_ids = malloc(2 * n_route * sizeof *s->h_ids); /* ids then weights */
@@ -466,6 +474,12 @@ void moe_model_scratch_free(struct moe_model *m)
     free(s->h_ep_rexp);
     free(s->h_ep_idx);
     free(s->h_ep_w);
+    free(s->h_ep_dest);
+    free(s->h_ep_order);
+    free(s->h_ep_ctok);
+    free(s->h_ep_cw);
+    free(s->h_ep_off);
+    free(s->h_ep_cursor);
     memset(s, 0, sizeof *s);
 }
 

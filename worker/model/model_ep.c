@@ -14,82 +14,108 @@
  *   5. all-gather the shards (padded to c rows each) so every rank has all n
  *      rows for the next attention block.
  * Bytes moved per routed (token, expert) pair that leaves its rank: d_model
- * floats + one id out, d_model floats back. */
-#include <stdlib.h>
+ * floats + one id out, d_model floats back.
+ * The layer allocates nothing: its host arrays are the h_ep_* scratch of
+ * struct scratch, grown with the activations (forward.c, scratch_reserve). */
 #include <string.h>
 
 #include "model/model_internal.h"
 #include "clock.h"
 
-/* Counting sort of n items by key (0 <= key < n_keys), stable. */
-static void sort_by_key(const int32_t *key, int n, int n_keys, int32_t *order, int32_t *offsets)
+/* Counting sort of n items by key (0 <= key < n_keys), stable. `cursor`
+ * holds n_keys entries of scratch. */
+static void sort_by_key(const int32_t *key, int n, int n_keys, int32_t *order, int32_t *offsets,
+                        int32_t *cursor)
 {
     memset(offsets, 0, ((size_t)n_keys + 1) * sizeof *offsets);
     for (int i = 0; i < n; i++)
         offsets[key[i] + 1]++;
     for (int k = 0; k < n_keys; k++)
         offsets[k + 1] += offsets[k];
-    int32_t cursor[MOE_MAX_EP_RANKS > 1024 ? MOE_MAX_EP_RANKS : 1024];
-    int32_t *cur = n_keys <= (int)(sizeof cursor / sizeof *cursor)
-                       ? cursor
-                       : malloc((size_t)n_keys * sizeof *cur);
-    MOE_ASSERT(cur);
-    memcpy(cur, offsets, (size_t)n_keys * sizeof *cur);
+    memcpy(cursor, offsets, (size_t)n_keys * sizeof *cursor);
     for (int i = 0; i < n; i++)
-        order[cur[key[i]]++] = i;
-    if (cur != cursor)
-        free(cur);
+        order[cursor[key[i]]++] = i;
 }
 
-enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_error *err)
+/* One call of the layer: this rank's shard of the tokens, and how many
+ * items (routed (token, expert) pairs) go to and come from each rank. */
+struct ep_step {
+    struct moe_model *m;
+    int l;            /* layer */
+    int n;            /* token rows, the same on every rank */
+    int W, me, k, d;  /* ranks, this rank, top_k, d_model */
+    size_t row_bytes; /* one row: d_model floats */
+    int chunk;        /* rows per shard: ceil(n / W) */
+    int t0, t1;       /* this rank's shard [t0, t1) */
+    int n_items;      /* (t1 - t0) * top_k items of the shard */
+    size_t n_recv;    /* items received from all ranks */
+    size_t send_counts[MOE_MAX_EP_RANKS], recv_counts[MOE_MAX_EP_RANKS]; /* items, by rank */
+    size_t sd[MOE_MAX_EP_RANKS], rd[MOE_MAX_EP_RANKS]; /* their displacements, in items */
+};
+
+/* Sets up the step for n rows of layer l. */
+static void ep_step_init(struct ep_step *st, struct moe_model *m, int l, int n)
 {
+    const struct moe_comm *comm = m->ep_comm;
+    *st = (struct ep_step){.m = m,
+                           .l = l,
+                           .n = n,
+                           .W = comm->size,
+                           .me = comm->rank,
+                           .k = m->cfg.top_k,
+                           .d = m->cfg.d_model};
+    st->row_bytes = (size_t)st->d * sizeof(float);
+    st->chunk = (n + st->W - 1) / st->W;
+    st->t0 = st->me * st->chunk < n ? st->me * st->chunk : n;
+    st->t1 = (st->me + 1) * st->chunk < n ? (st->me + 1) * st->chunk : n;
+    st->n_items = (st->t1 - st->t0) * st->k;
+}
+
+/* Per-rank byte counts and displacements of item counts `count` at item
+ * displacements `displ`, `unit` bytes an item. */
+static void to_bytes(int W, const size_t *count, const size_t *displ, size_t unit, size_t *bytes,
+                     size_t *bytes_displ)
+{
+    for (int r = 0; r < W; r++) {
+        bytes[r] = count[r] * unit;
+        bytes_displ[r] = displ[r] * unit;
+    }
+}
+
+/* 1. Route this rank's shard: pick a rank for every item and lay the items
+ * out in send order, (destination, expert, token), in s->h_ep_tok,
+ * s->h_ep_exp and s->h_ep_w; fills st->send_counts. Counts every token of
+ * the layer in the expert statistics. */
+static void ep_route(struct ep_step *st)
+{
+    struct moe_model *m = st->m;
     const struct moe_config *c = &m->cfg;
-    const struct layer_weights *w = &m->layers[l];
     struct scratch *s = &m->s;
     struct moe_backend *be = m->be;
-    const struct moe_backend_ops *ops = be->ops;
-    struct moe_comm *comm = m->ep_comm;
-    const int W = comm->size, me = comm->rank, k = c->top_k, d = c->d_model;
-    const size_t row_bytes = (size_t)d * sizeof(float);
-    const int chunk = (n + W - 1) / W;
-    const int t0 = me * chunk < n ? me * chunk : n;
-    const int t1 = (me + 1) * chunk < n ? (me + 1) * chunk : n;
-    const int n_items = (t1 - t0) * k;
-    enum moe_status rc;
-    double t_begin = moe_now();
-
-    /* 1. route this rank's shard */
-    ops->buf_download(be, s->h_ids, s->topk_ids, 2 * (size_t)n * k * sizeof(int32_t)); /* + w */
-    for (int i = 0; i < n * k; i++) /* statistics: every rank counts every token */
-        __atomic_fetch_add(&m->expert_tokens[(size_t)l * c->n_expert + s->h_ids[i]], 1,
+    const int k = st->k, t0 = st->t0, n_items = st->n_items;
+    /* the ids and, after them, the weights */
+    be->ops->buf_download(be, s->h_ids, s->topk_ids, 2 * (size_t)st->n * k * sizeof(int32_t));
+    for (int i = 0; i < st->n * k; i++) /* statistics: every rank counts every token */
+        __atomic_fetch_add(&m->expert_tokens[(size_t)st->l * c->n_expert + s->h_ids[i]], 1,
                            __ATOMIC_RELAXED);
     int32_t *dest = s->h_ep_idx; /* scratch: destination of each item */
     for (int i = 0; i < n_items; i++) {
         int t = t0 + i / k, e = s->h_ids[t * k + i % k];
-        dest[i] = moe_placement_pick(&m->placement, l, e, t, me);
+        dest[i] = moe_placement_pick(&m->placement, st->l, e, t, st->me);
     }
     /* order items by (destination, expert, token): sort by expert, then a
      * stable sort by destination keeps experts in order within each */
     int32_t *exp_of = s->h_ep_rexp; /* scratch */
     for (int i = 0; i < n_items; i++)
         exp_of[i] = s->h_ids[(t0 + i / k) * k + i % k];
-    int32_t *order_e = s->h_ep_pos, offsets[MOE_MAX_EP_RANKS + 1];
-    int32_t *exp_offsets = malloc(((size_t)c->n_expert + 1) * sizeof *exp_offsets);
-    int32_t *order = malloc((size_t)(n_items ? n_items : 1) * sizeof *order);
-    int32_t *dest_sorted = malloc((size_t)(n_items ? n_items : 1) * sizeof *dest_sorted);
-    if (!exp_offsets || !order || !dest_sorted) {
-        free(exp_offsets);
-        free(order);
-        free(dest_sorted);
-        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory in the expert-parallel layer");
-    }
-    sort_by_key(exp_of, n_items, c->n_expert, order_e, exp_offsets);
+    int32_t *order_e = s->h_ep_pos, *order = s->h_ep_order, *dest_sorted = s->h_ep_dest;
+    int32_t offsets[MOE_MAX_EP_RANKS + 1];
+    sort_by_key(exp_of, n_items, c->n_expert, order_e, s->h_ep_off, s->h_ep_cursor);
     for (int i = 0; i < n_items; i++)
         dest_sorted[i] = dest[order_e[i]];
-    sort_by_key(dest_sorted, n_items, W, order, offsets);
-    size_t send_counts[MOE_MAX_EP_RANKS], recv_counts[MOE_MAX_EP_RANKS];
-    for (int r = 0; r < W; r++)
-        send_counts[r] = (size_t)(offsets[r + 1] - offsets[r]);
+    sort_by_key(dest_sorted, n_items, st->W, order, offsets, s->h_ep_cursor);
+    for (int r = 0; r < st->W; r++)
+        st->send_counts[r] = (size_t)(offsets[r + 1] - offsets[r]);
     /* final send order: item j = order_e[order[j]] */
     for (int j = 0; j < n_items; j++) {
         int i = order_e[order[j]];
@@ -98,149 +124,167 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
         s->h_ep_exp[j] = exp_of[i];
         s->h_ep_w[j] = s->h_w[t * k + i % k];
     }
-    free(order);
-    free(dest_sorted);
+}
 
-    /* 2. dispatch */
-    rc = moe_comm_all_to_all_counts(comm, send_counts, recv_counts, err);
-    size_t n_recv = 0, sd[MOE_MAX_EP_RANKS], rd[MOE_MAX_EP_RANKS];
-    size_t sb[MOE_MAX_EP_RANKS], rb[MOE_MAX_EP_RANKS], sdb[MOE_MAX_EP_RANKS], rdb[MOE_MAX_EP_RANKS];
+/* 2. Dispatch: exchange the counts, then all-to-all-v the expert ids
+ * (ep_ids -> ep_rids) and the rows (ep_send -> ep_recv). */
+static enum moe_status ep_dispatch(struct ep_step *st, struct moe_error *err)
+{
+    struct moe_model *m = st->m;
+    struct scratch *s = &m->s;
+    struct moe_backend *be = m->be;
+    const struct moe_backend_ops *ops = be->ops;
+    struct moe_comm *comm = m->ep_comm;
+    const int W = st->W, me = st->me, k = st->k, n_items = st->n_items;
+    enum moe_status rc = moe_comm_all_to_all_counts(comm, st->send_counts, st->recv_counts, err);
     size_t n_sent_off_rank = 0;
+    st->n_recv = 0;
     for (int r = 0, so = 0; r < W; r++) {
-        sd[r] = (size_t)so;
-        so += (int)send_counts[r];
-        rd[r] = n_recv;
-        n_recv += recv_counts[r];
+        st->sd[r] = (size_t)so;
+        so += (int)st->send_counts[r];
+        st->rd[r] = st->n_recv;
+        st->n_recv += st->recv_counts[r];
         if (r != me)
-            n_sent_off_rank += send_counts[r];
+            n_sent_off_rank += st->send_counts[r];
     }
-    if (!rc && n_recv > (size_t)s->cap_tok * k)
+    if (!rc && st->n_recv > (size_t)s->cap_tok * k)
         rc = moe_error_set(err, MOE_ERR_INTERNAL, "rank %d would receive %zu rows, room for %d", me,
-                           n_recv, s->cap_tok * k);
-    if (rc) {
-        free(exp_offsets);
-        return moe_error_prefix(err, "layer %d expert dispatch", l);
-    }
+                           st->n_recv, s->cap_tok * k);
+    if (rc)
+        return moe_error_prefix(err, "layer %d expert dispatch", st->l);
     if (n_items) {
         ops->buf_upload(be, s->ep_idx, s->h_ep_tok, (size_t)n_items * sizeof(int32_t));
-        ops->gather_rows(be, s->h, s->ep_idx, n_items, d, s->ep_send);
+        ops->gather_rows(be, s->h, s->ep_idx, n_items, st->d, s->ep_send);
         ops->buf_upload(be, s->ep_ids, s->h_ep_exp, (size_t)n_items * sizeof(int32_t));
     }
     ops->synchronize(be);
-    for (int r = 0; r < W; r++) {
-        sb[r] = send_counts[r] * sizeof(int32_t);
-        sdb[r] = sd[r] * sizeof(int32_t);
-        rb[r] = recv_counts[r] * sizeof(int32_t);
-        rdb[r] = rd[r] * sizeof(int32_t);
-    }
+    size_t sb[MOE_MAX_EP_RANKS], rb[MOE_MAX_EP_RANKS], sdb[MOE_MAX_EP_RANKS], rdb[MOE_MAX_EP_RANKS];
+    to_bytes(W, st->send_counts, st->sd, sizeof(int32_t), sb, sdb);
+    to_bytes(W, st->recv_counts, st->rd, sizeof(int32_t), rb, rdb);
     rc = moe_comm_all_to_all_v(comm, s->ep_ids, sb, sdb, s->ep_rids, rb, rdb, err);
-    for (int r = 0; !rc && r < W; r++) {
-        sb[r] = send_counts[r] * row_bytes;
-        sdb[r] = sd[r] * row_bytes;
-        rb[r] = recv_counts[r] * row_bytes;
-        rdb[r] = rd[r] * row_bytes;
-    }
-    if (!rc)
+    if (!rc) {
+        to_bytes(W, st->send_counts, st->sd, st->row_bytes, sb, sdb);
+        to_bytes(W, st->recv_counts, st->rd, st->row_bytes, rb, rdb);
         rc = moe_comm_all_to_all_v(comm, s->ep_send, sb, sdb, s->ep_recv, rb, rdb, err);
-    if (rc) {
-        free(exp_offsets);
-        return moe_error_prefix(err, "layer %d expert dispatch", l);
     }
-    m->ep_bytes_sent += n_sent_off_rank * (row_bytes + sizeof(int32_t));
-    m->ep_rows_computed += n_recv;
-    m->ep_rows_routed += (uint64_t)n_items;
-
-    double t_dispatched = moe_now();
-    m->prof.dispatch_s += t_dispatched - t_begin;
-
-    /* 3. compute the received rows on the local experts */
-    if (n_recv) {
-        ops->buf_download(be, s->h_ep_rexp, s->ep_rids, n_recv * sizeof(int32_t));
-        for (size_t i = 0; i < n_recv; i++)
-            if (s->h_ep_rexp[i] < 0 || s->h_ep_rexp[i] >= c->n_expert ||
-                !w->w_gate_up[s->h_ep_rexp[i]]) {
-                free(exp_offsets);
-                return moe_error_set(err, MOE_ERR_INTERNAL,
-                                     "layer %d: rank %d received a row for expert %d it does not "
-                                     "hold (placements differ between ranks?)",
-                                     l, me, s->h_ep_rexp[i]);
-            }
-        int32_t *rorder = malloc(n_recv * sizeof *rorder);
-        if (!rorder) {
-            free(exp_offsets);
-            return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
-        }
-        sort_by_key(s->h_ep_rexp, (int)n_recv, c->n_expert, rorder, exp_offsets);
-        ops->buf_upload(be, s->ep_idx, rorder, n_recv * sizeof(int32_t));
-        free(rorder);
-        for (int e = 0; e < c->n_expert; e++) {
-            int begin = exp_offsets[e], cnt = exp_offsets[e + 1] - begin;
-            if (!cnt)
-                continue;
-            ops->gather_rows(be, s->ep_recv, s->ep_idx + begin, cnt, d, s->xe);
-            moe_model_ffn(m, s->xe, cnt, w->w_gate_up[e], c->d_ff_expert, w->w_down[e], s->ye);
-            /* ep_out[rorder[i]] = ye[i]: scatter with weight 1 into zeroed rows */
-            ops->scatter_add_rows(be, s->ye, s->ep_idx + begin, s->ones, cnt, d, s->ep_out);
-        }
-    }
-    free(exp_offsets);
-
-    /* 4. combine: outputs back to their senders, in send order */
-    ops->synchronize(be);
-    double t_computed = moe_now();
-    m->prof.experts_s += t_computed - t_dispatched;
-    for (int r = 0; r < W; r++) {
-        sb[r] = recv_counts[r] * row_bytes;
-        sdb[r] = rd[r] * row_bytes;
-        rb[r] = send_counts[r] * row_bytes;
-        rdb[r] = sd[r] * row_bytes;
-    }
-    rc = moe_comm_all_to_all_v(comm, s->ep_out, sb, sdb, s->ep_ret, rb, rdb, err);
     if (rc)
-        return moe_error_prefix(err, "layer %d expert combine", l);
-    m->ep_bytes_sent += (n_recv - recv_counts[me]) * row_bytes;
+        return moe_error_prefix(err, "layer %d expert dispatch", st->l);
+    m->ep_bytes_sent += n_sent_off_rank * (st->row_bytes + sizeof(int32_t));
+    m->ep_rows_computed += st->n_recv;
+    m->ep_rows_routed += (uint64_t)n_items;
+    return MOE_OK;
+}
+
+/* 3. Compute: the received rows, grouped by expert, through the local
+ * experts into ep_out (in receive order). Fails on a row for an expert this
+ * rank does not hold. */
+static enum moe_status ep_compute(struct ep_step *st, struct moe_error *err)
+{
+    struct moe_model *m = st->m;
+    const struct moe_config *c = &m->cfg;
+    const struct layer_weights *w = &m->layers[st->l];
+    struct scratch *s = &m->s;
+    struct moe_backend *be = m->be;
+    const struct moe_backend_ops *ops = be->ops;
+    const size_t n_recv = st->n_recv;
+    if (!n_recv)
+        return MOE_OK;
+    ops->buf_download(be, s->h_ep_rexp, s->ep_rids, n_recv * sizeof(int32_t));
+    for (size_t i = 0; i < n_recv; i++)
+        if (s->h_ep_rexp[i] < 0 || s->h_ep_rexp[i] >= c->n_expert || !w->w_gate_up[s->h_ep_rexp[i]])
+            return moe_error_set(err, MOE_ERR_INTERNAL,
+                                 "layer %d: rank %d received a row for expert %d it does not "
+                                 "hold (placements differ between ranks?)",
+                                 st->l, st->me, s->h_ep_rexp[i]);
+    int32_t *rorder = s->h_ep_order, *exp_offsets = s->h_ep_off;
+    sort_by_key(s->h_ep_rexp, (int)n_recv, c->n_expert, rorder, exp_offsets, s->h_ep_cursor);
+    ops->buf_upload(be, s->ep_idx, rorder, n_recv * sizeof(int32_t));
+    for (int e = 0; e < c->n_expert; e++) {
+        int begin = exp_offsets[e], cnt = exp_offsets[e + 1] - begin;
+        if (!cnt)
+            continue;
+        ops->gather_rows(be, s->ep_recv, s->ep_idx + begin, cnt, st->d, s->xe);
+        moe_model_ffn(m, s->xe, cnt, w->w_gate_up[e], c->d_ff_expert, w->w_down[e], s->ye);
+        /* ep_out[rorder[i]] = ye[i]: scatter with weight 1 into zeroed rows */
+        ops->scatter_add_rows(be, s->ye, s->ep_idx + begin, s->ones, cnt, st->d, s->ep_out);
+    }
+    return MOE_OK;
+}
+
+/* 4. Combine: the outputs back to their senders (ep_out -> ep_ret, in send
+ * order), then per expert in id order a weighted scatter-add into this
+ * rank's shard of ffn_out, the order the one-rank path sums in. */
+static enum moe_status ep_combine(struct ep_step *st, struct moe_error *err)
+{
+    struct moe_model *m = st->m;
+    const struct moe_config *c = &m->cfg;
+    struct scratch *s = &m->s;
+    struct moe_backend *be = m->be;
+    const struct moe_backend_ops *ops = be->ops;
+    const int W = st->W, d = st->d, n_items = st->n_items;
+    const size_t row_bytes = st->row_bytes, n_recv = st->n_recv;
+    size_t sb[MOE_MAX_EP_RANKS], rb[MOE_MAX_EP_RANKS], sdb[MOE_MAX_EP_RANKS], rdb[MOE_MAX_EP_RANKS];
+    to_bytes(W, st->recv_counts, st->rd, row_bytes, sb, sdb);
+    to_bytes(W, st->send_counts, st->sd, row_bytes, rb, rdb);
+    enum moe_status rc =
+        moe_comm_all_to_all_v(m->ep_comm, s->ep_out, sb, sdb, s->ep_ret, rb, rdb, err);
+    if (rc)
+        return moe_error_prefix(err, "layer %d expert combine", st->l);
+    m->ep_bytes_sent += (n_recv - st->recv_counts[st->me]) * row_bytes;
     /* clear what step 3 scattered into, for the next layer */
     if (n_recv)
         moe_model_zero(m, s->ep_out, n_recv * row_bytes);
-    moe_model_zero(m, s->ffn_out, (size_t)chunk * W * row_bytes);
+    moe_model_zero(m, s->ffn_out, (size_t)st->chunk * W * row_bytes);
+    if (!n_items)
+        return MOE_OK;
     /* per expert, in id order: rows of that expert among the sent items */
-    if (n_items) {
-        int32_t *pos_by_exp = malloc((size_t)n_items * sizeof *pos_by_exp);
-        int32_t *eoff = malloc(((size_t)c->n_expert + 1) * sizeof *eoff);
-        int32_t *tok = malloc((size_t)n_items * sizeof *tok);
-        float *wt = malloc((size_t)n_items * sizeof *wt);
-        if (!pos_by_exp || !eoff || !tok || !wt) {
-            free(pos_by_exp);
-            free(eoff);
-            free(tok);
-            free(wt);
-            return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
-        }
-        sort_by_key(s->h_ep_exp, n_items, c->n_expert, pos_by_exp, eoff);
-        for (int j = 0; j < n_items; j++) {
-            tok[j] = s->h_ep_tok[pos_by_exp[j]];
-            wt[j] = s->h_ep_w[pos_by_exp[j]];
-        }
-        ops->buf_upload(be, s->ep_idx, pos_by_exp, (size_t)n_items * sizeof(int32_t));
-        ops->gather_rows(be, s->ep_ret, s->ep_idx, n_items, d, s->ep_send);
-        ops->buf_upload(be, s->ep_idx, tok, (size_t)n_items * sizeof(int32_t));
-        ops->buf_upload(be, s->ep_w, wt, (size_t)n_items * sizeof(float));
-        for (int e = 0; e < c->n_expert; e++) {
-            int begin = eoff[e], cnt = eoff[e + 1] - begin;
-            if (cnt)
-                ops->scatter_add_rows(be, s->ep_send + (size_t)begin * d, s->ep_idx + begin,
-                                      s->ep_w + begin, cnt, d, s->ffn_out);
-        }
-        free(pos_by_exp);
-        free(eoff);
-        free(tok);
-        free(wt);
+    int32_t *pos_by_exp = s->h_ep_order, *eoff = s->h_ep_off, *tok = s->h_ep_ctok;
+    float *wt = s->h_ep_cw;
+    sort_by_key(s->h_ep_exp, n_items, c->n_expert, pos_by_exp, eoff, s->h_ep_cursor);
+    for (int j = 0; j < n_items; j++) {
+        tok[j] = s->h_ep_tok[pos_by_exp[j]];
+        wt[j] = s->h_ep_w[pos_by_exp[j]];
     }
+    ops->buf_upload(be, s->ep_idx, pos_by_exp, (size_t)n_items * sizeof(int32_t));
+    ops->gather_rows(be, s->ep_ret, s->ep_idx, n_items, d, s->ep_send);
+    ops->buf_upload(be, s->ep_idx, tok, (size_t)n_items * sizeof(int32_t));
+    ops->buf_upload(be, s->ep_w, wt, (size_t)n_items * sizeof(float));
+    for (int e = 0; e < c->n_expert; e++) {
+        int begin = eoff[e], cnt = eoff[e + 1] - begin;
+        if (cnt)
+            ops->scatter_add_rows(be, s->ep_send + (size_t)begin * d, s->ep_idx + begin,
+                                  s->ep_w + begin, cnt, d, s->ffn_out);
+    }
+    return MOE_OK;
+}
 
+enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_error *err)
+{
+    struct moe_backend *be = m->be;
+    struct scratch *s = &m->s;
+    struct ep_step st;
+    ep_step_init(&st, m, l, n);
+    enum moe_status rc;
+    double t_begin = moe_now();
+
+    ep_route(&st);
+    if ((rc = ep_dispatch(&st, err)))
+        return rc;
+    double t_dispatched = moe_now();
+    m->prof.dispatch_s += t_dispatched - t_begin;
+
+    if ((rc = ep_compute(&st, err)))
+        return rc;
+    be->ops->synchronize(be);
+    double t_computed = moe_now();
+    m->prof.experts_s += t_computed - t_dispatched;
+
+    if ((rc = ep_combine(&st, err)))
+        return rc;
     /* 5. every rank gets every row: all-gather of the padded shards */
-    ops->synchronize(be);
-    rc = moe_comm_all_gather(comm, s->ffn_out + (size_t)me * chunk * d, s->ffn_out,
-                             (size_t)chunk * row_bytes, err);
+    be->ops->synchronize(be);
+    rc = moe_comm_all_gather(m->ep_comm, s->ffn_out + (size_t)st.me * st.chunk * st.d, s->ffn_out,
+                             (size_t)st.chunk * st.row_bytes, err);
     if (rc)
         return moe_error_prefix(err, "layer %d expert all-gather", l);
     m->prof.combine_s += moe_now() - t_computed;

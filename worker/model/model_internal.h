@@ -74,7 +74,13 @@ struct scratch {
     float *ep_w;      /* (n*k) combine weights */
     int32_t *h_ep_tok, *h_ep_exp, *h_ep_pos, *h_ep_rexp, *h_ep_idx;
     float *h_ep_w;
-    float *h_zero; /* (n, d_model) zeros, to clear device buffers */
+    int32_t *h_ep_dest;   /* (n*k) destination rank of each item, in expert order */
+    int32_t *h_ep_order;  /* (n*k) a counting sort's permutation, rebuilt by each phase */
+    int32_t *h_ep_ctok;   /* (n*k) combine: token of each returned row, by expert */
+    float *h_ep_cw;       /* (n*k) combine: its weight */
+    int32_t *h_ep_off;    /* (n_expert + 1) offsets by expert */
+    int32_t *h_ep_cursor; /* (max(n_expert, MOE_MAX_EP_RANKS)) counting sort cursor */
+    float *h_zero;        /* (n, d_model) zeros, to clear device buffers */
 };
 
 struct moe_model {

@@ -288,128 +288,143 @@ static void to_engine_params(const Moe__V1__SamplingParams *sp, int n_prompt, in
         p->logprobs = (int)sp->logprobs;
 }
 
-static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, size_t len, void *user)
+/* Refuses what this worker cannot take, before anything is built: the
+ * handoff fields, then the coordinator's checks (common/request_check.c; a
+ * worker called directly is as strict). Returns RPC_OK or a code with msg
+ * set. */
+static enum rpc_code check_generate(const struct worker_service *ws,
+                                    const Moe__V1__WorkerGenerateRequest *rq, char *msg, size_t cap)
 {
-    struct worker_service *ws = user;
-    char msg[MOE_ERROR_MSG_MAX];
-    Moe__V1__WorkerGenerateRequest *rq = moe__v1__worker_generate_request__unpack(NULL, len, bytes);
-    enum rpc_code code = RPC_OK;
-    struct req *r = NULL;
-    if (!rq) {
-        code = RPC_INVALID_ARGUMENT;
-        snprintf(msg, sizeof msg, "request: not a valid WorkerGenerateRequest message");
-        goto fail;
-    }
     if ((rq->prefill_only || rq->handoff_id[0]) && !ws->handoffs) {
-        code = RPC_UNIMPLEMENTED;
-        snprintf(msg, sizeof msg,
+        snprintf(msg, cap,
                  "prefill_only / handoff_id: this worker cannot hand off KV (started "
                  "with --role mixed)");
-        goto fail;
+        return RPC_UNIMPLEMENTED;
     }
     if (rq->prefill_only && !rq->handoff_id[0]) {
-        code = RPC_INVALID_ARGUMENT;
-        snprintf(msg, sizeof msg, "handoff_id: required with prefill_only");
-        goto fail;
+        snprintf(msg, cap, "handoff_id: required with prefill_only");
+        return RPC_INVALID_ARGUMENT;
     }
     if (strlen(rq->handoff_id) >= KV_HANDOFF_ID_MAX) {
-        code = RPC_INVALID_ARGUMENT;
-        snprintf(msg, sizeof msg, "handoff_id: longer than %d bytes", KV_HANDOFF_ID_MAX - 1);
-        goto fail;
+        snprintf(msg, cap, "handoff_id: longer than %d bytes", KV_HANDOFF_ID_MAX - 1);
+        return RPC_INVALID_ARGUMENT;
     }
-    /* the coordinator's checks (common/request_check.c): a worker called
-     * directly is as strict */
-    if (moe_check_strings(&rq->base, msg, sizeof msg) ||
+    if (moe_check_strings(&rq->base, msg, cap) ||
         moe_check_generation(rq->request_id, rq->sampling, (unsigned)ws->cfg->vocab_size, msg,
-                             sizeof msg) ||
+                             cap) ||
         moe_check_token_ids(rq->prompt_token_ids, rq->n_prompt_token_ids,
-                            (unsigned)ws->cfg->vocab_size, "prompt_token_ids", msg, sizeof msg) ||
+                            (unsigned)ws->cfg->vocab_size, "prompt_token_ids", msg, cap) ||
         moe_check_lengths(rq->n_prompt_token_ids, rq->sampling, (unsigned)ws->cfg->max_pos, msg,
-                          sizeof msg)) {
-        code = RPC_INVALID_ARGUMENT;
-        goto fail;
-    }
+                          cap))
+        return RPC_INVALID_ARGUMENT;
     if (rq->sampling && rq->sampling->n_stop && !ws->tok) {
-        code = RPC_INVALID_ARGUMENT;
-        snprintf(msg, sizeof msg, "sampling.stop: this worker has no tokenizer.json");
-        goto fail;
+        snprintf(msg, cap, "sampling.stop: this worker has no tokenizer.json");
+        return RPC_INVALID_ARGUMENT;
     }
-    int n_prompt = (int)rq->n_prompt_token_ids;
-    int32_t *prompt = malloc((size_t)n_prompt * sizeof *prompt);
-    r = calloc(1, sizeof *r);
-    if (!prompt || !r) {
-        free(prompt);
-        code = RPC_RESOURCE_EXHAUSTED;
-        snprintf(msg, sizeof msg, "out of memory");
-        goto fail;
-    }
-    for (int i = 0; i < n_prompt; i++)
-        prompt[i] = (int32_t)rq->prompt_token_ids[i];
-    struct moe_request_params p;
-    to_engine_params(rq->sampling, n_prompt, ws->cfg->max_pos, &p);
-    p.prefill_only = rq->prefill_only;
-    snprintf(r->handoff_id, sizeof r->handoff_id, "%s", rq->handoff_id);
-    struct kv_handoff_claim claim = {0};
-    bool import = rq->handoff_id[0] && !rq->prefill_only;
-    if (import) {
-        /* The KV arrived by handoff: continue after its generated tokens. */
-        code = kv_handoff_claim(ws->handoffs, rq->handoff_id, &claim, msg, sizeof msg);
-        if (code == RPC_OK && (claim.n_prompt != n_prompt ||
-                               memcmp(claim.tokens, prompt, (size_t)n_prompt * sizeof *prompt))) {
-            code = RPC_INVALID_ARGUMENT;
-            snprintf(msg, sizeof msg, "prompt_token_ids: differ from the prompt of handoff %.100s",
-                     rq->handoff_id);
-        }
-        if (code) {
-            if (claim.tokens)
-                moe_engine_unreserve(ws->engine, claim.reservation);
-            free(claim.tokens);
-            free(prompt);
-            goto fail;
-        }
-        r->n_out = claim.n_tokens - claim.n_prompt;
-    }
-    r->ws = ws;
-    r->stream = stream;
-    r->t_recv = moe_now();
-    r->want_logprobs = p.logprobs >= 0;
-    snprintf(r->request_id, sizeof r->request_id, "%s", rq->request_id);
-    if (rq->deadline_ms)
-        r->deadline = r->t_recv + rq->deadline_ms / 1e3;
+    return RPC_OK;
+}
 
+/* A checked Generate call on its way to the engine. */
+struct gen_call {
+    struct worker_service *ws;
+    const Moe__V1__WorkerGenerateRequest *rq;
+    struct req *r;   /* handed to the engine thread once submitted */
+    int32_t *prompt; /* (n_prompt) */
+    int n_prompt;
+    struct moe_request_params p;
+    bool import;                   /* continues a KV handoff (not prefill_only) */
+    struct kv_handoff_claim claim; /* import: the handed-off sequence */
+    char msg[MOE_ERROR_MSG_MAX];   /* why it failed */
+};
+
+/* The prompt, the engine parameters and the call's state. */
+static enum rpc_code gen_call_prepare(struct gen_call *g)
+{
+    const Moe__V1__WorkerGenerateRequest *rq = g->rq;
+    g->n_prompt = (int)rq->n_prompt_token_ids;
+    g->prompt = malloc((size_t)g->n_prompt * sizeof *g->prompt);
+    g->r = calloc(1, sizeof *g->r);
+    if (!g->prompt || !g->r) {
+        snprintf(g->msg, sizeof g->msg, "out of memory");
+        return RPC_RESOURCE_EXHAUSTED;
+    }
+    for (int i = 0; i < g->n_prompt; i++)
+        g->prompt[i] = (int32_t)rq->prompt_token_ids[i];
+    to_engine_params(rq->sampling, g->n_prompt, g->ws->cfg->max_pos, &g->p);
+    g->p.prefill_only = rq->prefill_only;
+    snprintf(g->r->handoff_id, sizeof g->r->handoff_id, "%s", rq->handoff_id);
+    g->import = rq->handoff_id[0] && !rq->prefill_only;
+    return RPC_OK;
+}
+
+/* The KV arrived by handoff: claims it and checks that the prompt is the
+ * one prefilled; the output continues after its generated tokens. On an
+ * error nothing is held (the reservation is given back). */
+static enum rpc_code claim_handoff(struct gen_call *g)
+{
+    struct worker_service *ws = g->ws;
+    struct kv_handoff_claim *claim = &g->claim;
+    enum rpc_code code =
+        kv_handoff_claim(ws->handoffs, g->rq->handoff_id, claim, g->msg, sizeof g->msg);
+    if (code == RPC_OK &&
+        (claim->n_prompt != g->n_prompt ||
+         memcmp(claim->tokens, g->prompt, (size_t)g->n_prompt * sizeof *g->prompt))) {
+        code = RPC_INVALID_ARGUMENT;
+        snprintf(g->msg, sizeof g->msg,
+                 "prompt_token_ids: differ from the prompt of handoff %.100s", g->rq->handoff_id);
+    }
+    if (code) {
+        if (claim->tokens)
+            moe_engine_unreserve(ws->engine, claim->reservation);
+        free(claim->tokens);
+        return code;
+    }
+    g->r->n_out = claim->n_tokens - claim->n_prompt;
+    return RPC_OK;
+}
+
+/* Under ws->mu: hands the request to the engine (imported from the claim,
+ * or submitted with its prompt) and links r into the calls in flight;
+ * refused while the worker drains. Frees the prompt and the claim's tokens;
+ * a reservation not taken by the engine is given back. */
+static enum rpc_code submit_to_engine(struct gen_call *g, struct rpc_stream *stream)
+{
+    struct worker_service *ws = g->ws;
+    struct req *r = g->r;
+    struct kv_handoff_claim *claim = &g->claim;
     struct moe_error err = {0};
     pthread_mutex_lock(&ws->mu);
     if (ws->draining || ws->stop) {
         pthread_mutex_unlock(&ws->mu);
-        free(prompt);
-        if (import)
-            moe_engine_unreserve(ws->engine, claim.reservation);
-        free(claim.tokens);
-        code = RPC_UNAVAILABLE;
-        snprintf(msg, sizeof msg, "worker is draining: send the request elsewhere");
-        goto fail;
+        free(g->prompt);
+        g->prompt = NULL;
+        if (g->import)
+            moe_engine_unreserve(ws->engine, claim->reservation);
+        free(claim->tokens);
+        snprintf(g->msg, sizeof g->msg, "worker is draining: send the request elsewhere");
+        return RPC_UNAVAILABLE;
     }
     r->id = ws->next_id++;
     enum moe_status rc;
-    if (import) {
-        struct moe_seq_import im = {.n_prompt = claim.n_prompt,
-                                    .n_tokens = claim.n_tokens,
-                                    .tokens = claim.tokens,
-                                    .rng = claim.rng,
-                                    .reservation = claim.reservation};
-        rc = moe_engine_import(ws->engine, r->id, &im, &p, on_token, r, &err);
+    if (g->import) {
+        struct moe_seq_import im = {.n_prompt = claim->n_prompt,
+                                    .n_tokens = claim->n_tokens,
+                                    .tokens = claim->tokens,
+                                    .rng = claim->rng,
+                                    .reservation = claim->reservation};
+        rc = moe_engine_import(ws->engine, r->id, &im, &g->p, on_token, r, &err);
         if (rc)
-            moe_engine_unreserve(ws->engine, claim.reservation);
-        free(claim.tokens);
+            moe_engine_unreserve(ws->engine, claim->reservation);
+        free(claim->tokens);
     } else {
-        rc = moe_engine_submit(ws->engine, r->id, prompt, n_prompt, &p, on_token, r, &err);
+        rc = moe_engine_submit(ws->engine, r->id, g->prompt, g->n_prompt, &g->p, on_token, r, &err);
     }
-    free(prompt);
+    free(g->prompt);
+    g->prompt = NULL;
     if (rc) {
         pthread_mutex_unlock(&ws->mu);
-        code = rpc_code_from_status(rc);
-        snprintf(msg, sizeof msg, "%s", err.msg);
-        goto fail;
+        snprintf(g->msg, sizeof g->msg, "%s", err.msg);
+        return rpc_code_from_status(rc);
     }
     /* The engine thread frees r only after taking ws->mu, so r stays valid here. */
     r->next = ws->reqs;
@@ -421,14 +436,46 @@ static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, siz
     rpc_stream_set_on_cancel(stream, on_cancel, r);
     pthread_cond_signal(&ws->wake);
     pthread_mutex_unlock(&ws->mu);
+    return RPC_OK;
+}
+
+/* /moe.v1.Worker/Generate: checks the request, claims a handoff's KV when it
+ * continues one, and submits it; the engine thread streams the tokens
+ * (on_token). */
+static void handle_generate(struct rpc_stream *stream, const uint8_t *bytes, size_t len, void *user)
+{
+    struct worker_service *ws = user;
+    struct gen_call g = {.ws = ws};
+    Moe__V1__WorkerGenerateRequest *rq = moe__v1__worker_generate_request__unpack(NULL, len, bytes);
+    g.rq = rq;
+    enum rpc_code code;
+    if (!rq) {
+        code = RPC_INVALID_ARGUMENT;
+        snprintf(g.msg, sizeof g.msg, "request: not a valid WorkerGenerateRequest message");
+        goto fail;
+    }
+    if ((code = check_generate(ws, rq, g.msg, sizeof g.msg)) || (code = gen_call_prepare(&g)) ||
+        (g.import && (code = claim_handoff(&g))))
+        goto fail;
+    struct req *r = g.r;
+    r->ws = ws;
+    r->stream = stream;
+    r->t_recv = moe_now();
+    r->want_logprobs = g.p.logprobs >= 0;
+    snprintf(r->request_id, sizeof r->request_id, "%s", rq->request_id);
+    if (rq->deadline_ms)
+        r->deadline = r->t_recv + rq->deadline_ms / 1e3;
+    if ((code = submit_to_engine(&g, stream)))
+        goto fail;
     moe__v1__worker_generate_request__free_unpacked(rq, NULL);
     return;
 
 fail:
-    free(r);
+    free(g.prompt);
+    free(g.r);
     if (rq)
         moe__v1__worker_generate_request__free_unpacked(rq, NULL);
-    rpc_stream_finish(stream, code, msg);
+    rpc_stream_finish(stream, code, g.msg);
     rpc_stream_release(stream);
 }
 
