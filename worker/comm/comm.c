@@ -3,6 +3,7 @@
 #include "comm/comm.h"
 #include "clock.h"
 
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -340,3 +341,15 @@ enum moe_status moe_comm_create_nccl(const struct moe_comm_nccl_id *id, int size
     return moe_error_set(err, MOE_ERR_UNSUPPORTED, "comm_create_nccl: this build has no NCCL");
 }
 #endif
+
+void moe_comm_poll_backoff(long spins, int64_t waited_ms)
+{
+    if (spins < 200)
+        return;
+    if (waited_ms < 2) {
+        sched_yield();
+        return;
+    }
+    struct timespec ts = {0, 50 * 1000};
+    nanosleep(&ts, NULL);
+}

@@ -198,4 +198,10 @@ const char *moe_comm_backend_name(const struct moe_comm *c);
  * "ranks 2, 3" into buf. */
 void moe_comm_format_peers(char *buf, size_t cap, const int *peers, int n);
 
+/* For the backends' wait loops (poll `spins` times so far, for `waited_ms`):
+ * gives the CPU away a little more the longer a wait lasts -- a few hundred
+ * busy polls (the latency of small steps), then sched_yield, then 50 us
+ * sleeps (ranks share cores when oversubscribed). */
+void moe_comm_poll_backoff(long spins, int64_t waited_ms);
+
 #endif

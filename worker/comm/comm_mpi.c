@@ -15,7 +15,6 @@
 #include "clock.h"
 
 #include <limits.h>
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -56,21 +55,6 @@ static enum moe_status check_int(struct moe_comm *c, const char *op, size_t n,
                              "rank %d: %s: %zu elements exceed the MPI count limit %d", c->rank, op,
                              n, INT_MAX);
     return MOE_OK;
-}
-
-/* Gives the CPU away a little more the longer a wait lasts: a few hundred
- * busy polls (latency of small steps), then sched_yield, then 50 us sleeps
- * (ranks share cores when oversubscribed). */
-static void poll_backoff(long spins, int64_t waited_ms)
-{
-    if (spins < 200)
-        return;
-    if (waited_ms < 2) {
-        sched_yield();
-        return;
-    }
-    struct timespec ts = {0, 50 * 1000};
-    nanosleep(&ts, NULL);
 }
 
 /* Waits for `n` requests. peers[i] names the rank behind request i (or -1 for
@@ -130,7 +114,7 @@ static enum moe_status mpi_wait(struct moe_comm *c, const char *op, MPI_Request 
         int64_t waited = moe_now_ms() - start;
         if (c->timeout_ms > 0 && waited >= c->timeout_ms)
             break;
-        poll_backoff(spins++, waited);
+        moe_comm_poll_backoff(spins++, waited);
     }
 
     /* Timed out: name who we were waiting for, then drop what can be dropped. */

@@ -20,7 +20,6 @@
 
 #include <cuda_runtime.h>
 #include <nccl.h>
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -70,18 +69,6 @@ static enum moe_status cuda_fail(struct moe_comm *c, const char *op, const char 
     return MOE_ERR_IO;
 }
 
-static void poll_backoff(long spins, int64_t waited_ms)
-{
-    if (spins < 200)
-        return;
-    if (waited_ms < 2) {
-        sched_yield();
-        return;
-    }
-    struct timespec ts = {0, 50 * 1000};
-    nanosleep(&ts, NULL);
-}
-
 /* Waits until the NCCL communicator `nc` has finished its pending
  * non-blocking call and, when `stream_too`, until the stream is idle. `peer`
  * (or -1) names the rank a point-to-point operation waits for. */
@@ -110,7 +97,7 @@ static enum moe_status nccl_wait(struct moe_comm *c, ncclComm_t nc, int stream_t
         int64_t waited = moe_now_ms() - start;
         if (c->timeout_ms > 0 && waited >= c->timeout_ms)
             break;
-        poll_backoff(spins++, waited);
+        moe_comm_poll_backoff(spins++, waited);
     }
     char who[64];
     if (peer >= 0)
