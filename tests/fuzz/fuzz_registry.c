@@ -26,9 +26,8 @@ static void fuzz_client_destroy(struct rpc_client *c);
 #include "fuzz.h"
 #include "hostport.h"
 
-static struct rpc_client *fuzz_client_create(const char *target,
-                                             const struct rpc_client_options *opts,
-                                             struct moe_error *err)
+static struct rpc_client *
+fuzz_client_create(const char *target, const struct rpc_client_options *opts, struct moe_error *err)
 {
     (void)opts;
     if (!target || !target[0]) {
@@ -46,11 +45,8 @@ static void fuzz_client_destroy(struct rpc_client *c)
 static void event(struct coord *c, enum moe_etcd_event_type type, const char *key,
                   const char *value, size_t value_len)
 {
-    struct moe_etcd_event ev = {.type = type,
-                                .key = key,
-                                .key_len = strlen(key),
-                                .value = value,
-                                .value_len = value_len};
+    struct moe_etcd_event ev = {
+        .type = type, .key = key, .key_len = strlen(key), .value = value, .value_len = value_len};
     on_etcd_event(c, &ev);
 }
 
