@@ -377,15 +377,14 @@ def check_sse_timing(c):
     p.wait(timeout=30)
     expect(len(arrivals) >= 3000, "%d events", len(arrivals))
     first, last = arrivals[0] - t0, arrivals[-1] - t0
-    # Buffered to the end, every event would arrive in one burst after the
-    # whole generation: the spread would be a sliver of the time to the last
-    # event, and the events would share a few read() calls. Both checks are
-    # ratios and counts of a stream of this length, not speeds.
+    # Buffered to the end, every event would arrive in one burst (a few
+    # read() calls, one or two milliseconds); streamed, they arrive as the
+    # tokens are made, over the whole generation (3000 tokens take well over
+    # 10 ms on any CPU). A count, not a speed: a slow first token (a loaded
+    # machine) does not matter.
     windows = len({int((a - t0) / 0.001) for a in arrivals})
     log("  curl -N: first event at %.1f ms, last at %.1f ms, %d events in %d different 1 ms "
         "windows" % (first * 1e3, last * 1e3, len(arrivals), windows))
-    expect(last - first >= 0.5 * last, "the events came in at the end (first %.3f s, last "
-           "%.3f s)", first, last)
     expect(windows >= 10, "events arrived in only %d different 1 ms windows: buffered",
            windows)
 
