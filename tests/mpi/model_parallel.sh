@@ -20,6 +20,10 @@ test_begin moe-mp
 # sets its own short timeout on purpose).
 comm_timeout=60000
 
+errs() { # errs FILE: what a failed run said, without the start-up banners
+  grep -v "CUDA\|MiB of weights" "$1" | head -12
+}
+
 gen() { # gen OUTFILE LOGITS W ARGS...: tokens line into OUTFILE
   local out=$1 logits=$2 w=$3; shift 3
   if [ "$w" = 1 ]; then
@@ -60,7 +64,7 @@ for model in mixtral qwen3_moe; do
     for tp in 1 2; do
       name="$model W=$w TP=$tp"
       if ! gen "$tmp/w.out" "$tmp/w.bin" "$w" "${common[@]}" --tp "$tp"; then
-        bad "$name: exit non-zero: $(grep -v CUDA "$tmp/w.out.err" | head -3)"; continue
+        bad "$name: exit non-zero: $(errs "$tmp/w.out.err")"; continue
       fi
       [ "$(grep '^tokens:' "$tmp/w.out")" = "$ref_tokens" ] && ok "$name: greedy tokens identical" \
         || bad "$name: tokens differ: $(grep '^tokens:' "$tmp/w.out") vs $ref_tokens"
@@ -88,7 +92,7 @@ for pl in uneven replicated; do
      r=$("$cmp" "$tmp/w.bin" "$tmp/ref.bin" 1e-5); then
     ok "placement $pl: tokens identical, $r"
   else
-    bad "placement $pl: $(grep -v CUDA "$tmp/w.out.err" | head -3) $(grep '^tokens:' "$tmp/w.out")"
+    bad "placement $pl: $(errs "$tmp/w.out.err") $(grep '^tokens:' "$tmp/w.out")"
   fi
 done
 # Moving experts while running (live placement change at a step boundary):
@@ -99,7 +103,7 @@ if batch "$tmp/b.out" 2 "${bcommon[@]}" --placement-switch "$tmp/replicated.json
    cmp -s "$tmp/b.out" "$tmp/bref.out" && grep -q "placement: epoch 1 in force" "$tmp/b.out.all"; then
   ok "live placement switch: outputs unchanged; $(grep -m1 'placement: epoch' "$tmp/b.out.all")"
 else
-  bad "live placement switch: $(grep -v CUDA "$tmp/b.out.err" | head -3)"; diff "$tmp/b.out" "$tmp/bref.out" | head -4
+  bad "live placement switch: $(errs "$tmp/b.out.err")"; diff "$tmp/b.out" "$tmp/bref.out" | head -4
 fi
 # int8 weights: W = 2 equals W = 1 (the same quantized rows, summed in the
 # one-rank order), and experts gained by a live placement change are
@@ -111,7 +115,7 @@ if gen "$tmp/ref8.out" "$tmp/ref8.bin" 1 "${common8[@]}" &&
    r=$("$cmp" "$tmp/w8.bin" "$tmp/ref8.bin" 1e-5); then
   ok "int8 W=2: tokens identical to W=1, $r"
 else
-  bad "int8 W=2: $(grep -v CUDA "$tmp/w8.out.err" | head -3) $(grep '^tokens:' "$tmp/w8.out")"
+  bad "int8 W=2: $(errs "$tmp/w8.out.err") $(grep '^tokens:' "$tmp/w8.out")"
 fi
 bcommon8=(--model "$m" --prompts-file "$tmp/prompts.jsonl" --dtype int8 --ignore-eos --max-batch-tokens 16)
 batch "$tmp/bref8.out" 1 "${bcommon8[@]}"
@@ -119,7 +123,7 @@ if batch "$tmp/b8.out" 2 "${bcommon8[@]}" --placement-switch "$tmp/replicated.js
    cmp -s "$tmp/b8.out" "$tmp/bref8.out" && grep -q "placement: epoch 1 in force" "$tmp/b8.out.all"; then
   ok "int8 live placement switch: outputs unchanged"
 else
-  bad "int8 live placement switch: $(grep -v CUDA "$tmp/b8.out.err" | head -3)"; diff "$tmp/b8.out" "$tmp/bref8.out" | head -4
+  bad "int8 live placement switch: $(errs "$tmp/b8.out.err")"; diff "$tmp/b8.out" "$tmp/bref8.out" | head -4
 fi
 echo '{"n_rank": 2, "experts": [[0],[0],[0],[0],[0],[1],[1],[7]]}' >"$tmp/bad.json"
 if gen "$tmp/w.out" "$tmp/w.bin" 2 "${common[@]}" --placement "$tmp/bad.json"; then
