@@ -617,10 +617,12 @@ static int run_decode_loss(void)
            rpc_code_name(h->code), h->message);
 
     /* 3. Nowhere to recompute (the prefill worker drained meanwhile): an
-     * honest UNAVAILABLE that names the decode side. */
+     * honest UNAVAILABLE that names the decode side. The drain comes first:
+     * drained before the kill, the prefill worker can never be picked for
+     * the recompute, however late the handoff fails. */
     if (start_in_prefill(g, &co, &pf)) {
-        srv_kill(&dw);
         CHECK(admin_drain(co.cl, pf.addr, true));
+        srv_kill(&dw);
     }
     join_all(g);
     for (int i = 0; i < N_DL; i++)
