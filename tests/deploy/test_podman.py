@@ -446,7 +446,11 @@ def drain_check(cl, coord, addr, pod, what):
     th.join(timeout=300)
     outs = result.get("out", [])
     full = sum(1 for o in outs if f"finish: length, {tokens} tokens" in o)
-    refused = sum(1 for o in outs if "UNAVAILABLE" in o and "finish: none, 0 tokens" in o)
+    # Refused before any token: moe-client names UNAVAILABLE and prints no
+    # finish line (it would try a next --addr); a stream cut short after
+    # tokens would print "finish: none, N tokens".
+    refused = sum(1 for o in outs if "UNAVAILABLE" in o
+                  and ("finish:" not in o or "finish: none, 0 tokens" in o))
     if full + refused != len(outs) or refused != loops:
         bad = [o for o in outs if f"finish: length, {tokens} tokens" not in o and "UNAVAILABLE" not in o]
         die(f"{what}: {full} full + {refused} refused of {len(outs)} (want every loop to end on "
