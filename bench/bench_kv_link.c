@@ -21,14 +21,15 @@ static struct moe_kv_cache *cache_new(int n_block, int block_size, int heads)
 {
     struct moe_kv_cache *kv = NULL;
     struct moe_error err = {0};
-    if (moe_kv_cache_alloc(be, N_LAYER, n_block, block_size, heads * D_HEAD, &kv, &err)) {
+    if (moe_kv_cache_alloc(be, N_LAYER, n_block, block_size, heads * D_HEAD, MOE_DTYPE_F32, &kv,
+                           &err)) {
         fprintf(stderr, "bench-kv-link: %s\n", err.msg);
         exit(1);
     }
     size_t n = (size_t)n_block * block_size * kv->kv_dim;
     for (int l = 0; l < N_LAYER; l++)
         for (size_t i = 0; i < n; i += 97)
-            kv->k[l][i] = kv->v[l][i] = (float)i;
+            ((float *)kv->k[l])[i] = ((float *)kv->v[l])[i] = (float)i;
     return kv;
 }
 

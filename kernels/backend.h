@@ -50,6 +50,14 @@ struct moe_matmul_params {
     bool fast;
 };
 
+/* Element types a KV cache may hold (struct moe_kv_cache.dtype): F32, or
+ * BF16 (the CPU backend only: K and V rounded to nearest even on write, read
+ * back exactly as f32 by attention; half the bytes per token). */
+static inline bool moe_kv_dtype_valid(enum moe_dtype t)
+{
+    return t == MOE_DTYPE_F32 || t == MOE_DTYPE_BF16;
+}
+
 /* Causal grouped-query attention over a paged KV cache.
  * Token t belongs to sequence tok_seq[t] and sits at position tok_pos[t]; it
  * attends to positions 0..tok_pos[t] of its sequence, whose K/V live in the
@@ -59,8 +67,9 @@ struct moe_matmul_params {
 struct moe_attn_params {
     const float *q;              /* (n_tok, n_head, d_head) */
     float *out;                  /* (n_tok, n_head, d_head) */
-    const float *k_cache;        /* (n_slot, n_kv_head, d_head), this layer */
-    const float *v_cache;        /* (n_slot, n_kv_head, d_head), this layer */
+    const void *k_cache;         /* (n_slot, n_kv_head, d_head) of kv_dtype, this layer */
+    const void *v_cache;         /* (n_slot, n_kv_head, d_head) of kv_dtype, this layer */
+    enum moe_dtype kv_dtype;     /* F32 (0, the default) or BF16 (moe_kv_dtype_valid) */
     const int32_t *tok_seq;      /* (n_tok) */
     const int32_t *tok_pos;      /* (n_tok) */
     const int32_t *block_tables; /* (n_seq, max_blocks): block ids, row per sequence */
@@ -130,9 +139,11 @@ struct moe_backend_ops {
     void (*rope)(struct moe_backend *be, float *x, const int32_t *pos, int n_tok, int n_heads,
                  int d_head, float theta);
 
-    /* k, v (n_tok, kv_dim) written to caches (n_slot, kv_dim) at slots[t]. */
+    /* k, v (n_tok, kv_dim) f32 written to caches (n_slot, kv_dim) of element
+     * type kv_dtype (moe_kv_dtype_valid) at slots[t]; BF16 rounds to nearest
+     * even. A backend without that cache type records an error (status). */
     void (*kv_write)(struct moe_backend *be, const float *k, const float *v, const int32_t *slots,
-                     int n_tok, int kv_dim, float *k_cache, float *v_cache);
+                     int n_tok, int kv_dim, void *k_cache, void *v_cache, enum moe_dtype kv_dtype);
 
     void (*attention)(struct moe_backend *be, const struct moe_attn_params *p);
 
@@ -231,6 +242,14 @@ struct moe_backend {
     const struct moe_backend_ops *ops;
     void *ctx; /* backend private state */
 };
+
+/* The KV element type a cache on `be` gets unless told otherwise: BF16 on
+ * the CPU (half the bytes, so twice the tokens in the same memory), F32 on
+ * CUDA (whose kernels read f32 caches only). */
+static inline enum moe_dtype moe_backend_default_kv_dtype(const struct moe_backend *be)
+{
+    return be->device == MOE_DEVICE_CPU ? MOE_DTYPE_BF16 : MOE_DTYPE_F32;
+}
 
 /* CPU backend with `n_threads` worker threads (0: one per online core). */
 enum moe_status moe_backend_cpu_create(int n_threads, struct moe_backend **out,

@@ -21,6 +21,7 @@
 #include "engine/engine.h"
 #include "group/group.h"
 #include "group/launch.h"
+#include "kv/kv_cache.h"
 #include "model/model.h"
 #include "engine/offline.h"
 #include "placement.h"
@@ -58,6 +59,8 @@ struct args {
     bool profile;
     const char *placement_switch;
     bool exact;
+    enum moe_dtype kv_dtype;
+    bool kv_dtype_set;
 };
 
 static void usage(FILE *f)
@@ -83,6 +86,8 @@ static void usage(FILE *f)
            "                      (-n, --temperature, ... give the defaults)\n"
            "  --kv-blocks N       KV cache blocks (default: from --kv-memory)\n"
            "  --kv-memory MIB     KV cache budget in MiB (default 512)\n"
+           "  --kv-dtype T        KV cache elements: bf16 (CPU default: twice the tokens in\n"
+           "                      the same memory) or f32 (CUDA default, and with --exact)\n"
            "  --block-size N      tokens per KV block (default 16)\n"
            "  --max-batch-tokens N  token budget per step (default 512)\n"
            "  --max-running N     cap on running sequences (default 64)\n"
@@ -147,6 +152,10 @@ static int parse_special(const char *k, const char *v, struct args *a)
     } else if (!strcmp(k, "--dtype")) {
         if (!moe_launch_parse_dtype(v, &a->dtype))
             return cli_fail("--dtype: '%s' is not one of f32, bf16, int8", v);
+    } else if (!strcmp(k, "--kv-dtype")) {
+        if (!moe_kv_parse_dtype(v, &a->kv_dtype))
+            return cli_fail("--kv-dtype: '%s' is not one of f32, bf16", v);
+        a->kv_dtype_set = true;
     } else if (!strcmp(k, "--kv-memory")) {
         if (!cli_parse_long(v, 1, 1 << 24, &n))
             return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
@@ -327,8 +336,8 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
     };
-    size_t block_bytes = (size_t)eo.block_size * cfg->n_layer * 2 * (size_t)cfg->n_kv_head *
-                         cfg->d_head * sizeof(float);
+    size_t block_bytes = moe_kv_block_bytes(
+        cfg->n_layer, eo.block_size, cfg->n_kv_head * cfg->d_head, moe_model_kv_dtype(model));
     if (!eo.n_block) {
         long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
         eo.n_block = (int)(((size_t)mib << 20) / block_bytes);
@@ -374,8 +383,10 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
     printf("requests: %d, prompt tokens %lld (prefix-cache hits %lld), output tokens %lld\n", set.n,
            (long long)rep.prompt_tokens, (long long)rep.prefix_hit_tokens,
            (long long)rep.output_tokens);
-    printf("engine: %d KV blocks x %d tokens (%.1f MiB), max batch tokens %d, max running %d\n",
-           eo.n_block, eo.block_size, (double)block_bytes * eo.n_block / (1 << 20),
+    printf("engine: %d KV blocks x %d tokens of %s (%.1f MiB), max batch tokens %d, max running "
+           "%d\n",
+           eo.n_block, eo.block_size, moe_kv_dtype_flag(moe_model_kv_dtype(model)),
+           (double)block_bytes * eo.n_block / (1 << 20),
            eo.max_batch_tokens ? eo.max_batch_tokens : 512, eo.max_running ? eo.max_running : 64);
     printf("time: %.2f s, %lld steps, %lld preemptions, peak running %d\n", rep.wall_s,
            (long long)rep.steps, (long long)rep.preemptions, rep.peak_running);
@@ -467,7 +478,9 @@ static enum moe_status start_group(struct gen_run *g, int *argc, char ***argv)
                                  .tp = a->tp,
                                  .comm_timeout_ms = a->comm_timeout_ms,
                                  .placement = a->placement,
-                                 .exact = a->exact};
+                                 .exact = a->exact,
+                                 .kv_dtype = a->kv_dtype,
+                                 .kv_dtype_set = a->kv_dtype_set};
     enum moe_status rc = moe_launch_start(argc, argv, &la, &g->launch, &g->err);
     if (rc)
         return rc;

@@ -37,6 +37,7 @@
 #include "disagg/kv_link.h"
 #include "group/launch.h"
 #include "hostport.h"
+#include "kv/kv_cache.h"
 #include "model/model.h"
 #include "moe/v1/worker.pb-c.h"
 #include "placement.h"
@@ -67,6 +68,8 @@ struct args {
     int max_running;
     bool no_prefix_cache;
     bool exact;
+    enum moe_dtype kv_dtype;
+    bool kv_dtype_set;
     int spec_tokens;
     int drain_timeout_s;
     int tp;
@@ -99,6 +102,9 @@ static void usage(FILE *f)
                "  --threads N           CPU threads, 0 = all cores (default 0)\n"
                "  --device D            auto|cpu|cuda (default auto)\n"
                "  --kv-blocks N | --kv-memory MIB   KV cache size (default 512 MiB)\n"
+               "  --kv-dtype T          KV cache elements: bf16 (CPU default: twice the tokens\n"
+               "                        in the same memory) or f32 (CUDA default, and with\n"
+               "                        --exact); a handoff needs the same on both pools\n"
                "  --block-size N        tokens per KV block (default 16)\n"
                "  --max-batch-tokens N  token budget per step (default 512)\n"
                "  --max-running N       running sequences cap (default 64)\n"
@@ -178,7 +184,11 @@ static int parse_args(int argc, char **argv, struct args *a)
 #undef INT_OPT
         if (moe_tls_cli_flag(&a->tls, k, v) || moe_etcd_tls_cli_flag(&a->etcd_tls, k, v))
             continue;
-        if (!strcmp(k, "--kv-memory")) {
+        if (!strcmp(k, "--kv-dtype")) {
+            if (!moe_kv_parse_dtype(v, &a->kv_dtype))
+                return cli_fail("--kv-dtype: '%s' is not one of f32, bf16", v);
+            a->kv_dtype_set = true;
+        } else if (!strcmp(k, "--kv-memory")) {
             if (!cli_parse_long(v, 1, 1 << 24, &n))
                 return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
             a->kv_memory_mib = n;
@@ -271,7 +281,9 @@ static enum moe_status start_model(struct worker_run *r, int *argc, char ***argv
                                  .tp = a->tp,
                                  .comm_timeout_ms = a->comm_timeout_ms,
                                  .placement = a->placement,
-                                 .exact = a->exact};
+                                 .exact = a->exact,
+                                 .kv_dtype = a->kv_dtype,
+                                 .kv_dtype_set = a->kv_dtype_set};
     enum moe_status rc = moe_launch_start(argc, argv, &la, &r->launch, &r->err);
     if (rc)
         return rc;
@@ -380,8 +392,9 @@ static enum moe_status start_engine(struct worker_run *r)
     }
     if (!eo->n_block) {
         const struct moe_config *cfg = r->cfg;
-        size_t block_bytes = (size_t)eo->block_size * cfg->n_layer * 2 * (size_t)cfg->n_kv_head *
-                             cfg->d_head * sizeof(float);
+        size_t block_bytes =
+            moe_kv_block_bytes(cfg->n_layer, eo->block_size, cfg->n_kv_head * cfg->d_head,
+                               moe_model_kv_dtype(r->model));
         long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
         eo->n_block = (int)(((size_t)mib << 20) / block_bytes);
         if (eo->n_block < 1)
@@ -468,11 +481,12 @@ static void announce(const struct worker_run *r)
 {
     const struct args *a = &r->a;
     const struct moe_group *group = r->group;
-    printf("moe-worker: %s serving %s on %s (%s, %s, %d KV blocks x %d tokens, %d rank%s, "
+    printf("moe-worker: %s serving %s on %s (%s, %s, %d KV blocks x %d tokens of %s, %d rank%s, "
            "tp %d, pid %d)%s%s\n",
            r->id, r->name, r->address, a->role, r->be->name, r->eo.n_block, r->eo.block_size,
-           group ? group->size : 1, group && group->size > 1 ? "s" : "", group ? group->tp_size : 1,
-           (int)getpid(), a->etcd ? ", registered in etcd" : "",
+           moe_kv_dtype_flag(moe_model_kv_dtype(r->model)), group ? group->size : 1,
+           group && group->size > 1 ? "s" : "", group ? group->tp_size : 1, (int)getpid(),
+           a->etcd ? ", registered in etcd" : "",
            r->tls ? (moe_tls_has_ca(r->tls) ? ", mutual TLS" : ", TLS") : "");
     if (r->metrics) {
         printf("moe-worker: /metrics on %.*s:%d\n", moe_hostport_host_len(a->metrics_listen),

@@ -25,6 +25,10 @@
  * agree with it to ~1e-6 (tests/unit/test_kernels.c holds both to 1e-5 of a
  * double reference).
  *
+ * A BF16 cache's rows of a chunk are widened (exactly) into per-thread
+ * scratch first, so the arithmetic is that of an F32 cache holding the same
+ * rounded values, bit for bit; only half the bytes come from memory.
+ *
  * Shapes: d_head <= FA_MAX_D and n_head / n_kv_head <= FA_ROWS; others take
  * the reference path. */
 #include <math.h>
@@ -95,7 +99,8 @@ struct fa_job {
 #define FA_QT_FLOATS (FA_MAX_D * FA_ROWS) /* Q^T (d, rows) */
 #define FA_O_FLOATS (FA_ROWS * FA_MAX_D)  /* O (rows, d) */
 #define FA_P_FLOATS (FA_KB * FA_ROWS)     /* S^T, then P^T (keys, rows) */
-#define FA_SCRATCH_FLOATS (FA_QT_FLOATS + FA_O_FLOATS + FA_P_FLOATS + 3 * FA_ROWS)
+#define FA_W_FLOATS (FA_KB * FA_MAX_D)    /* a chunk's K (or V) rows widened from BF16 */
+#define FA_SCRATCH_FLOATS (FA_QT_FLOATS + FA_O_FLOATS + FA_P_FLOATS + 2 * FA_W_FLOATS + 3 * FA_ROWS)
 
 /* S^T[j][rows] = sum_k K[j][k] Q^T[k][rows] for J keys (pointers kp) and
  * MV vectors of 16 rows. */
@@ -236,7 +241,9 @@ FA_TARGET static void fa_task(void *arg, int task, int thread)
     float *qt = j->scratch + (size_t)thread * j->scratch_stride;
     float *o = qt + FA_QT_FLOATS;
     float *pt = o + FA_O_FLOATS;
-    float *mrow = pt + FA_P_FLOATS, *lrow = mrow + FA_ROWS, *alpha = lrow + FA_ROWS;
+    float *kw = pt + FA_P_FLOATS, *vw = kw + FA_W_FLOATS;
+    float *mrow = vw + FA_W_FLOATS, *lrow = mrow + FA_ROWS, *alpha = lrow + FA_ROWS;
+    const bool wide = p->kv_dtype == MOE_DTYPE_BF16;
     int32_t rpos[FA_ROWS];
 
     /* Q^T: row r = token i * rep + head g; padded rows are zero queries at
@@ -266,8 +273,16 @@ FA_TARGET static void fa_task(void *arg, int task, int thread)
             int pos = c0 + i;
             size_t slot = (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
             size_t off = slot * slot_stride + (size_t)kvh * d;
-            kp[i] = p->k_cache + off;
-            vp[i] = p->v_cache + off;
+            if (wide) {
+                float *kr = kw + (size_t)i * FA_MAX_D, *vr = vw + (size_t)i * FA_MAX_D;
+                cpu_vec_from_bf16(kr, (const uint16_t *)p->k_cache + off, d);
+                cpu_vec_from_bf16(vr, (const uint16_t *)p->v_cache + off, d);
+                kp[i] = kr;
+                vp[i] = vr;
+            } else {
+                kp[i] = (const float *)p->k_cache + off;
+                vp[i] = (const float *)p->v_cache + off;
+            }
         }
         int i = 0;
         for (; i + jt <= nk; i += jt)
@@ -331,6 +346,7 @@ static int fa_group_cmp(const void *a, const void *b)
 
 void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_params *p)
 {
+    MOE_ASSERT(moe_kv_dtype_valid(p->kv_dtype));
     if (p->n_tok <= 0)
         return;
     const int rep = p->n_head / p->n_kv_head;

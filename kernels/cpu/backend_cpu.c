@@ -59,10 +59,10 @@ static void cpu_op_rope(struct moe_backend *be, float *x, const int32_t *pos, in
 }
 
 static void cpu_op_kv_write(struct moe_backend *be, const float *k, const float *v,
-                            const int32_t *slots, int n_tok, int kv_dim, float *k_cache,
-                            float *v_cache)
+                            const int32_t *slots, int n_tok, int kv_dim, void *k_cache,
+                            void *v_cache, enum moe_dtype kv_dtype)
 {
-    cpu_kv_write(k, v, slots, n_tok, kv_dim, k_cache, v_cache);
+    cpu_kv_write(k, v, slots, n_tok, kv_dim, k_cache, v_cache, kv_dtype);
 }
 
 static void cpu_op_attention(struct moe_backend *be, const struct moe_attn_params *p)

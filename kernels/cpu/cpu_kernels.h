@@ -96,6 +96,9 @@ void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params 
 /* ---- vec.c: small vector primitives with ISA dispatch ---- */
 
 float cpu_vec_dot(const float *a, const float *b, int n);
+/* dst[i] = f32 of src[i], exact; and its inverse, rounded to nearest even. */
+void cpu_vec_from_bf16(float *dst, const uint16_t *src, int n);
+void cpu_vec_to_bf16(uint16_t *dst, const float *src, int n);
 float cpu_vec_sumsq(const float *a, int n);
 void cpu_vec_axpy(float *y, float a, const float *x, int n); /* y += a x */
 void cpu_vec_scale(float *y, float a, int n);                /* y *= a */
@@ -109,8 +112,9 @@ void cpu_rope(struct moe_threadpool *pool, float *x, const int32_t *pos, int n_t
 
 /* ---- attention.c ---- */
 
+/* kv_dtype F32 or BF16 (rounded to nearest even); anything else asserts. */
 void cpu_kv_write(const float *k, const float *v, const int32_t *slots, int n_tok, int kv_dim,
-                  float *k_cache, float *v_cache);
+                  void *k_cache, void *v_cache, enum moe_dtype kv_dtype);
 /* Tiled (FlashAttention-style) on AVX-512 with d_head <= 128, the
  * reference below otherwise. */
 void cpu_attention(struct moe_threadpool *pool, const struct moe_attn_params *p);

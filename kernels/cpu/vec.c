@@ -300,7 +300,59 @@ AVX2_TARGET static void scale_avx2(float *y, float a, int n)
         y[i] *= a;
 }
 
+/* bf16 <-> f32, bit for bit the scalar moe_bf16_to_f32 / moe_f32_to_bf16
+ * (dtype.h): widening is a shift; narrowing rounds to nearest even and
+ * keeps a NaN a (quiet) NaN. */
+AVX512_TARGET static void from_bf16_avx512(float *dst, const uint16_t *src, int n)
+{
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + i));
+        _mm512_mask_storeu_ps(dst + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+}
+
+AVX512_TARGET static void to_bf16_avx512(uint16_t *dst, const float *src, int n)
+{
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, src + i));
+        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
+        __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        r = _mm512_mask_mov_epi32(r, nan, q);
+        _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(r));
+    }
+}
+
 #endif /* VEC_X86 */
+
+void cpu_vec_from_bf16(float *dst, const uint16_t *src, int n)
+{
+#ifdef VEC_X86
+    if (cpu_kernels_isa() == CPU_ISA_AVX512) {
+        from_bf16_avx512(dst, src, n);
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++)
+        dst[i] = moe_bf16_to_f32(src[i]);
+}
+
+void cpu_vec_to_bf16(uint16_t *dst, const float *src, int n)
+{
+#ifdef VEC_X86
+    if (cpu_kernels_isa() == CPU_ISA_AVX512) {
+        to_bf16_avx512(dst, src, n);
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++)
+        dst[i] = moe_f32_to_bf16(src[i]);
+}
 
 float cpu_vec_dot(const float *a, const float *b, int n)
 {

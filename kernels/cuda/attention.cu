@@ -210,6 +210,11 @@ extern "C" const char *moe_cuda_attention_unsupported(const moe_attn_params *p, 
                                                       size_t cap)
 {
     const int d = p->d_head;
+    if (p->kv_dtype != MOE_DTYPE_F32) {
+        snprintf(why, cap, "KV cache dtype %s not supported (F32 only)",
+                 moe_dtype_name(p->kv_dtype));
+        return why;
+    }
     if (d != 16 && d != 32 && d != 64 && d != 128 && d != 256) {
         snprintf(why, cap, "d_head %d not supported (16, 32, 64, 128, 256)", d);
         return why;
@@ -262,8 +267,8 @@ extern "C" cudaError_t moe_cuda_attention(const moe_attn_params *p, void *scratc
         return cudaSuccess;
     attn_args a;
     a.q = p->q;
-    a.k_cache = p->k_cache;
-    a.v_cache = p->v_cache;
+    a.k_cache = (const float *)p->k_cache;
+    a.v_cache = (const float *)p->v_cache;
     a.out = p->out;
     a.tok_seq = p->tok_seq;
     a.tok_pos = p->tok_pos;

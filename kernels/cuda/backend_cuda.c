@@ -228,9 +228,14 @@ static void cuda_op_rope(struct moe_backend *be, float *x, const int32_t *pos, i
 }
 
 static void cuda_op_kv_write(struct moe_backend *be, const float *k, const float *v,
-                             const int32_t *slots, int n_tok, int kv_dim, float *k_cache,
-                             float *v_cache)
+                             const int32_t *slots, int n_tok, int kv_dim, void *k_cache,
+                             void *v_cache, enum moe_dtype kv_dtype)
 {
+    if (kv_dtype != MOE_DTYPE_F32) {
+        cuda_fail(be, (int)cudaErrorNotSupported,
+                  "kv_write: KV cache dtype %s not supported (F32 only)", moe_dtype_name(kv_dtype));
+        return;
+    }
     cuda_check(be,
                moe_cuda_kv_write(k, v, slots, n_tok, kv_dim, k_cache, v_cache, cuda_of(be)->stream),
                "kv_write");

@@ -68,7 +68,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
     struct moe_error err = {0};
     if (moe_backend_create("cpu", 1, &be, &err) ||
-        moe_kv_cache_alloc(be, N_LAYER, N_BLOCK, BS, N_HEAD * D_HEAD, &kv, &err)) {
+        moe_kv_cache_alloc(be, N_LAYER, N_BLOCK, BS, N_HEAD * D_HEAD, MOE_DTYPE_F32, &kv, &err)) {
         fprintf(stderr, "%s\n", err.msg);
         abort();
     }
@@ -174,8 +174,9 @@ static uint8_t *slice_for(const struct kv_link_msg *m, size_t *body_len, size_t 
     FUZZ_CHECK(w.p, "out of memory");
     static const uint8_t nccl_id[MOE_COMM_NCCL_ID_BYTES];
     put_str(&w, m->id);
-    int32_t head[6] = {N_LAYER, D_HEAD, 0, N_HEAD, m->n_tokens, BS};
-    for (int i = 0; i < 6; i++)
+    /* n_layer, d_head, kv_dtype, head_begin, head_end, n_tokens, dst_block_size */
+    int32_t head[7] = {N_LAYER, D_HEAD, MOE_DTYPE_F32, 0, N_HEAD, m->n_tokens, BS};
+    for (int i = 0; i < 7; i++)
         put_i32(&w, head[i]);
     put_ints(&w, m->blocks, m->n_blocks);
     put_i32(&w, 0); /* transport: the socket */

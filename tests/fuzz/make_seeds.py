@@ -274,10 +274,11 @@ def seeds_kv_link():
     targets = kstr("127.0.0.1:40001") + i32(0) + i32(2) + kstr("127.0.0.1:40002") + i32(2) + i32(4)
     write(d, "order", frame(ORDER, kstr("h1") + i32(23) + i32(5000) + ints([0, 1, 2]) + i32(4) +
                             ints([4, 9, 2, 7, 11, 30]) + i32(2) + targets))
-    write(d, "slice", frame(SLICE, kstr("h1") + i32(3) + i32(8) + i32(0) + i32(2) + i32(23) +
+    # n_layer, d_head, kv_dtype (0 F32, 2 BF16), head_begin, head_end, n_tokens, dst_block_size
+    write(d, "slice", frame(SLICE, kstr("h1") + i32(3) + i32(8) + i32(0) + i32(0) + i32(2) + i32(23) +
                             i32(4) + ints([4, 9, 2, 7, 11, 30]) + i32(0) + i32(0) + bytes(128) +
                             kstr("127.0.0.1:40003")))
-    write(d, "slice_nccl", frame(SLICE, kstr("h2") + i32(3) + i32(8) + i32(2) + i32(4) + i32(5) +
+    write(d, "slice_nccl", frame(SLICE, kstr("h2") + i32(3) + i32(8) + i32(2) + i32(2) + i32(4) + i32(5) +
                                  i32(16) + ints([1]) + i32(1) + i32(1) + bytes(range(128)) +
                                  kstr("10.0.0.2:40003")))
     write(d, "status_ok", frame(STATUS, i32(0) + u64(4416) + i32(1) + kstr("")))
@@ -300,14 +301,16 @@ def seeds_kv_link_server():
     per = 10 * 2 * 4 * 4  # tokens x heads x d_head x sizeof(float), per layer and kind
     payload = bytes(range(256)) * (per * 4 // 256 + 1)
 
-    def slice_hdr(hid, hb, he):
-        return kstr(hid) + i32(2) + i32(4) + i32(hb) + i32(he) + i32(10) + i32(4) + \
+    def slice_hdr(hid, hb, he, dtype=0):
+        return kstr(hid) + i32(2) + i32(4) + i32(dtype) + i32(hb) + i32(he) + i32(10) + i32(4) + \
             ints(blocks) + i32(0) + i32(0) + bytes(128) + kstr("127.0.0.1:1")
 
     write(d, "slice_h", msg(3, slice_hdr("h", 0, 2), payload[:per * 4]))
     write(d, "slice_h_short_payload", msg(3, slice_hdr("h", 0, 2), payload[:per + 7]))
     write(d, "slice_h_one_head", msg(3, slice_hdr("h", 1, 2), payload[:per * 2]))
     write(d, "slice_unknown", msg(3, slice_hdr("x", 0, 2), payload[:per * 4]))
+    write(d, "slice_h_bf16", msg(3, slice_hdr("h", 0, 2, 2), payload[:per * 2]))
+    write(d, "slice_h_bad_dtype", msg(3, slice_hdr("h", 0, 2, 77), payload[:per * 4]))
     write(d, "expect_other", msg(0, kstr("g") + i32(7) + i32(1000) + ints([0, 2])))
     write(d, "expect_out_of_cache", msg(0, kstr("g") + i32(7) + i32(1000) + ints([0, 8])))
     write(d, "forget_h", msg(1, kstr("h")))

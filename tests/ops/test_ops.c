@@ -191,7 +191,8 @@ static void run_kv_write(struct run *r, const struct op_case *c)
     shuffle_ids(perm, n_slot); /* distinct, scattered slots */
     float *dc = run_buf(r, cache, 2 * nc * 4);
     r->be->ops->kv_write(r->be, run_buf(r, k, nt * 4), run_buf(r, v, nt * 4),
-                         run_buf(r, perm, (size_t)n_tok * 4), n_tok, kv_dim, dc, dc + nc);
+                         run_buf(r, perm, (size_t)n_tok * 4), n_tok, kv_dim, dc, dc + nc,
+                         MOE_DTYPE_F32);
     run_get_floats(r, dc, 2 * nc);
     free(k);
     free(v);

@@ -329,7 +329,14 @@ static void attention_case(const char *isa, int n_kv_head, int rep, int d_head, 
         }
     }
     float *k = rand_floats((size_t)n_tok * kv_dim), *v = rand_floats((size_t)n_tok * kv_dim);
-    g_cpu->ops->kv_write(g_cpu, k, v, slots, n_tok, kv_dim, kc, vc);
+    /* A BF16 copy of the caches before the write (same rounded values). */
+    uint16_t *kcb = malloc(n_slot * kv_dim * sizeof *kcb), *vcb = malloc(n_slot * kv_dim * 2);
+    for (size_t i = 0; i < n_slot * kv_dim; i++) {
+        kcb[i] = moe_f32_to_bf16(kc[i]);
+        vcb[i] = moe_f32_to_bf16(vc[i]);
+    }
+    g_cpu->ops->kv_write(g_cpu, k, v, slots, n_tok, kv_dim, kc, vc, MOE_DTYPE_F32);
+    g_cpu->ops->kv_write(g_cpu, k, v, slots, n_tok, kv_dim, kcb, vcb, MOE_DTYPE_BF16);
     int kv_ok = 1;
     for (t = 0; t < n_tok; t++)
         kv_ok &=
@@ -395,6 +402,42 @@ static void attention_case(const char *isa, int n_kv_head, int rep, int d_head, 
     CHECKF(e < 1e-5, "%s attention n_kv_head %d rep %d d_head %d block %d n_tok %d: err %.3g", isa,
            n_kv_head, rep, d_head, block_size, n_tok, e);
     *worst = fmax(*worst, e);
+
+    /* BF16 caches: the write rounds each element to nearest even, and
+     * attention over them equals, bit for bit, attention over F32 caches
+     * holding the same rounded values. */
+    int bf_ok = 1;
+    for (t = 0; t < n_tok; t++)
+        for (int i = 0; i < kv_dim; i++) {
+            size_t c = (size_t)slots[t] * kv_dim + i, x = (size_t)t * kv_dim + i;
+            bf_ok &= kcb[c] == moe_f32_to_bf16(k[x]) && vcb[c] == moe_f32_to_bf16(v[x]);
+        }
+    CHECKF(bf_ok, "%s kv_write BF16: an element is not the nearest-even bf16", isa);
+    for (size_t i = 0; i < n_slot * kv_dim; i++) {
+        kc[i] = moe_bf16_to_f32(kcb[i]);
+        vc[i] = moe_bf16_to_f32(vcb[i]);
+    }
+    size_t nq = (size_t)n_tok * n_head * d_head;
+    float *out_bf = malloc(nq * sizeof *out_bf);
+    g_cpu->ops->attention(g_cpu, &ap); /* F32 caches of the rounded values */
+    struct moe_attn_params apb = ap;
+    apb.k_cache = kcb;
+    apb.v_cache = vcb;
+    apb.kv_dtype = MOE_DTYPE_BF16;
+    apb.out = out_bf;
+    g_cpu->ops->attention(g_cpu, &apb);
+    CHECKF(!memcmp(out, out_bf, nq * sizeof *out),
+           "%s attention over BF16 caches differs from F32 caches of the same values (n_kv_head "
+           "%d rep %d d_head %d block %d)",
+           isa, n_kv_head, rep, d_head, block_size);
+    cpu_attention_ref(g_pool, &apb); /* the reference kernel's BF16 path too */
+    cpu_attention_ref(g_pool, &ap);
+    CHECKF(!memcmp(out, out_bf, nq * sizeof *out),
+           "%s reference attention over BF16 caches differs from F32 caches of the same values",
+           isa);
+    free(out_bf);
+    free(kcb);
+    free(vcb);
     free(perm);
     free(bt);
     free(kc);
@@ -407,6 +450,40 @@ static void attention_case(const char *isa, int n_kv_head, int rep, int d_head, 
     free(q);
     free(out);
     free(ref);
+}
+
+/* cpu_vec_to_bf16 / cpu_vec_from_bf16 on this ISA against dtype.h's scalar
+ * conversions, bit for bit: ties, subnormals, infinities, NaNs, odd lengths. */
+static void test_bf16_convert(const char *isa)
+{
+    enum { N = 1000 };
+    float *x = malloc(N * sizeof *x), *back = malloc(N * sizeof *back);
+    uint16_t *h = malloc(N * sizeof *h);
+    uint32_t special[] = {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u,
+                          0xffc00001u, 0x7f800001u, 0x3f808000u, 0x3f818000u, 0x3f80ffffu,
+                          0x00000001u, 0x807fffffu, 0x7f7fffffu, 0x7f7f8000u, 0x3f7f8000u};
+    size_t n_special = sizeof special / sizeof special[0];
+    for (int i = 0; i < N; i++) {
+        uint32_t u = i < (int)n_special ? special[i] : (uint32_t)test_rng_u64(&g_rng);
+        memcpy(&x[i], &u, 4);
+    }
+    int bad = 0;
+    for (int n = 1; n <= N; n = n * 3 + 1) {
+        memset(h, 0xab, N * sizeof *h);
+        cpu_vec_to_bf16(h, x, n);
+        for (int i = 0; i < n; i++)
+            bad += h[i] != moe_f32_to_bf16(x[i]);
+        bad += n < N && h[n] != 0xabab; /* nothing written past n */
+        cpu_vec_from_bf16(back, h, n);
+        for (int i = 0; i < n; i++) {
+            float want = moe_bf16_to_f32(h[i]);
+            bad += memcmp(&back[i], &want, 4) != 0;
+        }
+    }
+    CHECKF(bad == 0, "%s: %d bf16 conversions differ from the scalar ones", isa, bad);
+    free(x);
+    free(back);
+    free(h);
 }
 
 static void test_attention(const char *isa)
@@ -1202,6 +1279,7 @@ int main(void)
         const char *name = cpu_isa_name(got);
         test_matmul(name);
         test_rmsnorm(name);
+        test_bf16_convert(name);
         test_attention(name);
     }
     CHECK(cpu_kernels_force_isa(CPU_ISA_AVX512) == best); /* clamped to what exists */

@@ -21,35 +21,37 @@
 enum { N_LAYER = 3, N_HEAD = 4, D_HEAD = 8, N_TOK = 23, N_BLOCK = 32 };
 
 static struct moe_backend *be; /* the backend under test: CPU, then CUDA where a GPU is */
+static enum moe_dtype g_dt = MOE_DTYPE_F32; /* of the caches cache_new makes */
 
-static size_t layer_floats(const struct moe_kv_cache *kv)
+static size_t layer_elems(const struct moe_kv_cache *kv)
 {
     return (size_t)kv->n_block * kv->block_size * kv->kv_dim;
 }
 
 /* One layer's K or V between the cache (backend memory) and host memory. */
-static void layer_io(struct moe_kv_cache *kv, int l, int kind, float *host, bool down)
+static void layer_io(struct moe_kv_cache *kv, int l, int kind, void *host, bool down)
 {
-    float *dev = kind ? kv->v[l] : kv->k[l];
-    size_t bytes = layer_floats(kv) * sizeof(float);
+    void *dev = kind ? kv->v[l] : kv->k[l];
+    size_t bytes = layer_elems(kv) * moe_dtype_size(kv->dtype);
     if (down)
         be->ops->buf_download(be, host, dev, bytes);
     else
         be->ops->buf_upload(be, dev, host, bytes);
 }
 
-/* A cache holding heads [hb, he) of the model, NaN-filled (unwritten = NaN). */
+/* A cache of g_dt holding heads [hb, he) of the model, NaN-filled
+ * (unwritten = NaN: all bits set, in either dtype). */
 static struct moe_kv_cache *cache_new(int block_size, int hb, int he)
 {
     struct moe_kv_cache *kv = NULL;
     struct moe_error err = {0};
-    if (moe_kv_cache_alloc(be, N_LAYER, N_BLOCK, block_size, (he - hb) * D_HEAD, &kv, &err)) {
+    if (moe_kv_cache_alloc(be, N_LAYER, N_BLOCK, block_size, (he - hb) * D_HEAD, g_dt, &kv, &err)) {
         fprintf(stderr, "%s\n", err.msg);
         exit(1);
     }
-    float *host = malloc(layer_floats(kv) * sizeof *host);
-    for (size_t i = 0; i < layer_floats(kv); i++)
-        host[i] = 0.0f / 0.0f;
+    size_t bytes = layer_elems(kv) * moe_dtype_size(kv->dtype);
+    void *host = malloc(bytes);
+    memset(host, 0xff, bytes);
     for (int l = 0; l < N_LAYER; l++)
         for (int kind = 0; kind < 2; kind++)
             layer_io(kv, l, kind, host, false);
@@ -57,30 +59,51 @@ static struct moe_kv_cache *cache_new(int block_size, int hb, int he)
     return kv;
 }
 
-/* The value of (layer, K or V, token, head, dim): distinct everywhere. */
-static float value(int l, int kind, int t, int h, int d)
+/* The bits of (layer, K or V, token, head, dim) in a cache of `dt`:
+ * distinct everywhere (BF16: consecutive finite bf16 patterns from 2^-7). */
+static uint32_t value_bits(enum moe_dtype dt, int l, int kind, int t, int h, int d)
 {
-    return (float)(((l * 2 + kind) * 1000 + t) * 100 + h * 10 + d) + 0.25f;
+    if (dt == MOE_DTYPE_BF16)
+        return 0x3c00u + (uint32_t)((((l * 2 + kind) * N_TOK + t) * N_HEAD + h) * D_HEAD + d);
+    float f = (float)(((l * 2 + kind) * 1000 + t) * 100 + h * 10 + d) + 0.25f;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
 }
 
-/* Where (token t, head h) lives in a host copy of one layer. */
-static float *at(const struct moe_kv_cache *kv, float *layer, const int32_t *blocks, int t, int h,
-                 int hb)
+/* Index of element d of (token t, head h) in a host copy of one layer. */
+static size_t at(const struct moe_kv_cache *kv, const int32_t *blocks, int t, int h, int hb, int d)
 {
     size_t slot = (size_t)blocks[t / kv->block_size] * kv->block_size + t % kv->block_size;
-    return layer + slot * kv->kv_dim + (size_t)(h - hb) * D_HEAD;
+    return slot * kv->kv_dim + (size_t)(h - hb) * D_HEAD + (size_t)d;
+}
+
+static uint32_t elem_get(const struct moe_kv_cache *kv, const void *layer, size_t i)
+{
+    if (kv->dtype == MOE_DTYPE_BF16)
+        return ((const uint16_t *)layer)[i];
+    return ((const uint32_t *)layer)[i];
+}
+
+static void elem_set(const struct moe_kv_cache *kv, void *layer, size_t i, uint32_t bits)
+{
+    if (kv->dtype == MOE_DTYPE_BF16)
+        ((uint16_t *)layer)[i] = (uint16_t)bits;
+    else
+        ((uint32_t *)layer)[i] = bits;
 }
 
 static void fill(struct moe_kv_cache *kv, const int32_t *blocks, int hb, int he)
 {
-    float *host = malloc(layer_floats(kv) * sizeof *host);
+    void *host = malloc(layer_elems(kv) * moe_dtype_size(kv->dtype));
     for (int l = 0; l < N_LAYER; l++)
         for (int kind = 0; kind < 2; kind++) {
             layer_io(kv, l, kind, host, true);
             for (int t = 0; t < N_TOK; t++)
                 for (int h = hb; h < he; h++)
                     for (int d = 0; d < D_HEAD; d++)
-                        at(kv, host, blocks, t, h, hb)[d] = value(l, kind, t, h, d);
+                        elem_set(kv, host, at(kv, blocks, t, h, hb, d),
+                                 value_bits(kv->dtype, l, kind, t, h, d));
             layer_io(kv, l, kind, host, false);
         }
     free(host);
@@ -90,14 +113,15 @@ static void fill(struct moe_kv_cache *kv, const int32_t *blocks, int hb, int he)
 static long mismatches(struct moe_kv_cache *kv, const int32_t *blocks, int hb, int he)
 {
     long bad = 0;
-    float *host = malloc(layer_floats(kv) * sizeof *host);
+    void *host = malloc(layer_elems(kv) * moe_dtype_size(kv->dtype));
     for (int l = 0; l < N_LAYER; l++)
         for (int kind = 0; kind < 2; kind++) {
             layer_io(kv, l, kind, host, true);
             for (int t = 0; t < N_TOK; t++)
                 for (int h = hb; h < he; h++)
                     for (int d = 0; d < D_HEAD; d++)
-                        bad += at(kv, host, blocks, t, h, hb)[d] != value(l, kind, t, h, d);
+                        bad += elem_get(kv, host, at(kv, blocks, t, h, hb, d)) !=
+                               value_bits(kv->dtype, l, kind, t, h, d);
         }
     free(host);
     return bad;
@@ -187,7 +211,7 @@ static void test_reslice(int src_tp, int src_bs, int dst_tp, int dst_bs)
                err.msg);
         sent += theirs;
     }
-    uint64_t want = (uint64_t)N_LAYER * 2 * N_TOK * N_HEAD * D_HEAD * sizeof(float);
+    uint64_t want = (uint64_t)N_LAYER * 2 * N_TOK * N_HEAD * D_HEAD * moe_dtype_size(g_dt);
     CHECKF(sent == want, "tp %d -> %d: %llu bytes sent, %llu expected", src_tp, dst_tp,
            (unsigned long long)sent, (unsigned long long)want);
     uint64_t got = 0;
@@ -340,8 +364,9 @@ static void slice_body(struct wb *w, const int32_t *blocks, int n_blocks)
     static const uint8_t nccl_id[MOE_COMM_NCCL_ID_BYTES] = {1, 2, 3};
     w->n = 0;
     wb_str(w, "h9");
-    int32_t v[6] = {N_LAYER, D_HEAD, 0, 2, N_TOK, 4}; /* n_layer .. dst_block_size */
-    for (int i = 0; i < 6; i++)
+    /* n_layer, d_head, kv_dtype, head_begin, head_end, n_tokens, dst_block_size */
+    int32_t v[7] = {N_LAYER, D_HEAD, MOE_DTYPE_BF16, 0, 2, N_TOK, 4};
+    for (int i = 0; i < 7; i++)
         wb_i32(w, v[i]);
     wb_ints(w, blocks, n_blocks);
     wb_i32(w, 1); /* transport */
@@ -368,9 +393,10 @@ static void test_wire(void)
 
     slice_body(&w, blocks, 6);
     CHECKF(kv_link_msg_parse(KV_LINK_MSG_SLICE, w.b, w.n, &m, &err) == MOE_OK, "%s", err.msg);
-    CHECK(m.n_layer == N_LAYER && m.d_head == D_HEAD && m.head_end == 2 && m.n_tokens == N_TOK &&
-          m.dst_block_size == 4 && m.n_blocks == 6 && m.transport == 1 && m.init == 0 &&
-          m.nccl_id.bytes[2] == 3 && !strcmp(m.sender, "127.0.0.1:9"));
+    CHECK(m.n_layer == N_LAYER && m.d_head == D_HEAD && m.kv_dtype == MOE_DTYPE_BF16 &&
+          m.head_end == 2 && m.n_tokens == N_TOK && m.dst_block_size == 4 && m.n_blocks == 6 &&
+          m.transport == 1 && m.init == 0 && m.nccl_id.bytes[2] == 3 &&
+          !strcmp(m.sender, "127.0.0.1:9"));
     kv_link_msg_clear(&m);
     /* every truncation is refused and names a field */
     int named = 0;
@@ -381,7 +407,7 @@ static void test_wire(void)
     }
     CHECKF(named == (int)w.n, "%d of %zu truncations refused by field", named, w.n);
     /* a count out of range names it */
-    memcpy(w.b + 4 + 2 + 6 * 4, &(int32_t){-3}, 4);
+    memcpy(w.b + 4 + 2 + 7 * 4, &(int32_t){-3}, 4);
     CHECKF(kv_link_msg_parse(KV_LINK_MSG_SLICE, w.b, w.n, &m, &err) == MOE_ERR_INVALID &&
                strstr(err.msg, "'dst_blocks': -3 entries"),
            "%s", err.msg);
@@ -491,6 +517,42 @@ static void test_wire_server(void)
     side_close(&dst);
 }
 
+/* Caches of another dtype on the receiving side: refused by name, nothing
+ * written. */
+static void test_dtype_mismatch(void)
+{
+    struct moe_error err = {0};
+    struct side src = {0}, dst = {0};
+    side_open(&src, 1, 4);
+    g_dt = MOE_DTYPE_BF16;
+    side_open(&dst, 1, 4);
+    g_dt = MOE_DTYPE_F32;
+    int32_t sb[8], db[8];
+    scrambled(sb, 6, 1);
+    scrambled(db, 6, 5);
+    fill(src.kv[0], sb, 0, N_HEAD);
+    CHECK(kv_link_expect(dst.link[0], NULL, "m", db, 6, N_TOK, 3000, &err) == MOE_OK);
+    struct kv_link_push p = {.id = "m",
+                             .src_blocks = sb,
+                             .n_src_blocks = 6,
+                             .n_tokens = N_TOK,
+                             .dst_blocks = db,
+                             .n_dst_blocks = 6,
+                             .dst_block_size = 4,
+                             .targets = dst.targets,
+                             .n_targets = 1,
+                             .deadline_ms = 3000};
+    uint64_t bytes = 0;
+    CHECKF(kv_link_push(src.link[0], &p, &bytes, &err) != MOE_OK &&
+               strstr(err.msg, "KV dtype: F32 sent, BF16 here"),
+           "dtype mismatch: %s", err.msg);
+    bool complete = true;
+    CHECK(kv_link_forget(dst.link[0], NULL, "m", &bytes, &complete, &err) == MOE_OK);
+    CHECKF(bytes == 0 && !complete, "a refused slice wrote %llu bytes", (unsigned long long)bytes);
+    side_close(&src);
+    side_close(&dst);
+}
+
 static void run_all(void)
 {
     test_reslice(1, 4, 1, 4);
@@ -499,6 +561,13 @@ static void run_all(void)
     test_reslice(2, 5, 4, 2); /* each sender feeds two receivers */
     test_reslice(4, 1, 2, 7);
     test_refusals();
+    if (be->device == MOE_DEVICE_CPU) { /* BF16 caches: the CPU backend only */
+        g_dt = MOE_DTYPE_BF16;
+        test_reslice(1, 4, 1, 4);
+        test_reslice(2, 5, 4, 2);
+        g_dt = MOE_DTYPE_F32;
+        test_dtype_mismatch();
+    }
 }
 
 int main(void)

@@ -258,6 +258,7 @@ enum moe_status kv_link_msg_parse(uint32_t type, const uint8_t *body, size_t len
         get_str(r, "id", m->id, sizeof m->id);
         m->n_layer = get_i32(r, "n_layer");
         m->d_head = get_i32(r, "d_head");
+        m->kv_dtype = get_i32(r, "kv_dtype");
         m->head_begin = get_i32(r, "head_begin");
         m->head_end = get_i32(r, "head_end");
         m->n_tokens = get_i32(r, "n_tokens");
@@ -640,7 +641,7 @@ struct expected {
     double deadline;
     int writers;     /* SLICEs writing now */
     uint64_t bytes;  /* payload bytes written */
-    uint64_t floats; /* K and V floats written, to tell completeness */
+    uint64_t elems;  /* K and V elements written, to tell completeness */
     struct expected *next;
 };
 
@@ -782,7 +783,7 @@ static void forget_local(struct kv_link *l, const char *id, uint64_t *bytes, boo
         *bytes = e->bytes;
         uint64_t want = (uint64_t)l->o.layout.n_layer * 2 * (uint64_t)e->n_tokens *
                         (uint64_t)(l->head_end - l->head_begin) * (uint64_t)l->o.layout.d_head;
-        *complete = e->floats == want;
+        *complete = e->elems == want;
         free(e->blocks);
         free(e);
     }
@@ -831,9 +832,10 @@ enum copy_dir { TO_HOST, FROM_HOST, TO_STAGE, FROM_STAGE };
  * or V) between the cache and the token-major buffer `buf` (n x (he - hb) x
  * d_head): host memory, or a staging buffer in backend memory. Runs of whole
  * rows inside a block move in one copy; a part of a row moves row by row. */
-static void copy_rows(struct kv_link *l, struct moe_kv_cache *kv, float *base,
-                      const int32_t *blocks, int n, int hb, int he, float *buf, enum copy_dir dir)
+static void copy_rows(struct kv_link *l, struct moe_kv_cache *kv, void *base, const int32_t *blocks,
+                      int n, int hb, int he, void *buf, enum copy_dir dir)
 {
+    const size_t esz = moe_dtype_size(kv->dtype);
     moe_kv_cache_fence(kv); /* the forward passes' writes (a push reads them) */
     struct moe_backend *be = l->o.be;
     int dh = l->o.layout.d_head, bs = kv->block_size;
@@ -844,9 +846,10 @@ static void copy_rows(struct kv_link *l, struct moe_kv_cache *kv, float *base,
         int run = whole ? bs - t % bs : 1;
         if (run > n - t)
             run = n - t;
-        float *slot = base + ((size_t)blocks[t / bs] * bs + (size_t)(t % bs)) * kv->kv_dim + off;
-        float *b = buf + (size_t)t * row;
-        size_t bytes = (size_t)run * row * sizeof(float);
+        char *slot = (char *)base +
+                     (((size_t)blocks[t / bs] * bs + (size_t)(t % bs)) * kv->kv_dim + off) * esz;
+        char *b = (char *)buf + (size_t)t * row * esz;
+        size_t bytes = (size_t)run * row * esz;
         switch (dir) {
         case TO_HOST: be->ops->buf_download(be, b, slot, bytes); break;
         case FROM_HOST: be->ops->buf_upload(be, slot, b, bytes); break;
@@ -880,7 +883,7 @@ static struct pair *pair_get(struct kv_link *l, const char *peer, bool sending)
  * through the host buffer `host`, or over the pair's NCCL communicator
  * through the staging buffer `stage`. */
 static enum moe_status move_payload(struct kv_link *l, struct kv_sock *ks, struct pair *pr,
-                                    bool sending, float *host, float *stage, size_t bytes,
+                                    bool sending, void *host, void *stage, size_t bytes,
                                     double deadline, struct moe_error *err)
 {
     if (!pr)
@@ -936,12 +939,12 @@ static bool pair_agree(struct kv_link *l, struct kv_sock *ks, struct pair *pr, b
     return use;
 }
 
-static void unpin(struct kv_link *l, struct expected *e, uint64_t bytes)
+static void unpin(struct kv_link *l, struct expected *e, uint64_t bytes, size_t esz)
 {
     pthread_mutex_lock(&l->mu);
     e->writers--;
     e->bytes += bytes;
-    e->floats += bytes / sizeof(float);
+    e->elems += bytes / esz;
     pthread_cond_broadcast(&l->cond);
     pthread_mutex_unlock(&l->mu);
 }
@@ -970,6 +973,13 @@ static void serve_slice(struct kv_link *l, struct kv_sock *ks, const struct kv_l
     } else if (n_layer != l->o.layout.n_layer || d_head != l->o.layout.d_head) {
         snprintf(msg, sizeof msg, "KV layout: %d layers x head dim %d sent, %d x %d here", n_layer,
                  d_head, l->o.layout.n_layer, l->o.layout.d_head);
+    } else if (m->kv_dtype != (int)l->kv->dtype) {
+        snprintf(msg, sizeof msg,
+                 "KV dtype: %s sent, %s here (give both pools the same --kv-dtype)",
+                 moe_kv_dtype_valid((enum moe_dtype)m->kv_dtype)
+                     ? moe_dtype_name((enum moe_dtype)m->kv_dtype)
+                     : "unknown",
+                 moe_dtype_name(l->kv->dtype));
     } else if (hb < l->head_begin || he > l->head_end || hb >= he) {
         snprintf(msg, sizeof msg, "heads [%d, %d) sent, this rank holds [%d, %d)", hb, he,
                  l->head_begin, l->head_end);
@@ -1001,9 +1011,10 @@ static void serve_slice(struct kv_link *l, struct kv_sock *ks, const struct kv_l
         pthread_mutex_unlock(&pr->mu);
         pr = NULL;
     }
-    size_t per = (size_t)n_tokens * (size_t)(he - hb) * (size_t)d_head;
-    float *host = pr ? NULL : malloc((per ? per : 1) * sizeof *host);
-    float *stage = pr ? l->o.be->ops->buf_alloc(l->o.be, (per ? per : 1) * sizeof *stage) : NULL;
+    const size_t esz = moe_dtype_size(kv->dtype);
+    size_t per = (size_t)n_tokens * (size_t)(he - hb) * (size_t)d_head * esz; /* bytes */
+    void *host = pr ? NULL : malloc(per ? per : 1);
+    void *stage = pr ? l->o.be->ops->buf_alloc(l->o.be, per ? per : 1) : NULL;
     uint64_t bytes = 0;
     if (!host && !stage)
         st = moe_error_set(&err, MOE_ERR_NOMEM, "out of memory for a slice");
@@ -1011,12 +1022,12 @@ static void serve_slice(struct kv_link *l, struct kv_sock *ks, const struct kv_l
         for (int kind = 0; kind < 2 && !st; kind++) {
             /* a sender that stops making progress fails the slice */
             double step = moe_now() + l->o.io_timeout_ms / 1e3;
-            if ((st = move_payload(l, ks, pr, false, host, stage, per * sizeof(float), step, &err)))
+            if ((st = move_payload(l, ks, pr, false, host, stage, per, step, &err)))
                 break;
-            float *base = kind ? kv->v[layer] : kv->k[layer];
+            void *base = kind ? kv->v[layer] : kv->k[layer];
             copy_rows(l, kv, base, dst, n_tokens, hb, he, pr ? stage : host,
                       pr ? FROM_STAGE : FROM_HOST);
-            bytes += per * sizeof(float);
+            bytes += per;
         }
     l->o.be->ops->synchronize(l->o.be);
     if (stage)
@@ -1029,7 +1040,7 @@ static void serve_slice(struct kv_link *l, struct kv_sock *ks, const struct kv_l
         pthread_mutex_unlock(&pr->mu);
     }
     free(host);
-    unpin(l, e, st ? 0 : bytes);
+    unpin(l, e, st ? 0 : bytes, esz);
     send_status(ks, st, bytes, false, st ? err.msg : "", moe_now() + l->o.io_timeout_ms / 1e3);
 }
 
@@ -1066,6 +1077,7 @@ static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
     put_str(&b, p->id);
     put_i32(&b, l->o.layout.n_layer);
     put_i32(&b, dh);
+    put_i32(&b, (int32_t)kv->dtype);
     put_i32(&b, hb);
     put_i32(&b, he);
     put_i32(&b, p->n_tokens);
@@ -1094,13 +1106,13 @@ static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
         pthread_mutex_unlock(&pr->mu);
         pr = NULL;
     }
-    size_t per = (size_t)p->n_tokens * (size_t)(he - hb) * (size_t)dh;
-    float *host = NULL, *stage = NULL;
+    size_t per = (size_t)p->n_tokens * (size_t)(he - hb) * (size_t)dh * moe_dtype_size(kv->dtype);
+    void *host = NULL, *stage = NULL;
     if (!rc) {
         if (pr)
-            stage = l->o.be->ops->buf_alloc(l->o.be, (per ? per : 1) * sizeof *stage);
+            stage = l->o.be->ops->buf_alloc(l->o.be, per ? per : 1);
         else
-            host = malloc((per ? per : 1) * sizeof *host);
+            host = malloc(per ? per : 1);
         if (!host && !stage)
             rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a slice");
     }
@@ -1108,10 +1120,10 @@ static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
         if (l->fault_delay_ms)
             usleep((useconds_t)l->fault_delay_ms * 1000);
         for (int kind = 0; kind < 2 && !rc; kind++) {
-            float *base = kind ? kv->v[layer] : kv->k[layer];
+            void *base = kind ? kv->v[layer] : kv->k[layer];
             copy_rows(l, kv, base, p->src_blocks, p->n_tokens, hb, he, pr ? stage : host,
                       pr ? TO_STAGE : TO_HOST);
-            rc = move_payload(l, ks, pr, true, host, stage, per * sizeof(float), deadline, err);
+            rc = move_payload(l, ks, pr, true, host, stage, per, deadline, err);
         }
         if (!rc && l->fault_die) {
             fprintf(stderr,

@@ -10,20 +10,18 @@
  *                                              the overlap of [a, b) and [c, d)
  *
  * A slice is token-major (per layer: K then V, each n_tokens x heads x d_head
- * f32), so the two sides may use different TP sizes (heads are re-sliced by
- * overlap) and different block sizes (the receiver places tokens into its own
- * blocks). Messages on a connection (one request, one STATUS answer):
- *   EXPECT  decode leader -> its ranks: blocks B are reserved for handoff H
- *           (a rank writes only into blocks expected for that handoff);
- *   FORGET  decode leader -> its ranks: drop H once no write is running,
- *           answering the bytes written and whether every row arrived;
- *   ORDER   prefill leader -> its ranks: push your slice of H to these targets;
- *   SLICE   any rank -> a decode rank: the data, written on arrival (no engine
- *           step boundary is waited for: the reserved blocks belong to no
- *           running sequence).
- * A slice for an unknown, expired or differently shaped handoff is refused
- * before a byte of it is written. Every socket operation has a timeout, so a
- * dead or stuck peer fails the handoff instead of hanging it.
+ * elements of the caches' dtype, F32 or BF16), so the two sides may use
+ * different TP sizes (heads are re-sliced by overlap) and different block
+ * sizes (the receiver places tokens into its own blocks); the dtypes must be
+ * the same (a mismatch is refused by name before a byte moves). Messages on a connection (one
+ * request, one STATUS answer): EXPECT  decode leader -> its ranks: blocks B are reserved for
+ * handoff H (a rank writes only into blocks expected for that handoff); FORGET  decode leader ->
+ * its ranks: drop H once no write is running, answering the bytes written and whether every row
+ * arrived; ORDER   prefill leader -> its ranks: push your slice of H to these targets; SLICE   any
+ * rank -> a decode rank: the data, written on arrival (no engine step boundary is waited for: the
+ * reserved blocks belong to no running sequence). A slice for an unknown, expired or differently
+ * shaped handoff is refused before a byte of it is written. Every socket operation has a timeout,
+ * so a dead or stuck peer fails the handoff instead of hanging it.
  *
  * Payloads: over the same TCP connection through host memory (the host path,
  * and the fallback), or between GPUs over NCCL (kv_link_opts.nccl: staged in a
@@ -177,6 +175,7 @@ struct kv_link_msg {
     struct kv_link_target *targets; /* (n_targets), 1..KV_LINK_MAX_RANKS of them */
     int n_targets;
     int n_layer, d_head, head_begin, head_end;
+    int kv_dtype;  /* SLICE: the payload's element type (enum moe_dtype: F32 or BF16) */
     int transport; /* SLICE: 1 = the payload goes over NCCL */
     int init;      /* SLICE: the first slice of the pair: make the communicator */
     struct moe_comm_nccl_id nccl_id;

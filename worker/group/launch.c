@@ -49,6 +49,9 @@ enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launc
     l->model_opts = (struct moe_model_opts){
         .dtype = a->dtype,
         .fast = !a->exact,
+        .kv_dtype = a->kv_dtype_set ? a->kv_dtype
+                    : a->exact      ? MOE_DTYPE_F32
+                                    : moe_backend_default_kv_dtype(l->be),
         .tp_rank = g ? g->tp_rank : 0,
         .tp_size = g ? g->tp_size : 1,
         .tp_comm = g ? moe_group_model_tp(g) : NULL,

@@ -19,6 +19,10 @@ struct moe_launch_args {
     int comm_timeout_ms;
     const char *placement; /* placement file, or NULL */
     bool exact;            /* --exact: f32 activations in every matmul (moe_model_opts.fast off) */
+    /* --kv-dtype when given (kv_dtype_set); else the backend's default
+     * (moe_backend_default_kv_dtype), F32 under --exact. */
+    enum moe_dtype kv_dtype;
+    bool kv_dtype_set;
 };
 
 struct moe_launch {

@@ -2,16 +2,47 @@
 #include "kv/kv_cache.h"
 
 #include <stdlib.h>
+#include <string.h>
+
+size_t moe_kv_block_bytes(int n_layer, int block_size, int kv_dim, enum moe_dtype dtype)
+{
+    return (size_t)block_size * (size_t)n_layer * 2 * (size_t)kv_dim * moe_dtype_size(dtype);
+}
+
+bool moe_kv_parse_dtype(const char *s, enum moe_dtype *out)
+{
+    if (!strcmp(s, "f32"))
+        *out = MOE_DTYPE_F32;
+    else if (!strcmp(s, "bf16"))
+        *out = MOE_DTYPE_BF16;
+    else
+        return false;
+    return true;
+}
+
+const char *moe_kv_dtype_flag(enum moe_dtype dtype)
+{
+    return dtype == MOE_DTYPE_F32 ? "f32" : dtype == MOE_DTYPE_BF16 ? "bf16" : "?";
+}
 
 enum moe_status moe_kv_cache_alloc(struct moe_backend *be, int n_layer, int n_block, int block_size,
-                                   int kv_dim, struct moe_kv_cache **out, struct moe_error *err)
+                                   int kv_dim, enum moe_dtype dtype, struct moe_kv_cache **out,
+                                   struct moe_error *err)
 {
     *out = NULL;
     if (n_layer <= 0 || n_block <= 0 || block_size <= 0 || kv_dim <= 0)
         return moe_error_set(err, MOE_ERR_INVALID,
-                             "KV cache of %d layers x %d blocks of %d tokens x %d floats is "
+                             "KV cache of %d layers x %d blocks of %d tokens x %d elements is "
                              "invalid",
                              n_layer, n_block, block_size, kv_dim);
+    if (!moe_kv_dtype_valid(dtype))
+        return moe_error_set(err, MOE_ERR_INVALID, "KV cache dtype %s: only F32 and BF16",
+                             moe_dtype_name(dtype));
+    if (dtype != MOE_DTYPE_F32 && be->device != MOE_DEVICE_CPU)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                             "--kv-dtype bf16: the %s backend holds f32 KV caches only "
+                             "(use --kv-dtype f32)",
+                             be->name);
     struct moe_kv_cache *kv = calloc(1, sizeof *kv);
     if (!kv)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
@@ -20,11 +51,13 @@ enum moe_status moe_kv_cache_alloc(struct moe_backend *be, int n_layer, int n_bl
     kv->n_block = n_block;
     kv->block_size = block_size;
     kv->kv_dim = kv_dim;
+    kv->dtype = dtype;
     kv->k = calloc((size_t)kv->n_layer, sizeof *kv->k);
     kv->v = calloc((size_t)kv->n_layer, sizeof *kv->v);
     if (!kv->k || !kv->v)
         goto nomem;
-    size_t bytes = (size_t)n_block * (size_t)block_size * (size_t)kv->kv_dim * sizeof(float);
+    size_t bytes =
+        (size_t)n_block * (size_t)block_size * (size_t)kv->kv_dim * moe_dtype_size(dtype);
     for (int l = 0; l < kv->n_layer; l++) {
         kv->k[l] = be->ops->buf_alloc(be, bytes);
         kv->v[l] = be->ops->buf_alloc(be, bytes);

@@ -1,5 +1,6 @@
 /* The KV cache of one shard: n_block blocks of block_size token slots, for
- * every layer, K and V of the shard's KV heads, f32, in backend memory. Slot
+ * every layer, K and V of the shard's KV heads, in backend memory, of element
+ * type `dtype` (F32, or BF16 on the CPU backend: half the bytes). Slot
  * s of layer l is k[l] + s * kv_dim; token t of block b is slot
  * b * block_size + t. Which sequence owns which block is the block pool's
  * business (kv_pool.h); this is only the memory. */
@@ -7,6 +8,8 @@
 #define MOE_KV_CACHE_H
 
 #include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
 
 #include "backend.h"
 #include "moe_error.h"
@@ -24,15 +27,27 @@ struct moe_kv_cache {
     int n_layer;
     int n_block;
     int block_size;
-    int kv_dim; /* n_kv_head_local * d_head */
-    float **k;  /* (n_layer) -> (n_block * block_size, kv_dim) on the backend */
-    float **v;
+    int kv_dim;           /* n_kv_head_local * d_head */
+    enum moe_dtype dtype; /* of every element (moe_kv_dtype_valid) */
+    void **k;             /* (n_layer) -> (n_block * block_size, kv_dim) on the backend */
+    void **v;
 };
 
-/* A cache of any shape on backend `be` (memory zeroed). On error *out is
- * NULL and nothing is allocated. */
+/* Bytes of one block of `block_size` tokens: K and V of every layer, for
+ * kv_dim elements of `dtype` per token. What --kv-memory is divided by. */
+size_t moe_kv_block_bytes(int n_layer, int block_size, int kv_dim, enum moe_dtype dtype);
+
+/* "f32" or "bf16" (the --kv-dtype spellings) into *out; false for anything
+ * else. */
+bool moe_kv_parse_dtype(const char *s, enum moe_dtype *out);
+const char *moe_kv_dtype_flag(enum moe_dtype dtype); /* "f32", "bf16", or "?" */
+
+/* A cache of any shape on backend `be` (memory zeroed). A dtype the backend
+ * cannot hold (BF16 off the CPU) is refused by name. On error *out is NULL
+ * and nothing is allocated. */
 enum moe_status moe_kv_cache_alloc(struct moe_backend *be, int n_layer, int n_block, int block_size,
-                                   int kv_dim, struct moe_kv_cache **out, struct moe_error *err);
+                                   int kv_dim, enum moe_dtype dtype, struct moe_kv_cache **out,
+                                   struct moe_error *err);
 
 /* Passes the fence (see struct moe_kv_cache): everything this thread wrote
  * into the cache before is visible to a thread passing it after, and this

@@ -206,12 +206,13 @@ static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache 
     }
     ops->rope(m->be, s->q, s->pos, n, m->n_head_local, c->d_head, c->rope_theta);
     ops->rope(m->be, s->k, s->pos, n, m->n_kv_head_local, c->d_head, c->rope_theta);
-    ops->kv_write(m->be, s->k, s->v, s->slots, n, m->kv_dim, kv->k[l], kv->v[l]);
+    ops->kv_write(m->be, s->k, s->v, s->slots, n, m->kv_dim, kv->k[l], kv->v[l], kv->dtype);
     struct moe_attn_params ap = {
         .q = s->q,
         .out = s->att,
         .k_cache = kv->k[l],
         .v_cache = kv->v[l],
+        .kv_dtype = kv->dtype,
         .tok_seq = s->seq,
         .tok_pos = s->pos,
         .block_tables = s->block_tables,

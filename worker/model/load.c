@@ -315,6 +315,10 @@ static enum moe_status check_opts(const struct moe_config *c, const struct moe_m
     if (o->i8_dequantized && o->dtype != MOE_DTYPE_I8)
         return moe_error_set(err, MOE_ERR_INVALID, "i8_dequantized needs weight dtype I8, not %s",
                              moe_dtype_name(o->dtype));
+    if (!moe_kv_dtype_valid(o->kv_dtype))
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "KV cache dtype %s is not supported (use f32 or bf16)",
+                             moe_dtype_name(o->kv_dtype));
     if (o->tp_size < 1 || o->tp_rank < 0 || o->tp_rank >= o->tp_size)
         return moe_error_set(err, MOE_ERR_INVALID, "tensor-parallel rank %d of %d is invalid",
                              o->tp_rank, o->tp_size);
@@ -512,10 +516,16 @@ enum moe_status moe_model_load_expert(struct moe_model *m, struct st_model *st, 
 
 /* ---- KV caches of this model's shape -------------------------------------------- */
 
+enum moe_dtype moe_model_kv_dtype(const struct moe_model *m)
+{
+    return m->opts.kv_dtype;
+}
+
 enum moe_status moe_kv_cache_create(const struct moe_model *m, int n_block, int block_size,
                                     struct moe_kv_cache **out, struct moe_error *err)
 {
-    return moe_kv_cache_alloc(m->be, m->cfg.n_layer, n_block, block_size, m->kv_dim, out, err);
+    return moe_kv_cache_alloc(m->be, m->cfg.n_layer, n_block, block_size, m->kv_dim,
+                              m->opts.kv_dtype, out, err);
 }
 
 void moe_kv_cache_free(const struct moe_model *m, struct moe_kv_cache *kv)

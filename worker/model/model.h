@@ -45,6 +45,11 @@ struct moe_model_opts {
      * struct moe_matmul_params.fast); elsewhere it computes as exact. The
      * binaries default to fast and take --exact. */
     bool fast;
+    /* Element type of this model's KV caches (moe_kv_cache_create): F32 (0,
+     * the default here) or BF16 (CPU backend only). The binaries take
+     * --kv-dtype and default to the backend's moe_backend_default_kv_dtype,
+     * F32 under --exact. */
+    enum moe_dtype kv_dtype;
     int tp_rank;
     int tp_size;
     struct moe_comm *tp_comm;              /* borrowed; NULL when tp_size == 1 */
@@ -112,10 +117,14 @@ bool moe_model_placement_ready(const struct moe_model *m);
 void moe_model_drop_placement(struct moe_model *m); /* forget a prepared placement */
 void moe_model_commit_placement(struct moe_model *m);
 
-/* A KV cache of this shard's shape (kv/kv_cache.h) on the model's backend. */
+/* A KV cache of this shard's shape and opts.kv_dtype (kv/kv_cache.h) on the
+ * model's backend. */
 enum moe_status moe_kv_cache_create(const struct moe_model *m, int n_block, int block_size,
                                     struct moe_kv_cache **out, struct moe_error *err);
 void moe_kv_cache_free(const struct moe_model *m, struct moe_kv_cache *kv);
+
+/* opts.kv_dtype: the element type of this model's KV caches. */
+enum moe_dtype moe_model_kv_dtype(const struct moe_model *m);
 
 /* One forward step. Host arrays; n_tok tokens from n_seq sequences.
  * Token t is tokens[t] of sequence seq[t] at position pos[t]; its K/V go to
