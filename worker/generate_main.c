@@ -24,6 +24,7 @@
 #include "kv/kv_cache.h"
 #include "model/model.h"
 #include "engine/offline.h"
+#include "engine/perplexity.h"
 #include "placement.h"
 #include "engine/spec.h"
 #include "tokenizer.h"
@@ -61,6 +62,11 @@ struct args {
     bool exact;
     enum moe_dtype kv_dtype;
     bool kv_dtype_set;
+    /* the quality meter */
+    const char *perplexity;
+    int ctx;
+    const char *kl_save;
+    const char *kl_base;
 };
 
 static void usage(FILE *f)
@@ -95,6 +101,11 @@ static void usage(FILE *f)
            "  --spec-tokens K     n-gram speculative decoding: up to K draft tokens per decode\n"
            "                      step, 0..16, 0 = off (default 0); same output, fewer steps\n"
            "  --print-outputs     print every request's tokens (and text)\n"
+           "quality meter (definitions in the README):\n"
+           "  --perplexity FILE   perplexity of the text in FILE, in windows of --ctx tokens\n"
+           "  --ctx N             window length (default 512, at most max_position_embeddings)\n"
+           "  --kl-save F.bin     also save this run's next-token distributions as a base\n"
+           "  --kl-base F.bin     KL divergence and top-1 agreement against a saved base\n"
            "  --profile           print where the forward time went, per rank (stderr)\n"
            "under mpirun (one model replica over all ranks):\n"
            "  --tp T              tensor-parallel size for attention (default 1)\n"
@@ -172,8 +183,13 @@ static int check_args(const struct args *a)
 {
     if (!a->model)
         return cli_fail("--model DIR is required");
-    if ((a->prompt != NULL) + (a->tokens != NULL) + (a->prompts_file != NULL) != 1)
-        return cli_fail("give exactly one of --prompt TEXT, --tokens IDS or --prompts-file FILE");
+    if ((a->prompt != NULL) + (a->tokens != NULL) + (a->prompts_file != NULL) +
+            (a->perplexity != NULL) !=
+        1)
+        return cli_fail("give exactly one of --prompt TEXT, --tokens IDS, --prompts-file FILE or "
+                        "--perplexity FILE");
+    if ((a->kl_save || a->kl_base || a->ctx) && !a->perplexity)
+        return cli_fail("--ctx, --kl-save and --kl-base go with --perplexity FILE");
     if (a->logits_out && a->prompts_file)
         return cli_fail("--logits-out works with one prompt, not with --prompts-file");
     return 0;
@@ -203,6 +219,9 @@ static int parse_args(int argc, char **argv, struct args *a)
         {"--placement", &a->placement},
         {"--placement-switch", &a->placement_switch},
         {"--prompts-file", &a->prompts_file},
+        {"--perplexity", &a->perplexity},
+        {"--kl-save", &a->kl_save},
+        {"--kl-base", &a->kl_base},
     };
     const struct int_opt ints[] = {
         {"-n", "--n-predict", 0, 1 << 20, &a->n_predict},
@@ -214,6 +233,7 @@ static int parse_args(int argc, char **argv, struct args *a)
         {"--max-batch-tokens", NULL, 1, 1 << 20, &a->max_batch_tokens},
         {"--spec-tokens", NULL, 0, MOE_SPEC_TOKENS_MAX, &a->spec_tokens},
         {"--max-running", NULL, 1, 1 << 16, &a->max_running},
+        {"--ctx", NULL, 4, 1 << 20, &a->ctx},
     };
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
@@ -522,7 +542,7 @@ static enum moe_status load_tokenizer(struct gen_run *g)
     char tok_path[4096];
     snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", g->a.model);
     FILE *probe = fopen(tok_path, "rb");
-    if (!probe && !g->a.prompt)
+    if (!probe && !g->a.prompt && !g->a.perplexity)
         return MOE_OK;
     if (probe)
         fclose(probe);
@@ -622,6 +642,45 @@ static int run_prompt(struct gen_run *g)
     return 0;
 }
 
+static void print_ppl_progress(void *ctx, int window, int n_window, double ppl)
+{
+    (void)ctx;
+    fprintf(stderr, "[%d/%d] %.4f%s", window, n_window, ppl, window == n_window ? "\n" : " ");
+}
+
+/* --perplexity FILE: the quality meter (engine/perplexity.h). Returns the
+ * exit code. */
+static int run_perplexity(struct gen_run *g)
+{
+    const struct args *a = &g->a;
+    size_t n = 0;
+    if (moe_perplexity_tokenize_file(g->tok, a->perplexity, &g->prompt, &n, &g->err))
+        return report_error(g);
+    int ctx = a->ctx ? a->ctx : (g->cfg->max_pos < 512 ? g->cfg->max_pos : 512);
+    struct moe_ppl_opts po = {.ctx = ctx,
+                              .kl_save = a->kl_save,
+                              .kl_base = a->kl_base,
+                              .forward = g->group ? moe_group_forward : NULL,
+                              .forward_ctx = g->group,
+                              .progress = print_ppl_progress};
+    struct moe_ppl_result r;
+    if (moe_perplexity(g->model, g->prompt, n, &po, &r, &g->err))
+        return report_error(g);
+    printf("perplexity: %s, %zu tokens, %d windows of %d, %lld scored (positions %d..%d of each)\n",
+           a->perplexity, n, r.n_window, ctx, (long long)r.n_scored, ctx / 2, ctx - 2);
+    printf("ppl: %.6f (mean nll %.6f nats), %s weights, %s, %s KV, %.2f s\n", r.ppl, r.nll_mean,
+           moe_launch_dtype_flag(a->dtype), a->exact ? "exact" : "fast",
+           moe_kv_dtype_flag(moe_model_kv_dtype(g->model)), r.seconds);
+    if (r.has_base)
+        printf("kl: vs %s (base ppl %.6f): mean %.6g, median %.6g, p99 %.6g, max %.6g; top-1 "
+               "agreement %.4f%%\n",
+               a->kl_base, r.base_ppl, r.kl_mean, r.kl_median, r.kl_p99, r.kl_max, 100 * r.top1);
+    if (a->kl_save)
+        printf("saved: %s (%lld rows of %d log-probabilities)\n", a->kl_save, (long long)r.n_scored,
+               g->cfg->vocab_size);
+    return 0;
+}
+
 /* At the end, on every path: what --profile and --placement-switch report
  * (per rank, and for the group on the leader). */
 static void print_group_report(const struct gen_run *g)
@@ -685,6 +744,8 @@ int main(int argc, char **argv)
         rc = report_error(g);
     else if (g->a.prompts_file)
         rc = run_batch(&g->a, g->model, g->tok, g->group);
+    else if (g->a.perplexity)
+        rc = run_perplexity(g);
     else
         rc = run_prompt(g);
     print_group_report(g);

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Writes the reference numbers of the quality meter (moe-generate --perplexity,
+worker/engine/perplexity.h) as Hugging Face transformers computes them, for each
+golden fixture model, into <fixture>/ppl.json:
+
+    python3 tests/golden/make_ppl_fixtures.py [FIXTURE ...]   # default: mixtral qwen3_moe
+
+The text is tests/golden/fixtures/ppl_text.txt, tokenized with the fixture's
+tokenizer.json (tokenizers library, no special tokens). Definitions, the same
+as the C code's: windows of N tokens x[wN .. wN+N) (a trailing partial window
+dropped), each run alone; in each window the logits at positions N/2 .. N-2 are
+scored against the next token. PPL = exp(mean NLL). The "bf16" run is the model
+with every weight rounded to bf16, computed in f32 (what --dtype bf16 --exact
+does); against the f32 run as the base: KL(P_f32 || P_bf16) per scored position
+(mean, median, p99 = the value at rank ceil(0.99 S) ascending, max) and the
+top-1 agreement (argmax, ties to the lower id). All sums in float64.
+
+Needs torch, transformers (5.x), tokenizers. CI does not run this: the files it
+writes are committed; tests/golden/test_perplexity.py holds the C engine to them.
+"""
+import copy
+import json
+import math
+import os
+import sys
+
+import torch
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIX = os.path.join(HERE, "fixtures")
+TEXT = os.path.join(FIX, "ppl_text.txt")
+CTX = {"mixtral": 32, "qwen3_moe": 32}
+DEFAULT_CTX = 128
+
+
+def load(dir_):
+    m = AutoModelForCausalLM.from_pretrained(dir_, dtype=torch.float32, attn_implementation="eager",
+                                             experts_implementation="eager")
+    m.eval()
+    with torch.no_grad():  # fresh, aligned memory (see make_fixtures.py)
+        for p in m.parameters():
+            p.data = p.data.clone()
+    return m
+
+
+def bf16_copy(model):
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    return m
+
+
+@torch.no_grad()
+def scored_logprobs(model, ids, ctx):
+    """float64 log-softmax rows of every scored position, and their targets."""
+    rows, targets = [], []
+    for w in range(len(ids) // ctx):
+        win = ids[w * ctx:(w + 1) * ctx]
+        logits = model(torch.tensor([win], dtype=torch.long)).logits[0].double()
+        lp = torch.log_softmax(logits, dim=-1)
+        for j in range(ctx // 2, ctx - 1):
+            rows.append(lp[j])
+            targets.append(win[j + 1])
+    return rows, targets
+
+
+def ppl_of(rows, targets):
+    nll = -sum(float(r[t]) for r, t in zip(rows, targets)) / len(rows)
+    return nll, math.exp(nll)
+
+
+def first_argmax(row):
+    mx = torch.max(row)
+    return int(torch.nonzero(row == mx)[0])
+
+
+def main(argv):
+    names = argv or ["mixtral", "qwen3_moe"]
+    torch.set_num_threads(1)
+    text = open(TEXT, encoding="utf-8").read()
+    for name in names:
+        d = os.path.join(FIX, name)
+        tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+        ids = tok.encode(text, add_special_tokens=False).ids
+        ctx = CTX.get(name, DEFAULT_CTX)
+        model = load(d)
+        base, targets = scored_logprobs(model, ids, ctx)
+        other, _ = scored_logprobs(bf16_copy(model), ids, ctx)
+        nll, ppl = ppl_of(base, targets)
+        nll16, ppl16 = ppl_of(other, targets)
+        kl = sorted(float(torch.sum(torch.exp(b) * (b - q))) for b, q in zip(base, other))
+        top1 = sum(first_argmax(b) == first_argmax(q) for b, q in zip(base, other)) / len(base)
+        k99 = max(0, math.ceil(0.99 * len(kl)) - 1)
+        out = {
+            "text": "ppl_text.txt", "n_tokens": len(ids), "ctx": ctx, "n_scored": len(base),
+            "f32": {"ppl": ppl, "nll_mean": nll},
+            "bf16": {"ppl": ppl16, "nll_mean": nll16, "kl_mean": sum(kl) / len(kl),
+                     "kl_median": kl[len(kl) // 2], "kl_p99": kl[k99], "kl_max": kl[-1],
+                     "top1": top1},
+        }
+        with open(os.path.join(d, "ppl.json"), "w") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+        print(name, json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
