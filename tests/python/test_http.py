@@ -651,11 +651,40 @@ def check_metrics_parse(c):
            ok_after - ok_before)
 
 
+def start_prometheus(c, prom, cfg):
+    """Prometheus on a free port, once /-/ready answers. free_port() can
+    lose its port to another process before Prometheus binds it (other tests
+    run beside this one): a start that exits before it is ready is retried on
+    a new port, and after three such exits the test fails with their logs."""
+    failures = []
+    for attempt in range(3):
+        port = free_port()
+        log_path = os.path.join(c.tmp, "prometheus-%d.log" % attempt)
+        p = spawn([prom, "--config.file", cfg, "--storage.tsdb.path",
+                   os.path.join(c.tmp, "tsdb-%d" % attempt),
+                   "--web.listen-address", "127.0.0.1:%d" % port, "--log.level", "warn"],
+                  log_path)
+        base = "http://127.0.0.1:%d" % port
+        t_end = time.monotonic() + 60
+        while time.monotonic() < t_end and p.poll() is None:
+            try:
+                with no_proxy.open(base + "/-/ready", timeout=5) as r:
+                    if r.status == 200:
+                        return p, base
+            except OSError:
+                pass
+            time.sleep(0.1)
+        if p.poll() is None:
+            raise AssertionError("prometheus on port %d not ready in 60 s:\n%s" %
+                                 (port, read_log(p)))
+        failures.append("port %d: exit %s: %s" % (port, p.returncode, read_log(p).strip()))
+    raise AssertionError("prometheus exited before it was ready, 3 times:\n" + "\n".join(failures))
+
+
 def check_prometheus(c):
     prom = shutil.which("prometheus")
     if not prom:
         raise Skipped("no prometheus binary (Debian package 'prometheus')")
-    port = free_port()
     cfg = os.path.join(c.tmp, "prometheus.yml")
     with open(cfg, "w") as f:
         f.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
@@ -665,10 +694,7 @@ def check_prometheus(c):
                 "  - job_name: moe-worker\n    static_configs:\n"
                 "      - targets: [%s]\n" %
                 (c.http, ", ".join("'%s'" % w[2] for w in c.workers)))
-    p = spawn([prom, "--config.file", cfg, "--storage.tsdb.path", os.path.join(c.tmp, "tsdb"),
-               "--web.listen-address", "127.0.0.1:%d" % port, "--log.level", "warn"],
-              os.path.join(c.tmp, "prometheus.log"))
-    base = "http://127.0.0.1:%d" % port
+    p, base = start_prometheus(c, prom, cfg)
 
     def query(q):
         url = base + "/api/v1/query?" + urllib.parse.urlencode({"query": q})
@@ -695,7 +721,7 @@ def check_prometheus(c):
             except (OSError, ValueError):
                 pass
             if p.poll() is not None:
-                raise AssertionError("prometheus exited:\n" + read_log(p))
+                raise AssertionError("prometheus exited (%s):\n%s" % (p.returncode, read_log(p)))
             time.sleep(0.2)
         expect(got == sent, "Prometheus answers %s = %s, the test sent %d requests in all", q, got,
                sent)
