@@ -8,7 +8,7 @@
 #   decode1      one sequence, 64 tokens after an 8-token prompt (decode tokens/s)
 #   decode16     16 sequences of 8-token prompts, 64 tokens each (decode phase:
 #                16 / mean TPOT)
-# for bf16 and int8 weights, exact (--exact: f32 activations) and fast
+# for bf16, int8 (and, with DTYPES, int4) weights, exact (--exact: f32 activations) and fast
 # (bf16 / int8 activations on the dot-product paths), 1 and 2 threads; the
 # configurations alternate inside each round, ROUNDS rounds, medians printed.
 # A STREAM triad probe (bench-triad) runs at the start of every round; the
@@ -114,7 +114,9 @@ H, KV = c["num_attention_heads"], c["num_key_value_heads"]
 dh = c.get("head_dim") or d // H
 E, k, ff = c["num_local_experts"], c["num_experts_per_tok"], c["intermediate_size"]
 def lin(rows, cols, dt):  # bytes of a Linear weight as the engine holds it
-    return rows * cols * 2 if dt == "bf16" else rows * cols + rows * 4
+    if dt == "bf16": return rows * cols * 2
+    if dt == "int4": return rows * cols // 2 + rows * (cols // 32) * 4  # --group-size 32
+    return rows * cols + rows * 4
 def attn(dt): return lin(H * dh + 2 * KV * dh, d, dt) + lin(d, H * dh, dt)
 def expert(dt): return lin(2 * ff, d, dt) + lin(d, ff, dt)
 router = E * d * 2

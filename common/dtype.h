@@ -14,9 +14,16 @@ enum moe_dtype {
      * w ~= q * scale[row]. Made at load from f32/bf16 checkpoints (common/quant.h);
      * never read from or written to a file. */
     MOE_DTYPE_I8,
+    /* Symmetric 4-bit weights in groups of G (32, 64 or 128) along each row,
+     * one f32 scale per group (W4A16): w ~= (u - 8) * scale[row][k / G],
+     * u in [0, 15], two per byte (common/quant.h has the layout). Made at
+     * load like I8; its elements are half a byte, so moe_dtype_size is 0 and
+     * code addresses it through the moe_q4_* helpers. */
+    MOE_DTYPE_I4,
 };
 
-/* Bytes per element (I8: the int8 values alone, not the row scales). */
+/* Bytes per element (I8: the int8 values alone, not the row scales; I4: 0,
+ * see above). */
 static inline size_t moe_dtype_size(enum moe_dtype t)
 {
     switch (t) {
@@ -24,11 +31,12 @@ static inline size_t moe_dtype_size(enum moe_dtype t)
     case MOE_DTYPE_F16:
     case MOE_DTYPE_BF16: return 2;
     case MOE_DTYPE_I8: return 1;
+    case MOE_DTYPE_I4: return 0;
     }
     return 0;
 }
 
-/* "F32", "F16", "BF16", "I8": the spelling safetensors uses. */
+/* "F32", "F16", "BF16", "I8" (the spellings safetensors uses), "I4". */
 static inline const char *moe_dtype_name(enum moe_dtype t)
 {
     switch (t) {
@@ -36,6 +44,7 @@ static inline const char *moe_dtype_name(enum moe_dtype t)
     case MOE_DTYPE_F16: return "F16";
     case MOE_DTYPE_BF16: return "BF16";
     case MOE_DTYPE_I8: return "I8";
+    case MOE_DTYPE_I4: return "I4";
     }
     return "?";
 }

@@ -8,7 +8,8 @@
  * Conventions (one glossary everywhere):
  *   n_tok rows of activations, row-major, f32 unless said otherwise;
  *   weights are Hugging Face Linear layout W (n_out, n_in), f32 or bf16, or
- *   int8 with one f32 scale per output row (CPU only; common/quant.h);
+ *   int8 with one f32 scale per output row, or 4-bit with one f32 scale per
+ *   group of columns (both CPU only; common/quant.h);
  *   y = x W^T, accumulated in f32.
  * Plain parameter structs cross the interface (pointers, shapes, strides),
  * so adding a field does not change every call site. */
@@ -35,12 +36,17 @@ struct moe_matmul_params {
     int n_tok;
     int n_in;
     const void *w;
-    enum moe_dtype w_dtype; /* F32, BF16 or I8 (I8: the CPU backend only) */
+    enum moe_dtype w_dtype; /* F32, BF16, I8 or I4 (I8, I4: the CPU backend only) */
     int64_t ldw;
     int n_out;
     float *y;
     bool accumulate;
-    const float *w_scale; /* I8: (n_out) row scales, W[o] = q[o] * w_scale[o]; else NULL */
+    /* I8: (n_out) row scales, W[o] = q[o] * w_scale[o]. I4: (n_out, ldw /
+     * w_group) group scales, W[o][k] = (u - 8) * w_scale[o * (ldw / w_group)
+     * + k / w_group], codes laid out as common/quant.h says (ldw and n_in
+     * multiples of w_group). Else NULL. */
+    const float *w_scale;
+    int w_group; /* I4: columns per scale (32, 64 or 128); else unused */
     /* false (the default): x stays f32 all the way, the exact path the
      * golden tests hold to transformers. true: the backend may round x to
      * bf16 (BF16 weights) or quantize each row of x to int8 with its own
@@ -102,13 +108,15 @@ struct moe_grouped_matmul_params {
     const int32_t *expert_offsets_dev; /* backend memory copy of expert_offsets, or NULL */
     const void *const *w;     /* host (n_expert): backend pointers to W_e, NULL if not held */
     const void *const *w_dev; /* backend memory copy of the pointer array `w`, or NULL */
-    enum moe_dtype w_dtype;   /* F32, BF16 or I8 (I8: the CPU backend only) */
+    enum moe_dtype w_dtype;   /* F32, BF16, I8 or I4 (I8, I4: the CPU backend only) */
     int64_t ldw;              /* >= n_in */
     float *y;                 /* (n_rows, n_out) */
     bool accumulate;
-    /* I8: host (n_expert) pointers to each expert's (n_out) row scales, NULL
-     * where the expert is not held; NULL for F32 and BF16. */
+    /* I8 / I4: host (n_expert) pointers to each expert's scales (as in
+     * struct moe_matmul_params), NULL where the expert is not held; NULL for
+     * F32 and BF16. */
     const float *const *w_scale;
+    int w_group; /* I4: as in struct moe_matmul_params */
     bool fast; /* as in struct moe_matmul_params */
 };
 

@@ -41,6 +41,7 @@ struct args {
     int top_k;
     unsigned long long seed;
     enum moe_dtype dtype;
+    int group_size;
     int threads;
     bool ignore_eos;
     /* offline batch through the engine */
@@ -78,8 +79,10 @@ static void usage(FILE *f)
            "  --top-p P           nucleus sampling, (0, 1] (default 1)\n"
            "  --top-k K           keep the K most likely tokens, 0 = off (default 0)\n"
            "  --seed S            sampling seed (default 0)\n"
-           "  --dtype T           weights in memory: f32, bf16 (default) or int8 (Linear\n"
-           "                      weights quantized per output row at load; CPU only)\n"
+           "  --dtype T           weights in memory: f32, bf16 (default), int8 (Linear\n"
+           "                      weights quantized per output row at load) or int4 (per\n"
+           "                      group of --group-size columns); int8, int4: CPU only\n"
+           "  --group-size G      int4 columns per scale: 32 (default), 64 or 128\n"
            "  --exact             f32 activations in every matmul (default: bf16 / int8\n"
            "                      activations where the CPU has dot-product instructions)\n"
            "  --threads N         CPU threads, 0 = all cores (default 0)\n"
@@ -162,7 +165,11 @@ static int parse_special(const char *k, const char *v, struct args *a)
             return cli_fail("--seed: '%s' is not a whole number >= 0", v);
     } else if (!strcmp(k, "--dtype")) {
         if (!moe_launch_parse_dtype(v, &a->dtype))
-            return cli_fail("--dtype: '%s' is not one of f32, bf16, int8", v);
+            return cli_fail("--dtype: '%s' is not one of f32, bf16, int8, int4", v);
+    } else if (!strcmp(k, "--group-size")) {
+        if (strcmp(v, "32") && strcmp(v, "64") && strcmp(v, "128"))
+            return cli_fail("--group-size: '%s' is not one of 32, 64, 128", v);
+        a->group_size = atoi(v);
     } else if (!strcmp(k, "--kv-dtype")) {
         if (!moe_kv_parse_dtype(v, &a->kv_dtype))
             return cli_fail("--kv-dtype: '%s' is not one of f32, bf16", v);
@@ -190,6 +197,8 @@ static int check_args(const struct args *a)
                         "--perplexity FILE");
     if ((a->kl_save || a->kl_base || a->ctx) && !a->perplexity)
         return cli_fail("--ctx, --kl-save and --kl-base go with --perplexity FILE");
+    if (a->group_size && a->dtype != MOE_DTYPE_I4)
+        return cli_fail("--group-size goes with --dtype int4");
     if (a->logits_out && a->prompts_file)
         return cli_fail("--logits-out works with one prompt, not with --prompts-file");
     return 0;
@@ -495,6 +504,7 @@ static enum moe_status start_group(struct gen_run *g, int *argc, char ***argv)
                                  .device = a->device,
                                  .threads = a->threads,
                                  .dtype = a->dtype,
+                                 .group_size = a->group_size,
                                  .tp = a->tp,
                                  .comm_timeout_ms = a->comm_timeout_ms,
                                  .placement = a->placement,

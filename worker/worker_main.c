@@ -59,6 +59,7 @@ struct args {
     const char *metrics_listen;
     bool kv_socket_only;
     enum moe_dtype dtype;
+    int group_size;
     int threads;
     int lease_ttl;
     int kv_blocks;
@@ -95,8 +96,10 @@ static void usage(FILE *f)
                "  --etcd URLS           etcd endpoints (http://127.0.0.1:2379,...); none = static\n"
                "  --worker-id ID        name in etcd and Admin (default worker-PORT)\n"
                "  --lease-ttl S         etcd lease TTL in seconds (default 5)\n"
-               "  --dtype T             weights in memory: f32, bf16 (default) or int8\n"
-               "                        (Linear weights quantized per row at load; CPU only)\n"
+               "  --dtype T             weights in memory: f32, bf16 (default), int8 (Linear\n"
+               "                        weights quantized per row at load) or int4 (per group\n"
+               "                        of --group-size 32 (default), 64 or 128 columns); int8,\n"
+               "                        int4: CPU only\n"
                "  --exact               f32 activations in every matmul (default: bf16 / int8\n"
                "                        activations where the CPU has dot-product instructions)\n"
                "  --threads N           CPU threads, 0 = all cores (default 0)\n"
@@ -220,7 +223,11 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->kv_socket_only = !strcmp(v, "socket");
         } else if (!strcmp(k, "--dtype")) {
             if (!moe_launch_parse_dtype(v, &a->dtype))
-                return cli_fail("--dtype: '%s' is not one of f32, bf16, int8", v);
+                return cli_fail("--dtype: '%s' is not one of f32, bf16, int8, int4", v);
+        } else if (!strcmp(k, "--group-size")) {
+            if (strcmp(v, "32") && strcmp(v, "64") && strcmp(v, "128"))
+                return cli_fail("--group-size: '%s' is not one of 32, 64, 128", v);
+            a->group_size = atoi(v);
         } else {
             usage(stderr);
             return cli_fail("unknown option '%s'", k);
@@ -228,6 +235,8 @@ static int parse_args(int argc, char **argv, struct args *a)
     }
     if (!a->model)
         return cli_fail("--model DIR is required");
+    if (a->group_size && a->dtype != MOE_DTYPE_I4)
+        return cli_fail("--group-size goes with --dtype int4");
     if (a->worker_id && strlen(a->worker_id) > 128)
         return cli_fail("--worker-id: longer than 128 characters");
     return 0;
@@ -278,6 +287,7 @@ static enum moe_status start_model(struct worker_run *r, int *argc, char ***argv
                                  .device = a->device,
                                  .threads = a->threads,
                                  .dtype = a->dtype,
+                                 .group_size = a->group_size,
                                  .tp = a->tp,
                                  .comm_timeout_ms = a->comm_timeout_ms,
                                  .placement = a->placement,

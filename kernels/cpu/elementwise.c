@@ -82,9 +82,8 @@ void cpu_embed(const void *table, enum moe_dtype dtype, const int32_t *ids, int 
                 d[i] = moe_f16_to_f32(s[i]);
             break;
         }
-        case MOE_DTYPE_I8: /* the model keeps embedding tables in f32/bf16, never int8 */
-            MOE_ASSERT(0 && "cpu_embed: int8 embedding table");
-            break;
+        case MOE_DTYPE_I8: /* the model keeps embedding tables in f32/bf16, never quantized */
+        case MOE_DTYPE_I4: MOE_ASSERT(0 && "cpu_embed: quantized embedding table"); break;
         }
     }
 }

@@ -22,11 +22,20 @@
  * (AVX2 / scalar widened scratch rows, the AVX-512 packed prefill panels)
  * they are dequantized to q * scale while widening, which costs nothing
  * extra there. Either way the result equals an f32 matmul on the
- * dequantized weights up to summation order (tests/unit/test_matmul_i8.c). */
+ * dequantized weights up to summation order (tests/unit/test_matmul_i8.c).
+ *
+ * 4-bit weights (MOE_DTYPE_I4, W4A16: one scale per group of 32..128
+ * columns, common/quant.h) are dequantized as they are read, (u - 8) * scale
+ * in f32 (exact: a 4-bit integer times a float), so every tile computes on
+ * the same values as cpu_matmul_ref: AVX-512 decode tiles widen 16 codes
+ * per row and step (a quarter of bf16's bytes), the AVX-512 packed panels
+ * dequantize while packing, and the AVX2 and scalar paths dequantize rows
+ * into their widened scratch for every tile (tests/unit/test_matmul_i4.c). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "quant.h"
 #include "simd_x86.h"
 
 #if defined(__x86_64__)
@@ -62,10 +71,27 @@ static inline float w_elem(enum moe_dtype wt, const void *w, int64_t i)
     return ((const float *)w)[i];
 }
 
-/* Address of weight element `i`. */
+/* Address of weight element `i` (not I4: see q4_row). */
 static inline const void *w_at(enum moe_dtype wt, const void *w, int64_t i)
 {
     return (const char *)w + i * (int64_t)moe_dtype_size(wt);
+}
+
+/* I4: the codes of row o, and its group scales. */
+static inline const uint8_t *q4_row(const struct moe_matmul_params *p, int64_t o)
+{
+    return (const uint8_t *)p->w + o * (p->ldw / 2);
+}
+
+static inline const float *q4_scales(const struct moe_matmul_params *p, int64_t o)
+{
+    return p->w_scale + o * (p->ldw / p->w_group);
+}
+
+/* I4: W[o][k] dequantized, (u - 8) * scale. */
+static inline float q4_elem(const struct moe_matmul_params *p, int64_t o, int64_t k)
+{
+    return (float)(moe_q4_code(q4_row(p, o), k) - 8) * q4_scales(p, o)[k / p->w_group];
 }
 
 /* ---------------------------------------------------------------------------
@@ -77,8 +103,12 @@ void cpu_matmul_ref(const struct moe_matmul_params *p)
         const float *x = p->x + (size_t)t * p->n_in;
         for (int o = 0; o < p->n_out; o++) {
             float acc = 0.0f;
-            for (int k = 0; k < p->n_in; k++)
-                acc += x[k] * w_elem(p->w_dtype, p->w, o * p->ldw + k);
+            if (p->w_dtype == MOE_DTYPE_I4)
+                for (int k = 0; k < p->n_in; k++)
+                    acc += x[k] * q4_elem(p, o, k);
+            else
+                for (int k = 0; k < p->n_in; k++)
+                    acc += x[k] * w_elem(p->w_dtype, p->w, o * p->ldw + k);
             if (p->w_dtype == MOE_DTYPE_I8)
                 acc *= p->w_scale[o];
             float *y = p->y + (size_t)t * p->n_out + o;
@@ -126,6 +156,12 @@ static inline const float *raw_scales(const struct moe_matmul_params *p, int o)
  * need no scale at the end. */
 static void widen_rows_scalar(const struct moe_matmul_params *p, int o, int R, float *dst)
 {
+    if (p->w_dtype == MOE_DTYPE_I4) { /* dequantized too */
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < p->n_in; k++)
+                dst[(size_t)r * p->n_in + k] = q4_elem(p, o + r, k);
+        return;
+    }
     for (int r = 0; r < R; r++) {
         float sc = p->w_dtype == MOE_DTYPE_I8 ? p->w_scale[o + r] : 1.0f;
         for (int k = 0; k < p->n_in; k++)
@@ -344,6 +380,102 @@ AVX512_TARGET static void mk_avx512_any(int T, int R, enum moe_dtype wt, const f
     MOE_ASSERT(0 && "mk_avx512_any: unsupported tile");
 }
 
+/* I4: the 16 dequantized weights at columns [k, k + 16) of a row of codes
+ * (k a multiple of 16), scale s: one run of a 32-column block. */
+AVX512_TARGET static inline __attribute__((always_inline)) __m512 q4_load16(const uint8_t *row,
+                                                                            int64_t k, __m512 s)
+{
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k / 32 * 16)));
+    v = k % 32 ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(0x0f));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(8))), s);
+}
+
+/* I4 decode tile: T tokens x R rows [o, o + R) of p's weights, one pass over
+ * n_in in 32-column blocks: 16 bytes of codes per row widened to two f32
+ * vectors, scaled by the block's group scale, and used by all T tokens. */
+AVX512_TARGET static inline __attribute__((always_inline)) void
+mk_q4_avx512(const int T, const int R, const struct moe_matmul_params *p, const float *x,
+             int64_t ldx, int o, float out[MK_T][MK_R])
+{
+    __m512 acc[MK_T][MK_R], acc2[MK_T][MK_R];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[t][r] = acc2[t][r] = _mm512_setzero_ps();
+    const uint8_t *rows[MK_R];
+    const float *sc[MK_R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        rows[r] = q4_row(p, o + r);
+        sc[r] = q4_scales(p, o + r);
+    }
+    /* the next tile's rows, prefetched as far ahead as this one has read */
+    const uint8_t *pf = q4_row(p, o + R);
+    const int64_t ldb = p->ldw / 2;
+    const int n_in = p->n_in, group = p->w_group;
+    for (int k = 0; k < n_in; k += 32) {
+        if (T <= 2 && k % 128 == 0) {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)pf + r * ldb + k / 2, _MM_HINT_T0);
+        }
+        __m512 x0[MK_T], x1[MK_T];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            x0[t] = _mm512_loadu_ps(x + t * ldx + k);
+            x1[t] = _mm512_loadu_ps(x + t * ldx + k + 16);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m512 s = _mm512_set1_ps(sc[r][k / group]);
+            const __m512 w0 = q4_load16(rows[r], k, s), w1 = q4_load16(rows[r], k + 16, s);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                acc[t][r] = _mm512_fmadd_ps(x0[t], w0, acc[t][r]);
+                acc2[t][r] = _mm512_fmadd_ps(x1[t], w1, acc2[t][r]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            out[t][r] = hsum512(_mm512_add_ps(acc[t][r], acc2[t][r]));
+}
+
+AVX512_TARGET static void mk_q4_avx512_any(int T, int R, const struct moe_matmul_params *p,
+                                           const float *x, int64_t ldx, int o,
+                                           float out[MK_T][MK_R])
+{
+#define MKQ4_CASE(TT, RR)                                                                          \
+    case (TT)*8 + (RR): mk_q4_avx512(TT, RR, p, x, ldx, o, out); return;
+    switch (T * 8 + R) {
+        MKQ4_CASE(1, 4)
+        MKQ4_CASE(2, 4)
+        MKQ4_CASE(3, 4)
+        MKQ4_CASE(4, 4)
+        MKQ4_CASE(1, 1)
+        MKQ4_CASE(2, 1)
+        MKQ4_CASE(3, 1)
+        MKQ4_CASE(4, 1)
+    default: break;
+    }
+#undef MKQ4_CASE
+    MOE_ASSERT(0 && "mk_q4_avx512_any: unsupported tile");
+}
+
+/* A T x R tile at rows [o, o + R) of any weight type. */
+AVX512_TARGET static void mk_tile_avx512(int T, int R, const struct moe_matmul_params *p,
+                                         const float *x, int o, float out[MK_T][MK_R])
+{
+    if (p->w_dtype == MOE_DTYPE_I4)
+        mk_q4_avx512_any(T, R, p, x, p->n_in, o, out);
+    else
+        mk_avx512_any(T, R, p->w_dtype, x, p->n_in, p->n_in, w_at(p->w_dtype, p->w, o * p->ldw),
+                      p->ldw, out);
+}
+
 /* Prefill path: W rows [o, o+R) (R <= PK_R) are packed k-major into `panel`
  * (n_in, PK_R), widened to f32 (int8 dequantized), zero-padded; then each
  * register tile of PK_T tokens x PK_R outputs broadcasts one x element per
@@ -365,6 +497,21 @@ AVX512_TARGET static void pack_panel_avx512(const struct moe_matmul_params *p, i
         float sc[16];
         for (int i = 0; i < 16; i++)
             sc[i] = i >= rr ? 0.0f : wt == MOE_DTYPE_I8 ? p->w_scale[o + r0 + i] : 1.0f;
+        if (wt == MOE_DTYPE_I4) { /* n_in is a multiple of 32: no partial vector */
+            for (int k = 0; k < n_in; k += 16) {
+                __m512 v[16];
+                for (int i = 0; i < 16; i++)
+                    v[i] =
+                        i >= rr
+                            ? _mm512_setzero_ps()
+                            : q4_load16(q4_row(p, o + r0 + i), k,
+                                        _mm512_set1_ps(q4_scales(p, o + r0 + i)[k / p->w_group]));
+                transpose16_avx512(v);
+                for (int j = 0; j < 16; j++)
+                    _mm512_storeu_ps(panel + (size_t)(k + j) * PK_R + r0, v[j]);
+            }
+            continue;
+        }
         for (int k = 0; k < n_in; k += 16) {
             const int kk = n_in - k < 16 ? n_in - k : 16;
             const __mmask16 m = (__mmask16)((1u << kk) - 1u);
@@ -444,8 +591,7 @@ AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
             int T = t_end - t < MK_T ? t_end - t : MK_T;
             for (int oo = o; oo < o + R;) {
                 int RR = o + R - oo >= MK_R ? MK_R : 1;
-                mk_avx512_any(T, RR, p->w_dtype, p->x + (size_t)t * n_in, n_in, n_in,
-                              w_at(p->w_dtype, p->w, oo * p->ldw), p->ldw, out);
+                mk_tile_avx512(T, RR, p, p->x + (size_t)t * n_in, oo, out);
                 store_tile(p, t, T, oo, RR, raw_scales(p, oo), out);
                 oo += RR;
             }
@@ -471,11 +617,10 @@ AVX512_TARGET static void tile_avx512(const struct mm_tile *mt)
     const int o_end = mt->o0 + mt->no;
     while (o < o_end) {
         int R = o_end - o >= MK_R ? MK_R : 1;
-        const void *w = w_at(p->w_dtype, p->w, o * p->ldw);
         const float *sc = raw_scales(p, o);
         for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T) {
             int T = mt->t0 + mt->nt - t < MK_T ? mt->t0 + mt->nt - t : MK_T;
-            mk_avx512_any(T, R, p->w_dtype, p->x + (size_t)t * n_in, n_in, n_in, w, p->ldw, out);
+            mk_tile_avx512(T, R, p, p->x + (size_t)t * n_in, o, out);
             store_tile(p, t, T, o, R, sc, out);
         }
         o += R;
@@ -568,7 +713,8 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
 {
     const struct moe_matmul_params *p = mt->p;
     const int n_in = p->n_in;
-    const bool widen = p->w_dtype != MOE_DTYPE_F32 && mt->nt > MK_T_AVX2;
+    const bool widen =
+        p->w_dtype == MOE_DTYPE_I4 || (p->w_dtype != MOE_DTYPE_F32 && mt->nt > MK_T_AVX2);
     float out[MK_T][MK_R];
     int o = mt->o0;
     const int o_end = mt->o0 + mt->no;
@@ -645,7 +791,10 @@ void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
         return;
     MOE_ASSERT(p->ldw >= p->n_in && p->n_in >= 0);
     MOE_ASSERT(p->w_dtype == MOE_DTYPE_F32 || p->w_dtype == MOE_DTYPE_BF16 ||
-               (p->w_dtype == MOE_DTYPE_I8 && p->w_scale != NULL));
+               (p->w_dtype == MOE_DTYPE_I8 && p->w_scale != NULL) ||
+               (p->w_dtype == MOE_DTYPE_I4 && p->w_scale != NULL &&
+                moe_q4_group_valid(p->w_group) && p->n_in % p->w_group == 0 &&
+                p->ldw % p->w_group == 0));
     if (p->fast && cpu_matmul_dot_supported(p)) {
         cpu_matmul_dot(pool, p);
         return;
@@ -665,7 +814,8 @@ void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
     size_t scratch_rows = MK_R;
     bool need_scratch =
         p->w_dtype != MOE_DTYPE_F32 &&
-        (job.isa == CPU_ISA_SCALAR || (job.isa == CPU_ISA_AVX2 && job.tok_block > MK_T_AVX2));
+        (job.isa == CPU_ISA_SCALAR ||
+         (job.isa == CPU_ISA_AVX2 && (job.tok_block > MK_T_AVX2 || p->w_dtype == MOE_DTYPE_I4)));
     if (job.isa == CPU_ISA_AVX512 && p->n_tok >= PK_MIN_TOK) {
         /* Packed path: row blocks of whole panels, wide token blocks. */
         job.row_block = rb <= PK_R ? PK_R : (rb + PK_R - 1) / PK_R * PK_R;

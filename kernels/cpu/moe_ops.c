@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "quant.h"
 #include "sample_math.h"
 
 /* ---- grouped matmul ---- */
@@ -14,13 +15,21 @@
 enum moe_status moe_grouped_matmul_check(const struct moe_grouped_matmul_params *p,
                                          struct moe_error *err)
 {
-    if (p->w_dtype != MOE_DTYPE_F32 && p->w_dtype != MOE_DTYPE_BF16 && p->w_dtype != MOE_DTYPE_I8)
+    const bool quant = p->w_dtype == MOE_DTYPE_I8 || p->w_dtype == MOE_DTYPE_I4;
+    if (p->w_dtype != MOE_DTYPE_F32 && p->w_dtype != MOE_DTYPE_BF16 && !quant)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                             "grouped_matmul: w_dtype %s not supported (F32, BF16 or I8)",
+                             "grouped_matmul: w_dtype %s not supported (F32, BF16, I8 or I4)",
                              moe_dtype_name(p->w_dtype));
-    if (p->w_dtype == MOE_DTYPE_I8 && !p->w_scale)
+    if (quant && !p->w_scale)
         return moe_error_set(err, MOE_ERR_INVALID,
-                             "grouped_matmul: I8 weights need the host w_scale array");
+                             "grouped_matmul: %s weights need the host w_scale array",
+                             moe_dtype_name(p->w_dtype));
+    if (p->w_dtype == MOE_DTYPE_I4 &&
+        (!moe_q4_group_valid(p->w_group) || p->n_in % p->w_group || p->ldw % p->w_group))
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "grouped_matmul: I4 group %d does not divide n_in %d and ldw %lld "
+                             "(32, 64 or 128)",
+                             p->w_group, p->n_in, (long long)p->ldw);
     if (p->n_rows < 0 || p->n_in < 0 || p->n_out < 0 || p->n_expert < 1)
         return moe_error_set(
             err, MOE_ERR_INVALID,
@@ -46,10 +55,10 @@ enum moe_status moe_grouped_matmul_check(const struct moe_grouped_matmul_params 
             return moe_error_set(err, MOE_ERR_INVALID,
                                  "grouped_matmul: expert %d has %d rows but no weights (NULL)", e,
                                  off[e + 1] - off[e]);
-        if (off[e + 1] > off[e] && p->w_dtype == MOE_DTYPE_I8 && !p->w_scale[e])
+        if (off[e + 1] > off[e] && quant && !p->w_scale[e])
             return moe_error_set(err, MOE_ERR_INVALID,
-                                 "grouped_matmul: I8 expert %d has %d rows but no scales (NULL)", e,
-                                 off[e + 1] - off[e]);
+                                 "grouped_matmul: %s expert %d has %d rows but no scales (NULL)",
+                                 moe_dtype_name(p->w_dtype), e, off[e + 1] - off[e]);
     }
     return MOE_OK;
 }
@@ -74,7 +83,8 @@ enum moe_status cpu_grouped_matmul(struct moe_threadpool *pool,
             .n_out = p->n_out,
             .y = p->y + (size_t)r0 * p->n_out,
             .accumulate = p->accumulate,
-            .w_scale = p->w_dtype == MOE_DTYPE_I8 ? p->w_scale[e] : NULL,
+            .w_scale = p->w_scale ? p->w_scale[e] : NULL,
+            .w_group = p->w_group,
             .fast = p->fast,
         };
         cpu_matmul(pool, &mp);

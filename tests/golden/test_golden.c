@@ -23,7 +23,7 @@
  *
  * "int8" (--dtype int8: Linear weights quantized per output row) has no
  * transformers reference; it is held instead to an f32 model whose weights
- * ARE the dequantized int8 weights (the model's i8_dequantized hook, loaded
+ * ARE the dequantized int8 weights (the model's dequantized hook, loaded
  * in the same process): the prompt logits, in one pass (AVX-512 packed
  * prefill on the long prompt) and one token per pass (the GEMV tiles), must
  * match to 1e-4 relative and the greedy continuations must be identical. The
@@ -69,6 +69,7 @@
 #include "cpu/cpu_kernels.h"
 #include "engine/generate.h"
 #include "model/model.h"
+#include "quant.h"
 #include "testlib.h"
 #include "tokenizer.h"
 
@@ -262,26 +263,39 @@ static void check_batched(struct moe_model *m, struct prompt *p, int n_prompt, i
 }
 
 static struct moe_model *load_model_opts(const char *dir, struct moe_backend *be,
-                                         enum moe_dtype dtype, bool i8_dequantized, bool fast,
+                                         enum moe_dtype dtype, bool dequantized, bool fast,
                                          enum moe_dtype kv_dtype)
 {
     struct moe_error err = {0};
     struct moe_model *m = NULL;
     struct moe_model_opts mo = {.dtype = dtype,
                                 .tp_size = 1,
-                                .i8_dequantized = i8_dequantized,
+                                .dequantized = dequantized,
                                 .fast = fast,
                                 .kv_dtype = kv_dtype};
     CHECKF(moe_model_load(dir, &mo, be, &m, &err) == MOE_OK, "%s (%s%s%s, %s KV): %s", dir,
-           moe_dtype_name(dtype), i8_dequantized ? ", dequantized" : "", fast ? ", fast" : "",
+           moe_dtype_name(dtype), dequantized ? ", dequantized" : "", fast ? ", fast" : "",
            moe_dtype_name(kv_dtype), err.msg);
     return m;
 }
 
 static struct moe_model *load_model(const char *dir, struct moe_backend *be, enum moe_dtype dtype,
-                                    bool i8_dequantized)
+                                    bool dequantized)
 {
-    return load_model_opts(dir, be, dtype, i8_dequantized, false, MOE_DTYPE_F32);
+    return load_model_opts(dir, be, dtype, dequantized, false, MOE_DTYPE_F32);
+}
+
+/* An int4 model with `group` columns per scale (other dtypes ignore it). */
+static struct moe_model *load_model_group(const char *dir, struct moe_backend *be,
+                                          enum moe_dtype dtype, bool dequantized, int group)
+{
+    struct moe_error err = {0};
+    struct moe_model *m = NULL;
+    struct moe_model_opts mo = {
+        .dtype = dtype, .q4_group = group, .tp_size = 1, .dequantized = dequantized};
+    CHECKF(moe_model_load(dir, &mo, be, &m, &err) == MOE_OK, "%s (%s group %d%s): %s", dir,
+           moe_dtype_name(dtype), group, dequantized ? ", dequantized" : "", err.msg);
+    return m;
 }
 
 /* Prompt logits (n_ids, vocab) of `m`, the prompt run `chunk` tokens per
@@ -314,36 +328,40 @@ static int same_prefix(const struct moe_gen_result *a, const struct moe_gen_resu
 /* A backend that says it is a GPU must refuse int8 at load, naming the flag,
  * before touching a weight: the CPU ops table under a CUDA device tag stands
  * in for one (no GPU here), so nothing can be computed by mistake. */
-static void check_int8_refused_off_cpu(const char *dir, struct moe_backend *cpu)
+static void check_quant_refused_off_cpu(const char *dir, struct moe_backend *cpu,
+                                        enum moe_dtype dtype, int group)
 {
     struct moe_backend fake = *cpu;
     fake.name = "cuda";
     fake.device = MOE_DEVICE_CUDA;
-    struct moe_model_opts mo = {.dtype = MOE_DTYPE_I8, .tp_size = 1};
+    struct moe_model_opts mo = {.dtype = dtype, .q4_group = group, .tp_size = 1};
     struct moe_model *m = NULL;
     struct moe_error err = {0};
+    const char *flag = dtype == MOE_DTYPE_I8 ? "--dtype int8" : "--dtype int4";
     enum moe_status st = moe_model_load(dir, &mo, &fake, &m, &err);
-    CHECKF(st == MOE_ERR_UNSUPPORTED && !m && strstr(err.msg, "--dtype int8") &&
+    CHECKF(st == MOE_ERR_UNSUPPORTED && !m && strstr(err.msg, flag) &&
                strstr(err.msg, "--device cpu"),
-           "int8 on a CUDA backend: status %d, message '%s'", (int)st, err.msg);
-    printf("  int8 on a CUDA backend refused: %s\n", err.msg);
+           "%s on a CUDA backend: status %d, message '%s'", flag, (int)st, err.msg);
+    printf("  %s on a CUDA backend refused: %s\n", flag, err.msg);
     moe_model_free(m);
 }
 
-/* The int8 mode: see the comment at the top. */
-static void check_int8(const char *dir, struct moe_backend *be, const struct prompt *p,
-                       int n_prompt)
+/* The int8 and int4 modes: see the comment at the top. */
+static void check_quant(const char *dir, struct moe_backend *be, const struct prompt *p,
+                        int n_prompt, enum moe_dtype dtype, int group)
 {
-    struct moe_model *m8 = load_model(dir, be, MOE_DTYPE_I8, false);
-    struct moe_model *md = load_model(dir, be, MOE_DTYPE_I8, true);
+    const char *name = dtype == MOE_DTYPE_I8 ? "int8" : "int4";
+    struct moe_model *m8 = load_model_group(dir, be, dtype, false, group);
+    struct moe_model *md = load_model_group(dir, be, dtype, true, group);
     struct moe_model *mf = load_model(dir, be, MOE_DTYPE_F32, false);
     struct moe_model *mb = load_model(dir, be, MOE_DTYPE_BF16, false);
-    check_int8_refused_off_cpu(dir, be);
+    check_quant_refused_off_cpu(dir, be, dtype, group);
     if (!m8 || !md || !mf || !mb)
         goto done;
     int vocab = moe_model_config(m8)->vocab_size;
-    printf("%s (int8): %d prompts; weights %.1f KiB int8, %.1f KiB bf16\n", dir, n_prompt,
-           moe_model_weight_bytes(m8) / 1024.0, moe_model_weight_bytes(mb) / 1024.0);
+    printf("%s (%s, group %d): %d prompts; weights %.1f KiB %s, %.1f KiB bf16\n", dir, name, group,
+           n_prompt, moe_model_weight_bytes(m8) / 1024.0, name,
+           moe_model_weight_bytes(mb) / 1024.0);
     CHECK(moe_model_weight_bytes(m8) < moe_model_weight_bytes(mb));
     for (int i = 0; i < n_prompt; i++) {
         size_t n_logit = (size_t)p[i].n_ids * vocab;
@@ -354,19 +372,19 @@ static void check_int8(const char *dir, struct moe_backend *be, const struct pro
         float *lf = prompt_logits(mf, &p[i], vocab, 0, &rf);
         float *lb = prompt_logits(mb, &p[i], vocab, 0, &rb);
         double e = rel_err(l8, ld, n_logit), ec = rel_err(l8c, ld, n_logit);
-        CHECKF(e <= LOGIT_TOL, "prompt %d: int8 vs dequantized f32 logits rel err %.3g > %.1g", i,
-               e, LOGIT_TOL);
+        CHECKF(e <= LOGIT_TOL, "prompt %d: %s vs dequantized f32 logits rel err %.3g > %.1g", i,
+               name, e, LOGIT_TOL);
         CHECKF(ec <= LOGIT_TOL,
-               "prompt %d: int8 (1 token per pass) vs dequantized f32 logits rel err %.3g > %.1g",
-               i, ec, LOGIT_TOL);
+               "prompt %d: %s (1 token per pass) vs dequantized f32 logits rel err %.3g > %.1g", i,
+               name, ec, LOGIT_TOL);
         int same = same_prefix(&r8, &rd);
         CHECKF(same == rd.n_tokens && r8.n_tokens == rd.n_tokens,
-               "prompt %d: int8 greedy differs from the dequantized f32 model at token %d", i,
+               "prompt %d: %s greedy differs from the dequantized f32 model at token %d", i, name,
                same);
-        printf("  prompt %d: %d tokens, int8 vs dequantized f32: logits rel err %.3g (one pass), "
-               "%.3g (token by token), greedy %d/%d identical; info: int8 vs f32 logits %.3g, "
-               "int8 vs bf16 greedy %d/%d identical\n",
-               i, p[i].n_ids, e, ec, same, rd.n_tokens, rel_err(l8, lf, n_logit),
+        printf("  prompt %d: %d tokens, %s vs dequantized f32: logits rel err %.3g (one pass), "
+               "%.3g (token by token), greedy %d/%d identical; info: %s vs f32 logits %.3g, "
+               "%s vs bf16 greedy %d/%d identical\n",
+               i, p[i].n_ids, name, e, ec, same, rd.n_tokens, name, rel_err(l8, lf, n_logit), name,
                same_prefix(&r8, &rb), rb.n_tokens);
         free(l8);
         free(l8c);
@@ -384,6 +402,26 @@ done:
     moe_model_free(md);
     moe_model_free(mf);
     moe_model_free(mb);
+}
+
+/* A fixture whose Linear widths are not multiples of 32: --dtype int4 is
+ * refused at load, naming the tensor and the group size, for every group. */
+static void check_int4_refused(const char *dir, struct moe_backend *be)
+{
+    static const int groups[] = {32, 64, 128};
+    for (int i = 0; i < 3; i++) {
+        struct moe_model_opts mo = {.dtype = MOE_DTYPE_I4, .q4_group = groups[i], .tp_size = 1};
+        struct moe_model *m = NULL;
+        struct moe_error err = {0};
+        enum moe_status st = moe_model_load(dir, &mo, be, &m, &err);
+        char want[64];
+        snprintf(want, sizeof want, "not a multiple of the int4 group size %d", groups[i]);
+        CHECKF(st == MOE_ERR_UNSUPPORTED && !m && strstr(err.msg, want) &&
+                   strstr(err.msg, "tensor '"),
+               "int4 group %d: status %d, '%s'", groups[i], (int)st, err.msg);
+        printf("%s (int4, group %d): refused: %s\n", dir, groups[i], err.msg);
+        moe_model_free(m);
+    }
 }
 
 /* The perturbed modes: bf16fast, int8fast (fast matmuls and BF16 KV, the
@@ -480,10 +518,20 @@ done:
 
 int main(int argc, char **argv)
 {
-    if (argc != 3 ||
+    int int4_group = 0; /* int4-32, int4-64, int4-128 */
+    bool int4_refused = argc == 3 && !strcmp(argv[2], "int4-refused");
+    if (argc == 3 && !strncmp(argv[2], "int4-", 5) && !int4_refused) {
+        int4_group = atoi(argv[2] + 5);
+        if (!moe_q4_group_valid(int4_group))
+            int4_group = -1;
+    }
+    if (argc != 3 || int4_group < 0 ||
         (strcmp(argv[2], "f32") && strcmp(argv[2], "bf16") && strcmp(argv[2], "int8") &&
-         strcmp(argv[2], "bf16fast") && strcmp(argv[2], "int8fast") && strcmp(argv[2], "kvbf16"))) {
-        fprintf(stderr, "usage: test_golden FIXTURE_DIR f32|bf16|int8|bf16fast|int8fast|kvbf16\n");
+         strcmp(argv[2], "bf16fast") && strcmp(argv[2], "int8fast") && strcmp(argv[2], "kvbf16") &&
+         !int4_group && !int4_refused)) {
+        fprintf(stderr, "usage: test_golden FIXTURE_DIR "
+                        "f32|bf16|int8|int4-32|int4-64|int4-128|int4-refused|bf16fast|int8fast|"
+                        "kvbf16\n");
         return 2;
     }
     const char *dir = argv[1];
@@ -541,9 +589,11 @@ int main(int argc, char **argv)
         int rc = test_summary();
         return rc == 0 && !ran ? TEST_SKIP_CODE : rc;
     }
-    if (int8) {
-        if (be)
-            check_int8(dir, be, p, n_prompt);
+    if (int8 || int4_group || int4_refused) {
+        if (be && int4_refused)
+            check_int4_refused(dir, be);
+        else if (be)
+            check_quant(dir, be, p, n_prompt, int8 ? MOE_DTYPE_I8 : MOE_DTYPE_I4, int4_group);
         for (int i = 0; i < n_prompt; i++) {
             free(p[i].text);
             free(p[i].ids);

@@ -167,8 +167,14 @@ static void test_matmul_detects_error(void)
     int n_tok = 3, n_in = 40, n_out = 5;
     float *x = rand_floats((size_t)n_tok * n_in), *w = rand_floats((size_t)n_out * n_in);
     float y[15], yr[15];
-    struct moe_matmul_params p = {x,     n_tok, n_in,  w,    MOE_DTYPE_F32, n_in,
-                                  n_out, y,     false, NULL, false};
+    struct moe_matmul_params p = {.x = x,
+                                  .n_tok = n_tok,
+                                  .n_in = n_in,
+                                  .w = w,
+                                  .w_dtype = MOE_DTYPE_F32,
+                                  .ldw = n_in,
+                                  .n_out = n_out,
+                                  .y = y};
     cpu_matmul(g_pool, &p);
     w[7] += 0.5f;
     p.y = yr;

@@ -10,6 +10,8 @@ bool moe_launch_parse_dtype(const char *s, enum moe_dtype *out)
         *out = MOE_DTYPE_BF16;
     else if (!strcmp(s, "int8"))
         *out = MOE_DTYPE_I8;
+    else if (!strcmp(s, "int4"))
+        *out = MOE_DTYPE_I4;
     else
         return false;
     return true;
@@ -21,6 +23,7 @@ const char *moe_launch_dtype_flag(enum moe_dtype dtype)
     case MOE_DTYPE_F32: return "f32";
     case MOE_DTYPE_BF16: return "bf16";
     case MOE_DTYPE_I8: return "int8";
+    case MOE_DTYPE_I4: return "int4";
     case MOE_DTYPE_F16: break;
     }
     return "?";
@@ -48,6 +51,7 @@ enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launc
         return rc;
     l->model_opts = (struct moe_model_opts){
         .dtype = a->dtype,
+        .q4_group = a->group_size,
         .fast = !a->exact,
         .kv_dtype = a->kv_dtype_set ? a->kv_dtype
                     : a->exact      ? MOE_DTYPE_F32

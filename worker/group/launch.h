@@ -15,7 +15,8 @@ struct moe_launch_args {
     const char *device; /* auto | cpu | cuda */
     int threads;
     enum moe_dtype dtype;
-    int tp; /* tensor-parallel size (under mpirun) */
+    int group_size; /* --group-size: int4 columns per scale (0: 32) */
+    int tp;         /* tensor-parallel size (under mpirun) */
     int comm_timeout_ms;
     const char *placement; /* placement file, or NULL */
     bool exact;            /* --exact: f32 activations in every matmul (moe_model_opts.fast off) */
@@ -32,7 +33,7 @@ struct moe_launch {
     struct moe_model_opts model_opts; /* this rank's shard; points into `placement` */
 };
 
-/* The --dtype spellings: "f32", "bf16", "int8" (weights quantized to int8
+/* The --dtype spellings: "f32", "bf16", "int8", "int4" (weights quantized
  * at load, see moe_model_opts). parse returns false for anything else. */
 bool moe_launch_parse_dtype(const char *s, enum moe_dtype *out);
 const char *moe_launch_dtype_flag(enum moe_dtype dtype);

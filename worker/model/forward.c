@@ -165,6 +165,10 @@ static void matmul_dtype(struct moe_model *m, enum moe_dtype dtype, bool fast, c
     };
     if (dtype == MOE_DTYPE_I8)
         p.w_scale = (const float *)((const char *)w + moe_i8_scale_offset(n_out, n_in));
+    if (dtype == MOE_DTYPE_I4) {
+        p.w_scale = (const float *)((const char *)w + moe_q4_scale_offset(n_out, n_in));
+        p.w_group = m->q4_group;
+    }
     m->be->ops->matmul(m->be, &p);
 }
 

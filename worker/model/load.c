@@ -57,6 +57,8 @@ size_t moe_model_linear_bytes(const struct moe_model *m, int64_t n_rows, int64_t
 {
     if (m->lin_dtype == MOE_DTYPE_I8)
         return moe_i8_weight_bytes(n_rows, n_cols);
+    if (m->lin_dtype == MOE_DTYPE_I4)
+        return moe_q4_weight_bytes(n_rows, n_cols, m->q4_group);
     return (size_t)n_rows * (size_t)n_cols * moe_dtype_size(m->lin_dtype);
 }
 
@@ -80,33 +82,50 @@ static enum moe_status upload_weight(struct loader *ld, const char *name, void *
 }
 
 /* Quantizes the f32 values of a Linear weight (n_rows, n_cols) to the int8
- * image (values, then row scales) and uploads it; under the i8_dequantized
- * test hook, uploads q * scale as f32 instead. Frees `f32` in every case. */
+ * or int4 image (codes, then scales; opts.dtype says which) and uploads it;
+ * under the dequantized test hook, uploads the dequantized f32 weights
+ * instead. Frees `f32` in every case. */
 static enum moe_status upload_quantized(struct loader *ld, const char *name, float *f32,
                                         int64_t n_rows, int64_t n_cols, void **out,
                                         struct moe_error *err)
 {
-    size_t img_bytes = moe_i8_weight_bytes(n_rows, n_cols);
+    const bool q4 = ld->m->opts.dtype == MOE_DTYPE_I4;
+    const int group = ld->m->q4_group;
+    if (q4 && n_cols % group) {
+        free(f32);
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                             "%s: tensor '%s' has %lld columns, not a multiple of the int4 group "
+                             "size %d (--group-size 32, 64 or 128)",
+                             ld->dir, name, (long long)n_cols, group);
+    }
+    size_t img_bytes =
+        q4 ? moe_q4_weight_bytes(n_rows, n_cols, group) : moe_i8_weight_bytes(n_rows, n_cols);
     char *img = calloc(1, img_bytes);
     if (!img) {
         free(f32);
         return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory quantizing '%s'", ld->dir,
                              name);
     }
-    float *scale = (float *)(img + moe_i8_scale_offset(n_rows, n_cols));
-    if (!moe_quant_i8_rows(f32, n_rows, n_cols, (int8_t *)img, scale)) {
+    float *scale = (float *)(img + (q4 ? moe_q4_scale_offset(n_rows, n_cols)
+                                       : moe_i8_scale_offset(n_rows, n_cols)));
+    bool ok = q4 ? moe_quant_q4_rows(f32, n_rows, n_cols, group, (uint8_t *)img, scale)
+                 : moe_quant_i8_rows(f32, n_rows, n_cols, (int8_t *)img, scale);
+    if (!ok) {
         free(img);
         free(f32);
         return moe_error_set(err, MOE_ERR_FORMAT,
-                             "%s: tensor '%s' holds a NaN or infinite weight; --dtype int8 "
+                             "%s: tensor '%s' holds a NaN or infinite weight; --dtype %s "
                              "cannot quantize it",
-                             ld->dir, name);
+                             ld->dir, name, q4 ? "int4" : "int8");
     }
-    if (!ld->m->opts.i8_dequantized) {
+    if (!ld->m->opts.dequantized) {
         free(f32);
         return upload_weight(ld, name, img, img_bytes, out, err);
     }
-    moe_dequant_i8_rows((const int8_t *)img, scale, n_rows, n_cols, f32);
+    if (q4)
+        moe_dequant_q4_rows((const uint8_t *)img, scale, n_rows, n_cols, group, f32);
+    else
+        moe_dequant_i8_rows((const int8_t *)img, scale, n_rows, n_cols, f32);
     free(img);
     return upload_weight(ld, name, f32, (size_t)n_rows * (size_t)n_cols * sizeof(float), out, err);
 }
@@ -128,7 +147,8 @@ static enum moe_status load_block(struct loader *ld, const char *name, int64_t r
         n_rows = 1;
         row0 = 0;
     }
-    enum moe_dtype read_dtype = dtype == MOE_DTYPE_I8 ? MOE_DTYPE_F32 : dtype;
+    const bool quant = dtype == MOE_DTYPE_I8 || dtype == MOE_DTYPE_I4;
+    enum moe_dtype read_dtype = quant ? MOE_DTYPE_F32 : dtype;
     size_t bytes = (size_t)n_rows * (size_t)n_cols * moe_dtype_size(read_dtype);
     void *host = malloc(bytes ? bytes : 1);
     if (!host)
@@ -138,7 +158,7 @@ static enum moe_status load_block(struct loader *ld, const char *name, int64_t r
         free(host);
         return rc;
     }
-    if (dtype == MOE_DTYPE_I8)
+    if (quant)
         return upload_quantized(ld, name, host, n_rows, n_cols, out, err);
     return upload_weight(ld, name, host, bytes, out, err);
 }
@@ -194,7 +214,8 @@ static enum moe_status load_gate_up(struct loader *ld, const char *gate_name, co
         rc = find_tensor(ld, up_name, 2, d_ff, d_model, &tu, err);
     if (rc)
         return rc;
-    enum moe_dtype dt = ld->m->opts.dtype == MOE_DTYPE_I8 ? MOE_DTYPE_F32 : ld->m->opts.dtype;
+    const bool quant = ld->m->opts.dtype == MOE_DTYPE_I8 || ld->m->opts.dtype == MOE_DTYPE_I4;
+    enum moe_dtype dt = quant ? MOE_DTYPE_F32 : ld->m->opts.dtype;
     size_t half = (size_t)d_ff * (size_t)d_model * moe_dtype_size(dt);
     char *host = malloc(2 * half);
     if (!host)
@@ -207,7 +228,7 @@ static enum moe_status load_gate_up(struct loader *ld, const char *gate_name, co
         free(host);
         return rc;
     }
-    if (ld->m->opts.dtype == MOE_DTYPE_I8)
+    if (quant)
         return upload_quantized(ld, gate_name, (float *)host, 2 * d_ff, d_model, out, err);
     return upload_weight(ld, gate_name, host, 2 * half, out, err);
 }
@@ -308,13 +329,18 @@ static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *er
 static enum moe_status check_opts(const struct moe_config *c, const struct moe_model_opts *o,
                                   const char *dir, struct moe_error *err)
 {
-    if (o->dtype != MOE_DTYPE_F32 && o->dtype != MOE_DTYPE_BF16 && o->dtype != MOE_DTYPE_I8)
+    if (o->dtype != MOE_DTYPE_F32 && o->dtype != MOE_DTYPE_BF16 && o->dtype != MOE_DTYPE_I8 &&
+        o->dtype != MOE_DTYPE_I4)
         return moe_error_set(err, MOE_ERR_INVALID,
-                             "weight dtype %s is not supported (use f32, bf16 or int8)",
+                             "weight dtype %s is not supported (use f32, bf16, int8 or int4)",
                              moe_dtype_name(o->dtype));
-    if (o->i8_dequantized && o->dtype != MOE_DTYPE_I8)
-        return moe_error_set(err, MOE_ERR_INVALID, "i8_dequantized needs weight dtype I8, not %s",
+    if (o->dequantized && o->dtype != MOE_DTYPE_I8 && o->dtype != MOE_DTYPE_I4)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "dequantized needs weight dtype I8 or I4, not %s",
                              moe_dtype_name(o->dtype));
+    if (o->dtype == MOE_DTYPE_I4 && o->q4_group && !moe_q4_group_valid(o->q4_group))
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "--group-size %d: the int4 group size is 32, 64 or 128", o->q4_group);
     if (!moe_kv_dtype_valid(o->kv_dtype))
         return moe_error_set(err, MOE_ERR_INVALID,
                              "KV cache dtype %s is not supported (use f32 or bf16)",
@@ -356,10 +382,11 @@ enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opt
     m->opts = *opts;
     m->lin_dtype = opts->dtype;
     m->base_dtype = opts->dtype;
-    if (opts->dtype == MOE_DTYPE_I8) {
-        m->lin_dtype = opts->i8_dequantized ? MOE_DTYPE_F32 : MOE_DTYPE_I8;
+    if (opts->dtype == MOE_DTYPE_I8 || opts->dtype == MOE_DTYPE_I4) {
+        m->lin_dtype = opts->dequantized ? MOE_DTYPE_F32 : opts->dtype;
         m->base_dtype = MOE_DTYPE_BF16;
     }
+    m->q4_group = opts->q4_group ? opts->q4_group : 32;
     struct loader ld = {.m = m, .dir = dir};
     enum moe_status rc;
     if (!(m->dir = strdup(dir))) {
@@ -374,12 +401,14 @@ enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opt
     const struct moe_config *c = &m->cfg;
     if ((rc = check_opts(c, opts, dir, err)))
         goto fail;
-    if (m->lin_dtype == MOE_DTYPE_I8 && be->device != MOE_DEVICE_CPU) {
+    if ((m->lin_dtype == MOE_DTYPE_I8 || m->lin_dtype == MOE_DTYPE_I4) &&
+        be->device != MOE_DEVICE_CPU) {
         /* Refused here, before any weight moves: the CUDA matmuls would
          * reject every call and the forward pass would only fail later. */
         rc = moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                           "--dtype int8: the %s backend has no int8 kernels yet; use --device cpu",
-                           be->name);
+                           "--dtype %s: the %s backend has no %s kernels yet; use --device cpu",
+                           m->lin_dtype == MOE_DTYPE_I8 ? "int8" : "int4", be->name,
+                           m->lin_dtype == MOE_DTYPE_I8 ? "int8" : "int4");
         goto fail;
     }
     m->tp_comm = opts->tp_size > 1 ? opts->tp_comm : NULL;

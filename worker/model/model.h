@@ -27,16 +27,17 @@ struct moe_placement;
  * each rank loading only its own experts. All ranks of ep_comm run every
  * forward on the same batch (lock-step, see group.h). NULL comms: one rank. */
 struct moe_model_opts {
-    /* Weights: F32, BF16 or I8 (norms stay F32). I8 quantizes every Linear
-     * weight that goes through matmul (q/k/v/o projections, expert and dense
-     * FFNs, lm_head) to int8 with per-output-row scales at load (W8A16, CPU
-     * backend only); the router, norms and the embedding table are kept as
-     * with BF16. */
+    /* Weights: F32, BF16, I8 or I4 (norms stay F32). I8 quantizes every
+     * Linear weight that goes through matmul (q/k/v/o projections, expert and
+     * dense FFNs, lm_head) to int8 with per-output-row scales at load (W8A16),
+     * I4 to 4 bits with one scale per q4_group columns (W4A16); CPU backend
+     * only. The router, norms and the embedding table are kept as with BF16. */
     enum moe_dtype dtype;
-    /* Test hook, with dtype I8 only: store each quantized weight as its f32
-     * dequantization (q * scale) and run the f32 kernels, so a test can hold
-     * the int8 kernels to an f32 model with exactly the same weights. */
-    bool i8_dequantized;
+    int q4_group; /* I4: columns per scale, 32 (0 means 32), 64 or 128 */
+    /* Test hook, with dtype I8 or I4 only: store each quantized weight as
+     * its f32 dequantization and run the f32 kernels, so a test can hold the
+     * int8 / int4 kernels to an f32 model with exactly the same weights. */
+    bool dequantized;
     /* false (the default): f32 activations through every matmul, the
      * reference the golden tests hold to transformers. true: the Linear
      * layers (not the router) may round activations to bf16 (BF16 weights)

@@ -93,11 +93,12 @@ struct moe_model {
     int kv_dim; /* n_kv_head_local * d_head */
     /* Linear weights (everything through matmul but the router) are stored
      * in lin_dtype; the router and embedding table in base_dtype. Both equal
-     * opts.dtype except with I8: lin I8 (F32 under opts.i8_dequantized), base
-     * BF16. An I8 weight (n_out, n_in) is one buffer with its row scales
-     * after the values (common/quant.h). */
+     * opts.dtype except with I8 / I4: lin I8 / I4 (F32 under
+     * opts.dequantized), base BF16. An I8 or I4 weight (n_out, n_in) is one
+     * buffer with its scales after the codes (common/quant.h). */
     enum moe_dtype lin_dtype;
     enum moe_dtype base_dtype;
+    int q4_group;      /* I4: columns per scale */
     void *embed;       /* (vocab, d_model) */
     float *final_norm; /* (d_model) */
     void *lm_head;     /* (vocab, d_model); == embed when tied */

@@ -1,0 +1,365 @@
+/* 4-bit weights (MOE_DTYPE_I4, one scale per group of 32, 64 or 128
+ * columns): the quantizer's properties (the layout, the scale rule, the
+ * error bound), and the int4 matmul on every SIMD path this processor has
+ * against cpu_matmul_ref on the dequantized f32 weights, held to 1e-5 of
+ * sum_k |x_k w_k| per output (summation order only; the kernels compute on
+ * exactly the dequantized values). Shapes: every group size, a row stride
+ * wider than n_in (a column slice), 1..4 tokens (AVX-512 decode tiles),
+ * 16 and 70 (tiles over token blocks), 130 (the AVX-512 packed prefill
+ * panels and their leftover tokens), accumulation, and grouped (expert)
+ * calls with a missing expert. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "cpu/cpu_kernels.h"
+#include "quant.h"
+#include "testlib.h"
+
+#define SUM_ORDER_TOL 1e-5
+
+static struct test_rng g_rng = {0x13198a2e03707344ull};
+
+static struct moe_backend *g_cpu;     /* 2 threads, through the ops table */
+static struct moe_threadpool *g_pool; /* 3 threads, direct kernel calls */
+
+/* Groups of very different magnitudes, all-zero groups, positive and
+ * negative outliers. */
+static void fill_rows(float *w, int n_rows, int n_cols)
+{
+    for (int r = 0; r < n_rows; r++)
+        for (int k = 0; k < n_cols; k++) {
+            int g = k / 32;
+            float mag = powf(10.0f, (float)((r + g) % 6) - 3.0f);
+            float v = (r + g) % 7 == 4 ? 0.0f : mag * test_rng_float(&g_rng);
+            if (k % 37 == (r % 37))
+                v = (r % 2 ? 9.0f : -9.0f) * mag;
+            w[(size_t)r * n_cols + k] = v;
+        }
+}
+
+static void test_quant(void)
+{
+    const int n_rows = 12, n_cols = 256;
+    static const int groups[] = {32, 64, 128};
+    float *w = malloc((size_t)n_rows * n_cols * sizeof *w);
+    float *d = malloc((size_t)n_rows * n_cols * sizeof *d);
+    uint8_t *q = malloc((size_t)n_rows * n_cols / 2);
+    float *sc = malloc((size_t)n_rows * (n_cols / 32) * sizeof *sc);
+    fill_rows(w, n_rows, n_cols);
+    for (int gi = 0; gi < 3; gi++) {
+        const int G = groups[gi], ng = n_cols / G;
+        CHECK(moe_quant_q4_rows(w, n_rows, n_cols, G, q, sc));
+        moe_dequant_q4_rows(q, sc, n_rows, n_cols, G, d);
+        double worst = 0; /* max |w - deq| / (|scale| / 2), the clamped +8 end aside */
+        int bad_scale = 0, bad_code = 0, zero_ok = 1;
+        for (int r = 0; r < n_rows; r++)
+            for (int g = 0; g < ng; g++) {
+                float m = 0;
+                for (int k = g * G; k < (g + 1) * G; k++)
+                    m = fabsf(w[r * n_cols + k]) > fabsf(m) ? w[r * n_cols + k] : m;
+                float s = sc[r * ng + g];
+                bad_scale += s != m / -8.0f;
+                if (m == 0.0f) {
+                    for (int k = g * G; k < (g + 1) * G; k++)
+                        zero_ok &= d[r * n_cols + k] == 0.0f;
+                    continue;
+                }
+                for (int k = g * G; k < (g + 1) * G; k++) {
+                    size_t i = (size_t)r * n_cols + k;
+                    int u = moe_q4_code(q + (size_t)r * n_cols / 2, k);
+                    bad_code += u < 0 || u > 15;
+                    if (w[i] == m) /* the extreme is exact */
+                        bad_code += u != 0 || d[i] != w[i];
+                    if (u == 15 && w[i] / s > 7.5f) /* clamped: |w - deq| <= |s| */
+                        continue;
+                    double e = fabs((double)w[i] - d[i]) / (0.5 * fabs(s));
+                    worst = e > worst ? e : worst;
+                }
+            }
+        CHECKF(bad_scale == 0, "group %d: %d scales are not m / -8", G, bad_scale);
+        CHECKF(bad_code == 0, "group %d: %d codes out of range or the extreme not exact", G,
+               bad_code);
+        CHECKF(zero_ok, "group %d: an all-zero group does not dequantize to zeros", G);
+        CHECKF(worst <= 1.0 + 1e-4, "group %d: max |w - deq| is %.6f x |scale|/2", G, worst);
+        printf("quant int4 group %d: max |w - deq| = %.4f x |scale|/2\n", G, worst);
+    }
+    /* the layout: column j and j + 16 of a 32-column block share byte j */
+    float one[64] = {0};
+    one[0] = 8.0f;   /* sets the scale: d = -1 */
+    one[17] = -7.0f; /* code -7 / -1 + 8 = 15 in the high nibble of byte 1 */
+    one[33] = 3.0f;  /* second block, low nibble of byte 1 of that block */
+    float s1[2];
+    uint8_t q1[32];
+    CHECK(moe_quant_q4_rows(one, 1, 64, 64, q1, s1));
+    CHECKF(s1[0] == -1.0f && q1[0] == 0x80 && q1[1] == 0xf8 && q1[17] == 0x85,
+           "layout: scale %g, bytes %02x %02x %02x", s1[0], q1[0], q1[1], q1[17]);
+    w[5] = NAN;
+    CHECK(!moe_quant_q4_rows(w, n_rows, n_cols, 32, q, sc));
+    CHECK(moe_q4_scale_offset(3, 64) == 128 && moe_q4_weight_bytes(3, 64, 32) == 128 + 24);
+    CHECK(moe_q4_group_valid(64) && !moe_q4_group_valid(16) && !moe_q4_group_valid(96));
+    CHECK(!strcmp(moe_dtype_name(MOE_DTYPE_I4), "I4"));
+    free(w);
+    free(d);
+    free(q);
+    free(sc);
+}
+
+struct q4_weights {
+    uint8_t *q; /* (n_out, ldw / 2) */
+    float *sc;  /* (n_out, ldw / G) */
+    float *deq; /* (n_out, ldw) */
+};
+
+static struct q4_weights make_weights(int n_out, int64_t ldw, int G)
+{
+    size_t n = (size_t)n_out * ldw;
+    float *w = malloc(n * sizeof *w);
+    fill_rows(w, n_out, (int)ldw);
+    struct q4_weights qw = {malloc(n / 2 + 1), malloc((n / G + 1) * sizeof(float)),
+                            malloc(n * sizeof(float) + 1)};
+    MOE_ASSERT(moe_quant_q4_rows(w, n_out, ldw, G, qw.q, qw.sc));
+    moe_dequant_q4_rows(qw.q, qw.sc, n_out, ldw, G, qw.deq);
+    free(w);
+    return qw;
+}
+
+static void free_weights(struct q4_weights *qw)
+{
+    free(qw->q);
+    free(qw->sc);
+    free(qw->deq);
+}
+
+/* The worst per-output error of the int4 matmul (through `which`: 0 the
+ * backend op, 1 the pooled kernel, 2 one thread) against the f32 reference
+ * on the dequantized weights, relative to sum |x w| (+ |y0| accumulating);
+ * INFINITY when something was written past y. */
+static double i4_case(int n_tok, int n_in, int n_out, int64_t ldw, int G, bool accumulate,
+                      int which)
+{
+    struct q4_weights qw = make_weights(n_out, ldw, G);
+    size_t nx = (size_t)n_tok * n_in, ny = (size_t)n_tok * n_out;
+    float *x = malloc(nx * sizeof *x + 1);
+    for (size_t i = 0; i < nx; i++)
+        x[i] = test_rng_float(&g_rng);
+    float *y = malloc((ny + 16) * sizeof *y), *y_ref = malloc((ny + 16) * sizeof *y);
+    float *y0 = malloc((ny + 16) * sizeof *y);
+    for (size_t i = 0; i < ny + 16; i++)
+        y0[i] = y[i] = y_ref[i] = test_rng_float(&g_rng);
+    struct moe_matmul_params p = {
+        .x = x,
+        .n_tok = n_tok,
+        .n_in = n_in,
+        .w = qw.q,
+        .w_dtype = MOE_DTYPE_I4,
+        .ldw = ldw,
+        .n_out = n_out,
+        .y = y,
+        .accumulate = accumulate,
+        .w_scale = qw.sc,
+        .w_group = G,
+        .fast = which == 0, /* no fast int4 path: fast must compute the same */
+    };
+    if (which == 0)
+        g_cpu->ops->matmul(g_cpu, &p);
+    else
+        cpu_matmul(which == 1 ? g_pool : NULL, &p);
+    struct moe_matmul_params r = p;
+    r.w = qw.deq;
+    r.w_dtype = MOE_DTYPE_F32;
+    r.w_scale = NULL;
+    r.y = y_ref;
+    cpu_matmul_ref(&r);
+    double worst = 0;
+    for (int t = 0; t < n_tok; t++)
+        for (int o = 0; o < n_out; o++) {
+            double mag = 0;
+            for (int k = 0; k < n_in; k++)
+                mag += fabs((double)x[(size_t)t * n_in + k] * qw.deq[(size_t)o * ldw + k]);
+            size_t i = (size_t)t * n_out + o;
+            if (accumulate)
+                mag += fabs((double)y0[i]);
+            double e = fabs((double)y[i] - y_ref[i]) / (mag > 1e-30 ? mag : 1e-30);
+            if (!(e <= worst))
+                worst = e;
+        }
+    for (int i = 0; i < 16; i++)
+        if (y[ny + i] != y_ref[ny + i])
+            worst = INFINITY;
+    /* the int4 reference itself (cpu_matmul_ref on the codes) agrees too */
+    struct moe_matmul_params q = p;
+    float *y_q = malloc((ny + 16) * sizeof *y_q);
+    memcpy(y_q, y0, (ny + 16) * sizeof *y_q);
+    q.y = y_q;
+    cpu_matmul_ref(&q);
+    for (size_t i = 0; i < ny; i++)
+        if (y_q[i] != y_ref[i])
+            worst = INFINITY; /* the same products in the same order: bit-identical */
+    free(y_q);
+    free(x);
+    free(y);
+    free(y_ref);
+    free(y0);
+    free_weights(&qw);
+    return worst;
+}
+
+static void test_matmul_i4(const char *isa)
+{
+    static const int toks[] = {1, 2, 3, 4, 16, 70, 130};
+    static const int dims[][2] = {{32, 1}, {64, 3}, {128, 4}, {256, 5}, {384, 37}, {1024, 66}};
+    static const int groups[] = {32, 64, 128};
+    double worst = 0;
+    int n = 0;
+    for (size_t ti = 0; ti < sizeof toks / sizeof toks[0]; ti++)
+        for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+            int n_tok = toks[ti], n_in = dims[di][0], n_out = dims[di][1];
+            int G = groups[(ti + di) % 3];
+            while (n_in % G)
+                G /= 2;
+            bool acc = (ti + di) % 2;
+            int64_t ldw = n_in + ((ti + di) % 3 == 0 ? 2 * G : 0); /* a column slice */
+            double e = i4_case(n_tok, n_in, n_out, ldw, G, acc, (int)((ti + di) % 3));
+            CHECKF(e < SUM_ORDER_TOL,
+                   "%s int4 matmul n_tok %d n_in %d n_out %d ldw %lld group %d acc %d: err %.3g",
+                   isa, n_tok, n_in, n_out, (long long)ldw, G, acc, e);
+            worst = e > worst ? e : worst;
+            n++;
+        }
+    printf("%s: int4 matmul %d cases, worst err %.3g vs the f32 reference on dequantized "
+           "weights\n",
+           isa, n, worst);
+}
+
+/* The comparison can fail: one dequantized reference weight off by one code. */
+static void test_detects_error(void)
+{
+    const int n_tok = 2, n_in = 64, n_out = 5;
+    struct q4_weights qw = make_weights(n_out, n_in, 32);
+    float x[2 * 64], y[10], y_ref[10];
+    for (int i = 0; i < n_tok * n_in; i++)
+        x[i] = 1.0f + test_rng_float(&g_rng);
+    struct moe_matmul_params p = {.x = x,
+                                  .n_tok = n_tok,
+                                  .n_in = n_in,
+                                  .w = qw.q,
+                                  .w_dtype = MOE_DTYPE_I4,
+                                  .ldw = n_in,
+                                  .n_out = n_out,
+                                  .y = y,
+                                  .w_scale = qw.sc,
+                                  .w_group = 32};
+    cpu_matmul(g_pool, &p);
+    int o = 3, k = 40; /* group 1 of row 3 */
+    qw.deq[o * n_in + k] += fabsf(qw.sc[o * 2 + 1]) + 1.0f;
+    struct moe_matmul_params r = p;
+    r.w = qw.deq;
+    r.w_dtype = MOE_DTYPE_F32;
+    r.w_scale = NULL;
+    r.y = y_ref;
+    cpu_matmul_ref(&r);
+    double num = 0, den = 1e-30;
+    for (int i = 0; i < n_tok * n_out; i++) {
+        num = fmax(num, fabs(y[i] - y_ref[i]));
+        den = fmax(den, fabs(y_ref[i]));
+    }
+    CHECKF(num / den > 1e-4, "a corrupted reference weight went unnoticed (err %.3g)", num / den);
+    free_weights(&qw);
+}
+
+static void test_grouped_i4(void)
+{
+    const int n_e = 4, n_in = 128, n_out = 9, G = 64;
+    const int32_t off[5] = {0, 2, 2, 19, 23}; /* expert 1 has no rows */
+    const int n_rows = off[4];
+    struct q4_weights qw[4];
+    const void *w[4];
+    const float *sc[4];
+    for (int e = 0; e < n_e; e++) {
+        qw[e] = make_weights(n_out, n_in, G);
+        w[e] = e == 1 ? NULL : qw[e].q;
+        sc[e] = e == 1 ? NULL : qw[e].sc;
+    }
+    float *x = malloc((size_t)n_rows * n_in * sizeof *x);
+    float y[23 * 9], y_ref[23 * 9];
+    for (int i = 0; i < n_rows * n_in; i++)
+        x[i] = test_rng_float(&g_rng);
+    struct moe_grouped_matmul_params p = {
+        .x = x,
+        .n_rows = n_rows,
+        .n_in = n_in,
+        .n_out = n_out,
+        .n_expert = n_e,
+        .expert_offsets = off,
+        .w = w,
+        .w_dtype = MOE_DTYPE_I4,
+        .ldw = n_in,
+        .y = y,
+        .w_scale = sc,
+        .w_group = G,
+    };
+    struct moe_error err = {0};
+    g_cpu->ops->grouped_matmul(g_cpu, &p);
+    CHECKF(g_cpu->ops->status(g_cpu, &err) == MOE_OK, "grouped int4: %s", err.msg);
+    for (int e = 0; e < n_e; e++) {
+        if (off[e + 1] == off[e])
+            continue;
+        struct moe_matmul_params r = {.x = x + (size_t)off[e] * n_in,
+                                      .n_tok = off[e + 1] - off[e],
+                                      .n_in = n_in,
+                                      .w = qw[e].deq,
+                                      .w_dtype = MOE_DTYPE_F32,
+                                      .ldw = n_in,
+                                      .n_out = n_out,
+                                      .y = y_ref + (size_t)off[e] * n_out};
+        cpu_matmul_ref(&r);
+    }
+    double num = 0, den = 1e-30;
+    for (int i = 0; i < n_rows * n_out; i++) {
+        num = fmax(num, fabs((double)y[i] - y_ref[i]));
+        den = fmax(den, fabs((double)y_ref[i]));
+    }
+    CHECKF(num / den < SUM_ORDER_TOL, "grouped int4 err %.3g", num / den);
+    p.w_group = 48; /* not a group size */
+    g_cpu->ops->grouped_matmul(g_cpu, &p);
+    enum moe_status st = g_cpu->ops->status(g_cpu, &err);
+    CHECKF(st == MOE_ERR_INVALID && strstr(err.msg, "I4 group 48"), "status %d (%s)", (int)st,
+           err.msg);
+    p.w_group = G;
+    sc[2] = NULL;
+    g_cpu->ops->grouped_matmul(g_cpu, &p);
+    st = g_cpu->ops->status(g_cpu, &err);
+    CHECKF(st == MOE_ERR_INVALID && strstr(err.msg, "no scales"), "status %d (%s)", (int)st,
+           err.msg);
+    printf("grouped_matmul int4: err %.3g vs the per-expert reference; bad group and missing "
+           "scales refused\n",
+           num / den);
+    free(x);
+    for (int e = 0; e < n_e; e++)
+        free_weights(&qw[e]);
+}
+
+int main(void)
+{
+    struct moe_error err = {0};
+    if (moe_backend_cpu_create(2, &g_cpu, &err) != MOE_OK ||
+        moe_threadpool_create(3, &g_pool, &err) != MOE_OK) {
+        fprintf(stderr, "setup: %s\n", err.msg);
+        return 1;
+    }
+    test_quant();
+    enum cpu_isa best = cpu_kernels_detect_isa();
+    for (int isa = CPU_ISA_SCALAR; isa <= (int)best; isa++) {
+        enum cpu_isa got = cpu_kernels_force_isa((enum cpu_isa)isa);
+        CHECK(got == (enum cpu_isa)isa);
+        test_matmul_i4(cpu_isa_name(got));
+    }
+    cpu_kernels_force_isa(best);
+    test_detects_error();
+    test_grouped_i4();
+    moe_threadpool_destroy(g_pool);
+    moe_backend_destroy(g_cpu);
+    return test_summary();
+}
