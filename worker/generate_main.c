@@ -68,6 +68,7 @@ struct args {
     int ctx;
     const char *kl_save;
     const char *kl_base;
+    const char *expert_stats;
 };
 
 static void usage(FILE *f)
@@ -109,6 +110,9 @@ static void usage(FILE *f)
            "  --ctx N             window length (default 512, at most max_position_embeddings)\n"
            "  --kl-save F.bin     also save this run's next-token distributions as a base\n"
            "  --kl-base F.bin     KL divergence and top-1 agreement against a saved base\n"
+           "  --expert-stats F    after the run, write the tokens routed to each expert as\n"
+           "                      JSON (the format of moectl --json experts stats; moe-prune\n"
+           "                      reads it)\n"
            "  --profile           print where the forward time went, per rank (stderr)\n"
            "under mpirun (one model replica over all ranks):\n"
            "  --tp T              tensor-parallel size for attention (default 1)\n"
@@ -231,6 +235,7 @@ static int parse_args(int argc, char **argv, struct args *a)
         {"--perplexity", &a->perplexity},
         {"--kl-save", &a->kl_save},
         {"--kl-base", &a->kl_base},
+        {"--expert-stats", &a->expert_stats},
     };
     const struct int_opt ints[] = {
         {"-n", "--n-predict", 0, 1 << 20, &a->n_predict},
@@ -652,6 +657,27 @@ static int run_prompt(struct gen_run *g)
     return 0;
 }
 
+/* --expert-stats FILE: the per-expert token counts of this run, in the
+ * format of `moectl --json experts stats`. Returns the exit code. */
+static int write_expert_stats(struct gen_run *g)
+{
+    const struct moe_config *c = g->cfg;
+    const uint64_t *t = moe_model_expert_tokens(g->model);
+    FILE *f = fopen(g->a.expert_stats, "w");
+    if (!f)
+        return cli_fail("--expert-stats %s: %s", g->a.expert_stats, strerror(errno));
+    fprintf(f,
+            "{\"stats_layers\": %d, \"stats_experts\": %d, \"source\": \"moe-generate\", "
+            "\"expert_tokens\": [",
+            c->n_layer, c->n_expert);
+    for (int i = 0; i < c->n_layer * c->n_expert; i++)
+        fprintf(f, "%s%llu", i ? ", " : "", (unsigned long long)t[i]);
+    fprintf(f, "]}\n");
+    if (fclose(f))
+        return cli_fail("--expert-stats %s: write failed: %s", g->a.expert_stats, strerror(errno));
+    return 0;
+}
+
 static void print_ppl_progress(void *ctx, int window, int n_window, double ppl)
 {
     (void)ctx;
@@ -758,6 +784,8 @@ int main(int argc, char **argv)
         rc = run_perplexity(g);
     else
         rc = run_prompt(g);
+    if (!rc && g->a.expert_stats && g->model && (!g->group || g->group->rank == 0))
+        rc = write_expert_stats(g);
     print_group_report(g);
     gen_run_close(g);
     return rc;

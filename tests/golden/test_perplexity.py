@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""The quality meter (moe-generate --perplexity) against transformers: for each
-fixture with a ppl.json (written by make_ppl_fixtures.py), the f32 run's
-perplexity equals transformers' to 1e-4 relative (4 digits and more), and the
-bf16 run against the saved f32 base gives transformers' KL divergence (mean,
-median, p99, max to 1e-2 relative) and top-1 agreement (to one position).
-Bad inputs end with a message naming the file and field.
+"""The quality meter (moe-generate --perplexity) and expert pruning (moe-prune)
+against transformers: for each fixture with a ppl.json (written by
+make_ppl_fixtures.py), the f32 run's perplexity equals transformers' to 1e-4
+relative (4 digits and more), and the bf16 run against the saved f32 base gives
+transformers' KL divergence (mean, median, p99, max to 1e-2 relative) and top-1
+agreement (to one position). The f32 run's --expert-stats feed moe-prune: it
+keeps the experts transformers' own count keeps, and the pruned checkpoint's
+perplexity and KL are transformers' on the checkpoint it pruned itself;
+keeping every expert changes nothing (KL exactly 0). Bad inputs of both tools
+end with a message naming the file and field.
 
-    test_perplexity.py MOE_GENERATE FIXTURES_DIR
+    test_perplexity.py MOE_GENERATE MOE_PRUNE FIXTURES_DIR
 """
 import json
 import os
@@ -39,8 +43,56 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-30)
 
 
+def check_prune(gen, prune, model, name, ref, common, base, stats, tmp):
+    pr = ref.get("pruned")
+    if not pr:
+        return
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    n_expert = cfg.get("num_local_experts", cfg.get("num_experts"))
+    # every expert kept: the same model, byte for byte where it matters
+    same = os.path.join(tmp, name + ".all")
+    rc, out, err = run(prune, "--model", model, "--stats", stats, "--keep", str(n_expert),
+                       "--out", same)
+    check(rc == 0, f"{name} moe-prune --keep {n_expert}: exit {rc} {err.strip()[-200:]}")
+    rc, out, err = run(gen, *[a if a != model else same for a in common], "--dtype", "f32",
+                       "--kl-base", base)
+    check(rc == 0 and "max 0;" in out and "top-1 agreement 100.0000%" in out,
+          f"{name} all {n_expert} experts kept: KL exactly 0 ({out.strip().splitlines()[-1:]})")
+    # the pruned model
+    dst = os.path.join(tmp, name + ".pruned")
+    rc, out, err = run(prune, "--model", model, "--stats", stats, "--keep", str(pr["keep"]),
+                       "--out", dst)
+    check(rc == 0, f"{name} moe-prune --keep {pr['keep']}: exit {rc} {err.strip()[-200:]}")
+    kept = [[int(x) for x in m.split()] for m in re.findall(r"keeps:([ 0-9]+)", out)]
+    check(kept == pr["kept"], f"{name}: moe-prune keeps {kept}, transformers' counts keep "
+          f"{pr['kept']}")
+    rc, out, err = run(gen, *[a if a != model else dst for a in common], "--dtype", "f32",
+                       "--kl-base", base)
+    ppl = number(r"ppl: ([0-9.e+-]+) \(mean", out)
+    check(rc == 0 and rel(ppl, pr["ppl"]) < 1e-4,
+          f"{name} pruned to {pr['keep']}: ppl {ppl:.6f}, transformers {pr['ppl']:.6f}")
+    kl = number(r"kl: .*?mean ([0-9.e+-]+),", out)
+    check(rel(kl, pr["kl_mean"]) < 1e-2, f"{name} pruned: KL mean {kl:.6g}, transformers "
+          f"{pr['kl_mean']:.6g}")
+    # refusals
+    wrong = os.path.join(tmp, "wrong_stats.json")
+    json.dump({"stats_layers": 1, "stats_experts": 2, "expert_tokens": [1, 2]}, open(wrong, "w"))
+    for args, want in (
+            (["--stats", stats, "--keep", "1", "--out", os.path.join(tmp, "x")],
+             "--keep 1: must be in ["),
+            (["--stats", wrong, "--keep", str(pr["keep"]), "--out", os.path.join(tmp, "y")],
+             "1 layers x 2 experts, the model has"),
+            (["--stats", os.path.join(tmp, "none.json"), "--keep", str(pr["keep"]), "--out",
+              os.path.join(tmp, "z")], "none.json: No such file"),
+            (["--stats", stats, "--keep", str(pr["keep"]), "--out", model],
+             "is the model directory itself")):
+        rc, out, err = run(prune, "--model", model, *args)
+        check(rc != 0 and want in err, f"moe-prune refused ({want}): exit {rc}, "
+              f"{err.strip().splitlines()[-1:]}")
+
+
 def main():
-    gen, fix = sys.argv[1], sys.argv[2]
+    gen, prune, fix = sys.argv[1], sys.argv[2], sys.argv[3]
     text = os.path.join(fix, "ppl_text.txt")
     tmp = tempfile.mkdtemp(prefix="moe-ppl-")
     names = sorted(n for n in os.listdir(fix) if os.path.isfile(os.path.join(fix, n, "ppl.json")))
@@ -51,7 +103,8 @@ def main():
         ctx = str(ref["ctx"])
         base = os.path.join(tmp, name + ".kl")
         common = ["--model", model, "--perplexity", text, "--ctx", ctx, "--exact"]
-        rc, out, err = run(gen, *common, "--dtype", "f32", "--kl-save", base)
+        stats = os.path.join(tmp, name + ".stats.json")
+        rc, out, err = run(gen, *common, "--dtype", "f32", "--kl-save", base, "--expert-stats", stats)
         check(rc == 0, f"{name} f32 run: exit {rc} {err.strip()[-200:] if rc else ''}")
         n_scored = int(number(r"(\d+) scored", out))
         check(n_scored == ref["n_scored"], f"{name}: {n_scored} scored positions, "
@@ -73,6 +126,7 @@ def main():
         top1 = number(r"top-1 agreement ([0-9.]+)%", out) / 100
         check(abs(top1 - b["top1"]) <= 1.0 / ref["n_scored"] + 1e-9,
               f"{name} top-1 agreement: {top1:.4f}, transformers {b['top1']:.4f}")
+        check_prune(gen, prune, model, name, ref, common, base, stats, tmp)
 
     # bad inputs: a clear message naming the file and field, non-zero exit
     model = os.path.join(fix, names[0]) if names else fix
