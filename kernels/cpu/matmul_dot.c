@@ -29,6 +29,19 @@
  *   i.e. half a quantization step of x per element. Because the sums are
  *   exact integers, the result does not depend on tiling or threads.
  *
+ *   I4 weights (W4A8), AVX512-VNNI: each token row is quantized as for I8 but
+ *   kept signed (xq in [-127, 127]); the 4-bit codes u in [0, 15] are the
+ *   unsigned operand, so vpdpbusd gives sum u xq exactly, and the accumulator
+ *   starts at -8 sum xq of the same four columns (one more vpdpbusd against
+ *   ones per token and 64 columns), which leaves sum (u - 8) xq: the signed
+ *   weights' products, in exact int32. Each 64-column step is converted to
+ *   f32 and multiplied by its group scales (one per 32, 64 or 128 columns;
+ *   the lanes of a step belong to one or two groups) into f32 accumulators;
+ *   y = sx_t * their sum. Error against the exact int4 path: half a
+ *   quantization step of x per element, as for I8, plus f32 rounding of the
+ *   per-step partial sums. Streaming tiles only (prefill too): a 64-column
+ *   step widens 32 code bytes to 64 per row, shared by the tile's tokens.
+ *
  * Tiles as in matmul.c: decode-sized token counts stream the weights once
  * through T x R register tiles (dot products, one horizontal sum per output);
  * larger ones pack 32 weight rows into a panel of dword groups (bf16 pairs or
@@ -61,11 +74,11 @@
 #define DP_TOK_BLOCK 256 /* packed: tokens per task */
 #define DOT_MAX_N_IN 65536
 
-enum dot_kind { DOT_BF16 = 0, DOT_I8 = 1 };
+enum dot_kind { DOT_BF16 = 0, DOT_I8 = 1, DOT_I4 = 2 };
 
 static enum dot_kind kind_of(enum moe_dtype wt)
 {
-    return wt == MOE_DTYPE_I8 ? DOT_I8 : DOT_BF16;
+    return wt == MOE_DTYPE_I8 ? DOT_I8 : wt == MOE_DTYPE_I4 ? DOT_I4 : DOT_BF16;
 }
 
 bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
@@ -75,7 +88,7 @@ bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
     unsigned f = cpu_kernels_features();
     if (p->w_dtype == MOE_DTYPE_BF16)
         return (f & CPU_FEAT_AVX512_BF16) != 0;
-    if (p->w_dtype == MOE_DTYPE_I8)
+    if (p->w_dtype == MOE_DTYPE_I8 || p->w_dtype == MOE_DTYPE_I4)
         return (f & CPU_FEAT_AVX512_VNNI) != 0;
     return false;
 }
@@ -85,7 +98,7 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt)
     struct moe_matmul_params p = {.fast = true, .w_dtype = wt};
     if (!cpu_matmul_dot_supported(&p))
         return "f32-fma";
-    return wt == MOE_DTYPE_I8 ? "avx512-vnni" : "avx512-bf16";
+    return wt == MOE_DTYPE_BF16 ? "avx512-bf16" : "avx512-vnni";
 }
 
 #ifdef DOT_X86
@@ -147,6 +160,17 @@ DOT_TARGET static float act_u8_row(const float *xr, int n_in, uint8_t *d, int ld
         _mm_storeu_si128((__m128i *)(d + k), _mm512_cvtusepi32_epi8(q));
     }
     return a / 127.0f;
+}
+
+/* The I4 path's activations: as act_u8_row, signed (no +128 offset). */
+DOT_TARGET static float act_s8_row(const float *xr, int n_in, int8_t *d, int ldx)
+{
+    float sx = act_u8_row(xr, n_in, (uint8_t *)d, ldx);
+    for (int k = 0; k < ldx; k += 64) { /* u - 128, in place */
+        __m512i u = _mm512_loadu_si512((const void *)(d + k));
+        _mm512_storeu_si512((void *)(d + k), _mm512_xor_si512(u, _mm512_set1_epi8((char)0x80)));
+    }
+    return sx;
 }
 
 /* ---------------------------------------------------------------------------
@@ -324,6 +348,95 @@ mk_stream(const enum dot_kind K, const int T, const int R, const char *xa, int64
                 out->i[t][r] = _mm512_reduce_add_epi32(acci[t][r]) - off;
         }
     }
+}
+
+/* I4: the codes of columns [k, k + 64) of a row (common/quant.h layout) as 64
+ * unsigned bytes in column order; a step past n_in (n_in % 64 == 32) reads
+ * only its first block and gives zero codes for the rest. */
+DOT_TARGET static inline __attribute__((always_inline)) __m512i q4_codes64(const uint8_t *row,
+                                                                           int k, int n_in)
+{
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    __m256i b = n_in - k >= 64 ? _mm256_loadu_si256((const __m256i *)(row + k / 2))
+                               : _mm256_maskz_loadu_epi8(0xffff, row + k / 2);
+    __m256i lo = _mm256_and_si256(b, mask);                       /* [k, k+16), [k+32, k+48) */
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask); /* [k+16, k+32), [k+48, k+64) */
+    __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0)); /* 128-bit lanes lo0 hi0 lo1 hi1 */
+}
+
+/* I4 streaming tile: T tokens x R rows [o, o + R) (see the top). out gets
+ * sum_g s_g sum (u - 8) xq per (token, row): times sx_t is y. */
+DOT_TARGET static inline __attribute__((always_inline)) void
+mk_q4_dot(const int T, const int R, const int8_t *xa, int64_t ldxb,
+          const struct moe_matmul_params *p, int o, float out[DT_T][DT_R])
+{
+    const int n_in = p->n_in, group = p->w_group;
+    const int64_t ldb = p->ldw / 2, lds = p->ldw / group;
+    const uint8_t *rows = (const uint8_t *)p->w + (int64_t)o * ldb;
+    const float *sc = p->w_scale + (int64_t)o * lds;
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512 acc[DT_T][DT_R];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[t][r] = _mm512_setzero_ps();
+    for (int k = 0; k < n_in; k += 64) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            _mm_prefetch((const char *)(rows + (R + r) * ldb + k / 2), _MM_HINT_T0);
+        __m512i xv[DT_T], base[DT_T];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            xv[t] = _mm512_loadu_si512((const void *)(xa + t * ldxb + k));
+            /* -8 x (the 4-column sums of xq): the accumulator's start */
+            base[t] = _mm512_sub_epi32(
+                _mm512_setzero_si512(),
+                _mm512_slli_epi32(dot_u8s8(_mm512_setzero_si512(), ones, xv[t]), 3));
+        }
+        /* lanes 0-7 are columns [k, k+32), lanes 8-15 [k+32, k+64) */
+        const int g0 = k / group, g1 = (k + 32) / group;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m512i u = q4_codes64(rows + r * ldb, k, n_in);
+            const float *sr = sc + r * lds;
+            const __m512 sv = g0 == g1 || k + 32 >= n_in
+                                  ? _mm512_set1_ps(sr[g0])
+                                  : _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(sr[g0]),
+                                                         _mm512_set1_ps(sr[g1]));
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++)
+                acc[t][r] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(base[t], u, xv[t])), sv, acc[t][r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            out[t][r] = _mm512_reduce_add_ps(acc[t][r]);
+}
+
+DOT_TARGET static void mk_q4_dot_any(int T, int R, const int8_t *xa, int64_t ldxb,
+                                     const struct moe_matmul_params *p, int o,
+                                     float out[DT_T][DT_R])
+{
+#define Q4D_CASE(TT, RR)                                                                           \
+    case (TT)*8 + (RR): mk_q4_dot(TT, RR, xa, ldxb, p, o, out); return;
+    switch (T * 8 + R) {
+        Q4D_CASE(1, 4)
+        Q4D_CASE(2, 4)
+        Q4D_CASE(3, 4)
+        Q4D_CASE(4, 4)
+        Q4D_CASE(1, 1)
+        Q4D_CASE(2, 1)
+        Q4D_CASE(3, 1)
+        Q4D_CASE(4, 1)
+    default: break;
+    }
+#undef Q4D_CASE
+    MOE_ASSERT(0 && "mk_q4_dot_any: unsupported tile");
 }
 
 DOT_TARGET static void mk_stream_any(enum dot_kind kind, int T, int R, const char *xa, int64_t ldxb,
@@ -505,9 +618,30 @@ static void store_out(const struct moe_matmul_params *p, int t, int o, float v)
     *y = p->accumulate ? *y + v : v;
 }
 
+DOT_TARGET static void task_stream_q4(const struct dot_job *j, int t0, int nt, int o0, int no)
+{
+    const struct moe_matmul_params *p = j->p;
+    float out[DT_T][DT_R];
+    for (int o = o0; o < o0 + no;) {
+        int R = o0 + no - o >= DT_R ? DT_R : 1;
+        for (int t = t0; t < t0 + nt; t += DT_T) {
+            int T = t0 + nt - t < DT_T ? t0 + nt - t : DT_T;
+            mk_q4_dot_any(T, R, (const int8_t *)j->xa + t * j->ldxb, j->ldxb, p, o, out);
+            for (int tt = 0; tt < T; tt++)
+                for (int r = 0; r < R; r++)
+                    store_out(p, t + tt, o + r, out[tt][r] * j->sx[t + tt]);
+        }
+        o += R;
+    }
+}
+
 DOT_TARGET static void task_stream(const struct dot_job *j, int t0, int nt, int o0, int no)
 {
     const struct moe_matmul_params *p = j->p;
+    if (j->kind == DOT_I4) {
+        task_stream_q4(j, t0, nt, o0, no);
+        return;
+    }
     const int64_t esz = j->kind == DOT_BF16 ? 2 : 1;
     const int64_t ldwb = p->ldw * esz;
     union dot_out out;
@@ -585,8 +719,10 @@ static void cvt_task(void *arg, int task, int thread)
         return;
     }
     for (int t = r0; t < r1; t++)
-        j->sx[t] =
-            act_u8_row(p->x + (size_t)t * p->n_in, p->n_in, (uint8_t *)j->xa + t * j->ldxb, j->ldx);
+        j->sx[t] = j->kind == DOT_I4 ? act_s8_row(p->x + (size_t)t * p->n_in, p->n_in,
+                                                  (int8_t *)j->xa + t * j->ldxb, j->ldx)
+                                     : act_u8_row(p->x + (size_t)t * p->n_in, p->n_in,
+                                                  (uint8_t *)j->xa + t * j->ldxb, j->ldx);
 }
 
 void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params *p)
@@ -595,7 +731,8 @@ void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params 
         return;
     MOE_ASSERT(cpu_matmul_dot_supported(p));
     MOE_ASSERT(p->ldw >= p->n_in && p->n_in >= 0);
-    MOE_ASSERT(p->w_dtype == MOE_DTYPE_BF16 || (p->w_dtype == MOE_DTYPE_I8 && p->w_scale));
+    MOE_ASSERT(p->w_dtype == MOE_DTYPE_BF16 ||
+               ((p->w_dtype == MOE_DTYPE_I8 || p->w_dtype == MOE_DTYPE_I4) && p->w_scale));
     const int n_threads = moe_threadpool_size(pool);
     struct dot_job j = {.p = p, .kind = kind_of(p->w_dtype)};
     const int V = j.kind == DOT_BF16 ? 32 : 64;
@@ -607,14 +744,14 @@ void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params 
 
     /* One allocation: activations, token scales, panels. */
     size_t act_bytes = (size_t)p->n_tok * (size_t)j.ldxb;
-    size_t sx_bytes = j.kind == DOT_I8 ? ((size_t)p->n_tok * sizeof(float) + 63) / 64 * 64 : 0;
-    j.packed = p->n_tok >= DP_MIN_TOK;
+    size_t sx_bytes = j.kind != DOT_BF16 ? ((size_t)p->n_tok * sizeof(float) + 63) / 64 * 64 : 0;
+    j.packed = p->n_tok >= DP_MIN_TOK && j.kind != DOT_I4;
     j.scratch_stride = j.packed ? ((size_t)DP_R * (size_t)j.ldxb + 63) / 64 * 64 : 0;
     size_t total = act_bytes + sx_bytes + (size_t)n_threads * j.scratch_stride;
     char *buf = NULL;
     MOE_ASSERT(posix_memalign((void **)&buf, 64, total) == 0);
     j.xa = buf;
-    j.sx = j.kind == DOT_I8 ? (float *)(buf + act_bytes) : NULL;
+    j.sx = j.kind != DOT_BF16 ? (float *)(buf + act_bytes) : NULL;
     j.scratch = j.packed ? buf + act_bytes + sx_bytes : NULL;
 
     int n_cvt = (p->n_tok + CVT_ROWS - 1) / CVT_ROWS;

@@ -160,7 +160,6 @@ static double i4_case(int n_tok, int n_in, int n_out, int64_t ldw, int G, bool a
         .accumulate = accumulate,
         .w_scale = qw.sc,
         .w_group = G,
-        .fast = which == 0, /* no fast int4 path: fast must compute the same */
     };
     if (which == 0)
         g_cpu->ops->matmul(g_cpu, &p);
@@ -231,6 +230,104 @@ static void test_matmul_i4(const char *isa)
     printf("%s: int4 matmul %d cases, worst err %.3g vs the f32 reference on dequantized "
            "weights\n",
            isa, n, worst);
+}
+
+/* The fast path (W4A8, AVX512-VNNI: activations quantized per token to
+ * int8, kernels/cpu/matmul_dot.c) against the exact int4 path: every output
+ * within half a quantization step of x per element, (sx_t / 2) sum_k
+ * |deq_ok| (sx_t = max|x_t| / 127), plus 1e-5 of sum |x w| for f32 sums;
+ * and not equal to it (the fast path ran). SKIPPED by name without VNNI. */
+static void test_fast_i4(void)
+{
+    if (!(cpu_kernels_features() & CPU_FEAT_AVX512_VNNI)) {
+        printf("SKIPPED: int4 fast path (avx512-vnni): this processor lacks it\n");
+        return;
+    }
+    static const int toks[] = {1, 3, 4, 9, 40};
+    static const int dims[][3] = {
+        {64, 5, 32}, {96, 4, 32}, {256, 33, 64}, {384, 7, 128}, {1024, 18, 32}};
+    double worst = 0;      /* error / bound */
+    double emul_worst = 0; /* error vs the emulation / sum |x w| */
+    int differ = 0, n = 0;
+    for (size_t ti = 0; ti < sizeof toks / sizeof toks[0]; ti++)
+        for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+            const int n_tok = toks[ti], n_in = dims[di][0], n_out = dims[di][1], G = dims[di][2];
+            const int64_t ldw = n_in + (ti % 2 ? G : 0);
+            struct q4_weights qw = make_weights(n_out, ldw, G);
+            float *x = malloc((size_t)n_tok * n_in * sizeof *x);
+            for (int i = 0; i < n_tok * n_in; i++)
+                x[i] = test_rng_float(&g_rng) * (i % 13 == 0 ? 4.0f : 1.0f);
+            float *yf = malloc((size_t)n_tok * n_out * sizeof *yf);
+            float *ye = malloc((size_t)n_tok * n_out * sizeof *ye);
+            struct moe_matmul_params p = {.x = x,
+                                          .n_tok = n_tok,
+                                          .n_in = n_in,
+                                          .w = qw.q,
+                                          .w_dtype = MOE_DTYPE_I4,
+                                          .ldw = ldw,
+                                          .n_out = n_out,
+                                          .y = yf,
+                                          .w_scale = qw.sc,
+                                          .w_group = G,
+                                          .fast = true};
+            CHECK(cpu_matmul_dot_supported(&p));
+            cpu_matmul(g_pool, &p);
+            p.fast = false;
+            p.y = ye;
+            cpu_matmul(g_pool, &p);
+            for (int t = 0; t < n_tok; t++) {
+                float amax = 0;
+                for (int k = 0; k < n_in; k++)
+                    amax = fmaxf(amax, fabsf(x[(size_t)t * n_in + k]));
+                double sx = amax / 127.0;
+                /* the instruction emulated: xq rounded to nearest even, exact sums */
+                const float inv = 127.0f / amax;
+                for (int o = 0; o < n_out; o++) {
+                    double em = 0, mag = 0;
+                    for (int g = 0; g < n_in / G; g++) {
+                        int64_t isum = 0;
+                        for (int k = g * G; k < (g + 1) * G; k++) {
+                            float v = nearbyintf(x[(size_t)t * n_in + k] * inv);
+                            int xq = v > 127 ? 127 : v < -127 ? -127 : (int)v;
+                            isum +=
+                                (int64_t)xq * (moe_q4_code(qw.q + (size_t)o * (ldw / 2), k) - 8);
+                            mag +=
+                                fabs((double)x[(size_t)t * n_in + k] * qw.deq[(size_t)o * ldw + k]);
+                        }
+                        em += (double)isum * qw.sc[(size_t)o * (ldw / G) + g];
+                    }
+                    em *= (double)(amax / 127.0f);
+                    double e = fabs(yf[(size_t)t * n_out + o] - em) / (mag + 1e-30);
+                    emul_worst = e > emul_worst || e != e ? e : emul_worst;
+                }
+                for (int o = 0; o < n_out; o++) {
+                    double sw = 0, mag = 0;
+                    for (int k = 0; k < n_in; k++) {
+                        double w = qw.deq[(size_t)o * ldw + k];
+                        sw += fabs(w);
+                        mag += fabs(w * x[(size_t)t * n_in + k]);
+                    }
+                    double bound = 0.5 * sx * sw * (1 + 1e-4) + 1e-5 * mag + 1e-30;
+                    size_t i = (size_t)t * n_out + o;
+                    double e = fabs((double)yf[i] - ye[i]) / bound;
+                    worst = e > worst || e != e ? e : worst;
+                    differ += yf[i] != ye[i];
+                }
+            }
+            n++;
+            free(x);
+            free(yf);
+            free(ye);
+            free_weights(&qw);
+        }
+    CHECKF(worst <= 1.0, "int4 fast: an output is %.3g x its bound from the exact int4 path",
+           worst);
+    CHECKF(differ > 0, "int4 fast: every output equals the exact path (fast path not used?)");
+    CHECKF(emul_worst < 1e-5, "int4 fast: %.3g of sum|x w| from an emulation of vpdpbusd",
+           emul_worst);
+    printf("avx512-vnni: int4 fast (W4A8) %d cases, worst error %.3g of the bound, %.3g of "
+           "sum|x w| from the emulation, %d outputs differ from exact\n",
+           n, worst, emul_worst, differ);
 }
 
 /* The comparison can fail: one dequantized reference weight off by one code. */
@@ -358,6 +455,7 @@ int main(void)
     }
     cpu_kernels_force_isa(best);
     test_detects_error();
+    test_fast_i4();
     test_grouped_i4();
     moe_threadpool_destroy(g_pool);
     moe_backend_destroy(g_cpu);
