@@ -437,7 +437,8 @@ static bool check_fast(const char *dir, struct moe_backend *be, struct prompt *p
                moe_dtype_name(dtype));
         return false;
     }
-    bool i8 = dtype == MOE_DTYPE_I8;
+    bool i8 =
+        dtype == MOE_DTYPE_I8 || dtype == MOE_DTYPE_I4; /* held to the exact quantized model */
     struct moe_model *mf = load_model_opts(dir, be, dtype, false, fast, MOE_DTYPE_BF16);
     /* the exact model the fast one is held to (int8: its dequantized weights) */
     struct moe_model *me = load_model(dir, be, dtype, i8);
@@ -458,7 +459,7 @@ static bool check_fast(const char *dir, struct moe_backend *be, struct prompt *p
     printf("%s (%s weights, %s matmuls, BF16 KV): %d prompts against %s; per-position logits rel "
            "err held to median <= %.2g, 75th percentile <= %.2g\n",
            dir, moe_dtype_name(dtype), path, n_prompt,
-           i8                        ? "the exact int8 model"
+           i8                        ? "the exact quantized model"
            : dtype == MOE_DTYPE_BF16 ? "transformers (bf16 weights)"
                                      : "transformers (f32)",
            tol_med, tol_p75);
@@ -493,7 +494,8 @@ static bool check_fast(const char *dir, struct moe_backend *be, struct prompt *p
         worst = ec > worst ? ec : worst;
         printf("  prompt %d: %d tokens, logits rel err %.3g (one pass), %.3g (token by "
                "token), vs exact engine %.3g; info: greedy %d/%d identical to %s\n",
-               i, p[i].n_ids, e, ec, d_exact, same, n_want, i8 ? "exact int8" : "transformers");
+               i, p[i].n_ids, e, ec, d_exact, same, n_want,
+               i8 ? "exact quantized" : "transformers");
         free(lf);
         free(lfc);
         free(le);
@@ -528,10 +530,10 @@ int main(int argc, char **argv)
     if (argc != 3 || int4_group < 0 ||
         (strcmp(argv[2], "f32") && strcmp(argv[2], "bf16") && strcmp(argv[2], "int8") &&
          strcmp(argv[2], "bf16fast") && strcmp(argv[2], "int8fast") && strcmp(argv[2], "kvbf16") &&
-         !int4_group && !int4_refused)) {
+         strcmp(argv[2], "int4fast") && !int4_group && !int4_refused)) {
         fprintf(stderr, "usage: test_golden FIXTURE_DIR "
                         "f32|bf16|int8|int4-32|int4-64|int4-128|int4-refused|bf16fast|int8fast|"
-                        "kvbf16\n");
+                        "int4fast|kvbf16\n");
         return 2;
     }
     const char *dir = argv[1];
@@ -574,9 +576,10 @@ int main(int argc, char **argv)
         bool ran = false;
         if (be)
             ran = check_fast(dir, be, p, n_prompt,
-                             kv_bf16 ? MOE_DTYPE_F32
-                             : bf16  ? MOE_DTYPE_BF16
-                                     : MOE_DTYPE_I8,
+                             kv_bf16                        ? MOE_DTYPE_F32
+                             : bf16                         ? MOE_DTYPE_BF16
+                             : !strcmp(argv[2], "int4fast") ? MOE_DTYPE_I4
+                                                            : MOE_DTYPE_I8,
                              fast);
         for (int i = 0; i < n_prompt; i++) {
             free(p[i].text);
