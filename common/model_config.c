@@ -1,6 +1,11 @@
-/* config.json parser for MixtralForCausalLM and Qwen3MoeForCausalLM.
+/* config.json parser for MixtralForCausalLM, Qwen3MoeForCausalLM and
+ * Qwen2MoeForCausalLM.
  *
- * Defaults follow transformers' MixtralConfig / Qwen3MoeConfig (v5). The
+ * Defaults follow transformers' MixtralConfig / Qwen3MoeConfig /
+ * Qwen2MoeConfig (v5). Qwen2-MoE is Qwen3-MoE's layout without q/k norms,
+ * with q/k/v biases (qkv_bias, default true) and a shared expert of
+ * shared_expert_intermediate_size (default 5632) beside the routed ones,
+ * gated per token by sigmoid(shared_expert_gate . x). The
  * fields that fix the weight shapes are required even where transformers has
  * a default (a saved config.json always holds them, and guessing a shape is
  * worse than naming the missing field): hidden_size, num_hidden_layers,
@@ -176,10 +181,13 @@ static enum moe_status parse_arch(const struct cfg_ctx *c, enum moe_arch *arch)
         } else if (!strcmp(a, "Qwen3MoeForCausalLM")) {
             *arch = MOE_ARCH_QWEN3_MOE;
             want_type = "qwen3_moe";
+        } else if (!strcmp(a, "Qwen2MoeForCausalLM")) {
+            *arch = MOE_ARCH_QWEN2_MOE;
+            want_type = "qwen2_moe";
         } else {
             return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
                                  "%s: architecture '%s' is not supported (supported: "
-                                 "MixtralForCausalLM, Qwen3MoeForCausalLM)",
+                                 "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM)",
                                  c->name, a);
         }
         if (model_type && strcmp(model_type, want_type) != 0)
@@ -196,9 +204,12 @@ static enum moe_status parse_arch(const struct cfg_ctx *c, enum moe_arch *arch)
         *arch = MOE_ARCH_MIXTRAL;
     else if (!strcmp(model_type, "qwen3_moe"))
         *arch = MOE_ARCH_QWEN3_MOE;
+    else if (!strcmp(model_type, "qwen2_moe"))
+        *arch = MOE_ARCH_QWEN2_MOE;
     else
         return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
-                             "%s: model_type '%s' is not supported (supported: mixtral, qwen3_moe)",
+                             "%s: model_type '%s' is not supported (supported: mixtral, qwen3_moe, "
+                             "qwen2_moe)",
                              c->name, model_type);
     return MOE_OK;
 }
@@ -466,7 +477,15 @@ static enum moe_status parse_root(const struct cfg_ctx *c, struct moe_config *cf
                   &cfg->d_ff_expert);
         if ((st = get_bool(c, "norm_topk_prob", false, &cfg->norm_topk_prob)) != MOE_OK)
             return st;
-        cfg->qk_norm = true;
+        cfg->qk_norm = cfg->arch == MOE_ARCH_QWEN3_MOE;
+        if (cfg->arch == MOE_ARCH_QWEN2_MOE) {
+            if ((st = get_bool(c, "qkv_bias", true, &cfg->qkv_bias)) != MOE_OK)
+                return st;
+            INT_FIELD("shared_expert_intermediate_size", false, 5632, 0, CFG_MAX_SIZE,
+                      &cfg->d_ff_shared);
+            if (cfg->n_expert == 0)
+                cfg->d_ff_shared = 0;
+        }
     }
 #undef INT_FIELD
 
@@ -482,6 +501,16 @@ static enum moe_status parse_root(const struct cfg_ctx *c, struct moe_config *cf
     if ((st = parse_layers(c, cfg)) != MOE_OK)
         return st;
     return check_unsupported(c, cfg);
+}
+
+const char *moe_arch_model_type(enum moe_arch a)
+{
+    switch (a) {
+    case MOE_ARCH_MIXTRAL: return "mixtral";
+    case MOE_ARCH_QWEN3_MOE: return "qwen3_moe";
+    case MOE_ARCH_QWEN2_MOE: return "qwen2_moe";
+    }
+    return "?";
 }
 
 enum moe_status moe_config_parse(const char *json, const char *name, struct moe_config *cfg,

@@ -16,6 +16,7 @@
 enum moe_arch {
     MOE_ARCH_MIXTRAL = 0, /* MixtralForCausalLM */
     MOE_ARCH_QWEN3_MOE,   /* Qwen3MoeForCausalLM */
+    MOE_ARCH_QWEN2_MOE,   /* Qwen2MoeForCausalLM: q/k/v bias, a gated shared expert */
 };
 
 struct moe_config {
@@ -30,6 +31,8 @@ struct moe_config {
     int top_k;           /* num_experts_per_tok */
     int d_ff_expert;     /* Mixtral: intermediate_size; Qwen3: moe_intermediate_size */
     int d_ff_dense;      /* Qwen3 dense-MLP layers: intermediate_size; 0 if none */
+    int d_ff_shared;     /* Qwen2-MoE shared expert: shared_expert_intermediate_size; 0 if none */
+    bool qkv_bias;       /* q/k/v projections have biases (Qwen2-MoE qkv_bias) */
     bool norm_topk_prob; /* renormalise the top-k weights (always true for Mixtral) */
     bool qk_norm;        /* per-head RMSNorm on q and k before RoPE (Qwen3) */
     bool tie_word_embeddings;
@@ -41,6 +44,10 @@ struct moe_config {
     int eos_ids[MOE_MAX_EOS];
     bool layer_is_moe[MOE_MAX_LAYERS]; /* from decoder_sparse_step + mlp_only_layers */
 };
+
+/* The model_type spelling of an architecture: "mixtral", "qwen3_moe",
+ * "qwen2_moe". */
+const char *moe_arch_model_type(enum moe_arch a);
 
 /* Parses `path` (a config.json). On error returns non-OK with a one-line
  * message naming the file and the field. */

@@ -30,11 +30,6 @@ static void handle_abort(struct rpc_call *call, const uint8_t *req, size_t len, 
     rpc_call_finish_msg(call, &resp);
 }
 
-static const char *arch_name(enum moe_arch a)
-{
-    return a == MOE_ARCH_MIXTRAL ? "mixtral" : "qwen3_moe";
-}
-
 static void handle_model_info(struct rpc_call *call, const uint8_t *req, size_t len, void *user)
 {
     struct coord *c = user;
@@ -46,7 +41,7 @@ static void handle_model_info(struct rpc_call *call, const uint8_t *req, size_t 
     snprintf(dtype, sizeof dtype, "%s", c->model_dtype);
     pthread_mutex_unlock(&c->mu);
     info.name = c->model_name;
-    info.architecture = (char *)arch_name(cfg->arch);
+    info.architecture = (char *)moe_arch_model_type(cfg->arch);
     info.vocab_size = (uint32_t)cfg->vocab_size;
     info.max_context = (uint32_t)cfg->max_pos;
     info.n_layer = (uint32_t)cfg->n_layer;

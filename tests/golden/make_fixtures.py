@@ -37,8 +37,8 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
-from transformers import (MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N_NEW = 32                # greedy tokens per prompt
@@ -84,6 +84,18 @@ def qwen3_moe_config(vocab, bos, eos):
         initializer_range=0.1)
 
 
+def qwen2_moe_config(vocab, bos, eos):
+    # q/k/v biases and a gated shared expert; widths multiples of 32 (int4)
+    return Qwen2MoeConfig(
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, intermediate_size=96, mlp_only_layers=[1],
+        decoder_sparse_step=1, norm_topk_prob=False, qkv_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rms_norm_eps=1e-6,
+        max_position_embeddings=256, use_sliding_window=False, sliding_window=None,
+        bos_token_id=bos, eos_token_id=eos, hidden_act="silu", initializer_range=0.1)
+
+
 MODELS = {
     "mixtral": {"cls": MixtralForCausalLM, "config": mixtral_config, "tokenizer": "llama",
                 "shards": 2, "seed": 1000,
@@ -93,6 +105,10 @@ MODELS = {
                   "shards": 1, "seed": 2000,
                 "init": {"embed_std": 0.1, "gain": 1.6, "router_gain": 1.5, "lm_gain": 0.0,
                          "final_norm": 5.0}},
+    "qwen2_moe": {"cls": Qwen2MoeForCausalLM, "config": qwen2_moe_config, "tokenizer": "qwen",
+                  "shards": 1, "seed": 3000,
+                  "init": {"embed_std": 1.0, "gain": 1.4, "router_gain": 1.5, "lm_gain": 3.0,
+                           "final_norm": 1.0}},
 }
 
 
@@ -249,12 +265,19 @@ def hub_tensor_names(cfg, arch):
             names |= {p + f"block_sparse_moe.experts.{e}.{w}.weight"
                       for e in range(cfg.num_local_experts) for w in ("w1", "w2", "w3")}
         else:
-            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+            if arch == "qwen3_moe":
+                names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+            else:  # qwen2_moe
+                names |= {p + f"self_attn.{w}_proj.bias" for w in "qkv"}
             moe = i not in cfg.mlp_only_layers and (i + 1) % cfg.decoder_sparse_step == 0
             if moe:
                 names.add(p + "mlp.gate.weight")
                 names |= {p + f"mlp.experts.{e}.{w}_proj.weight"
                           for e in range(cfg.num_experts) for w in ("gate", "up", "down")}
+                if arch == "qwen2_moe":
+                    names.add(p + "mlp.shared_expert_gate.weight")
+                    names |= {p + f"mlp.shared_expert.{w}_proj.weight"
+                              for w in ("gate", "up", "down")}
             else:
                 names |= {p + f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")}
     return names
@@ -283,7 +306,7 @@ def save_checkpoint(model, out_dir, n_shards, arch):
         gen = json.load(open(gen_path)) if os.path.exists(gen_path) else None
 
     config["rope_theta"] = config["rope_parameters"]["rope_theta"]
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "qwen2_moe"):
         config["num_experts"] = config.get("num_local_experts", model.config.num_experts)
     config.pop("transformers_version", None)
     config = dict(sorted(config.items()))

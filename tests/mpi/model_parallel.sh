@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A model replica over W ranks gives what one rank gives: for both tiny
-# models (Mixtral, Qwen3-MoE), W = 2 and 4, TP = 1 and 2, experts over all
+# A model replica over W ranks gives what one rank gives: for the tiny
+# models (Mixtral, Qwen3-MoE, Qwen2-MoE with its q/k/v biases sliced by TP
+# and its shared expert on every rank), W = 2 and 4, TP = 1 and 2, experts over all
 # ranks: the greedy tokens are identical and the f32 logits of every prompt
 # position are within 1e-5 of W = 1 (with an f32 KV cache; with the default
 # bf16 cache a 1e-6 difference in K can round to the other bf16 neighbour,
@@ -55,7 +56,7 @@ cat >"$tmp/prompts.jsonl" <<'JSONL'
 {"tokens": [7, 7, 7, 7, 7, 7, 7, 7], "max_tokens": 10}
 JSONL
 
-for model in mixtral qwen3_moe; do
+for model in mixtral qwen3_moe qwen2_moe; do
   m=$fixtures/$model
   common=(--model "$m" --tokens 3,14,15,92,65,35,89,79,32,38,46 -n 16 --dtype f32 --kv-dtype f32 --ignore-eos)
   gen "$tmp/ref.out" "$tmp/ref.bin" 1 "${common[@]}" || { bad "$model W=1 failed: $(cat "$tmp/ref.out.err")"; continue; }

@@ -319,7 +319,7 @@ static void test_common_errors(void)
         /* architecture */
         expect_edit(base, "architectures", "[\"LlamaForCausalLM\"]", MOE_ERR_UNSUPPORTED,
                     "config.json: architecture 'LlamaForCausalLM' is not supported (supported: "
-                    "MixtralForCausalLM, Qwen3MoeForCausalLM)",
+                    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM)",
                     NULL, NULL);
         expect_edit(base, "architectures", "[]", MOE_ERR_FORMAT, "'architectures'", NULL, NULL);
         expect_edit(base, "architectures", "\"MixtralForCausalLM\"", MOE_ERR_FORMAT,
@@ -448,10 +448,37 @@ static void test_load(void)
     }
 }
 
+/* Qwen2-MoE: Qwen3's layout without q/k norms, with q/k/v biases and a
+ * shared expert; defaults as transformers' Qwen2MoeConfig. */
+static void test_qwen2(void)
+{
+    char *q2 = edit(QWEN3, "architectures", "[\"Qwen2MoeForCausalLM\"]");
+    char *j = edit(q2, "model_type", "\"qwen2_moe\"");
+    free(q2);
+    char *k = edit(j, "shared_expert_intermediate_size", "1408");
+    struct moe_config c;
+    expect("qwen2", k, MOE_OK, NULL, NULL, &c);
+    CHECK(c.arch == MOE_ARCH_QWEN2_MOE && !c.qk_norm && c.qkv_bias && c.d_ff_shared == 1408);
+    CHECK(!strcmp(moe_arch_model_type(c.arch), "qwen2_moe"));
+    expect("qwen2 defaults", j, MOE_OK, NULL, NULL, &c);
+    CHECK(c.d_ff_shared == 5632 && c.qkv_bias); /* transformers' defaults */
+    expect_edit(k, "qkv_bias", "false", MOE_OK, NULL, NULL, &c);
+    CHECK(!c.qkv_bias);
+    expect_edit(k, "qkv_bias", "1", MOE_ERR_FORMAT, "'qkv_bias'", NULL, NULL);
+    expect_edit(k, "shared_expert_intermediate_size", "-4", MOE_ERR_FORMAT,
+                "'shared_expert_intermediate_size'", NULL, NULL);
+    expect_edit(k, "model_type", "\"qwen3_moe\"", MOE_ERR_FORMAT, "contradicts", NULL, NULL);
+    expect_edit(k, "use_sliding_window", "true", MOE_ERR_UNSUPPORTED, "'use_sliding_window'", NULL,
+                NULL);
+    free(k);
+    free(j);
+}
+
 int main(void)
 {
     test_mixtral();
     test_qwen3();
+    test_qwen2();
     test_common_errors();
     test_load();
     return test_summary();

@@ -58,6 +58,7 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     struct moe_backend *be = m->be;
     size_t n = (size_t)cap;
     int d_ff_max = c->d_ff_expert > c->d_ff_dense ? c->d_ff_expert : c->d_ff_dense;
+    d_ff_max = c->d_ff_shared > d_ff_max ? c->d_ff_shared : d_ff_max;
     size_t n_route = n * (size_t)(c->top_k > 0 ? c->top_k : 1);
     bool ok = true;
 #define ALLOC(field, count, type)                                                                  \
@@ -78,6 +79,7 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     ALLOC(topk_ids, 2 * n_route, int32_t);
     ALLOC(xe, n * c->d_model, float);
     ALLOC(gate_up, n * 2 * (size_t)d_ff_max, float);
+    ALLOC(shared_g, n, float);
     ALLOC(act, n * (size_t)d_ff_max, float);
     ALLOC(ye, n * c->d_model, float);
     ALLOC(route_idx, 2 * n_route, int32_t); /* token indexes then weights */
@@ -120,12 +122,14 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     s->h_ids = malloc(2 * n_route * sizeof *s->h_ids); /* ids then weights */
     s->h_route_idx = malloc(2 * n_route * sizeof *s->h_route_idx);
     s->h_counts = malloc(((size_t)c->n_expert + 1) * sizeof *s->h_counts);
+    s->h_shared_g = malloc(n * sizeof *s->h_shared_g);
     s->h_zero = calloc((n_route > n + MOE_MAX_EP_RANKS ? n_route : n + MOE_MAX_EP_RANKS) *
                            (size_t)c->d_model,
                        sizeof *s->h_zero);
     float *h_ones = malloc(n * sizeof *h_ones);
     int32_t *h_iota = malloc(n * sizeof *h_iota);
-    ok = ok && s->h_ids && s->h_route_idx && s->h_counts && s->h_zero && h_ones && h_iota;
+    ok = ok && s->h_ids && s->h_route_idx && s->h_counts && s->h_shared_g && s->h_zero && h_ones &&
+         h_iota;
     if (!ok) {
         free(h_ones);
         free(h_iota);
@@ -204,6 +208,11 @@ static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache 
     matmul(m, s->h, n, c->d_model, w->wq, m->q_dim, s->q, false);
     matmul(m, s->h, n, c->d_model, w->wk, m->kv_dim, s->k, false);
     matmul(m, s->h, n, c->d_model, w->wv, m->kv_dim, s->v, false);
+    if (w->bq) { /* y += b for every row: ones (n, 1) . b (dim, 1)^T, exact */
+        matmul_dtype(m, MOE_DTYPE_F32, false, s->ones, n, 1, w->bq, m->q_dim, s->q, true);
+        matmul_dtype(m, MOE_DTYPE_F32, false, s->ones, n, 1, w->bk, m->kv_dim, s->k, true);
+        matmul_dtype(m, MOE_DTYPE_F32, false, s->ones, n, 1, w->bv, m->kv_dim, s->v, true);
+    }
     if (c->qk_norm) {
         ops->rmsnorm(m->be, s->q, w->q_norm, s->q, n * m->n_head_local, c->d_head, c->rms_eps);
         ops->rmsnorm(m->be, s->k, w->k_norm, s->k, n * m->n_kv_head_local, c->d_head, c->rms_eps);
@@ -277,6 +286,23 @@ static void route_group(struct moe_model *m, int layer, int n)
                            2 * (size_t)n_route * sizeof(int32_t));
 }
 
+/* Qwen2-MoE: ffn_out += sigmoid(shared_gate . h) * shared_expert(h), per
+ * token, after the routed experts' sum (transformers' order). */
+static void shared_expert(struct moe_model *m, const struct layer_weights *w, int n)
+{
+    const struct moe_config *c = &m->cfg;
+    struct scratch *s = &m->s;
+    const struct moe_backend_ops *ops = m->be->ops;
+    moe_model_ffn(m, s->h, n, w->shared_gate_up, c->d_ff_shared, w->shared_down, s->ye);
+    matmul_dtype(m, m->base_dtype, false, s->h, n, c->d_model, w->shared_gate, 1, s->shared_g,
+                 false);
+    ops->buf_download(m->be, s->h_shared_g, s->shared_g, (size_t)n * sizeof(float));
+    for (int t = 0; t < n; t++)
+        s->h_shared_g[t] = 1.0f / (1.0f + expf(-s->h_shared_g[t]));
+    ops->buf_upload(m->be, s->shared_g, s->h_shared_g, (size_t)n * sizeof(float));
+    ops->scatter_add_rows(m->be, s->ye, s->iota, s->shared_g, n, c->d_model, s->ffn_out);
+}
+
 static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_error *err)
 {
     const struct moe_config *c = &m->cfg;
@@ -306,6 +332,8 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
         enum moe_status rc = moe_ep_moe_layer(m, l, n, err);
         if (rc)
             return rc;
+        if (w->shared_gate_up)
+            shared_expert(m, w, n);
         ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
         return MOE_OK;
     }
@@ -324,6 +352,8 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
         ops->scatter_add_rows(m->be, s->ye, s->route_idx + begin, s->route_w + begin, cnt,
                               c->d_model, s->ffn_out);
     }
+    if (w->shared_gate_up)
+        shared_expert(m, w, n);
     ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
     m->prof.experts_s += moe_now() - t2;
     return MOE_OK;
@@ -442,6 +472,7 @@ void moe_model_scratch_free(struct moe_model *m)
                    s->att,
                    s->o,
                    s->ffn_out,
+                   s->shared_g,
                    s->router_logits,
                    s->topk_ids,
                    s->xe,
@@ -472,6 +503,7 @@ void moe_model_scratch_free(struct moe_model *m)
     free(s->h_ids);
     free(s->h_route_idx);
     free(s->h_counts);
+    free(s->h_shared_g);
     free(s->h_zero);
     free(s->h_ep_tok);
     free(s->h_ep_exp);

@@ -201,6 +201,29 @@ static enum moe_status load_norm(struct loader *ld, const char *name, int64_t di
     return rc;
 }
 
+/* A bias vector's slice [off, off + n) of its `full` elements, as f32 (bf16
+ * models round it to bf16 first, as they do norms). */
+static enum moe_status load_bias(struct loader *ld, const char *name, int64_t full, int64_t off,
+                                 int64_t n, float **out, struct moe_error *err)
+{
+    const struct st_tensor *t;
+    enum moe_status rc = find_tensor(ld, name, 1, full, 0, &t, err);
+    if (rc)
+        return rc;
+    float *host = malloc((size_t)n * sizeof *host);
+    if (!host)
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
+    rc = st_read_block(t, 0, 1, off, n, MOE_DTYPE_F32, host, err);
+    if (rc) {
+        free(host);
+        return rc;
+    }
+    if (ld->m->base_dtype == MOE_DTYPE_BF16)
+        for (int64_t i = 0; i < n; i++)
+            host[i] = moe_bf16_to_f32(moe_f32_to_bf16(host[i]));
+    return upload_weight(ld, name, host, (size_t)n * sizeof *host, (void **)out, err);
+}
+
 /* Loads gate and up projections (each (d_ff, d_model)) into one (2*d_ff, d_model)
  * buffer: gate rows first, then up rows, matching the backend's swiglu. With
  * I8 the fused weight is quantized as one (rows are independent). */
@@ -286,6 +309,17 @@ static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *er
     if ((rc = load_block(ld, name, d, (int64_t)c->n_head * dh, 0, d, q0, m->q_dim, m->opts.dtype,
                          &w->wo, err)))
         return rc;
+    if (c->qkv_bias) {
+        NAME(name, "model.layers.%d.self_attn.q_proj.bias", l);
+        if ((rc = load_bias(ld, name, (int64_t)c->n_head * dh, q0, m->q_dim, &w->bq, err)))
+            return rc;
+        NAME(name, "model.layers.%d.self_attn.k_proj.bias", l);
+        if ((rc = load_bias(ld, name, (int64_t)c->n_kv_head * dh, kv0, m->kv_dim, &w->bk, err)))
+            return rc;
+        NAME(name, "model.layers.%d.self_attn.v_proj.bias", l);
+        if ((rc = load_bias(ld, name, (int64_t)c->n_kv_head * dh, kv0, m->kv_dim, &w->bv, err)))
+            return rc;
+    }
     if (c->qk_norm) {
         NAME(name, "model.layers.%d.self_attn.q_norm.weight", l);
         if ((rc = load_norm(ld, name, dh, &w->q_norm, err)))
@@ -312,6 +346,18 @@ static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *er
     if ((rc = load_block(ld, name, c->n_expert, d, 0, c->n_expert, 0, d, m->base_dtype, &w->router,
                          err)))
         return rc;
+    if (c->d_ff_shared > 0) { /* replicated: every rank computes it for its batch */
+        NAME(name, "model.layers.%d.mlp.shared_expert.gate_proj.weight", l);
+        NAME(name2, "model.layers.%d.mlp.shared_expert.up_proj.weight", l);
+        if ((rc = load_gate_up(ld, name, name2, c->d_ff_shared, d, &w->shared_gate_up, err)))
+            return rc;
+        NAME(name, "model.layers.%d.mlp.shared_expert.down_proj.weight", l);
+        if ((rc = load_matrix(ld, name, d, c->d_ff_shared, &w->shared_down, err)))
+            return rc;
+        NAME(name, "model.layers.%d.mlp.shared_expert_gate.weight", l);
+        if ((rc = load_block(ld, name, 1, d, 0, 1, 0, d, m->base_dtype, &w->shared_gate, err)))
+            return rc;
+    }
     w->w_gate_up = calloc((size_t)c->n_expert, sizeof *w->w_gate_up);
     w->w_down = calloc((size_t)c->n_expert, sizeof *w->w_down);
     if (!w->w_gate_up || !w->w_down)
@@ -504,6 +550,12 @@ void moe_model_free(struct moe_model *m)
             FREE_BUF(w->router);
             FREE_BUF(w->dense_gate_up);
             FREE_BUF(w->dense_down);
+            FREE_BUF(w->bq);
+            FREE_BUF(w->bk);
+            FREE_BUF(w->bv);
+            FREE_BUF(w->shared_gate_up);
+            FREE_BUF(w->shared_down);
+            FREE_BUF(w->shared_gate);
             for (int e = 0; w->w_gate_up && e < m->cfg.n_expert; e++)
                 FREE_BUF(w->w_gate_up[e]);
             for (int e = 0; w->w_down && e < m->cfg.n_expert; e++)

@@ -25,6 +25,11 @@ struct layer_weights {
     void **w_down;       /* (n_expert) -> (d_model, d_ff_expert) */
     void *dense_gate_up; /* (2*d_ff_dense, d_model) */
     void *dense_down;    /* (d_model, d_ff_dense) */
+    /* Qwen2-MoE */
+    float *bq, *bk, *bv;  /* q/k/v biases, this rank's slices (qkv_bias), else NULL */
+    void *shared_gate_up; /* (2*d_ff_shared, d_model): the shared expert, on every rank */
+    void *shared_down;    /* (d_model, d_ff_shared) */
+    void *shared_gate;    /* (1, d_model) in base_dtype: its per-token sigmoid gate */
 };
 
 /* Activations and per-step metadata on the backend, sized for cap_tok tokens. */
@@ -39,6 +44,8 @@ struct scratch {
     float *att;            /* (n, q_dim) */
     float *o;              /* (n, d_model) */
     float *ffn_out;        /* (n, d_model) */
+    float *shared_g;       /* (n) the shared expert's gate: logits, then sigmoids */
+    float *h_shared_g;     /* host mirror of shared_g */
     float *router_logits;  /* (n, n_expert) */
     int32_t *topk_ids;     /* (n, top_k) */
     float *topk_w;         /* (n, top_k): a view right after the n*top_k ids in topk_ids */

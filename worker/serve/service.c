@@ -566,11 +566,6 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
     free(out);
 }
 
-static const char *arch_name(enum moe_arch a)
-{
-    return a == MOE_ARCH_MIXTRAL ? "mixtral" : "qwen3_moe";
-}
-
 static void handle_model_info(struct rpc_call *call, const uint8_t *bytes, size_t len, void *user)
 {
     struct worker_service *ws = user;
@@ -578,7 +573,7 @@ static void handle_model_info(struct rpc_call *call, const uint8_t *bytes, size_
     Moe__V1__ModelInfo info = MOE__V1__MODEL_INFO__INIT;
     uint32_t eos[MOE_MAX_EOS];
     info.name = ws->model_name;
-    info.architecture = (char *)arch_name(c->arch);
+    info.architecture = (char *)moe_arch_model_type(c->arch);
     info.vocab_size = (uint32_t)c->vocab_size;
     info.max_context = (uint32_t)c->max_pos;
     info.n_layer = (uint32_t)c->n_layer;
