@@ -184,10 +184,14 @@ static enum moe_status parse_arch(const struct cfg_ctx *c, enum moe_arch *arch)
         } else if (!strcmp(a, "Qwen2MoeForCausalLM")) {
             *arch = MOE_ARCH_QWEN2_MOE;
             want_type = "qwen2_moe";
+        } else if (!strcmp(a, "OlmoeForCausalLM")) {
+            *arch = MOE_ARCH_OLMOE;
+            want_type = "olmoe";
         } else {
             return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
                                  "%s: architecture '%s' is not supported (supported: "
-                                 "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM)",
+                                 "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
+                                 "OlmoeForCausalLM)",
                                  c->name, a);
         }
         if (model_type && strcmp(model_type, want_type) != 0)
@@ -206,10 +210,12 @@ static enum moe_status parse_arch(const struct cfg_ctx *c, enum moe_arch *arch)
         *arch = MOE_ARCH_QWEN3_MOE;
     else if (!strcmp(model_type, "qwen2_moe"))
         *arch = MOE_ARCH_QWEN2_MOE;
+    else if (!strcmp(model_type, "olmoe"))
+        *arch = MOE_ARCH_OLMOE;
     else
         return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
                              "%s: model_type '%s' is not supported (supported: mixtral, qwen3_moe, "
-                             "qwen2_moe)",
+                             "qwen2_moe, olmoe)",
                              c->name, model_type);
     return MOE_OK;
 }
@@ -308,6 +314,14 @@ static enum moe_status check_unsupported(const struct cfg_ctx *c, const struct m
         if (b)
             return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
                                  "%s: field 'attention_bias' = true is not supported", c->name);
+        const cJSON *clip = field(c, "clip_qkv");
+        if (clip) {
+            char sn[80];
+            snippet(clip, sn, sizeof sn);
+            return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                                 "%s: field 'clip_qkv' = %s is not supported (only null)", c->name,
+                                 sn);
+        }
     }
     return MOE_OK;
 }
@@ -372,7 +386,7 @@ static enum moe_status parse_token_ids(const struct cfg_ctx *c, struct moe_confi
 
 static enum moe_status parse_layers(const struct cfg_ctx *c, struct moe_config *cfg)
 {
-    if (cfg->arch == MOE_ARCH_MIXTRAL) {
+    if (cfg->arch == MOE_ARCH_MIXTRAL || cfg->arch == MOE_ARCH_OLMOE) {
         for (int l = 0; l < cfg->n_layer; l++)
             cfg->layer_is_moe[l] = true;
         return MOE_OK;
@@ -437,8 +451,12 @@ static enum moe_status parse_root(const struct cfg_ctx *c, struct moe_config *cf
     INT_FIELD("num_attention_heads", true, 0, 1, CFG_MAX_SIZE, &cfg->n_head);
     INT_FIELD("num_key_value_heads", false, cfg->n_head, 1, CFG_MAX_SIZE, &cfg->n_kv_head);
     INT_FIELD("vocab_size", true, 0, 1, CFG_MAX_SIZE, &cfg->vocab_size);
-    INT_FIELD("max_position_embeddings", false, mixtral ? 131072 : 32768, 1, INT_MAX,
-              &cfg->max_pos);
+    const bool olmoe = cfg->arch == MOE_ARCH_OLMOE;
+    INT_FIELD("max_position_embeddings", false,
+              mixtral ? 131072
+              : olmoe ? 4096
+                      : 32768,
+              1, INT_MAX, &cfg->max_pos);
     if (cfg->n_head % cfg->n_kv_head != 0)
         return moe_error_set(c->err, MOE_ERR_FORMAT,
                              "%s: num_attention_heads = %d is not a multiple of "
@@ -472,6 +490,17 @@ static enum moe_status parse_root(const struct cfg_ctx *c, struct moe_config *cf
         cfg->d_ff_dense = 0;
         cfg->norm_topk_prob = true;
         cfg->qk_norm = false;
+    } else if (cfg->arch == MOE_ARCH_OLMOE) {
+        /* the experts' width is intermediate_size; q_norm spans hidden_size */
+        INT_FIELD("intermediate_size", true, 0, 1, CFG_MAX_SIZE, &cfg->d_ff_expert);
+        if ((st = get_bool(c, "norm_topk_prob", false, &cfg->norm_topk_prob)) != MOE_OK)
+            return st;
+        cfg->qk_norm_full = true;
+        if (cfg->n_head * cfg->d_head != cfg->d_model)
+            return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                                 "%s: field 'head_dim' = %d: OLMoE's q_norm spans hidden_size %d, "
+                                 "so num_attention_heads x head_dim must equal it",
+                                 c->name, cfg->d_head, cfg->d_model);
     } else {
         INT_FIELD("moe_intermediate_size", cfg->n_expert > 0, 0, 1, CFG_MAX_SIZE,
                   &cfg->d_ff_expert);
@@ -491,8 +520,8 @@ static enum moe_status parse_root(const struct cfg_ctx *c, struct moe_config *cf
 
     if ((st = get_bool(c, "tie_word_embeddings", false, &cfg->tie_word_embeddings)) != MOE_OK)
         return st;
-    if ((st = get_pos_float(c, field(c, "rms_norm_eps"), "rms_norm_eps", mixtral ? 1e-5 : 1e-6,
-                            &cfg->rms_eps)) != MOE_OK)
+    if ((st = get_pos_float(c, field(c, "rms_norm_eps"), "rms_norm_eps",
+                            mixtral || olmoe ? 1e-5 : 1e-6, &cfg->rms_eps)) != MOE_OK)
         return st;
     if ((st = parse_rope(c, mixtral ? 1e6 : 1e4, &cfg->rope_theta)) != MOE_OK)
         return st;
@@ -509,6 +538,7 @@ const char *moe_arch_model_type(enum moe_arch a)
     case MOE_ARCH_MIXTRAL: return "mixtral";
     case MOE_ARCH_QWEN3_MOE: return "qwen3_moe";
     case MOE_ARCH_QWEN2_MOE: return "qwen2_moe";
+    case MOE_ARCH_OLMOE: return "olmoe";
     }
     return "?";
 }

@@ -17,6 +17,7 @@ enum moe_arch {
     MOE_ARCH_MIXTRAL = 0, /* MixtralForCausalLM */
     MOE_ARCH_QWEN3_MOE,   /* Qwen3MoeForCausalLM */
     MOE_ARCH_QWEN2_MOE,   /* Qwen2MoeForCausalLM: q/k/v bias, a gated shared expert */
+    MOE_ARCH_OLMOE,       /* OlmoeForCausalLM: q/k RMSNorm over all heads at once */
 };
 
 struct moe_config {
@@ -35,6 +36,7 @@ struct moe_config {
     bool qkv_bias;       /* q/k/v projections have biases (Qwen2-MoE qkv_bias) */
     bool norm_topk_prob; /* renormalise the top-k weights (always true for Mixtral) */
     bool qk_norm;        /* per-head RMSNorm on q and k before RoPE (Qwen3) */
+    bool qk_norm_full;   /* one RMSNorm over all of q, one over all of k (OLMoE) */
     bool tie_word_embeddings;
     float rms_eps; /* rms_norm_eps */
     float rope_theta;

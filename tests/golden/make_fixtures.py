@@ -37,8 +37,9 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
-from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
-                          Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N_NEW = 32                # greedy tokens per prompt
@@ -96,6 +97,17 @@ def qwen2_moe_config(vocab, bos, eos):
         bos_token_id=bos, eos_token_id=eos, hidden_act="silu", initializer_range=0.1)
 
 
+def olmoe_config(vocab, bos, eos):
+    # q_norm / k_norm over all heads at once; experts of intermediate_size
+    return OlmoeConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, tie_word_embeddings=False, clip_qkv=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rms_norm_eps=1e-5,
+        max_position_embeddings=256, attention_bias=False, bos_token_id=bos, eos_token_id=eos,
+        pad_token_id=None, hidden_act="silu", initializer_range=0.1)
+
+
 MODELS = {
     "mixtral": {"cls": MixtralForCausalLM, "config": mixtral_config, "tokenizer": "llama",
                 "shards": 2, "seed": 1000,
@@ -105,6 +117,10 @@ MODELS = {
                   "shards": 1, "seed": 2000,
                 "init": {"embed_std": 0.1, "gain": 1.6, "router_gain": 1.5, "lm_gain": 0.0,
                          "final_norm": 5.0}},
+    "olmoe": {"cls": OlmoeForCausalLM, "config": olmoe_config, "tokenizer": "llama",
+              "shards": 1, "seed": 4000,
+              "init": {"embed_std": 1.0, "gain": 1.4, "router_gain": 1.5, "lm_gain": 3.0,
+                       "final_norm": 1.0}},
     "qwen2_moe": {"cls": Qwen2MoeForCausalLM, "config": qwen2_moe_config, "tokenizer": "qwen",
                   "shards": 1, "seed": 3000,
                   "init": {"embed_std": 1.0, "gain": 1.4, "router_gain": 1.5, "lm_gain": 3.0,
@@ -264,6 +280,11 @@ def hub_tensor_names(cfg, arch):
             names.add(p + "block_sparse_moe.gate.weight")
             names |= {p + f"block_sparse_moe.experts.{e}.{w}.weight"
                       for e in range(cfg.num_local_experts) for w in ("w1", "w2", "w3")}
+        elif arch == "olmoe":
+            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight",
+                      p + "mlp.gate.weight"}
+            names |= {p + f"mlp.experts.{e}.{w}_proj.weight"
+                      for e in range(cfg.num_experts) for w in ("gate", "up", "down")}
         else:
             if arch == "qwen3_moe":
                 names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
@@ -306,7 +327,7 @@ def save_checkpoint(model, out_dir, n_shards, arch):
         gen = json.load(open(gen_path)) if os.path.exists(gen_path) else None
 
     config["rope_theta"] = config["rope_parameters"]["rope_theta"]
-    if arch in ("qwen3_moe", "qwen2_moe"):
+    if arch in ("qwen3_moe", "qwen2_moe", "olmoe"):
         config["num_experts"] = config.get("num_local_experts", model.config.num_experts)
     config.pop("transformers_version", None)
     config = dict(sorted(config.items()))
@@ -417,7 +438,7 @@ def make_model(name, spec, tok_dir, out_root):
         sys.exit(f"missing {tok_path}: run tests/golden/make_tokenizers.py first")
     tok = Tokenizer.from_file(tok_path)
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    if name == "mixtral":
+    if name in ("mixtral", "olmoe"):
         bos, eos = 1, 2
     else:
         bos = special_id(tok, ["<|endoftext|>"])

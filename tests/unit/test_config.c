@@ -319,7 +319,8 @@ static void test_common_errors(void)
         /* architecture */
         expect_edit(base, "architectures", "[\"LlamaForCausalLM\"]", MOE_ERR_UNSUPPORTED,
                     "config.json: architecture 'LlamaForCausalLM' is not supported (supported: "
-                    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM)",
+                    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
+                    "OlmoeForCausalLM)",
                     NULL, NULL);
         expect_edit(base, "architectures", "[]", MOE_ERR_FORMAT, "'architectures'", NULL, NULL);
         expect_edit(base, "architectures", "\"MixtralForCausalLM\"", MOE_ERR_FORMAT,
@@ -474,11 +475,29 @@ static void test_qwen2(void)
     free(j);
 }
 
+/* OLMoE: experts of intermediate_size, q/k norms over all heads. */
+static void test_olmoe(void)
+{
+    char *a = edit(MIXTRAL, "architectures", "[\"OlmoeForCausalLM\"]");
+    char *j = edit(a, "model_type", "\"olmoe\"");
+    free(a);
+    struct moe_config c;
+    expect("olmoe", j, MOE_OK, NULL, NULL, &c);
+    CHECK(c.arch == MOE_ARCH_OLMOE && c.qk_norm_full && !c.qk_norm && !c.qkv_bias);
+    CHECK(c.d_ff_expert == 14336 && c.layer_is_moe[0] && !c.norm_topk_prob);
+    CHECK(!strcmp(moe_arch_model_type(c.arch), "olmoe"));
+    expect_edit(j, "clip_qkv", "8.0", MOE_ERR_UNSUPPORTED, "'clip_qkv'", "8", NULL);
+    expect_edit(j, "clip_qkv", "null", MOE_OK, NULL, NULL, NULL);
+    expect_edit(j, "head_dim", "64", MOE_ERR_UNSUPPORTED, "q_norm spans hidden_size", NULL, NULL);
+    free(j);
+}
+
 int main(void)
 {
     test_mixtral();
     test_qwen3();
     test_qwen2();
+    test_olmoe();
     test_common_errors();
     test_load();
     return test_summary();

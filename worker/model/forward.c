@@ -213,6 +213,10 @@ static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache 
         matmul_dtype(m, MOE_DTYPE_F32, false, s->ones, n, 1, w->bk, m->kv_dim, s->k, true);
         matmul_dtype(m, MOE_DTYPE_F32, false, s->ones, n, 1, w->bv, m->kv_dim, s->v, true);
     }
+    if (c->qk_norm_full) { /* OLMoE: one norm over each token's whole q and k */
+        ops->rmsnorm(m->be, s->q, w->q_norm, s->q, n, m->q_dim, c->rms_eps);
+        ops->rmsnorm(m->be, s->k, w->k_norm, s->k, n, m->kv_dim, c->rms_eps);
+    }
     if (c->qk_norm) {
         ops->rmsnorm(m->be, s->q, w->q_norm, s->q, n * m->n_head_local, c->d_head, c->rms_eps);
         ops->rmsnorm(m->be, s->k, w->k_norm, s->k, n * m->n_kv_head_local, c->d_head, c->rms_eps);

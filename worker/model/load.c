@@ -320,6 +320,14 @@ static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *er
         if ((rc = load_bias(ld, name, (int64_t)c->n_kv_head * dh, kv0, m->kv_dim, &w->bv, err)))
             return rc;
     }
+    if (c->qk_norm_full) { /* OLMoE: one norm over all heads (one rank: see check_opts) */
+        NAME(name, "model.layers.%d.self_attn.q_norm.weight", l);
+        if ((rc = load_norm(ld, name, (int64_t)c->n_head * dh, &w->q_norm, err)))
+            return rc;
+        NAME(name, "model.layers.%d.self_attn.k_norm.weight", l);
+        if ((rc = load_norm(ld, name, (int64_t)c->n_kv_head * dh, &w->k_norm, err)))
+            return rc;
+    }
     if (c->qk_norm) {
         NAME(name, "model.layers.%d.self_attn.q_norm.weight", l);
         if ((rc = load_norm(ld, name, dh, &w->q_norm, err)))
@@ -394,6 +402,11 @@ static enum moe_status check_opts(const struct moe_config *c, const struct moe_m
     if (o->tp_size < 1 || o->tp_rank < 0 || o->tp_rank >= o->tp_size)
         return moe_error_set(err, MOE_ERR_INVALID, "tensor-parallel rank %d of %d is invalid",
                              o->tp_rank, o->tp_size);
+    if (c->qk_norm_full && o->tp_size > 1)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                             "%s: OLMoE's q_norm and k_norm span all heads; tensor parallel "
+                             "(--tp %d) would need their sums across ranks, not implemented",
+                             dir, o->tp_size);
     if (c->n_head % o->tp_size)
         return moe_error_set(
             err, MOE_ERR_INVALID,

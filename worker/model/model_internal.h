@@ -17,8 +17,8 @@ struct layer_weights {
     void *wk;         /* (n_kv_head_local*d_head, d_model) */
     void *wv;         /* (n_kv_head_local*d_head, d_model) */
     void *wo;         /* (d_model, n_head_local*d_head): column slice of o_proj */
-    float *q_norm;    /* (d_head), Qwen3 only */
-    float *k_norm;    /* (d_head), Qwen3 only */
+    float *q_norm;    /* (d_head), Qwen3; (n_head*d_head), OLMoE */
+    float *k_norm;    /* (d_head), Qwen3; (n_kv_head*d_head), OLMoE */
     bool is_moe;
     void *router;        /* (n_expert, d_model) */
     void **w_gate_up;    /* (n_expert) -> (2*d_ff_expert, d_model), NULL when not local */
