@@ -222,13 +222,115 @@ static enum moe_status parse_arch(const struct cfg_ctx *c, enum moe_arch *arch)
 
 /* ---- RoPE ------------------------------------------------------------------- */
 
-/* rope_parameters (transformers v5) or rope_scaling (older): only the default
- * (unscaled) RoPE is implemented. A dict of type "default" is accepted, and
- * its rope_theta wins over the top-level one, as in transformers. */
-static enum moe_status parse_rope(const struct cfg_ctx *c, double def_theta, float *theta)
+/* A number inside a rope dict: its value, or `def` when absent or null and
+ * def is not NAN (NAN: required). Errors name the dict and the key. */
+static enum moe_status rope_num(const struct cfg_ctx *c, const char *dict, const cJSON *rp,
+                                const char *key, double def, double *out)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(rp, key);
+    if (!v || cJSON_IsNull(v)) {
+        if (isnan(def))
+            return moe_error_set(c->err, MOE_ERR_FORMAT, "%s: field '%s' lacks '%s'", c->name, dict,
+                                 key);
+        *out = def;
+        return MOE_OK;
+    }
+    if (!cJSON_IsNumber(v) || !(v->valuedouble > 0) || !isfinite(v->valuedouble)) {
+        char sn[60];
+        snippet(v, sn, sizeof sn);
+        return moe_error_set(c->err, MOE_ERR_FORMAT,
+                             "%s: field '%s': '%s' = %s is not a positive "
+                             "number",
+                             c->name, dict, key, sn);
+    }
+    *out = v->valuedouble;
+    return MOE_OK;
+}
+
+#define MOE_TWO_PI 6.283185307179586
+
+static double yarn_mscale(double scale, double m)
+{
+    return scale <= 1 ? 1.0 : 0.1 * m * log(scale) + 1.0;
+}
+
+/* The scaling of one rope dict whose type is `type` (not "default"). */
+static enum moe_status parse_rope_scaling(const struct cfg_ctx *c, const char *dict,
+                                          const cJSON *rp, const char *type, int max_pos,
+                                          struct moe_rope *r)
+{
+    enum moe_status st;
+    double factor, lo, hi, orig, bf, bs, af, ms, msa;
+    if (!strcmp(type, "linear")) {
+        r->type = MOE_ROPE_LINEAR;
+        if ((st = rope_num(c, dict, rp, "factor", NAN, &factor)))
+            return st;
+        r->factor = (float)factor;
+        return MOE_OK;
+    }
+    if (!strcmp(type, "llama3")) {
+        r->type = MOE_ROPE_LLAMA3;
+        if ((st = rope_num(c, dict, rp, "factor", NAN, &factor)) ||
+            (st = rope_num(c, dict, rp, "low_freq_factor", NAN, &lo)) ||
+            (st = rope_num(c, dict, rp, "high_freq_factor", NAN, &hi)) ||
+            (st = rope_num(c, dict, rp, "original_max_position_embeddings", NAN, &orig)))
+            return st;
+        if (hi <= lo)
+            return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                 "%s: field '%s': high_freq_factor %g must exceed low_freq_factor "
+                                 "%g",
+                                 c->name, dict, hi, lo);
+        r->factor = (float)factor;
+        r->low_freq_factor = (float)lo;
+        r->high_freq_factor = (float)hi;
+        r->original_max_pos = (int)orig;
+        return MOE_OK;
+    }
+    if (!strcmp(type, "yarn")) {
+        r->type = MOE_ROPE_YARN;
+        if ((st = rope_num(c, dict, rp, "original_max_position_embeddings", NAN, &orig)) ||
+            (st = rope_num(c, dict, rp, "factor", (double)max_pos / orig, &factor)) ||
+            (st = rope_num(c, dict, rp, "beta_fast", 32, &bf)) ||
+            (st = rope_num(c, dict, rp, "beta_slow", 1, &bs)) ||
+            (st = rope_num(c, dict, rp, "mscale", -1, &ms)) ||
+            (st = rope_num(c, dict, rp, "mscale_all_dim", -1, &msa)))
+            return st;
+        const cJSON *afj = cJSON_GetObjectItemCaseSensitive(rp, "attention_factor");
+        if (afj && !cJSON_IsNull(afj)) {
+            if ((st = rope_num(c, dict, rp, "attention_factor", NAN, &af)))
+                return st;
+        } else if (ms > 0 && msa > 0) {
+            af = yarn_mscale(factor, ms) / yarn_mscale(factor, msa);
+        } else {
+            af = yarn_mscale(factor, 1);
+        }
+        const cJSON *tr = cJSON_GetObjectItemCaseSensitive(rp, "truncate");
+        r->truncate = !tr || cJSON_IsNull(tr) || cJSON_IsTrue(tr);
+        r->factor = (float)factor;
+        r->original_max_pos = (int)orig;
+        r->beta_fast = (float)bf;
+        r->beta_slow = (float)bs;
+        r->attention_factor = (float)af;
+        return MOE_OK;
+    }
+    char sn[120];
+    snippet(rp, sn, sizeof sn);
+    return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                         "%s: field '%s' = %s is not supported (RoPE types: default, linear, "
+                         "llama3, yarn)",
+                         c->name, dict, sn);
+}
+
+/* rope_parameters (transformers v5) or rope_scaling (older). A dict's
+ * rope_theta wins over the top-level one, as in transformers; its type
+ * (rope_type, or type) is default, linear, llama3 or yarn. */
+static enum moe_status parse_rope(const struct cfg_ctx *c, double def_theta, int max_pos,
+                                  float *theta, struct moe_rope *r)
 {
     const cJSON *top = field(c, "rope_theta");
     const char *keys[2] = {"rope_scaling", "rope_parameters"};
+    memset(r, 0, sizeof *r);
+    r->attention_factor = 1.0f;
     for (int k = 0; k < 2; k++) {
         const cJSON *rp = field(c, keys[k]);
         if (!rp)
@@ -241,10 +343,16 @@ static enum moe_status parse_rope(const struct cfg_ctx *c, double def_theta, flo
         const cJSON *type = cJSON_GetObjectItemCaseSensitive(rp, "rope_type");
         if (!type)
             type = cJSON_GetObjectItemCaseSensitive(rp, "type");
-        if (type && !(cJSON_IsString(type) && !strcmp(type->valuestring, "default")))
-            return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
-                                 "%s: field '%s' = %s is not supported (only unscaled RoPE)",
+        if (type && !cJSON_IsString(type))
+            return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                 "%s: field '%s': the type must be a "
+                                 "string, got %s",
                                  c->name, keys[k], sn);
+        if (type && strcmp(type->valuestring, "default")) {
+            enum moe_status st = parse_rope_scaling(c, keys[k], rp, type->valuestring, max_pos, r);
+            if (st)
+                return st;
+        }
         const cJSON *prf = cJSON_GetObjectItemCaseSensitive(rp, "partial_rotary_factor");
         if (prf && !(cJSON_IsNumber(prf) && prf->valuedouble == 1.0))
             return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
@@ -256,11 +364,66 @@ static enum moe_status parse_rope(const struct cfg_ctx *c, double def_theta, flo
         } else if (!type) {
             /* neither a type nor a theta: some scaling we do not know */
             return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
-                                 "%s: field '%s' = %s is not supported (only unscaled RoPE)",
-                                 c->name, keys[k], sn);
+                                 "%s: field '%s' = %s is not supported (no rope_type)", c->name,
+                                 keys[k], sn);
         }
     }
     return get_pos_float(c, top, "rope_theta", def_theta, theta);
+}
+
+void moe_rope_inv_freq(const struct moe_config *cfg, float *inv)
+{
+    const struct moe_rope *r = &cfg->rope;
+    const int d = cfg->d_head, half = d / 2;
+    const float base = cfg->rope_theta;
+    for (int i = 0; i < half; i++)
+        inv[i] = 1.0f / powf(base, (float)(2 * i) / (float)d);
+    switch (r->type) {
+    case MOE_ROPE_DEFAULT: return;
+    case MOE_ROPE_LINEAR:
+        for (int i = 0; i < half; i++)
+            inv[i] /= r->factor;
+        return;
+    case MOE_ROPE_LLAMA3: {
+        const float old = (float)r->original_max_pos;
+        const float low_wl = (float)((double)r->original_max_pos / r->low_freq_factor);
+        const float high_wl = (float)((double)r->original_max_pos / r->high_freq_factor);
+        const float two_pi = (float)MOE_TWO_PI;
+        for (int i = 0; i < half; i++) {
+            float wl = two_pi / inv[i];
+            float scaled = wl > low_wl ? inv[i] / r->factor : inv[i];
+            float smooth = (old / wl - r->low_freq_factor) /
+                           (float)((double)r->high_freq_factor - r->low_freq_factor);
+            float smoothed = (1.0f - smooth) * scaled / r->factor + smooth * scaled;
+            bool medium = !(wl < high_wl) && !(wl > low_wl);
+            inv[i] = medium ? smoothed : scaled;
+        }
+        return;
+    }
+    case MOE_ROPE_YARN: {
+        /* the correction range, in double as transformers' Python floats */
+        double ld = log((double)r->original_max_pos / (r->beta_fast * MOE_TWO_PI));
+        double hd = log((double)r->original_max_pos / (r->beta_slow * MOE_TWO_PI));
+        double lo = d * ld / (2 * log((double)base)), hi = d * hd / (2 * log((double)base));
+        if (r->truncate) {
+            lo = floor(lo);
+            hi = ceil(hi);
+        }
+        lo = lo > 0 ? lo : 0;
+        hi = hi < d - 1 ? hi : d - 1;
+        if (lo == hi)
+            hi += 0.001;
+        for (int i = 0; i < half; i++) {
+            float pos_freq = powf(base, (float)(2 * i) / (float)d);
+            float extrap = 1.0f / pos_freq, interp = 1.0f / (r->factor * pos_freq);
+            float ramp = ((float)i - (float)lo) / (float)(hi - lo);
+            ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+            float ef = 1.0f - ramp; /* the extrapolation factor */
+            inv[i] = interp * (1.0f - ef) + extrap * ef;
+        }
+        return;
+    }
+    }
 }
 
 /* ---- features we refuse ----------------------------------------------------- */
@@ -523,7 +686,8 @@ static enum moe_status parse_root(const struct cfg_ctx *c, struct moe_config *cf
     if ((st = get_pos_float(c, field(c, "rms_norm_eps"), "rms_norm_eps",
                             mixtral || olmoe ? 1e-5 : 1e-6, &cfg->rms_eps)) != MOE_OK)
         return st;
-    if ((st = parse_rope(c, mixtral ? 1e6 : 1e4, &cfg->rope_theta)) != MOE_OK)
+    if ((st = parse_rope(c, mixtral ? 1e6 : 1e4, cfg->max_pos, &cfg->rope_theta, &cfg->rope)) !=
+        MOE_OK)
         return st;
     if ((st = parse_token_ids(c, cfg)) != MOE_OK)
         return st;

@@ -20,6 +20,27 @@ enum moe_arch {
     MOE_ARCH_OLMOE,       /* OlmoeForCausalLM: q/k RMSNorm over all heads at once */
 };
 
+/* RoPE frequency scaling (rope_parameters / rope_scaling), as transformers'
+ * modeling_rope_utils computes it: default, linear, llama3, yarn. */
+enum moe_rope_type {
+    MOE_ROPE_DEFAULT = 0,
+    MOE_ROPE_LINEAR,
+    MOE_ROPE_LLAMA3,
+    MOE_ROPE_YARN,
+};
+
+struct moe_rope {
+    enum moe_rope_type type;
+    float factor;                            /* linear, llama3, yarn */
+    float low_freq_factor, high_freq_factor; /* llama3 */
+    int original_max_pos;                    /* llama3, yarn: original_max_position_embeddings */
+    float beta_fast, beta_slow;              /* yarn (32, 1) */
+    bool truncate;                           /* yarn (true) */
+    /* cos and sin are multiplied by it (yarn: given, or from factor, mscale
+     * and mscale_all_dim); 1 otherwise */
+    float attention_factor;
+};
+
 struct moe_config {
     enum moe_arch arch;
     int d_model;   /* hidden_size */
@@ -40,12 +61,17 @@ struct moe_config {
     bool tie_word_embeddings;
     float rms_eps; /* rms_norm_eps */
     float rope_theta;
+    struct moe_rope rope;
     int max_pos; /* max_position_embeddings */
     int bos_id;  /* -1 if absent */
     int n_eos;   /* eos_token_id: int or list */
     int eos_ids[MOE_MAX_EOS];
     bool layer_is_moe[MOE_MAX_LAYERS]; /* from decoder_sparse_step + mlp_only_layers */
 };
+
+/* inv_freq[i] for i < d_head / 2: rope_theta^(-2i/d_head), scaled as
+ * cfg->rope says, in f32 in transformers' order of operations. */
+void moe_rope_inv_freq(const struct moe_config *cfg, float *inv_freq);
 
 /* The model_type spelling of an architecture: "mixtral", "qwen3_moe",
  * "qwen2_moe". */

@@ -143,9 +143,11 @@ struct moe_backend_ops {
 
     /* Rotary embedding in place, "rotate half" (GPT-NeoX) layout as in HF
      * Mixtral / Qwen3: x (n_tok, n_heads, d_head); pairs (i, i + d_head/2)
-     * rotated by pos * theta^(-2i/d_head). */
+     * rotated by f = pos * inv_freq[i] (inv_freq: host memory, d_head/2
+     * frequencies, moe_rope_inv_freq; scaled or not), with cos f and sin f
+     * each multiplied by `scale` (YaRN's attention factor; 1 otherwise). */
     void (*rope)(struct moe_backend *be, float *x, const int32_t *pos, int n_tok, int n_heads,
-                 int d_head, float theta);
+                 int d_head, const float *inv_freq, float scale);
 
     /* k, v (n_tok, kv_dim) f32 written to caches (n_slot, kv_dim) of element
      * type kv_dtype (moe_kv_dtype_valid) at slots[t]; BF16 rounds to nearest

@@ -53,9 +53,9 @@ static void cpu_op_rmsnorm(struct moe_backend *be, const float *x, const float *
 }
 
 static void cpu_op_rope(struct moe_backend *be, float *x, const int32_t *pos, int n_tok,
-                        int n_heads, int d_head, float theta)
+                        int n_heads, int d_head, const float *inv_freq, float scale)
 {
-    cpu_rope(be_pool(be), x, pos, n_tok, n_heads, d_head, theta);
+    cpu_rope(be_pool(be), x, pos, n_tok, n_heads, d_head, inv_freq, scale);
 }
 
 static void cpu_op_kv_write(struct moe_backend *be, const float *k, const float *v,

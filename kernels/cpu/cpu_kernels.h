@@ -108,7 +108,7 @@ void cpu_vec_scale(float *y, float a, int n);                /* y *= a */
 void cpu_rmsnorm(struct moe_threadpool *pool, const float *x, const float *w, float *y, int n_rows,
                  int dim, float eps);
 void cpu_rope(struct moe_threadpool *pool, float *x, const int32_t *pos, int n_tok, int n_heads,
-              int d_head, float theta);
+              int d_head, const float *inv_freq, float scale);
 
 /* ---- attention.c ---- */
 

@@ -65,6 +65,7 @@ struct rope_job {
     const int32_t *pos;
     int n_tok, n_heads, d_head;
     const float *inv_freq; /* (d_head / 2) */
+    float scale;           /* multiplies cos and sin */
 };
 
 static void rope_token(const struct rope_job *j, int t)
@@ -74,8 +75,8 @@ static void rope_token(const struct rope_job *j, int t)
     float pos = (float)j->pos[t];
     for (int i = 0; i < half; i++) {
         float f = pos * j->inv_freq[i];
-        c[i] = cosf(f);
-        s[i] = sinf(f);
+        c[i] = cosf(f) * j->scale;
+        s[i] = sinf(f) * j->scale;
     }
     for (int h = 0; h < j->n_heads; h++) {
         float *x = j->x + ((size_t)t * j->n_heads + h) * j->d_head;
@@ -94,14 +95,10 @@ static void rope_task(void *arg, int task, int thread)
 }
 
 void cpu_rope(struct moe_threadpool *pool, float *x, const int32_t *pos, int n_tok, int n_heads,
-              int d_head, float theta)
+              int d_head, const float *inv_freq, float scale)
 {
     MOE_ASSERT(d_head % 2 == 0 && d_head / 2 <= ROPE_MAX_HALF);
-    int half = d_head / 2;
-    float inv_freq[ROPE_MAX_HALF];
-    for (int i = 0; i < half; i++)
-        inv_freq[i] = 1.0f / powf(theta, (float)(2 * i) / (float)d_head);
-    struct rope_job j = {x, pos, n_tok, n_heads, d_head, inv_freq};
+    struct rope_job j = {x, pos, n_tok, n_heads, d_head, inv_freq, scale};
     if ((size_t)n_tok * n_heads * d_head < PAR_MIN_ELEMS || moe_threadpool_size(pool) == 1) {
         for (int t = 0; t < n_tok; t++)
             rope_token(&j, t);

@@ -215,7 +215,7 @@ static void cuda_op_rmsnorm(struct moe_backend *be, const float *x, const float 
 }
 
 static void cuda_op_rope(struct moe_backend *be, float *x, const int32_t *pos, int n_tok,
-                         int n_heads, int d_head, float theta)
+                         int n_heads, int d_head, const float *inv_freq, float scale)
 {
     if (d_head <= 0 || d_head % 2 || d_head > MOE_CUDA_ROPE_MAX_DHEAD) {
         cuda_fail(be, (int)cudaErrorNotSupported,
@@ -223,7 +223,8 @@ static void cuda_op_rope(struct moe_backend *be, float *x, const int32_t *pos, i
                   MOE_CUDA_ROPE_MAX_DHEAD);
         return;
     }
-    cuda_check(be, moe_cuda_rope(x, pos, n_tok, n_heads, d_head, theta, cuda_of(be)->stream),
+    cuda_check(be,
+               moe_cuda_rope(x, pos, n_tok, n_heads, d_head, inv_freq, scale, cuda_of(be)->stream),
                "rope");
 }
 

@@ -58,8 +58,9 @@ const char *moe_cuda_matmul_unsupported(const struct moe_matmul_params *p);
 
 /* Largest d_head rope accepts. */
 #define MOE_CUDA_ROPE_MAX_DHEAD 512
+/* inv_freq: host memory, d_head / 2 frequencies; scale multiplies cos and sin. */
 cudaError_t moe_cuda_rope(float *x, const int32_t *pos, int n_tok, int n_heads, int d_head,
-                          float theta, cudaStream_t stream);
+                          const float *inv_freq, float scale, cudaStream_t stream);
 
 /* ---- kv_write.cu ---- */
 

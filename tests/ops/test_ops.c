@@ -170,8 +170,12 @@ static void run_rope(struct run *r, const struct op_case *c)
     for (int t = 0; t < n_tok; t++)
         pos[t] = test_rng_int(&g_rng, 0, c->a[3]);
     float *dx = run_buf(r, x, n * 4);
+    float inv_freq[512];
+    for (int i = 0; i < d_head / 2 && i < 512; i++)
+        inv_freq[i] = 1.0f / powf((float)c->a[4], (float)(2 * i) / (float)d_head);
+    /* a[5] != 0: a YaRN-style attention factor on cos and sin */
     r->be->ops->rope(r->be, dx, run_buf(r, pos, (size_t)n_tok * 4), n_tok, n_heads, d_head,
-                     (float)c->a[4]);
+                     inv_freq, c->a[5] ? 1.0f + 0.1f * (float)c->a[5] : 1.0f);
     run_get_floats(r, dx, n);
     free(x);
     free(pos);
@@ -643,12 +647,13 @@ static const struct op_case g_cases[] = {
     {"rmsnorm", run_rmsnorm, {1, 1, 0}, 1e-10},
     {"rmsnorm", run_rmsnorm, {70, 4097, 1}, 1e-10},
     {"rmsnorm", run_rmsnorm, {33, 64, 0}, 1e-10},
-    /* rope {n_tok, n_heads, d_head, max_pos, theta} */
+    /* rope {n_tok, n_heads, d_head, max_pos, theta, attention factor (1 + a/10, 0: 1)} */
     {"rope", run_rope, {1, 1, 2, 5, 10000}, 1e-10},
     {"rope", run_rope, {17, 4, 16, 100, 1000000}, 1e-10},
     {"rope", run_rope, {40, 16, 64, 8000, 1000000}, 1e-10},
     {"rope", run_rope, {9, 3, 128, 32000, 10000}, 1e-10},
     {"rope", run_rope, {5, 2, 256, 1000, 10000}, 1e-10},
+    {"rope", run_rope, {7, 3, 64, 4000, 10000, 4}, 1e-10}, /* x 1.4 on cos and sin (YaRN) */
     /* kv_write {n_tok, kv_dim, n_slot} */
     {"kv_write", run_kv_write, {1, 4, 3}, 0},
     {"kv_write", run_kv_write, {37, 256, 100}, 0},

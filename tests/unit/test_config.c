@@ -1,6 +1,7 @@
 /* config.json parser: the published Mixtral-8x7B and Qwen3-30B-A3B configs,
  * defaults, and every refusal with its status and message. */
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -210,7 +211,10 @@ static void test_mixtral(void)
                 MOE_OK, NULL, NULL, &c);
     CHECK(c.rope_theta == 5e5f);
     expect_edit(MIXTRAL, "rope_parameters", "{\"rope_type\": \"yarn\", \"factor\": 4.0}",
-                MOE_ERR_UNSUPPORTED, "'rope_parameters'", "yarn", NULL);
+                MOE_ERR_FORMAT, "'rope_parameters' lacks 'original_max_position_embeddings'", NULL,
+                NULL);
+    expect_edit(MIXTRAL, "rope_parameters", "{\"rope_type\": \"dynamic\", \"factor\": 4.0}",
+                MOE_ERR_UNSUPPORTED, "'rope_parameters'", "dynamic", NULL);
     expect_edit(MIXTRAL, "tie_word_embeddings", "true", MOE_OK, NULL, NULL, &c);
     CHECK(c.tie_word_embeddings);
 }
@@ -269,15 +273,28 @@ static void test_qwen3(void)
            "layer 2", NULL);
     free(j);
     free(k);
-    /* rope: default-type dicts are fine, scaling is not */
+    /* rope: default, linear, llama3, yarn (the values: golden/mixtral_rope_*) */
     expect_edit(QWEN3, "rope_scaling", "{\"rope_type\": \"default\"}", MOE_OK, NULL, NULL, &c);
-    CHECK(c.rope_theta == 1e6f);
+    CHECK(c.rope_theta == 1e6f && c.rope.type == MOE_ROPE_DEFAULT && c.rope.attention_factor == 1);
     expect_edit(QWEN3, "rope_scaling",
                 "{\"rope_type\": \"yarn\", \"factor\": 4.0, "
                 "\"original_max_position_embeddings\": 32768}",
-                MOE_ERR_UNSUPPORTED, "'rope_scaling'", "yarn", NULL);
-    expect_edit(QWEN3, "rope_scaling", "{\"type\": \"linear\", \"factor\": 2.0}",
-                MOE_ERR_UNSUPPORTED, "'rope_scaling'", "linear", NULL);
+                MOE_OK, NULL, NULL, &c);
+    CHECK(c.rope.type == MOE_ROPE_YARN && c.rope.factor == 4.0f && c.rope.beta_fast == 32 &&
+          c.rope.beta_slow == 1 && c.rope.truncate && c.rope.original_max_pos == 32768);
+    CHECK(fabsf(c.rope.attention_factor - (float)(0.1 * log(4.0) + 1.0)) < 1e-7f);
+    expect_edit(QWEN3, "rope_scaling",
+                "{\"rope_type\": \"yarn\", \"factor\": 40, \"mscale\": 1.0, \"mscale_all_dim\": "
+                "1.0, \"original_max_position_embeddings\": 4096}",
+                MOE_OK, NULL, NULL, &c);
+    CHECK(c.rope.attention_factor == 1.0f); /* DeepSeek-V3's: mscale / mscale_all_dim */
+    expect_edit(QWEN3, "rope_scaling", "{\"type\": \"linear\", \"factor\": 2.0}", MOE_OK, NULL,
+                NULL, &c);
+    CHECK(c.rope.type == MOE_ROPE_LINEAR && c.rope.factor == 2.0f);
+    expect_edit(QWEN3, "rope_scaling", "{\"type\": \"linear\", \"factor\": -2.0}", MOE_ERR_FORMAT,
+                "'factor' = -2", NULL, NULL);
+    expect_edit(QWEN3, "rope_scaling", "{\"type\": \"longrope\", \"factor\": 2.0}",
+                MOE_ERR_UNSUPPORTED, "'rope_scaling'", "longrope", NULL);
     expect_edit(QWEN3, "rope_scaling", "{\"factor\": 2.0}", MOE_ERR_UNSUPPORTED, "'rope_scaling'",
                 NULL, NULL);
     expect_edit(QWEN3, "rope_scaling", "4", MOE_ERR_FORMAT, "'rope_scaling'", NULL, NULL);
@@ -381,7 +398,13 @@ static void test_common_errors(void)
                     NULL);
         expect_edit(base, "hidden_act", "3", MOE_ERR_FORMAT, "'hidden_act'", NULL, NULL);
         expect_edit(base, "rope_scaling", "{\"rope_type\": \"llama3\", \"factor\": 8.0}",
-                    MOE_ERR_UNSUPPORTED, "'rope_scaling'", "llama3", NULL);
+                    MOE_ERR_FORMAT, "'rope_scaling' lacks 'low_freq_factor'", NULL, NULL);
+        expect_edit(base, "rope_scaling",
+                    "{\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 4, "
+                    "\"high_freq_factor\": 1, \"original_max_position_embeddings\": 8192}",
+                    MOE_ERR_FORMAT, "high_freq_factor 1 must exceed", NULL, NULL);
+        expect_edit(base, "rope_scaling", "{\"rope_type\": \"su\", \"factor\": 8.0}",
+                    MOE_ERR_UNSUPPORTED, "'rope_scaling'", "su", NULL);
         expect_edit(base, "rope_scaling", "null", MOE_OK, NULL, NULL, NULL);
     }
     /* top_k > n_expert on Mixtral */

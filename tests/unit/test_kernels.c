@@ -264,7 +264,10 @@ static void test_rope(void)
                 }
             }
         }
-        g_cpu->ops->rope(g_cpu, x, pos, n_tok, n_heads, d, theta);
+        float inv_freq[64];
+        for (int i = 0; i < half; i++) /* the model's table: moe_rope_inv_freq, default type */
+            inv_freq[i] = 1.0f / powf(theta, (float)(2 * i) / (float)d);
+        g_cpu->ops->rope(g_cpu, x, pos, n_tok, n_heads, d, inv_freq, 1.0f);
         double ef = 0.0;
         for (size_t i = 0; i < n; i++)
             ef = fmax(ef, fabs((double)x[i] - xf[i]));

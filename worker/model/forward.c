@@ -221,8 +221,10 @@ static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache 
         ops->rmsnorm(m->be, s->q, w->q_norm, s->q, n * m->n_head_local, c->d_head, c->rms_eps);
         ops->rmsnorm(m->be, s->k, w->k_norm, s->k, n * m->n_kv_head_local, c->d_head, c->rms_eps);
     }
-    ops->rope(m->be, s->q, s->pos, n, m->n_head_local, c->d_head, c->rope_theta);
-    ops->rope(m->be, s->k, s->pos, n, m->n_kv_head_local, c->d_head, c->rope_theta);
+    ops->rope(m->be, s->q, s->pos, n, m->n_head_local, c->d_head, m->rope_inv_freq,
+              c->rope.attention_factor);
+    ops->rope(m->be, s->k, s->pos, n, m->n_kv_head_local, c->d_head, m->rope_inv_freq,
+              c->rope.attention_factor);
     ops->kv_write(m->be, s->k, s->v, s->slots, n, m->kv_dim, kv->k[l], kv->v[l], kv->dtype);
     struct moe_attn_params ap = {
         .q = s->q,

@@ -500,6 +500,11 @@ enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opt
     m->n_head_local = c->n_head / opts->tp_size;
     m->n_kv_head_local = c->n_kv_head / opts->tp_size;
     m->q_dim = m->n_head_local * c->d_head;
+    if (!(m->rope_inv_freq = malloc((size_t)(c->d_head / 2 + 1) * sizeof *m->rope_inv_freq))) {
+        rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    moe_rope_inv_freq(c, m->rope_inv_freq);
     m->kv_dim = m->n_kv_head_local * c->d_head;
 
     if ((rc = st_open(dir, &ld.st, err)))
@@ -588,6 +593,7 @@ void moe_model_free(struct moe_model *m)
     moe_placement_free(&m->placement);
     free(m->expert_tokens);
     free(m->dir);
+    free(m->rope_inv_freq);
     free(m);
 }
 
