@@ -117,7 +117,7 @@ struct moe_grouped_matmul_params {
      * F32 and BF16. */
     const float *const *w_scale;
     int w_group; /* I4: as in struct moe_matmul_params */
-    bool fast; /* as in struct moe_matmul_params */
+    bool fast;   /* as in struct moe_matmul_params */
 };
 
 struct moe_backend;

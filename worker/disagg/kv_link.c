@@ -639,9 +639,9 @@ struct expected {
     int32_t *blocks;
     int n_blocks, n_tokens;
     double deadline;
-    int writers;     /* SLICEs writing now */
-    uint64_t bytes;  /* payload bytes written */
-    uint64_t elems;  /* K and V elements written, to tell completeness */
+    int writers;    /* SLICEs writing now */
+    uint64_t bytes; /* payload bytes written */
+    uint64_t elems; /* K and V elements written, to tell completeness */
     struct expected *next;
 };
 

@@ -105,11 +105,11 @@ struct moe_model {
      * buffer with its scales after the codes (common/quant.h). */
     enum moe_dtype lin_dtype;
     enum moe_dtype base_dtype;
-    int q4_group;      /* I4: columns per scale */
+    int q4_group;         /* I4: columns per scale */
     float *rope_inv_freq; /* host (d_head / 2): moe_rope_inv_freq of cfg */
-    void *embed;       /* (vocab, d_model) */
-    float *final_norm; /* (d_model) */
-    void *lm_head;     /* (vocab, d_model); == embed when tied */
+    void *embed;          /* (vocab, d_model) */
+    float *final_norm;    /* (d_model) */
+    void *lm_head;        /* (vocab, d_model); == embed when tied */
     struct layer_weights *layers;
     size_t weight_bytes;
     struct moe_comm *tp_comm;       /* NULL: no tensor parallel */
