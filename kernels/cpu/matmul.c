@@ -156,10 +156,20 @@ static inline const float *raw_scales(const struct moe_matmul_params *p, int o)
  * need no scale at the end. */
 static void widen_rows_scalar(const struct moe_matmul_params *p, int o, int R, float *dst)
 {
-    if (p->w_dtype == MOE_DTYPE_I4) { /* dequantized too */
-        for (int r = 0; r < R; r++)
-            for (int k = 0; k < p->n_in; k++)
-                dst[(size_t)r * p->n_in + k] = q4_elem(p, o + r, k);
+    if (p->w_dtype == MOE_DTYPE_I4) { /* dequantized too, a 32-column block at a time */
+        for (int r = 0; r < R; r++) {
+            const uint8_t *row = q4_row(p, o + r);
+            const float *sc = q4_scales(p, o + r);
+            float *d = dst + (size_t)r * p->n_in;
+            for (int k = 0; k < p->n_in; k += MOE_Q4_BLOCK) {
+                const uint8_t *b = row + k / 2;
+                const float s = sc[k / p->w_group];
+                for (int j = 0; j < MOE_Q4_BLOCK / 2; j++) {
+                    d[k + j] = (float)((b[j] & 0x0f) - 8) * s;
+                    d[k + j + MOE_Q4_BLOCK / 2] = (float)((b[j] >> 4) - 8) * s;
+                }
+            }
+        }
         return;
     }
     for (int r = 0; r < R; r++) {
