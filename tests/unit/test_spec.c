@@ -207,6 +207,27 @@ static void test_ngram_draft(void)
     CHECK(spec_ngram_draft(n, 1, 4, d) == 0);
 }
 
+/* The draft length follows acceptance: up on full acceptance, to one past
+ * the kept ones on partial, halved on none, and a rest at zero. */
+static void test_adapt(void)
+{
+    int k = 4, cool = 0;
+    spec_adapt(&k, &cool, 4, 4, 4);
+    CHECK(k == 4 && cool == 0); /* all kept, at the cap */
+    spec_adapt(&k, &cool, 4, 4, 1);
+    CHECK(k == 2 && cool == 0); /* one kept: one more than that */
+    spec_adapt(&k, &cool, 4, 2, 2);
+    CHECK(k == 3);
+    spec_adapt(&k, &cool, 4, 3, 0);
+    CHECK(k == 1 && cool == 0); /* none kept: half */
+    spec_adapt(&k, &cool, 4, 1, 0);
+    CHECK(k == 1 && cool == MOE_SPEC_COOLDOWN); /* nothing pays: rest, then probe with one */
+    spec_adapt(&k, &cool, 16, 1, 1);
+    CHECK(k == 2);
+    spec_adapt(&k, &cool, 1, 1, 1);
+    CHECK(k == 1); /* never past k_max */
+}
+
 static void params_greedy(struct moe_request_params *p, int n, int max_tokens)
 {
     for (int i = 0; i < n; i++) {
@@ -581,6 +602,7 @@ int main(void)
     CHECKF(moe_backend_create("cpu", 0, &be, &err) == MOE_OK, "%s", err.msg);
     struct moe_model_opts mo = {.dtype = MOE_DTYPE_F32, .tp_size = 1};
     test_ngram_draft();
+    test_adapt();
     const char *fixtures[] = {"qwen3_moe", "mixtral"};
     for (int f = 0; f < 2 && be; f++) {
         char rel[128];

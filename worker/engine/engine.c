@@ -37,6 +37,8 @@ struct seq {
     bool import_pending; /* started from a handoff: take reservation import_key */
     uint64_t import_key;
     int32_t draft[MOE_SPEC_TOKENS_MAX]; /* this step's draft tokens, after tokens[n_tokens - 1] */
+    int spec_k;                         /* drafts its next decode row may carry (spec_adapt) */
+    int spec_cool;                      /* decode steps left without drafting */
 };
 
 /* A queued reservation request or release (from any thread). */
@@ -367,6 +369,7 @@ static enum moe_status submit_seq(struct moe_engine *e, uint64_t req_id, const i
     s->blocks = malloc((size_t)s->cap_blocks * sizeof *s->blocks);
     s->block_hash = malloc((size_t)s->cap_blocks * sizeof *s->block_hash);
     s->params = *params;
+    s->spec_k = e->opts.spec_tokens;
     s->cb = cb;
     s->user = user;
     s->import_pending = import;
@@ -672,7 +675,7 @@ static int draft_limit(const struct moe_engine *e, const struct sched_entry *en,
     if (en->count != 1 || en->start != s->n_tokens - 1 || s->n_tokens <= s->n_prompt ||
         s->params.prefill_only)
         return 0;
-    int k = e->opts.spec_tokens;
+    int k = s->spec_cool > 0 ? 0 : s->spec_k;
     if (k > budget)
         k = budget;
     if (k > s->cap_tokens - s->n_tokens - 1)
@@ -690,6 +693,10 @@ static void schedule_drafts(struct moe_engine *e, int n, int budget)
     for (int i = 0; i < n && budget > 0; i++) {
         struct sched_entry *en = &e->sched[i];
         struct seq *s = en->s;
+        if (s->spec_cool > 0 && en->count == 1 && en->start == s->n_tokens - 1) {
+            s->spec_cool--; /* a decode step without drafts */
+            continue;
+        }
         int k = draft_limit(e, en, budget);
         if (k <= 0 || !(k = spec_ngram_draft(s->tokens, s->n_tokens, k, s->draft)))
             continue;
@@ -926,6 +933,7 @@ static void seq_trim_blocks(struct moe_engine *e, struct seq *s)
 static void seq_verify(struct moe_engine *e, struct seq *s, int k, float *rows)
 {
     size_t vocab = (size_t)e->cfg->vocab_size;
+    int accepted = 0;
     for (int i = 0;; i++) {
         if (seq_emit(e, s, rows + (size_t)i * vocab))
             return; /* finished: s is freed with all its blocks */
@@ -933,7 +941,9 @@ static void seq_verify(struct moe_engine *e, struct seq *s, int k, float *rows)
             break;
         s->n_computed++; /* d_i's K/V were computed from the token now emitted */
         e->counts.spec_accepted_tokens++;
+        accepted++;
     }
+    spec_adapt(&s->spec_k, &s->spec_cool, e->opts.spec_tokens, k, accepted);
     seq_publish_blocks(e, s);
     seq_trim_blocks(e, s);
 }

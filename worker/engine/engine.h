@@ -11,7 +11,8 @@
  * Speculative decoding (opts.spec_tokens > 0, off by default) needs no draft
  * model: each step a decoding sequence looks up the most recent earlier
  * occurrence of its last 1..4 tokens (prompt and output) and appends up to
- * spec_tokens of the tokens that followed it to its decode row. All of them
+ * spec_tokens of the tokens that followed it to its decode row (fewer when
+ * its recent drafts were rejected: spec_adapt in spec.h). All of them
  * are verified in the same forward pass; the output is exactly what plain
  * decoding gives for every sampling mode (see seq_verify in engine.c), only
  * the number of steps changes. Drafts use what the step leaves over (token

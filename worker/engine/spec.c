@@ -31,3 +31,19 @@ int spec_ngram_draft(const int32_t *tokens, int n_tokens, int k, int32_t *draft)
     }
     return 0;
 }
+
+void spec_adapt(int *k, int *cool, int k_max, int drafted, int accepted)
+{
+    if (accepted >= drafted)
+        *k = drafted + 1;
+    else if (accepted > 0)
+        *k = accepted + 1;
+    else
+        *k = drafted / 2;
+    if (*k > k_max)
+        *k = k_max;
+    if (*k <= 0) { /* drafts stopped paying: rest, then probe with one */
+        *k = 1;
+        *cool = MOE_SPEC_COOLDOWN;
+    }
+}

@@ -22,4 +22,17 @@
  * Returns the number of draft tokens, 0 when nothing matched. */
 int spec_ngram_draft(const int32_t *tokens, int n_tokens, int k, int32_t *draft);
 
+/* Steps a sequence drafts nothing after its drafts stop paying (see below). */
+#define MOE_SPEC_COOLDOWN 8
+
+/* A sequence's draft length, adapted to its measured acceptance: after a
+ * verified row of `drafted` (> 0) drafts of which `accepted` were kept, the
+ * next row may carry `*k` drafts (at most k_max): all kept -> one more; some
+ * kept -> one more than were kept; none kept -> half, and at 0 the sequence
+ * drafts nothing for MOE_SPEC_COOLDOWN steps (*cool) and then probes with
+ * one draft. An MoE verify row routes to more experts the longer it is, so a
+ * guess that is rejected costs real compute; this keeps rejected guesses
+ * short. Output is unaffected: only how many guesses are verified. */
+void spec_adapt(int *k, int *cool, int k_max, int drafted, int accepted);
+
 #endif
