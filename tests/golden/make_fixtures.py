@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Writes the golden-test fixtures: two tiny random-weight MoE checkpoints in
 Hugging Face layout (Mixtral, Qwen3-MoE) and the reference logits and greedy
-continuations that Hugging Face transformers computes for them.
+continuations that Hugging Face transformers computes for them; and the same
+references for the trained demo model deploy/model/moe-tiny-en (tiny_en: its
+checkpoint files are relative symlinks to the deploy copy).
 
-    python3 tests/golden/make_fixtures.py            # writes tests/golden/fixtures/{mixtral,qwen3_moe}
+    python3 tests/golden/make_fixtures.py            # writes tests/golden/fixtures/{mixtral,qwen3_moe,tiny_en}
+    python3 tests/golden/make_fixtures.py --only tiny_en   # after retraining the demo model
 
 Needs torch, transformers (5.x), tokenizers, safetensors, numpy. CI does not
 run this: the fixtures it writes are committed. Deterministic: fixed seeds,
@@ -163,19 +166,21 @@ def init_weights(model, seed, init):
             p.copy_(val.to(p.dtype))
 
 
+def long_prompt(enc, source):
+    """The shortest run of source's first words that is PROMPT_LONG_TOKENS long."""
+    words = source.split(" ")
+    for n in range(1, len(words) + 1):
+        t = " ".join(words[:n])
+        if len(enc(t)) >= PROMPT_LONG_TOKENS:
+            return t
+    return source
+
+
 def make_prompts(tok, model_name):
     def enc(text):
         return tok.encode(text, add_special_tokens=True).ids
 
-    prompts = [PROMPT_SHORT, PROMPT_MULTI]
-    words = PROMPT_LONG_SOURCE.split(" ")
-    long_text = PROMPT_LONG_SOURCE
-    for n in range(1, len(words) + 1):
-        t = " ".join(words[:n])
-        if len(enc(t)) >= PROMPT_LONG_TOKENS:
-            long_text = t
-            break
-    prompts.append(long_text)
+    prompts = [PROMPT_SHORT, PROMPT_MULTI, long_prompt(enc, PROMPT_LONG_SOURCE)]
     one = next((t for t in ONE_TOKEN_CANDIDATES if len(enc(t)) == 1), None)
     if one is None:
         sys.exit(f"{model_name}: no one-token prompt among {ONE_TOKEN_CANDIDATES}")
@@ -511,12 +516,140 @@ def make_model(name, spec, tok_dir, out_root):
     return total
 
 
+PROMPT_LONG_EN = (
+    "A wise old owl lived in an oak. The more he saw, the less he spoke; the less he spoke, the "
+    "more he heard. Why can't we all be like that wise old bird? Because, my friend, the rest of "
+    "us have meetings to attend, mail to answer and a cat that wants its dinner right now.")
+
+# Trained checkpoints: the weights are given, so instead of trying seeds the
+# fixture tries prompts: each slot takes the first candidate whose paths meet
+# the same margins as the random models' (EOS may occur: a trained model ends
+# its answers, and the greedy paths run on through it, as with ignore_eos).
+TRAINED = {
+    "tiny_en": {"dir": os.path.join(HERE, "..", "..", "deploy", "model", "moe-tiny-en"),
+                "slots": [
+                    [PROMPT_SHORT],
+                    [PROMPT_MULTI],
+                    [None, PROMPT_LONG_EN],   # None: the random models' long prompt
+                    ONE_TOKEN_CANDIDATES,
+                    ["Once upon a time", "A man walks into a bar.", "The only way to",
+                     "It is a truth universally acknowledged", "Computers are"],
+                    ["<|im_start|>user\nTell me something about computers.<|im_end|>\n"
+                     "<|im_start|>assistant\n",
+                     "<|im_start|>user\nTell me a fortune.<|im_end|>\n<|im_start|>assistant\n",
+                     "<|im_start|>user\nWhat do you know about love?<|im_end|>\n"
+                     "<|im_start|>assistant\n"],
+                ]},
+}
+
+
+def make_trained(name, spec, out_root):
+    """golden.json and logits for a trained checkpoint (see TRAINED)."""
+    ckpt = os.path.normpath(spec["dir"])
+    cls = Qwen3MoeForCausalLM
+    model = cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager",
+                                experts_implementation="eager")
+    model.eval()
+    # generate_check must be greedy: the checkpoint's sampling defaults
+    # (do_sample in generation_config.json) would fill in for the fields
+    # it leaves at their defaults
+    model.generation_config = transformers.GenerationConfig()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    model_bf = bf16_copy(model)
+    cfg = model.config
+    tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
+    eos = cfg.eos_token_id
+    def enc(text):
+        return tok.encode(text, add_special_tokens=True).ids
+
+    chosen, res32, res16 = [], [], []
+    gaps32, gaps16 = [], []
+    for slot in spec["slots"]:
+        for text in slot:
+            if text in (None, PROMPT_LONG_EN):
+                text = long_prompt(enc, PROMPT_LONG_SOURCE if text is None else text)
+            ids = enc(text)
+            if not ids or (slot is ONE_TOKEN_CANDIDATES and len(ids) != 1):
+                continue
+            (r32,), g32, _ = evaluate(model, [(text, ids)], cfg.num_experts_per_tok, eos)
+            (r16,), g16, _ = evaluate(model_bf, [(text, ids)], cfg.num_experts_per_tok, eos)
+            distinct = min(len(set(r32[1])), len(set(r16[1])))
+            ok = (r32[2] > MIN_MARGIN and r16[2] > MIN_MARGIN and min(g32, g16) > MIN_ROUTER_MARGIN
+                  and distinct >= MIN_DISTINCT)
+            print(f"{name}: prompt {text[:40]!r}: {len(ids)} tokens, min margin f32 {r32[2]:.4g} "
+                  f"bf16 {r16[2]:.4g}, router {min(g32, g16):.3g}, distinct {distinct}"
+                  f"{'' if ok else ' -> next candidate'}")
+            if ok:
+                chosen.append((text, ids))
+                res32.append(r32)
+                res16.append(r16)
+                gaps32.append(g32)
+                gaps16.append(g16)
+                break
+        else:
+            sys.exit(f"{name}: no candidate in {slot} gave clear margins")
+    for (_, ids), r in zip(chosen, res32):
+        generate_check(model, ids, r[1])
+    for (_, ids), r in zip(chosen, res16):
+        generate_check(model_bf, ids, r[1])
+
+    out_dir = os.path.join(out_root, name)
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.makedirs(out_dir)
+    rel = os.path.relpath(ckpt, out_dir)
+    for f in sorted(os.listdir(ckpt)):
+        if f.endswith((".json", ".safetensors")) and f != "train_log.json":
+            os.symlink(os.path.join(rel, f), os.path.join(out_dir, f))
+    write_logits(os.path.join(out_dir, "logits_f32.bin"), [r[0] for r in res32])
+    write_logits(os.path.join(out_dir, "logits_bf16.bin"), [r[0] for r in res16])
+    same = open(os.path.join(out_dir, "logits_f32.bin"), "rb").read() == \
+        open(os.path.join(out_dir, "logits_bf16.bin"), "rb").read()
+    if same:   # bf16 weights on disk: rounding them again changes nothing
+        os.remove(os.path.join(out_dir, "logits_bf16.bin"))
+        os.symlink("logits_f32.bin", os.path.join(out_dir, "logits_bf16.bin"))
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    golden = {
+        "format": "moe-golden", "version": 1, "model": name,
+        "seed": json.load(open(os.path.join(ckpt, "train_log.json")))["seed"],
+        "n_new": N_NEW,
+        "eos_note": "greedy_* are plain argmax paths of exactly n_new tokens; an EOS on them is "
+                    "an ordinary token (the test runs with ignore_eos)",
+        "eos_on_paths": any(t in eos_ids for r in res32 + res16 for t in r[1]),
+        "min_router_margin_f32": min(gaps32), "min_router_margin_bf16": min(gaps16),
+        "prompts": [
+            {"text": t, "ids": ids, "greedy_f32": r32[1], "greedy_bf16": r16[1],
+             "min_margin_f32": r32[2], "min_margin_bf16": r16[2],
+             "greedy_text_f32": tok.decode(r32[1], skip_special_tokens=False)}
+            for (t, ids), r32, r16 in zip(chosen, res32, res16)
+        ],
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+    }
+    with open(os.path.join(out_dir, "golden.json"), "w") as f:
+        json.dump(golden, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    verify_on_disk(name, out_dir, cls, chosen)
+    total = 0
+    for f in sorted(os.listdir(out_dir)):
+        path = os.path.join(out_dir, f)
+        if not os.path.islink(path):
+            total += os.path.getsize(path)
+        print(f"  wrote {path}" + (f" -> {os.readlink(path)}" if os.path.islink(path)
+                                   else f" ({os.path.getsize(path)} bytes)"))
+    print(f"  {name}: prompts {[len(ids) for _, ids in chosen]} tokens, "
+          f"{total / 1e6:.2f} MB besides the checkpoint")
+    return total
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizers", default=os.path.join(HERE, "fixtures", "tokenizers"),
                     help="directory holding llama/tokenizer.json and qwen/tokenizer.json")
     ap.add_argument("--out", default=os.path.join(HERE, "fixtures"), help="output root")
-    ap.add_argument("--only", choices=sorted(MODELS), help="make one model only")
+    ap.add_argument("--only", choices=sorted(MODELS) + sorted(TRAINED), help="make one model only")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -525,6 +658,10 @@ def main():
         if args.only and name != args.only:
             continue
         total += make_model(name, spec, args.tokenizers, args.out)
+    for name, spec in TRAINED.items():
+        if args.only and name != args.only:
+            continue
+        total += make_trained(name, spec, args.out)
     print(f"total {total / 1e6:.2f} MB (transformers {transformers.__version__}, "
           f"torch {torch.__version__})")
 
