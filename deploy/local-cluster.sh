@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # A local cluster on the embedded defaults: etcd (when installed), two CPU
-# workers on the bundled tiny model (Prometheus /metrics each) and a
-# coordinator (gRPC, and the OpenAI-compatible HTTP API with /metrics), all
-# on 127.0.0.1; sends one streaming request with moe-client and one with
-# curl to /v1/completions, prints the answers and the timings, then shuts
-# everything down cleanly (SIGTERM: workers drain).
+# workers on the bundled demo model (deploy/model/moe-tiny-en; Prometheus
+# /metrics each) and a coordinator (gRPC, and the OpenAI-compatible HTTP API
+# with /metrics), all on 127.0.0.1; sends one streaming request with
+# moe-client, one with curl to /v1/completions and one to
+# /v1/chat/completions (sampled, seeded: the same answers every run), prints
+# the answers and the timings, then shuts everything down cleanly (SIGTERM:
+# workers drain).
 #
 #   deploy/local-cluster.sh [--build DIR] [--model DIR] [--prompt TEXT] [--serve]
 #     --serve   keep the cluster running until Ctrl-C (prints the address)
@@ -14,8 +16,8 @@ caller=$PWD
 cd "$(dirname "$0")/.."
 
 build=build
-model=tests/golden/fixtures/qwen3_moe
-prompt="The quick brown fox"
+model=deploy/model/moe-tiny-en
+prompt="The secret of life is"
 serve=0
 use_etcd=1
 while [ $# -gt 0 ]; do
@@ -113,11 +115,18 @@ for _ in $(seq 50); do
 done
 
 echo "== moe-client --addr $addr --prompt \"$prompt\" =="
-"$bin/moe-client" --addr "$addr" --prompt "$prompt" -n 32 --ignore-eos
+"$bin/moe-client" --addr "$addr" --prompt "$prompt" -n 32 --temperature 0.7 --top-p 0.9 --seed 1
 
 echo "== curl http://$http/v1/completions =="
 curl -s --noproxy '*' "http://$http/v1/completions" -H 'Content-Type: application/json' \
-  -d "{\"model\": \"$(basename "$model")\", \"prompt\": \"$prompt\", \"max_tokens\": 16}"
+  -d "{\"model\": \"$(basename "$model")\", \"prompt\": \"$prompt\", \"max_tokens\": 32,
+       \"temperature\": 0.7, \"top_p\": 0.9, \"seed\": 2}"
+echo
+echo "== curl http://$http/v1/chat/completions =="
+curl -s --noproxy '*' "http://$http/v1/chat/completions" -H 'Content-Type: application/json' \
+  -d "{\"model\": \"$(basename "$model")\", \"max_tokens\": 32, \"temperature\": 0.7,
+       \"top_p\": 0.9, \"seed\": 1,
+       \"messages\": [{\"role\": \"user\", \"content\": \"Tell me something about computers.\"}]}"
 echo
 
 if [ $serve = 1 ]; then

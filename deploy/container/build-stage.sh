@@ -3,7 +3,7 @@
 # configures and builds moe-serve from /src, then assembles everything the
 # runtime stage takes into /out:
 #   /out/usr/local/bin/   the binaries and the deploy/container helper scripts
-#   /out/opt/moe-serve/models/qwen3_moe   the bundled demo model (WITH_DEMO_MODEL=1)
+#   /out/opt/moe-serve/models/moe-tiny-en   the bundled demo model (WITH_DEMO_MODEL=1)
 #   /out/runtime-packages the Debian packages that own the shared libraries the
 #                         binaries load (found with ldd + dpkg -S, so the list
 #                         follows the build instead of being kept by hand)
@@ -35,11 +35,8 @@ done
 install -D -m 0644 "$src/deploy/container/sshd_config" "$out/etc/moe-serve/sshd_config"
 install -D -m 0644 "$src/deploy/container/ssh_config" "$out/etc/ssh/ssh_config.d/moe-serve.conf"
 if [ "${WITH_DEMO_MODEL:-1}" = 1 ]; then
-  cp -r "$src/tests/golden/fixtures/qwen3_moe" "$out/opt/moe-serve/models/qwen3_moe"
-  # the fixture's reference outputs are for the tests, not for serving
-  find "$out/opt/moe-serve/models/qwen3_moe" -maxdepth 1 -type f \
-    ! -name '*.json' ! -name '*.safetensors' -delete
-  rm -f "$out/opt/moe-serve/models/qwen3_moe/golden.json"
+  # the checkpoint with its model card (data source and license)
+  cp -r "$src/deploy/model/moe-tiny-en" "$out/opt/moe-serve/models/moe-tiny-en"
 fi
 
 # CUDA builds: the toolkit's libraries are found the way the runtime image

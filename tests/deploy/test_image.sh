@@ -44,7 +44,7 @@ wait_log() {
   echo "test_image: no '$pattern' from $name" >&2; "${podman[@]}" logs "$name" >&2; return 1
 }
 t0=$(date +%s.%N)
-model=/opt/moe-serve/models/qwen3_moe
+model=/opt/moe-serve/models/moe-tiny-en
 workers=()
 for i in 1 2; do
   run "worker-$i" moe-worker --model $model --listen 127.0.0.1:0 --worker-id "image-worker-$i" \
