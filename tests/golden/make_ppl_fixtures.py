@@ -3,9 +3,11 @@
 worker/engine/perplexity.h) as Hugging Face transformers computes them, for each
 golden fixture model, into <fixture>/ppl.json:
 
-    python3 tests/golden/make_ppl_fixtures.py [FIXTURE ...]   # default: mixtral qwen3_moe
+    python3 tests/golden/make_ppl_fixtures.py [FIXTURE ...]   # default: mixtral qwen3_moe tiny_en
 
-The text is tests/golden/fixtures/ppl_text.txt, tokenized with the fixture's
+The text is tests/golden/fixtures/ppl_text.txt, or for the trained model
+tiny_en its held-out split (tiny_en/heldout.txt: the bodies of every 20th
+fortune, as deploy/model/train_tiny_moe.py holds them out), tokenized with the fixture's
 tokenizer.json (tokenizers library, no special tokens). Definitions, the same
 as the C code's: windows of N tokens x[wN .. wN+N) (a trailing partial window
 dropped), each run alone; in each window the logits at positions N/2 .. N-2 are
@@ -44,7 +46,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = os.path.join(HERE, "fixtures")
 TEXT = os.path.join(FIX, "ppl_text.txt")
 CTX = {"mixtral": 32, "qwen3_moe": 32}
-KEEP = {"mixtral": 3, "qwen3_moe": 4}
+KEEP = {"mixtral": 3, "qwen3_moe": 4, "tiny_en": 6}
+TEXTS = {"tiny_en": "tiny_en/heldout.txt"}  # relative to fixtures/; default ppl_text.txt
 DEFAULT_CTX = 128
 
 
@@ -153,10 +156,11 @@ def first_argmax(row):
 
 
 def main(argv):
-    names = argv or ["mixtral", "qwen3_moe"]
+    names = argv or ["mixtral", "qwen3_moe", "tiny_en"]
     torch.set_num_threads(1)
-    text = open(TEXT, encoding="utf-8").read()
     for name in names:
+        text_rel = TEXTS.get(name, "ppl_text.txt")
+        text = open(os.path.join(FIX, text_rel), encoding="utf-8").read()
         d = os.path.join(FIX, name)
         tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
         ids = tok.encode(text, add_special_tokens=False).ids
@@ -167,7 +171,7 @@ def main(argv):
         nll, ppl = ppl_of(base, targets)
         nll16, ppl16 = ppl_of(other, targets)
         out = {
-            "text": "ppl_text.txt", "n_tokens": len(ids), "ctx": ctx, "n_scored": len(base),
+            "text": text_rel, "n_tokens": len(ids), "ctx": ctx, "n_scored": len(base),
             "f32": {"ppl": ppl, "nll_mean": nll},
             "bf16": dict({"ppl": ppl16, "nll_mean": nll16}, **kl_stats(base, other)),
         }
