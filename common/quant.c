@@ -67,13 +67,14 @@ bool moe_quant_q4_rows(const float *w, int64_t n_rows, int64_t n_cols, int group
                        float *scale)
 {
     uint8_t u[128];
-    const int64_t n_groups = n_cols / group;
+    const int64_t n_groups = moe_q4_groups(n_cols, group);
     for (int64_t r = 0; r < n_rows; r++) {
         uint8_t *row = q + r * (n_cols / 2);
         for (int64_t g = 0; g < n_groups; g++) {
-            if (!quant_group_q4(w + r * n_cols + g * group, group, u, scale + r * n_groups + g))
+            const int len = (int)(n_cols - g * group < group ? n_cols - g * group : group);
+            if (!quant_group_q4(w + r * n_cols + g * group, len, u, scale + r * n_groups + g))
                 return false;
-            for (int b = 0; b < group; b += MOE_Q4_BLOCK) {
+            for (int b = 0; b < len; b += MOE_Q4_BLOCK) {
                 uint8_t *dst = row + (g * group + b) / 2;
                 for (int j = 0; j < MOE_Q4_BLOCK / 2; j++)
                     dst[j] = (uint8_t)(u[b + j] | u[b + j + MOE_Q4_BLOCK / 2] << 4);
@@ -86,7 +87,7 @@ bool moe_quant_q4_rows(const float *w, int64_t n_rows, int64_t n_cols, int group
 void moe_dequant_q4_rows(const uint8_t *q, const float *scale, int64_t n_rows, int64_t n_cols,
                          int group, float *w)
 {
-    const int64_t n_groups = n_cols / group;
+    const int64_t n_groups = moe_q4_groups(n_cols, group);
     for (int64_t r = 0; r < n_rows; r++) {
         const uint8_t *row = q + r * (n_cols / 2);
         for (int64_t k = 0; k < n_cols; k++)

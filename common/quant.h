@@ -41,7 +41,9 @@ bool moe_quant_i8_rows(const float *w, int64_t n_rows, int64_t n_cols, int8_t *q
 void moe_dequant_i8_rows(const int8_t *q, const float *scale, int64_t n_rows, int64_t n_cols,
                          float *w);
 
-/* 4-bit (MOE_DTYPE_I4), group size G in {32, 64, 128} dividing n_cols.
+/* 4-bit (MOE_DTYPE_I4), group size G in {32, 64, 128}; n_cols a multiple
+ * of 32 (the block), not necessarily of G: a row's last group may be shorter
+ * (n_cols % G columns), and a row has moe_q4_groups(n_cols, G) scales.
  * Each group g of a row gets d = m / -8, m its element of largest magnitude
  * (sign kept), and u[k] = clamp(round(w[k] / d) + 8, 0, 15): the extreme
  * lands exactly on a code and all 16 codes are used; w[k] ~= (u[k] - 8) d
@@ -61,6 +63,12 @@ static inline bool moe_q4_group_valid(int group)
     return group == 32 || group == 64 || group == 128;
 }
 
+/* Scales per row: one per group, the last possibly shorter. */
+static inline int64_t moe_q4_groups(int64_t n_cols, int group)
+{
+    return (n_cols + group - 1) / group;
+}
+
 /* Byte offset of the scales inside an I4 weight buffer. */
 static inline size_t moe_q4_scale_offset(int64_t n_rows, int64_t n_cols)
 {
@@ -72,7 +80,7 @@ static inline size_t moe_q4_scale_offset(int64_t n_rows, int64_t n_cols)
 static inline size_t moe_q4_weight_bytes(int64_t n_rows, int64_t n_cols, int group)
 {
     return moe_q4_scale_offset(n_rows, n_cols) +
-           (size_t)n_rows * (size_t)(n_cols / group) * sizeof(float);
+           (size_t)n_rows * (size_t)moe_q4_groups(n_cols, group) * sizeof(float);
 }
 
 /* The code of column k of a row of codes (see the layout above). */
@@ -83,9 +91,9 @@ static inline int moe_q4_code(const uint8_t *row, int64_t k)
 }
 
 /* Quantizes n_rows rows of n_cols floats (dense) into codes q (n_rows *
- * n_cols / 2 bytes) and scale (n_rows, n_cols / group). Returns false when
- * a value is not finite. n_cols % group == 0 and moe_q4_group_valid(group)
- * are the caller's to check. */
+ * n_cols / 2 bytes) and scale (n_rows, moe_q4_groups(n_cols, group)).
+ * Returns false when a value is not finite. n_cols % 32 == 0 and
+ * moe_q4_group_valid(group) are the caller's to check. */
 bool moe_quant_q4_rows(const float *w, int64_t n_rows, int64_t n_cols, int group, uint8_t *q,
                        float *scale);
 

@@ -85,7 +85,7 @@ static inline const uint8_t *q4_row(const struct moe_matmul_params *p, int64_t o
 
 static inline const float *q4_scales(const struct moe_matmul_params *p, int64_t o)
 {
-    return p->w_scale + o * (p->ldw / p->w_group);
+    return p->w_scale + o * moe_q4_groups(p->ldw, p->w_group);
 }
 
 /* I4: W[o][k] dequantized, (u - 8) * scale. */
@@ -803,8 +803,8 @@ void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
     MOE_ASSERT(p->w_dtype == MOE_DTYPE_F32 || p->w_dtype == MOE_DTYPE_BF16 ||
                (p->w_dtype == MOE_DTYPE_I8 && p->w_scale != NULL) ||
                (p->w_dtype == MOE_DTYPE_I4 && p->w_scale != NULL &&
-                moe_q4_group_valid(p->w_group) && p->n_in % p->w_group == 0 &&
-                p->ldw % p->w_group == 0));
+                moe_q4_group_valid(p->w_group) && p->n_in % MOE_Q4_BLOCK == 0 &&
+                p->ldw % MOE_Q4_BLOCK == 0));
     if (p->fast && cpu_matmul_dot_supported(p)) {
         cpu_matmul_dot(pool, p);
         return;

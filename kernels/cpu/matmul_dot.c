@@ -57,6 +57,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "quant.h"
 #include "simd_x86.h"
 
 #if defined(__x86_64__)
@@ -372,7 +373,7 @@ mk_q4_dot(const int T, const int R, const int8_t *xa, int64_t ldxb,
           const struct moe_matmul_params *p, int o, float out[DT_T][DT_R])
 {
     const int n_in = p->n_in, group = p->w_group;
-    const int64_t ldb = p->ldw / 2, lds = p->ldw / group;
+    const int64_t ldb = p->ldw / 2, lds = moe_q4_groups(p->ldw, group);
     const uint8_t *rows = (const uint8_t *)p->w + (int64_t)o * ldb;
     const float *sc = p->w_scale + (int64_t)o * lds;
     const __m512i ones = _mm512_set1_epi8(1);

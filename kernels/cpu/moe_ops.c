@@ -25,10 +25,10 @@ enum moe_status moe_grouped_matmul_check(const struct moe_grouped_matmul_params 
                              "grouped_matmul: %s weights need the host w_scale array",
                              moe_dtype_name(p->w_dtype));
     if (p->w_dtype == MOE_DTYPE_I4 &&
-        (!moe_q4_group_valid(p->w_group) || p->n_in % p->w_group || p->ldw % p->w_group))
+        (!moe_q4_group_valid(p->w_group) || p->n_in % MOE_Q4_BLOCK || p->ldw % MOE_Q4_BLOCK))
         return moe_error_set(err, MOE_ERR_INVALID,
-                             "grouped_matmul: I4 group %d does not divide n_in %d and ldw %lld "
-                             "(32, 64 or 128)",
+                             "grouped_matmul: I4 group %d (32, 64 or 128) with n_in %d and ldw "
+                             "%lld (multiples of 32)",
                              p->w_group, p->n_in, (long long)p->ldw);
     if (p->n_rows < 0 || p->n_in < 0 || p->n_out < 0 || p->n_expert < 1)
         return moe_error_set(

@@ -98,6 +98,17 @@ static void test_quant(void)
     w[5] = NAN;
     CHECK(!moe_quant_q4_rows(w, n_rows, n_cols, 32, q, sc));
     CHECK(moe_q4_scale_offset(3, 64) == 128 && moe_q4_weight_bytes(3, 64, 32) == 128 + 24);
+    /* a last group shorter than G: 96 columns in groups of 64 are 64 + 32 */
+    CHECK(moe_q4_groups(96, 64) == 2 && moe_q4_weight_bytes(2, 96, 64) == 128 + 16);
+    float part[96];
+    for (int k = 0; k < 96; k++)
+        part[k] = k < 64 ? 0.5f : (k == 70 ? -16.0f : 1.0f);
+    float ps[2], pd[96];
+    uint8_t pq[48];
+    CHECK(moe_quant_q4_rows(part, 1, 96, 64, pq, ps));
+    moe_dequant_q4_rows(pq, ps, 1, 96, 64, pd);
+    CHECKF(ps[0] == 0.5f / -8.0f && ps[1] == 2.0f && pd[70] == -16.0f && pd[0] == 0.5f,
+           "short last group: scales %g %g", ps[0], ps[1]);
     CHECK(moe_q4_group_valid(64) && !moe_q4_group_valid(16) && !moe_q4_group_valid(96));
     CHECK(!strcmp(moe_dtype_name(MOE_DTYPE_I4), "I4"));
     free(w);
@@ -108,7 +119,7 @@ static void test_quant(void)
 
 struct q4_weights {
     uint8_t *q; /* (n_out, ldw / 2) */
-    float *sc;  /* (n_out, ldw / G) */
+    float *sc;  /* (n_out, moe_q4_groups(ldw, G)) */
     float *deq; /* (n_out, ldw) */
 };
 
@@ -117,7 +128,8 @@ static struct q4_weights make_weights(int n_out, int64_t ldw, int G)
     size_t n = (size_t)n_out * ldw;
     float *w = malloc(n * sizeof *w);
     fill_rows(w, n_out, (int)ldw);
-    struct q4_weights qw = {malloc(n / 2 + 1), malloc((n / G + 1) * sizeof(float)),
+    size_t n_sc = (size_t)n_out * (size_t)moe_q4_groups(ldw, G);
+    struct q4_weights qw = {malloc(n / 2 + 1), malloc((n_sc + 1) * sizeof(float)),
                             malloc(n * sizeof(float) + 1)};
     MOE_ASSERT(moe_quant_q4_rows(w, n_out, ldw, G, qw.q, qw.sc));
     moe_dequant_q4_rows(qw.q, qw.sc, n_out, ldw, G, qw.deq);
@@ -215,9 +227,7 @@ static void test_matmul_i4(const char *isa)
     for (size_t ti = 0; ti < sizeof toks / sizeof toks[0]; ti++)
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
             int n_tok = toks[ti], n_in = dims[di][0], n_out = dims[di][1];
-            int G = groups[(ti + di) % 3];
-            while (n_in % G)
-                G /= 2;
+            int G = groups[(ti + di) % 3]; /* a last group shorter than G where G > n_in % G */
             bool acc = (ti + di) % 2;
             int64_t ldw = n_in + ((ti + di) % 3 == 0 ? 2 * G : 0); /* a column slice */
             double e = i4_case(n_tok, n_in, n_out, ldw, G, acc, (int)((ti + di) % 3));
@@ -245,7 +255,8 @@ static void test_fast_i4(void)
     }
     static const int toks[] = {1, 3, 4, 9, 40};
     static const int dims[][3] = {
-        {64, 5, 32}, {96, 4, 32}, {256, 33, 64}, {384, 7, 128}, {1024, 18, 32}};
+        {64, 5, 32},    {96, 4, 32},  {256, 33, 64}, {384, 7, 128},
+        {1024, 18, 32}, {160, 5, 64}, {224, 3, 128}}; /* short last groups */
     double worst = 0;      /* error / bound */
     double emul_worst = 0; /* error vs the emulation / sum |x w| */
     int differ = 0, n = 0;
@@ -284,9 +295,9 @@ static void test_fast_i4(void)
                 const float inv = 127.0f / amax;
                 for (int o = 0; o < n_out; o++) {
                     double em = 0, mag = 0;
-                    for (int g = 0; g < n_in / G; g++) {
+                    for (int g = 0; g < moe_q4_groups(n_in, G); g++) {
                         int64_t isum = 0;
-                        for (int k = g * G; k < (g + 1) * G; k++) {
+                        for (int k = g * G; k < (g + 1) * G && k < n_in; k++) {
                             float v = nearbyintf(x[(size_t)t * n_in + k] * inv);
                             int xq = v > 127 ? 127 : v < -127 ? -127 : (int)v;
                             isum +=
@@ -294,7 +305,7 @@ static void test_fast_i4(void)
                             mag +=
                                 fabs((double)x[(size_t)t * n_in + k] * qw.deq[(size_t)o * ldw + k]);
                         }
-                        em += (double)isum * qw.sc[(size_t)o * (ldw / G) + g];
+                        em += (double)isum * qw.sc[(size_t)o * moe_q4_groups(ldw, G) + g];
                     }
                     em *= (double)(amax / 127.0f);
                     double e = fabs(yf[(size_t)t * n_out + o] - em) / (mag + 1e-30);

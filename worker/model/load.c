@@ -91,12 +91,12 @@ static enum moe_status upload_quantized(struct loader *ld, const char *name, flo
 {
     const bool q4 = ld->m->opts.dtype == MOE_DTYPE_I4;
     const int group = ld->m->q4_group;
-    if (q4 && n_cols % group) {
+    if (q4 && n_cols % MOE_Q4_BLOCK) {
         free(f32);
         return moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                             "%s: tensor '%s' has %lld columns, not a multiple of the int4 group "
-                             "size %d (--group-size 32, 64 or 128)",
-                             ld->dir, name, (long long)n_cols, group);
+                             "%s: tensor '%s' has %lld columns, not a multiple of 32 (--dtype "
+                             "int4 packs blocks of 32 columns)",
+                             ld->dir, name, (long long)n_cols);
     }
     size_t img_bytes =
         q4 ? moe_q4_weight_bytes(n_rows, n_cols, group) : moe_i8_weight_bytes(n_rows, n_cols);
