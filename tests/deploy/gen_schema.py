@@ -53,7 +53,8 @@ IMAGE = obj({"repository": string(minLength=1), "tag": string(), "pullPolicy": P
             required=["repository"])
 PDB_MIN = {"anyOf": [integer(0), string(pattern=r"^[0-9]+%$")]}
 DEVICE = string(enum=["auto", "cpu", "cuda"])
-DTYPE = string(enum=["f32", "bf16", "int8"])
+DTYPE = string(enum=["f32", "bf16", "int8", "int4"])
+KV_DTYPE = string(enum=["auto", "bf16", "f32"])
 ENV = {"type": "array", "items": {"type": "object", "required": ["name"],
                                   "properties": {"name": string(minLength=1)}}}
 DNS_NAME = string(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", maxLength=63)
@@ -84,6 +85,7 @@ POOL = obj({
     "gpusPerRank": integer(0, 16),
     "device": DEVICE,
     "dtype": DTYPE,
+    "kvDtype": KV_DTYPE,
     "threads": integer(0, 1024),
     "kvMemoryMiB": integer(1),
     "resources": RESOURCES,
@@ -140,6 +142,7 @@ SCHEMA = {
             "metrics": obj({"enabled": BOOL, "port": PORT}),
             "device": DEVICE,
             "dtype": DTYPE,
+            "kvDtype": KV_DTYPE,
             "threads": integer(0, 1024),
             "kvMemoryMiB": integer(1),
             "leaseTTLSeconds": integer(2, 3600),

@@ -269,6 +269,7 @@ grpc:
   "gpusPerRank" $gpus
   "device" (default $device $p.device)
   "dtype" (default $w.dtype $p.dtype)
+  "kvDtype" (default (default "auto" $w.kvDtype) $p.kvDtype)
   "threads" (int (default $w.threads $p.threads))
   "kvMemoryMiB" (int (default $w.kvMemoryMiB $p.kvMemoryMiB))
   "image" (include "moe-serve.image" (dict "img" $img "root" .root))
@@ -311,6 +312,10 @@ grpc:
 - {{ $p.threads | quote }}
 - --kv-memory
 - {{ $p.kvMemoryMiB | quote }}
+{{- if ne $p.kvDtype "auto" }}
+- --kv-dtype
+- {{ $p.kvDtype }}
+{{- end }}
 - --drain-timeout
 - {{ $w.drainTimeoutSeconds | quote }}
 - --tp
