@@ -257,8 +257,8 @@ static void test_fast_i4(void)
     static const int dims[][3] = {
         {64, 5, 32},    {96, 4, 32},  {256, 33, 64}, {384, 7, 128},
         {1024, 18, 32}, {160, 5, 64}, {224, 3, 128}}; /* short last groups */
-    double worst = 0;      /* error / bound */
-    double emul_worst = 0; /* error vs the emulation / sum |x w| */
+    double worst = 0;                                 /* error / bound */
+    double emul_worst = 0;                            /* error vs the emulation / sum |x w| */
     int differ = 0, n = 0;
     for (size_t ti = 0; ti < sizeof toks / sizeof toks[0]; ti++)
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
