@@ -234,6 +234,23 @@ static void test_reslice(int src_tp, int src_bs, int dst_tp, int dst_bs)
     side_close(&dst);
 }
 
+/* A push of handoff `id`: the 6 blocks sb (N_TOK tokens) into blocks db of
+ * 4 tokens on `targets` (one rank). */
+static struct kv_link_push push_six(const char *id, const int32_t *sb, const int32_t *db,
+                                    const struct kv_link_target *targets)
+{
+    return (struct kv_link_push){.id = id,
+                                 .src_blocks = sb,
+                                 .n_src_blocks = 6,
+                                 .n_tokens = N_TOK,
+                                 .dst_blocks = db,
+                                 .n_dst_blocks = 6,
+                                 .dst_block_size = 4,
+                                 .targets = targets,
+                                 .n_targets = 1,
+                                 .deadline_ms = 3000};
+}
+
 static void test_refusals(void)
 {
     struct moe_error err = {0};
@@ -244,16 +261,7 @@ static void test_refusals(void)
     scrambled(sb, 6, 1);
     scrambled(db, 6, 5);
     fill(src.kv[0], sb, 0, N_HEAD);
-    struct kv_link_push p = {.id = "x",
-                             .src_blocks = sb,
-                             .n_src_blocks = 6,
-                             .n_tokens = N_TOK,
-                             .dst_blocks = db,
-                             .n_dst_blocks = 6,
-                             .dst_block_size = 4,
-                             .targets = dst.targets,
-                             .n_targets = 1,
-                             .deadline_ms = 3000};
+    struct kv_link_push p = push_six("x", sb, db, dst.targets);
     uint64_t bytes = 0;
     CHECKF(kv_link_push(src.link[0], &p, &bytes, &err) != MOE_OK && strstr(err.msg, "not expected"),
            "unknown handoff: %s", err.msg);
@@ -532,16 +540,7 @@ static void test_dtype_mismatch(void)
     scrambled(db, 6, 5);
     fill(src.kv[0], sb, 0, N_HEAD);
     CHECK(kv_link_expect(dst.link[0], NULL, "m", db, 6, N_TOK, 3000, &err) == MOE_OK);
-    struct kv_link_push p = {.id = "m",
-                             .src_blocks = sb,
-                             .n_src_blocks = 6,
-                             .n_tokens = N_TOK,
-                             .dst_blocks = db,
-                             .n_dst_blocks = 6,
-                             .dst_block_size = 4,
-                             .targets = dst.targets,
-                             .n_targets = 1,
-                             .deadline_ms = 3000};
+    struct kv_link_push p = push_six("m", sb, db, dst.targets);
     uint64_t bytes = 0;
     CHECKF(kv_link_push(src.link[0], &p, &bytes, &err) != MOE_OK &&
                strstr(err.msg, "KV dtype: F32 sent, BF16 here"),
