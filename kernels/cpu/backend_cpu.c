@@ -212,6 +212,7 @@ enum moe_status moe_backend_cpu_create(int n_threads, struct moe_backend **out,
     enum moe_status st = moe_threadpool_create(n_threads, &cb->pool, err);
     if (st != MOE_OK)
         goto fail;
+    cpu_kernels_env(); /* the ISA is fixed before any kernel runs */
     cb->base.name = "cpu";
     cb->base.device = MOE_DEVICE_CPU;
     cb->base.ops = &cpu_ops;

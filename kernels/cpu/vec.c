@@ -1,5 +1,6 @@
 /* Run-time ISA selection and the small vector primitives (dot, sum of
  * squares, axpy, scale) used by attention and rmsnorm. */
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -71,13 +72,10 @@ unsigned cpu_kernels_detect_features(void)
     return (unsigned)f;
 }
 
-/* Applies MOE_CPU_ISA once (both the ISA and the feature set). */
-static void apply_env_once(void)
+/* Applies MOE_CPU_ISA (both the ISA and the feature set); run once, by
+ * apply_env_once. */
+static void apply_env(void)
 {
-    static _Atomic int done = 0;
-    int expected = 0;
-    if (!atomic_compare_exchange_strong(&done, &expected, 1))
-        return;
     int isa = cpu_kernels_detect_isa();
     int feat = (int)(cpu_kernels_detect_features() & (CPU_FEAT_AVX512_BF16 | CPU_FEAT_AVX512_VNNI));
     const char *e = getenv("MOE_CPU_ISA");
@@ -117,6 +115,17 @@ static void apply_env_once(void)
     atomic_compare_exchange_strong(&g_isa_active, &unset, isa);
     unset = -1;
     atomic_compare_exchange_strong(&g_feat_active, &unset, feat);
+}
+
+/* Every caller returns only after apply_env has finished: the first use is
+ * often inside a pool run, where a thread that saw "already started" and
+ * went on with the ISA still unset would compute that task with the scalar
+ * kernels (another summation order: results then differed run to run in the
+ * last bits). */
+static void apply_env_once(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, apply_env);
 }
 
 void cpu_kernels_env(void)
