@@ -21,8 +21,8 @@ static struct moe_kv_cache *cache_new(int n_block, int block_size, int heads)
 {
     struct moe_kv_cache *kv = NULL;
     struct moe_error err = {0};
-    if (moe_kv_cache_alloc(be, N_LAYER, n_block, block_size, heads * D_HEAD, MOE_DTYPE_F32, &kv,
-                           &err)) {
+    if (moe_kv_cache_alloc(be, N_LAYER, n_block, block_size, heads * D_HEAD, false, MOE_DTYPE_F32,
+                           &kv, &err)) {
         fprintf(stderr, "bench-kv-link: %s\n", err.msg);
         exit(1);
     }

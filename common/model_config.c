@@ -1,5 +1,12 @@
-/* config.json parser for MixtralForCausalLM, Qwen3MoeForCausalLM and
- * Qwen2MoeForCausalLM.
+/* config.json parser for MixtralForCausalLM, Qwen3MoeForCausalLM,
+ * Qwen2MoeForCausalLM, OlmoeForCausalLM and DeepseekV3ForCausalLM.
+ *
+ * DeepSeek-V3 (parse_deepseek): multi-head latent attention, grouped sigmoid
+ * routing with e_score_correction_bias, n_shared_experts shared experts and
+ * first_k_dense_replace dense layers; its variants that change the math
+ * (another topk_method or scoring_func, moe_layer_freq > 1) are refused by
+ * name, and multi-token-prediction layers (num_nextn_predict_layers) are
+ * counted but not used.
  *
  * Defaults follow transformers' MixtralConfig / Qwen3MoeConfig /
  * Qwen2MoeConfig (v5). Qwen2-MoE is Qwen3-MoE's layout without q/k norms,
@@ -187,11 +194,14 @@ static enum moe_status parse_arch(const struct cfg_ctx *c, enum moe_arch *arch)
         } else if (!strcmp(a, "OlmoeForCausalLM")) {
             *arch = MOE_ARCH_OLMOE;
             want_type = "olmoe";
+        } else if (!strcmp(a, "DeepseekV3ForCausalLM")) {
+            *arch = MOE_ARCH_DEEPSEEK_V3;
+            want_type = "deepseek_v3";
         } else {
             return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
                                  "%s: architecture '%s' is not supported (supported: "
                                  "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
-                                 "OlmoeForCausalLM)",
+                                 "OlmoeForCausalLM, DeepseekV3ForCausalLM)",
                                  c->name, a);
         }
         if (model_type && strcmp(model_type, want_type) != 0)
@@ -212,10 +222,12 @@ static enum moe_status parse_arch(const struct cfg_ctx *c, enum moe_arch *arch)
         *arch = MOE_ARCH_QWEN2_MOE;
     else if (!strcmp(model_type, "olmoe"))
         *arch = MOE_ARCH_OLMOE;
+    else if (!strcmp(model_type, "deepseek_v3"))
+        *arch = MOE_ARCH_DEEPSEEK_V3;
     else
         return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
                              "%s: model_type '%s' is not supported (supported: mixtral, qwen3_moe, "
-                             "qwen2_moe, olmoe)",
+                             "qwen2_moe, olmoe, deepseek_v3)",
                              c->name, model_type);
     return MOE_OK;
 }
@@ -311,6 +323,7 @@ static enum moe_status parse_rope_scaling(const struct cfg_ctx *c, const char *d
         r->beta_fast = (float)bf;
         r->beta_slow = (float)bs;
         r->attention_factor = (float)af;
+        r->mscale_all_dim = msa > 0 ? (float)msa : 0.0f;
         return MOE_OK;
     }
     char sn[120];
@@ -493,12 +506,15 @@ static enum moe_status check_unsupported(const struct cfg_ctx *c, const struct m
 
 static enum moe_status parse_token_ids(const struct cfg_ctx *c, struct moe_config *cfg)
 {
-    /* absent: transformers' default (Mixtral bos 1, eos 2; Qwen3 none); null: none */
+    /* absent: transformers' default (Mixtral bos 1, eos 2; DeepSeek-V3 bos 0,
+     * eos 1; Qwen3 none); null: none */
     bool mixtral = cfg->arch == MOE_ARCH_MIXTRAL;
+    bool dsv3 = cfg->arch == MOE_ARCH_DEEPSEEK_V3;
+    int def_bos = mixtral ? 1 : dsv3 ? 0 : -1, def_eos = mixtral ? 2 : dsv3 ? 1 : -1;
     bool bos_null = cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(c->root, "bos_token_id"));
     bool eos_null = cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(c->root, "eos_token_id"));
     enum moe_status st =
-        get_int(c, "bos_token_id", false, mixtral && !bos_null ? 1 : -1, 0, INT_MAX, &cfg->bos_id);
+        get_int(c, "bos_token_id", false, bos_null ? -1 : def_bos, 0, INT_MAX, &cfg->bos_id);
     if (st != MOE_OK)
         return st;
     if (cfg->bos_id >= cfg->vocab_size)
@@ -509,14 +525,14 @@ static enum moe_status parse_token_ids(const struct cfg_ctx *c, struct moe_confi
     const cJSON *eos = field(c, "eos_token_id");
     cfg->n_eos = 0;
     if (!eos) {
-        if (mixtral && !eos_null) {
-            if (cfg->vocab_size <= 2) /* the default is checked as a given id would be */
+        if (def_eos >= 0 && !eos_null) {
+            if (cfg->vocab_size <= def_eos) /* the default is checked as a given id would be */
                 return moe_error_set(c->err, MOE_ERR_FORMAT,
-                                     "%s: field 'eos_token_id' is absent and its default 2 is "
+                                     "%s: field 'eos_token_id' is absent and its default %d is "
                                      "outside the vocabulary (%d)",
-                                     c->name, cfg->vocab_size);
+                                     c->name, def_eos, cfg->vocab_size);
             cfg->n_eos = 1;
-            cfg->eos_ids[0] = 2;
+            cfg->eos_ids[0] = def_eos;
         }
         return MOE_OK;
     }
@@ -552,6 +568,11 @@ static enum moe_status parse_layers(const struct cfg_ctx *c, struct moe_config *
     if (cfg->arch == MOE_ARCH_MIXTRAL || cfg->arch == MOE_ARCH_OLMOE) {
         for (int l = 0; l < cfg->n_layer; l++)
             cfg->layer_is_moe[l] = true;
+        return MOE_OK;
+    }
+    if (cfg->arch == MOE_ARCH_DEEPSEEK_V3) { /* parse_deepseek read intermediate_size */
+        for (int l = 0; l < cfg->n_layer; l++)
+            cfg->layer_is_moe[l] = cfg->n_expert > 0 && l >= cfg->first_k_dense;
         return MOE_OK;
     }
     int step;
@@ -594,6 +615,124 @@ static enum moe_status parse_layers(const struct cfg_ctx *c, struct moe_config *
     return st;
 }
 
+/* ---- DeepSeek-V3 ------------------------------------------------------------ */
+
+/* A string field that must be absent or `want` (a DeepSeek variant we do not
+ * implement is refused by name). */
+static enum moe_status want_str(const struct cfg_ctx *c, const char *key, const char *want,
+                                const char *what)
+{
+    const char *v;
+    enum moe_status st = get_str(c, key, &v);
+    if (st == MOE_OK && v && strcmp(v, want))
+        st = moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                           "%s: field '%s' = '%s' is not supported (only '%s': %s)", c->name, key,
+                           v, want, what);
+    return st;
+}
+
+/* The latent attention's sizes (required: they fix the weight shapes),
+ * grouped sigmoid routing, shared experts and the dense first layers, with
+ * transformers' DeepseekV3Config defaults for the rest. */
+static enum moe_status parse_deepseek(const struct cfg_ctx *c, struct moe_config *cfg)
+{
+    enum moe_status st;
+#define INT_FIELD(key, req, def, min, max, dst)                                                    \
+    do {                                                                                           \
+        if ((st = get_int(c, key, req, def, min, max, dst)) != MOE_OK)                             \
+            return st;                                                                             \
+    } while (0)
+    cfg->mla = true;
+    cfg->router_sigmoid = true;
+    INT_FIELD("kv_lora_rank", true, 0, 1, CFG_MAX_SIZE, &cfg->kv_lora_rank);
+    INT_FIELD("qk_rope_head_dim", true, 0, 2, CFG_MAX_SIZE, &cfg->d_head);
+    INT_FIELD("qk_nope_head_dim", true, 0, 1, CFG_MAX_SIZE, &cfg->qk_nope_dim);
+    INT_FIELD("v_head_dim", true, 0, 1, CFG_MAX_SIZE, &cfg->v_head_dim);
+    if (cfg->d_head % 2)
+        return moe_error_set(c->err, MOE_ERR_FORMAT,
+                             "%s: field 'qk_rope_head_dim' = %d must be even (rotary pairs)",
+                             c->name, cfg->d_head);
+    /* q_lora_rank: null means q_proj, absent is not a default worth guessing */
+    const cJSON *ql = cJSON_GetObjectItemCaseSensitive(c->root, "q_lora_rank");
+    if (!ql)
+        return moe_error_set(c->err, MOE_ERR_FORMAT,
+                             "%s: missing required field 'q_lora_rank' (null for a plain q_proj)",
+                             c->name);
+    if (!cJSON_IsNull(ql))
+        INT_FIELD("q_lora_rank", true, 0, 1, CFG_MAX_SIZE, &cfg->q_lora_rank);
+    const cJSON *hd = field(c, "head_dim");
+    if (hd && !(cJSON_IsNumber(hd) && hd->valuedouble == cfg->d_head)) {
+        char sn[40];
+        snippet(hd, sn, sizeof sn);
+        return moe_error_set(c->err, MOE_ERR_FORMAT,
+                             "%s: field 'head_dim' = %s contradicts qk_rope_head_dim = %d", c->name,
+                             sn, cfg->d_head);
+    }
+    if (cfg->n_kv_head != cfg->n_head)
+        return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                             "%s: field 'num_key_value_heads' = %d: latent attention expands its "
+                             "keys to every one of the %d heads (transformers too)",
+                             c->name, cfg->n_kv_head, cfg->n_head);
+    INT_FIELD("moe_intermediate_size", cfg->n_expert > 0, 0, 1, CFG_MAX_SIZE, &cfg->d_ff_expert);
+    int n_shared;
+    INT_FIELD("n_shared_experts", false, 1, 0, 1024, &n_shared);
+    if (cfg->n_expert > 0 && (int64_t)n_shared * cfg->d_ff_expert > CFG_MAX_SIZE)
+        return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                             "%s: n_shared_experts %d x moe_intermediate_size %d is larger than "
+                             "the supported %d",
+                             c->name, n_shared, cfg->d_ff_expert, CFG_MAX_SIZE);
+    cfg->d_ff_shared = cfg->n_expert > 0 ? n_shared * cfg->d_ff_expert : 0;
+    INT_FIELD("first_k_dense_replace", false, 3, 0, INT_MAX, &cfg->first_k_dense);
+    bool any_dense = cfg->n_expert == 0 || cfg->first_k_dense > 0;
+    st = get_int(c, "intermediate_size", any_dense, 0, 1, CFG_MAX_SIZE, &cfg->d_ff_dense);
+    if (st != MOE_OK && any_dense && !field(c, "intermediate_size"))
+        return moe_error_set(c->err, MOE_ERR_FORMAT,
+                             "%s: missing required field 'intermediate_size' (layer 0 has a "
+                             "dense MLP: first_k_dense_replace = %d)",
+                             c->name, cfg->first_k_dense);
+    if (st != MOE_OK)
+        return st;
+    INT_FIELD("n_group", false, 8, 1, CFG_MAX_SIZE, &cfg->n_group);
+    INT_FIELD("topk_group", false, 4, 1, CFG_MAX_SIZE, &cfg->topk_group);
+    if (cfg->n_expert > 0) {
+        if (cfg->n_expert % cfg->n_group || cfg->n_expert / cfg->n_group < 2)
+            return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                 "%s: field 'n_group' = %d must split n_routed_experts = %d into "
+                                 "groups of at least 2 (a group scores by its two best)",
+                                 c->name, cfg->n_group, cfg->n_expert);
+        if (cfg->topk_group > cfg->n_group)
+            return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                 "%s: field 'topk_group' = %d is more than n_group = %d", c->name,
+                                 cfg->topk_group, cfg->n_group);
+        if (cfg->top_k > cfg->topk_group * (cfg->n_expert / cfg->n_group))
+            return moe_error_set(c->err, MOE_ERR_FORMAT,
+                                 "%s: field 'num_experts_per_tok' = %d is more than the %d experts "
+                                 "of topk_group = %d groups",
+                                 c->name, cfg->top_k,
+                                 cfg->topk_group * (cfg->n_expert / cfg->n_group), cfg->topk_group);
+    }
+    if ((st = get_bool(c, "norm_topk_prob", true, &cfg->norm_topk_prob)) != MOE_OK ||
+        (st = get_bool(c, "rope_interleave", true, &cfg->rope_interleave)) != MOE_OK ||
+        (st = get_pos_float(c, field(c, "routed_scaling_factor"), "routed_scaling_factor", 2.5,
+                            &cfg->routed_scaling)) != MOE_OK)
+        return st;
+    const char *mtp_key =
+        field(c, "num_mtp_layers") ? "num_mtp_layers" : "num_nextn_predict_layers";
+    INT_FIELD(mtp_key, false, 0, 0, INT_MAX, &cfg->n_mtp);
+    int freq;
+    INT_FIELD("moe_layer_freq", false, 1, 1, INT_MAX, &freq);
+    if (freq != 1)
+        return moe_error_set(c->err, MOE_ERR_UNSUPPORTED,
+                             "%s: field 'moe_layer_freq' = %d is not supported (only 1: every "
+                             "layer after first_k_dense_replace is MoE)",
+                             c->name, freq);
+    if ((st = want_str(c, "topk_method", "noaux_tc", "group-limited top-k with bias correction")) ||
+        (st = want_str(c, "scoring_func", "sigmoid", "DeepSeek-V3 routing")))
+        return st;
+#undef INT_FIELD
+    return MOE_OK;
+}
+
 /* ---- public API ------------------------------------------------------------- */
 
 static enum moe_status parse_root(const struct cfg_ctx *c, struct moe_config *cfg)
@@ -616,16 +755,18 @@ static enum moe_status parse_root(const struct cfg_ctx *c, struct moe_config *cf
     INT_FIELD("vocab_size", true, 0, 1, CFG_MAX_SIZE, &cfg->vocab_size);
     const bool olmoe = cfg->arch == MOE_ARCH_OLMOE;
     INT_FIELD("max_position_embeddings", false,
-              mixtral ? 131072
-              : olmoe ? 4096
-                      : 32768,
+              mixtral                                      ? 131072
+              : olmoe || cfg->arch == MOE_ARCH_DEEPSEEK_V3 ? 4096
+                                                           : 32768,
               1, INT_MAX, &cfg->max_pos);
     if (cfg->n_head % cfg->n_kv_head != 0)
         return moe_error_set(c->err, MOE_ERR_FORMAT,
                              "%s: num_attention_heads = %d is not a multiple of "
                              "num_key_value_heads = %d",
                              c->name, cfg->n_head, cfg->n_kv_head);
-    if (field(c, "head_dim")) {
+    if (cfg->arch == MOE_ARCH_DEEPSEEK_V3) {
+        /* parse_deepseek: head_dim is the rotary part of a head */
+    } else if (field(c, "head_dim")) {
         INT_FIELD("head_dim", true, 0, 1, CFG_MAX_SIZE, &cfg->d_head);
     } else {
         if (cfg->d_model % cfg->n_head != 0)
@@ -637,7 +778,8 @@ static enum moe_status parse_root(const struct cfg_ctx *c, struct moe_config *cf
     }
 
     /* experts: transformers maps num_experts <-> num_local_experts for both */
-    const char *ek = mixtral ? "num_local_experts" : "num_experts";
+    const bool dsv3 = cfg->arch == MOE_ARCH_DEEPSEEK_V3;
+    const char *ek = mixtral ? "num_local_experts" : dsv3 ? "n_routed_experts" : "num_experts";
     const char *ek_alt = mixtral ? "num_experts" : "num_local_experts";
     if (!field(c, ek) && field(c, ek_alt))
         ek = ek_alt;
@@ -664,6 +806,9 @@ static enum moe_status parse_root(const struct cfg_ctx *c, struct moe_config *cf
                                  "%s: field 'head_dim' = %d: OLMoE's q_norm spans hidden_size %d, "
                                  "so num_attention_heads x head_dim must equal it",
                                  c->name, cfg->d_head, cfg->d_model);
+    } else if (dsv3) {
+        if ((st = parse_deepseek(c, cfg)) != MOE_OK)
+            return st;
     } else {
         INT_FIELD("moe_intermediate_size", cfg->n_expert > 0, 0, 1, CFG_MAX_SIZE,
                   &cfg->d_ff_expert);
@@ -693,7 +838,23 @@ static enum moe_status parse_root(const struct cfg_ctx *c, struct moe_config *cf
         return st;
     if ((st = parse_layers(c, cfg)) != MOE_OK)
         return st;
+    if (dsv3) {
+        /* the softmax scale; YaRN's mscale_all_dim enters squared (DeepSeek) */
+        double scale = 1.0 / sqrt((double)(cfg->qk_nope_dim + cfg->d_head));
+        if (cfg->rope.type != MOE_ROPE_DEFAULT && cfg->rope.mscale_all_dim > 0) {
+            double ms = yarn_mscale(cfg->rope.factor, cfg->rope.mscale_all_dim);
+            scale *= ms * ms;
+        }
+        cfg->attn_scale = (float)scale;
+    }
     return check_unsupported(c, cfg);
+}
+
+int moe_config_kv_token_elems(const struct moe_config *cfg, int tp)
+{
+    if (cfg->mla)
+        return cfg->kv_lora_rank + cfg->d_head;
+    return 2 * (cfg->n_kv_head / (tp > 0 ? tp : 1)) * cfg->d_head;
 }
 
 const char *moe_arch_model_type(enum moe_arch a)
@@ -703,6 +864,7 @@ const char *moe_arch_model_type(enum moe_arch a)
     case MOE_ARCH_QWEN3_MOE: return "qwen3_moe";
     case MOE_ARCH_QWEN2_MOE: return "qwen2_moe";
     case MOE_ARCH_OLMOE: return "olmoe";
+    case MOE_ARCH_DEEPSEEK_V3: return "deepseek_v3";
     }
     return "?";
 }

@@ -18,6 +18,7 @@ enum moe_arch {
     MOE_ARCH_QWEN3_MOE,   /* Qwen3MoeForCausalLM */
     MOE_ARCH_QWEN2_MOE,   /* Qwen2MoeForCausalLM: q/k/v bias, a gated shared expert */
     MOE_ARCH_OLMOE,       /* OlmoeForCausalLM: q/k RMSNorm over all heads at once */
+    MOE_ARCH_DEEPSEEK_V3, /* DeepseekV3ForCausalLM: latent attention, grouped sigmoid routing */
 };
 
 /* RoPE frequency scaling (rope_parameters / rope_scaling), as transformers'
@@ -39,6 +40,7 @@ struct moe_rope {
     /* cos and sin are multiplied by it (yarn: given, or from factor, mscale
      * and mscale_all_dim); 1 otherwise */
     float attention_factor;
+    float mscale_all_dim; /* the dict's mscale_all_dim, 0 when absent (DeepSeek's softmax scale) */
 };
 
 struct moe_config {
@@ -67,14 +69,42 @@ struct moe_config {
     int n_eos;   /* eos_token_id: int or list */
     int eos_ids[MOE_MAX_EOS];
     bool layer_is_moe[MOE_MAX_LAYERS]; /* from decoder_sparse_step + mlp_only_layers */
+
+    /* DeepSeek-V3 multi-head latent attention (mla). Per head, a query of
+     * qk_nope_dim + qk_rope_dim (d_head is qk_rope_dim, as config.json's
+     * head_dim says); keys and values come from one compressed row per token
+     * (kv_lora_rank, RMS-normalised) plus one rotary key (qk_rope_dim) shared
+     * by all heads: that row is all the KV cache holds. */
+    bool mla;
+    int q_lora_rank; /* 0: q_proj straight from the hidden state */
+    int kv_lora_rank;
+    int qk_nope_dim;
+    int v_head_dim;
+    bool rope_interleave; /* rotary pairs (x0, x1), (x2, x3) ... in the checkpoint's rows */
+    float attn_scale;     /* (qk_nope + qk_rope)^-1/2, times YaRN's mscale(factor, all_dim)^2 */
+    /* DeepSeek-V3 routing (router_sigmoid): sigmoid scores; the choice adds
+     * e_score_correction_bias and keeps the best topk_group of n_group groups
+     * (a group's score: its two best); the weights are the plain scores
+     * (renormalised with norm_topk_prob) times routed_scaling. */
+    bool router_sigmoid;
+    int n_group, topk_group;
+    float routed_scaling;
+    int first_k_dense; /* first_k_dense_replace: that many dense layers first */
+    int n_mtp;         /* num_nextn_predict_layers: multi-token-prediction layers, not used */
 };
+
+/* Elements per token and layer in one rank's KV cache, for a model split
+ * over tp ranks: K and V of its KV heads (2 * n_kv_head / tp * d_head), or
+ * with MLA the one latent row (kv_lora_rank + qk_rope_dim, the same on every
+ * rank). */
+int moe_config_kv_token_elems(const struct moe_config *cfg, int tp);
 
 /* inv_freq[i] for i < d_head / 2: rope_theta^(-2i/d_head), scaled as
  * cfg->rope says, in f32 in transformers' order of operations. */
 void moe_rope_inv_freq(const struct moe_config *cfg, float *inv_freq);
 
 /* The model_type spelling of an architecture: "mixtral", "qwen3_moe",
- * "qwen2_moe". */
+ * "qwen2_moe", "olmoe", "deepseek_v3". */
 const char *moe_arch_model_type(enum moe_arch a);
 
 /* Parses `path` (a config.json). On error returns non-OK with a one-line

@@ -120,6 +120,27 @@ struct moe_grouped_matmul_params {
     bool fast;   /* as in struct moe_matmul_params */
 };
 
+/* DeepSeek-V3 routing, as transformers' DeepseekV3TopkRouter computes it,
+ * per token: s = sigmoid(logits) (f32); the choice uses c = s + bias: each of
+ * n_group equal groups of experts scores the sum of its two largest c, the
+ * topk_group best groups are kept (ties to the lower group), and the top_k
+ * largest c among their experts are chosen (ties to the lower id), ids in
+ * that order; weights[k] = s[ids[k]], divided by (their sum + 1e-20) with
+ * `renorm`, then multiplied by `scale` (routed_scaling_factor). */
+struct moe_router_grouped_params {
+    const float *logits; /* (n_tok, n_expert) */
+    const float *bias;   /* (n_expert): e_score_correction_bias */
+    int n_tok;
+    int n_expert;
+    int top_k;
+    int n_group;
+    int topk_group;
+    bool renorm;
+    float scale;
+    int32_t *ids;   /* (n_tok, top_k) */
+    float *weights; /* (n_tok, top_k) */
+};
+
 struct moe_backend;
 
 struct moe_backend_ops {
@@ -151,7 +172,8 @@ struct moe_backend_ops {
 
     /* k, v (n_tok, kv_dim) f32 written to caches (n_slot, kv_dim) of element
      * type kv_dtype (moe_kv_dtype_valid) at slots[t]; BF16 rounds to nearest
-     * even. A backend without that cache type records an error (status). */
+     * even. A backend without that cache type records an error (status).
+     * v and v_cache NULL: K only (a latent cache whose rows serve as both). */
     void (*kv_write)(struct moe_backend *be, const float *k, const float *v, const int32_t *slots,
                      int n_tok, int kv_dim, void *k_cache, void *v_cache, enum moe_dtype kv_dtype);
 
@@ -244,6 +266,18 @@ struct moe_backend_ops {
                              float *out);
     void (*kv_scatter_blocks)(struct moe_backend *be, const float *in, const int32_t *block_ids,
                               int n, int block_size, int kv_dim, float *k_cache, float *v_cache);
+
+    /* ---- Ops that only some backends have (NULL elsewhere); a model that
+     * needs a missing one is refused by name at load. ---- */
+
+    /* dst[r * ld_dst + j] = src[r * ld_src + j] for r < n_rows, j < n_cols
+     * (f32): a block of columns from one row-major matrix into another (the
+     * pointers may point at a column inside a row). No overlap. */
+    void (*copy_cols)(struct moe_backend *be, float *dst, int ld_dst, const float *src, int ld_src,
+                      int n_rows, int n_cols);
+
+    /* struct moe_router_grouped_params. */
+    void (*router_topk_grouped)(struct moe_backend *be, const struct moe_router_grouped_params *p);
 };
 
 struct moe_backend {

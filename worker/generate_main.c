@@ -371,7 +371,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         .forward_ctx = group,
     };
     size_t block_bytes = moe_kv_block_bytes(
-        cfg->n_layer, eo.block_size, cfg->n_kv_head * cfg->d_head, moe_model_kv_dtype(model));
+        cfg->n_layer, eo.block_size, moe_config_kv_token_elems(cfg, 1), moe_model_kv_dtype(model));
     if (!eo.n_block) {
         long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
         eo.n_block = (int)(((size_t)mib << 20) / block_bytes);

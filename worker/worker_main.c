@@ -403,7 +403,7 @@ static enum moe_status start_engine(struct worker_run *r)
     if (!eo->n_block) {
         const struct moe_config *cfg = r->cfg;
         size_t block_bytes =
-            moe_kv_block_bytes(cfg->n_layer, eo->block_size, cfg->n_kv_head * cfg->d_head,
+            moe_kv_block_bytes(cfg->n_layer, eo->block_size, moe_config_kv_token_elems(cfg, 1),
                                moe_model_kv_dtype(r->model));
         long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
         eo->n_block = (int)(((size_t)mib << 20) / block_bytes);

@@ -24,10 +24,12 @@ void cpu_kv_write(const float *k, const float *v, const int32_t *slots, int n_to
         size_t dst = (size_t)slots[t] * kv_dim, src = (size_t)t * kv_dim;
         if (kv_dtype == MOE_DTYPE_BF16) {
             cpu_vec_to_bf16((uint16_t *)k_cache + dst, k + src, kv_dim);
-            cpu_vec_to_bf16((uint16_t *)v_cache + dst, v + src, kv_dim);
+            if (v_cache)
+                cpu_vec_to_bf16((uint16_t *)v_cache + dst, v + src, kv_dim);
         } else {
             memcpy((float *)k_cache + dst, k + src, (size_t)kv_dim * sizeof(float));
-            memcpy((float *)v_cache + dst, v + src, (size_t)kv_dim * sizeof(float));
+            if (v_cache)
+                memcpy((float *)v_cache + dst, v + src, (size_t)kv_dim * sizeof(float));
         }
     }
 }

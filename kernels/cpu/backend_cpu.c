@@ -76,6 +76,20 @@ static void cpu_op_router_topk(struct moe_backend *be, const float *logits, int 
     cpu_router_topk(logits, n_tok, n_expert, top_k, renorm, ids, weights);
 }
 
+static void cpu_op_router_topk_grouped(struct moe_backend *be,
+                                       const struct moe_router_grouped_params *p)
+{
+    (void)be;
+    cpu_router_topk_grouped(p);
+}
+
+static void cpu_op_copy_cols(struct moe_backend *be, float *dst, int ld_dst, const float *src,
+                             int ld_src, int n_rows, int n_cols)
+{
+    (void)be;
+    cpu_copy_cols(dst, ld_dst, src, ld_src, n_rows, n_cols);
+}
+
 static void cpu_op_swiglu(struct moe_backend *be, const float *gate_up, float *out, int n_rows,
                           int dim)
 {
@@ -200,6 +214,8 @@ static const struct moe_backend_ops cpu_ops = {
     .sample_top_p = cpu_op_sample_top_p,
     .kv_gather_blocks = cpu_op_kv_gather_blocks,
     .kv_scatter_blocks = cpu_op_kv_scatter_blocks,
+    .copy_cols = cpu_op_copy_cols,
+    .router_topk_grouped = cpu_op_router_topk_grouped,
 };
 
 enum moe_status moe_backend_cpu_create(int n_threads, struct moe_backend **out,

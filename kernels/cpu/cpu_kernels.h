@@ -132,6 +132,7 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
 
 void cpu_router_topk(const float *logits, int n_tok, int n_expert, int top_k, bool renorm,
                      int32_t *ids, float *weights);
+void cpu_router_topk_grouped(const struct moe_router_grouped_params *p);
 
 /* ---- elementwise.c ---- */
 
@@ -143,6 +144,7 @@ void cpu_scatter_add_rows(const float *src, const int32_t *idx, const float *sca
 void cpu_embed(const void *table, enum moe_dtype dtype, const int32_t *ids, int n_tok, int dim,
                float *dst);
 void cpu_add(struct moe_threadpool *pool, float *y, const float *x, size_t n);
+void cpu_copy_cols(float *dst, int ld_dst, const float *src, int ld_src, int n_rows, int n_cols);
 
 /* ---- moe_ops.c: ops added for the GPU path (semantics in backend.h) ---- */
 

@@ -115,3 +115,9 @@ void cpu_add(struct moe_threadpool *pool, float *y, const float *x, size_t n)
     j.per_task = PAR_MIN_ELEMS;
     moe_threadpool_run(pool, (int)((n + j.per_task - 1) / j.per_task), add_task, &j);
 }
+
+void cpu_copy_cols(float *dst, int ld_dst, const float *src, int ld_src, int n_rows, int n_cols)
+{
+    for (int r = 0; r < n_rows; r++)
+        memcpy(dst + (size_t)r * ld_dst, src + (size_t)r * ld_src, (size_t)n_cols * sizeof *dst);
+}

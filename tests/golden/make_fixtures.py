@@ -40,9 +40,9 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
-from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
-                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N_NEW = 32                # greedy tokens per prompt
@@ -111,6 +111,40 @@ def olmoe_config(vocab, bos, eos):
         pad_token_id=None, hidden_act="silu", initializer_range=0.1)
 
 
+def deepseek_v3_config(vocab, bos, eos):
+    # q through q_lora_rank, 4 groups of 2 experts (the best 2 groups kept), a
+    # dense first layer, 2 shared experts, YaRN with mscale != mscale_all_dim
+    # (both the cos/sin factor and the softmax scale), interleaved rope rows;
+    # widths multiples of 32 (int4)
+    return DeepseekV3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2,
+        n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=32,
+        qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, n_group=4, topk_group=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+        max_position_embeddings=128, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "mscale": 0.8,
+                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=bos, eos_token_id=eos,
+        pad_token_id=None, hidden_act="silu", initializer_range=0.1, attention_bias=False)
+
+
+def deepseek_v3_lite_config(vocab, bos, eos):
+    # the other branches: q_proj (no q_lora_rank), one group, every layer MoE,
+    # one shared expert, plain rope in rotate-half layout, no renormalisation
+    return DeepseekV3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, routed_scaling_factor=1.5, kv_lora_rank=64, q_lora_rank=None,
+        qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, n_group=1, topk_group=1,
+        num_experts_per_tok=3, first_k_dense_replace=0, norm_topk_prob=False,
+        max_position_embeddings=256, rope_interleave=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=bos, eos_token_id=eos,
+        pad_token_id=None, hidden_act="silu", initializer_range=0.1, attention_bias=False)
+
+
 MODELS = {
     "mixtral": {"cls": MixtralForCausalLM, "config": mixtral_config, "tokenizer": "llama",
                 "shards": 2, "seed": 1000,
@@ -128,6 +162,14 @@ MODELS = {
                   "shards": 1, "seed": 3000,
                   "init": {"embed_std": 1.0, "gain": 1.4, "router_gain": 1.5, "lm_gain": 3.0,
                            "final_norm": 1.0}},
+    "deepseek_v3": {"cls": DeepseekV3ForCausalLM, "config": deepseek_v3_config,
+                    "tokenizer": "llama", "shards": 1, "seed": 5000,
+                    "init": {"embed_std": 1.0, "gain": 1.4, "router_gain": 3.0, "lm_gain": 3.0,
+                             "final_norm": 1.0, "score_bias": 0.2}},
+    "deepseek_v3_lite": {"cls": DeepseekV3ForCausalLM, "config": deepseek_v3_lite_config,
+                         "tokenizer": "llama", "shards": 1, "seed": 6000,
+                         "init": {"embed_std": 1.0, "gain": 1.4, "router_gain": 3.0,
+                                  "lm_gain": 3.0, "final_norm": 1.0, "score_bias": 0.2}},
 }
 
 
@@ -164,6 +206,11 @@ def init_weights(model, seed, init):
                     gain = init["gain"]
                 val = torch.randn(p.shape, generator=g) * (gain / p.shape[-1] ** 0.5)
             p.copy_(val.to(p.dtype))
+        # DeepSeek-V3's e_score_correction_bias is a buffer (zero at init):
+        # non-zero, so choosing by score + bias differs from choosing by score
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * init["score_bias"])
 
 
 def long_prompt(enc, source):
@@ -195,7 +242,9 @@ def make_prompts(tok, model_name):
 
 
 class RouterProbe:
-    """Records the smallest gap between the k-th and (k+1)-th router logit."""
+    """Records the smallest gap between the k-th and (k+1)-th router logit
+    (DeepSeek-V3: between the k-th and (k+1)-th choice score, score + bias,
+    among the kept groups, and between the last kept group and the next)."""
 
     def __init__(self, model, top_k):
         self.top_k = top_k
@@ -204,9 +253,28 @@ class RouterProbe:
         for name, mod in model.named_modules():
             if name.endswith("mlp.gate") and hasattr(mod, "weight") and mod.weight.dim() == 2 \
                     and mod.weight.shape[0] > top_k:
-                self.handles.append(mod.register_forward_hook(self.hook))
+                grouped = hasattr(mod, "e_score_correction_bias")
+                self.handles.append(mod.register_forward_hook(
+                    self.hook_grouped if grouped else self.hook))
         if not self.handles:
             raise RuntimeError("no router modules found")
+
+    def hook_grouped(self, mod, inp, out):
+        logits = out[0].float()
+        c = logits.sigmoid() + mod.e_score_correction_bias
+        n_tok, n_exp = c.shape
+        g = c.view(n_tok, mod.num_group, -1)
+        gs = torch.sort(g.topk(2, dim=-1)[0].sum(-1), dim=-1, descending=True)[0]
+        if mod.topk_group < mod.num_group:
+            gap = (gs[:, mod.topk_group - 1] - gs[:, mod.topk_group]).min().item()
+            self.min_gap = min(self.min_gap, gap)
+        keep = torch.zeros_like(gs)
+        keep.scatter_(1, g.topk(2, dim=-1)[0].sum(-1).topk(mod.topk_group, dim=-1)[1], 1)
+        mask = keep.unsqueeze(-1).expand_as(g).reshape(n_tok, n_exp).bool()
+        s = torch.sort(c.masked_fill(~mask, float("-inf")), dim=-1, descending=True)[0]
+        k = self.top_k
+        if k < mod.topk_group * (n_exp // mod.num_group):
+            self.min_gap = min(self.min_gap, (s[:, k - 1] - s[:, k]).min().item())
 
     def hook(self, mod, inp, out):
         logits = out[0] if isinstance(out, tuple) else out
@@ -285,6 +353,24 @@ def hub_tensor_names(cfg, arch):
             names.add(p + "block_sparse_moe.gate.weight")
             names |= {p + f"block_sparse_moe.experts.{e}.{w}.weight"
                       for e in range(cfg.num_local_experts) for w in ("w1", "w2", "w3")}
+        elif arch.startswith("deepseek_v3"):
+            a = p + "self_attn."
+            names.discard(a + "q_proj.weight")
+            names -= {a + "k_proj.weight", a + "v_proj.weight"}
+            if cfg.q_lora_rank is None:
+                names.add(a + "q_proj.weight")
+            else:
+                names |= {a + "q_a_proj.weight", a + "q_a_layernorm.weight", a + "q_b_proj.weight"}
+            names |= {a + "kv_a_proj_with_mqa.weight", a + "kv_a_layernorm.weight",
+                      a + "kv_b_proj.weight"}
+            if i < cfg.first_k_dense_replace:
+                names |= {p + f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")}
+            else:
+                names |= {p + "mlp.gate.weight", p + "mlp.gate.e_score_correction_bias"}
+                names |= {p + f"mlp.experts.{e}.{w}_proj.weight"
+                          for e in range(cfg.n_routed_experts) for w in ("gate", "up", "down")}
+                names |= {p + f"mlp.shared_experts.{w}_proj.weight"
+                          for w in ("gate", "up", "down")}
         elif arch == "olmoe":
             names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight",
                       p + "mlp.gate.weight"}
@@ -443,7 +529,7 @@ def make_model(name, spec, tok_dir, out_root):
         sys.exit(f"missing {tok_path}: run tests/golden/make_tokenizers.py first")
     tok = Tokenizer.from_file(tok_path)
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    if name in ("mixtral", "olmoe"):
+    if name in ("mixtral", "olmoe") or name.startswith("deepseek_v3"):
         bos, eos = 1, 2
     else:
         bos = special_id(tok, ["<|endoftext|>"])

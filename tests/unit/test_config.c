@@ -77,6 +77,57 @@ static const char *QWEN3 = "{\n"
                            "  \"vocab_size\": 151936\n"
                            "}\n";
 
+/* deepseek-ai/DeepSeek-V3 config.json (the bf16 conversion: without its
+ * fp8 quantization_config and auto_map) */
+static const char *DSV3 =
+    "{\n"
+    "  \"architectures\": [\"DeepseekV3ForCausalLM\"],\n"
+    "  \"attention_bias\": false,\n"
+    "  \"attention_dropout\": 0.0,\n"
+    "  \"aux_loss_alpha\": 0.001,\n"
+    "  \"bos_token_id\": 0,\n"
+    "  \"eos_token_id\": 1,\n"
+    "  \"ep_size\": 1,\n"
+    "  \"first_k_dense_replace\": 3,\n"
+    "  \"hidden_act\": \"silu\",\n"
+    "  \"hidden_size\": 7168,\n"
+    "  \"initializer_range\": 0.02,\n"
+    "  \"intermediate_size\": 18432,\n"
+    "  \"kv_lora_rank\": 512,\n"
+    "  \"max_position_embeddings\": 163840,\n"
+    "  \"model_type\": \"deepseek_v3\",\n"
+    "  \"moe_intermediate_size\": 2048,\n"
+    "  \"moe_layer_freq\": 1,\n"
+    "  \"n_group\": 8,\n"
+    "  \"n_routed_experts\": 256,\n"
+    "  \"n_shared_experts\": 1,\n"
+    "  \"norm_topk_prob\": true,\n"
+    "  \"num_attention_heads\": 128,\n"
+    "  \"num_experts_per_tok\": 8,\n"
+    "  \"num_hidden_layers\": 61,\n"
+    "  \"num_key_value_heads\": 128,\n"
+    "  \"num_nextn_predict_layers\": 1,\n"
+    "  \"q_lora_rank\": 1536,\n"
+    "  \"qk_nope_head_dim\": 128,\n"
+    "  \"qk_rope_head_dim\": 64,\n"
+    "  \"rms_norm_eps\": 1e-06,\n"
+    "  \"rope_scaling\": {\"beta_fast\": 32, \"beta_slow\": 1, \"factor\": 40, "
+    "\"mscale\": 1.0, \"mscale_all_dim\": 1.0, "
+    "\"original_max_position_embeddings\": 4096, \"type\": \"yarn\"},\n"
+    "  \"rope_theta\": 10000,\n"
+    "  \"routed_scaling_factor\": 2.5,\n"
+    "  \"scoring_func\": \"sigmoid\",\n"
+    "  \"seq_aux\": true,\n"
+    "  \"tie_word_embeddings\": false,\n"
+    "  \"topk_group\": 4,\n"
+    "  \"topk_method\": \"noaux_tc\",\n"
+    "  \"torch_dtype\": \"bfloat16\",\n"
+    "  \"transformers_version\": \"4.33.1\",\n"
+    "  \"use_cache\": true,\n"
+    "  \"v_head_dim\": 128,\n"
+    "  \"vocab_size\": 129280\n"
+    "}\n";
+
 /* `base` with field `key` set to the JSON `value` (NULL: removed). Returns a
  * malloc'ed text. Several edits: call again on the result. */
 static char *edit(const char *base, const char *key, const char *value)
@@ -337,7 +388,7 @@ static void test_common_errors(void)
         expect_edit(base, "architectures", "[\"LlamaForCausalLM\"]", MOE_ERR_UNSUPPORTED,
                     "config.json: architecture 'LlamaForCausalLM' is not supported (supported: "
                     "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
-                    "OlmoeForCausalLM)",
+                    "OlmoeForCausalLM, DeepseekV3ForCausalLM)",
                     NULL, NULL);
         expect_edit(base, "architectures", "[]", MOE_ERR_FORMAT, "'architectures'", NULL, NULL);
         expect_edit(base, "architectures", "\"MixtralForCausalLM\"", MOE_ERR_FORMAT,
@@ -515,8 +566,77 @@ static void test_olmoe(void)
     free(j);
 }
 
+/* DeepSeek-V3: latent attention sizes, grouped sigmoid routing, shared
+ * experts, dense first layers, YaRN's softmax scale, and every refusal. */
+static void test_deepseek_v3(void)
+{
+    struct moe_config c;
+    expect("deepseek_v3", DSV3, MOE_OK, NULL, NULL, &c);
+    CHECK(c.arch == MOE_ARCH_DEEPSEEK_V3 && c.mla && c.router_sigmoid);
+    CHECK(!strcmp(moe_arch_model_type(c.arch), "deepseek_v3"));
+    CHECK(c.d_head == 64 && c.qk_nope_dim == 128 && c.v_head_dim == 128);
+    CHECK(c.kv_lora_rank == 512 && c.q_lora_rank == 1536 && c.n_kv_head == 128);
+    CHECK(c.n_expert == 256 && c.top_k == 8 && c.n_group == 8 && c.topk_group == 4);
+    CHECK(c.d_ff_expert == 2048 && c.d_ff_shared == 2048 && c.d_ff_dense == 18432);
+    CHECK(c.first_k_dense == 3 && !c.layer_is_moe[2] && c.layer_is_moe[3] && c.layer_is_moe[60]);
+    CHECK(c.norm_topk_prob && c.rope_interleave && fabsf(c.routed_scaling - 2.5f) < 1e-7f);
+    CHECK(c.n_mtp == 1 && c.bos_id == 0 && c.n_eos == 1 && c.eos_ids[0] == 1);
+    CHECK(c.rope.type == MOE_ROPE_YARN && c.rope.factor == 40.0f &&
+          c.rope.original_max_pos == 4096);
+    CHECK(fabsf(c.rope.attention_factor - 1.0f) < 1e-7f); /* mscale == mscale_all_dim */
+    double ms = 0.1 * log(40.0) + 1.0;
+    CHECKF(fabs(c.attn_scale - ms * ms / sqrt(192.0)) < 1e-7, "attn_scale %g", c.attn_scale);
+    CHECK(moe_config_kv_token_elems(&c, 1) == 576 && moe_config_kv_token_elems(&c, 8) == 576);
+
+    char *j = edit(DSV3, "q_lora_rank", "null"); /* DeepSeek-V2-Lite style: q_proj */
+    expect("dsv3 q_lora_rank=null", j, MOE_OK, NULL, NULL, &c);
+    CHECK(c.q_lora_rank == 0);
+    free(j);
+    j = edit(DSV3, "rope_scaling", NULL);
+    expect("dsv3 no rope scaling", j, MOE_OK, NULL, NULL, &c);
+    CHECKF(fabs(c.attn_scale - 1.0 / sqrt(192.0)) < 1e-8, "attn_scale %g", c.attn_scale);
+    free(j);
+    j = edit(DSV3, "first_k_dense_replace", "0");
+    char *k = edit(j, "intermediate_size", NULL);
+    expect("dsv3 all moe", k, MOE_OK, NULL, NULL, &c);
+    CHECK(c.layer_is_moe[0] && c.d_ff_dense == 0);
+    free(j);
+    free(k);
+    expect_edit(DSV3, "q_lora_rank", NULL, MOE_ERR_FORMAT, "'q_lora_rank'", "null", NULL);
+    expect_edit(DSV3, "kv_lora_rank", NULL, MOE_ERR_FORMAT, "'kv_lora_rank'", NULL, NULL);
+    expect_edit(DSV3, "qk_rope_head_dim", "63", MOE_ERR_FORMAT, "'qk_rope_head_dim'", NULL, NULL);
+    expect_edit(DSV3, "head_dim", "128", MOE_ERR_FORMAT, "contradicts", NULL, NULL);
+    expect_edit(DSV3, "head_dim", "64", MOE_OK, NULL, NULL, NULL);
+    expect_edit(DSV3, "intermediate_size", NULL, MOE_ERR_FORMAT, "'intermediate_size'",
+                "first_k_dense_replace", NULL);
+    expect_edit(DSV3, "num_key_value_heads", "16", MOE_ERR_UNSUPPORTED, "'num_key_value_heads'",
+                NULL, NULL);
+    expect_edit(DSV3, "topk_method", "\"greedy\"", MOE_ERR_UNSUPPORTED, "'topk_method'", "greedy",
+                NULL);
+    expect_edit(DSV3, "scoring_func", "\"softmax\"", MOE_ERR_UNSUPPORTED, "'scoring_func'", NULL,
+                NULL);
+    expect_edit(DSV3, "moe_layer_freq", "2", MOE_ERR_UNSUPPORTED, "'moe_layer_freq'", NULL, NULL);
+    expect_edit(DSV3, "n_group", "7", MOE_ERR_FORMAT, "'n_group'", NULL, NULL);
+    expect_edit(DSV3, "n_group", "256", MOE_ERR_FORMAT, "at least 2", NULL, NULL);
+    expect_edit(DSV3, "topk_group", "9", MOE_ERR_FORMAT, "'topk_group'", NULL, NULL);
+    j = edit(DSV3, "topk_group", "1");
+    k = edit(j, "num_experts_per_tok", "40"); /* one group of 32 */
+    expect("dsv3 top_k over the kept groups", k, MOE_ERR_FORMAT, "'num_experts_per_tok'",
+           "topk_group", NULL);
+    free(j);
+    free(k);
+    expect_edit(DSV3, "attention_bias", "true", MOE_ERR_UNSUPPORTED, "'attention_bias'", NULL,
+                NULL);
+    expect_edit(DSV3, "quantization_config", "{\"quant_method\": \"fp8\"}", MOE_ERR_UNSUPPORTED,
+                "'quantization_config'", NULL, NULL);
+    expect_edit(DSV3, "rope_scaling", "{\"type\": \"dynamic\", \"factor\": 2}", MOE_ERR_UNSUPPORTED,
+                "'rope_scaling'", NULL, NULL);
+    expect_edit(DSV3, "model_type", "\"mixtral\"", MOE_ERR_FORMAT, "contradicts", NULL, NULL);
+}
+
 int main(void)
 {
+    test_deepseek_v3();
     test_mixtral();
     test_qwen3();
     test_qwen2();

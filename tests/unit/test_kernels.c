@@ -658,7 +658,139 @@ static void test_router(void)
     printf("router: worst weight err %.3g\n", worst);
 }
 
+/* DeepSeek-V3's grouped sigmoid routing: a hand case where the best expert's
+ * group is dropped, then random cases against a reference that ranks by
+ * sorting (doubles), groups of 2..8, with and without renormalisation. */
+static void test_router_grouped(void)
+{
+    /* choice scores c = sigmoid(0) + bias: group 0 {0.95, 0.01} sums 0.96,
+     * group 1 {0.6, 0.55} 1.15, group 2 {0.52, 0.45} 0.97, group 3 {0.3, 0.2};
+     * with 2 groups kept the best expert (0) is out: experts 2 and 3 */
+    float logits[8] = {0, 0, 0.4f, -0.4f, 0, 0, 0, 0}, bias[8];
+    const float c[8] = {0.95f, 0.01f, 0.6f, 0.55f, 0.52f, 0.45f, 0.3f, 0.2f};
+    for (int e = 0; e < 8; e++)
+        bias[e] = c[e] - 1.0f / (1.0f + expf(-logits[e]));
+    int32_t ids[2];
+    float w[2];
+    struct moe_router_grouped_params p = {.logits = logits,
+                                          .bias = bias,
+                                          .n_tok = 1,
+                                          .n_expert = 8,
+                                          .top_k = 2,
+                                          .n_group = 4,
+                                          .topk_group = 2,
+                                          .renorm = true,
+                                          .scale = 2.5f,
+                                          .ids = ids,
+                                          .weights = w};
+    g_cpu->ops->router_topk_grouped(g_cpu, &p);
+    double s2 = 1 / (1 + exp(-0.4)), s3 = 1 / (1 + exp(0.4)); /* weights are the scores */
+    CHECKF(ids[0] == 2 && ids[1] == 3, "grouped router picked %d, %d (want 2, 3)", ids[0], ids[1]);
+    CHECKF(fabs(w[0] - 2.5 * s2 / (s2 + s3)) < 1e-6 && fabs(w[1] - 2.5 * s3 / (s2 + s3)) < 1e-6,
+           "grouped router weights %g %g", w[0], w[1]);
+    p.topk_group = 4; /* every group: expert 0 is back */
+    g_cpu->ops->router_topk_grouped(g_cpu, &p);
+    CHECKF(ids[0] == 0 && ids[1] == 2, "all groups: picked %d, %d (want 0, 2)", ids[0], ids[1]);
+
+    int bad = 0;
+    double worst = 0;
+    for (int k = 0; k < 80; k++) {
+        int G = test_rng_int(&g_rng, 1, 8), per = test_rng_int(&g_rng, 2, 8), E = G * per;
+        int tg = test_rng_int(&g_rng, 1, G), top_k = test_rng_int(&g_rng, 1, tg * per);
+        int n_tok = test_rng_int(&g_rng, 1, 5);
+        float *x = rand_floats((size_t)n_tok * E), *b = rand_floats((size_t)E);
+        for (int e = 0; e < E; e++)
+            b[e] *= 0.3f;
+        int32_t *id = malloc((size_t)n_tok * top_k * sizeof *id);
+        float *wt = malloc((size_t)n_tok * top_k * sizeof *wt);
+        struct moe_router_grouped_params q = {.logits = x,
+                                              .bias = b,
+                                              .n_tok = n_tok,
+                                              .n_expert = E,
+                                              .top_k = top_k,
+                                              .n_group = G,
+                                              .topk_group = tg,
+                                              .renorm = k % 2,
+                                              .scale = 1.5f,
+                                              .ids = id,
+                                              .weights = wt};
+        g_cpu->ops->router_topk_grouped(g_cpu, &q);
+        for (int t = 0; t < n_tok; t++) {
+            double sc[64], ch[64], gs[8];
+            int gord[8], ord[64], n_ok = 0;
+            for (int e = 0; e < E; e++) {
+                sc[e] = 1.0 / (1.0 + exp(-(double)x[t * E + e]));
+                ch[e] = sc[e] + b[e];
+            }
+            for (int g = 0; g < G; g++) { /* sum of the two best in the group */
+                double v[8];
+                for (int i = 0; i < per; i++)
+                    v[i] = ch[g * per + i];
+                for (int i = 0; i < 2; i++)
+                    for (int j = i + 1; j < per; j++)
+                        if (v[j] > v[i]) {
+                            double tmp = v[i];
+                            v[i] = v[j];
+                            v[j] = tmp;
+                        }
+                gs[g] = v[0] + v[1];
+                gord[g] = g;
+            }
+            for (int i = 1; i < G; i++) /* stable insertion sort, descending */
+                for (int j = i; j > 0 && gs[gord[j]] > gs[gord[j - 1]]; j--) {
+                    int tmp = gord[j];
+                    gord[j] = gord[j - 1];
+                    gord[j - 1] = tmp;
+                }
+            for (int e = 0; e < E; e++) {
+                bool kept = false;
+                for (int i = 0; i < tg; i++)
+                    kept |= e / per == gord[i];
+                if (kept)
+                    ord[n_ok++] = e;
+            }
+            for (int i = 1; i < n_ok; i++)
+                for (int j = i; j > 0 && ch[ord[j]] > ch[ord[j - 1]]; j--) {
+                    int tmp = ord[j];
+                    ord[j] = ord[j - 1];
+                    ord[j - 1] = tmp;
+                }
+            double sum = 0;
+            for (int i = 0; i < top_k; i++)
+                sum += sc[ord[i]];
+            for (int i = 0; i < top_k; i++) {
+                bad += id[t * top_k + i] != ord[i];
+                double ref = sc[ord[i]] / (q.renorm ? sum : 1.0) * 1.5;
+                worst = fmax(worst, fabs(wt[t * top_k + i] - ref) / ref);
+            }
+        }
+        free(x);
+        free(b);
+        free(id);
+        free(wt);
+    }
+    CHECKF(bad == 0, "grouped router: %d ids differ from the reference", bad);
+    CHECKF(worst < 2e-6, "grouped router: weight err %.3g", worst);
+    printf("grouped router: hand case and 80 random cases, worst weight err %.3g\n", worst);
+}
+
 /* ---- element-wise and row ops ---- */
+
+/* copy_cols: a block of columns between matrices of different row strides. */
+static void test_copy_cols(void)
+{
+    float src[4 * 7], dst[4 * 9];
+    for (int i = 0; i < 4 * 7; i++)
+        src[i] = (float)i;
+    for (int i = 0; i < 4 * 9; i++)
+        dst[i] = -1.0f;
+    g_cpu->ops->copy_cols(g_cpu, dst + 5, 9, src + 2, 7, 4, 3); /* src cols 2..4 -> dst 5..7 */
+    int bad = 0;
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 9; j++)
+            bad += dst[r * 9 + j] != (j >= 5 && j < 8 ? src[r * 7 + j - 3] : -1.0f);
+    CHECKF(bad == 0, "copy_cols: %d elements wrong", bad);
+}
 
 static void test_elementwise(void)
 {
@@ -1300,6 +1432,8 @@ int main(void)
     test_matmul_detects_error();
     test_rope();
     test_router();
+    test_router_grouped();
+    test_copy_cols();
     test_elementwise();
     test_grouped_matmul();
     test_unpermute_combine();

@@ -45,7 +45,7 @@ static struct moe_kv_cache *cache_new(int block_size, int hb, int he)
 {
     struct moe_kv_cache *kv = NULL;
     struct moe_error err = {0};
-    if (moe_kv_cache_alloc(be, N_LAYER, N_BLOCK, block_size, (he - hb) * D_HEAD, g_dt, &kv, &err)) {
+    if (moe_kv_cache_alloc(be, N_LAYER, N_BLOCK, block_size, (he - hb) * D_HEAD, false, g_dt, &kv, &err)) {
         fprintf(stderr, "%s\n", err.msg);
         exit(1);
     }

@@ -4,9 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-size_t moe_kv_block_bytes(int n_layer, int block_size, int kv_dim, enum moe_dtype dtype)
+size_t moe_kv_block_bytes(int n_layer, int block_size, int token_elems, enum moe_dtype dtype)
 {
-    return (size_t)block_size * (size_t)n_layer * 2 * (size_t)kv_dim * moe_dtype_size(dtype);
+    return (size_t)block_size * (size_t)n_layer * (size_t)token_elems * moe_dtype_size(dtype);
 }
 
 bool moe_kv_parse_dtype(const char *s, enum moe_dtype *out)
@@ -26,8 +26,8 @@ const char *moe_kv_dtype_flag(enum moe_dtype dtype)
 }
 
 enum moe_status moe_kv_cache_alloc(struct moe_backend *be, int n_layer, int n_block, int block_size,
-                                   int kv_dim, enum moe_dtype dtype, struct moe_kv_cache **out,
-                                   struct moe_error *err)
+                                   int kv_dim, bool latent, enum moe_dtype dtype,
+                                   struct moe_kv_cache **out, struct moe_error *err)
 {
     *out = NULL;
     if (n_layer <= 0 || n_block <= 0 || block_size <= 0 || kv_dim <= 0)
@@ -52,6 +52,7 @@ enum moe_status moe_kv_cache_alloc(struct moe_backend *be, int n_layer, int n_bl
     kv->block_size = block_size;
     kv->kv_dim = kv_dim;
     kv->dtype = dtype;
+    kv->latent = latent;
     kv->k = calloc((size_t)kv->n_layer, sizeof *kv->k);
     kv->v = calloc((size_t)kv->n_layer, sizeof *kv->v);
     if (!kv->k || !kv->v)
@@ -60,7 +61,7 @@ enum moe_status moe_kv_cache_alloc(struct moe_backend *be, int n_layer, int n_bl
         (size_t)n_block * (size_t)block_size * (size_t)kv->kv_dim * moe_dtype_size(dtype);
     for (int l = 0; l < kv->n_layer; l++) {
         kv->k[l] = be->ops->buf_alloc(be, bytes);
-        kv->v[l] = be->ops->buf_alloc(be, bytes);
+        kv->v[l] = latent ? kv->k[l] : be->ops->buf_alloc(be, bytes);
         if (!kv->k[l] || !kv->v[l])
             goto nomem;
     }
@@ -79,7 +80,7 @@ void moe_kv_cache_release(struct moe_backend *be, struct moe_kv_cache *kv)
     for (int l = 0; l < kv->n_layer; l++) {
         if (kv->k && kv->k[l])
             be->ops->buf_free(be, kv->k[l]);
-        if (kv->v && kv->v[l])
+        if (kv->v && kv->v[l] && !kv->latent)
             be->ops->buf_free(be, kv->v[l]);
     }
     free(kv->k);

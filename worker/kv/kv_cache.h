@@ -27,27 +27,34 @@ struct moe_kv_cache {
     int n_layer;
     int n_block;
     int block_size;
-    int kv_dim;           /* n_kv_head_local * d_head */
+    int kv_dim;           /* n_kv_head_local * d_head; latent: kv_lora_rank + qk_rope_dim */
     enum moe_dtype dtype; /* of every element (moe_kv_dtype_valid) */
-    void **k;             /* (n_layer) -> (n_block * block_size, kv_dim) on the backend */
+    /* One row per token that serves as both K and V (multi-head latent
+     * attention: the compressed row and the rotary key): v[l] == k[l], and
+     * the memory is counted, sent and freed once. */
+    bool latent;
+    void **k; /* (n_layer) -> (n_block * block_size, kv_dim) on the backend */
     void **v;
 };
 
-/* Bytes of one block of `block_size` tokens: K and V of every layer, for
- * kv_dim elements of `dtype` per token. What --kv-memory is divided by. */
-size_t moe_kv_block_bytes(int n_layer, int block_size, int kv_dim, enum moe_dtype dtype);
+/* Bytes of one block of `block_size` tokens of every layer, for
+ * token_elems elements of `dtype` per token and layer (K and V: 2 * kv_dim;
+ * a latent cache: kv_dim; moe_config_kv_token_elems). What --kv-memory is
+ * divided by. */
+size_t moe_kv_block_bytes(int n_layer, int block_size, int token_elems, enum moe_dtype dtype);
 
 /* "f32" or "bf16" (the --kv-dtype spellings) into *out; false for anything
  * else. */
 bool moe_kv_parse_dtype(const char *s, enum moe_dtype *out);
 const char *moe_kv_dtype_flag(enum moe_dtype dtype); /* "f32", "bf16", or "?" */
 
-/* A cache of any shape on backend `be` (memory zeroed). A dtype the backend
- * cannot hold (BF16 off the CPU) is refused by name. On error *out is NULL
- * and nothing is allocated. */
+/* A cache of any shape on backend `be` (memory zeroed); `latent`: one row
+ * per token (see struct moe_kv_cache). A dtype the backend cannot hold (BF16
+ * off the CPU) is refused by name. On error *out is NULL and nothing is
+ * allocated. */
 enum moe_status moe_kv_cache_alloc(struct moe_backend *be, int n_layer, int n_block, int block_size,
-                                   int kv_dim, enum moe_dtype dtype, struct moe_kv_cache **out,
-                                   struct moe_error *err);
+                                   int kv_dim, bool latent, enum moe_dtype dtype,
+                                   struct moe_kv_cache **out, struct moe_error *err);
 
 /* Passes the fence (see struct moe_kv_cache): everything this thread wrote
  * into the cache before is visible to a thread passing it after, and this

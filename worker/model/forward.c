@@ -92,6 +92,28 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     ALLOC(block_tables, (size_t)(cap_tab > 0 ? cap_tab : 1), int32_t);
     ALLOC(logit_rows, n, int32_t);
     ALLOC(logits, n * c->vocab_size, float);
+    if (c->mla) {
+        struct mla_scratch *a = &s->mla;
+        size_t H = (size_t)m->n_head_local, L = (size_t)c->kv_lora_rank, R = (size_t)c->d_head;
+        size_t dn = (size_t)c->qk_nope_dim, dv = (size_t)c->v_head_dim;
+        size_t q_hm = dn > L ? dn : L, lat_hm = L > dv ? L : dv;
+        ALLOC(mla.qa, n * (size_t)(c->q_lora_rank ? c->q_lora_rank : 1), float);
+        ALLOC(mla.q_nope, n * H * dn, float);
+        ALLOC(mla.q_rope, n * H * R, float);
+        ALLOC(mla.c, n * L, float);
+        ALLOC(mla.k_rope, n * R, float);
+        ALLOC(mla.q_hm, n * H * q_hm, float);
+        ALLOC(mla.lat_hm, n * H * lat_hm, float);
+        ALLOC(mla.lat, n * H * L, float);
+        ALLOC(mla.q_full, n * H * (L + R), float);
+        ALLOC(mla.att_full, n * H * (L + R), float);
+        ALLOC(mla.to_hm, n * H, int32_t);
+        ALLOC(mla.to_tm, n * H, int32_t);
+        a->h_idx = malloc(n * H * sizeof *a->h_idx);
+        a->h_off = malloc((H + 1) * sizeof *a->h_off);
+        a->n_built = 0;
+        ok = ok && a->h_idx && a->h_off;
+    }
     if (m->ep_comm) {
         ALLOC(ep_send, n_route * c->d_model, float);
         ALLOC(ep_recv, n_route * c->d_model, float);
@@ -256,6 +278,139 @@ static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache 
     return MOE_OK;
 }
 
+/* The gather indexes between token-major rows (t * H + h) and head-major
+ * rows (h * n + t) of an n-token step, and the heads' row offsets. */
+static void mla_indexes(struct moe_model *m, int n)
+{
+    struct mla_scratch *a = &m->s.mla;
+    if (a->n_built == n)
+        return;
+    const int H = m->n_head_local;
+    for (int h = 0; h < H; h++)
+        for (int t = 0; t < n; t++)
+            a->h_idx[h * n + t] = t * H + h;
+    m->be->ops->buf_upload(m->be, a->to_hm, a->h_idx, (size_t)n * H * sizeof *a->h_idx);
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < H; h++)
+            a->h_idx[t * H + h] = h * n + t;
+    m->be->ops->buf_upload(m->be, a->to_tm, a->h_idx, (size_t)n * H * sizeof *a->h_idx);
+    for (int h = 0; h <= H; h++)
+        a->h_off[h] = h * n;
+    a->n_built = n;
+}
+
+/* y (H * n rows, n_out) = x (H * n rows, n_in) . W_h^T, head h's rows against
+ * its own weight: one grouped matmul with the heads as its groups. */
+static void per_head_matmul(struct moe_model *m, const float *x, int n_in, void **w,
+                            const float **w_scale, int n_out, float *y)
+{
+    struct mla_scratch *a = &m->s.mla;
+    struct moe_grouped_matmul_params p = {
+        .x = x,
+        .n_rows = a->h_off[m->n_head_local],
+        .n_in = n_in,
+        .n_out = n_out,
+        .n_expert = m->n_head_local,
+        .expert_offsets = a->h_off,
+        .w = (const void *const *)w,
+        .w_dtype = m->lin_dtype,
+        .ldw = n_in,
+        .y = y,
+        .w_scale = m->lin_dtype == MOE_DTYPE_I8 || m->lin_dtype == MOE_DTYPE_I4
+                       ? (const float *const *)w_scale
+                       : NULL,
+        .w_group = m->q4_group,
+        .fast = m->opts.fast,
+    };
+    m->be->ops->grouped_matmul(m->be, &p);
+}
+
+/* DeepSeek-V3 multi-head latent attention, in the absorbed form for every
+ * token (prefill and decode alike), so attention reads only the latent
+ * cache: per token one row [c | k_rope] of L + R (c = RMSNorm(h W_kva^T), the
+ * rotary key shared by all heads), which serves as K and as V. Head h's
+ * score against position j is q_nope_h . (W_UK_h c_j) + q_rope_h . k_rope_j
+ * = [W_UK_h^T q_nope_h | q_rope_h] . [c_j | k_rope_j]: multi-query attention
+ * with one KV head of L + R. Its output's first L columns are the
+ * probability-weighted sum of c_j (the last R, a sum of rotary keys, are
+ * dropped), and W_UV_h turns that into the head's value. Transformers
+ * expands K and V per head instead; the two agree up to f32 rounding. */
+static enum moe_status mla_block(struct moe_model *m, struct moe_kv_cache *kv, int l,
+                                 const struct moe_batch *b, struct moe_error *err)
+{
+    const struct moe_config *c = &m->cfg;
+    const struct layer_weights *w = &m->layers[l];
+    struct scratch *s = &m->s;
+    struct mla_scratch *a = &s->mla;
+    const struct moe_backend_ops *ops = m->be->ops;
+    const int n = b->n_tok, H = m->n_head_local, nh = n * H;
+    const int L = c->kv_lora_rank, R = c->d_head, dn = c->qk_nope_dim, dv = c->v_head_dim;
+    const float lora_eps = 1e-6f; /* q_a_layernorm, kv_a_layernorm: RMSNorm's default */
+
+    mla_indexes(m, n);
+    ops->rmsnorm(m->be, s->x, w->attn_norm, s->h, n, c->d_model, c->rms_eps);
+    const float *q_in = s->h;
+    int d_in = c->d_model;
+    if (c->q_lora_rank) {
+        matmul(m, s->h, n, c->d_model, w->wq_a, c->q_lora_rank, a->qa, false);
+        ops->rmsnorm(m->be, a->qa, w->q_a_norm, a->qa, n, c->q_lora_rank, lora_eps);
+        q_in = a->qa;
+        d_in = c->q_lora_rank;
+    }
+    matmul(m, q_in, n, d_in, w->wq_nope, H * dn, a->q_nope, false);
+    matmul(m, q_in, n, d_in, w->wq_rope, H * R, a->q_rope, false);
+    ops->rope(m->be, a->q_rope, s->pos, n, H, R, m->rope_inv_freq, c->rope.attention_factor);
+
+    /* the latent row [c | k_rope] into the cache (s->k holds it) */
+    matmul(m, s->h, n, c->d_model, w->wkv_a, L, a->c, false);
+    ops->rmsnorm(m->be, a->c, w->kv_a_norm, a->c, n, L, lora_eps);
+    matmul(m, s->h, n, c->d_model, w->wk_rope, R, a->k_rope, false);
+    ops->rope(m->be, a->k_rope, s->pos, n, 1, R, m->rope_inv_freq, c->rope.attention_factor);
+    ops->copy_cols(m->be, s->k, L + R, a->c, L, n, L);
+    ops->copy_cols(m->be, s->k + L, L + R, a->k_rope, R, n, R);
+    ops->kv_write(m->be, s->k, NULL, s->slots, n, L + R, kv->k[l], NULL, kv->dtype);
+
+    /* absorbed query [W_UK_h^T q_nope_h | q_rope_h] per (token, head) */
+    ops->gather_rows(m->be, a->q_nope, a->to_hm, nh, dn, a->q_hm);
+    per_head_matmul(m, a->q_hm, dn, w->w_uk_t, w->w_uk_scale, L, a->lat_hm);
+    ops->gather_rows(m->be, a->lat_hm, a->to_tm, nh, L, a->lat);
+    ops->copy_cols(m->be, a->q_full, L + R, a->lat, L, nh, L);
+    ops->copy_cols(m->be, a->q_full + L, L + R, a->q_rope, R, nh, R);
+    struct moe_attn_params ap = {
+        .q = a->q_full,
+        .out = a->att_full,
+        .k_cache = kv->k[l],
+        .v_cache = kv->k[l],
+        .kv_dtype = kv->dtype,
+        .tok_seq = s->seq,
+        .tok_pos = s->pos,
+        .block_tables = s->block_tables,
+        .max_blocks = b->max_blocks,
+        .n_tok = n,
+        .n_head = H,
+        .n_kv_head = 1,
+        .d_head = L + R,
+        .block_size = kv->block_size,
+        .scale = c->attn_scale,
+    };
+    ops->attention(m->be, &ap);
+
+    /* values: W_UV_h (sum_j p_j c_j) per head, back to token-major rows */
+    ops->copy_cols(m->be, a->lat, L, a->att_full, L + R, nh, L);
+    ops->gather_rows(m->be, a->lat, a->to_hm, nh, L, a->q_hm);
+    per_head_matmul(m, a->q_hm, L, w->w_uv, w->w_uv_scale, dv, a->lat_hm);
+    ops->gather_rows(m->be, a->lat_hm, a->to_tm, nh, dv, s->att);
+    matmul(m, s->att, n, H * dv, w->wo, c->d_model, s->o, false);
+    if (m->tp_comm) {
+        ops->synchronize(m->be);
+        enum moe_status rc = moe_comm_all_reduce_sum(m->tp_comm, s->o, (size_t)n * c->d_model, err);
+        if (rc)
+            return moe_error_prefix(err, "layer %d attention all-reduce", l);
+    }
+    ops->add(m->be, s->x, s->o, (size_t)n * c->d_model);
+    return MOE_OK;
+}
+
 /* Groups the top-k choices by expert (counting sort): h_counts[e]..h_counts[e+1]
  * index the (token, weight) pairs of expert e. */
 static void route_group(struct moe_model *m, int layer, int n)
@@ -293,13 +448,18 @@ static void route_group(struct moe_model *m, int layer, int n)
 }
 
 /* Qwen2-MoE: ffn_out += sigmoid(shared_gate . h) * shared_expert(h), per
- * token, after the routed experts' sum (transformers' order). */
+ * token, after the routed experts' sum (transformers' order); DeepSeek-V3
+ * (no gate): ffn_out += shared_experts(h). */
 static void shared_expert(struct moe_model *m, const struct layer_weights *w, int n)
 {
     const struct moe_config *c = &m->cfg;
     struct scratch *s = &m->s;
     const struct moe_backend_ops *ops = m->be->ops;
     moe_model_ffn(m, s->h, n, w->shared_gate_up, c->d_ff_shared, w->shared_down, s->ye);
+    if (!w->shared_gate) {
+        ops->add(m->be, s->ffn_out, s->ye, (size_t)n * c->d_model);
+        return;
+    }
     matmul_dtype(m, m->base_dtype, false, s->h, n, c->d_model, w->shared_gate, 1, s->shared_g,
                  false);
     ops->buf_download(m->be, s->h_shared_g, s->shared_g, (size_t)n * sizeof(float));
@@ -329,8 +489,25 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
     /* The router stays exact: a rounded logit can flip an expert choice. */
     matmul_dtype(m, m->base_dtype, false, s->h, n, c->d_model, w->router, c->n_expert,
                  s->router_logits, false);
-    ops->router_topk(m->be, s->router_logits, n, c->n_expert, c->top_k, c->norm_topk_prob,
-                     s->topk_ids, s->topk_w);
+    if (c->router_sigmoid) {
+        struct moe_router_grouped_params rp = {
+            .logits = s->router_logits,
+            .bias = w->router_bias,
+            .n_tok = n,
+            .n_expert = c->n_expert,
+            .top_k = c->top_k,
+            .n_group = c->n_group,
+            .topk_group = c->topk_group,
+            .renorm = c->norm_topk_prob,
+            .scale = c->routed_scaling,
+            .ids = s->topk_ids,
+            .weights = s->topk_w,
+        };
+        ops->router_topk_grouped(m->be, &rp);
+    } else {
+        ops->router_topk(m->be, s->router_logits, n, c->n_expert, c->top_k, c->norm_topk_prob,
+                         s->topk_ids, s->topk_w);
+    }
     m->prof.moe_layer_tokens += (uint64_t)n;
     double t1 = moe_now();
     m->prof.router_s += t1 - t0;
@@ -435,7 +612,7 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
     ops->embed(be, m->embed, m->base_dtype, s->tokens, n, c->d_model, s->x);
     for (int l = 0; l < c->n_layer; l++) {
         double t = moe_now();
-        rc = attention_block(m, kv, l, b, err);
+        rc = c->mla ? mla_block(m, kv, l, b, err) : attention_block(m, kv, l, b, err);
         m->prof.attention_s += moe_now() - t;
         if (rc || (rc = ffn_block(m, l, n, err)))
             return rc;
@@ -502,7 +679,19 @@ void moe_model_scratch_free(struct moe_model *m)
                    s->ep_ids,
                    s->ep_rids,
                    s->ep_idx,
-                   s->ep_w};
+                   s->ep_w,
+                   s->mla.qa,
+                   s->mla.q_nope,
+                   s->mla.q_rope,
+                   s->mla.c,
+                   s->mla.k_rope,
+                   s->mla.q_hm,
+                   s->mla.lat_hm,
+                   s->mla.lat,
+                   s->mla.q_full,
+                   s->mla.att_full,
+                   s->mla.to_hm,
+                   s->mla.to_tm};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i])
             be->ops->buf_free(be, dev[i]);
@@ -523,6 +712,8 @@ void moe_model_scratch_free(struct moe_model *m)
     free(s->h_ep_cw);
     free(s->h_ep_off);
     free(s->h_ep_cursor);
+    free(s->mla.h_idx);
+    free(s->mla.h_off);
     memset(s, 0, sizeof *s);
 }
 

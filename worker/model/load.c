@@ -256,6 +256,232 @@ static enum moe_status load_gate_up(struct loader *ld, const char *gate_name, co
     return upload_weight(ld, gate_name, host, 2 * half, out, err);
 }
 
+/* ---- DeepSeek-V3 latent attention ------------------------------------------- */
+
+/* An (n_rows, n_cols) Linear weight given as host f32, uploaded in the
+ * model's weight dtype (int8 / int4: quantized). Frees f32 in every case. */
+static enum moe_status upload_linear_f32(struct loader *ld, const char *name, float *f32,
+                                         int64_t n_rows, int64_t n_cols, void **out,
+                                         struct moe_error *err)
+{
+    enum moe_dtype dt = ld->m->opts.dtype;
+    size_t n = (size_t)n_rows * (size_t)n_cols;
+    if (dt == MOE_DTYPE_I8 || dt == MOE_DTYPE_I4)
+        return upload_quantized(ld, name, f32, n_rows, n_cols, out, err);
+    if (dt == MOE_DTYPE_BF16) {
+        uint16_t *b = malloc(n * sizeof *b + 1);
+        if (!b) {
+            free(f32);
+            return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir,
+                                 name);
+        }
+        for (size_t i = 0; i < n; i++)
+            b[i] = moe_f32_to_bf16(f32[i]);
+        free(f32);
+        return upload_weight(ld, name, b, n * sizeof *b, out, err);
+    }
+    return upload_weight(ld, name, f32, n * sizeof *f32, out, err);
+}
+
+/* Rows [row0, row0 + n_rows) of the 2-D tensor `name` (rows, cols), as host
+ * f32 in *out (the caller frees it). */
+static enum moe_status read_rows_f32(struct loader *ld, const char *name, int64_t rows,
+                                     int64_t cols, int64_t row0, int64_t n_rows, float **out,
+                                     struct moe_error *err)
+{
+    const struct st_tensor *t;
+    enum moe_status rc = find_tensor(ld, name, 2, rows, cols, &t, err);
+    if (rc)
+        return rc;
+    float *host = malloc((size_t)n_rows * (size_t)cols * sizeof *host + 1);
+    if (!host)
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
+    if ((rc = st_read_block(t, row0, n_rows, 0, cols, MOE_DTYPE_F32, host, err))) {
+        free(host);
+        return rc;
+    }
+    *out = host;
+    return MOE_OK;
+}
+
+/* A new (n_rows, cols) copy of rows [row0, row0 + n_rows) of src, and with
+ * `deinterleave` each run of r rotary rows reordered from pairs (x0, x1),
+ * (x2, x3), ... to halves (x0, x2, ..., x1, x3, ...): rope's rotate-half
+ * form then computes what transformers' interleaved form does. */
+static float *take_rows(const float *src, int64_t cols, int64_t row0, int64_t n_rows, int r,
+                        bool deinterleave)
+{
+    float *dst = malloc((size_t)n_rows * (size_t)cols * sizeof *dst + 1);
+    if (!dst)
+        return NULL;
+    for (int64_t i = 0; i < n_rows; i++) {
+        int64_t from = i;
+        if (deinterleave) {
+            int64_t run = i / r, j = i % r;
+            from = run * r + (j < r / 2 ? 2 * j : 2 * (j - r / 2) + 1);
+        }
+        memcpy(dst + i * cols, src + (row0 + from) * cols, (size_t)cols * sizeof *dst);
+    }
+    return dst;
+}
+
+/* Where an int8 / int4 weight's scales start (NULL for f32 and bf16). */
+static const float *lin_scales(const struct moe_model *m, const void *w, int64_t n_out,
+                               int64_t n_in)
+{
+    if (m->lin_dtype == MOE_DTYPE_I8)
+        return (const float *)((const char *)w + moe_i8_scale_offset(n_out, n_in));
+    if (m->lin_dtype == MOE_DTYPE_I4)
+        return (const float *)((const char *)w + moe_q4_scale_offset(n_out, n_in));
+    return NULL;
+}
+
+/* The latent attention of layer l for this rank's heads: the query (through
+ * q_lora_rank or not) split into its no-rope and rotary parts, the
+ * compressed KV row and the shared rotary key (replicated on every rank),
+ * and kv_b_proj cut per head into the key part (transposed, to absorb into
+ * the query) and the value part. */
+static enum moe_status load_mla(struct loader *ld, int l, struct moe_error *err)
+{
+    struct moe_model *m = ld->m;
+    const struct moe_config *c = &m->cfg;
+    struct layer_weights *w = &m->layers[l];
+    const int64_t d = c->d_model, H = c->n_head, Hl = m->n_head_local;
+    const int64_t h0 = (int64_t)m->opts.tp_rank * Hl;
+    const int64_t dn = c->qk_nope_dim, R = c->d_head, L = c->kv_lora_rank, dv = c->v_head_dim;
+    const int64_t q_in = c->q_lora_rank ? c->q_lora_rank : d;
+    const bool il = c->rope_interleave;
+    char name[256];
+    enum moe_status rc;
+    float *full = NULL, *a = NULL, *b = NULL;
+#define NAME(...) snprintf(name, sizeof name, __VA_ARGS__)
+#define TAKE(dst, src, cols, row0, n_rows, deint)                                                  \
+    do {                                                                                           \
+        if (!((dst) = take_rows(src, cols, row0, n_rows, (int)R, deint))) {                        \
+            rc = moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir,      \
+                               name);                                                              \
+            goto out;                                                                              \
+        }                                                                                          \
+    } while (0)
+    if (c->q_lora_rank) {
+        NAME("model.layers.%d.self_attn.q_a_proj.weight", l);
+        if ((rc = load_matrix(ld, name, c->q_lora_rank, d, &w->wq_a, err)))
+            return rc;
+        NAME("model.layers.%d.self_attn.q_a_layernorm.weight", l);
+        if ((rc = load_norm(ld, name, c->q_lora_rank, &w->q_a_norm, err)))
+            return rc;
+        NAME("model.layers.%d.self_attn.q_b_proj.weight", l);
+    } else {
+        NAME("model.layers.%d.self_attn.q_proj.weight", l);
+    }
+    /* this rank's heads, each dn no-rope rows then R rotary rows */
+    if ((rc =
+             read_rows_f32(ld, name, H * (dn + R), q_in, h0 * (dn + R), Hl * (dn + R), &full, err)))
+        return rc;
+    if (!(a = malloc((size_t)(Hl * dn * q_in) * sizeof *a + 1)) ||
+        !(b = malloc((size_t)(Hl * R * q_in) * sizeof *b + 1))) {
+        rc = moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
+        goto out;
+    }
+    for (int64_t h = 0; h < Hl; h++) {
+        const float *head = full + h * (dn + R) * q_in;
+        memcpy(a + h * dn * q_in, head, (size_t)(dn * q_in) * sizeof *a);
+        float *rot = NULL;
+        TAKE(rot, head, q_in, dn, R, il);
+        memcpy(b + h * R * q_in, rot, (size_t)(R * q_in) * sizeof *b);
+        free(rot);
+    }
+    free(full);
+    full = NULL;
+    rc = upload_linear_f32(ld, name, a, Hl * dn, q_in, &w->wq_nope, err);
+    a = NULL;
+    if (rc || (rc = upload_linear_f32(ld, name, b, Hl * R, q_in, &w->wq_rope, err))) {
+        b = NULL;
+        goto out;
+    }
+    b = NULL;
+
+    NAME("model.layers.%d.self_attn.kv_a_proj_with_mqa.weight", l);
+    if ((rc = read_rows_f32(ld, name, L + R, d, 0, L + R, &full, err)))
+        goto out;
+    TAKE(a, full, d, 0, L, false);
+    TAKE(b, full, d, L, R, il);
+    rc = upload_linear_f32(ld, name, a, L, d, &w->wkv_a, err);
+    a = NULL;
+    if (rc || (rc = upload_linear_f32(ld, name, b, R, d, &w->wk_rope, err))) {
+        b = NULL;
+        goto out;
+    }
+    b = NULL;
+    free(full);
+    full = NULL;
+    NAME("model.layers.%d.self_attn.kv_a_layernorm.weight", l);
+    if ((rc = load_norm(ld, name, L, &w->kv_a_norm, err)))
+        goto out;
+
+    NAME("model.layers.%d.self_attn.kv_b_proj.weight", l);
+    if ((rc =
+             read_rows_f32(ld, name, H * (dn + dv), L, h0 * (dn + dv), Hl * (dn + dv), &full, err)))
+        goto out;
+    w->w_uk_t = calloc((size_t)Hl, sizeof *w->w_uk_t);
+    w->w_uv = calloc((size_t)Hl, sizeof *w->w_uv);
+    w->w_uk_scale = calloc((size_t)Hl, sizeof *w->w_uk_scale);
+    w->w_uv_scale = calloc((size_t)Hl, sizeof *w->w_uv_scale);
+    if (!w->w_uk_t || !w->w_uv || !w->w_uk_scale || !w->w_uv_scale) {
+        rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    for (int64_t h = 0; h < Hl; h++) {
+        const float *uk = full + h * (dn + dv) * L; /* (dn, L) */
+        if (!(a = malloc((size_t)(L * dn) * sizeof *a))) {
+            rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+            goto out;
+        }
+        for (int64_t i = 0; i < dn; i++)
+            for (int64_t j = 0; j < L; j++)
+                a[j * dn + i] = uk[i * L + j];
+        rc = upload_linear_f32(ld, name, a, L, dn, &w->w_uk_t[h], err);
+        a = NULL;
+        if (rc)
+            goto out;
+        TAKE(b, full + (h * (dn + dv) + dn) * L, L, 0, dv, false);
+        rc = upload_linear_f32(ld, name, b, dv, L, &w->w_uv[h], err);
+        b = NULL;
+        if (rc)
+            goto out;
+        w->w_uk_scale[h] = lin_scales(m, w->w_uk_t[h], L, dn);
+        w->w_uv_scale[h] = lin_scales(m, w->w_uv[h], dv, L);
+    }
+    NAME("model.layers.%d.self_attn.o_proj.weight", l);
+    rc = load_block(ld, name, d, H * dv, 0, d, h0 * dv, Hl * dv, m->opts.dtype, &w->wo, err);
+out:
+    free(full);
+    free(a);
+    free(b);
+#undef TAKE
+#undef NAME
+    return rc;
+}
+
+/* e_score_correction_bias, kept in f32 unrounded whatever the weight dtype
+ * (transformers keeps it in fp32 too). */
+static enum moe_status load_f32_vector(struct loader *ld, const char *name, int64_t n, float **out,
+                                       struct moe_error *err)
+{
+    const struct st_tensor *t;
+    enum moe_status rc = find_tensor(ld, name, 1, n, 0, &t, err);
+    if (rc)
+        return rc;
+    float *host = malloc((size_t)n * sizeof *host);
+    if (!host)
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
+    if ((rc = st_read_block(t, 0, 1, 0, n, MOE_DTYPE_F32, host, err))) {
+        free(host);
+        return rc;
+    }
+    return upload_weight(ld, name, host, (size_t)n * sizeof *host, (void **)out, err);
+}
+
 /* Loads expert e of MoE layer l: gate and up fused, and down. */
 static enum moe_status load_expert(struct loader *ld, int l, int e, void **gate_up, void **down,
                                    struct moe_error *err)
@@ -293,6 +519,11 @@ static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *er
     NAME(name, "model.layers.%d.post_attention_layernorm.weight", l);
     if ((rc = load_norm(ld, name, d, &w->ffn_norm, err)))
         return rc;
+    if (c->mla) {
+        if ((rc = load_mla(ld, l, err)))
+            return rc;
+        goto ffn;
+    }
     NAME(name, "model.layers.%d.self_attn.q_proj.weight", l);
     if ((rc = load_block(ld, name, (int64_t)c->n_head * dh, d, q0, m->q_dim, 0, d, m->opts.dtype,
                          &w->wq, err)))
@@ -337,6 +568,7 @@ static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *er
             return rc;
     }
 
+ffn:
     w->is_moe = c->layer_is_moe[l];
     const char *moe = c->arch == MOE_ARCH_MIXTRAL ? "block_sparse_moe" : "mlp";
     if (!w->is_moe) {
@@ -354,17 +586,27 @@ static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *er
     if ((rc = load_block(ld, name, c->n_expert, d, 0, c->n_expert, 0, d, m->base_dtype, &w->router,
                          err)))
         return rc;
+    if (c->router_sigmoid) {
+        NAME(name, "model.layers.%d.mlp.gate.e_score_correction_bias", l);
+        if ((rc = load_f32_vector(ld, name, c->n_expert, &w->router_bias, err)))
+            return rc;
+    }
     if (c->d_ff_shared > 0) { /* replicated: every rank computes it for its batch */
-        NAME(name, "model.layers.%d.mlp.shared_expert.gate_proj.weight", l);
-        NAME(name2, "model.layers.%d.mlp.shared_expert.up_proj.weight", l);
+        /* Qwen2-MoE: one gated shared_expert; DeepSeek-V3: n_shared_experts
+         * fused into one MLP, shared_experts, weight 1 */
+        const char *sh = c->arch == MOE_ARCH_DEEPSEEK_V3 ? "shared_experts" : "shared_expert";
+        NAME(name, "model.layers.%d.mlp.%s.gate_proj.weight", l, sh);
+        NAME(name2, "model.layers.%d.mlp.%s.up_proj.weight", l, sh);
         if ((rc = load_gate_up(ld, name, name2, c->d_ff_shared, d, &w->shared_gate_up, err)))
             return rc;
-        NAME(name, "model.layers.%d.mlp.shared_expert.down_proj.weight", l);
+        NAME(name, "model.layers.%d.mlp.%s.down_proj.weight", l, sh);
         if ((rc = load_matrix(ld, name, d, c->d_ff_shared, &w->shared_down, err)))
             return rc;
-        NAME(name, "model.layers.%d.mlp.shared_expert_gate.weight", l);
-        if ((rc = load_block(ld, name, 1, d, 0, 1, 0, d, m->base_dtype, &w->shared_gate, err)))
-            return rc;
+        if (c->arch == MOE_ARCH_QWEN2_MOE) {
+            NAME(name, "model.layers.%d.mlp.shared_expert_gate.weight", l);
+            if ((rc = load_block(ld, name, 1, d, 0, 1, 0, d, m->base_dtype, &w->shared_gate, err)))
+                return rc;
+        }
     }
     w->w_gate_up = calloc((size_t)c->n_expert, sizeof *w->w_gate_up);
     w->w_down = calloc((size_t)c->n_expert, sizeof *w->w_down);
@@ -497,15 +739,23 @@ enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opt
         if (rc)
             goto fail;
     }
+    if ((c->mla || c->router_sigmoid) && (!be->ops->copy_cols || !be->ops->router_topk_grouped)) {
+        rc = moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                           "%s: DeepSeek-V3 needs the latent-attention and grouped-routing ops, "
+                           "which the %s backend does not have yet (use --device cpu)",
+                           dir, be->name);
+        goto fail;
+    }
     m->n_head_local = c->n_head / opts->tp_size;
-    m->n_kv_head_local = c->n_kv_head / opts->tp_size;
-    m->q_dim = m->n_head_local * c->d_head;
+    m->n_kv_head_local = c->mla ? 1 : c->n_kv_head / opts->tp_size;
+    /* MLA: q_dim is what reaches o_proj (the heads' values) */
+    m->q_dim = m->n_head_local * (c->mla ? c->v_head_dim : c->d_head);
     if (!(m->rope_inv_freq = malloc((size_t)(c->d_head / 2 + 1) * sizeof *m->rope_inv_freq))) {
         rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
         goto fail;
     }
     moe_rope_inv_freq(c, m->rope_inv_freq);
-    m->kv_dim = m->n_kv_head_local * c->d_head;
+    m->kv_dim = c->mla ? c->kv_lora_rank + c->d_head : m->n_kv_head_local * c->d_head;
 
     if ((rc = st_open(dir, &ld.st, err)))
         goto fail;
@@ -574,6 +824,22 @@ void moe_model_free(struct moe_model *m)
             FREE_BUF(w->shared_gate_up);
             FREE_BUF(w->shared_down);
             FREE_BUF(w->shared_gate);
+            FREE_BUF(w->wq_a);
+            FREE_BUF(w->q_a_norm);
+            FREE_BUF(w->wq_nope);
+            FREE_BUF(w->wq_rope);
+            FREE_BUF(w->wkv_a);
+            FREE_BUF(w->wk_rope);
+            FREE_BUF(w->kv_a_norm);
+            FREE_BUF(w->router_bias);
+            for (int h = 0; w->w_uk_t && h < m->n_head_local; h++)
+                FREE_BUF(w->w_uk_t[h]);
+            for (int h = 0; w->w_uv && h < m->n_head_local; h++)
+                FREE_BUF(w->w_uv[h]);
+            free(w->w_uk_t);
+            free(w->w_uv);
+            free(w->w_uk_scale);
+            free(w->w_uv_scale);
             for (int e = 0; w->w_gate_up && e < m->cfg.n_expert; e++)
                 FREE_BUF(w->w_gate_up[e]);
             for (int e = 0; w->w_down && e < m->cfg.n_expert; e++)
@@ -624,7 +890,7 @@ enum moe_dtype moe_model_kv_dtype(const struct moe_model *m)
 enum moe_status moe_kv_cache_create(const struct moe_model *m, int n_block, int block_size,
                                     struct moe_kv_cache **out, struct moe_error *err)
 {
-    return moe_kv_cache_alloc(m->be, m->cfg.n_layer, n_block, block_size, m->kv_dim,
+    return moe_kv_cache_alloc(m->be, m->cfg.n_layer, n_block, block_size, m->kv_dim, m->cfg.mla,
                               m->opts.kv_dtype, out, err);
 }
 

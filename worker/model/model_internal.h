@@ -29,7 +29,45 @@ struct layer_weights {
     float *bq, *bk, *bv;  /* q/k/v biases, this rank's slices (qkv_bias), else NULL */
     void *shared_gate_up; /* (2*d_ff_shared, d_model): the shared expert, on every rank */
     void *shared_down;    /* (d_model, d_ff_shared) */
-    void *shared_gate;    /* (1, d_model) in base_dtype: its per-token sigmoid gate */
+    void *shared_gate;    /* (1, d_model) in base_dtype: its per-token sigmoid gate; NULL:
+                             weight 1 (DeepSeek-V3's shared experts) */
+    /* DeepSeek-V3 latent attention (cfg.mla; wq, wk, wv unused, wo is
+     * (d_model, n_head_local * v_head_dim)). Rotary rows are stored
+     * de-interleaved when the checkpoint interleaves them, so the usual
+     * rotate-half rope gives the checkpoint's rotation. */
+    void *wq_a;       /* (q_lora_rank, d_model) when q_lora_rank */
+    float *q_a_norm;  /* (q_lora_rank) */
+    void *wq_nope;    /* (n_head_local * qk_nope, q_in): q_in is q_lora_rank or d_model */
+    void *wq_rope;    /* (n_head_local * qk_rope, q_in) */
+    void *wkv_a;      /* (kv_lora_rank, d_model): the compressed row */
+    void *wk_rope;    /* (qk_rope, d_model): the rotary key all heads share */
+    float *kv_a_norm; /* (kv_lora_rank) */
+    void **w_uk_t;    /* (n_head_local) -> (kv_lora_rank, qk_nope): a head's key
+                         up-projection, transposed, folded into its query */
+    void **w_uv;      /* (n_head_local) -> (v_head_dim, kv_lora_rank): its value up-projection */
+    const float **w_uk_scale, **w_uv_scale; /* int8 / int4: their scales; else NULL */
+    float *router_bias; /* (n_expert) e_score_correction_bias, f32 (router_sigmoid) */
+};
+
+/* Scratch of the latent attention (cfg.mla), sized for cap_tok tokens;
+ * H = n_head_local, L = kv_lora_rank, R = qk_rope_dim. "hm" rows are head
+ * major (row h * n + t), the others token major (row t * H + h). */
+struct mla_scratch {
+    float *qa;       /* (n, q_lora_rank) */
+    float *q_nope;   /* (n * H, qk_nope) */
+    float *q_rope;   /* (n * H, R) */
+    float *c;        /* (n, L) */
+    float *k_rope;   /* (n, R) */
+    float *q_hm;     /* (H * n, max(qk_nope, L)) */
+    float *lat_hm;   /* (H * n, max(L, v_head_dim)) */
+    float *lat;      /* (n * H, L) */
+    float *q_full;   /* (n * H, L + R): [absorbed query | rotary query] */
+    float *att_full; /* (n * H, L + R): attention over the latent rows */
+    int32_t *to_hm;  /* (n * H) gather indexes token major -> head major */
+    int32_t *to_tm;  /* (n * H) head major -> token major */
+    int32_t *h_idx;  /* host (n * H) */
+    int32_t *h_off;  /* host (H + 1): head h's rows in the head-major buffers */
+    int n_built;     /* the n the indexes were built for (0: none) */
 };
 
 /* Activations and per-step metadata on the backend, sized for cap_tok tokens. */
@@ -88,6 +126,7 @@ struct scratch {
     int32_t *h_ep_off;    /* (n_expert + 1) offsets by expert */
     int32_t *h_ep_cursor; /* (max(n_expert, MOE_MAX_EP_RANKS)) counting sort cursor */
     float *h_zero;        /* (n, d_model) zeros, to clear device buffers */
+    struct mla_scratch mla;
 };
 
 struct moe_model {
