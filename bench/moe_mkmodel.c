@@ -12,7 +12,15 @@
  * a tensor's values do not depend on sharding. Norm weights are 1.
  * Tensor names are the Hub ones: Mixtral `block_sparse_moe.experts.E.w1/w2/w3`,
  * Qwen3-MoE `mlp.experts.E.gate_proj/up_proj/down_proj`, dense layers
- * `mlp.gate_proj/...`, `self_attn.q_norm/k_norm`. */
+ * `mlp.gate_proj/...`, `self_attn.q_norm/k_norm`; DeepSeek-V3 its latent
+ * attention (`q_a_proj`, `q_b_proj` or `q_proj`, `kv_a_proj_with_mqa`,
+ * `kv_b_proj` and their norms), `mlp.gate.e_score_correction_bias` and
+ * `mlp.shared_experts.*`, its first --first-dense layers dense:
+ *
+ *   moe-mkmodel --arch deepseek_v3 --out /tmp/dsv3 --vocab 32000 --hidden 1024 \
+ *       --layers 8 --heads 16 --experts 64 --top-k 6 --ffn 256 --shared 2 \
+ *       --q-lora 512 --kv-lora 256 --rope-dim 64 --nope-dim 64 --v-dim 64 \
+ *       --groups 8 --topk-groups 4 --first-dense 1 --dense-ffn 2816 */
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
@@ -33,7 +41,7 @@
 #define MK_NAME_MAX 128
 #define MK_CHUNK 65536 /* elements generated per write */
 
-enum mk_arch { MK_MIXTRAL, MK_QWEN3_MOE };
+enum mk_arch { MK_MIXTRAL, MK_QWEN3_MOE, MK_DEEPSEEK_V3 };
 
 struct mk_opts {
     enum mk_arch arch;
@@ -52,6 +60,8 @@ struct mk_opts {
     double rms_eps;
     int max_pos;
     int bos_id, eos_id;
+    /* DeepSeek-V3 */
+    int q_lora, kv_lora, rope_dim, nope_dim, v_dim, n_shared, n_group, topk_group, first_dense;
 };
 
 struct mk_tensor {
@@ -82,12 +92,15 @@ static void die(const char *fmt, ...)
 
 static void usage(FILE *f)
 {
-    fputs("usage: moe-mkmodel --arch mixtral|qwen3_moe --out DIR --vocab N --hidden N\n"
+    fputs("usage: moe-mkmodel --arch mixtral|qwen3_moe|deepseek_v3 --out DIR --vocab N --hidden N\n"
           "         --layers N --heads N --kv-heads N [--head-dim N] --experts N --top-k N\n"
           "         --ffn N [--dense-ffn N --mlp-only-layers I,J,...] [--dtype bf16|f32]\n"
           "         [--seed S] [--shard-mb N] [--std X] [--tie-embeddings]\n"
           "         [--norm-topk-prob 0|1] [--rope-theta X] [--rms-eps X] [--max-pos N]\n"
           "         [--bos ID] [--eos ID]\n"
+          "  deepseek_v3: --kv-lora N --rope-dim N --nope-dim N --v-dim N [--q-lora N]\n"
+          "         [--shared N] [--groups N --topk-groups N] [--first-dense N --dense-ffn N]\n"
+          "         (--kv-heads is --heads; --head-dim is --rope-dim)\n"
           "Writes DIR/config.json and DIR/model.safetensors (or, with --shard-mb,\n"
           "model-0000i-of-0000n.safetensors + model.safetensors.index.json) holding\n"
           "random weights in the Hugging Face layout of the chosen architecture.\n"
@@ -181,8 +194,10 @@ static void opts_parse(struct mk_opts *o, int argc, char **argv)
                 arch = MK_MIXTRAL;
             else if (!strcmp(v, "qwen3_moe"))
                 arch = MK_QWEN3_MOE;
+            else if (!strcmp(v, "deepseek_v3"))
+                arch = MK_DEEPSEEK_V3;
             else
-                die("--arch: '%s' is not one of mixtral, qwen3_moe", v);
+                die("--arch: '%s' is not one of mixtral, qwen3_moe, deepseek_v3", v);
         } else if (!strcmp(a, "--out")) {
             o->out = v;
         } else if (!strcmp(a, "--vocab")) {
@@ -230,6 +245,24 @@ static void opts_parse(struct mk_opts *o, int argc, char **argv)
             o->max_pos = (int)parse_int(a, v, 1, big);
         } else if (!strcmp(a, "--bos")) {
             o->bos_id = (int)parse_int(a, v, -1, big);
+        } else if (!strcmp(a, "--q-lora")) {
+            o->q_lora = (int)parse_int(a, v, 0, big);
+        } else if (!strcmp(a, "--kv-lora")) {
+            o->kv_lora = (int)parse_int(a, v, 1, big);
+        } else if (!strcmp(a, "--rope-dim")) {
+            o->rope_dim = (int)parse_int(a, v, 2, big);
+        } else if (!strcmp(a, "--nope-dim")) {
+            o->nope_dim = (int)parse_int(a, v, 1, big);
+        } else if (!strcmp(a, "--v-dim")) {
+            o->v_dim = (int)parse_int(a, v, 1, big);
+        } else if (!strcmp(a, "--shared")) {
+            o->n_shared = (int)parse_int(a, v, 0, 1024);
+        } else if (!strcmp(a, "--groups")) {
+            o->n_group = (int)parse_int(a, v, 1, big);
+        } else if (!strcmp(a, "--topk-groups")) {
+            o->topk_group = (int)parse_int(a, v, 1, big);
+        } else if (!strcmp(a, "--first-dense")) {
+            o->first_dense = (int)parse_int(a, v, 0, big);
         } else if (!strcmp(a, "--eos")) {
             o->eos_id = (int)parse_int(a, v, 0, big);
         } else {
@@ -239,8 +272,32 @@ static void opts_parse(struct mk_opts *o, int argc, char **argv)
     }
 
     if (arch < 0)
-        die("--arch is required (mixtral or qwen3_moe)");
+        die("--arch is required (mixtral, qwen3_moe or deepseek_v3)");
     o->arch = (enum mk_arch)arch;
+    if (o->arch == MK_DEEPSEEK_V3) {
+        if (!o->kv_lora || !o->rope_dim || !o->nope_dim || !o->v_dim)
+            die("--arch deepseek_v3 needs --kv-lora, --rope-dim, --nope-dim and --v-dim");
+        if (o->n_kv_head && o->n_kv_head != o->n_head)
+            die("--kv-heads %d: DeepSeek-V3's keys come from one latent row for all %d heads",
+                o->n_kv_head, o->n_head);
+        o->n_kv_head = o->n_head;
+        o->d_head = o->rope_dim;
+        if (!o->n_group)
+            o->n_group = 1;
+        if (!o->topk_group)
+            o->topk_group = o->n_group;
+        if (o->n_expert > 0 &&
+            (o->n_expert % o->n_group || o->n_expert / o->n_group < 2 ||
+             o->topk_group > o->n_group || o->top_k > o->topk_group * (o->n_expert / o->n_group)))
+            die("--groups %d / --topk-groups %d do not fit --experts %d with --top-k %d",
+                o->n_group, o->topk_group, o->n_expert, o->top_k);
+        if (o->first_dense > 0 && !o->d_ff_dense)
+            die("--first-dense %d needs --dense-ffn (the dense MLP width)", o->first_dense);
+        if (o->first_dense > o->n_layer)
+            die("--first-dense %d is more than --layers %d", o->first_dense, o->n_layer);
+        if (o->have_mlp_only)
+            die("--mlp-only-layers applies to --arch qwen3_moe; DeepSeek-V3 has --first-dense");
+    }
     if (!o->out)
         die("--out DIR is required");
     struct {
@@ -269,7 +326,17 @@ static void opts_parse(struct mk_opts *o, int argc, char **argv)
         die("--head-dim %d must be even (RoPE rotates pairs)", o->d_head);
     if (o->bos_id >= o->vocab || o->eos_id >= o->vocab)
         die("--bos %d / --eos %d must be below --vocab %d", o->bos_id, o->eos_id, o->vocab);
-    if (o->arch == MK_MIXTRAL) {
+    if (o->arch == MK_DEEPSEEK_V3) {
+        for (int l = 0; l < o->first_dense; l++)
+            o->mlp_only[l] = true;
+        if (!o->d_ff_dense)
+            o->d_ff_dense = o->d_ff;
+        o->norm_topk_prob = norm_topk != 0;
+        if (o->rope_theta < 0)
+            o->rope_theta = 1e4;
+        if (o->rms_eps < 0)
+            o->rms_eps = 1e-6;
+    } else if (o->arch == MK_MIXTRAL) {
         if (o->have_mlp_only || o->d_ff_dense)
             die("--mlp-only-layers and --dense-ffn apply to --arch qwen3_moe only");
         if (norm_topk == 0)
@@ -330,6 +397,55 @@ static void list_build(const struct mk_opts *o, struct mk_list *l)
     list_add(l, o->vocab, d, false, false, "model.embed_tokens.weight");
     for (int i = 0; i < o->n_layer; i++) {
         list_add(l, 1, d, true, true, "model.layers.%d.input_layernorm.weight", i);
+        if (o->arch == MK_DEEPSEEK_V3) {
+            const int64_t H = o->n_head, qh = o->nope_dim + o->rope_dim;
+            const char *a = "model.layers.%d.self_attn.";
+            char p[MK_NAME_MAX];
+            snprintf(p, sizeof p, a, i);
+            if (o->q_lora) {
+                list_add(l, o->q_lora, d, false, false, "%sq_a_proj.weight", p);
+                list_add(l, 1, o->q_lora, true, true, "%sq_a_layernorm.weight", p);
+                list_add(l, H * qh, o->q_lora, false, false, "%sq_b_proj.weight", p);
+            } else {
+                list_add(l, H * qh, d, false, false, "%sq_proj.weight", p);
+            }
+            list_add(l, o->kv_lora + o->rope_dim, d, false, false, "%skv_a_proj_with_mqa.weight",
+                     p);
+            list_add(l, 1, o->kv_lora, true, true, "%skv_a_layernorm.weight", p);
+            list_add(l, H * (o->nope_dim + o->v_dim), o->kv_lora, false, false,
+                     "%skv_b_proj.weight", p);
+            list_add(l, d, H * o->v_dim, false, false, "%so_proj.weight", p);
+            list_add(l, 1, d, true, true, "model.layers.%d.post_attention_layernorm.weight", i);
+            if (o->mlp_only[i]) {
+                list_add(l, o->d_ff_dense, d, false, false, "model.layers.%d.mlp.gate_proj.weight",
+                         i);
+                list_add(l, o->d_ff_dense, d, false, false, "model.layers.%d.mlp.up_proj.weight",
+                         i);
+                list_add(l, d, o->d_ff_dense, false, false, "model.layers.%d.mlp.down_proj.weight",
+                         i);
+                continue;
+            }
+            list_add(l, o->n_expert, d, false, false, "model.layers.%d.mlp.gate.weight", i);
+            list_add(l, 1, o->n_expert, true, false,
+                     "model.layers.%d.mlp.gate.e_score_correction_bias", i);
+            for (int e = 0; e < o->n_expert; e++) {
+                char base[MK_NAME_MAX];
+                snprintf(base, sizeof(base), "model.layers.%d.mlp.experts.%d", i, e);
+                list_add(l, o->d_ff, d, false, false, "%s.gate_proj.weight", base);
+                list_add(l, o->d_ff, d, false, false, "%s.up_proj.weight", base);
+                list_add(l, d, o->d_ff, false, false, "%s.down_proj.weight", base);
+            }
+            if (o->n_shared) {
+                const int64_t f = (int64_t)o->n_shared * o->d_ff;
+                list_add(l, f, d, false, false,
+                         "model.layers.%d.mlp.shared_experts.gate_proj.weight", i);
+                list_add(l, f, d, false, false, "model.layers.%d.mlp.shared_experts.up_proj.weight",
+                         i);
+                list_add(l, d, f, false, false,
+                         "model.layers.%d.mlp.shared_experts.down_proj.weight", i);
+            }
+            continue;
+        }
         list_add(l, q, d, false, false, "model.layers.%d.self_attn.q_proj.weight", i);
         list_add(l, kv, d, false, false, "model.layers.%d.self_attn.k_proj.weight", i);
         list_add(l, kv, d, false, false, "model.layers.%d.self_attn.v_proj.weight", i);
@@ -565,6 +681,55 @@ static void config_write(const struct mk_opts *o)
     if (!f)
         die("%s: cannot create: %s", path, strerror(errno));
     bool mix = o->arch == MK_MIXTRAL;
+    if (o->arch == MK_DEEPSEEK_V3) {
+        fprintf(f, "{\n");
+        fprintf(f, "  \"architectures\": [\"DeepseekV3ForCausalLM\"],\n");
+        fprintf(f, "  \"model_type\": \"deepseek_v3\",\n");
+        fprintf(f, "  \"vocab_size\": %d,\n", o->vocab);
+        fprintf(f, "  \"hidden_size\": %d,\n", o->d_model);
+        fprintf(f, "  \"num_hidden_layers\": %d,\n", o->n_layer);
+        fprintf(f, "  \"num_attention_heads\": %d,\n", o->n_head);
+        fprintf(f, "  \"num_key_value_heads\": %d,\n", o->n_head);
+        if (o->q_lora)
+            fprintf(f, "  \"q_lora_rank\": %d,\n", o->q_lora);
+        else
+            fprintf(f, "  \"q_lora_rank\": null,\n");
+        fprintf(f, "  \"kv_lora_rank\": %d,\n", o->kv_lora);
+        fprintf(f, "  \"qk_rope_head_dim\": %d,\n", o->rope_dim);
+        fprintf(f, "  \"qk_nope_head_dim\": %d,\n", o->nope_dim);
+        fprintf(f, "  \"v_head_dim\": %d,\n", o->v_dim);
+        fprintf(f, "  \"n_routed_experts\": %d,\n", o->n_expert);
+        fprintf(f, "  \"num_experts_per_tok\": %d,\n", o->top_k);
+        fprintf(f, "  \"moe_intermediate_size\": %d,\n", o->d_ff);
+        fprintf(f, "  \"n_shared_experts\": %d,\n", o->n_shared);
+        fprintf(f, "  \"intermediate_size\": %d,\n", o->d_ff_dense);
+        fprintf(f, "  \"first_k_dense_replace\": %d,\n", o->first_dense);
+        fprintf(f, "  \"n_group\": %d,\n", o->n_group);
+        fprintf(f, "  \"topk_group\": %d,\n", o->topk_group);
+        fprintf(f, "  \"norm_topk_prob\": %s,\n", o->norm_topk_prob ? "true" : "false");
+        fprintf(f, "  \"routed_scaling_factor\": 2.5,\n");
+        fprintf(f, "  \"topk_method\": \"noaux_tc\",\n");
+        fprintf(f, "  \"scoring_func\": \"sigmoid\",\n");
+        fprintf(f, "  \"rope_interleave\": true,\n");
+        fprintf(f, "  \"attention_bias\": false,\n");
+        fprintf(f, "  \"num_nextn_predict_layers\": 0,\n");
+        fprintf(f, "  \"hidden_act\": \"silu\",\n");
+        fprintf(f, "  \"max_position_embeddings\": %d,\n", o->max_pos);
+        fprintf(f, "  \"rms_norm_eps\": %.9g,\n", o->rms_eps);
+        fprintf(f, "  \"rope_theta\": %.1f,\n", o->rope_theta);
+        fprintf(f, "  \"tie_word_embeddings\": %s,\n", o->tie ? "true" : "false");
+        if (o->bos_id >= 0)
+            fprintf(f, "  \"bos_token_id\": %d,\n", o->bos_id);
+        else
+            fprintf(f, "  \"bos_token_id\": null,\n");
+        fprintf(f, "  \"eos_token_id\": %d,\n", o->eos_id);
+        fprintf(f, "  \"torch_dtype\": \"%s\"\n",
+                o->dtype == MOE_DTYPE_BF16 ? "bfloat16" : "float32");
+        fprintf(f, "}\n");
+        if (ferror(f) || fclose(f) != 0)
+            die("%s: write failed", path);
+        return;
+    }
     fprintf(f, "{\n");
     fprintf(f, "  \"architectures\": [\"%s\"],\n",
             mix ? "MixtralForCausalLM" : "Qwen3MoeForCausalLM");
@@ -676,8 +841,11 @@ int main(int argc, char **argv)
     double dt = now_s() - t0;
     printf("moe-mkmodel: wrote %s: %s, %zu tensors in %d file%s, %.1f M params "
            "(%.1f M active per token, embeddings excluded), %.1f MB %s, %.2f s (%.0f MB/s)\n",
-           o.out, o.arch == MK_MIXTRAL ? "mixtral" : "qwen3_moe", l.n, n_shard,
-           n_shard > 1 ? "s" : "", (double)n_param / 1e6, (double)n_active / 1e6,
+           o.out,
+           o.arch == MK_MIXTRAL     ? "mixtral"
+           : o.arch == MK_QWEN3_MOE ? "qwen3_moe"
+                                    : "deepseek_v3",
+           l.n, n_shard, n_shard > 1 ? "s" : "", (double)n_param / 1e6, (double)n_active / 1e6,
            (double)total / 1e6, o.dtype == MOE_DTYPE_BF16 ? "bf16" : "f32", dt,
            (double)total / 1e6 / (dt > 0 ? dt : 1e-9));
     free(l.t);

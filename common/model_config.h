@@ -99,6 +99,18 @@ struct moe_config {
  * rank). */
 int moe_config_kv_token_elems(const struct moe_config *cfg, int tp);
 
+/* The KV cache's heads as the KV data plane sees them: n_kv_head of d_head,
+ * or with MLA one latent "head" of kv_lora_rank + qk_rope_dim that every
+ * rank holds whole. */
+static inline int moe_config_kv_heads(const struct moe_config *cfg)
+{
+    return cfg->mla ? 1 : cfg->n_kv_head;
+}
+static inline int moe_config_kv_head_dim(const struct moe_config *cfg)
+{
+    return cfg->mla ? cfg->kv_lora_rank + cfg->d_head : cfg->d_head;
+}
+
 /* inv_freq[i] for i < d_head / 2: rope_theta^(-2i/d_head), scaled as
  * cfg->rope says, in f32 in transformers' order of operations. */
 void moe_rope_inv_freq(const struct moe_config *cfg, float *inv_freq);

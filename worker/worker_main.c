@@ -331,10 +331,11 @@ static enum moe_status start_kv_link(struct worker_run *r)
                               .listen = listen,
                               .advertise_host = adv_host[0] ? adv_host : NULL,
                               .layout = {.n_layer = r->cfg->n_layer,
-                                         .n_kv_head = r->cfg->n_kv_head,
-                                         .d_head = r->cfg->d_head,
+                                         .n_kv_head = moe_config_kv_heads(r->cfg),
+                                         .d_head = moe_config_kv_head_dim(r->cfg),
                                          .tp_size = group ? group->tp_size : 1,
-                                         .tp_rank = group ? group->tp_rank : 0},
+                                         .tp_rank = group ? group->tp_rank : 0,
+                                         .latent = r->cfg->mla},
                               .nccl = !a->kv_socket_only,
                               .tls = r->tls};
     if (!(r->kv_endpoints = calloc((size_t)world, KV_LINK_ENDPOINT_MAX)))

@@ -9,7 +9,9 @@
 #      replicated, both decode ranks hold every head
 # Greedy tokens through each pair equal moe-generate's on one process, every
 # request is handed off (no recompute), the transfer counters agree, and the
-# block pools are whole afterwards.
+# block pools are whole afterwards. With a DeepSeek-V3 model (latent cache:
+# one row per token on every rank) each decode rank receives the whole row
+# once, from one prefill rank.
 #
 #   disagg_groups.sh BIN_DIR MODEL_DIR MPIRUN...
 set -uo pipefail

@@ -22,6 +22,15 @@ enum { N_LAYER = 3, N_HEAD = 4, D_HEAD = 8, N_TOK = 23, N_BLOCK = 32 };
 
 static struct moe_backend *be; /* the backend under test: CPU, then CUDA where a GPU is */
 static enum moe_dtype g_dt = MOE_DTYPE_F32; /* of the caches cache_new makes */
+/* Latent caches (multi-head latent attention): one plane per layer, the
+ * whole row on every rank: the layout's one head of N_HEAD x D_HEAD, which
+ * the helpers below still index as N_HEAD sub-heads of D_HEAD. */
+static bool g_latent;
+
+static int planes(void)
+{
+    return g_latent ? 1 : 2;
+}
 
 static size_t layer_elems(const struct moe_kv_cache *kv)
 {
@@ -45,7 +54,8 @@ static struct moe_kv_cache *cache_new(int block_size, int hb, int he)
 {
     struct moe_kv_cache *kv = NULL;
     struct moe_error err = {0};
-    if (moe_kv_cache_alloc(be, N_LAYER, N_BLOCK, block_size, (he - hb) * D_HEAD, false, g_dt, &kv, &err)) {
+    if (moe_kv_cache_alloc(be, N_LAYER, N_BLOCK, block_size, (he - hb) * D_HEAD, g_latent, g_dt,
+                           &kv, &err)) {
         fprintf(stderr, "%s\n", err.msg);
         exit(1);
     }
@@ -53,7 +63,7 @@ static struct moe_kv_cache *cache_new(int block_size, int hb, int he)
     void *host = malloc(bytes);
     memset(host, 0xff, bytes);
     for (int l = 0; l < N_LAYER; l++)
-        for (int kind = 0; kind < 2; kind++)
+        for (int kind = 0; kind < planes(); kind++)
             layer_io(kv, l, kind, host, false);
     free(host);
     return kv;
@@ -97,7 +107,7 @@ static void fill(struct moe_kv_cache *kv, const int32_t *blocks, int hb, int he)
 {
     void *host = malloc(layer_elems(kv) * moe_dtype_size(kv->dtype));
     for (int l = 0; l < N_LAYER; l++)
-        for (int kind = 0; kind < 2; kind++) {
+        for (int kind = 0; kind < planes(); kind++) {
             layer_io(kv, l, kind, host, true);
             for (int t = 0; t < N_TOK; t++)
                 for (int h = hb; h < he; h++)
@@ -115,7 +125,7 @@ static long mismatches(struct moe_kv_cache *kv, const int32_t *blocks, int hb, i
     long bad = 0;
     void *host = malloc(layer_elems(kv) * moe_dtype_size(kv->dtype));
     for (int l = 0; l < N_LAYER; l++)
-        for (int kind = 0; kind < 2; kind++) {
+        for (int kind = 0; kind < planes(); kind++) {
             layer_io(kv, l, kind, host, true);
             for (int t = 0; t < N_TOK; t++)
                 for (int h = hb; h < he; h++)
@@ -132,6 +142,7 @@ struct side {
     struct kv_link *link[4];
     struct moe_kv_cache *kv[4];
     struct kv_link_target targets[4];
+    int hb[4], he[4]; /* the (sub-)heads rank r's cache holds */
 };
 
 static void side_open(struct side *s, int tp, int bs)
@@ -144,14 +155,22 @@ static void side_open(struct side *s, int tp, int bs)
                                  .listen = "127.0.0.1:0",
                                  .layout = {N_LAYER, N_HEAD, D_HEAD, tp, r},
                                  .io_timeout_ms = 2000};
+        if (g_latent)
+            o.layout = (struct kv_link_layout){N_LAYER, 1, N_HEAD * D_HEAD, tp, r, true};
         CHECKF(kv_link_create(&o, &s->link[r], &err) == MOE_OK, "%s", err.msg);
         int hb, he;
-        kv_link_heads(N_HEAD, tp, r, &hb, &he);
+        kv_link_layout_heads(&o.layout, &hb, &he);
+        s->targets[r].head_begin = hb;
+        s->targets[r].head_end = he;
+        if (g_latent) { /* the data: every sub-head */
+            hb = 0;
+            he = N_HEAD;
+        }
+        s->hb[r] = hb;
+        s->he[r] = he;
         s->kv[r] = cache_new(bs, hb, he);
         kv_link_attach_kv(s->link[r], s->kv[r]);
         snprintf(s->targets[r].endpoint, KV_LINK_ENDPOINT_MAX, "%s", kv_link_endpoint(s->link[r]));
-        s->targets[r].head_begin = hb;
-        s->targets[r].head_end = he;
     }
 }
 
@@ -181,7 +200,7 @@ static void test_reslice(int src_tp, int src_bs, int dst_tp, int dst_bs)
     scrambled(sb, n_sb, 3);
     scrambled(db, n_db, 11);
     for (int r = 0; r < src_tp; r++)
-        fill(src.kv[r], sb, src.targets[r].head_begin, src.targets[r].head_end);
+        fill(src.kv[r], sb, src.hb[r], src.he[r]);
     /* the decode leader (rank 0 here) tells every rank, remote ones by TCP */
     for (int r = 0; r < dst_tp; r++)
         CHECKF(kv_link_expect(dst.link[0], r ? dst.targets[r].endpoint : NULL, "h1", db, n_db,
@@ -211,7 +230,9 @@ static void test_reslice(int src_tp, int src_bs, int dst_tp, int dst_bs)
                err.msg);
         sent += theirs;
     }
-    uint64_t want = (uint64_t)N_LAYER * 2 * N_TOK * N_HEAD * D_HEAD * moe_dtype_size(g_dt);
+    /* every value once; latent: the one plane once to every receiver */
+    uint64_t want = (uint64_t)N_LAYER * planes() * N_TOK * N_HEAD * D_HEAD * moe_dtype_size(g_dt) *
+                    (g_latent ? (uint64_t)dst_tp : 1);
     CHECKF(sent == want, "tp %d -> %d: %llu bytes sent, %llu expected", src_tp, dst_tp,
            (unsigned long long)sent, (unsigned long long)want);
     uint64_t got = 0;
@@ -222,7 +243,7 @@ static void test_reslice(int src_tp, int src_bs, int dst_tp, int dst_bs)
                              &err) == MOE_OK);
         CHECKF(complete, "tp %d -> %d: rank %d incomplete", src_tp, dst_tp, r);
         got += b;
-        long bad = mismatches(dst.kv[r], db, dst.targets[r].head_begin, dst.targets[r].head_end);
+        long bad = mismatches(dst.kv[r], db, dst.hb[r], dst.he[r]);
         CHECKF(bad == 0, "tp %d bs %d -> tp %d bs %d: rank %d has %ld wrong values", src_tp, src_bs,
                dst_tp, dst_bs, r, bad);
     }
@@ -559,6 +580,13 @@ static void run_all(void)
     test_reslice(1, 16, 2, 3);
     test_reslice(2, 5, 4, 2); /* each sender feeds two receivers */
     test_reslice(4, 1, 2, 7);
+    /* latent caches: the whole row to every receiver, from one sender each */
+    g_latent = true;
+    test_reslice(1, 4, 1, 4);
+    test_reslice(1, 16, 2, 3); /* one sender, both receivers */
+    test_reslice(2, 5, 4, 2);  /* receiver i from sender i % 2 */
+    test_reslice(4, 1, 2, 7);  /* senders 2 and 3 send nothing */
+    g_latent = false;
     test_refusals();
     if (be->device == MOE_DEVICE_CPU) { /* BF16 caches: the CPU backend only */
         g_dt = MOE_DTYPE_BF16;

@@ -639,7 +639,7 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
     } else if ((rq->n_layer && rq->n_layer != (uint32_t)x->n_layer) ||
                (rq->n_kv_heads && rq->n_kv_heads != heads) ||
                (rq->head_dim && rq->head_dim != dh) ||
-               (rq->kv_dim && rq->kv_dim * tp != heads * dh)) {
+               (rq->kv_dim && rq->kv_dim * (x->o.latent ? 1 : tp) != heads * dh)) {
         code = RPC_FAILED_PRECONDITION;
         snprintf(msg, sizeof msg,
                  "KV layout: the sender has %u layers x %u KV heads x head dim %u (kv_dim %u on "
@@ -870,12 +870,18 @@ static enum rpc_code push_slices(struct sender *s, uint64_t *bytes, uint32_t *sl
         }
     }
     free(dst);
-    /* one slice per (sender, receiver) pair whose heads overlap */
+    /* one slice per (sender, receiver) pair whose heads overlap; latent:
+     * one per receiver (kv_link_push) */
     for (int r = 0; r < x->o.tp_size; r++)
         for (int t = 0; t < s->n_targets; t++) {
+            struct kv_link_layout lay = {.n_kv_head = x->o.n_kv_head,
+                                         .tp_size = x->o.tp_size,
+                                         .tp_rank = r,
+                                         .latent = x->o.latent};
             int a, b;
-            kv_link_heads(x->o.n_kv_head, x->o.tp_size, r, &a, &b);
-            if (s->targets[t].head_begin < b && a < s->targets[t].head_end)
+            kv_link_layout_heads(&lay, &a, &b);
+            if (x->o.latent ? t % x->o.tp_size == r
+                            : s->targets[t].head_begin < b && a < s->targets[t].head_end)
                 (*slices)++;
         }
     if (rc) {
@@ -1022,7 +1028,8 @@ static enum rpc_code take_targets(struct kv_handoff *x, const Moe__V1__KvSendReq
 {
     uint32_t tp = rq->target_tp_size, bs = rq->target_block_size;
     size_t n = rq->n_target_endpoints;
-    if (n < 1 || n > KV_LINK_MAX_RANKS || tp < 1 || n % tp || (uint32_t)x->o.n_kv_head % tp) {
+    if (n < 1 || n > KV_LINK_MAX_RANKS || tp < 1 || n % tp ||
+        (!x->o.latent && (uint32_t)x->o.n_kv_head % tp)) {
         snprintf(msg, cap,
                  "target_endpoints / target_tp_size: %zu ranks with tp %u cannot hold %d KV "
                  "heads",
@@ -1048,8 +1055,11 @@ static enum rpc_code take_targets(struct kv_handoff *x, const Moe__V1__KvSendReq
     }
     for (size_t i = 0; i < n; i++) {
         snprintf(s->targets[i].endpoint, KV_LINK_ENDPOINT_MAX, "%s", rq->target_endpoints[i]);
-        kv_link_heads(x->o.n_kv_head, (int)tp, (int)(i % tp), &s->targets[i].head_begin,
-                      &s->targets[i].head_end);
+        struct kv_link_layout lay = {.n_kv_head = x->o.n_kv_head,
+                                     .tp_size = (int)tp,
+                                     .tp_rank = (int)(i % tp),
+                                     .latent = x->o.latent};
+        kv_link_layout_heads(&lay, &s->targets[i].head_begin, &s->targets[i].head_end);
     }
     s->n_targets = (int)n;
     memcpy(s->dst_blocks, rq->block_ids, rq->n_block_ids * sizeof *s->dst_blocks);

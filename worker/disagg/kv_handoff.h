@@ -73,6 +73,7 @@ struct kv_handoff_opts {
     int world_size; /* 0 = 1 */
     int tp_size;    /* 0 = 1 */
     int n_kv_head, d_head;
+    bool latent;              /* kv_link_layout.latent: one latent row per token on every rank */
     int ttl_ms;               /* lifetime of a parked / reserved handoff; 0 = 30000 */
     void (*wake)(void *user); /* wakes the engine thread (may be NULL) */
     void *wake_user;

@@ -684,6 +684,22 @@ void kv_link_heads(int n_kv_head, int tp_size, int tp_rank, int *begin, int *end
     *end = *begin + per;
 }
 
+void kv_link_layout_heads(const struct kv_link_layout *lay, int *begin, int *end)
+{
+    if (lay->latent) {
+        *begin = 0;
+        *end = lay->n_kv_head;
+        return;
+    }
+    kv_link_heads(lay->n_kv_head, lay->tp_size, lay->tp_rank, begin, end);
+}
+
+/* Planes a slice carries per layer: K and V, or the one latent row. */
+static int kv_planes(const struct kv_link *l)
+{
+    return l->o.layout.latent ? 1 : 2;
+}
+
 const char *kv_link_endpoint(const struct kv_link *l)
 {
     return l->endpoint;
@@ -781,8 +797,9 @@ static void forget_local(struct kv_link *l, const char *id, uint64_t *bytes, boo
                 break;
             }
         *bytes = e->bytes;
-        uint64_t want = (uint64_t)l->o.layout.n_layer * 2 * (uint64_t)e->n_tokens *
-                        (uint64_t)(l->head_end - l->head_begin) * (uint64_t)l->o.layout.d_head;
+        uint64_t want = (uint64_t)l->o.layout.n_layer * (uint64_t)kv_planes(l) *
+                        (uint64_t)e->n_tokens * (uint64_t)(l->head_end - l->head_begin) *
+                        (uint64_t)l->o.layout.d_head;
         *complete = e->elems == want;
         free(e->blocks);
         free(e);
@@ -1019,7 +1036,7 @@ static void serve_slice(struct kv_link *l, struct kv_sock *ks, const struct kv_l
     if (!host && !stage)
         st = moe_error_set(&err, MOE_ERR_NOMEM, "out of memory for a slice");
     for (int layer = 0; layer < n_layer && !st; layer++)
-        for (int kind = 0; kind < 2 && !st; kind++) {
+        for (int kind = 0; kind < kv_planes(l) && !st; kind++) {
             /* a sender that stops making progress fails the slice */
             double step = moe_now() + l->o.io_timeout_ms / 1e3;
             if ((st = move_payload(l, ks, pr, false, host, stage, per, step, &err)))
@@ -1119,7 +1136,7 @@ static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
     for (int layer = 0; layer < l->o.layout.n_layer && !rc; layer++) {
         if (l->fault_delay_ms)
             usleep((useconds_t)l->fault_delay_ms * 1000);
-        for (int kind = 0; kind < 2 && !rc; kind++) {
+        for (int kind = 0; kind < kv_planes(l) && !rc; kind++) {
             void *base = kind ? kv->v[layer] : kv->k[layer];
             copy_rows(l, kv, base, p->src_blocks, p->n_tokens, hb, he, pr ? stage : host,
                       pr ? TO_STAGE : TO_HOST);
@@ -1177,6 +1194,8 @@ enum moe_status kv_link_push(struct kv_link *l, const struct kv_link_push *p, ui
         return st;
     for (int i = 0; i < p->n_targets; i++) {
         const struct kv_link_target *t = &p->targets[i];
+        if (l->o.layout.latent && i % l->o.layout.tp_size != l->o.layout.tp_rank)
+            continue; /* another TP rank sends this target its (identical) rows */
         int hb = t->head_begin > l->head_begin ? t->head_begin : l->head_begin;
         int he = t->head_end < l->head_end ? t->head_end : l->head_end;
         if (hb >= he)
@@ -1400,7 +1419,7 @@ enum moe_status kv_link_create(const struct kv_link_opts *o, struct kv_link **ou
 {
     *out = NULL;
     const struct kv_link_layout *lay = &o->layout;
-    if (lay->tp_size < 1 || lay->n_kv_head % lay->tp_size || lay->tp_rank < 0 ||
+    if (lay->tp_size < 1 || (!lay->latent && lay->n_kv_head % lay->tp_size) || lay->tp_rank < 0 ||
         lay->tp_rank >= lay->tp_size)
         return moe_error_set(err, MOE_ERR_INVALID, "KV link: %d KV heads over tp %d (rank %d)",
                              lay->n_kv_head, lay->tp_size, lay->tp_rank);
@@ -1414,7 +1433,7 @@ enum moe_status kv_link_create(const struct kv_link_opts *o, struct kv_link **ou
     l->o = *o;
     if (l->o.io_timeout_ms <= 0)
         l->o.io_timeout_ms = 5000;
-    kv_link_heads(lay->n_kv_head, lay->tp_size, lay->tp_rank, &l->head_begin, &l->head_end);
+    kv_link_layout_heads(lay, &l->head_begin, &l->head_end);
     l->nccl = o->nccl && o->be->device == MOE_DEVICE_CUDA;
     /* test-only hooks, armed by MOE_TEST_FAULTS=1 alone (test_fault.h) */
     l->fault_delay_ms = moe_fault_int("MOE_FAULT_TRANSFER_DELAY_MS", 0);

@@ -43,10 +43,16 @@
 #define KV_LINK_ID_MAX 200
 #define KV_LINK_MAX_RANKS 256 /* ranks of a group */
 
-/* Which KV heads a rank holds: [tp_rank, tp_rank + 1) * n_kv_head / tp_size. */
+/* Which KV heads a rank holds: [tp_rank, tp_rank + 1) * n_kv_head / tp_size;
+ * with `latent` (multi-head latent attention: one row per token, K and V at
+ * once, the same on every rank: n_kv_head 1, d_head its width) all of them.
+ * A latent slice is that one plane per layer, and each rank of the other
+ * group gets it from one sender only: decode rank i from prefill TP rank
+ * i % tp_size. */
 struct kv_link_layout {
     int n_layer, n_kv_head, d_head; /* the model's */
     int tp_size, tp_rank;
+    bool latent;
 };
 
 struct kv_link_opts {
@@ -89,6 +95,8 @@ void kv_link_destroy(struct kv_link *l);
 
 /* Heads [*begin, *end) of TP rank `tp_rank` of `tp_size`. */
 void kv_link_heads(int n_kv_head, int tp_size, int tp_rank, int *begin, int *end);
+/* The same for a layout (latent: every head on every rank). */
+void kv_link_layout_heads(const struct kv_link_layout *lay, int *begin, int *end);
 
 /* ---- decode side ------------------------------------------------------------------- */
 
