@@ -542,6 +542,11 @@ static enum moe_status load_model(struct gen_run *g)
         return rc;
     g->t_load = moe_now() - g->t_load;
     g->cfg = moe_model_config(g->model);
+    if (g->cfg->n_mtp && (!g->group || g->group->rank == 0))
+        fprintf(stderr,
+                "moe-generate: %s: num_nextn_predict_layers %d: the multi-token-prediction "
+                "layers are not used (ignored at load)\n",
+                g->a.model, g->cfg->n_mtp);
     if (g->group) {
         fprintf(stderr, "moe-generate: rank %d of %d (tp %d/%d): %.1f MiB of weights\n",
                 g->group->rank, g->group->size, g->group->tp_rank, g->group->tp_size,

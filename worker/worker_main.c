@@ -303,6 +303,11 @@ static enum moe_status start_model(struct worker_run *r, int *argc, char ***argv
     if ((rc = moe_model_load(a->model, &mo, r->be, &r->model, &r->err)))
         return rc;
     r->cfg = moe_model_config(r->model);
+    if (r->cfg->n_mtp && (!r->group || r->group->rank == 0))
+        fprintf(stderr,
+                "moe-worker: %s: num_nextn_predict_layers %d: the multi-token-prediction "
+                "layers are not used (ignored at load)\n",
+                a->model, r->cfg->n_mtp);
     return MOE_OK;
 }
 

@@ -117,6 +117,8 @@ def seeds_model_config():
     write(d, "qwen3_variant.json", json.dumps(v))
     mj = json.loads(m)
     write(d, "mixtral_rope_scaling.json", json.dumps(dict(mj, rope_scaling={"type": "linear"})))
+    write(d, "deepseek_v3.json", read("deepseek_v3/config.json"))
+    write(d, "deepseek_v3_lite.json", read("deepseek_v3_lite/config.json"))
     write(d, "mixtral_minimal.json", json.dumps({k: mj[k] for k in (
         "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "vocab_size", "num_local_experts", "num_experts_per_tok", "intermediate_size")}))
