@@ -86,6 +86,12 @@ struct moe_attn_params {
     int d_head;
     int block_size;
     float scale; /* usually 1/sqrt(d_head) */
+    /* 0 (the default): V rows are d_head wide like K. Else the output takes
+     * only the first d_v (<= d_head) elements of each V row and `out` is
+     * (n_tok, n_head, d_v): multi-head latent attention, whose one cache row
+     * is K whole and, in its first kv_lora_rank elements, V (v_cache ==
+     * k_cache). CPU backend only. */
+    int d_v;
 };
 
 /* Grouped expert GEMM: for every expert e with rows,

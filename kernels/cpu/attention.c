@@ -51,17 +51,17 @@ static const float *cache_row(const void *cache, enum moe_dtype dt, size_t off, 
 
 static void attention_one(const struct moe_attn_params *p, float *wide, int t, int h)
 {
-    const int d = p->d_head;
+    const int d = p->d_head, dv = p->d_v ? p->d_v : p->d_head;
     const int kvh = h / (p->n_head / p->n_kv_head);
     const size_t slot_stride = (size_t)p->n_kv_head * d;
     const float *q = p->q + ((size_t)t * p->n_head + h) * d;
-    float *acc = p->out + ((size_t)t * p->n_head + h) * d;
+    float *acc = p->out + ((size_t)t * p->n_head + h) * dv;
     const int32_t *blocks = p->block_tables + (size_t)p->tok_seq[t] * p->max_blocks;
     const int n_pos = p->tok_pos[t] + 1;
     float s[ATTN_CHUNK];
     const float *vrow[ATTN_CHUNK];
     float m = -INFINITY, l = 0.0f;
-    memset(acc, 0, (size_t)d * sizeof(float));
+    memset(acc, 0, (size_t)dv * sizeof(float));
     for (int p0 = 0; p0 < n_pos; p0 += ATTN_CHUNK) {
         int n = n_pos - p0 < ATTN_CHUNK ? n_pos - p0 : ATTN_CHUNK;
         float cmax = -INFINITY;
@@ -71,25 +71,27 @@ static void attention_one(const struct moe_attn_params *p, float *wide, int t, i
             size_t off = slot * slot_stride + (size_t)kvh * d;
             const float *k = cache_row(p->k_cache, p->kv_dtype, off, d, wide + (size_t)j * d);
             s[j] = cpu_vec_dot(q, k, d) * p->scale;
-            vrow[j] =
-                cache_row(p->v_cache, p->kv_dtype, off, d, wide + (size_t)(ATTN_CHUNK + j) * d);
+            vrow[j] = p->v_cache == p->k_cache && p->kv_dtype != MOE_DTYPE_F32
+                          ? k /* one latent row: widened once */
+                          : cache_row(p->v_cache, p->kv_dtype, off, dv,
+                                      wide + (size_t)(ATTN_CHUNK + j) * d);
             cmax = s[j] > cmax ? s[j] : cmax;
         }
         if (cmax > m) {
             if (l > 0.0f) {
                 float r = expf(m - cmax);
                 l *= r;
-                cpu_vec_scale(acc, r, d);
+                cpu_vec_scale(acc, r, dv);
             }
             m = cmax;
         }
         for (int j = 0; j < n; j++) {
             float e = expf(s[j] - m);
             l += e;
-            cpu_vec_axpy(acc, e, vrow[j], d);
+            cpu_vec_axpy(acc, e, vrow[j], dv);
         }
     }
-    cpu_vec_scale(acc, 1.0f / l, d);
+    cpu_vec_scale(acc, 1.0f / l, dv);
 }
 
 static void attention_task(void *arg, int task, int thread)
@@ -103,7 +105,7 @@ static void attention_task(void *arg, int task, int thread)
 void cpu_attention_ref(struct moe_threadpool *pool, const struct moe_attn_params *p)
 {
     MOE_ASSERT(p->n_kv_head > 0 && p->n_head % p->n_kv_head == 0);
-    MOE_ASSERT(p->block_size > 0 && p->d_head > 0);
+    MOE_ASSERT(p->block_size > 0 && p->d_head > 0 && p->d_v >= 0 && p->d_v <= p->d_head);
     MOE_ASSERT(moe_kv_dtype_valid(p->kv_dtype));
     struct ref_job j = {.p = p};
     if (p->kv_dtype != MOE_DTYPE_F32) {

@@ -29,6 +29,14 @@
  * scratch first, so the arithmetic is that of an F32 cache holding the same
  * rounded values, bit for bit; only half the bytes come from memory.
  *
+ * Wide heads (multi-head latent attention: one row of kv_lora_rank +
+ * qk_rope_dim, 320 .. 576) go through the same tiles: scores run over any d,
+ * and O is accumulated in column chunks of up to FA_PV_D (each output
+ * element's sum is the same whatever the chunking, so a head of d <= FA_PV_D
+ * computes exactly as before). With d_v (struct moe_attn_params) only the
+ * first d_v columns of V are accumulated; a cache whose V is its K (latent)
+ * is widened from BF16 once.
+ *
  * Shapes: d_head <= FA_MAX_D and n_head / n_kv_head <= FA_ROWS; others take
  * the reference path. */
 #include <math.h>
@@ -38,9 +46,10 @@
 #include "cpu_kernels.h"
 #include "simd_x86.h"
 
-#define FA_ROWS 64 /* query rows per task (4 vectors of 16) */
-#define FA_KB 64   /* keys per chunk */
-#define FA_MAX_D 128
+#define FA_ROWS 64    /* query rows per task (4 vectors of 16) */
+#define FA_KB 64      /* keys per chunk */
+#define FA_MAX_D 1024 /* widest head (scratch is sized for the actual one) */
+#define FA_PV_D 128   /* O columns per PV pass: 8 vectors */
 
 bool cpu_attention_tiled_supported(const struct moe_attn_params *p)
 {
@@ -95,12 +104,15 @@ struct fa_job {
     size_t scratch_stride; /* floats per thread */
 };
 
-/* Per-thread scratch, in floats. */
-#define FA_QT_FLOATS (FA_MAX_D * FA_ROWS) /* Q^T (d, rows) */
-#define FA_O_FLOATS (FA_ROWS * FA_MAX_D)  /* O (rows, d) */
-#define FA_P_FLOATS (FA_KB * FA_ROWS)     /* S^T, then P^T (keys, rows) */
-#define FA_W_FLOATS (FA_KB * FA_MAX_D)    /* a chunk's K (or V) rows widened from BF16 */
-#define FA_SCRATCH_FLOATS (FA_QT_FLOATS + FA_O_FLOATS + FA_P_FLOATS + 2 * FA_W_FLOATS + 3 * FA_ROWS)
+/* Per-thread scratch, in floats, for heads of d (K) and dv (V) rounded up
+ * to 16 (ldk, ldv): Q^T (d, rows); O (rows, ldv); S^T, then P^T (keys,
+ * rows); a chunk's K and V rows widened from BF16 (keys, ldk / ldv); the
+ * rows' m, l and alpha. */
+static size_t fa_scratch_floats(int ldk, int ldv)
+{
+    return (size_t)ldk * FA_ROWS + (size_t)FA_ROWS * ldv + (size_t)FA_KB * FA_ROWS +
+           (size_t)FA_KB * ldk + (size_t)FA_KB * ldv + 3 * FA_ROWS;
+}
 
 /* S^T[j][rows] = sum_k K[j][k] Q^T[k][rows] for J keys (pointers kp) and
  * MV vectors of 16 rows. */
@@ -157,25 +169,27 @@ FA_TARGET static void fa_scores_any(int J, int MV, const float *const *kp, int d
 }
 
 /* O[rows r0 .. r0+RT) = alpha O + sum_j P^T[j][r] V[j] over nk keys, ND
- * vectors of d (the last masked by dm). */
+ * vectors of columns from `col` (the last masked by dm); O rows ldo apart. */
 FA_TARGET static inline __attribute__((always_inline)) void
-fa_pv(const int RT, const int ND, int r0, int nk, const float *const *vp, const float *pt,
-      const float *alpha, float *o, __mmask16 dm)
+fa_pv(const int RT, const int ND, int r0, int nk, const float *const *vp, int col, const float *pt,
+      const float *alpha, float *o, int ldo, __mmask16 dm)
 {
     __m512 acc[8][8];
+    o += col;
 #pragma GCC unroll 8
     for (int r = 0; r < RT; r++) {
         __m512 a = _mm512_set1_ps(alpha[r0 + r]);
 #pragma GCC unroll 8
         for (int v = 0; v < ND; v++)
-            acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)(r0 + r) * FA_MAX_D + 16 * v), a);
+            acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)(r0 + r) * ldo + 16 * v), a);
     }
     for (int j = 0; j < nk; j++) {
         __m512 vv[8];
+        const float *vr = vp[j] + col;
 #pragma GCC unroll 8
         for (int v = 0; v < ND; v++)
-            vv[v] = v == ND - 1 ? _mm512_maskz_loadu_ps(dm, vp[j] + 16 * v)
-                                : _mm512_loadu_ps(vp[j] + 16 * v);
+            vv[v] =
+                v == ND - 1 ? _mm512_maskz_loadu_ps(dm, vr + 16 * v) : _mm512_loadu_ps(vr + 16 * v);
 #pragma GCC unroll 8
         for (int r = 0; r < RT; r++) {
             __m512 pb = _mm512_set1_ps(pt[(size_t)j * FA_ROWS + r0 + r]);
@@ -188,7 +202,7 @@ fa_pv(const int RT, const int ND, int r0, int nk, const float *const *vp, const 
     for (int r = 0; r < RT; r++)
 #pragma GCC unroll 8
         for (int v = 0; v < ND; v++)
-            _mm512_storeu_ps(o + (size_t)(r0 + r) * FA_MAX_D + 16 * v, acc[r][v]);
+            _mm512_storeu_ps(o + (size_t)(r0 + r) * ldo + 16 * v, acc[r][v]);
 }
 
 /* Rows per PV tile for ND vectors of d: about 24 accumulators. */
@@ -198,11 +212,12 @@ static int fa_pv_rows(int nd)
     return rows[nd];
 }
 
-FA_TARGET static void fa_pv_any(int RT, int ND, int r0, int nk, const float *const *vp,
-                                const float *pt, const float *alpha, float *o, __mmask16 dm)
+FA_TARGET static void fa_pv_any(int RT, int ND, int r0, int nk, const float *const *vp, int col,
+                                const float *pt, const float *alpha, float *o, int ldo,
+                                __mmask16 dm)
 {
 #define PV_CASE(RR, DD)                                                                            \
-    case (RR)*16 + (DD): fa_pv(RR, DD, r0, nk, vp, pt, alpha, o, dm); return;
+    case (RR)*16 + (DD): fa_pv(RR, DD, r0, nk, vp, col, pt, alpha, o, ldo, dm); return;
     switch (RT * 16 + ND) {
         PV_CASE(8, 1)
         PV_CASE(8, 2)
@@ -232,18 +247,18 @@ FA_TARGET static void fa_task(void *arg, int task, int thread)
     const struct moe_attn_params *p = j->p;
     const struct fa_group *g = &j->groups[task / p->n_kv_head];
     const int kvh = task % p->n_kv_head;
-    const int d = p->d_head, rep = j->rep;
+    const int d = p->d_head, dv = p->d_v ? p->d_v : p->d_head, rep = j->rep;
     const int n_rows = g->nt * rep;
     const int mv = (n_rows + 15) / 16;
-    const int nd = (d + 15) / 16;
-    const __mmask16 dm = d % 16 ? (__mmask16)((1u << (d % 16)) - 1u) : (__mmask16)0xffff;
+    const int ndv = (dv + 15) / 16, ldk = (d + 15) / 16 * 16, ldv = ndv * 16;
     const size_t slot_stride = (size_t)p->n_kv_head * d;
     float *qt = j->scratch + (size_t)thread * j->scratch_stride;
-    float *o = qt + FA_QT_FLOATS;
-    float *pt = o + FA_O_FLOATS;
-    float *kw = pt + FA_P_FLOATS, *vw = kw + FA_W_FLOATS;
-    float *mrow = vw + FA_W_FLOATS, *lrow = mrow + FA_ROWS, *alpha = lrow + FA_ROWS;
+    float *o = qt + (size_t)ldk * FA_ROWS;
+    float *pt = o + (size_t)FA_ROWS * ldv;
+    float *kw = pt + (size_t)FA_KB * FA_ROWS, *vw = kw + (size_t)FA_KB * ldk;
+    float *mrow = vw + (size_t)FA_KB * ldv, *lrow = mrow + FA_ROWS, *alpha = lrow + FA_ROWS;
     const bool wide = p->kv_dtype == MOE_DTYPE_BF16;
+    const bool same_kv = p->v_cache == p->k_cache; /* a latent row: V is K's first dv */
     int32_t rpos[FA_ROWS];
 
     /* Q^T: row r = token i * rep + head g; padded rows are zero queries at
@@ -261,12 +276,11 @@ FA_TARGET static void fa_task(void *arg, int task, int thread)
             qt[(size_t)k * FA_ROWS + r] = q[k];
     }
     for (int r = 0; r < mv * 16; r++)
-        memset(o + (size_t)r * FA_MAX_D, 0, (size_t)nd * 16 * sizeof(float));
+        memset(o + (size_t)r * ldv, 0, (size_t)ldv * sizeof(float));
 
     const int32_t *blocks = p->block_tables + (size_t)p->tok_seq[g->t0] * p->max_blocks;
     const float *kp[FA_KB], *vp[FA_KB];
     const int jt = mv == 4 ? 6 : mv == 3 ? 8 : mv == 2 ? 12 : 16;
-    const int rt = fa_pv_rows(nd);
     for (int c0 = 0; c0 <= g->max_pos; c0 += FA_KB) {
         const int nk = g->max_pos + 1 - c0 < FA_KB ? g->max_pos + 1 - c0 : FA_KB;
         for (int i = 0; i < nk; i++) {
@@ -274,11 +288,12 @@ FA_TARGET static void fa_task(void *arg, int task, int thread)
             size_t slot = (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
             size_t off = slot * slot_stride + (size_t)kvh * d;
             if (wide) {
-                float *kr = kw + (size_t)i * FA_MAX_D, *vr = vw + (size_t)i * FA_MAX_D;
+                float *kr = kw + (size_t)i * ldk, *vr = vw + (size_t)i * ldv;
                 cpu_vec_from_bf16(kr, (const uint16_t *)p->k_cache + off, d);
-                cpu_vec_from_bf16(vr, (const uint16_t *)p->v_cache + off, d);
+                if (!same_kv)
+                    cpu_vec_from_bf16(vr, (const uint16_t *)p->v_cache + off, dv);
                 kp[i] = kr;
-                vp[i] = vr;
+                vp[i] = same_kv ? kr : vr;
             } else {
                 kp[i] = (const float *)p->k_cache + off;
                 vp[i] = (const float *)p->v_cache + off;
@@ -317,19 +332,26 @@ FA_TARGET static void fa_task(void *arg, int task, int thread)
             _mm512_storeu_ps(mrow + 16 * v, mnew);
             _mm512_storeu_ps(alpha + 16 * v, a);
         }
-        int r = 0;
-        for (; r + rt <= n_rows; r += rt)
-            fa_pv_any(rt, nd, r, nk, vp, pt, alpha, o, dm);
-        for (; r < n_rows; r++)
-            fa_pv_any(1, nd, r, nk, vp, pt, alpha, o, dm);
+        /* O's columns in passes of up to FA_PV_D (8 vectors) */
+        for (int col = 0; col < dv; col += FA_PV_D) {
+            const int nd = (dv - col > FA_PV_D ? FA_PV_D : dv - col + 15) / 16;
+            const int left = dv - col - 16 * (nd - 1); /* columns in the last vector */
+            const __mmask16 dm = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+            const int rt = fa_pv_rows(nd);
+            int r = 0;
+            for (; r + rt <= n_rows; r += rt)
+                fa_pv_any(rt, nd, r, nk, vp, col, pt, alpha, o, ldv, dm);
+            for (; r < n_rows; r++)
+                fa_pv_any(1, nd, r, nk, vp, col, pt, alpha, o, ldv, dm);
+        }
     }
     for (int r = 0; r < n_rows; r++) {
         const int t = g->t0 + r / rep, h = kvh * rep + r % rep;
-        float *out = p->out + ((size_t)t * p->n_head + h) * d;
+        float *out = p->out + ((size_t)t * p->n_head + h) * dv;
         const float inv = 1.0f / lrow[r];
-        const float *orow = o + (size_t)r * FA_MAX_D;
-        for (int k = 0; k < d; k += 16) {
-            __mmask16 m = d - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - k)) - 1u);
+        const float *orow = o + (size_t)r * ldv;
+        for (int k = 0; k < dv; k += 16) {
+            __mmask16 m = dv - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (dv - k)) - 1u);
             _mm512_mask_storeu_ps(
                 out + k, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, orow + k), _mm512_set1_ps(inv)));
         }
@@ -370,7 +392,8 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
         .groups = groups,
         .n_group = n_group,
         .rep = rep,
-        .scratch_stride = FA_SCRATCH_FLOATS,
+        .scratch_stride = fa_scratch_floats((p->d_head + 15) / 16 * 16,
+                                            ((p->d_v ? p->d_v : p->d_head) + 15) / 16 * 16),
     };
     j.scratch = malloc((size_t)n_threads * j.scratch_stride * sizeof(float));
     MOE_ASSERT(j.scratch != NULL);

@@ -210,6 +210,10 @@ extern "C" const char *moe_cuda_attention_unsupported(const moe_attn_params *p, 
                                                       size_t cap)
 {
     const int d = p->d_head;
+    if (p->d_v && p->d_v != d) {
+        snprintf(why, cap, "d_v %d != d_head %d not supported (latent attention)", p->d_v, d);
+        return why;
+    }
     if (p->kv_dtype != MOE_DTYPE_F32) {
         snprintf(why, cap, "KV cache dtype %s not supported (F32 only)",
                  moe_dtype_name(p->kv_dtype));

@@ -606,6 +606,123 @@ static void test_attention_tiled(void)
            n_tiled, sizeof cases / sizeof cases[0], worst);
 }
 
+/* Latent attention (multi-head latent attention's cache): one row of
+ * d = L + R per token that is K whole and, in its first d_v = L elements, V
+ * (v_cache == k_cache); heads wider than the tiled kernel's 8-vector PV pass.
+ * Both kernels against a double reference, F32 and BF16 caches (BF16: bit
+ * for bit the F32 cache of the rounded values), a token alone bit-identical
+ * to the same token in its batch. */
+static void test_attention_latent(void)
+{
+    static const struct {
+        int L, R, rep, len, n_new;
+    } cases[] = {
+        {32, 16, 4, 70, 9}, {256, 64, 16, 150, 33}, {512, 64, 16, 90, 1}, {100, 12, 3, 40, 40}};
+    double worst = 0;
+    int differ = 0, bf_differ = 0;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int d = cases[c].L + cases[c].R, dv = cases[c].L, H = cases[c].rep;
+        const int bs = 16, len = cases[c].len, n_new = cases[c].n_new;
+        const int max_blocks = (len + bs - 1) / bs;
+        int32_t *bt = malloc((size_t)max_blocks * sizeof *bt);
+        for (int b = 0; b < max_blocks; b++)
+            bt[b] = max_blocks - 1 - b;
+        size_t n_slot = (size_t)max_blocks * bs;
+        float *kc = rand_floats(n_slot * d);
+        uint16_t *kb = malloc(n_slot * d * sizeof *kb);
+        for (size_t i = 0; i < n_slot * d; i++) { /* the F32 cache holds bf16 values */
+            kb[i] = moe_f32_to_bf16(kc[i]);
+            kc[i] = moe_bf16_to_f32(kb[i]);
+        }
+        int32_t *seq = calloc((size_t)n_new, sizeof *seq), *pos = malloc((size_t)n_new * 4);
+        for (int t = 0; t < n_new; t++)
+            pos[t] = len - n_new + t;
+        size_t nq = (size_t)n_new * H * d, no = (size_t)n_new * H * dv;
+        float *q = rand_floats(nq), *out = malloc(no * 4), *out_ref = malloc(no * 4),
+              *out_bf = malloc(no * 4);
+        for (size_t i = 0; i < nq; i++)
+            q[i] *= 2.0f;
+        double *ref = calloc(no, sizeof *ref);
+        const float scale = 1.0f / sqrtf((float)d);
+        for (int t = 0; t < n_new; t++)
+            for (int h = 0; h < H; h++) {
+                const float *qq = q + ((size_t)t * H + h) * d;
+                double *sc = malloc((size_t)(pos[t] + 1) * sizeof *sc), mx = -INFINITY, sum = 0;
+                for (int p = 0; p <= pos[t]; p++) {
+                    const float *kk = kc + ((size_t)bt[p / bs] * bs + p % bs) * d;
+                    double dot = 0;
+                    for (int i = 0; i < d; i++)
+                        dot += (double)qq[i] * kk[i];
+                    sc[p] = dot * scale;
+                    mx = fmax(mx, sc[p]);
+                }
+                for (int p = 0; p <= pos[t]; p++)
+                    sum += exp(sc[p] - mx);
+                double *o = ref + ((size_t)t * H + h) * dv;
+                for (int p = 0; p <= pos[t]; p++) {
+                    const float *vv = kc + ((size_t)bt[p / bs] * bs + p % bs) * d;
+                    for (int i = 0; i < dv; i++)
+                        o[i] += exp(sc[p] - mx) / sum * vv[i];
+                }
+                free(sc);
+            }
+        struct moe_attn_params ap = {.q = q,
+                                     .out = out,
+                                     .k_cache = kc,
+                                     .v_cache = kc,
+                                     .tok_seq = seq,
+                                     .tok_pos = pos,
+                                     .block_tables = bt,
+                                     .max_blocks = max_blocks,
+                                     .n_tok = n_new,
+                                     .n_head = H,
+                                     .n_kv_head = 1,
+                                     .d_head = d,
+                                     .block_size = bs,
+                                     .scale = scale,
+                                     .d_v = dv};
+        cpu_attention(g_pool, &ap);
+        ap.out = out_ref;
+        cpu_attention_ref(g_pool, &ap);
+        double e = fmax(max_rel_err(out, ref, no), max_rel_err(out_ref, ref, no));
+        CHECKF(e < 1e-5, "latent attention L %d R %d heads %d: err %.3g vs double", dv, cases[c].R,
+               H, e);
+        worst = fmax(worst, e);
+        /* BF16 cache of the same values: the same bits, both kernels */
+        ap.k_cache = ap.v_cache = kb;
+        ap.kv_dtype = MOE_DTYPE_BF16;
+        ap.out = out_bf;
+        cpu_attention(g_pool, &ap);
+        bf_differ += memcmp(out_bf, out, no * 4) != 0;
+        cpu_attention_ref(g_pool, &ap);
+        bf_differ += memcmp(out_bf, out_ref, no * 4) != 0;
+        /* the last token alone */
+        ap.k_cache = ap.v_cache = kc;
+        ap.kv_dtype = MOE_DTYPE_F32;
+        ap.q = q + (size_t)(n_new - 1) * H * d;
+        ap.tok_seq = seq + n_new - 1;
+        ap.tok_pos = pos + n_new - 1;
+        ap.n_tok = 1;
+        ap.out = out_bf;
+        cpu_attention(g_pool, &ap);
+        differ += memcmp(out_bf, out + (size_t)(n_new - 1) * H * dv, (size_t)H * dv * 4) != 0;
+        free(bt);
+        free(kc);
+        free(kb);
+        free(seq);
+        free(pos);
+        free(q);
+        free(out);
+        free(out_ref);
+        free(out_bf);
+        free(ref);
+    }
+    CHECKF(bf_differ == 0, "latent attention: %d BF16 runs differ from F32 of the same values",
+           bf_differ);
+    CHECKF(differ == 0, "latent attention: %d lone tokens differ from their batch", differ);
+    printf("latent attention (K = V row, d up to 576): worst rel err %.3g vs double\n", worst);
+}
+
 /* ---- router ---- */
 
 static void test_router(void)
@@ -1431,6 +1548,7 @@ int main(void)
     test_matmul_ref();
     test_matmul_detects_error();
     test_rope();
+    test_attention_latent();
     test_router();
     test_router_grouped();
     test_copy_cols();

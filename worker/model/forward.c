@@ -106,7 +106,6 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
         ALLOC(mla.lat_hm, n * H * lat_hm, float);
         ALLOC(mla.lat, n * H * L, float);
         ALLOC(mla.q_full, n * H * (L + R), float);
-        ALLOC(mla.att_full, n * H * (L + R), float);
         ALLOC(mla.to_hm, n * H, int32_t);
         ALLOC(mla.to_tm, n * H, int32_t);
         a->h_idx = malloc(n * H * sizeof *a->h_idx);
@@ -331,9 +330,9 @@ static void per_head_matmul(struct moe_model *m, const float *x, int n_in, void 
  * rotary key shared by all heads), which serves as K and as V. Head h's
  * score against position j is q_nope_h . (W_UK_h c_j) + q_rope_h . k_rope_j
  * = [W_UK_h^T q_nope_h | q_rope_h] . [c_j | k_rope_j]: multi-query attention
- * with one KV head of L + R. Its output's first L columns are the
- * probability-weighted sum of c_j (the last R, a sum of rotary keys, are
- * dropped), and W_UV_h turns that into the head's value. Transformers
+ * with one KV head of L + R whose V is the row's first L columns (d_v):
+ * the probability-weighted sum of c_j, which W_UV_h turns into the head's
+ * value. Transformers
  * expands K and V per head instead; the two agree up to f32 rounding. */
 static enum moe_status mla_block(struct moe_model *m, struct moe_kv_cache *kv, int l,
                                  const struct moe_batch *b, struct moe_error *err)
@@ -378,7 +377,7 @@ static enum moe_status mla_block(struct moe_model *m, struct moe_kv_cache *kv, i
     ops->copy_cols(m->be, a->q_full + L, L + R, a->q_rope, R, nh, R);
     struct moe_attn_params ap = {
         .q = a->q_full,
-        .out = a->att_full,
+        .out = a->lat,
         .k_cache = kv->k[l],
         .v_cache = kv->k[l],
         .kv_dtype = kv->dtype,
@@ -392,11 +391,11 @@ static enum moe_status mla_block(struct moe_model *m, struct moe_kv_cache *kv, i
         .d_head = L + R,
         .block_size = kv->block_size,
         .scale = c->attn_scale,
+        .d_v = L, /* V is the row's compressed part */
     };
     ops->attention(m->be, &ap);
 
     /* values: W_UV_h (sum_j p_j c_j) per head, back to token-major rows */
-    ops->copy_cols(m->be, a->lat, L, a->att_full, L + R, nh, L);
     ops->gather_rows(m->be, a->lat, a->to_hm, nh, L, a->q_hm);
     per_head_matmul(m, a->q_hm, L, w->w_uv, w->w_uv_scale, dv, a->lat_hm);
     ops->gather_rows(m->be, a->lat_hm, a->to_tm, nh, dv, s->att);
@@ -689,7 +688,6 @@ void moe_model_scratch_free(struct moe_model *m)
                    s->mla.lat_hm,
                    s->mla.lat,
                    s->mla.q_full,
-                   s->mla.att_full,
                    s->mla.to_hm,
                    s->mla.to_tm};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)

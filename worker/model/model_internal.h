@@ -53,21 +53,20 @@ struct layer_weights {
  * H = n_head_local, L = kv_lora_rank, R = qk_rope_dim. "hm" rows are head
  * major (row h * n + t), the others token major (row t * H + h). */
 struct mla_scratch {
-    float *qa;       /* (n, q_lora_rank) */
-    float *q_nope;   /* (n * H, qk_nope) */
-    float *q_rope;   /* (n * H, R) */
-    float *c;        /* (n, L) */
-    float *k_rope;   /* (n, R) */
-    float *q_hm;     /* (H * n, max(qk_nope, L)) */
-    float *lat_hm;   /* (H * n, max(L, v_head_dim)) */
-    float *lat;      /* (n * H, L) */
-    float *q_full;   /* (n * H, L + R): [absorbed query | rotary query] */
-    float *att_full; /* (n * H, L + R): attention over the latent rows */
-    int32_t *to_hm;  /* (n * H) gather indexes token major -> head major */
-    int32_t *to_tm;  /* (n * H) head major -> token major */
-    int32_t *h_idx;  /* host (n * H) */
-    int32_t *h_off;  /* host (H + 1): head h's rows in the head-major buffers */
-    int n_built;     /* the n the indexes were built for (0: none) */
+    float *qa;      /* (n, q_lora_rank) */
+    float *q_nope;  /* (n * H, qk_nope) */
+    float *q_rope;  /* (n * H, R) */
+    float *c;       /* (n, L) */
+    float *k_rope;  /* (n, R) */
+    float *q_hm;    /* (H * n, max(qk_nope, L)) */
+    float *lat_hm;  /* (H * n, max(L, v_head_dim)) */
+    float *lat;     /* (n * H, L): absorbed queries, then attention outputs */
+    float *q_full;  /* (n * H, L + R): [absorbed query | rotary query] */
+    int32_t *to_hm; /* (n * H) gather indexes token major -> head major */
+    int32_t *to_tm; /* (n * H) head major -> token major */
+    int32_t *h_idx; /* host (n * H) */
+    int32_t *h_off; /* host (H + 1): head h's rows in the head-major buffers */
+    int n_built;    /* the n the indexes were built for (0: none) */
 };
 
 /* Activations and per-step metadata on the backend, sized for cap_tok tokens. */
