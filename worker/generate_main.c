@@ -18,6 +18,7 @@
 #include "cli.h"
 #include "backend.h"
 #include "engine/generate.h"
+#include "engine/draft.h"
 #include "engine/engine.h"
 #include "group/group.h"
 #include "group/launch.h"
@@ -53,6 +54,7 @@ struct args {
     int max_running;
     bool no_prefix_cache;
     int spec_tokens;
+    const char *draft_model;
     bool print_outputs;
     /* worker group under mpirun */
     int tp;
@@ -102,8 +104,10 @@ static void usage(FILE *f)
            "  --max-batch-tokens N  token budget per step (default 512)\n"
            "  --max-running N     cap on running sequences (default 64)\n"
            "  --no-prefix-cache   disable prefix caching\n"
-           "  --spec-tokens K     n-gram speculative decoding: up to K draft tokens per decode\n"
-           "                      step, 0..16, 0 = off (default 0); same output, fewer steps\n"
+           "  --spec-tokens K     speculative decoding: up to K draft tokens per decode step,\n"
+           "                      0..16, 0 = off (default 0); same output, fewer steps\n"
+           "  --draft-model DIR   draft the guesses with this small model (the model's\n"
+           "                      tokenizer; default: n-gram lookup in the sequence)\n"
            "  --print-outputs     print every request's tokens (and text)\n"
            "quality meter (definitions in the README):\n"
            "  --perplexity FILE   perplexity of the text in FILE, in windows of --ctx tokens\n"
@@ -234,6 +238,7 @@ static int parse_args(int argc, char **argv, struct args *a)
         {"--prompts-file", &a->prompts_file},
         {"--perplexity", &a->perplexity},
         {"--kl-save", &a->kl_save},
+        {"--draft-model", &a->draft_model},
         {"--kl-base", &a->kl_base},
         {"--expert-stats", &a->expert_stats},
     };
@@ -356,10 +361,21 @@ static int write_logits(const char *path, const float *logits, size_t n)
 /* --prompts-file: every prompt through the engine at once; prints the
  * throughput and the KV cache figures. Returns the exit code. */
 static int run_batch(const struct args *a, struct moe_model *model, struct moe_tokenizer *tok,
-                     struct moe_group *group)
+                     struct moe_group *group, const struct moe_model_opts *mopts,
+                     struct moe_backend *be)
 {
     const struct moe_config *cfg = moe_model_config(model);
     struct moe_error err = {0};
+    struct moe_model *draft = NULL;
+    if (a->draft_model) { /* the leader's alone: one rank, the model's dtype and KV type */
+        struct moe_model_opts dopts = {.dtype = mopts->dtype,
+                                       .q4_group = mopts->q4_group,
+                                       .fast = mopts->fast,
+                                       .kv_dtype = mopts->kv_dtype,
+                                       .tp_size = 1};
+        if (moe_model_load(a->draft_model, &dopts, be, &draft, &err))
+            return cli_fail("--draft-model: %s", err.msg);
+    }
     struct moe_engine_opts eo = {
         .n_block = a->kv_blocks,
         .block_size = a->block_size ? a->block_size : 16,
@@ -367,17 +383,23 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         .max_running = a->max_running,
         .no_prefix_cache = a->no_prefix_cache,
         .spec_tokens = a->spec_tokens,
+        .draft = draft,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
     };
-    size_t block_bytes = moe_kv_block_bytes(
-        cfg->n_layer, eo.block_size, moe_config_kv_token_elems(cfg, 1), moe_model_kv_dtype(model));
+    /* a block holds the model's K/V and, with a draft, the draft's */
+    size_t block_bytes =
+        moe_kv_block_bytes(cfg->n_layer, eo.block_size, moe_config_kv_token_elems(cfg, 1),
+                           moe_model_kv_dtype(model)) +
+        (draft ? moe_draft_block_bytes(draft, eo.block_size) : 0);
     if (!eo.n_block) {
         long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
         eo.n_block = (int)(((size_t)mib << 20) / block_bytes);
-        if (eo.n_block < 1)
+        if (eo.n_block < 1) {
+            moe_model_free(draft);
             return cli_fail("--kv-memory: %ld MiB holds no KV block of %zu bytes", mib,
                             block_bytes);
+        }
     }
     struct moe_request_params defaults;
     moe_request_params_init(&defaults);
@@ -439,6 +461,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
     rc = 0;
 out:
     moe_engine_destroy(e);
+    moe_model_free(draft);
     moe_offline_free(&set);
     return rc;
 }
@@ -784,7 +807,7 @@ int main(int argc, char **argv)
     else if (load_tokenizer(g))
         rc = report_error(g);
     else if (g->a.prompts_file)
-        rc = run_batch(&g->a, g->model, g->tok, g->group);
+        rc = run_batch(&g->a, g->model, g->tok, g->group, &g->launch.model_opts, g->be);
     else if (g->a.perplexity)
         rc = run_perplexity(g);
     else

@@ -9,6 +9,7 @@
 
 #include "engine/generate.h"
 #include "kv/kv_pool.h"
+#include "engine/draft.h"
 #include "engine/spec.h"
 
 struct seq {
@@ -39,6 +40,8 @@ struct seq {
     int32_t draft[MOE_SPEC_TOKENS_MAX]; /* this step's draft tokens, after tokens[n_tokens - 1] */
     int spec_k;                         /* drafts its next decode row may carry (spec_adapt) */
     int spec_cool;                      /* decode steps left without drafting */
+    int draft_done; /* draft model: positions its KV cache holds for these tokens */
+    int draft_spec; /* ... and beyond them, for this step's guesses but the last */
 };
 
 /* A queued reservation request or release (from any thread). */
@@ -79,6 +82,9 @@ struct moe_engine {
     struct moe_engine_opts opts;
     struct moe_kv_cache *kv;
     struct kv_pool *pool;
+    struct moe_draft *draft;          /* opts.draft's proposals, or NULL (n-gram) */
+    struct moe_draft_seq *draft_reqs; /* (cap_draft_reqs) this step's proposals */
+    int cap_draft_reqs;
     struct seq_list waiting; /* FCFS; preempted sequences go to the front */
     struct seq_list running; /* admission order: the last is the newest */
     struct seq_list parked;  /* prefill_only sequences holding KV for a handoff */
@@ -226,6 +232,11 @@ enum moe_status moe_engine_create(struct moe_model *model, struct moe_tokenizer 
     enum moe_status rc = kv_pool_create(o.n_block, o.block_size, &e->pool, err);
     if (!rc)
         rc = moe_kv_cache_create(model, o.n_block, o.block_size, &e->kv, err);
+    if (!rc && o.draft && !o.spec_tokens)
+        rc = moe_error_set(err, MOE_ERR_INVALID,
+                           "--draft-model needs --spec-tokens K (the guesses per step)");
+    if (!rc && o.draft)
+        rc = moe_draft_create(o.draft, model, o.n_block, o.block_size, &e->draft, err);
     if (!rc && !(e->sample_work = malloc((size_t)e->cfg->vocab_size * 8)))
         rc = moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     if (rc) {
@@ -255,6 +266,8 @@ void moe_engine_destroy(struct moe_engine *e)
         free(e->resv[i].blocks);
     free(e->resv);
     free(e->ops);
+    moe_draft_destroy(e->draft);
+    free(e->draft_reqs);
     free(e->parked.v);
     free(e->waiting.v);
     free(e->running.v);
@@ -562,6 +575,8 @@ static void seq_release_blocks(struct moe_engine *e, struct seq *s)
     s->n_blocks = 0;
     s->n_hashed = 0;
     s->n_computed = 0;
+    s->draft_done = 0;
+    s->draft_spec = 0;
 }
 
 /* Finishes a sequence that is in neither list any more: frees its blocks,
@@ -685,11 +700,13 @@ static int draft_limit(const struct moe_engine *e, const struct sched_entry *en,
     return k < slots ? k : slots;
 }
 
-/* Appends n-gram drafts to this step's decode rows (after everything else
- * was scheduled) and takes the blocks their positions need. A sequence with
- * no match this step stays an ordinary one-token decode row. */
+/* Appends drafts to this step's decode rows (after everything else was
+ * scheduled) and takes the blocks their positions need: n-gram guesses (a
+ * sequence with no match stays an ordinary one-token decode row), or the
+ * draft model's, proposed for all drafting rows at once. */
 static void schedule_drafts(struct moe_engine *e, int n, int budget)
 {
+    int n_req = 0;
     for (int i = 0; i < n && budget > 0; i++) {
         struct sched_entry *en = &e->sched[i];
         struct seq *s = en->s;
@@ -698,15 +715,53 @@ static void schedule_drafts(struct moe_engine *e, int n, int budget)
             continue;
         }
         int k = draft_limit(e, en, budget);
-        if (k <= 0 || !(k = spec_ngram_draft(s->tokens, s->n_tokens, k, s->draft)))
+        if (k <= 0)
             continue;
+        if (!e->draft && !(k = spec_ngram_draft(s->tokens, s->n_tokens, k, s->draft)))
+            continue;
+        if (e->draft &&
+            !grow((void **)&e->draft_reqs, &e->cap_draft_reqs, n_req + 1, sizeof *e->draft_reqs))
+            break;
         for (int need = blocks_for(e, s->n_tokens + k) - s->n_blocks; need > 0; need--)
             s->blocks[s->n_blocks++] = kv_pool_alloc(e->pool);
         en->count += k;
         en->n_draft = k;
         budget -= k;
-        e->counts.spec_draft_tokens += k;
+        if (e->draft)
+            e->draft_reqs[n_req++] = (struct moe_draft_seq){.tokens = s->tokens,
+                                                            .n_tokens = s->n_tokens,
+                                                            .done = s->draft_done,
+                                                            .blocks = s->blocks,
+                                                            .n_blocks = s->n_blocks,
+                                                            .k = k,
+                                                            .out = s->draft};
+        else
+            e->counts.spec_draft_tokens += k;
     }
+    if (!n_req)
+        return;
+    struct moe_error err = {0};
+    enum moe_status rc = moe_draft_propose(e->draft, e->draft_reqs, n_req, &err);
+    for (int i = 0, r = 0; i < n && r < n_req; i++) {
+        struct sched_entry *en = &e->sched[i];
+        struct seq *s = en->s;
+        if (!en->n_draft)
+            continue;
+        r++;
+        if (rc) { /* no guesses this step: plain decode rows (output unaffected) */
+            en->count -= en->n_draft;
+            en->n_draft = 0;
+            for (int keep = blocks_for(e, s->n_tokens); s->n_blocks > keep;)
+                kv_pool_release(e->pool, s->blocks[--s->n_blocks]);
+            continue;
+        }
+        s->draft_done = s->n_tokens;
+        s->draft_spec = en->n_draft - 1;
+        e->counts.spec_draft_tokens += en->n_draft;
+    }
+    if (rc)
+        fprintf(stderr, "moe engine: draft model: %s (this step decodes without drafts)\n",
+                err.msg);
 }
 
 /* Picks this step's work; returns the number of entries. */
@@ -943,6 +998,9 @@ static void seq_verify(struct moe_engine *e, struct seq *s, int k, float *rows)
         e->counts.spec_accepted_tokens++;
         accepted++;
     }
+    /* the draft's K/V of the kept guesses are those of the committed tokens */
+    s->draft_done += accepted < s->draft_spec ? accepted : s->draft_spec;
+    s->draft_spec = 0;
     spec_adapt(&s->spec_k, &s->spec_cool, e->opts.spec_tokens, k, accepted);
     seq_publish_blocks(e, s);
     seq_trim_blocks(e, s);

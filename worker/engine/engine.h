@@ -44,12 +44,16 @@ typedef void (*moe_logits_hook)(void *user, uint64_t req_id, int index, const fl
                                 int vocab);
 
 struct moe_engine_opts {
-    int n_block;            /* KV blocks in the pool */
-    int block_size;         /* tokens per block (default 16) */
-    int max_batch_tokens;   /* token budget per step (default 512) */
-    int max_running;        /* cap on running sequences (default 64) */
-    bool no_prefix_cache;   /* disable prefix caching */
-    int spec_tokens;        /* n-gram draft tokens per decode step, 0 (off) .. 16 */
+    int n_block;          /* KV blocks in the pool */
+    int block_size;       /* tokens per block (default 16) */
+    int max_batch_tokens; /* token budget per step (default 512) */
+    int max_running;      /* cap on running sequences (default 64) */
+    bool no_prefix_cache; /* disable prefix caching */
+    int spec_tokens;      /* draft tokens per decode step, 0 (off) .. 16 */
+    /* With spec_tokens: the draft model that proposes them (engine/draft.h;
+     * borrowed, the target's vocabulary, on the leader's backend; its KV
+     * cache is made here over the same blocks); NULL: n-gram drafts. */
+    struct moe_model *draft;
     moe_forward_fn forward; /* NULL: moe_model_forward (one rank) */
     void *forward_ctx;
     moe_logits_hook logits_hook; /* optional */
