@@ -31,6 +31,7 @@
 #include "etcd.h"
 #include "sighup.h"
 #include "tls_opts.h"
+#include "engine/draft.h"
 #include "engine/engine.h"
 #include "engine/generate.h"
 #include "group/group.h"
@@ -72,6 +73,7 @@ struct args {
     enum moe_dtype kv_dtype;
     bool kv_dtype_set;
     int spec_tokens;
+    const char *draft_model;
     int drain_timeout_s;
     int tp;
     const char *placement;
@@ -112,8 +114,10 @@ static void usage(FILE *f)
                "  --max-batch-tokens N  token budget per step (default 512)\n"
                "  --max-running N       running sequences cap (default 64)\n"
                "  --no-prefix-cache     disable prefix caching\n"
-               "  --spec-tokens K       n-gram speculative decoding: up to K draft tokens per\n"
-               "                        decode step, 0..16, 0 = off (default 0)\n"
+               "  --spec-tokens K       speculative decoding: up to K draft tokens per decode\n"
+               "                        step, 0..16, 0 = off (default 0)\n"
+               "  --draft-model DIR     draft them with this small model (the model's tokenizer;\n"
+               "                        default: n-gram lookup in the sequence)\n"
                "  --role R              mixed (default), prefill or decode: the pool this worker\n"
                "                        serves in disaggregated serving (KV handed off from\n"
                "                        prefill to decode workers, rank to rank)\n"
@@ -215,6 +219,8 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->role = v;
         } else if (!strcmp(k, "--kv-listen")) {
             a->kv_listen = v;
+        } else if (!strcmp(k, "--draft-model")) {
+            a->draft_model = v;
         } else if (!strcmp(k, "--metrics-listen")) {
             a->metrics_listen = v;
         } else if (!strcmp(k, "--kv-transport")) {
@@ -253,6 +259,7 @@ struct worker_run {
     struct moe_group *group; /* = launch.group */
     struct moe_backend *be;  /* = launch.be */
     struct moe_model *model;
+    struct moe_model *draft; /* --draft-model, on the leader alone */
     const struct moe_config *cfg;
     struct kv_link *kv_link;          /* disaggregated roles only */
     char *kv_endpoints;               /* every rank's, by rank */
@@ -386,6 +393,16 @@ static enum moe_status start_engine(struct worker_run *r)
     if (access(tok_path, F_OK) == 0 && (rc = moe_tokenizer_load(tok_path, &r->tok, &r->err)))
         return rc;
 
+    if (a->draft_model) { /* one rank, the model's dtype and KV element type */
+        const struct moe_model_opts *mo = &r->launch.model_opts;
+        struct moe_model_opts dopts = {.dtype = mo->dtype,
+                                       .q4_group = mo->q4_group,
+                                       .fast = mo->fast,
+                                       .kv_dtype = mo->kv_dtype,
+                                       .tp_size = 1};
+        if ((rc = moe_model_load(a->draft_model, &dopts, r->be, &r->draft, &r->err)))
+            return moe_error_prefix(&r->err, "--draft-model");
+    }
     r->eo = (struct moe_engine_opts){
         .n_block = a->kv_blocks,
         .block_size = a->block_size ? a->block_size : 16,
@@ -393,6 +410,7 @@ static enum moe_status start_engine(struct worker_run *r)
         .max_running = a->max_running,
         .no_prefix_cache = a->no_prefix_cache,
         .spec_tokens = a->spec_tokens,
+        .draft = r->draft,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
     };
@@ -410,7 +428,8 @@ static enum moe_status start_engine(struct worker_run *r)
         const struct moe_config *cfg = r->cfg;
         size_t block_bytes =
             moe_kv_block_bytes(cfg->n_layer, eo->block_size, moe_config_kv_token_elems(cfg, 1),
-                               moe_model_kv_dtype(r->model));
+                               moe_model_kv_dtype(r->model)) +
+            (r->draft ? moe_draft_block_bytes(r->draft, eo->block_size) : 0);
         long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
         eo->n_block = (int)(((size_t)mib << 20) / block_bytes);
         if (eo->n_block < 1)
@@ -551,6 +570,7 @@ static void worker_run_close(struct worker_run *r)
     free(r->kv_endpoints);
     moe_kv_cache_free(r->model, r->follower_kv);
     moe_engine_destroy(r->engine);
+    moe_model_free(r->draft);
     moe_tokenizer_free(r->tok);
     moe_model_free(r->model);
     moe_launch_finish(&r->launch);

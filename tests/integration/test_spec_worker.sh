@@ -3,16 +3,19 @@
 # what plain decoding gives (moe-generate without speculation): greedy and
 # seeded sampling, prompts that repeat themselves so drafts are taken; the
 # worker's counters (GetLoad -> moectl --json) show drafts proposed and
-# accepted.
+# accepted. With DRAFT_DIR the guesses come from that draft model
+# (--draft-model) instead of n-gram lookup.
 #
-#   test_spec_worker.sh BIN_DIR MODEL_DIR
+#   test_spec_worker.sh BIN_DIR MODEL_DIR [DRAFT_DIR]
 set -uo pipefail
-bin=$1 model=$2
+bin=$1 model=$2 draft=${3:-}
 . "$(dirname "$0")/../lib.sh"
 test_begin moe-spec
 
+dflags=()
+[ -n "$draft" ] && dflags=(--draft-model "$draft")
 "$bin/moe-worker" --model "$model" --dtype f32 --threads 1 --kv-memory 16 --spec-tokens 3 \
-  --listen 127.0.0.1:0 >"$tmp/w.log" 2>"$tmp/w.err" &
+  "${dflags[@]}" --listen 127.0.0.1:0 >"$tmp/w.log" 2>"$tmp/w.err" &
 pids+=($!)
 wait_for "$tmp/w.log" "serving" || { bad "worker did not start: $(cat "$tmp/w.err")"; test_end; }
 waddr=$(grep -o 'on 127\.0\.0\.1:[0-9]*' "$tmp/w.log" | head -1 | cut -c4-)
