@@ -69,6 +69,9 @@ for model in mixtral qwen3_moe qwen2_moe olmoe deepseek_v3 deepseek_v3_lite; do
   [ "$model" = olmoe ] && tps=1 # its q/k norms span all heads: TP is refused (checked below)
   for w in 2 4; do
     for tp in $tps; do
+      # DeepSeek-V3: expert parallel over 4 ranks, and TP 2 (heads split,
+      # the latent row on both) with experts over 2 (CI time, x3 sanitized)
+      case "$model:$w:$tp" in deepseek*:2:1 | deepseek*:4:2) continue ;; esac
       name="$model W=$w TP=$tp"
       if ! gen "$tmp/w.out" "$tmp/w.bin" "$w" "${common[@]}" --tp "$tp"; then
         bad "$name: exit non-zero: $(errs "$tmp/w.out.err")"; continue

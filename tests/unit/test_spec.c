@@ -418,14 +418,14 @@ static void test_stops(void)
                 bool first_time = true;
                 for (int j = 0; j < c; j++)
                     first_time = first_time && o.tokens[j] != o.tokens[c];
-                if (first_time) {
+                if (first_time && n_id < 24) {
                     q = p;
                     q.n_stop_ids = 1;
                     q.stop_ids[0] = o.tokens[c];
                     bad += !stops_same(prompt, len, &q, c + 1);
                     n_id++;
                 }
-                int r = try_stop_string(prompt, len, &p, &o, c);
+                int r = n_str < 24 ? try_stop_string(prompt, len, &p, &o, c) : -1;
                 if (r >= 0) {
                     bad += !r;
                     n_str++;
@@ -468,7 +468,7 @@ static void test_preemption(void)
 /* Random submits and aborts into a small pool with speculation on; every
  * request that finished is then run again plainly in one batch and must
  * give the same output. */
-static void test_random_workload(void)
+static void test_random_workload(int n_steps)
 {
     enum { SLOTS = 48, MAX_SUB = 2048 };
     struct moe_engine *e = make_engine((struct moe_engine_opts){.n_block = 40,
@@ -488,7 +488,7 @@ static void test_random_workload(void)
     int slot[SLOTS];
     for (int s = 0; s < SLOTS; s++)
         slot[s] = -1;
-    for (int steps = 0; steps < 2500; steps++) {
+    for (int steps = 0; steps < n_steps; steps++) {
         int op = rand_r(&seed) % 8, s = rand_r(&seed) % SLOTS;
         bool free_slot = slot[s] < 0 || c.o[slot[s]].finish;
         if (op < 3 && free_slot && submitted < MAX_SUB) {
@@ -648,10 +648,12 @@ static void draft_battery(struct moe_backend *be, const char *fixture, const cha
     char name[96];
     snprintf(name, sizeof name, "qwen3_moe, %s draft", fixture);
     test_greedy(name);
-    test_sampling();
-    test_stops();
-    test_preemption();
-    test_random_workload();
+    if (expect_accept) { /* the kept runs: sampling, stops inside them, preemption */
+        test_sampling();
+        test_stops();
+        test_preemption();
+    }
+    test_random_workload(600); /* shorter: sanitizer passes run this too */
     moe_model_free(g_draft);
     g_draft = NULL;
     g_expect_accept = true;
@@ -680,7 +682,7 @@ int main(void)
             test_sampling();
             test_stops();
             test_preemption();
-            test_random_workload();
+            test_random_workload(2500);
             test_prefill_only_and_options();
             test_draft_refusals(be);
             draft_battery(be, "qwen3_moe", "the model itself: guesses kept", true);
