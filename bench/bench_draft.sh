@@ -51,14 +51,18 @@ for r in $(seq "$reps"); do
     done
   done
 done
-printf "%-6s %5s %12s %9s %11s\n" draft batch "tok/s" "vs none" acceptance
-for b in $batches; do
-  base=$(awk -v b="$b" '$1 == "none" && $2 == b { print $3 }' "$dir/runs.txt" | sort -g |
-         awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
-  for c in none ngram text kd; do
-    awk -v c="$c" -v b="$b" -v base="$base" '$1 == c && $2 == b { t[++n] = $3; p += $4; a += $5 }
-      END { asort(t); med = t[int((n + 1) / 2)];
-            printf "%-6s %5d %12.1f %8.2fx %10s\n", c, b, med, med / base,
-              p ? sprintf("%.1f%%", 100 * a / p) : "-" }' "$dir/runs.txt"
-  done
-done
+python3 - "$dir/runs.txt" "$batches" <<'PY'
+import statistics, sys
+runs = [l.split() for l in open(sys.argv[1]) if l.strip()]
+print(f"{'draft':<6} {'batch':>5} {'tok/s':>12} {'vs none':>9} {'acceptance':>11}")
+for b in sys.argv[2].split():
+    def med(c):
+        return statistics.median(float(r[2]) for r in runs if r[0] == c and r[1] == b)
+    base = med("none")
+    for c in ("none", "ngram", "text", "kd"):
+        rs = [r for r in runs if r[0] == c and r[1] == b]
+        prop = sum(float(r[3]) for r in rs)
+        acc = sum(float(r[4]) for r in rs)
+        a = f"{100 * acc / prop:.1f}%" if prop else "-"
+        print(f"{c:<6} {b:>5} {med(c):12.1f} {med(c) / base:8.2f}x {a:>11}")
+PY
