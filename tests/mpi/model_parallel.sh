@@ -109,33 +109,37 @@ else
     || bad "olmoe --tp 2: $(errs "$tmp/o.out.err")"
 fi
 
-# Placements on the Qwen3-MoE model (8 experts, 2 ranks): 5 + 3, and a hot
-# expert replicated on both ranks.
-m=$fixtures/qwen3_moe
-common=(--model "$m" --tokens 3,14,15,92,65,35,89,79,32,38,46 -n 16 --dtype f32 --kv-dtype f32 --ignore-eos)
-gen "$tmp/ref.out" "$tmp/ref.bin" 1 "${common[@]}"
-ref_tokens=$(grep '^tokens:' "$tmp/ref.out")
-echo '{"n_rank": 2, "experts": [[0],[0],[0],[0],[0],[1],[1],[1]]}' >"$tmp/uneven.json"
-echo '{"n_rank": 2, "experts": [[0,1],[0],[0],[0],[1],[1],[1],[0,1]]}' >"$tmp/replicated.json"
-for pl in uneven replicated; do
-  if gen "$tmp/w.out" "$tmp/w.bin" 2 "${common[@]}" --placement "$tmp/$pl.json" &&
-     [ "$(grep '^tokens:' "$tmp/w.out")" = "$ref_tokens" ] &&
-     r=$("$cmp" "$tmp/w.bin" "$tmp/ref.bin" 1e-5); then
-    ok "placement $pl: tokens identical, $r"
+# Placements on the Qwen3-MoE and DeepSeek-V3 models (8 experts, 2 ranks; the
+# DeepSeek one's shared experts on both): 5 + 3, a hot expert replicated on
+# both ranks, and a live change to the replicated one while a batch runs.
+for pm in qwen3_moe deepseek_v3; do
+  m=$fixtures/$pm
+  common=(--model "$m" --tokens 3,14,15,92,65,35,89,79,32,38,46 -n 16 --dtype f32 --kv-dtype f32 --ignore-eos)
+  gen "$tmp/ref.out" "$tmp/ref.bin" 1 "${common[@]}"
+  ref_tokens=$(grep '^tokens:' "$tmp/ref.out")
+  echo '{"n_rank": 2, "experts": [[0],[0],[0],[0],[0],[1],[1],[1]]}' >"$tmp/uneven.json"
+  echo '{"n_rank": 2, "experts": [[0,1],[0],[0],[0],[1],[1],[1],[0,1]]}' >"$tmp/replicated.json"
+  for pl in uneven replicated; do
+    if gen "$tmp/w.out" "$tmp/w.bin" 2 "${common[@]}" --placement "$tmp/$pl.json" &&
+       [ "$(grep '^tokens:' "$tmp/w.out")" = "$ref_tokens" ] &&
+       r=$("$cmp" "$tmp/w.bin" "$tmp/ref.bin" 1e-5); then
+      ok "$pm placement $pl: tokens identical, $r"
+    else
+      bad "$pm placement $pl: $(errs "$tmp/w.out.err") $(grep '^tokens:' "$tmp/w.out")"
+    fi
+  done
+  # Moving experts while running (live placement change at a step boundary):
+  # the batch's outputs do not change and the new epoch is in force at the end.
+  bcommon=(--model "$m" --prompts-file "$tmp/prompts.jsonl" --dtype f32 --ignore-eos --max-batch-tokens 16)
+  batch "$tmp/bref.out" 1 "${bcommon[@]}"
+  if batch "$tmp/b.out" 2 "${bcommon[@]}" --placement-switch "$tmp/replicated.json" &&
+     cmp -s "$tmp/b.out" "$tmp/bref.out" && grep -q "placement: epoch 1 in force" "$tmp/b.out.all"; then
+    ok "$pm live placement switch: outputs unchanged; $(grep -m1 'placement: epoch' "$tmp/b.out.all")"
   else
-    bad "placement $pl: $(errs "$tmp/w.out.err") $(grep '^tokens:' "$tmp/w.out")"
+    bad "$pm live placement switch: $(errs "$tmp/b.out.err")"; diff "$tmp/b.out" "$tmp/bref.out" | head -4
   fi
 done
-# Moving experts while running (live placement change at a step boundary):
-# the batch's outputs do not change and the new epoch is in force at the end.
-bcommon=(--model "$m" --prompts-file "$tmp/prompts.jsonl" --dtype f32 --ignore-eos --max-batch-tokens 16)
-batch "$tmp/bref.out" 1 "${bcommon[@]}"
-if batch "$tmp/b.out" 2 "${bcommon[@]}" --placement-switch "$tmp/replicated.json" &&
-   cmp -s "$tmp/b.out" "$tmp/bref.out" && grep -q "placement: epoch 1 in force" "$tmp/b.out.all"; then
-  ok "live placement switch: outputs unchanged; $(grep -m1 'placement: epoch' "$tmp/b.out.all")"
-else
-  bad "live placement switch: $(errs "$tmp/b.out.err")"; diff "$tmp/b.out" "$tmp/bref.out" | head -4
-fi
+m=$fixtures/qwen3_moe
 # int8 weights: W = 2 equals W = 1 (the same quantized rows, summed in the
 # one-rank order), and experts gained by a live placement change are
 # quantized as at load (outputs unchanged).
