@@ -54,6 +54,7 @@ struct args {
     int max_running;
     bool no_prefix_cache;
     int spec_tokens;
+    int spec_max_batch;
     const char *draft_model;
     bool print_outputs;
     /* worker group under mpirun */
@@ -108,6 +109,8 @@ static void usage(FILE *f)
            "                      0..16, 0 = off (default 0); same output, fewer steps\n"
            "  --draft-model DIR   draft the guesses with this small model (the model's\n"
            "                      tokenizer; default: n-gram lookup in the sequence)\n"
+           "  --spec-max-batch N  no drafts in a step with more than N decode rows\n"
+           "                      (0 = no limit; default 8)\n"
            "  --print-outputs     print every request's tokens (and text)\n"
            "quality meter (definitions in the README):\n"
            "  --perplexity FILE   perplexity of the text in FILE, in windows of --ctx tokens\n"
@@ -219,6 +222,7 @@ static int parse_args(int argc, char **argv, struct args *a)
                        .dtype = MOE_DTYPE_BF16,
                        .device = "auto",
                        .tp = 1,
+                       .spec_max_batch = 8,
                        .comm_timeout_ms = 10000};
     const struct flag_opt flags[] = {
         {"--ignore-eos", &a->ignore_eos},
@@ -251,6 +255,7 @@ static int parse_args(int argc, char **argv, struct args *a)
         {"--block-size", NULL, 1, 1024, &a->block_size},
         {"--max-batch-tokens", NULL, 1, 1 << 20, &a->max_batch_tokens},
         {"--spec-tokens", NULL, 0, MOE_SPEC_TOKENS_MAX, &a->spec_tokens},
+        {"--spec-max-batch", NULL, 0, 1 << 16, &a->spec_max_batch},
         {"--max-running", NULL, 1, 1 << 16, &a->max_running},
         {"--ctx", NULL, 4, 1 << 20, &a->ctx},
     };
@@ -383,6 +388,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         .max_running = a->max_running,
         .no_prefix_cache = a->no_prefix_cache,
         .spec_tokens = a->spec_tokens,
+        .spec_max_batch = a->spec_max_batch,
         .draft = draft,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,

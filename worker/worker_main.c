@@ -73,6 +73,7 @@ struct args {
     enum moe_dtype kv_dtype;
     bool kv_dtype_set;
     int spec_tokens;
+    int spec_max_batch;
     const char *draft_model;
     int drain_timeout_s;
     int tp;
@@ -118,6 +119,8 @@ static void usage(FILE *f)
                "                        step, 0..16, 0 = off (default 0)\n"
                "  --draft-model DIR     draft them with this small model (the model's tokenizer;\n"
                "                        default: n-gram lookup in the sequence)\n"
+               "  --spec-max-batch N    no drafts in a step with more than N decode rows\n"
+               "                        (0 = no limit; default 8)\n"
                "  --role R              mixed (default), prefill or decode: the pool this worker\n"
                "                        serves in disaggregated serving (KV handed off from\n"
                "                        prefill to decode workers, rank to rank)\n"
@@ -149,6 +152,7 @@ static int parse_args(int argc, char **argv, struct args *a)
                        .lease_ttl = 5,
                        .role = "mixed",
                        .drain_timeout_s = 60,
+                       .spec_max_batch = 8,
                        .tp = 1,
                        .comm_timeout_ms = 10000};
     for (int i = 1; i < argc; i++) {
@@ -184,6 +188,7 @@ static int parse_args(int argc, char **argv, struct args *a)
         INT_OPT("--max-batch-tokens", 1, 1 << 20, max_batch_tokens)
         INT_OPT("--max-running", 1, 1 << 16, max_running)
         INT_OPT("--spec-tokens", 0, MOE_SPEC_TOKENS_MAX, spec_tokens)
+        INT_OPT("--spec-max-batch", 0, 1 << 16, spec_max_batch)
         INT_OPT("--drain-timeout", 0, 86400, drain_timeout_s)
         INT_OPT("--tp", 1, 1024, tp)
         INT_OPT("--comm-timeout-ms", 100, 3600000, comm_timeout_ms)
@@ -410,6 +415,7 @@ static enum moe_status start_engine(struct worker_run *r)
         .max_running = a->max_running,
         .no_prefix_cache = a->no_prefix_cache,
         .spec_tokens = a->spec_tokens,
+        .spec_max_batch = a->spec_max_batch,
         .draft = r->draft,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,

@@ -611,6 +611,32 @@ static void test_prefill_only_and_options(void)
     CHECK(moe_engine_create(model, NULL, &o, &e, &err) == MOE_ERR_INVALID && !e);
 }
 
+/* spec_max_batch: no drafts while more rows decode; outputs unchanged. */
+static void test_max_batch(void)
+{
+    enum { N = 8 };
+    struct moe_request_params p[N];
+    params_greedy(p, N, 24);
+    for (int i = 0; i < N; i++)
+        p[i].max_tokens = 8 + 4 * i; /* they finish one by one */
+    struct run plain, all, few;
+    run_set((struct moe_engine_opts){.n_block = 128}, N, p, false, false, &plain);
+    run_set((struct moe_engine_opts){.n_block = 128, .spec_tokens = 4}, N, p, false, true, &all);
+    run_set((struct moe_engine_opts){.n_block = 128, .spec_tokens = 4, .spec_max_batch = 2}, N, p,
+            false, true, &few);
+    double lp = 0;
+    int d = count_diffs(&plain, &few, true, &lp) + count_diffs(&plain, &all, true, &lp);
+    CHECKF(d == 0, "spec_max_batch: %d requests differ", d);
+    CHECKF(few.st.spec_draft_tokens > 0 && few.st.spec_draft_tokens < all.st.spec_draft_tokens,
+           "spec_max_batch 2: %lld drafts, unlimited %lld", (long long)few.st.spec_draft_tokens,
+           (long long)all.st.spec_draft_tokens);
+    printf("spec_max_batch 2: %lld drafts (unlimited: %lld), outputs identical\n",
+           (long long)few.st.spec_draft_tokens, (long long)all.st.spec_draft_tokens);
+    capture_free(&plain.c);
+    capture_free(&all.c);
+    capture_free(&few.c);
+}
+
 /* A draft model without spec_tokens, or with another vocabulary, is
  * refused by name. */
 static void test_draft_refusals(struct moe_backend *be)
@@ -684,6 +710,7 @@ int main(void)
             test_preemption();
             test_random_workload(2500);
             test_prefill_only_and_options();
+            test_max_batch();
             test_draft_refusals(be);
             draft_battery(be, "qwen3_moe", "the model itself: guesses kept", true);
             draft_battery(be, "qwen2_moe", "another model: guesses rejected", false);

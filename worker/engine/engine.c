@@ -819,7 +819,13 @@ static int schedule(struct moe_engine *e)
             break;
         budget -= count;
     }
-    if (e->opts.spec_tokens > 0)
+    /* Drafts pay while a step is bound by reading the weights: with many
+     * decode rows it is bound by computing them, and a K+1-token verify row
+     * costs about K+1 rows (on an MoE more, it routes to more experts). */
+    int decoding = 0;
+    for (int i = 0; i < n; i++)
+        decoding += e->sched[i].count == 1;
+    if (e->opts.spec_tokens > 0 && (!e->opts.spec_max_batch || decoding <= e->opts.spec_max_batch))
         schedule_drafts(e, n, budget);
     return n;
 }

@@ -54,6 +54,9 @@ struct moe_engine_opts {
      * borrowed, the target's vocabulary, on the leader's backend; its KV
      * cache is made here over the same blocks); NULL: n-gram drafts. */
     struct moe_model *draft;
+    /* With spec_tokens: no drafts in a step with more than this many decode
+     * rows (0: no limit). */
+    int spec_max_batch;
     moe_forward_fn forward; /* NULL: moe_model_forward (one rank) */
     void *forward_ctx;
     moe_logits_hook logits_hook; /* optional */
