@@ -90,7 +90,10 @@ ctest --test-dir build --output-on-failure -j"$jobs"
 
 if [ "$asan" = 1 ]; then
   echo "== build (ASan + UBSan, CPU only) =="
-  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DMOE_WERROR=ON -DMOE_SANITIZE=ON -DMOE_CUDA=OFF
+  # -O1 -g, as the ASan documentation suggests: exact reports at about half
+  # Debug's (-O0) test time (golden/perplexity 315 -> 155 s, test_spec 49 -> 18 s)
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g" \
+    -DMOE_WERROR=ON -DMOE_SANITIZE=ON -DMOE_CUDA=OFF
   cmake --build build-asan -j"$jobs"
   echo "== tests under ASan + UBSan =="
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
