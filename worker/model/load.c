@@ -170,12 +170,14 @@ static enum moe_status load_matrix(struct loader *ld, const char *name, int64_t 
     return load_block(ld, name, rows, cols, 0, rows, 0, cols, ld->m->opts.dtype, out, err);
 }
 
-/* Norm weights stay f32 on the device; with bf16 weights they are rounded to
- * bf16 first, so "--dtype bf16" means every weight of the model in bf16, as
- * model.to(torch.bfloat16) does (int8 models keep their unquantized weights
- * as bf16 models do). */
-static enum moe_status load_norm(struct loader *ld, const char *name, int64_t dim, float **out,
-                                 struct moe_error *err)
+/* A vector of `dim` f32 elements (a norm weight, a routing bias) into a new
+ * backend buffer; with `as_weight` and bf16 weights rounded to bf16 first.
+ * Norm weights are, so "--dtype bf16" means every weight of the model in
+ * bf16, as model.to(torch.bfloat16) does (int8 models keep their
+ * unquantized weights as bf16 models do); DeepSeek-V3's
+ * e_score_correction_bias is not (transformers keeps it in fp32). */
+static enum moe_status load_vector(struct loader *ld, const char *name, int64_t dim, bool as_weight,
+                                   float **out, struct moe_error *err)
 {
     const struct st_tensor *t;
     enum moe_status rc = find_tensor(ld, name, 1, dim, 0, &t, err);
@@ -184,21 +186,20 @@ static enum moe_status load_norm(struct loader *ld, const char *name, int64_t di
     float *host = malloc((size_t)dim * sizeof *host);
     if (!host)
         return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
-    rc = st_read_block(t, 0, 1, 0, dim, MOE_DTYPE_F32, host, err);
-    if (!rc && ld->m->base_dtype == MOE_DTYPE_BF16)
+    if ((rc = st_read_block(t, 0, 1, 0, dim, MOE_DTYPE_F32, host, err))) {
+        free(host);
+        return rc;
+    }
+    if (as_weight && ld->m->base_dtype == MOE_DTYPE_BF16)
         for (int64_t i = 0; i < dim; i++)
             host[i] = moe_bf16_to_f32(moe_f32_to_bf16(host[i]));
-    struct moe_backend *be = ld->m->be;
-    float *buf = rc ? NULL : be->ops->buf_alloc(be, (size_t)dim * sizeof *buf);
-    if (!rc && !buf)
-        rc = moe_error_set(err, MOE_ERR_NOMEM, "%s: cannot allocate '%s'", ld->dir, name);
-    if (!rc) {
-        be->ops->buf_upload(be, buf, host, (size_t)dim * sizeof *buf);
-        ld->m->weight_bytes += (size_t)dim * sizeof *buf;
-        *out = buf;
-    }
-    free(host);
-    return rc;
+    return upload_weight(ld, name, host, (size_t)dim * sizeof *host, (void **)out, err);
+}
+
+static enum moe_status load_norm(struct loader *ld, const char *name, int64_t dim, float **out,
+                                 struct moe_error *err)
+{
+    return load_vector(ld, name, dim, true, out, err);
 }
 
 /* A bias vector's slice [off, off + n) of its `full` elements, as f32 (bf16
@@ -463,25 +464,6 @@ out:
     return rc;
 }
 
-/* e_score_correction_bias, kept in f32 unrounded whatever the weight dtype
- * (transformers keeps it in fp32 too). */
-static enum moe_status load_f32_vector(struct loader *ld, const char *name, int64_t n, float **out,
-                                       struct moe_error *err)
-{
-    const struct st_tensor *t;
-    enum moe_status rc = find_tensor(ld, name, 1, n, 0, &t, err);
-    if (rc)
-        return rc;
-    float *host = malloc((size_t)n * sizeof *host);
-    if (!host)
-        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
-    if ((rc = st_read_block(t, 0, 1, 0, n, MOE_DTYPE_F32, host, err))) {
-        free(host);
-        return rc;
-    }
-    return upload_weight(ld, name, host, (size_t)n * sizeof *host, (void **)out, err);
-}
-
 /* Loads expert e of MoE layer l: gate and up fused, and down. */
 static enum moe_status load_expert(struct loader *ld, int l, int e, void **gate_up, void **down,
                                    struct moe_error *err)
@@ -588,7 +570,7 @@ ffn:
         return rc;
     if (c->router_sigmoid) {
         NAME(name, "model.layers.%d.mlp.gate.e_score_correction_bias", l);
-        if ((rc = load_f32_vector(ld, name, c->n_expert, &w->router_bias, err)))
+        if ((rc = load_vector(ld, name, c->n_expert, false, &w->router_bias, err)))
             return rc;
     }
     if (c->d_ff_shared > 0) { /* replicated: every rank computes it for its batch */
