@@ -51,8 +51,7 @@ for m in dsv3 mix; do
         "$build/bin/moe-generate" --model "$dir" --prompts-file /dev/stdin --kv-memory 64 \
           --threads "$threads" 2>/dev/null | grep '^engine:')
   blocks=$(echo "$eng" | awk '{ print $2 }')
-  mib=$(echo "$eng" | grep -o '([0-9.]* MiB)' | grep -o '[0-9.]*')
-  bpt=$(awk -v b="$blocks" -v m="$mib" 'BEGIN { printf "%.0f", m * 1048576 / (b * 16) }')
+  bpt=$(echo "$eng" | grep -o '[0-9]* bytes per token' | grep -o '^[0-9]*')
   printf "%-12s %14s %14s %12s %14s\n" "$m" "$(echo "${pre[$m]}" | median)" \
     "$(echo "${dec[$m]}" | median)" "$bpt" "$blocks"
 done

@@ -445,11 +445,12 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
     printf("requests: %d, prompt tokens %lld (prefix-cache hits %lld), output tokens %lld\n", set.n,
            (long long)rep.prompt_tokens, (long long)rep.prefix_hit_tokens,
            (long long)rep.output_tokens);
-    printf("engine: %d KV blocks x %d tokens of %s (%.1f MiB), max batch tokens %d, max running "
-           "%d\n",
+    printf("engine: %d KV blocks x %d tokens of %s (%.1f MiB, %zu bytes per token%s), max batch "
+           "tokens %d, max running %d\n",
            eo.n_block, eo.block_size, moe_kv_dtype_flag(moe_model_kv_dtype(model)),
-           (double)block_bytes * eo.n_block / (1 << 20),
-           eo.max_batch_tokens ? eo.max_batch_tokens : 512, eo.max_running ? eo.max_running : 64);
+           (double)block_bytes * eo.n_block / (1 << 20), block_bytes / (size_t)eo.block_size,
+           draft ? " with the draft's" : "", eo.max_batch_tokens ? eo.max_batch_tokens : 512,
+           eo.max_running ? eo.max_running : 64);
     printf("time: %.2f s, %lld steps, %lld preemptions, peak running %d\n", rep.wall_s,
            (long long)rep.steps, (long long)rep.preemptions, rep.peak_running);
     if (eo.spec_tokens)

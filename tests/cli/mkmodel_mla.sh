@@ -31,11 +31,14 @@ fi
 for dt in bf16 f32; do
   size=2; [ $dt = f32 ] && size=4
   want=$(( (1 << 20) / (16 * 3 * (32 + 16) * size) ))
-  got=$(echo '{"tokens": [1, 2, 3], "max_tokens": 2}' |
+  eng=$(echo '{"tokens": [1, 2, 3], "max_tokens": 2}' |
         "$bin/moe-generate" --model "$m" --prompts-file /dev/stdin --kv-memory 1 --kv-dtype $dt \
-          2>&1 | grep '^engine:' | awk '{ print $2 }')
-  [ "$got" = "$want" ] && ok "$dt: 1 MiB holds $got latent blocks (16 x 3 layers x 48 x $size B)" \
-    || bad "$dt: 1 MiB holds '$got' blocks, the latent formula says $want"
+          2>&1 | grep '^engine:')
+  got=$(echo "$eng" | awk '{ print $2 }')
+  bpt=$(echo "$eng" | grep -o '[0-9]* bytes per token' | grep -o '^[0-9]*')
+  [ "$got" = "$want" ] && [ "$bpt" = $((3 * 48 * size)) ] &&
+    ok "$dt: 1 MiB holds $got latent blocks, $bpt bytes per token (3 layers x 48 x $size B)" ||
+    bad "$dt: 1 MiB holds '$got' blocks of '$bpt' bytes per token, the latent formula says $want of $((3 * 48 * size))"
 done
 expect_refusal() { # NAME SUBSTRING ARGS...
   local name=$1 sub=$2; shift 2
