@@ -4,6 +4,7 @@
 # runtime stage takes into /out:
 #   /out/usr/local/bin/   the binaries and the deploy/container helper scripts
 #   /out/opt/moe-serve/models/moe-tiny-en   the bundled demo model (WITH_DEMO_MODEL=1)
+#   /out/opt/moe-serve/models/draft-tiny-en-kd  its distilled draft (--draft-model)
 #   /out/runtime-packages the Debian packages that own the shared libraries the
 #                         binaries load (found with ldd + dpkg -S, so the list
 #                         follows the build instead of being kept by hand)
@@ -37,6 +38,7 @@ install -D -m 0644 "$src/deploy/container/ssh_config" "$out/etc/ssh/ssh_config.d
 if [ "${WITH_DEMO_MODEL:-1}" = 1 ]; then
   # the checkpoint with its model card (data source and license)
   cp -r "$src/deploy/model/moe-tiny-en" "$out/opt/moe-serve/models/moe-tiny-en"
+  cp -r "$src/deploy/model/draft-tiny-en-kd" "$out/opt/moe-serve/models/draft-tiny-en-kd"
 fi
 
 # CUDA builds: the toolkit's libraries are found the way the runtime image
