@@ -272,6 +272,8 @@ grpc:
   "kvDtype" (default (default "auto" $w.kvDtype) $p.kvDtype)
   "threads" (int (default $w.threads $p.threads))
   "kvMemoryMiB" (int (default $w.kvMemoryMiB $p.kvMemoryMiB))
+  "specTokens" (int (default (default 0 $w.specTokens) $p.specTokens))
+  "draftModel" (default (default "" $w.draftModel) $p.draftModel)
   "image" (include "moe-serve.image" (dict "img" $img "root" .root))
   "pullPolicy" $img.pullPolicy
   "resources" $res
@@ -315,6 +317,14 @@ grpc:
 {{- if ne $p.kvDtype "auto" }}
 - --kv-dtype
 - {{ $p.kvDtype }}
+{{- end }}
+{{- if gt (int $p.specTokens) 0 }}
+- --spec-tokens
+- {{ $p.specTokens | quote }}
+{{- if $p.draftModel }}
+- --draft-model
+- {{ $p.draftModel | quote }}
+{{- end }}
 {{- end }}
 - --drain-timeout
 - {{ $w.drainTimeoutSeconds | quote }}
