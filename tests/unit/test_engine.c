@@ -6,7 +6,9 @@
  *    pool whole, with refcounts matching the block tables at every check;
  *  - prefix caching computes only the new tokens and changes no logit;
  *  - seeded sampling is the same whatever the batch; stop strings that
- *    straddle tokens stop the request; bad parameters are refused. */
+ *    straddle tokens stop the request; bad parameters are refused;
+ *  - on the DeepSeek-V3 fixture (a latent KV cache): batch vs alone,
+ *    preemption and prefix caching again. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -577,8 +579,21 @@ int main(void)
     if (tok)
         test_stop_strings(tok);
     test_random_workload();
-    moe_tokenizer_free(tok);
     moe_model_free(model);
+    /* DeepSeek-V3's latent cache (one row per token, K = V) through the same
+     * scheduling: batches, preemption, prefix sharing */
+    model = NULL;
+    CHECKF(moe_model_load(test_src_path("tests/golden/fixtures/deepseek_v3"), &mo, be, &model,
+                          &err) == MOE_OK,
+           "%s", err.msg);
+    if (model) {
+        vocab = moe_model_config(model)->vocab_size;
+        test_batch_equals_alone();
+        test_preemption();
+        test_prefix_cache();
+        moe_model_free(model);
+    }
+    moe_tokenizer_free(tok);
     moe_backend_destroy(be);
     return test_summary();
 }
