@@ -79,6 +79,19 @@ expect shape-vs-config "model.safetensors" "config.json" -- --model "$tmp/m" "${
 copy $M; sed -i 's/"num_hidden_layers": [0-9]*/"num_hidden_layers": 3/' "$tmp/m/config.json"
 expect missing-tensor "model.layers.2." "not found" -- --model "$tmp/m" "${prompt[@]}"
 
+# DeepSeek-V3: a latent size that disagrees with the tensors, a missing
+# latent-attention tensor, a routing variant and a rope type it does not
+# implement.
+D=deepseek_v3
+copy $D; sed -i 's/"kv_lora_rank": 32/"kv_lora_rank": 48/' "$tmp/m/config.json"
+expect dsv3-kv-lora-vs-tensors "kv_a_proj_with_mqa" "config.json implies" -- --model "$tmp/m" "${prompt[@]}"
+copy $D; st_edit "$tmp/m/model.safetensors" 's/layers\.1\.self_attn\.kv_b_proj/layers.1.self_attn.kv_x_proj/'
+expect dsv3-missing-kv-b "model.layers.1.self_attn.kv_b_proj.weight" "not found" -- --model "$tmp/m" "${prompt[@]}"
+copy $D; sed -i 's/^{/{"topk_method": "group_limited_greedy",/' "$tmp/m/config.json"
+expect dsv3-topk-method "config.json" "topk_method" -- --model "$tmp/m" "${prompt[@]}"
+copy $D; sed -i 's/"rope_type": "yarn"/"rope_type": "dynamic"/' "$tmp/m/config.json"
+expect dsv3-rope-type "config.json" "rope_parameters" -- --model "$tmp/m" "${prompt[@]}"
+
 # Damaged safetensors files.
 copy $Q; truncate -s 4 "$tmp/m/model.safetensors"
 expect st-tiny "model.safetensors" -- --model "$tmp/m" "${prompt[@]}"
