@@ -11,9 +11,12 @@
 # request is handed off (no recompute), the transfer counters agree, and the
 # block pools are whole afterwards. With a DeepSeek-V3 model (latent cache:
 # one row per token on every rank) each decode rank receives the whole row
-# once, from one prefill rank.
+# once, from one prefill rank. With DRAFT_MODEL set, the decode workers
+# speculate with that draft (--spec-tokens 3): a handed-off sequence arrives
+# without the draft's K/V, which the first proposal computes, and the tokens
+# stay those of plain decoding.
 #
-#   disagg_groups.sh BIN_DIR MODEL_DIR MPIRUN...
+#   [DRAFT_MODEL=DIR] disagg_groups.sh BIN_DIR MODEL_DIR MPIRUN...
 set -uo pipefail
 bin=$1 model=$2
 shift 2
@@ -26,6 +29,9 @@ start() {
   shift 5
   local args=(--model "$model" --dtype f32 --threads 1 --kv-memory 16 --block-size "$bs"
               --role "$role" --listen 127.0.0.1:0 --worker-id "$name")
+  if [ "$role" = decode ] && [ -n "${DRAFT_MODEL:-}" ]; then
+    args+=(--spec-tokens 3 --draft-model "$DRAFT_MODEL")
+  fi
   if [ "$np" -gt 1 ]; then
     "$@" -np "$np" "$bin/moe-worker" "${args[@]}" --tp "$tp" >"$tmp/$name.log" 2>"$tmp/$name.err" &
   else
@@ -109,7 +115,7 @@ stats() { # COORD -> "ADDRESS in out bytes failures used" per worker (static wor
 import json, sys
 for w in json.load(sys.stdin)["workers"]:
     print(w["address"], w["kv_transfers_in"], w["kv_transfers_out"], w["kv_transfer_bytes"],
-          w["kv_transfer_failures"], w["kv_blocks_used"])'
+          w["kv_transfer_failures"], w["kv_blocks_used"], w["spec_accepted_tokens"])'
 }
 stats A >"$tmp/sA"
 stats B >"$tmp/sB"
@@ -132,6 +138,12 @@ sent=$((p1bytes + p2bytes)) got=$((d1bytes + d2bytes + d3bytes))
   ok "bytes sent ($sent) = bytes received" || bad "bytes sent $sent, received $got"
 [ $((p1fail + p2fail + d1fail + d2fail + d3fail)) = 0 ] && ok "no transfer failures" ||
   bad "transfer failures: $p2fail $p1fail $d1fail $d2fail $d3fail"
+if [ -n "${DRAFT_MODEL:-}" ]; then # the handed-off sequences were decoded speculatively
+  acc=$(awk -v a="${addr[D1]} ${addr[D2]} ${addr[D3]}" 'BEGIN { n = split(a, w, " ") }
+        { for (i = 1; i <= n; i++) if ($1 == w[i]) s += $7 } END { print s + 0 }' "$tmp/s")
+  [ "$acc" -gt 0 ] && ok "decode pools kept $acc draft tokens after the handoffs" ||
+    bad "decode pools kept no draft token"
+fi
 whole=1
 for _ in $(seq 300); do
   whole=1
