@@ -68,7 +68,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
     struct moe_error err = {0};
     if (moe_backend_create("cpu", 1, &be, &err) ||
-        moe_kv_cache_alloc(be, N_LAYER, N_BLOCK, BS, N_HEAD * D_HEAD, false, MOE_DTYPE_F32, &kv, &err)) {
+        moe_kv_cache_alloc(be, N_LAYER, N_BLOCK, BS, N_HEAD * D_HEAD, false, MOE_DTYPE_F32, &kv,
+                           &err)) {
         fprintf(stderr, "%s\n", err.msg);
         abort();
     }
