@@ -37,7 +37,7 @@ configs=("none|--spec-tokens 0" "ngram|--spec-tokens $k"
          "kd|--spec-tokens $k --draft-model $here/deploy/model/draft-tiny-en-kd")
 echo "moe-tiny-en (bf16), $n held-out prompts, $out tokens each, K=$k, $threads threads," \
   "$reps alternated rounds; $(lscpu | grep -m1 'Model name' | sed 's/  */ /g')"
-for r in $(seq "$reps"); do
+for _ in $(seq "$reps"); do
   for b in $batches; do
     for c in "${configs[@]}"; do
       name=${c%%|*} flags=${c#*|}

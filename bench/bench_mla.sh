@@ -33,7 +33,7 @@ fi
 prompt=$(awk 'BEGIN { srand(5); for (i = 0; i < 512; i++) printf "%s%d", (i ? "," : ""), 1 + int(rand() * 31000) }')
 echo "threads $threads, $rounds interleaved rounds, bf16 weights, bf16 KV; $(lscpu | grep -m1 'Model name' | sed 's/  */ /g')"
 declare -A pre dec
-for r in $(seq "$rounds"); do
+for _ in $(seq "$rounds"); do
   for m in dsv3 mix; do
     dir=$dsv3; [ "$m" = mix ] && dir=$mix
     out=$("$build/bin/moe-generate" --model "$dir" --tokens "$prompt" -n 65 --ignore-eos \

@@ -66,6 +66,7 @@ run() { # NAME USERS MODEL FLAGS...
   w=$("$gen" --model "$m" --tokens 1 -n 1 "$@" 2>/dev/null | grep -o '[0-9.]* MiB of weights' |
       grep -o '^[0-9.]*')
   local q
+  # shellcheck disable=SC2046 # the flags split into words on purpose
   q=$("$gen" --model "$m" "${ppl[@]}" --kl-base "$dir/base.kl" \
       $(echo "$@" | grep -o -- '--dtype [a-z0-9]*') \
       $(echo "$@" | grep -o -- '--group-size [0-9]*') 2>/dev/null)
