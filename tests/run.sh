@@ -111,6 +111,11 @@ if [ "$tsan" = 1 ]; then
   # test SIGKILLs, whose exit code nobody sees); exit code 66 fails a test
   # binary at once.
   tsan_rc=0
+  # MOE_TEST_SANITIZER=thread: the tests that repeat one mechanism per model
+  # architecture (mpi/model_parallel, unit/test_spec's draft batteries) run
+  # one model per attention kind here; TSan is 10-20x slower and the races
+  # it looks for are in the code every architecture shares
+  MOE_TEST_SANITIZER=thread \
   TSAN_OPTIONS="suppressions=$PWD/tests/sanitize/tsan.supp halt_on_error=0 second_deadlock_stack=1 log_path=$reports/tsan" \
     ctest --test-dir build-tsan --output-on-failure -j"$jobs" -L 'unit|integration|mpi' || tsan_rc=$?
   if grep -l "ThreadSanitizer" "$reports"/tsan.* >/dev/null 2>&1; then

@@ -57,8 +57,10 @@ static void *prepare_main(void *arg)
 {
     struct moe_group *g = arg;
     struct moe_error err = {0};
-    g->prepare_status = moe_model_prepare_placement(g->model, &g->preparing_placement, &err);
-    if (g->prepare_status)
+    enum moe_status st = moe_model_prepare_placement(g->model, &g->preparing_placement, &err);
+    /* settle_prepare polls it from the engine thread before joining */
+    __atomic_store_n(&g->prepare_status, st, __ATOMIC_RELEASE);
+    if (st)
         fprintf(stderr, "moe: rank %d: preparing placement epoch %lld: %s\n", g->rank,
                 (long long)g->preparing_epoch, err.msg);
     return NULL;
@@ -133,10 +135,13 @@ void moe_group_rank_rows(struct moe_group *g, uint64_t *rows, uint64_t *steps)
 static enum moe_status settle_prepare(struct moe_group *g, struct moe_model *m,
                                       struct moe_error *err)
 {
-    bool done = !g->prepare_thread_live || moe_model_placement_ready(m) || g->prepare_status;
+    bool done = !g->prepare_thread_live || moe_model_placement_ready(m) ||
+                __atomic_load_n(&g->prepare_status, __ATOMIC_ACQUIRE);
     if (done)
         join_prepare(g);
-    float flag = g->prepare_status ? 1000.0f : done && moe_model_placement_ready(m) ? 0.0f : 1.0f;
+    float flag = __atomic_load_n(&g->prepare_status, __ATOMIC_ACQUIRE) ? 1000.0f
+                 : done && moe_model_placement_ready(m)                ? 0.0f
+                                                                       : 1.0f;
     enum moe_status rc = moe_comm_all_reduce_sum(g->world, &flag, 1, err);
     if (rc)
         return moe_error_prefix(err, "agreeing on a placement switch");

@@ -40,7 +40,9 @@ static void drop_pending(struct moe_model *m)
     free(m->pending_down);
     m->pending_gate_up = m->pending_down = NULL;
     moe_placement_free(&m->pending);
-    m->pending_ready = false;
+    /* atomic like every access: the engine thread polls it while the loader
+     * thread (group.c) starts a new preparation with this */
+    __atomic_store_n(&m->pending_ready, false, __ATOMIC_RELEASE);
 }
 
 enum moe_status moe_model_prepare_placement(struct moe_model *m, const struct moe_placement *p,
