@@ -172,6 +172,34 @@ static void opts_parse(struct mk_opts *o, int argc, char **argv)
     int norm_topk = -1;
     const long long big = INT_MAX;
 
+    const struct {
+        const char *name;
+        long long lo, hi;
+        int *dst;
+    } ints[] = {
+        {"--vocab", 1, big, &o->vocab},
+        {"--hidden", 1, big, &o->d_model},
+        {"--layers", 1, MK_MAX_LAYERS, &o->n_layer},
+        {"--heads", 1, big, &o->n_head},
+        {"--kv-heads", 1, big, &o->n_kv_head},
+        {"--head-dim", 1, big, &o->d_head},
+        {"--experts", 1, 65536, &o->n_expert},
+        {"--top-k", 1, 65536, &o->top_k},
+        {"--ffn", 1, big, &o->d_ff},
+        {"--dense-ffn", 1, big, &o->d_ff_dense},
+        {"--max-pos", 1, big, &o->max_pos},
+        {"--bos", -1, big, &o->bos_id},
+        {"--q-lora", 0, big, &o->q_lora},
+        {"--kv-lora", 1, big, &o->kv_lora},
+        {"--rope-dim", 2, big, &o->rope_dim},
+        {"--nope-dim", 1, big, &o->nope_dim},
+        {"--v-dim", 1, big, &o->v_dim},
+        {"--shared", 0, 1024, &o->n_shared},
+        {"--groups", 1, big, &o->n_group},
+        {"--topk-groups", 1, big, &o->topk_group},
+        {"--first-dense", 0, big, &o->first_dense},
+        {"--eos", 0, big, &o->eos_id},
+    };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -189,7 +217,12 @@ static void opts_parse(struct mk_opts *o, int argc, char **argv)
         if (i + 1 >= argc)
             die("%s needs a value", a);
         const char *v = argv[++i];
-        if (!strcmp(a, "--arch")) {
+        size_t k = 0;
+        while (k < sizeof ints / sizeof ints[0] && strcmp(a, ints[k].name))
+            k++;
+        if (k < sizeof ints / sizeof ints[0]) {
+            *ints[k].dst = (int)parse_int(a, v, ints[k].lo, ints[k].hi);
+        } else if (!strcmp(a, "--arch")) {
             if (!strcmp(v, "mixtral"))
                 arch = MK_MIXTRAL;
             else if (!strcmp(v, "qwen3_moe"))
@@ -200,26 +233,6 @@ static void opts_parse(struct mk_opts *o, int argc, char **argv)
                 die("--arch: '%s' is not one of mixtral, qwen3_moe, deepseek_v3", v);
         } else if (!strcmp(a, "--out")) {
             o->out = v;
-        } else if (!strcmp(a, "--vocab")) {
-            o->vocab = (int)parse_int(a, v, 1, big);
-        } else if (!strcmp(a, "--hidden")) {
-            o->d_model = (int)parse_int(a, v, 1, big);
-        } else if (!strcmp(a, "--layers")) {
-            o->n_layer = (int)parse_int(a, v, 1, MK_MAX_LAYERS);
-        } else if (!strcmp(a, "--heads")) {
-            o->n_head = (int)parse_int(a, v, 1, big);
-        } else if (!strcmp(a, "--kv-heads")) {
-            o->n_kv_head = (int)parse_int(a, v, 1, big);
-        } else if (!strcmp(a, "--head-dim")) {
-            o->d_head = (int)parse_int(a, v, 1, big);
-        } else if (!strcmp(a, "--experts")) {
-            o->n_expert = (int)parse_int(a, v, 1, 65536);
-        } else if (!strcmp(a, "--top-k")) {
-            o->top_k = (int)parse_int(a, v, 1, 65536);
-        } else if (!strcmp(a, "--ffn")) {
-            o->d_ff = (int)parse_int(a, v, 1, big);
-        } else if (!strcmp(a, "--dense-ffn")) {
-            o->d_ff_dense = (int)parse_int(a, v, 1, big);
         } else if (!strcmp(a, "--mlp-only-layers")) {
             parse_layer_list(o, v);
         } else if (!strcmp(a, "--dtype")) {
@@ -241,30 +254,6 @@ static void opts_parse(struct mk_opts *o, int argc, char **argv)
             o->rope_theta = parse_double(a, v, 1e-3, 1e12);
         } else if (!strcmp(a, "--rms-eps")) {
             o->rms_eps = parse_double(a, v, 1e-12, 1.0);
-        } else if (!strcmp(a, "--max-pos")) {
-            o->max_pos = (int)parse_int(a, v, 1, big);
-        } else if (!strcmp(a, "--bos")) {
-            o->bos_id = (int)parse_int(a, v, -1, big);
-        } else if (!strcmp(a, "--q-lora")) {
-            o->q_lora = (int)parse_int(a, v, 0, big);
-        } else if (!strcmp(a, "--kv-lora")) {
-            o->kv_lora = (int)parse_int(a, v, 1, big);
-        } else if (!strcmp(a, "--rope-dim")) {
-            o->rope_dim = (int)parse_int(a, v, 2, big);
-        } else if (!strcmp(a, "--nope-dim")) {
-            o->nope_dim = (int)parse_int(a, v, 1, big);
-        } else if (!strcmp(a, "--v-dim")) {
-            o->v_dim = (int)parse_int(a, v, 1, big);
-        } else if (!strcmp(a, "--shared")) {
-            o->n_shared = (int)parse_int(a, v, 0, 1024);
-        } else if (!strcmp(a, "--groups")) {
-            o->n_group = (int)parse_int(a, v, 1, big);
-        } else if (!strcmp(a, "--topk-groups")) {
-            o->topk_group = (int)parse_int(a, v, 1, big);
-        } else if (!strcmp(a, "--first-dense")) {
-            o->first_dense = (int)parse_int(a, v, 0, big);
-        } else if (!strcmp(a, "--eos")) {
-            o->eos_id = (int)parse_int(a, v, 0, big);
         } else {
             usage(stderr);
             die("unknown option '%s'", a);
