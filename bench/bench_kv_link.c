@@ -54,7 +54,11 @@ static int side_open(struct side *s, int tp, int bs, int n_tok)
     for (int r = 0; r < tp; r++) {
         struct kv_link_opts o = {.be = be,
                                  .listen = "127.0.0.1:0",
-                                 .layout = {N_LAYER, N_HEAD, D_HEAD, tp, r},
+                                 .layout = {.n_layer = N_LAYER,
+                                            .n_kv_head = N_HEAD,
+                                            .d_head = D_HEAD,
+                                            .tp_size = tp,
+                                            .tp_rank = r},
                                  .io_timeout_ms = 10000};
         if (kv_link_create(&o, &s->link[r], &err)) {
             fprintf(stderr, "bench-kv-link: %s\n", err.msg);

@@ -73,10 +73,11 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
         fprintf(stderr, "%s\n", err.msg);
         abort();
     }
-    struct kv_link_opts o = {.be = be,
-                             .listen = "127.0.0.1:0",
-                             .layout = {N_LAYER, N_HEAD, D_HEAD, 1, 0},
-                             .io_timeout_ms = 500};
+    struct kv_link_opts o = {
+        .be = be,
+        .listen = "127.0.0.1:0",
+        .layout = {.n_layer = N_LAYER, .n_kv_head = N_HEAD, .d_head = D_HEAD, .tp_size = 1},
+        .io_timeout_ms = 500};
     if (kv_link_create(&o, &link_, &err)) {
         fprintf(stderr, "%s\n", err.msg);
         abort();

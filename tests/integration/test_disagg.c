@@ -136,7 +136,10 @@ static void handoff_once(struct moe_backend *be, const struct moe_config *cfg, s
 
     struct kv_link_opts lo = {.be = be,
                               .listen = "127.0.0.1:0",
-                              .layout = {cfg->n_layer, cfg->n_kv_head, cfg->d_head, 1, 0}};
+                              .layout = {.n_layer = cfg->n_layer,
+                                         .n_kv_head = cfg->n_kv_head,
+                                         .d_head = cfg->d_head,
+                                         .tp_size = 1}};
     struct kv_link *la = NULL, *lb = NULL;
     CHECK(kv_link_create(&lo, &la, &err) == MOE_OK && kv_link_create(&lo, &lb, &err) == MOE_OK);
     kv_link_attach_kv(la, moe_engine_kv_cache(a));

@@ -153,7 +153,11 @@ static void side_open(struct side *s, int tp, int bs)
     for (int r = 0; r < tp; r++) {
         struct kv_link_opts o = {.be = be,
                                  .listen = "127.0.0.1:0",
-                                 .layout = {N_LAYER, N_HEAD, D_HEAD, tp, r},
+                                 .layout = {.n_layer = N_LAYER,
+                                            .n_kv_head = N_HEAD,
+                                            .d_head = D_HEAD,
+                                            .tp_size = tp,
+                                            .tp_rank = r},
                                  .io_timeout_ms = 2000};
         if (g_latent)
             o.layout = (struct kv_link_layout){N_LAYER, 1, N_HEAD * D_HEAD, tp, r, true};
@@ -306,7 +310,9 @@ static void test_refusals(void)
     /* a model with another layout on the other side */
     other.tp = 1;
     struct kv_link_opts o = {
-        .be = be, .listen = "127.0.0.1:0", .layout = {N_LAYER + 1, N_HEAD, D_HEAD, 1, 0}};
+        .be = be,
+        .listen = "127.0.0.1:0",
+        .layout = {.n_layer = N_LAYER + 1, .n_kv_head = N_HEAD, .d_head = D_HEAD, .tp_size = 1}};
     CHECK(kv_link_create(&o, &other.link[0], &err) == MOE_OK);
     other.kv[0] = cache_new(4, 0, N_HEAD);
     kv_link_attach_kv(other.link[0], other.kv[0]);
