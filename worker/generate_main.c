@@ -59,6 +59,7 @@ struct args {
     bool print_outputs;
     /* worker group under mpirun */
     int tp;
+    bool dp_attention;
     const char *placement;
     int comm_timeout_ms;
     bool profile;
@@ -123,6 +124,9 @@ static void usage(FILE *f)
            "  --profile           print where the forward time went, per rank (stderr)\n"
            "under mpirun (one model replica over all ranks):\n"
            "  --tp T              tensor-parallel size for attention (default 1)\n"
+           "  --dp-attention      data-parallel attention (TP 1): every rank runs attention\n"
+           "                      for its own sequences over its own KV cache (--kv-blocks /\n"
+           "                      --kv-memory per rank); experts stay split over all ranks\n"
            "  --placement F.json  expert placement (default: even contiguous split)\n"
            "  --placement-switch F.json  move to this placement while running (epoch 1)\n"
            "  --comm-timeout-ms MS  a collective that takes longer fails the group (default "
@@ -230,6 +234,7 @@ static int parse_args(int argc, char **argv, struct args *a)
         {"--profile", &a->profile},
         {"--exact", &a->exact},
         {"--print-outputs", &a->print_outputs},
+        {"--dp-attention", &a->dp_attention},
     };
     const struct str_opt strs[] = {
         {"--model", &a->model},
@@ -390,6 +395,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         .spec_tokens = a->spec_tokens,
         .spec_max_batch = a->spec_max_batch,
         .draft = draft,
+        .kv_parts = group && group->dp ? group->size : 1,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
     };
@@ -407,6 +413,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
                             block_bytes);
         }
     }
+    eo.n_block *= eo.kv_parts; /* data-parallel attention: every rank's cache is that size */
     struct moe_request_params defaults;
     moe_request_params_init(&defaults);
     defaults.max_tokens = a->n_predict > 0 ? a->n_predict : 16;
@@ -445,6 +452,15 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
     printf("requests: %d, prompt tokens %lld (prefix-cache hits %lld), output tokens %lld\n", set.n,
            (long long)rep.prompt_tokens, (long long)rep.prefix_hit_tokens,
            (long long)rep.output_tokens);
+    if (eo.kv_parts > 1) {
+        struct moe_engine_stats st;
+        moe_engine_stats(e, &st);
+        printf("dp attention: %d ranks, each its own KV cache of %d blocks; tokens run per rank:",
+               eo.kv_parts, eo.n_block / eo.kv_parts);
+        for (int r = 0; r < st.kv_parts; r++)
+            printf(" %lld", (long long)st.part_tokens[r]);
+        printf("\n");
+    }
     printf("engine: %d KV blocks x %d tokens of %s (%.1f MiB, %zu bytes per token%s), max batch "
            "tokens %d, max running %d\n",
            eo.n_block, eo.block_size, moe_kv_dtype_flag(moe_model_kv_dtype(model)),
@@ -541,6 +557,7 @@ static enum moe_status start_group(struct gen_run *g, int *argc, char ***argv)
                                  .dtype = a->dtype,
                                  .group_size = a->group_size,
                                  .tp = a->tp,
+                                 .dp_attention = a->dp_attention,
                                  .comm_timeout_ms = a->comm_timeout_ms,
                                  .placement = a->placement,
                                  .exact = a->exact,

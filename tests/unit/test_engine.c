@@ -8,7 +8,11 @@
  *  - seeded sampling is the same whatever the batch; stop strings that
  *    straddle tokens stop the request; bad parameters are refused;
  *  - on the DeepSeek-V3 fixture (a latent KV cache): batch vs alone,
- *    preemption and prefix caching again. */
+ *    preemption and prefix caching again;
+ *  - data-parallel attention's scheduling (a pool in 2 parts, each part's
+ *    share of every step run on its own KV cache, as the group's ranks do):
+ *    batch vs alone, preemption, prefix caching and the random workload
+ *    again, every sequence's blocks in one part. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +20,7 @@
 #include "backend.h"
 #include "engine/engine.h"
 #include "engine/generate.h"
+#include "group/dp_batch.h"
 #include "testlib.h"
 
 #define MAX_REQ 64
@@ -66,10 +71,80 @@ static void capture_free(struct capture *c)
 static struct moe_model *model;
 static int vocab;
 
+/* Data-parallel attention in one process: with dp_parts > 1 the engines
+ * plan over a pool in that many parts, and dp_forward runs each part's share
+ * of a step (moe_dp_split_batch) on that part's own KV cache, the engine's
+ * for part 0, then puts the logit rows back in the batch's order: what the
+ * ranks of a group do, without MPI. */
+#define DP_MAX 4
+static int dp_parts = 1;
+static struct {
+    struct moe_kv_cache *kv[DP_MAX]; /* parts 1.. */
+    struct moe_dp_split split[DP_MAX];
+    float *out[DP_MAX];
+    size_t cap[DP_MAX];
+    int64_t tokens_of[DP_MAX];
+} dp;
+
+static enum moe_status dp_forward(void *ctx, struct moe_model *m, struct moe_kv_cache *kv0,
+                                  const struct moe_batch *b, float *logits, struct moe_error *err)
+{
+    (void)ctx;
+    int row[DP_MAX] = {0};
+    for (int r = 0; r < dp_parts; r++) {
+        struct moe_kv_cache *kv = r ? dp.kv[r] : kv0;
+        if (r && (!kv || kv->n_block != kv0->n_block || kv->block_size != kv0->block_size)) {
+            moe_kv_cache_free(m, dp.kv[r]);
+            dp.kv[r] = NULL;
+            enum moe_status rc =
+                moe_kv_cache_create(m, kv0->n_block, kv0->block_size, &dp.kv[r], err);
+            if (rc)
+                return rc;
+            kv = dp.kv[r];
+        }
+        enum moe_status rc =
+            moe_dp_split_batch(b, dp_parts, kv0->n_block, kv0->block_size, r, &dp.split[r], err);
+        if (rc)
+            return rc;
+        const struct moe_batch *lb = &dp.split[r].b;
+        if (!lb->n_tok)
+            continue;
+        size_t need = (size_t)(lb->n_logits ? lb->n_logits : 1) * vocab;
+        if (need > dp.cap[r]) {
+            free(dp.out[r]);
+            MOE_ASSERT(dp.out[r] = malloc(need * sizeof(float)));
+            dp.cap[r] = need;
+        }
+        if ((rc = moe_model_forward(m, kv, lb, dp.out[r], err)))
+            return rc;
+        dp.tokens_of[r] += lb->n_tok;
+    }
+    for (int i = 0; i < b->n_logits; i++) {
+        int r = dp.split[0].logit_rank[i];
+        memcpy(logits + (size_t)i * vocab, dp.out[r] + (size_t)row[r]++ * vocab,
+               (size_t)vocab * sizeof(float));
+    }
+    return MOE_OK;
+}
+
+static void dp_free(void)
+{
+    for (int r = 0; r < DP_MAX; r++) {
+        moe_kv_cache_free(model, dp.kv[r]);
+        moe_dp_split_free(&dp.split[r]);
+        free(dp.out[r]);
+    }
+    memset(&dp, 0, sizeof dp);
+}
+
 static struct moe_engine *make_engine(struct moe_engine_opts o, struct capture *c)
 {
     struct moe_engine *e = NULL;
     struct moe_error err = {0};
+    if (dp_parts > 1) {
+        o.kv_parts = dp_parts;
+        o.forward = dp_forward;
+    }
     o.logits_hook = on_logits;
     o.logits_hook_user = c;
     CHECKF(moe_engine_create(model, NULL, &o, &e, &err) == MOE_OK, "%s", err.msg);
@@ -192,8 +267,8 @@ static void test_preemption(void)
     run_to_end(e);
     moe_engine_stats(e, &st_big);
     moe_engine_destroy(e);
-    /* 16 blocks of 4 tokens: the largest request alone needs 14 */
-    e = make_engine((struct moe_engine_opts){.n_block = 16, .block_size = 4}, &small);
+    /* 16 blocks of 4 tokens (in each part): the largest request alone needs 14 */
+    e = make_engine((struct moe_engine_opts){.n_block = 16 * dp_parts, .block_size = 4}, &small);
     for (int i = 0; i < N; i++)
         CHECKF(moe_engine_submit(e, (uint64_t)i, prompts[i], lens[i], &p, on_token, &small, &err) ==
                    MOE_OK,
@@ -268,6 +343,14 @@ static void test_random_workload(void)
         CHECK(moe_engine_step(e, NULL, &err) == MOE_OK);
         if (steps % 7 == 0 && moe_engine_check(e, &cerr) != MOE_OK)
             bad++;
+        if (dp_parts > 1 && steps % 7 == 0) { /* the per-part load adds up */
+            struct moe_engine_stats ps;
+            moe_engine_stats(e, &ps);
+            int used = 0;
+            for (int p = 0; p < ps.kv_parts; p++)
+                used += ps.part_blocks_used[p];
+            bad += ps.kv_parts != dp_parts || used != ps.kv_blocks_used;
+        }
     }
     run_to_end(e);
     CHECKF(bad == 0, "%s", cerr.msg);
@@ -591,6 +674,25 @@ int main(void)
         test_batch_equals_alone();
         test_preemption();
         test_prefix_cache();
+        moe_model_free(model);
+    }
+    /* data-parallel attention's scheduling, on the Qwen3-MoE model */
+    model = NULL;
+    CHECKF(moe_model_load(dir, &mo, be, &model, &err) == MOE_OK, "%s", err.msg);
+    if (model) {
+        vocab = moe_model_config(model)->vocab_size;
+        dp_parts = 2;
+        printf("-- data-parallel attention, %d parts --\n", dp_parts);
+        test_batch_equals_alone();
+        CHECKF(dp.tokens_of[0] > 0 && dp.tokens_of[1] > 0, "tokens per part: %lld, %lld",
+               (long long)dp.tokens_of[0], (long long)dp.tokens_of[1]);
+        printf("batch: tokens run per part %lld, %lld\n", (long long)dp.tokens_of[0],
+               (long long)dp.tokens_of[1]);
+        test_preemption();
+        test_prefix_cache();
+        test_random_workload();
+        dp_free();
+        dp_parts = 1;
         moe_model_free(model);
     }
     moe_tokenizer_free(tok);

@@ -23,6 +23,7 @@ struct seq {
     uint64_t *block_hash; /* (cap_blocks) chained hash of each full block */
     int n_blocks;
     int n_hashed; /* blocks [0, n_hashed) are full and hashed */
+    int part;     /* KV pool part (data-parallel attention rank) of its blocks */
     int cap_blocks;
     struct moe_request_params params;
     struct moe_rng rng;
@@ -216,6 +217,14 @@ enum moe_status moe_engine_create(struct moe_model *model, struct moe_tokenizer 
     if (o.spec_tokens < 0 || o.spec_tokens > MOE_SPEC_TOKENS_MAX)
         return moe_error_set(err, MOE_ERR_INVALID, "--spec-tokens: %d is not in [0, %d]",
                              o.spec_tokens, MOE_SPEC_TOKENS_MAX);
+    if (o.kv_parts < 1)
+        o.kv_parts = 1;
+    if (o.kv_parts > MOE_ENGINE_MAX_KV_PARTS || o.n_block % o.kv_parts ||
+        (o.kv_parts > 1 && !o.forward))
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "KV pool of %d blocks in %d data-parallel parts: needs at most %d "
+                             "parts, a multiple of them as blocks, and a group forward",
+                             o.n_block, o.kv_parts, MOE_ENGINE_MAX_KV_PARTS);
     if (o.max_batch_tokens < 1 || o.max_running < 1)
         return moe_error_set(err, MOE_ERR_INVALID,
                              "--max-batch-tokens %d and --max-running %d must be positive",
@@ -229,9 +238,9 @@ enum moe_status moe_engine_create(struct moe_model *model, struct moe_tokenizer 
     e->opts = o;
     moe_rng_seed(&e->seed_rng, 0x5eedull);
     pthread_mutex_init(&e->mu, NULL);
-    enum moe_status rc = kv_pool_create(o.n_block, o.block_size, &e->pool, err);
-    if (!rc)
-        rc = moe_kv_cache_create(model, o.n_block, o.block_size, &e->kv, err);
+    enum moe_status rc = kv_pool_create_parts(o.n_block, o.block_size, o.kv_parts, &e->pool, err);
+    if (!rc) /* with parts: the leader's own part; the other ranks hold theirs */
+        rc = moe_kv_cache_create(model, o.n_block / o.kv_parts, o.block_size, &e->kv, err);
     if (!rc && o.draft && !o.spec_tokens)
         rc = moe_error_set(err, MOE_ERR_INVALID,
                            "--draft-model needs --spec-tokens K (the guesses per step)");
@@ -246,6 +255,7 @@ enum moe_status moe_engine_create(struct moe_model *model, struct moe_tokenizer 
     e->stats.kv_blocks_total = o.n_block;
     e->stats.block_size = o.block_size;
     e->stats.kv_blocks_free = o.n_block;
+    e->stats.kv_parts = o.kv_parts;
     *out = e;
     return MOE_OK;
 }
@@ -312,10 +322,13 @@ static enum moe_status check_params(const struct moe_engine *e, const int32_t *p
                              n_prompt, p->max_tokens, c->max_pos);
     int64_t blocks =
         ((int64_t)n_prompt + p->max_tokens + e->opts.block_size - 1) / e->opts.block_size;
-    if (blocks > e->opts.n_block)
+    int part_blocks = e->opts.n_block / e->opts.kv_parts; /* a sequence lives in one part */
+    if (blocks > part_blocks)
         return moe_error_set(err, MOE_ERR_INVALID,
-                             "max_tokens: prompt + max_tokens need %lld KV blocks, the pool has %d",
-                             (long long)blocks, e->opts.n_block);
+                             "max_tokens: prompt + max_tokens need %lld KV blocks, the pool has "
+                             "%d%s",
+                             (long long)blocks, part_blocks,
+                             e->opts.kv_parts > 1 ? " on each data-parallel rank" : "");
     const struct moe_sampler_params *sp = &p->sp;
     if (!(sp->temperature >= 0.0f && sp->temperature <= 100.0f))
         return moe_error_set(err, MOE_ERR_INVALID, "temperature: %g is not in [0, 100]",
@@ -548,6 +561,16 @@ static void publish_stats(struct moe_engine *e)
     e->stats.kv_blocks_cached = ps.n_cached;
     e->stats.kv_blocks_free = ps.n_free;
     e->stats.kv_tokens_stored = stored;
+    if (e->opts.kv_parts > 1) {
+        int pb = e->opts.n_block / e->opts.kv_parts;
+        for (int p = 0; p < e->opts.kv_parts; p++) {
+            e->stats.part_blocks_used[p] = pb - kv_pool_available_in(e->pool, p);
+            e->stats.part_running[p] = 0;
+        }
+        for (int i = 0; i < e->running.n; i++)
+            e->stats.part_running[e->running.v[i]->part]++;
+        memcpy(e->stats.part_tokens, e->counts.part_tokens, sizeof e->stats.part_tokens);
+    }
     e->stats.parked = e->parked.n;
     e->stats.reservations = e->n_resv;
     /* the cumulative counters, kept by the engine thread alone */
@@ -621,7 +644,7 @@ static void seq_take_prefix(struct moe_engine *e, struct seq *s)
     int bs = e->opts.block_size;
     while (!e->opts.no_prefix_cache && (s->n_blocks + 1) * bs <= s->n_tokens - 1) {
         int i = s->n_blocks;
-        uint64_t parent = i ? s->block_hash[i - 1] : 0;
+        uint64_t parent = i ? s->block_hash[i - 1] : kv_pool_part_seed(s->part);
         const int32_t *t = s->tokens + (size_t)i * bs;
         uint64_t h = kv_pool_hash(parent, t, bs);
         int32_t b = kv_pool_lookup(e->pool, h, parent, t);
@@ -640,7 +663,7 @@ static void seq_publish_blocks(struct moe_engine *e, struct seq *s)
     int bs = e->opts.block_size;
     while ((s->n_hashed + 1) * bs <= s->n_computed) {
         int i = s->n_hashed;
-        uint64_t parent = i ? s->block_hash[i - 1] : 0;
+        uint64_t parent = i ? s->block_hash[i - 1] : kv_pool_part_seed(s->part);
         const int32_t *t = s->tokens + (size_t)i * bs;
         s->block_hash[i] = kv_pool_hash(parent, t, bs);
         if (!e->opts.no_prefix_cache)
@@ -654,12 +677,21 @@ static int blocks_for(const struct moe_engine *e, int n_tok)
     return (n_tok + e->opts.block_size - 1) / e->opts.block_size;
 }
 
-/* Preempts the newest running sequence: frees its blocks (full ones stay in
- * the prefix cache) and puts it at the front of the waiting queue. */
-static void preempt_newest(struct moe_engine *e)
+/* The newest running sequence of KV pool part `part`, or -1. */
+static int newest_in_part(const struct moe_engine *e, int part)
 {
-    struct seq *s = e->running.v[e->running.n - 1];
-    e->running.n--;
+    for (int i = e->running.n - 1; i >= 0; i--)
+        if (e->running.v[i]->part == part)
+            return i;
+    return -1;
+}
+
+/* Preempts running sequence i: frees its blocks (full ones stay in the
+ * prefix cache) and puts it at the front of the waiting queue. */
+static void preempt(struct moe_engine *e, int i)
+{
+    struct seq *s = e->running.v[i];
+    list_remove_at(&e->running, i);
     seq_release_blocks(e, s);
     MOE_ASSERT(list_reserve(&e->waiting, e->waiting.n + 1));
     memmove(e->waiting.v + 1, e->waiting.v, (size_t)e->waiting.n * sizeof *e->waiting.v);
@@ -696,7 +728,7 @@ static int draft_limit(const struct moe_engine *e, const struct sched_entry *en,
     if (k > s->cap_tokens - s->n_tokens - 1)
         k = s->cap_tokens - s->n_tokens - 1;
     int bs = e->opts.block_size;
-    int slots = (s->n_blocks + kv_pool_free_count(e->pool)) * bs - s->n_tokens;
+    int slots = (s->n_blocks + kv_pool_free_count_in(e->pool, s->part)) * bs - s->n_tokens;
     return k < slots ? k : slots;
 }
 
@@ -723,7 +755,7 @@ static void schedule_drafts(struct moe_engine *e, int n, int budget)
             !grow((void **)&e->draft_reqs, &e->cap_draft_reqs, n_req + 1, sizeof *e->draft_reqs))
             break;
         for (int need = blocks_for(e, s->n_tokens + k) - s->n_blocks; need > 0; need--)
-            s->blocks[s->n_blocks++] = kv_pool_alloc(e->pool);
+            s->blocks[s->n_blocks++] = kv_pool_alloc_in(e->pool, s->part);
         en->count += k;
         en->n_draft = k;
         budget -= k;
@@ -764,48 +796,93 @@ static void schedule_drafts(struct moe_engine *e, int n, int budget)
                 err.msg);
 }
 
-/* Picks this step's work; returns the number of entries. */
+/* Data-parallel attention: the part a waiting sequence goes to (see
+ * moe_engine_opts.kv_parts), among those with token budget left; -1 when
+ * none has. One part: 0. */
+static int choose_part(const struct moe_engine *e, const struct seq *s, const int *budget)
+{
+    int n_part = e->opts.kv_parts, best = -1, best_hits = -1, bs = e->opts.block_size;
+    for (int p = 0; p < n_part; p++) {
+        if (budget[p] <= 0)
+            continue;
+        int hits = 0; /* full blocks of the prompt already cached in part p */
+        uint64_t parent = kv_pool_part_seed(p);
+        while (!e->opts.no_prefix_cache && (hits + 1) * bs <= s->n_tokens - 1) {
+            const int32_t *t = s->tokens + (size_t)hits * bs;
+            uint64_t h = kv_pool_hash(parent, t, bs);
+            if (!kv_pool_contains(e->pool, h, parent, t))
+                break;
+            parent = h;
+            hits++;
+        }
+        if (best < 0 || hits > best_hits ||
+            (hits == best_hits &&
+             (budget[p] > budget[best] ||
+              (budget[p] == budget[best] &&
+               kv_pool_available_in(e->pool, p) > kv_pool_available_in(e->pool, best))))) {
+            best = p;
+            best_hits = hits;
+        }
+    }
+    return best;
+}
+
+/* Picks this step's work; returns the number of entries. Each KV pool part
+ * (one with a single pool) has the whole token budget. */
 static int schedule(struct moe_engine *e)
 {
-    int budget = e->opts.max_batch_tokens, n = 0;
-    /* Running sequences, oldest first: decodes and continuing prompt chunks. */
-    for (int i = 0; i < e->running.n && budget > 0; i++) {
+    int budget[MOE_ENGINE_MAX_KV_PARTS], n = 0, n_part = e->opts.kv_parts, left = n_part;
+    for (int p = 0; p < n_part; p++)
+        budget[p] = e->opts.max_batch_tokens;
+    /* Running sequences, oldest first: decodes and continuing prompt chunks.
+     * Blocks short in a part preempt that part's newest sequences. */
+    for (int i = 0; i < e->running.n && left > 0; i++) {
         struct seq *s = e->running.v[i];
+        int *b = &budget[s->part];
+        if (*b <= 0)
+            continue;
         int count = s->n_tokens - s->n_computed;
-        if (count > budget)
-            count = budget;
+        if (count > *b)
+            count = *b;
         int need = blocks_for(e, s->n_computed + count) - s->n_blocks;
         bool self_preempted = false;
-        while (need > kv_pool_available(e->pool)) {
-            if (e->running.v[e->running.n - 1] == s) {
-                preempt_newest(e);
+        while (need > kv_pool_available_in(e->pool, s->part)) {
+            int victim = newest_in_part(e, s->part);
+            preempt(e, victim);
+            if (victim == i) {
                 self_preempted = true;
                 break;
             }
-            preempt_newest(e);
         }
-        if (self_preempted)
-            break;
+        if (self_preempted) {
+            if (n_part == 1)
+                break;
+            i--; /* the next sequence moved into slot i */
+            continue;
+        }
         for (; need > 0; need--)
-            s->blocks[s->n_blocks++] = kv_pool_alloc(e->pool);
+            s->blocks[s->n_blocks++] = kv_pool_alloc_in(e->pool, s->part);
         if (!sched_add(e, &n, s, count))
             break;
-        budget -= count;
+        *b -= count;
+        left -= *b <= 0;
     }
     /* Waiting sequences, first come first served, while their blocks fit. */
-    while (e->waiting.n && budget > 0 && e->running.n < e->opts.max_running) {
+    while (e->waiting.n && left > 0 && e->running.n < e->opts.max_running) {
         struct seq *s = e->waiting.v[0];
+        s->part = choose_part(e, s, budget);
         seq_take_prefix(e, s);
+        int *b = &budget[s->part];
         int count = s->n_tokens - s->n_computed;
-        if (count > budget)
-            count = budget;
+        if (count > *b)
+            count = *b;
         int need = blocks_for(e, s->n_computed + count) - s->n_blocks;
-        if (need > kv_pool_available(e->pool)) {
+        if (need > kv_pool_available_in(e->pool, s->part)) {
             seq_release_blocks(e, s); /* give the prefix hits back; try again later */
             break;
         }
         for (; need > 0; need--)
-            s->blocks[s->n_blocks++] = kv_pool_alloc(e->pool);
+            s->blocks[s->n_blocks++] = kv_pool_alloc_in(e->pool, s->part);
         if (!s->prompt_counted) {
             s->prompt_counted = true;
             s->t_admitted = moe_now();
@@ -817,7 +894,8 @@ static int schedule(struct moe_engine *e)
         MOE_ASSERT(list_push(&e->running, s));
         if (!sched_add(e, &n, s, count))
             break;
-        budget -= count;
+        *b -= count;
+        left -= *b <= 0;
     }
     /* Drafts pay while a step is bound by reading the weights: with many
      * decode rows it is bound by computing them, and a K+1-token verify row
@@ -825,8 +903,11 @@ static int schedule(struct moe_engine *e)
     int decoding = 0;
     for (int i = 0; i < n; i++)
         decoding += e->sched[i].count == 1;
+    int spare = 0; /* drafts: what the parts' budgets leave over */
+    for (int p = 0; p < n_part; p++)
+        spare += budget[p] > 0 ? budget[p] : 0;
     if (e->opts.spec_tokens > 0 && (!e->opts.spec_max_batch || decoding <= e->opts.spec_max_batch))
-        schedule_drafts(e, n, budget);
+        schedule_drafts(e, n, spare);
     return n;
 }
 
@@ -1052,7 +1133,11 @@ static void run_ops(struct moe_engine *e, const struct engine_op *ops, int n)
                 resv_drop(e, i);
             continue;
         }
-        int avail = kv_pool_available(e->pool);
+        int part = 0; /* a handed-off sequence's blocks come from one part */
+        for (int p = 1; p < e->opts.kv_parts; p++)
+            if (kv_pool_available_in(e->pool, p) > kv_pool_available_in(e->pool, part))
+                part = p;
+        int avail = kv_pool_available_in(e->pool, part);
         int32_t *blocks = NULL;
         if (i >= 0) {
             snprintf(msg, sizeof msg, "reservation %llu: already held",
@@ -1065,7 +1150,7 @@ static void run_ops(struct moe_engine *e, const struct engine_op *ops, int n)
             snprintf(msg, sizeof msg, "out of memory");
         } else {
             for (int j = 0; j < op->n_blocks; j++)
-                blocks[j] = kv_pool_alloc(e->pool);
+                blocks[j] = kv_pool_alloc_in(e->pool, part);
             e->resv[e->n_resv++] = (struct reservation){op->key, blocks, op->n_blocks};
             publish_stats(e); /* the reserved blocks, before the caller hears of them */
             if (op->cb)
@@ -1088,6 +1173,7 @@ static void admit_import(struct moe_engine *e, struct seq *s)
         struct reservation *r = &e->resv[i];
         memcpy(s->blocks, r->blocks, (size_t)r->n_blocks * sizeof *s->blocks);
         s->n_blocks = r->n_blocks;
+        s->part = kv_pool_part_of(e->pool, r->blocks[0]);
         s->n_computed = n_kv;
         s->prompt_counted = true;
         s->t_admitted = moe_now();
@@ -1251,6 +1337,8 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
     }
     e->counts.steps++;
     e->counts.computed_tokens += n_tok;
+    for (int i = 0; e->opts.kv_parts > 1 && i < n_sched; i++)
+        e->counts.part_tokens[e->sched[i].s->part] += e->sched[i].count;
     int row = 0;
     for (int i = 0; i < n_sched; i++) {
         const struct sched_entry *en = &e->sched[i];
@@ -1297,8 +1385,14 @@ enum moe_status moe_engine_check(struct moe_engine *e, struct moe_error *err)
                 rc = moe_error_set(err, MOE_ERR_INTERNAL,
                                    "request %llu holds %d blocks for %d computed tokens",
                                    (unsigned long long)s->id, s->n_blocks, s->n_computed);
-            for (int j = 0; j < s->n_blocks; j++)
+            for (int j = 0; j < s->n_blocks; j++) {
                 refs[s->blocks[j]]++;
+                if (!rc && kv_pool_part_of(e->pool, s->blocks[j]) != s->part)
+                    rc = moe_error_set(err, MOE_ERR_INTERNAL,
+                                       "request %llu of KV part %d holds block %d of part %d",
+                                       (unsigned long long)s->id, s->part, s->blocks[j],
+                                       kv_pool_part_of(e->pool, s->blocks[j]));
+            }
         }
     if (!rc)
         rc = kv_pool_check(e->pool, refs, err);

@@ -57,6 +57,15 @@ struct moe_engine_opts {
     /* With spec_tokens: no drafts in a step with more than this many decode
      * rows (0: no limit). */
     int spec_max_batch;
+    /* Data-parallel attention: the pool is split into kv_parts equal parts
+     * (n_block a multiple of it), part r the KV cache of group rank r; the
+     * engine's own cache holds one part, and every sequence takes its blocks
+     * from one part, chosen at admission (the longest prefix-cache hit, then
+     * the most token budget left this step, then the most free blocks).
+     * Each part has the whole max_batch_tokens per step: the ranks run their
+     * shares side by side, and a step lasts as long as its busiest rank.
+     * Needs `forward` (the group's, group.h). 0 or 1: one pool. */
+    int kv_parts;
     moe_forward_fn forward; /* NULL: moe_model_forward (one rank) */
     void *forward_ctx;
     moe_logits_hook logits_hook; /* optional */
@@ -110,9 +119,17 @@ struct moe_token_event {
 
 typedef void (*moe_token_cb)(void *user, const struct moe_token_event *ev);
 
+#define MOE_ENGINE_MAX_KV_PARTS 64
+
 struct moe_engine_stats {
     int running;
     int waiting;
+    /* data-parallel attention (kv_parts > 1): per part, its blocks held by
+     * sequences and its running sequences */
+    int kv_parts;
+    int part_blocks_used[MOE_ENGINE_MAX_KV_PARTS];
+    int part_running[MOE_ENGINE_MAX_KV_PARTS];
+    int64_t part_tokens[MOE_ENGINE_MAX_KV_PARTS]; /* tokens run, ever */
     int kv_blocks_total;
     int block_size;       /* tokens per KV block */
     int kv_blocks_used;   /* held by sequences */

@@ -12,6 +12,8 @@
 
 enum plan_op { PLAN_FORWARD = 1, PLAN_STOP = 2 };
 
+#define DP_MAX_RANKS 64 /* data-parallel attention: ranks of a group (the EP limit) */
+
 /* The fixed-size head of a step plan; the arrays follow in one broadcast. */
 struct plan_head {
     int32_t op;
@@ -21,7 +23,7 @@ struct plan_head {
     int32_t kv_blocks; /* shape of the leader's KV cache */
     int32_t kv_block_size;
     int32_t prepare; /* 1: a placement follows the batch; start preparing it */
-    int32_t pad;
+    int32_t n_logits;
     int64_t epoch; /* with prepare: its epoch */
 };
 
@@ -96,6 +98,35 @@ static enum moe_status start_prepare(struct moe_group *g, struct moe_model *m, c
     return MOE_OK;
 }
 
+/* Data-parallel attention, every rank after each forward: each rank routed
+ * only its own tokens; the leader adds the others' to its counters (what
+ * the metrics and `moectl experts stats` read). */
+static enum moe_status sum_expert_tokens(struct moe_group *g, struct moe_model *m,
+                                         struct moe_error *err)
+{
+    const struct moe_config *c = moe_model_config(m);
+    size_t n = (size_t)c->n_layer * c->n_expert;
+    if (!n)
+        return MOE_OK;
+    if (!g->dp_expert && (!(g->dp_expert = calloc(n, sizeof *g->dp_expert)) ||
+                          !(g->dp_expert_seen = calloc(n, sizeof *g->dp_expert_seen))))
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    const uint64_t *now = moe_model_expert_tokens(m);
+    for (size_t i = 0; i < n; i++) {
+        g->dp_expert[i] = g->rank ? (float)(now[i] - g->dp_expert_seen[i]) : 0.0f;
+        g->dp_expert_seen[i] = now[i];
+    }
+    enum moe_status rc = moe_comm_all_reduce_sum(g->world, g->dp_expert, n, err);
+    if (rc)
+        return rc;
+    if (g->rank == 0) {
+        moe_model_add_expert_tokens(m, g->dp_expert);
+        for (size_t i = 0; i < n; i++) /* not this rank's own next time */
+            g->dp_expert_seen[i] += (uint64_t)g->dp_expert[i];
+    }
+    return MOE_OK;
+}
+
 /* Every rank, after each forward: share how many rows each rank computed in
  * this step (the measured per-rank expert load). */
 static enum moe_status count_rank_rows(struct moe_group *g, struct moe_model *m,
@@ -109,6 +140,8 @@ static enum moe_status count_rank_rows(struct moe_group *g, struct moe_model *m,
     v[g->rank] = (float)(now - g->rows_seen);
     g->rows_seen = now;
     enum moe_status rc = moe_comm_all_reduce_sum(g->world, v, (size_t)g->size, err);
+    if (!rc && g->dp)
+        rc = sum_expert_tokens(g, m, err);
     if (!rc) {
         pthread_mutex_lock(&g->mu);
         for (int r = 0; r < g->size; r++)
@@ -173,8 +206,8 @@ bool moe_group_launched_by_mpi(void)
     return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
 }
 
-enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, int timeout_ms,
-                                 struct moe_group **out, struct moe_error *err)
+enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, bool dp_attention,
+                                 int timeout_ms, struct moe_group **out, struct moe_error *err)
 {
     *out = NULL;
     int provided = 0;
@@ -203,6 +236,19 @@ enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, int timeo
                            tp_size, g->size);
         goto fail;
     }
+    if (dp_attention && tp_size > 1) {
+        rc = moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                           "--dp-attention with --tp %d: attention inside TP sub-groups of a "
+                           "DP group is not built yet (use --tp 1: every rank its own attention)",
+                           tp_size);
+        goto fail;
+    }
+    if (dp_attention && g->size > DP_MAX_RANKS) {
+        rc = moe_error_set(err, MOE_ERR_UNSUPPORTED, "--dp-attention over %d ranks (at most %d)",
+                           g->size, DP_MAX_RANKS);
+        goto fail;
+    }
+    g->dp = dp_attention && g->size > 1;
     g->tp_rank = g->rank % tp_size;
     pthread_mutex_init(&g->mu, NULL);
     if (!(g->rank_rows = calloc((size_t)g->size, sizeof *g->rank_rows))) {
@@ -230,6 +276,10 @@ void moe_group_destroy(struct moe_group *g)
     }
     join_prepare(g);
     free(g->rank_rows);
+    moe_dp_split_free(&g->split);
+    free(g->dp_logits);
+    free(g->dp_expert);
+    free(g->dp_expert_seen);
     moe_comm_destroy(g->dev_tp);
     moe_comm_destroy(g->dev_world);
     moe_placement_free(&g->proposal);
@@ -306,7 +356,59 @@ enum moe_status moe_group_share_kv(struct moe_group *g, struct moe_model *m, int
 
 static size_t payload_ints(const struct plan_head *h)
 {
-    return 4 * (size_t)h->n_tok + (size_t)h->n_seq * h->max_blocks;
+    return 4 * (size_t)h->n_tok + (size_t)h->n_seq * h->max_blocks + (size_t)h->n_logits;
+}
+
+/* Data-parallel attention, every rank: runs this rank's share of the step
+ * `b` (global block ids) on its KV cache `kv`, then brings every rank's
+ * logit rows to the leader's `logits`, in the order of b->logit_rows. */
+static enum moe_status dp_forward(struct moe_group *g, struct moe_model *m, struct moe_kv_cache *kv,
+                                  const struct moe_batch *b, float *logits, struct moe_error *err)
+{
+    struct moe_dp_split *sp = &g->split;
+    enum moe_status rc =
+        moe_dp_split_batch(b, g->size, kv->n_block, kv->block_size, g->rank, sp, err);
+    if (rc)
+        return moe_error_prefix(err, "rank %d", g->rank);
+    size_t V = (size_t)moe_model_config(m)->vocab_size;
+    size_t need = (size_t)(b->n_logits > 0 ? b->n_logits : 1) * V * (g->rank ? 1 : 2);
+    if (need > g->cap_dp_logits) {
+        free(g->dp_logits);
+        g->cap_dp_logits = 0;
+        if (!(g->dp_logits = malloc(need * sizeof *g->dp_logits)))
+            return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for %d rows of logits",
+                                 b->n_logits);
+        g->cap_dp_logits = need;
+    }
+    if ((rc = moe_model_forward(m, kv, &sp->b, g->dp_logits, err)))
+        return rc;
+    if (!b->n_logits)
+        return MOE_OK;
+    /* every rank's rows to the leader, in rank order */
+    size_t row = V * sizeof(float), sc[DP_MAX_RANKS] = {0}, sd[DP_MAX_RANKS] = {0},
+           rc_[DP_MAX_RANKS] = {0}, rd[DP_MAX_RANKS] = {0};
+    int per_rank[DP_MAX_RANKS] = {0};
+    for (int i = 0; i < b->n_logits; i++)
+        per_rank[sp->logit_rank[i]]++;
+    sc[0] = (size_t)sp->b.n_logits * row;
+    for (int r = 0, at = 0; g->rank == 0 && r < g->size; r++) {
+        rc_[r] = (size_t)per_rank[r] * row;
+        rd[r] = (size_t)at * row;
+        at += per_rank[r];
+    }
+    float *gathered = g->dp_logits + (size_t)b->n_logits * V; /* leader only */
+    if ((rc = moe_comm_all_to_all_v(g->world, g->dp_logits, sc, sd, gathered, rc_, rd, err)))
+        return moe_error_prefix(err, "gathering the ranks' logits");
+    if (g->rank)
+        return MOE_OK;
+    int next[DP_MAX_RANKS], at = 0;
+    for (int r = 0; r < g->size; r++) {
+        next[r] = at;
+        at += per_rank[r];
+    }
+    for (int i = 0; i < b->n_logits; i++)
+        memcpy(logits + (size_t)i * V, gathered + (size_t)next[sp->logit_rank[i]]++ * V, row);
+    return MOE_OK;
 }
 
 enum moe_status moe_group_forward(void *group, struct moe_model *m, struct moe_kv_cache *kv,
@@ -314,7 +416,8 @@ enum moe_status moe_group_forward(void *group, struct moe_model *m, struct moe_k
 {
     struct moe_group *g = group;
     struct plan_head h = {
-        PLAN_FORWARD, b->n_tok, b->n_seq, b->max_blocks, kv->n_block, kv->block_size, 0, 0, 0};
+        PLAN_FORWARD, b->n_tok, b->n_seq, b->max_blocks, kv->n_block, kv->block_size, 0,
+        b->n_logits,  0};
     struct moe_placement start = {0};
     pthread_mutex_lock(&g->mu);
     if (g->has_proposal && !g->preparing) {
@@ -335,6 +438,9 @@ enum moe_status moe_group_forward(void *group, struct moe_model *m, struct moe_k
     memcpy(pl + 2 * nt, b->seq, nt * sizeof *pl);
     memcpy(pl + 3 * nt, b->slots, nt * sizeof *pl);
     memcpy(pl + 4 * nt, b->block_tables, (size_t)b->n_seq * b->max_blocks * sizeof *pl);
+    if (b->n_logits)
+        memcpy(pl + 4 * nt + (size_t)b->n_seq * b->max_blocks, b->logit_rows,
+               (size_t)b->n_logits * sizeof *pl);
     if (h.prepare)
         placement_pack(&start, pl + payload_ints(&h));
     enum moe_status rc = moe_comm_broadcast(g->world, &h, sizeof h, 0, err);
@@ -346,7 +452,8 @@ enum moe_status moe_group_forward(void *group, struct moe_model *m, struct moe_k
     moe_placement_free(&start);
     if (rc)
         return moe_error_prefix(err, "broadcasting the step plan");
-    if ((rc = moe_model_forward(m, kv, b, logits, err)) || (rc = count_rank_rows(g, m, err)))
+    rc = g->dp ? dp_forward(g, m, kv, b, logits, err) : moe_model_forward(m, kv, b, logits, err);
+    if (rc || (rc = count_rank_rows(g, m, err)))
         return rc;
     return g->preparing ? settle_prepare(g, m, err) : MOE_OK;
 }
@@ -417,7 +524,7 @@ enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struc
         if (rc || h.op == PLAN_STOP)
             break;
         if (h.op != PLAN_FORWARD || h.n_tok < 1 || h.n_seq < 1 || h.max_blocks < 1 ||
-            h.kv_blocks < 1 || h.kv_block_size < 1) {
+            h.kv_blocks < 1 || h.kv_block_size < 1 || h.n_logits < 0 || h.n_logits > h.n_tok) {
             rc = moe_error_set(err, MOE_ERR_INTERNAL, "rank %d: malformed step plan (op %d)",
                                g->rank, h.op);
             break;
@@ -463,9 +570,11 @@ enum moe_status moe_group_follow(struct moe_group *g, struct moe_model *m, struc
             .n_seq = h.n_seq,
             .block_tables = pl + 4 * nt,
             .max_blocks = h.max_blocks,
-            .n_logits = 0,
+            .n_logits = g->dp ? h.n_logits : 0, /* followers compute logits only for DP */
+            .logit_rows = pl + 4 * nt + (size_t)h.n_seq * h.max_blocks,
         };
-        if ((rc = moe_model_forward(m, kv, &b, NULL, err)) || (rc = count_rank_rows(g, m, err)))
+        rc = g->dp ? dp_forward(g, m, kv, &b, NULL, err) : moe_model_forward(m, kv, &b, NULL, err);
+        if (rc || (rc = count_rank_rows(g, m, err)))
             break;
         if (g->preparing && (rc = settle_prepare(g, m, err)))
             break;

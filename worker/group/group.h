@@ -8,6 +8,12 @@
  * cache shaped like the leader's (re-created when the leader's changes) and
  * compute no logits. On the CPU the collectives go over MPI.
  *
+ * With data-parallel attention (--dp-attention, TP 1) every rank owns a part
+ * of the leader's KV block pool and the sequences whose blocks are there:
+ * the plan is the whole step, each rank runs its share of it
+ * (group/dp_batch.h), the MoE layers exchange the ranks' distinct rows, and
+ * the ranks' logits come back to the leader for sampling.
+ *
  * A rank that dies makes the others fail within the communicator timeout
  * during a step; while the group is idle, followers wait for the next plan
  * without a timeout and rely on mpirun, which ends the job when a rank dies. */
@@ -20,6 +26,7 @@
 #include <stdint.h>
 
 #include "comm/comm.h"
+#include "group/dp_batch.h"
 #include "model/model.h"
 #include "moe_error.h"
 #include "placement.h"
@@ -35,6 +42,12 @@ struct moe_group {
      * step plans stay on MPI (host memory). NULL on the CPU. */
     struct moe_comm *dev_world;
     struct moe_comm *dev_tp;
+    bool dp;                   /* data-parallel attention */
+    struct moe_dp_split split; /* dp: this rank's share of the step */
+    float *dp_logits;          /* dp: this rank's logit rows, then (leader) everyone's */
+    size_t cap_dp_logits;      /* floats */
+    float *dp_expert;          /* dp: per (layer, expert) tokens routed this step */
+    uint64_t *dp_expert_seen;  /* dp: this rank's counters at the last step */
     struct moe_kv_cache *follower_kv;
     bool kv_shared; /* follower_kv was made by moe_group_share_kv: its shape is fixed */
     struct moe_model *follower_model;
@@ -66,10 +79,11 @@ struct moe_group {
 bool moe_group_launched_by_mpi(void);
 
 /* Initialises MPI (thread level SERIALIZED: the leader's engine thread makes
- * the calls) and builds the communicators. W must be a multiple of tp_size.
- * timeout_ms bounds every collective inside a step. */
-enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, int timeout_ms,
-                                 struct moe_group **out, struct moe_error *err);
+ * the calls) and builds the communicators. W must be a multiple of tp_size;
+ * dp_attention needs tp_size 1. timeout_ms bounds every collective inside a
+ * step. */
+enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, bool dp_attention,
+                                 int timeout_ms, struct moe_group **out, struct moe_error *err);
 
 /* For a CUDA backend: creates the NCCL communicators the model uses (the
  * unique id travels by MPI broadcast). A no-op on the CPU. UNVERIFIED: no GPU
@@ -85,7 +99,9 @@ struct moe_comm *moe_group_model_ep(const struct moe_group *g);
 void moe_group_destroy(struct moe_group *g);
 
 /* Leader: broadcasts the plan of `batch`, then runs the forward pass.
- * Matches moe_forward_fn with ctx = the group. */
+ * Matches moe_forward_fn with ctx = the group. With data-parallel attention
+ * the batch's block ids index the whole pool (the group's size times
+ * kv->n_block, the leader's own part) and `logits` gets every rank's rows. */
 enum moe_status moe_group_forward(void *group, struct moe_model *m, struct moe_kv_cache *kv,
                                   const struct moe_batch *batch, float *logits,
                                   struct moe_error *err);

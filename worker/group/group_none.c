@@ -10,8 +10,8 @@ bool moe_group_launched_by_mpi(void)
     return false;
 }
 
-enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, int timeout_ms,
-                                 struct moe_group **out, struct moe_error *err)
+enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, bool dp_attention,
+                                 int timeout_ms, struct moe_group **out, struct moe_error *err)
 {
     *out = NULL;
     return moe_error_set(err, MOE_ERR_UNSUPPORTED,

@@ -35,11 +35,12 @@ enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launc
     memset(l, 0, sizeof *l);
     enum moe_status rc;
     if (moe_group_launched_by_mpi()) {
-        if ((rc = moe_group_create(argc, argv, a->tp, a->comm_timeout_ms, &l->group, err)))
+        if ((rc = moe_group_create(argc, argv, a->tp, a->dp_attention, a->comm_timeout_ms,
+                                   &l->group, err)))
             return rc;
-    } else if (a->tp > 1 || a->placement) {
+    } else if (a->tp > 1 || a->placement || a->dp_attention) {
         return moe_error_set(err, MOE_ERR_INVALID,
-                             "--tp and --placement need a group: run under mpirun");
+                             "--tp, --dp-attention and --placement need a group: run under mpirun");
     }
     struct moe_group *g = l->group;
     if (g && a->placement &&
@@ -60,6 +61,7 @@ enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launc
         .tp_size = g ? g->tp_size : 1,
         .tp_comm = g ? moe_group_model_tp(g) : NULL,
         .ep_comm = g ? moe_group_model_ep(g) : NULL,
+        .dp_attention = g && g->dp,
         .placement = g && a->placement ? &l->placement : NULL,
     };
     return MOE_OK;

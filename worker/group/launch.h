@@ -1,5 +1,6 @@
 /* The start-up moe-generate and moe-worker share: a worker group when the
- * process was started by mpirun (refusing --tp and --placement otherwise),
+ * process was started by mpirun (refusing --tp, --dp-attention and
+ * --placement otherwise),
  * the placement file, the compute backend (with NCCL communicators for the
  * model on a GPU), and the model options for this rank's shard. */
 #ifndef MOE_LAUNCH_H
@@ -15,8 +16,9 @@ struct moe_launch_args {
     const char *device; /* auto | cpu | cuda */
     int threads;
     enum moe_dtype dtype;
-    int group_size; /* --group-size: int4 columns per scale (0: 32) */
-    int tp;         /* tensor-parallel size (under mpirun) */
+    int group_size;    /* --group-size: int4 columns per scale (0: 32) */
+    int tp;            /* tensor-parallel size (under mpirun) */
+    bool dp_attention; /* --dp-attention: every rank its own attention (under mpirun, TP 1) */
     int comm_timeout_ms;
     const char *placement; /* placement file, or NULL */
     bool exact;            /* --exact: f32 activations in every matmul (moe_model_opts.fast off) */

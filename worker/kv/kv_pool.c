@@ -17,18 +17,21 @@ struct list {
 struct kv_pool {
     int n_block;
     int block_size;
-    int *refcount;      /* (n_block) */
-    uint8_t *list;      /* (n_block) enum block_list */
-    int32_t *prev;      /* (n_block) */
-    int32_t *next;      /* (n_block) */
-    bool *has_hash;     /* (n_block) */
-    uint64_t *hash;     /* (n_block) */
-    uint64_t *parent;   /* (n_block) */
-    int32_t *tokens;    /* (n_block, block_size) contents of published blocks */
-    int32_t *index;     /* (index_cap) open addressing: block id or NIL */
-    uint32_t index_cap; /* power of two >= 2 * n_block */
-    struct list free_list;
-    struct list cached; /* LRU: head is the oldest */
+    int n_part; /* partitions: blocks [i * part_blocks, (i + 1) * part_blocks) */
+    int part_blocks;
+    int *refcount;          /* (n_block) */
+    uint8_t *list;          /* (n_block) enum block_list */
+    int32_t *prev;          /* (n_block) */
+    int32_t *next;          /* (n_block) */
+    bool *has_hash;         /* (n_block) */
+    uint64_t *hash;         /* (n_block) */
+    uint64_t *parent;       /* (n_block) */
+    int32_t *tokens;        /* (n_block, block_size) contents of published blocks */
+    int32_t *index;         /* (index_cap) open addressing: block id or NIL */
+    uint32_t index_cap;     /* power of two >= 2 * n_block */
+    struct list *free_list; /* (n_part) */
+    struct list *cached;    /* (n_part) LRU: head is the oldest */
+    int n_free, n_cached;   /* over every part */
     int64_t lookups, hits, evictions;
 };
 
@@ -43,6 +46,10 @@ static void list_push_back(struct kv_pool *p, struct list *l, enum block_list id
     l->tail = b;
     l->n++;
     p->list[b] = (uint8_t)id;
+    if (id == LIST_FREE)
+        p->n_free++;
+    else
+        p->n_cached++;
 }
 
 static void list_remove(struct kv_pool *p, struct list *l, int32_t b)
@@ -57,21 +64,42 @@ static void list_remove(struct kv_pool *p, struct list *l, int32_t b)
         l->tail = p->prev[b];
     p->prev[b] = p->next[b] = NIL;
     l->n--;
+    if (p->list[b] == LIST_FREE)
+        p->n_free--;
+    else
+        p->n_cached--;
     p->list[b] = LIST_NONE;
+}
+
+static int part_of(const struct kv_pool *p, int32_t b)
+{
+    return b / p->part_blocks;
 }
 
 enum moe_status kv_pool_create(int n_block, int block_size, struct kv_pool **out,
                                struct moe_error *err)
 {
+    return kv_pool_create_parts(n_block, block_size, 1, out, err);
+}
+
+enum moe_status kv_pool_create_parts(int n_block, int block_size, int n_part, struct kv_pool **out,
+                                     struct moe_error *err)
+{
     *out = NULL;
     if (n_block <= 0 || block_size <= 0 || n_block > (1 << 28) || block_size > 4096)
         return moe_error_set(err, MOE_ERR_INVALID, "KV pool of %d blocks of %d tokens is invalid",
                              n_block, block_size);
+    if (n_part < 1 || n_block % n_part)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "KV pool of %d blocks cannot be split into %d equal parts", n_block,
+                             n_part);
     struct kv_pool *p = calloc(1, sizeof *p);
     if (!p)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     p->n_block = n_block;
     p->block_size = block_size;
+    p->n_part = n_part;
+    p->part_blocks = n_block / n_part;
     p->index_cap = 16;
     while (p->index_cap < 2u * (uint32_t)n_block)
         p->index_cap <<= 1;
@@ -85,17 +113,19 @@ enum moe_status kv_pool_create(int n_block, int block_size, struct kv_pool **out
     p->parent = calloc(n, sizeof *p->parent);
     p->tokens = malloc(n * (size_t)block_size * sizeof *p->tokens);
     p->index = malloc(p->index_cap * sizeof *p->index);
+    p->free_list = calloc((size_t)n_part, sizeof *p->free_list);
+    p->cached = calloc((size_t)n_part, sizeof *p->cached);
     if (!p->refcount || !p->list || !p->prev || !p->next || !p->has_hash || !p->hash ||
-        !p->parent || !p->tokens || !p->index) {
+        !p->parent || !p->tokens || !p->index || !p->free_list || !p->cached) {
         kv_pool_destroy(p);
         return moe_error_set(err, MOE_ERR_NOMEM, "cannot allocate a KV pool of %d blocks", n_block);
     }
     for (uint32_t i = 0; i < p->index_cap; i++)
         p->index[i] = NIL;
-    p->free_list = (struct list){NIL, NIL, 0};
-    p->cached = (struct list){NIL, NIL, 0};
+    for (int i = 0; i < n_part; i++)
+        p->free_list[i] = p->cached[i] = (struct list){NIL, NIL, 0};
     for (int32_t b = 0; b < n_block; b++)
-        list_push_back(p, &p->free_list, LIST_FREE, b);
+        list_push_back(p, &p->free_list[part_of(p, b)], LIST_FREE, b);
     *out = p;
     return MOE_OK;
 }
@@ -113,6 +143,8 @@ void kv_pool_destroy(struct kv_pool *p)
     free(p->parent);
     free(p->tokens);
     free(p->index);
+    free(p->free_list);
+    free(p->cached);
     free(p);
 }
 
@@ -121,14 +153,37 @@ int kv_pool_block_size(const struct kv_pool *p)
     return p->block_size;
 }
 
+int kv_pool_n_part(const struct kv_pool *p)
+{
+    return p->n_part;
+}
+
+int kv_pool_part_of(const struct kv_pool *p, int32_t block)
+{
+    MOE_ASSERT(block >= 0 && block < p->n_block);
+    return part_of(p, block);
+}
+
 int kv_pool_available(const struct kv_pool *p)
 {
-    return p->free_list.n + p->cached.n;
+    return p->n_free + p->n_cached;
 }
 
 int kv_pool_free_count(const struct kv_pool *p)
 {
-    return p->free_list.n;
+    return p->n_free;
+}
+
+int kv_pool_available_in(const struct kv_pool *p, int part)
+{
+    MOE_ASSERT(part >= 0 && part < p->n_part);
+    return p->free_list[part].n + p->cached[part].n;
+}
+
+int kv_pool_free_count_in(const struct kv_pool *p, int part)
+{
+    MOE_ASSERT(part >= 0 && part < p->n_part);
+    return p->free_list[part].n;
 }
 
 /* ---- hash index (linear probing, backward-shift deletion) -------------------------- */
@@ -188,13 +243,27 @@ static int32_t index_find(const struct kv_pool *p, uint64_t hash, uint64_t paren
 
 int32_t kv_pool_alloc(struct kv_pool *p)
 {
+    /* the part with the most blocks it can give without evicting, then
+     * with the most it can give at all */
+    int best = 0;
+    for (int i = 1; i < p->n_part; i++)
+        if (p->free_list[i].n > p->free_list[best].n ||
+            (p->free_list[i].n == p->free_list[best].n && p->cached[i].n > p->cached[best].n))
+            best = i;
+    return kv_pool_alloc_in(p, best);
+}
+
+int32_t kv_pool_alloc_in(struct kv_pool *p, int part)
+{
+    MOE_ASSERT(part >= 0 && part < p->n_part);
+    struct list *fl = &p->free_list[part], *cl = &p->cached[part];
     int32_t b;
-    if (p->free_list.n) {
-        b = p->free_list.head;
-        list_remove(p, &p->free_list, b);
-    } else if (p->cached.n) {
-        b = p->cached.head; /* least recently used */
-        list_remove(p, &p->cached, b);
+    if (fl->n) {
+        b = fl->head;
+        list_remove(p, fl, b);
+    } else if (cl->n) {
+        b = cl->head; /* least recently used */
+        list_remove(p, cl, b);
         index_erase(p, b);
         p->has_hash[b] = false;
         p->evictions++;
@@ -218,9 +287,9 @@ void kv_pool_release(struct kv_pool *p, int32_t b)
     if (--p->refcount[b])
         return;
     if (p->has_hash[b])
-        list_push_back(p, &p->cached, LIST_CACHED, b);
+        list_push_back(p, &p->cached[part_of(p, b)], LIST_CACHED, b);
     else
-        list_push_back(p, &p->free_list, LIST_FREE, b);
+        list_push_back(p, &p->free_list[part_of(p, b)], LIST_FREE, b);
 }
 
 int kv_pool_refcount(const struct kv_pool *p, int32_t b)
@@ -253,10 +322,21 @@ int32_t kv_pool_lookup(struct kv_pool *p, uint64_t hash, uint64_t parent, const 
     if (b == NIL)
         return NIL;
     if (p->refcount[b] == 0)
-        list_remove(p, &p->cached, b);
+        list_remove(p, &p->cached[part_of(p, b)], b);
     p->refcount[b]++;
     p->hits++;
     return b;
+}
+
+bool kv_pool_contains(const struct kv_pool *p, uint64_t hash, uint64_t parent,
+                      const int32_t *tokens)
+{
+    return index_find(p, hash, parent, tokens) != NIL;
+}
+
+uint64_t kv_pool_part_seed(int part)
+{
+    return part ? kv_pool_hash(0, &(int32_t){part}, 1) : 0;
 }
 
 bool kv_pool_publish(struct kv_pool *p, int32_t b, uint64_t hash, uint64_t parent,
@@ -278,9 +358,9 @@ bool kv_pool_publish(struct kv_pool *p, int32_t b, uint64_t hash, uint64_t paren
 void kv_pool_stats(const struct kv_pool *p, struct kv_pool_stats *out)
 {
     out->n_block = p->n_block;
-    out->n_free = p->free_list.n;
-    out->n_cached = p->cached.n;
-    out->n_used = p->n_block - p->free_list.n - p->cached.n;
+    out->n_free = p->n_free;
+    out->n_cached = p->n_cached;
+    out->n_used = p->n_block - p->n_free - p->n_cached;
     out->lookups = p->lookups;
     out->hits = p->hits;
     out->evictions = p->evictions;
@@ -318,9 +398,29 @@ enum moe_status kv_pool_check(const struct kv_pool *p, const int *expected_refs,
     int *seen = calloc((size_t)p->n_block, sizeof *seen);
     if (!seen)
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
-    enum moe_status rc = check_list(p, &p->free_list, LIST_FREE, "free", seen, err);
-    if (!rc)
-        rc = check_list(p, &p->cached, LIST_CACHED, "cached", seen, err);
+    enum moe_status rc = MOE_OK;
+    int n_free = 0, n_cached = 0;
+    for (int i = 0; !rc && i < p->n_part; i++) {
+        rc = check_list(p, &p->free_list[i], LIST_FREE, "free", seen, err);
+        if (!rc)
+            rc = check_list(p, &p->cached[i], LIST_CACHED, "cached", seen, err);
+        for (int32_t b = p->free_list[i].head; !rc && b != NIL; b = p->next[b])
+            if (part_of(p, b) != i)
+                rc = moe_error_set(err, MOE_ERR_INTERNAL,
+                                   "block %d of part %d is on part %d's free list", b,
+                                   part_of(p, b), i);
+        for (int32_t b = p->cached[i].head; !rc && b != NIL; b = p->next[b])
+            if (part_of(p, b) != i)
+                rc = moe_error_set(err, MOE_ERR_INTERNAL,
+                                   "block %d of part %d is on part %d's cached list", b,
+                                   part_of(p, b), i);
+        n_free += p->free_list[i].n;
+        n_cached += p->cached[i].n;
+    }
+    if (!rc && (n_free != p->n_free || n_cached != p->n_cached))
+        rc = moe_error_set(err, MOE_ERR_INTERNAL,
+                           "the pool counts %d free and %d cached blocks, its lists hold %d and %d",
+                           p->n_free, p->n_cached, n_free, n_cached);
     int n_indexed = 0;
     for (int32_t b = 0; !rc && b < p->n_block; b++) {
         if (!seen[b] && (p->refcount[b] <= 0 || p->list[b] != LIST_NONE))

@@ -586,14 +586,33 @@ enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
     return rc;
 }
 
+/* Data-parallel attention, a rank with no tokens this step: it still takes
+ * part in every MoE layer's exchange, computing the rows the other ranks
+ * send to its experts. */
+static enum moe_status forward_idle(struct moe_model *m, const struct moe_batch *b,
+                                    struct moe_error *err)
+{
+    enum moe_status rc = scratch_reserve(m, b->n_tok_group > 1 ? b->n_tok_group : 1, 1, err);
+    for (int l = 0; !rc && l < m->cfg.n_layer; l++)
+        if (m->layers[l].is_moe)
+            rc = moe_ep_moe_layer(m, l, 0, err);
+    m->be->ops->synchronize(m->be);
+    if (!rc && m->be->ops->status && (rc = m->be->ops->status(m->be, err)))
+        return moe_error_prefix(err, "forward pass");
+    return rc;
+}
+
 static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
                                const struct moe_batch *b, float *logits, struct moe_error *err)
 {
+    bool dp = m->opts.dp_attention && m->ep_comm;
+    if (dp && b->n_tok == 0)
+        return forward_idle(m, b, err);
     enum moe_status rc = check_batch(m, kv, b, err);
     if (rc)
         return rc;
     int n = b->n_tok, n_table = b->n_seq * b->max_blocks;
-    if ((rc = scratch_reserve(m, n, n_table, err)))
+    if ((rc = scratch_reserve(m, dp && b->n_tok_group > n ? b->n_tok_group : n, n_table, err)))
         return rc;
     const struct moe_config *c = &m->cfg;
     struct scratch *s = &m->s;

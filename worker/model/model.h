@@ -53,8 +53,13 @@ struct moe_model_opts {
     enum moe_dtype kv_dtype;
     int tp_rank;
     int tp_size;
-    struct moe_comm *tp_comm;              /* borrowed; NULL when tp_size == 1 */
-    struct moe_comm *ep_comm;              /* borrowed; NULL or size 1: all experts local */
+    struct moe_comm *tp_comm; /* borrowed; NULL when tp_size == 1 */
+    struct moe_comm *ep_comm; /* borrowed; NULL or size 1: all experts local */
+    /* Data-parallel attention (with tp_size 1): every rank of ep_comm runs
+     * its own batch (its own sequences, tokens and KV cache, possibly none)
+     * and the MoE layers exchange those distinct rows; see moe_batch's
+     * n_tok_group. false: every rank runs the same batch (lock-step). */
+    bool dp_attention;
     const struct moe_placement *placement; /* copied at load */
 };
 
@@ -98,9 +103,13 @@ void moe_model_profile(const struct moe_model *m, struct moe_model_profile *out)
 
 /* Routed (token, expert) pairs per layer and expert since load:
  * counts[l * n_expert + e]; layers without experts stay 0. On a group every
- * rank counts every token of the batch. Also the rows this rank ran through
+ * rank counts every token of the batch (data-parallel attention: its own
+ * tokens, and the leader all of them, see group.c). Also the rows this rank ran through
  * its own experts (expert parallel; 0 on one rank). */
 const uint64_t *moe_model_expert_tokens(const struct moe_model *m);
+/* Adds counts[l * n_expert + e] to them (data-parallel attention: the leader
+ * adds the other ranks' tokens, which it did not route itself). */
+void moe_model_add_expert_tokens(struct moe_model *m, const float *counts);
 uint64_t moe_model_ep_rows_computed(const struct moe_model *m);
 
 /* Changing the expert placement while serving, in two steps:
@@ -143,6 +152,11 @@ struct moe_batch {
     int max_blocks;
     int n_logits;
     const int32_t *logit_rows;
+    /* Data-parallel attention: the tokens of this step over every rank of
+     * the group (sizes the rows the expert exchange may bring); n_tok may
+     * then be 0, a rank with no sequence this step that still serves its
+     * experts. 0: n_tok. */
+    int n_tok_group;
 };
 
 enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,

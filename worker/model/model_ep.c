@@ -1,7 +1,10 @@
 /* The MoE layer over an expert-parallel group.
  *
  * Every rank holds the same n token rows (lock-step). Rank r owns the token
- * shard [t0, t1) = [r*c, min(n, (r+1)*c)) with c = ceil(n / W):
+ * shard [t0, t1) = [r*c, min(n, (r+1)*c)) with c = ceil(n / W). With
+ * data-parallel attention (moe_model_opts.dp_attention) every rank holds its
+ * own n rows instead (n may differ between ranks, or be 0): its shard is all
+ * of them and step 5 is skipped.
  *   1. route: for each (token of the shard, chosen expert) pick a rank that
  *      holds the expert (the rank itself when it holds a replica);
  *   2. dispatch: all-to-all-v of the rows and their expert ids, grouped by
@@ -65,6 +68,13 @@ static void ep_step_init(struct ep_step *st, struct moe_model *m, int l, int n)
                            .k = m->cfg.top_k,
                            .d = m->cfg.d_model};
     st->row_bytes = (size_t)st->d * sizeof(float);
+    if (m->opts.dp_attention) { /* this rank's own rows */
+        st->chunk = n;
+        st->t0 = 0;
+        st->t1 = n;
+        st->n_items = n * st->k;
+        return;
+    }
     st->chunk = (n + st->W - 1) / st->W;
     st->t0 = st->me * st->chunk < n ? st->me * st->chunk : n;
     st->t1 = (st->me + 1) * st->chunk < n ? (st->me + 1) * st->chunk : n;
@@ -95,7 +105,8 @@ static void ep_route(struct ep_step *st)
     const int k = st->k, t0 = st->t0, n_items = st->n_items;
     /* the ids and, after them, the weights */
     be->ops->buf_download(be, s->h_ids, s->topk_ids, 2 * (size_t)st->n * k * sizeof(int32_t));
-    for (int i = 0; i < st->n * k; i++) /* statistics: every rank counts every token */
+    for (int i = 0; i < st->n * k; i++) /* statistics: every rank counts every token (with DP
+                                         * attention its own: group.c sums them) */
         __atomic_fetch_add(&m->expert_tokens[(size_t)st->l * c->n_expert + s->h_ids[i]], 1,
                            __ATOMIC_RELAXED);
     int32_t *dest = s->h_ep_idx; /* scratch: destination of each item */
@@ -234,7 +245,7 @@ static enum moe_status ep_combine(struct ep_step *st, struct moe_error *err)
     /* clear what step 3 scattered into, for the next layer */
     if (n_recv)
         moe_model_zero(m, s->ep_out, n_recv * row_bytes);
-    moe_model_zero(m, s->ffn_out, (size_t)st->chunk * W * row_bytes);
+    moe_model_zero(m, s->ffn_out, (size_t)st->chunk * (m->opts.dp_attention ? 1 : W) * row_bytes);
     if (!n_items)
         return MOE_OK;
     /* per expert, in id order: rows of that expert among the sent items */
@@ -283,6 +294,10 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
         return rc;
     /* 5. every rank gets every row: all-gather of the padded shards */
     be->ops->synchronize(be);
+    if (m->opts.dp_attention) {
+        m->prof.combine_s += moe_now() - t_computed;
+        return MOE_OK;
+    }
     rc = moe_comm_all_gather(m->ep_comm, s->ffn_out + (size_t)st.me * st.chunk * st.d, s->ffn_out,
                              (size_t)st.chunk * st.row_bytes, err);
     if (rc)

@@ -18,6 +18,14 @@ const uint64_t *moe_model_expert_tokens(const struct moe_model *m)
     return m->expert_tokens;
 }
 
+void moe_model_add_expert_tokens(struct moe_model *m, const float *counts)
+{
+    size_t n = (size_t)m->cfg.n_layer * m->cfg.n_expert;
+    for (size_t i = 0; i < n; i++)
+        if (counts[i] > 0)
+            __atomic_fetch_add(&m->expert_tokens[i], (uint64_t)counts[i], __ATOMIC_RELAXED);
+}
+
 uint64_t moe_model_ep_rows_computed(const struct moe_model *m)
 {
     return m->ep_rows_computed;

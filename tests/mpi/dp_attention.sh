@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Data-parallel attention (--dp-attention, TP 1): every rank runs attention
+# for its own sequences over its own KV cache, the experts stay split over
+# all ranks and the MoE layers exchange the ranks' distinct rows. Against one
+# rank, for a Mixtral (GQA cache) and a DeepSeek-V3 (latent cache, shared
+# experts, a dense first layer) fixture, W = 2 and 4:
+#   - a batch of prompts through the engine gives identical outputs, with
+#     sequences on every rank (tokens run per rank, all non-zero);
+#   - per-rank KV caches small enough to preempt give the same outputs;
+#   - n-gram speculation on top changes nothing;
+#   - one sequence (the other ranks idle, serving only their experts) gives
+#     the same greedy tokens and f32 logits within 1e-5;
+#   - the routed-token statistics the leader reports (--expert-stats) are the
+#     whole group's, equal to one rank's;
+# and the combinations not built are refused by name.
+#
+#   dp_attention.sh BIN_DIR FIXTURES_DIR CMP_LOGITS MPIRUN...
+set -uo pipefail
+bin=$1 fixtures=$2 cmp=$3
+shift 3
+mpirun=("$@")
+. "$(dirname "$0")/../lib.sh"
+test_begin moe-dp
+
+comm_timeout=60000 # a hang guard: sanitized ranks on two cores are slow
+
+errs() { grep -v "CUDA\|MiB of weights" "$1" | head -12; }
+
+run() { # run OUTFILE W ARGS...: moe-generate on W ranks (1: alone)
+  local out=$1 w=$2; shift 2
+  if [ "$w" = 1 ]; then
+    "$bin/moe-generate" "$@" >"$out" 2>"$out.err"
+  else
+    timeout 300 "${mpirun[@]}" -np "$w" "$bin/moe-generate" --dp-attention \
+      --comm-timeout-ms "$comm_timeout" "$@" >"$out" 2>"$out.err"
+  fi
+}
+
+# mixed lengths: some longer than a block, several that grow into a new
+# block while decoding (what preempts with small caches)
+cat >"$tmp/prompts.jsonl" <<'JSONL'
+{"tokens": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], "max_tokens": 12}
+{"tokens": [100, 200, 300], "max_tokens": 9}
+{"tokens": [42], "max_tokens": 14}
+{"tokens": [7, 7, 7, 7, 7, 7, 7, 7], "max_tokens": 10}
+{"tokens": [31, 41, 59, 26, 53, 58, 97, 93, 23, 84, 62, 64, 33, 83], "max_tokens": 10}
+{"tokens": [27, 18, 28, 18, 28, 45, 90, 45, 23, 53, 60, 28, 74, 71], "max_tokens": 10}
+JSONL
+
+for model in mixtral deepseek_v3; do
+  m=$fixtures/$model
+  b=(--model "$m" --prompts-file "$tmp/prompts.jsonl" --dtype f32 --kv-dtype f32 --ignore-eos
+     --max-batch-tokens 16 --print-outputs)
+  run "$tmp/ref.all" 1 "${b[@]}" --expert-stats "$tmp/ref.stats" ||
+    { bad "$model W=1 batch failed: $(errs "$tmp/ref.all.err")"; continue; }
+  grep '^request' "$tmp/ref.all" >"$tmp/ref"
+  for w in 2 4; do
+    name="$model DP W=$w"
+    if ! run "$tmp/dp.all" "$w" "${b[@]}" --expert-stats "$tmp/dp.stats"; then
+      bad "$name: exit non-zero: $(errs "$tmp/dp.all.err")"; continue
+    fi
+    per_rank=$(grep -o 'tokens run per rank:.*' "$tmp/dp.all")
+    grep '^request' "$tmp/dp.all" >"$tmp/dp"
+    if cmp -s "$tmp/dp" "$tmp/ref"; then
+      ok "$name: batch of 6 identical to one rank ($per_rank)"
+    else
+      bad "$name: batch differs"; diff "$tmp/dp" "$tmp/ref" | head -4
+    fi
+    # every rank ran some of the batch
+    ranks=$(echo "$per_rank" | awk -F: '{n = 0; for (i = 1; i <= split($2, v, " "); i++) n += v[i] > 0; print n}')
+    [ "$ranks" = "$w" ] && ok "$name: sequences on all $w ranks" || bad "$name: only $ranks of $w ranks ran tokens ($per_rank)"
+    # the leader's routed-token counts are the group's
+    if grep -Eq '"expert_tokens": \[.*[1-9]' "$tmp/ref.stats" &&
+       cmp -s <(grep -o '"expert_tokens".*' "$tmp/dp.stats") <(grep -o '"expert_tokens".*' "$tmp/ref.stats"); then
+      ok "$name: --expert-stats equals one rank's"
+    else
+      bad "$name: expert stats differ: $(head -c 200 "$tmp/dp.stats") vs $(head -c 200 "$tmp/ref.stats")"
+    fi
+    # 2 blocks of 16 tokens per rank: sequences wait and are preempted
+    if run "$tmp/pre.all" "$w" "${b[@]}" --kv-blocks 2 && grep '^request' "$tmp/pre.all" | cmp -s - "$tmp/ref"; then
+      ok "$name: 2 KV blocks per rank, identical ($(grep -o '[0-9]* preemptions' "$tmp/pre.all"))"
+    else
+      bad "$name: small caches: $(errs "$tmp/pre.all.err")"; grep '^request' "$tmp/pre.all" | diff - "$tmp/ref" | head -4
+    fi
+  done
+  # speculation on top (n-gram drafts verified on the drafting rank)
+  if run "$tmp/spec.all" 2 "${b[@]}" --spec-tokens 3 && grep '^request' "$tmp/spec.all" | cmp -s - "$tmp/ref"; then
+    ok "$model DP W=2 with --spec-tokens 3: identical ($(grep -o '[0-9]* proposed, [0-9]* accepted' "$tmp/spec.all"))"
+  else
+    bad "$model DP W=2 spec: $(errs "$tmp/spec.all.err")"
+  fi
+  # one sequence: rank 0 runs it, the others only serve their experts
+  g=(--model "$m" --tokens 3,14,15,92,65,35,89,79,32,38,46 -n 16 --dtype f32 --kv-dtype f32 --ignore-eos)
+  if run "$tmp/g1" 1 "${g[@]}" --logits-out "$tmp/g1.bin" &&
+     run "$tmp/g2" 2 "${g[@]}" --logits-out "$tmp/g2.bin" &&
+     [ "$(grep '^tokens:' "$tmp/g2")" = "$(grep '^tokens:' "$tmp/g1")" ] &&
+     r=$("$cmp" "$tmp/g2.bin" "$tmp/g1.bin" 1e-5); then
+    ok "$model DP W=2, one sequence (rank 1 idle): tokens identical, $r"
+  else
+    bad "$model DP W=2 one sequence: $(errs "$tmp/g2.err") ${r:-}"
+  fi
+done
+
+# refused by name
+m=$fixtures/mixtral
+if run "$tmp/tp.all" 2 --model "$m" --tokens 3,14 -n 2 --tp 2; then
+  bad "--dp-attention --tp 2 was accepted"
+else
+  grep -q "dp-attention with --tp 2: attention inside TP sub-groups" "$tmp/tp.all.err" &&
+    ok "--dp-attention --tp 2 refused: $(grep -m1 -o 'attention inside.*built yet' "$tmp/tp.all.err")" ||
+    bad "--dp-attention --tp 2: $(errs "$tmp/tp.all.err")"
+fi
+if "$bin/moe-generate" --model "$m" --tokens 3,14 -n 2 --dp-attention >"$tmp/one.out" 2>&1; then
+  bad "--dp-attention without mpirun was accepted"
+else
+  grep -q "dp-attention and --placement need a group: run under mpirun" "$tmp/one.out" &&
+    ok "--dp-attention without mpirun refused" || bad "--dp-attention alone: $(head -3 "$tmp/one.out")"
+fi
+
+test_end
