@@ -13,8 +13,9 @@
 /* A snapshot of every member, sorted by id. Strings point into `ids` and
  * `addrs`, owned by the snapshot. */
 struct status_snap {
-    Moe__V1__WorkerStatus *ws;   /* (n) */
-    Moe__V1__WorkerStatus **ptr; /* (n) */
+    uint32_t (*dp)[2][COORD_MAX_DP]; /* per worker: dp_kv_blocks_used, dp_running */
+    Moe__V1__WorkerStatus *ws;       /* (n) */
+    Moe__V1__WorkerStatus **ptr;     /* (n) */
     char (*ids)[COORD_ID_MAX];
     char (*addrs)[COORD_ADDR_MAX];
     size_t n;
@@ -23,6 +24,7 @@ struct status_snap {
 static void snap_free(struct status_snap *s)
 {
     free(s->ws);
+    free(s->dp);
     free(s->ptr);
     free(s->ids);
     free(s->addrs);
@@ -45,7 +47,8 @@ static bool snap_fill_locked(struct coord *c, struct status_snap *s)
     s->ptr = calloc(m, sizeof *s->ptr);
     s->ids = calloc(m, sizeof *s->ids);
     s->addrs = calloc(m, sizeof *s->addrs);
-    if (!s->ws || !s->ptr || !s->ids || !s->addrs) {
+    s->dp = calloc(m, sizeof *s->dp);
+    if (!s->ws || !s->ptr || !s->ids || !s->addrs || !s->dp) {
         snap_free(s);
         return false;
     }
@@ -71,6 +74,14 @@ static bool snap_fill_locked(struct coord *c, struct status_snap *s)
         st->world_size = w->world_size;
         st->tp_size = w->tp_size;
         st->ep_size = w->ep_size;
+        if (w->dp_size > 1) {
+            memcpy(s->dp[i][0], w->dp_used, w->dp_size * sizeof(uint32_t));
+            memcpy(s->dp[i][1], w->dp_running, w->dp_size * sizeof(uint32_t));
+            st->dp_size = w->dp_size;
+            st->n_dp_kv_blocks_used = st->n_dp_running = w->dp_size;
+            st->dp_kv_blocks_used = s->dp[i][0];
+            st->dp_running = s->dp[i][1];
+        }
         st->kv_transfers_out = w->kv_out;
         st->kv_transfers_in = w->kv_in;
         st->kv_transfer_bytes = w->kv_bytes;

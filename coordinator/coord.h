@@ -38,6 +38,9 @@ enum coord_worker_state {
     COORD_WORKER_DOWN = 3,
 };
 
+/* Data-parallel attention ranks of a worker the coordinator keeps load for. */
+#define COORD_MAX_DP 64
+
 struct coord_worker {
     char id[COORD_ID_MAX];
     char address[COORD_ADDR_MAX];
@@ -58,6 +61,8 @@ struct coord_worker {
     uint32_t running, waiting, kv_used, kv_total, block_size;
     uint64_t prefix_lookup, prefix_hit;
     uint32_t world_size, tp_size, ep_size;
+    uint32_t dp_size; /* data-parallel attention ranks (0 or 1: one KV pool) */
+    uint32_t dp_used[COORD_MAX_DP], dp_running[COORD_MAX_DP];
     uint64_t kv_out, kv_in, kv_bytes; /* KV handoffs (disaggregated serving) */
     uint32_t kv_failures;
     uint64_t spec_draft, spec_accepted; /* speculative decoding */

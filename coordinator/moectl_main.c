@@ -276,6 +276,15 @@ static cJSON *worker_json(const Moe__V1__WorkerStatus *w)
     cJSON_AddNumberToObject(o, "world_size", w->world_size);
     cJSON_AddNumberToObject(o, "tp_size", w->tp_size);
     cJSON_AddNumberToObject(o, "ep_size", w->ep_size);
+    if (w->dp_size > 1) {
+        cJSON_AddNumberToObject(o, "dp_size", w->dp_size);
+        cJSON *used = cJSON_AddArrayToObject(o, "dp_kv_blocks_used");
+        cJSON *run = cJSON_AddArrayToObject(o, "dp_running");
+        for (size_t r = 0; r < w->n_dp_kv_blocks_used && r < w->n_dp_running; r++) {
+            cJSON_AddItemToArray(used, cJSON_CreateNumber(w->dp_kv_blocks_used[r]));
+            cJSON_AddItemToArray(run, cJSON_CreateNumber(w->dp_running[r]));
+        }
+    }
     cJSON_AddNumberToObject(o, "kv_transfers_out", (double)w->kv_transfers_out);
     cJSON_AddNumberToObject(o, "kv_transfers_in", (double)w->kv_transfers_in);
     cJSON_AddNumberToObject(o, "kv_transfer_bytes", (double)w->kv_transfer_bytes);
@@ -304,6 +313,17 @@ static void print_workers(Moe__V1__WorkerStatus **ws, size_t n)
         printf("%-24s %-22s %-8s %-9s %5u %5u %11s %5u %6s\n", w->id, w->address,
                role_name(w->role), state_name(w->state), w->running, w->waiting, kv, w->world_size,
                seen);
+        if (w->dp_size > 1 && w->n_dp_kv_blocks_used == w->dp_size &&
+            w->n_dp_running == w->dp_size) {
+            printf("  dp attention over %u ranks, each %u KV blocks; used:", w->dp_size,
+                   w->kv_blocks_total / w->dp_size);
+            for (uint32_t r = 0; r < w->dp_size; r++)
+                printf(" %u", w->dp_kv_blocks_used[r]);
+            printf("; running:");
+            for (uint32_t r = 0; r < w->dp_size; r++)
+                printf(" %u", w->dp_running[r]);
+            printf("\n");
+        }
     }
 }
 

@@ -322,6 +322,15 @@ static void poll_one(struct coord *c, struct coord_worker *w)
         w->world_size = load->world_size;
         w->tp_size = load->tp_size;
         w->ep_size = load->ep_size;
+        w->dp_size = 0;
+        if (load->dp_size > 1 && load->dp_size <= COORD_MAX_DP &&
+            load->n_dp_kv_blocks_used == load->dp_size && load->n_dp_running == load->dp_size) {
+            w->dp_size = load->dp_size;
+            for (uint32_t r = 0; r < load->dp_size; r++) {
+                w->dp_used[r] = load->dp_kv_blocks_used[r];
+                w->dp_running[r] = load->dp_running[r];
+            }
+        }
         if (load->role)
             w->role = load->role;
         w->kv_out = load->kv_transfers_out;

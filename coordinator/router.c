@@ -22,6 +22,7 @@
  * workers (prefill workers only when nothing else serves); forward.c picks a
  * prefill worker by role, and a decode worker for a handoff by load among
  * those with enough free KV blocks and the same block and TP size. */
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -38,6 +39,14 @@ double coord_worker_load_locked(const struct coord_worker *w)
     double mine = (double)w->in_flight;
     double queue = polled > mine ? polled : mine;
     double kv = w->kv_total ? (double)w->kv_used / (double)w->kv_total : 0.0;
+    if (w->dp_size > 1 && w->kv_total) {
+        /* data-parallel attention: a new sequence goes to the rank with the
+         * most room, so that rank's fill is what one more request meets */
+        double part = (double)w->kv_total / w->dp_size;
+        kv = 1.0;
+        for (uint32_t r = 0; r < w->dp_size; r++)
+            kv = fmin(kv, w->dp_used[r] / part);
+    }
     return queue + KV_WEIGHT * kv;
 }
 

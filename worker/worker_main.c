@@ -77,6 +77,7 @@ struct args {
     const char *draft_model;
     int drain_timeout_s;
     int tp;
+    bool dp_attention;
     const char *placement;
     int comm_timeout_ms;
     int handoff_ttl_ms;
@@ -136,6 +137,8 @@ static void usage(FILE *f)
                "  --handoff-ttl-ms MS   a parked or reserved KV handoff nobody claims expires and "
                "frees its blocks (default 30000)\n"
                "under mpirun: --tp T (attention tensor parallel), --placement F.json (experts),\n"
+               "  --dp-attention (TP 1: every rank runs attention for its own sequences over its\n"
+               "  own KV cache, --kv-blocks / --kv-memory per rank),\n"
                "  --comm-timeout-ms MS (a collective slower than this fails the group, default "
                "10000)\n");
     fputs("TLS (the gRPC, KV data plane and metrics ports, the channels to other workers;\n"
@@ -167,6 +170,10 @@ static int parse_args(int argc, char **argv, struct args *a)
         }
         if (!strcmp(k, "--exact")) {
             a->exact = true;
+            continue;
+        }
+        if (!strcmp(k, "--dp-attention")) {
+            a->dp_attention = true;
             continue;
         }
         if (i + 1 >= argc)
@@ -301,6 +308,7 @@ static enum moe_status start_model(struct worker_run *r, int *argc, char ***argv
                                  .dtype = a->dtype,
                                  .group_size = a->group_size,
                                  .tp = a->tp,
+                                 .dp_attention = a->dp_attention,
                                  .comm_timeout_ms = a->comm_timeout_ms,
                                  .placement = a->placement,
                                  .exact = a->exact,
@@ -331,6 +339,11 @@ static enum moe_status start_kv_link(struct worker_run *r)
     if (!strcmp(a->role, "mixed"))
         return MOE_OK;
     struct moe_group *group = r->group;
+    if (group && group->dp)
+        return moe_error_set(&r->err, MOE_ERR_UNSUPPORTED,
+                             "--role %s with --dp-attention: a KV handoff into or out of a "
+                             "data-parallel group is not built yet (use --role mixed)",
+                             a->role);
     int world = group ? group->size : 1;
     char listen[300];
     if (a->kv_listen && (!group || group->size == 1)) {
@@ -417,6 +430,7 @@ static enum moe_status start_engine(struct worker_run *r)
         .spec_tokens = a->spec_tokens,
         .spec_max_batch = a->spec_max_batch,
         .draft = r->draft,
+        .kv_parts = group && group->dp ? group->size : 1,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
     };
@@ -442,6 +456,7 @@ static enum moe_status start_engine(struct worker_run *r)
             return moe_error_set(&r->err, MOE_ERR_INVALID, "--kv-memory: %ld MiB holds no KV block",
                                  mib);
     }
+    eo->n_block *= eo->kv_parts; /* data-parallel attention: every rank's cache is that size */
     if ((rc = moe_engine_create(r->model, r->tok, eo, &r->engine, &r->err)))
         return rc;
     if (r->kv_link) {
@@ -523,10 +538,11 @@ static void announce(const struct worker_run *r)
     const struct args *a = &r->a;
     const struct moe_group *group = r->group;
     printf("moe-worker: %s serving %s on %s (%s, %s, %d KV blocks x %d tokens of %s, %d rank%s, "
-           "tp %d, pid %d)%s%s\n",
+           "tp %d%s, pid %d)%s%s\n",
            r->id, r->name, r->address, a->role, r->be->name, r->eo.n_block, r->eo.block_size,
            moe_kv_dtype_flag(moe_model_kv_dtype(r->model)), group ? group->size : 1,
-           group && group->size > 1 ? "s" : "", group ? group->tp_size : 1, (int)getpid(),
+           group && group->size > 1 ? "s" : "", group ? group->tp_size : 1,
+           group && group->dp ? ", dp attention" : "", (int)getpid(),
            a->etcd ? ", registered in etcd" : "",
            r->tls ? (moe_tls_has_ca(r->tls) ? ", mutual TLS" : ", TLS") : "");
     if (r->metrics) {

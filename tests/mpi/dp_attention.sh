@@ -12,7 +12,10 @@
 #     the same greedy tokens and f32 logits within 1e-5;
 #   - the routed-token statistics the leader reports (--expert-stats) are the
 #     whole group's, equal to one rank's;
-# and the combinations not built are refused by name.
+# a DP group served through the coordinator (moe-worker --dp-attention)
+# answers concurrent gRPC requests with one rank's tokens, reports each
+# rank's load in /metrics and `moectl workers`, and drains on SIGTERM; and
+# the combinations not built are refused by name.
 #
 #   dp_attention.sh BIN_DIR FIXTURES_DIR CMP_LOGITS MPIRUN...
 set -uo pipefail
@@ -101,8 +104,77 @@ for model in mixtral deepseek_v3; do
   fi
 done
 
-# refused by name
+# Served: a DP group of 2 behind the coordinator, 4 requests at once.
 m=$fixtures/mixtral
+"${mpirun[@]}" -np 2 "$bin/moe-worker" --model "$m" --dtype f32 --kv-dtype f32 --dp-attention \
+  --threads 1 --kv-memory 8 --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
+  --comm-timeout-ms "$comm_timeout" >"$tmp/w.log" 2>"$tmp/w.err" &
+pids+=($!)
+if wait_for "$tmp/w.log" "/metrics on"; then
+  grep -q "2 ranks, tp 1, dp attention" "$tmp/w.log" && ok "DP group up: $(head -1 "$tmp/w.log")" ||
+    bad "DP group: $(head -1 "$tmp/w.log")"
+  waddr=$(grep -o 'serving .* on 127\.0\.0\.1:[0-9]*' "$tmp/w.log" | grep -o '127.*')
+  murl=http://$(grep -o '/metrics on 127\.0\.0\.1:[0-9]*' "$tmp/w.log" | grep -o '127.*')/metrics
+  "$bin/moe-coordinator" --model "$m" --listen 127.0.0.1:0 --workers "$waddr" >"$tmp/c.log" 2>&1 &
+  pids+=($!)
+  wait_for "$tmp/c.log" "serving on" || bad "coordinator did not start"
+  caddr=$(grep -o 'serving on 127\.0\.0\.1:[0-9]*' "$tmp/c.log" | grep -o '127.*')
+  clients=()
+  for i in 1 2 3 4; do
+    toks=$((i * 11)),$((i * 7 + 3)),$((i + 40)),5,6
+    "$bin/moe-generate" --model "$m" --tokens "$toks" -n 8 --dtype f32 --kv-dtype f32 --ignore-eos \
+      2>/dev/null | grep '^tokens:' | cut -d' ' -f2- >"$tmp/want$i"
+    # moe-client prints no ids; logprobs 0 sends each token id to stderr
+    timeout 60 "$bin/moe-client" --addr "$caddr" --tokens "$toks" -n 8 --ignore-eos --logprobs 0 \
+      >/dev/null 2>"$tmp/got$i.raw" &
+    clients+=($!)
+  done
+  wait "${clients[@]}"
+  same=0
+  for i in 1 2 3 4; do
+    grep -o '^\[token [0-9]*' "$tmp/got$i.raw" | grep -o '[0-9]*$' | tr '\n' ' ' | sed 's/ $//' >"$tmp/got$i"
+    echo >>"$tmp/got$i"
+    [ -s "$tmp/want$i" ] && cmp -s "$tmp/got$i" "$tmp/want$i" && same=$((same + 1))
+  done
+  [ $same = 4 ] && ok "4 concurrent requests through the coordinator: tokens identical to one rank" ||
+    bad "$same of 4 served requests match one rank: $(cat "$tmp/got1") vs $(cat "$tmp/want1")"
+  metrics=$(curl -sf "$murl")
+  r0=$(echo "$metrics" | grep -E '^moe_dp_rank_computed_tokens_total\{(.*,)?rank="0"\}' | awk '{print $2}')
+  r1=$(echo "$metrics" | grep -E '^moe_dp_rank_computed_tokens_total\{(.*,)?rank="1"\}' | awk '{print $2}')
+  if [ -n "$r0" ] && [ -n "$r1" ] && [ "${r0%.*}" -gt 0 ] && [ "${r1%.*}" -gt 0 ]; then
+    ok "/metrics: tokens run per DP rank $r0 and $r1"
+  else
+    bad "/metrics per DP rank: '$r0' '$r1': $(echo "$metrics" | grep moe_dp | head -4)"
+  fi
+  # the coordinator polls the worker's load: wait for the per-rank line
+  for _ in $(seq 300); do
+    "$bin/moectl" --addr "$caddr" workers >"$tmp/ctl" 2>&1 && grep -q "dp attention over 2 ranks" "$tmp/ctl" && break
+    sleep 0.2
+  done
+  grep -q "dp attention over 2 ranks, each [0-9]* KV blocks; used: [0-9]* [0-9]*; running: [0-9]* [0-9]*" "$tmp/ctl" &&
+    ok "moectl workers: $(grep -o 'dp attention.*' "$tmp/ctl")" || bad "moectl workers: $(cat "$tmp/ctl")"
+  leader=$(grep -o 'pid [0-9]*' "$tmp/w.log" | grep -o '[0-9]*')
+  kill -TERM "$leader"
+  gone() { local st; st=$(ps -o stat= -p "$1" 2>/dev/null) || return 0; [ "${st#Z}" != "$st" ]; }
+  for _ in $(seq 600); do gone "${pids[0]}" && break; sleep 0.1; done
+  if gone "${pids[0]}"; then
+    wait "${pids[0]}"; rc=$?
+    [ $rc = 0 ] && ok "SIGTERM: the DP group drained and exited 0" || bad "DP group exit $rc: $(errs "$tmp/w.err")"
+  else
+    bad "the DP group is still running 60 s after SIGTERM"
+  fi
+else
+  bad "DP group did not start: $(errs "$tmp/w.err")"
+fi
+
+# refused by name
+if timeout 120 "${mpirun[@]}" -np 2 "$bin/moe-worker" --model "$m" --dp-attention --role decode \
+     --listen 127.0.0.1:0 >"$tmp/role.log" 2>&1; then
+  bad "--dp-attention --role decode was accepted"
+else
+  grep -q "role decode with --dp-attention: a KV handoff into or out of a data-parallel group is not built yet" "$tmp/role.log" &&
+    ok "--dp-attention --role decode refused by name" || bad "--role decode: $(errs "$tmp/role.log")"
+fi
 if run "$tmp/tp.all" 2 --model "$m" --tokens 3,14 -n 2 --tp 2; then
   bad "--dp-attention --tp 2 was accepted"
 else

@@ -531,6 +531,17 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
     pthread_mutex_lock(&ws->mu);
     load.draining = ws->draining;
     pthread_mutex_unlock(&ws->mu);
+    uint32_t dp_used[MOE_ENGINE_MAX_KV_PARTS], dp_running[MOE_ENGINE_MAX_KV_PARTS];
+    if (st.kv_parts > 1) {
+        for (int p = 0; p < st.kv_parts; p++) {
+            dp_used[p] = (uint32_t)st.part_blocks_used[p];
+            dp_running[p] = (uint32_t)st.part_running[p];
+        }
+        load.dp_size = (uint32_t)st.kv_parts;
+        load.n_dp_kv_blocks_used = load.n_dp_running = (size_t)st.kv_parts;
+        load.dp_kv_blocks_used = dp_used;
+        load.dp_running = dp_running;
+    }
     load.world_size = (uint32_t)ws->world_size;
     load.tp_size = (uint32_t)ws->tp_size;
     load.ep_size = (uint32_t)ws->world_size;

@@ -121,12 +121,35 @@ static void collect(void *user, struct moe_metrics_out *out)
     moe_metrics_out_sample(out, "moe_kv_blocks", "state=\"cached\"", st.kv_blocks_cached);
     moe_metrics_out_sample(out, "moe_kv_blocks", "state=\"free\"", st.kv_blocks_free);
 
+    if (st.kv_parts > 1) { /* data-parallel attention: each rank's part of the pool */
+        moe_metrics_out_family(out, "moe_dp_rank_kv_blocks_used", "gauge",
+                               "Data-parallel attention: KV blocks held by each rank's sequences.");
+        for (int r = 0; r < st.kv_parts; r++) {
+            snprintf(labels, sizeof labels, "rank=\"%d\"", r);
+            moe_metrics_out_sample(out, "moe_dp_rank_kv_blocks_used", labels,
+                                   st.part_blocks_used[r]);
+        }
+        moe_metrics_out_family(out, "moe_dp_rank_requests_running", "gauge",
+                               "Data-parallel attention: sequences running on each rank.");
+        for (int r = 0; r < st.kv_parts; r++) {
+            snprintf(labels, sizeof labels, "rank=\"%d\"", r);
+            moe_metrics_out_sample(out, "moe_dp_rank_requests_running", labels, st.part_running[r]);
+        }
+        moe_metrics_out_family(out, "moe_dp_rank_computed_tokens_total", "counter",
+                               "Data-parallel attention: tokens each rank ran attention for.");
+        for (int r = 0; r < st.kv_parts; r++) {
+            snprintf(labels, sizeof labels, "rank=\"%d\"", r);
+            moe_metrics_out_sample(out, "moe_dp_rank_computed_tokens_total", labels,
+                                   (double)st.part_tokens[r]);
+        }
+    }
     /* Tokens routed per (layer, expert): layers without experts are left out. */
     const uint64_t *counts = moe_model_expert_tokens(wm->model);
     int nl = wm->cfg->n_layer, ne = wm->cfg->n_expert;
     moe_metrics_out_family(out, "moe_expert_tokens_total", "counter",
                            "Tokens routed to each expert of each MoE layer (every rank of a group "
-                           "counts every token; this is the leader's count).");
+                           "counts every token, or with data-parallel attention its own and the "
+                           "leader sums them; this is the leader's count).");
     for (int l = 0; l < nl && counts; l++) {
         uint64_t sum = 0;
         for (int e = 0; e < ne; e++)
