@@ -82,6 +82,7 @@ POOL = obj({
     "ranksPerGroup": integer(1, 1024),
     "podsPerGroup": integer(1, 1024),
     "tp": integer(1, 1024),
+    "dpAttention": BOOL,
     "gpusPerRank": integer(0, 16),
     "device": DEVICE,
     "dtype": DTYPE,

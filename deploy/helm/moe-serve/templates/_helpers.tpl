@@ -197,6 +197,11 @@ grpc:
 {{- if ne (mod $ranks $tp) 0 -}}
 {{- fail (printf "pools[%d].tp (%d) does not divide pools[%d].ranksPerGroup (%d)" $i $tp $i $ranks) -}}
 {{- end -}}
+{{- if $p.dpAttention -}}
+{{- if or (gt $tp 1) (le $ranks 1) (ne (default "mixed" $p.role) "mixed") -}}
+{{- fail (printf "pools[%d].dpAttention needs tp 1 (not %d), ranksPerGroup > 1 (not %d) and role mixed (not %s): DP inside TP sub-groups and KV handoffs into DP groups are not built" $i $tp $ranks (default "mixed" $p.role)) -}}
+{{- end -}}
+{{- end -}}
 {{- with $p.placement -}}
 {{- if and (hasKey . "n_rank") (ne (int .n_rank) $ranks) -}}
 {{- fail (printf "pools[%d].placement.n_rank (%d) differs from pools[%d].ranksPerGroup (%d)" $i (int .n_rank) $i $ranks) -}}
@@ -266,6 +271,7 @@ grpc:
   "pods" $pods
   "ranksPerPod" (div $ranks $pods)
   "tp" (int (default 1 $p.tp))
+  "dpAttention" (default false $p.dpAttention)
   "gpusPerRank" $gpus
   "device" (default $device $p.device)
   "dtype" (default $w.dtype $p.dtype)
@@ -330,6 +336,9 @@ grpc:
 - {{ $w.drainTimeoutSeconds | quote }}
 - --tp
 - {{ $p.tp | quote }}
+{{- if $p.dpAttention }}
+- --dp-attention
+{{- end }}
 {{- if $p.placement }}
 - --placement
 - /etc/moe-serve/placement/{{ $p.name }}.json
