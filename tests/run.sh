@@ -14,7 +14,7 @@
 #
 #   fuzz:         the libFuzzer targets of tests/fuzz (clang, ASan + UBSan):
 #                 their committed inputs replayed, then each target fuzzed
-#                 for FUZZ_SECONDS (default 20) from its corpus; any crash,
+#                 for FUZZ_SECONDS (default 10) from its corpus; any crash,
 #                 leak, timeout or UBSan report fails (tests/fuzz/run.sh).
 #
 #   tests/run.sh            everything
@@ -96,6 +96,9 @@ if [ "$asan" = 1 ]; then
     -DMOE_WERROR=ON -DMOE_SANITIZE=ON -DMOE_CUDA=OFF
   cmake --build build-asan -j"$jobs"
   echo "== tests under ASan + UBSan =="
+  # MOE_TEST_SANITIZER=address: the mpirun tests that repeat one mechanism
+  # per model architecture run one model per attention kind (as under TSan)
+  MOE_TEST_SANITIZER=address \
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan --output-on-failure -j"$jobs" -L 'unit|golden|cli|integration|mpi|fuzz'
 fi
@@ -132,7 +135,7 @@ if [ "$fuzz" = 1 ]; then
   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_WERROR=ON \
     -DMOE_FUZZ=ON -DMOE_CUDA=OFF
   cmake --build build-fuzz -j"$jobs" --target moe_fuzz_all
-  echo "== fuzz: the committed inputs, then every target for ${FUZZ_SECONDS:-20} s =="
+  echo "== fuzz: the committed inputs, then every target for ${FUZZ_SECONDS:-10} s =="
   ctest --test-dir build-fuzz --output-on-failure -j"$jobs" -L fuzz
-  tests/fuzz/run.sh build-fuzz "${FUZZ_SECONDS:-20}"
+  tests/fuzz/run.sh build-fuzz "${FUZZ_SECONDS:-10}"
 fi
