@@ -7,7 +7,8 @@
 #   - a batch of prompts through the engine gives identical outputs, with
 #     sequences on every rank (tokens run per rank, all non-zero);
 #   - per-rank KV caches small enough to preempt give the same outputs;
-#   - n-gram speculation on top changes nothing;
+#   - n-gram speculation on top changes nothing, nor does the leader's
+#     distilled draft model proposing for sequences on both ranks;
 #   - one sequence (the other ranks idle, serving only their experts) gives
 #     the same greedy tokens and f32 logits within 1e-5;
 #   - the routed-token statistics the leader reports (--expert-stats) are the
@@ -110,6 +111,25 @@ for model in $models; do
     bad "$model DP W=2 one sequence: $(errs "$tmp/g2.err") ${r:-}"
   fi
 done
+
+# A draft model on the leader (its KV over the pool's global block ids)
+# proposing for sequences on both ranks: the trained tiny model and its
+# distilled draft; outputs are plain decoding's.
+tiny=$(dirname "$0")/../../deploy/model
+if [ -f "$tiny/moe-tiny-en/config.json" ] && [ -f "$tiny/draft-tiny-en-kd/config.json" ]; then
+  d=(--model "$tiny/moe-tiny-en" --prompts-file "$tmp/prompts.jsonl" --dtype f32 --kv-dtype f32
+     --ignore-eos --max-batch-tokens 16 --print-outputs)
+  if run "$tmp/dref.all" 1 "${d[@]}" &&
+     run "$tmp/ddp.all" 2 "${d[@]}" --draft-model "$tiny/draft-tiny-en-kd" --spec-tokens 3 &&
+     cmp -s <(grep '^request' "$tmp/ddp.all") <(grep '^request' "$tmp/dref.all") &&
+     grep -q '^speculation:.* [1-9][0-9]* accepted' "$tmp/ddp.all"; then
+    ok "moe-tiny-en DP W=2 with the distilled draft: identical to plain decoding ($(grep -o '[0-9]* proposed, [0-9]* accepted' "$tmp/ddp.all"))"
+  else
+    bad "DP with a draft model: $(errs "$tmp/ddp.all.err") $(grep '^speculation' "$tmp/ddp.all")"
+  fi
+else
+  bad "deploy/model/moe-tiny-en or draft-tiny-en-kd missing"
+fi
 
 # Served: a DP group of 2 behind the coordinator, 4 requests at once.
 m=$fixtures/mixtral
