@@ -11,7 +11,8 @@
 #    kv_gather/scatter_blocks, buf_zero and buf_copy included) and times the grouped expert
 #    GEMM and sampling (tests/ops/time_ops.c); 3b. runs the KV data plane test
 #    (tests/unit/test_kv_link.c) on CPU and CUDA caches;
-# 4. runs the golden prompts with `moe-generate --device cuda` (both fixtures,
+# 4. runs the golden prompts with `moe-generate --device cuda` (Mixtral, Qwen3-MoE and
+#    DeepSeek-V3 with its latent attention and grouped routing,
 #    f32 and bf16 weights) and checks the prompt logits (max rel err <= 1e-4)
 #    and the 32-token greedy paths with bench/compare_logits.c;
 # 5. decode throughput on the benchmark-shape model (moe-mkmodel, the shape of
@@ -146,7 +147,7 @@ done_step "KV data plane"
 # ---- 4. golden prompts on CUDA -----------------------------------------------------
 step "golden prompts with --device $DEVICE"
 g_ok=0; g_fail=0
-for model in mixtral qwen3_moe; do
+for model in mixtral qwen3_moe deepseek_v3; do
   dir=$ROOT/tests/golden/fixtures/$model
   for dtype in f32 bf16; do
     for p in 0 1 2 3; do
@@ -172,8 +173,8 @@ for model in mixtral qwen3_moe; do
     done
   done
 done
-if [ $g_fail -eq 0 ]; then row "golden ($DEVICE, 2 models x 2 dtypes x 4)" "PASS ($g_ok/16)"
-else row "golden ($DEVICE, 2 models x 2 dtypes x 4)" "FAIL ($g_fail of 16 failed)"; fi
+if [ $g_fail -eq 0 ]; then row "golden ($DEVICE, 3 models x 2 dtypes x 4)" "PASS ($g_ok/24)"
+else row "golden ($DEVICE, 3 models x 2 dtypes x 4)" "FAIL ($g_fail of 24 failed)"; fi
 done_step golden
 
 # ---- 5. copy bandwidth and decode benchmark -------------------------------------------

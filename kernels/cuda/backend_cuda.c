@@ -244,7 +244,15 @@ static void cuda_op_kv_write(struct moe_backend *be, const float *k, const float
 
 static void cuda_op_attention(struct moe_backend *be, const struct moe_attn_params *p)
 {
-    char why[160];
+    char why[200];
+    if (p->d_v && p->d_v != p->d_head) { /* latent attention */
+        if (moe_cuda_attention_mla_unsupported(p, why, sizeof why)) {
+            cuda_fail(be, (int)cudaErrorNotSupported, "attention: %s", why);
+            return;
+        }
+        cuda_check(be, moe_cuda_attention_mla(p, cuda_of(be)->stream), "attention (latent)");
+        return;
+    }
     if (moe_cuda_attention_unsupported(p, why, sizeof why)) {
         cuda_fail(be, (int)cudaErrorNotSupported, "attention: %s", why);
         return;
@@ -272,6 +280,25 @@ static void cuda_op_router_topk(struct moe_backend *be, const float *logits, int
                moe_cuda_router_topk(logits, n_tok, n_expert, top_k, renorm, ids, weights,
                                     cuda_of(be)->stream),
                "router_topk");
+}
+
+static void cuda_op_router_topk_grouped(struct moe_backend *be,
+                                        const struct moe_router_grouped_params *p)
+{
+    char why[300];
+    if (moe_cuda_router_grouped_unsupported(p, why, sizeof why)) {
+        cuda_fail(be, (int)cudaErrorNotSupported, "%s", why);
+        return;
+    }
+    cuda_check(be, moe_cuda_router_topk_grouped(p, cuda_of(be)->stream), "router_topk_grouped");
+}
+
+static void cuda_op_copy_cols(struct moe_backend *be, float *dst, int ld_dst, const float *src,
+                              int ld_src, int n_rows, int n_cols)
+{
+    cuda_check(be,
+               moe_cuda_copy_cols(dst, ld_dst, src, ld_src, n_rows, n_cols, cuda_of(be)->stream),
+               "copy_cols");
 }
 
 static void cuda_op_swiglu(struct moe_backend *be, const float *gate_up, float *out, int n_rows,
@@ -478,6 +505,8 @@ static const struct moe_backend_ops cuda_ops = {
     .sample_top_p = cuda_op_sample_top_p,
     .kv_gather_blocks = cuda_op_kv_gather_blocks,
     .kv_scatter_blocks = cuda_op_kv_scatter_blocks,
+    .copy_cols = cuda_op_copy_cols,
+    .router_topk_grouped = cuda_op_router_topk_grouped,
 };
 
 /* Writes the names of the NULL ops of `ops` into buf ("matmul, rope");

@@ -63,6 +63,7 @@ cudaError_t moe_cuda_rope(float *x, const int32_t *pos, int n_tok, int n_heads, 
                           const float *inv_freq, float scale, cudaStream_t stream);
 
 /* ---- kv_write.cu ---- */
+/* v and v_cache NULL: K only (a latent cache). */
 
 cudaError_t moe_cuda_kv_write(const float *k, const float *v, const int32_t *slots, int n_tok,
                               int kv_dim, float *k_cache, float *v_cache, cudaStream_t stream);
@@ -77,12 +78,30 @@ size_t moe_cuda_attention_scratch_bytes(const struct moe_attn_params *p);
 cudaError_t moe_cuda_attention(const struct moe_attn_params *p, void *scratch, size_t scratch_bytes,
                                cudaStream_t stream);
 
+/* ---- attention_mla.cu ---- */
+/* Latent attention (d_v < d_head): one KV head (n_kv_head 1) whose rows are
+ * also V (v_cache == k_cache), d_head <= 1024, any number of query heads, f32
+ * cache. NULL when supported, else the reason in why[cap]. */
+const char *moe_cuda_attention_mla_unsupported(const struct moe_attn_params *p, char *why,
+                                               size_t cap);
+cudaError_t moe_cuda_attention_mla(const struct moe_attn_params *p, cudaStream_t stream);
+
 /* ---- router.cu ---- */
 
 #define MOE_CUDA_ROUTER_MAX_EXPERT 256
 #define MOE_CUDA_ROUTER_MAX_TOPK 32
 cudaError_t moe_cuda_router_topk(const float *logits, int n_tok, int n_expert, int top_k,
                                  bool renorm, int32_t *ids, float *weights, cudaStream_t stream);
+/* Grouped sigmoid routing; p's arrays are device memory. */
+#define MOE_CUDA_ROUTER_MAX_GROUPS 64
+const char *moe_cuda_router_grouped_unsupported(const struct moe_router_grouped_params *p,
+                                                char *why, size_t cap);
+cudaError_t moe_cuda_router_topk_grouped(const struct moe_router_grouped_params *p,
+                                         cudaStream_t stream);
+
+/* ---- copy_cols.cu ---- */
+cudaError_t moe_cuda_copy_cols(float *dst, int ld_dst, const float *src, int ld_src, int n_rows,
+                               int n_cols, cudaStream_t stream);
 
 /* ---- swiglu.cu ---- */
 

@@ -1,4 +1,5 @@
-// Paged KV write: k, v (n_tok, kv_dim) -> caches (n_slot, kv_dim) at slots[t].
+// Paged KV write: k, v (n_tok, kv_dim) -> caches (n_slot, kv_dim) at slots[t]
+// (v and v_cache NULL: K only, a latent cache).
 // One block per token; 16-byte copies when kv_dim is a multiple of 4 (cache
 // rows then stay 16-byte aligned, as buffers from cudaMalloc are).
 #include "cuda_ops.h"
@@ -21,12 +22,14 @@ __global__ void kv_write_kernel(const float *__restrict__ k, const float *__rest
         float4 *kc = (float4 *)(k_cache + dst), *vc = (float4 *)(v_cache + dst);
         for (int i = threadIdx.x; i < n4; i += kThreads) {
             kc[i] = k4[i];
-            vc[i] = v4[i];
+            if (v_cache)
+                vc[i] = v4[i];
         }
     } else {
         for (int i = threadIdx.x; i < kv_dim; i += kThreads) {
             k_cache[dst + i] = k[src + i];
-            v_cache[dst + i] = v[src + i];
+            if (v_cache)
+                v_cache[dst + i] = v[src + i];
         }
     }
 }

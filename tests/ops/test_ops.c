@@ -182,9 +182,11 @@ static void run_rope(struct run *r, const struct op_case *c)
 }
 
 /* kv_write: a = {n_tok, kv_dim, n_slot}; both whole caches are compared. */
+/* kv_write: a = {n_tok, kv_dim, n_slot, latent}; latent: K only (v and
+ * v_cache NULL), the V half of the cache buffer must stay as it was */
 static void run_kv_write(struct run *r, const struct op_case *c)
 {
-    int n_tok = c->a[0], kv_dim = c->a[1], n_slot = c->a[2];
+    int n_tok = c->a[0], kv_dim = c->a[1], n_slot = c->a[2], latent = c->a[3];
     size_t nt = (size_t)n_tok * kv_dim, nc = (size_t)n_slot * kv_dim;
     float *k = calloc(1, (nt + 1) * 4), *v = calloc(1, (nt + 1) * 4),
           *cache = calloc(1, (2 * nc + 1) * 4);
@@ -194,9 +196,9 @@ static void run_kv_write(struct run *r, const struct op_case *c)
     fill_floats(cache, 2 * nc, 1.0f);
     shuffle_ids(perm, n_slot); /* distinct, scattered slots */
     float *dc = run_buf(r, cache, 2 * nc * 4);
-    r->be->ops->kv_write(r->be, run_buf(r, k, nt * 4), run_buf(r, v, nt * 4),
-                         run_buf(r, perm, (size_t)n_tok * 4), n_tok, kv_dim, dc, dc + nc,
-                         MOE_DTYPE_F32);
+    r->be->ops->kv_write(r->be, run_buf(r, k, nt * 4), latent ? NULL : run_buf(r, v, nt * 4),
+                         run_buf(r, perm, (size_t)n_tok * 4), n_tok, kv_dim, dc,
+                         latent ? NULL : dc + nc, MOE_DTYPE_F32);
     run_get_floats(r, dc, 2 * nc);
     free(k);
     free(v);
@@ -273,6 +275,124 @@ static void run_attention(struct run *r, const struct op_case *c)
     free(q);
     free(kc);
     free(vc);
+}
+
+/* latent attention: a = {n_seq, max_len, n_head, d_head, d_v, block_size,
+ * mode}: one KV head whose cache rows (d_head) are K and, in their first d_v
+ * floats, V (DeepSeek-V3's absorbed MLA); modes as for attention. */
+static void run_attention_mla(struct run *r, const struct op_case *c)
+{
+    int n_seq = c->a[0], max_len = c->a[1], n_head = c->a[2], d = c->a[3], dv = c->a[4];
+    int bs = c->a[5], mode = c->a[6];
+    int max_blocks = (max_len + bs - 1) / bs;
+    int n_block = n_seq * max_blocks + 3;
+    size_t nc = (size_t)n_block * bs * d;
+    int32_t *perm = calloc(1, (size_t)n_block * sizeof(int32_t));
+    int32_t *table = calloc(1, (size_t)n_seq * max_blocks * sizeof(int32_t));
+    int *len = calloc(1, (size_t)n_seq * sizeof(int)),
+        *n_new = calloc(1, (size_t)n_seq * sizeof(int));
+    shuffle_ids(perm, n_block);
+    int n_tok = 0;
+    for (int s = 0; s < n_seq; s++) {
+        len[s] = test_rng_int(&g_rng, 1, max_len);
+        int used = (len[s] + bs - 1) / bs;
+        for (int b = 0; b < max_blocks; b++)
+            table[s * max_blocks + b] = b < used ? perm[s * max_blocks + b] : -1;
+        n_new[s] = mode == 0 ? 1 : mode == 1 ? len[s] : test_rng_int(&g_rng, 1, len[s]);
+        n_tok += n_new[s];
+    }
+    int32_t *seq = calloc(1, (size_t)n_tok * 4 + 4), *pos = calloc(1, (size_t)n_tok * 4 + 4);
+    for (int s = 0, t = 0; s < n_seq; s++)
+        for (int i = 0; i < n_new[s]; i++, t++) {
+            seq[t] = s;
+            pos[t] = len[s] - n_new[s] + i;
+        }
+    size_t nq = (size_t)n_tok * n_head * d, no = (size_t)n_tok * n_head * dv;
+    float *q = calloc(1, (nq + 1) * 4), *kc = calloc(1, (nc + 1) * 4);
+    fill_floats(q, nq, 1.0f);
+    fill_floats(kc, nc, 1.0f);
+    void *cache = run_buf(r, kc, nc * 4);
+    struct moe_attn_params p = {
+        .q = run_buf(r, q, nq * 4),
+        .out = run_buf(r, NULL, no * 4 + 4),
+        .k_cache = cache,
+        .v_cache = cache,
+        .tok_seq = run_buf(r, seq, (size_t)n_tok * 4 + 4),
+        .tok_pos = run_buf(r, pos, (size_t)n_tok * 4 + 4),
+        .block_tables = run_buf(r, table, (size_t)n_seq * max_blocks * 4),
+        .max_blocks = max_blocks,
+        .n_tok = n_tok,
+        .n_head = n_head,
+        .n_kv_head = 1,
+        .d_head = d,
+        .block_size = bs,
+        .scale = 1.0f / sqrtf((float)d),
+        .d_v = dv,
+    };
+    r->be->ops->attention(r->be, &p);
+    run_get_floats(r, p.out, no);
+    free(perm);
+    free(table);
+    free(len);
+    free(n_new);
+    free(seq);
+    free(pos);
+    free(q);
+    free(kc);
+}
+
+/* grouped sigmoid routing: a = {n_tok, n_expert, n_group, topk_group, top_k,
+ * renorm, mode}; mode 0: random logits and bias; 1: logits and bias from 3
+ * values each (exact ties between experts and between groups: the lower id
+ * must win); scale 2.5 (routed_scaling_factor). */
+static void run_router_grouped(struct run *r, const struct op_case *c)
+{
+    int n_tok = c->a[0], n_e = c->a[1], k = c->a[4], mode = c->a[6];
+    size_t n = (size_t)n_tok * n_e, nk = (size_t)n_tok * k;
+    float *x = calloc(1, (n + 1) * 4), *bias = calloc(1, (size_t)n_e * 4);
+    fill_floats(x, n, 4.0f);
+    fill_floats(bias, (size_t)n_e, 0.5f);
+    if (mode == 1) {
+        for (size_t i = 0; i < n; i++)
+            x[i] = (float)(test_rng_u32(&g_rng) % 3u) - 1.0f;
+        for (int e = 0; e < n_e; e++)
+            bias[e] = (float)(test_rng_u32(&g_rng) % 3u) * 0.25f;
+    }
+    struct moe_router_grouped_params p = {
+        .logits = run_buf(r, x, n * 4 + 4),
+        .bias = run_buf(r, bias, (size_t)n_e * 4),
+        .n_tok = n_tok,
+        .n_expert = n_e,
+        .top_k = k,
+        .n_group = c->a[2],
+        .topk_group = c->a[3],
+        .renorm = c->a[5],
+        .scale = 2.5f,
+        .ids = run_buf(r, NULL, (nk + 1) * 4),
+        .weights = run_buf(r, NULL, (nk + 1) * 4),
+    };
+    r->be->ops->router_topk_grouped(r->be, &p);
+    run_get_floats(r, p.weights, nk);
+    run_get_ids(r, p.ids, nk);
+    free(x);
+    free(bias);
+}
+
+/* copy_cols: a = {n_rows, ld_dst, dst_col, ld_src, src_col, n_cols}; the
+ * whole destination comes back (what lies outside the block must not move) */
+static void run_copy_cols(struct run *r, const struct op_case *c)
+{
+    int rows = c->a[0], ld_dst = c->a[1], dcol = c->a[2], ld_src = c->a[3], scol = c->a[4];
+    size_t nd = (size_t)rows * ld_dst, ns = (size_t)rows * ld_src;
+    float *dst = calloc(1, (nd + 1) * 4), *src = calloc(1, (ns + 1) * 4);
+    fill_floats(dst, nd, 1.0f);
+    fill_floats(src, ns, 1.0f);
+    float *dd = run_buf(r, dst, nd * 4 + 4);
+    r->be->ops->copy_cols(r->be, dd + dcol, ld_dst,
+                          (const float *)run_buf(r, src, ns * 4 + 4) + scol, ld_src, rows, c->a[5]);
+    run_get_floats(r, dd, nd);
+    free(dst);
+    free(src);
 }
 
 /* router: a = {n_tok, n_expert, top_k, renorm, mode}; mode 0: random logits;
@@ -659,6 +779,8 @@ static const struct op_case g_cases[] = {
     {"kv_write", run_kv_write, {37, 256, 100}, 0},
     {"kv_write", run_kv_write, {5, 30, 9}, 0}, /* kv_dim not a multiple of 4 */
     {"kv_write", run_kv_write, {0, 64, 4}, 0},
+    {"kv_write", run_kv_write, {9, 48, 20, 1}, 0},  /* latent: K only */
+    {"kv_write", run_kv_write, {7, 576, 12, 1}, 0}, /* DeepSeek-V3's latent row */
     /* attention {n_seq, max_len, n_head, n_kv_head, d_head, block_size, mode} */
     {"attention", run_attention, {1, 1, 1, 1, 16, 1, 0}, 1e-10},
     {"attention", run_attention, {3, 40, 4, 2, 16, 4, 1}, 1e-10},     /* mixtral fixture shape */
@@ -669,6 +791,24 @@ static const struct op_case g_cases[] = {
     {"attention", run_attention, {3, 500, 32, 2, 128, 32, 2}, 1e-10}, /* G 16 */
     {"attention", run_attention, {2, 90, 6, 6, 256, 7, 2}, 1e-10},    /* MHA, odd block size */
     {"attention", run_attention, {64, 33, 32, 8, 128, 16, 0}, 1e-10}, /* batch-64 decode */
+    /* latent attention {n_seq, max_len, n_head, d_head, d_v, block_size, mode} */
+    {"attention_mla", run_attention_mla, {1, 1, 1, 48, 32, 1, 0}, 1e-10},
+    {"attention_mla", run_attention_mla, {3, 40, 4, 48, 32, 4, 1}, 1e-10},      /* fixture shape */
+    {"attention_mla", run_attention_mla, {4, 300, 16, 320, 256, 16, 2}, 1e-10}, /* bench shape */
+    {"attention_mla", run_attention_mla, {8, 700, 16, 576, 512, 64, 0}, 1e-10}, /* DSV3 /TP 8 */
+    {"attention_mla", run_attention_mla, {2, 150, 3, 1000, 999, 5, 2}, 1e-10},  /* ragged */
+    /* grouped routing {n_tok, n_expert, n_group, topk_group, top_k, renorm, mode} */
+    {"router_grouped", run_router_grouped, {1, 8, 1, 1, 2, 1, 0}, 1e-10},
+    {"router_grouped", run_router_grouped, {40, 8, 4, 2, 2, 1, 0}, 1e-10},   /* fixture shape */
+    {"router_grouped", run_router_grouped, {40, 8, 4, 2, 3, 0, 1}, 1e-10},   /* ties */
+    {"router_grouped", run_router_grouped, {33, 64, 8, 4, 6, 1, 0}, 1e-10},  /* bench shape */
+    {"router_grouped", run_router_grouped, {20, 256, 8, 4, 8, 1, 0}, 1e-10}, /* DeepSeek-V3 */
+    {"router_grouped", run_router_grouped, {20, 256, 8, 4, 8, 1, 1}, 1e-10},
+    {"router_grouped", run_router_grouped, {0, 64, 8, 4, 6, 1, 0}, 0},
+    /* copy_cols {n_rows, ld_dst, dst_col, ld_src, src_col, n_cols} */
+    {"copy_cols", run_copy_cols, {4, 9, 5, 7, 2, 3}, 0},
+    {"copy_cols", run_copy_cols, {100, 576, 512, 64, 0, 64}, 0},
+    {"copy_cols", run_copy_cols, {0, 8, 0, 8, 0, 8}, 0},
     /* router {n_tok, n_expert, top_k, renorm, mode} */
     {"router", run_router, {1, 1, 1, 1, 0}, 1e-10},
     {"router", run_router, {50, 8, 2, 1, 0}, 1e-10},
@@ -758,12 +898,14 @@ static const struct op_case g_cases[] = {
 
 /* Shapes CUDA must refuse loudly: the op records an error and computes nothing. */
 static const struct op_case g_refused[] = {
-    {"attention", run_attention, {1, 8, 4, 4, 96, 4, 0}, 0},  /* d_head 96 */
-    {"attention", run_attention, {1, 8, 34, 1, 64, 4, 0}, 0}, /* 34 heads per KV head */
-    {"router", run_router, {3, 300, 2, 1, 0}, 0},             /* 300 experts */
-    {"rope", run_rope, {2, 2, 1024, 10, 10000}, 0},           /* d_head 1024 */
+    {"attention", run_attention, {1, 8, 4, 4, 96, 4, 0}, 0},             /* d_head 96 */
+    {"attention", run_attention, {1, 8, 34, 1, 64, 4, 0}, 0},            /* 34 heads per KV head */
+    {"router", run_router, {3, 300, 2, 1, 0}, 0},                        /* 300 experts */
+    {"attention_mla", run_attention_mla, {1, 8, 4, 1088, 512, 4, 0}, 0}, /* d_head 1088 */
+    {"router_grouped", run_router_grouped, {3, 512, 8, 4, 8, 1, 0}, 0},  /* 512 experts */
+    {"rope", run_rope, {2, 2, 1024, 10, 10000}, 0},                      /* d_head 1024 */
 /* first index of the refusals every backend makes (the CPU too: run in --cpu-vs-cpu) */
-#define REFUSED_ALL_FROM 4
+#define REFUSED_ALL_FROM 6
     {"grouped_matmul", run_grouped, {20, 4, 32, 16, F32, 0, 4}, 0}, /* rows, NULL weights */
     {"sample_top_p", run_sample, {2, 0, 100, 90, 1, 0}, 0},         /* vocab 0 */
 };
