@@ -315,7 +315,7 @@ static void print_workers(Moe__V1__WorkerStatus **ws, size_t n)
                seen);
         if (w->dp_size > 1 && w->n_dp_kv_blocks_used == w->dp_size &&
             w->n_dp_running == w->dp_size) {
-            printf("  dp attention over %u ranks, each %u KV blocks; used:", w->dp_size,
+            printf("  dp attention over %u groups, each %u KV blocks; used:", w->dp_size,
                    w->kv_blocks_total / w->dp_size);
             for (uint32_t r = 0; r < w->dp_size; r++)
                 printf(" %u", w->dp_kv_blocks_used[r]);

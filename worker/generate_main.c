@@ -395,7 +395,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         .spec_tokens = a->spec_tokens,
         .spec_max_batch = a->spec_max_batch,
         .draft = draft,
-        .kv_parts = group && group->dp ? group->size : 1,
+        .kv_parts = group ? group->dp_size : 1,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
     };
@@ -455,8 +455,9 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
     if (eo.kv_parts > 1) {
         struct moe_engine_stats st;
         moe_engine_stats(e, &st);
-        printf("dp attention: %d ranks, each its own KV cache of %d blocks; tokens run per rank:",
-               eo.kv_parts, eo.n_block / eo.kv_parts);
+        printf(
+            "dp attention: %d DP groups, each its own KV cache of %d blocks; tokens run per group:",
+            eo.kv_parts, eo.n_block / eo.kv_parts);
         for (int r = 0; r < st.kv_parts; r++)
             printf(" %lld", (long long)st.part_tokens[r]);
         printf("\n");

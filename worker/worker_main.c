@@ -430,7 +430,7 @@ static enum moe_status start_engine(struct worker_run *r)
         .spec_tokens = a->spec_tokens,
         .spec_max_batch = a->spec_max_batch,
         .draft = r->draft,
-        .kv_parts = group && group->dp ? group->size : 1,
+        .kv_parts = group ? group->dp_size : 1,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
     };

@@ -111,9 +111,12 @@ static enum moe_status sum_expert_tokens(struct moe_group *g, struct moe_model *
     if (!g->dp_expert && (!(g->dp_expert = calloc(n, sizeof *g->dp_expert)) ||
                           !(g->dp_expert_seen = calloc(n, sizeof *g->dp_expert_seen))))
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    /* one rank per DP group speaks for it (its TP ranks routed the same
+     * rows), the leader's own are counted already */
+    bool speaks = g->rank != 0 && g->tp_rank == 0;
     const uint64_t *now = moe_model_expert_tokens(m);
     for (size_t i = 0; i < n; i++) {
-        g->dp_expert[i] = g->rank ? (float)(now[i] - g->dp_expert_seen[i]) : 0.0f;
+        g->dp_expert[i] = speaks ? (float)(now[i] - g->dp_expert_seen[i]) : 0.0f;
         g->dp_expert_seen[i] = now[i];
     }
     enum moe_status rc = moe_comm_all_reduce_sum(g->world, g->dp_expert, n, err);
@@ -236,19 +239,13 @@ enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, bool dp_a
                            tp_size, g->size);
         goto fail;
     }
-    if (dp_attention && tp_size > 1) {
-        rc = moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                           "--dp-attention with --tp %d: attention inside TP sub-groups of a "
-                           "DP group is not built yet (use --tp 1: every rank its own attention)",
-                           tp_size);
-        goto fail;
-    }
     if (dp_attention && g->size > DP_MAX_RANKS) {
         rc = moe_error_set(err, MOE_ERR_UNSUPPORTED, "--dp-attention over %d ranks (at most %d)",
                            g->size, DP_MAX_RANKS);
         goto fail;
     }
-    g->dp = dp_attention && g->size > 1;
+    g->dp = dp_attention && g->size > tp_size; /* one DP group is plain TP */
+    g->dp_size = g->dp ? g->size / tp_size : 1;
     g->tp_rank = g->rank % tp_size;
     pthread_mutex_init(&g->mu, NULL);
     if (!(g->rank_rows = calloc((size_t)g->size, sizeof *g->rank_rows))) {
@@ -359,17 +356,21 @@ static size_t payload_ints(const struct plan_head *h)
     return 4 * (size_t)h->n_tok + (size_t)h->n_seq * h->max_blocks + (size_t)h->n_logits;
 }
 
-/* Data-parallel attention, every rank: runs this rank's share of the step
- * `b` (global block ids) on its KV cache `kv`, then brings every rank's
- * logit rows to the leader's `logits`, in the order of b->logit_rows. */
+/* Data-parallel attention, every rank: runs its DP group's share of the step
+ * `b` (global block ids) on its KV cache `kv` (the group's TP ranks each
+ * with their heads), then brings every DP group's logit rows, from its TP
+ * rank 0, to the leader's `logits`, in the order of b->logit_rows. */
 static enum moe_status dp_forward(struct moe_group *g, struct moe_model *m, struct moe_kv_cache *kv,
                                   const struct moe_batch *b, float *logits, struct moe_error *err)
 {
     struct moe_dp_split *sp = &g->split;
+    const int dp_rank = g->rank / g->tp_size, tp = g->tp_size;
     enum moe_status rc =
-        moe_dp_split_batch(b, g->size, kv->n_block, kv->block_size, g->rank, sp, err);
+        moe_dp_split_batch(b, g->dp_size, kv->n_block, kv->block_size, dp_rank, sp, err);
     if (rc)
         return moe_error_prefix(err, "rank %d", g->rank);
+    if (g->tp_rank) /* its TP rank 0 computes the DP group's logits */
+        sp->b.n_logits = 0;
     size_t V = (size_t)moe_model_config(m)->vocab_size;
     size_t need = (size_t)(b->n_logits > 0 ? b->n_logits : 1) * V * (g->rank ? 1 : 2);
     if (need > g->cap_dp_logits) {
@@ -384,17 +385,18 @@ static enum moe_status dp_forward(struct moe_group *g, struct moe_model *m, stru
         return rc;
     if (!b->n_logits)
         return MOE_OK;
-    /* every rank's rows to the leader, in rank order */
+    /* every DP group's rows to the leader, in group order (from the group's
+     * TP rank 0, rank = group x tp) */
     size_t row = V * sizeof(float), sc[DP_MAX_RANKS] = {0}, sd[DP_MAX_RANKS] = {0},
            rc_[DP_MAX_RANKS] = {0}, rd[DP_MAX_RANKS] = {0};
-    int per_rank[DP_MAX_RANKS] = {0};
+    int per_group[DP_MAX_RANKS] = {0};
     for (int i = 0; i < b->n_logits; i++)
-        per_rank[sp->logit_rank[i]]++;
+        per_group[sp->logit_rank[i]]++;
     sc[0] = (size_t)sp->b.n_logits * row;
-    for (int r = 0, at = 0; g->rank == 0 && r < g->size; r++) {
-        rc_[r] = (size_t)per_rank[r] * row;
-        rd[r] = (size_t)at * row;
-        at += per_rank[r];
+    for (int d = 0, at = 0; g->rank == 0 && d < g->dp_size; d++) {
+        rc_[d * tp] = (size_t)per_group[d] * row;
+        rd[d * tp] = (size_t)at * row;
+        at += per_group[d];
     }
     float *gathered = g->dp_logits + (size_t)b->n_logits * V; /* leader only */
     if ((rc = moe_comm_all_to_all_v(g->world, g->dp_logits, sc, sd, gathered, rc_, rd, err)))
@@ -402,9 +404,9 @@ static enum moe_status dp_forward(struct moe_group *g, struct moe_model *m, stru
     if (g->rank)
         return MOE_OK;
     int next[DP_MAX_RANKS], at = 0;
-    for (int r = 0; r < g->size; r++) {
-        next[r] = at;
-        at += per_rank[r];
+    for (int d = 0; d < g->dp_size; d++) {
+        next[d] = at;
+        at += per_group[d];
     }
     for (int i = 0; i < b->n_logits; i++)
         memcpy(logits + (size_t)i * V, gathered + (size_t)next[sp->logit_rank[i]]++ * V, row);

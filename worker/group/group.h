@@ -8,11 +8,13 @@
  * cache shaped like the leader's (re-created when the leader's changes) and
  * compute no logits. On the CPU the collectives go over MPI.
  *
- * With data-parallel attention (--dp-attention, TP 1) every rank owns a part
+ * With data-parallel attention (--dp-attention) every DP group (a TP
+ * sub-group: tp_size consecutive ranks, or each rank with TP 1) owns a part
  * of the leader's KV block pool and the sequences whose blocks are there:
- * the plan is the whole step, each rank runs its share of it
- * (group/dp_batch.h), the MoE layers exchange the ranks' distinct rows, and
- * the ranks' logits come back to the leader for sampling.
+ * the plan is the whole step, each DP group runs its share of it
+ * (group/dp_batch.h) with its heads split over its TP ranks, the MoE layers
+ * exchange the groups' distinct rows, and each group's logits come back to
+ * the leader for sampling.
  *
  * A rank that dies makes the others fail within the communicator timeout
  * during a step; while the group is idle, followers wait for the next plan
@@ -42,7 +44,8 @@ struct moe_group {
      * step plans stay on MPI (host memory). NULL on the CPU. */
     struct moe_comm *dev_world;
     struct moe_comm *dev_tp;
-    bool dp;                   /* data-parallel attention */
+    bool dp;                   /* data-parallel attention over more than one DP group */
+    int dp_size;               /* DP groups (size / tp_size with dp, else 1): the KV pool's parts */
     struct moe_dp_split split; /* dp: this rank's share of the step */
     float *dp_logits;          /* dp: this rank's logit rows, then (leader) everyone's */
     size_t cap_dp_logits;      /* floats */
@@ -79,9 +82,9 @@ struct moe_group {
 bool moe_group_launched_by_mpi(void);
 
 /* Initialises MPI (thread level SERIALIZED: the leader's engine thread makes
- * the calls) and builds the communicators. W must be a multiple of tp_size;
- * dp_attention needs tp_size 1. timeout_ms bounds every collective inside a
- * step. */
+ * the calls) and builds the communicators. W must be a multiple of tp_size
+ * (with dp_attention: W / tp_size DP groups). timeout_ms bounds every
+ * collective inside a step. */
 enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, bool dp_attention,
                                  int timeout_ms, struct moe_group **out, struct moe_error *err);
 

@@ -641,11 +641,6 @@ static enum moe_status check_opts(const struct moe_config *c, const struct moe_m
         return moe_error_set(err, MOE_ERR_INVALID,
                              "tensor-parallel size %d needs a communicator of that size",
                              o->tp_size);
-    if (o->dp_attention && o->tp_size > 1)
-        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                             "data-parallel attention with tensor-parallel size %d: attention "
-                             "inside TP sub-groups of a DP group is not built yet (use TP 1)",
-                             o->tp_size);
     if (o->ep_comm && o->ep_comm->size > MOE_MAX_EP_RANKS)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED, "expert parallel over %d ranks (at most %d)",
                              o->ep_comm->size, MOE_MAX_EP_RANKS);

@@ -55,10 +55,11 @@ struct moe_model_opts {
     int tp_size;
     struct moe_comm *tp_comm; /* borrowed; NULL when tp_size == 1 */
     struct moe_comm *ep_comm; /* borrowed; NULL or size 1: all experts local */
-    /* Data-parallel attention (with tp_size 1): every rank of ep_comm runs
-     * its own batch (its own sequences, tokens and KV cache, possibly none)
-     * and the MoE layers exchange those distinct rows; see moe_batch's
-     * n_tok_group. false: every rank runs the same batch (lock-step). */
+    /* Data-parallel attention: every tensor-parallel sub-group (tp_comm; a
+     * rank alone with tp_size 1) runs its own batch (its own sequences,
+     * tokens and KV cache, possibly none) and the MoE layers exchange the
+     * sub-groups' distinct rows over ep_comm; see moe_batch's n_tok_group.
+     * false: every rank runs the same batch (lock-step). */
     bool dp_attention;
     const struct moe_placement *placement; /* copied at load */
 };

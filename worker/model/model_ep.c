@@ -3,8 +3,10 @@
  * Every rank holds the same n token rows (lock-step). Rank r owns the token
  * shard [t0, t1) = [r*c, min(n, (r+1)*c)) with c = ceil(n / W). With
  * data-parallel attention (moe_model_opts.dp_attention) every rank holds its
- * own n rows instead (n may differ between ranks, or be 0): its shard is all
- * of them and step 5 is skipped.
+ * own n rows instead (n may differ between ranks, or be 0), shared only with
+ * the other ranks of its tensor-parallel sub-group (its DP group): the
+ * shards and the all-gather of step 5 are over that sub-group (pure DP, TP
+ * 1: the shard is all n rows and step 5 does nothing).
  *   1. route: for each (token of the shard, chosen expert) pick a rank that
  *      holds the expert (the rank itself when it holds a replica);
  *   2. dispatch: all-to-all-v of the rows and their expert ids, grouped by
@@ -48,10 +50,15 @@ struct ep_step {
     int n;            /* token rows, the same on every rank */
     int W, me, k, d;  /* ranks, this rank, top_k, d_model */
     size_t row_bytes; /* one row: d_model floats */
-    int chunk;        /* rows per shard: ceil(n / W) */
-    int t0, t1;       /* this rank's shard [t0, t1) */
-    int n_items;      /* (t1 - t0) * top_k items of the shard */
-    size_t n_recv;    /* items received from all ranks */
+    int chunk;        /* rows per shard: ceil(n / R) */
+    /* the ranks holding the same n rows, over which they are sharded: every
+     * rank (lock-step), or with DP attention the TP sub-group (NULL: this
+     * rank alone) */
+    struct moe_comm *row_comm;
+    int R, row_rank;
+    int t0, t1;    /* this rank's shard [t0, t1) */
+    int n_items;   /* (t1 - t0) * top_k items of the shard */
+    size_t n_recv; /* items received from all ranks */
     size_t send_counts[MOE_MAX_EP_RANKS], recv_counts[MOE_MAX_EP_RANKS]; /* items, by rank */
     size_t sd[MOE_MAX_EP_RANKS], rd[MOE_MAX_EP_RANKS]; /* their displacements, in items */
 };
@@ -68,16 +75,12 @@ static void ep_step_init(struct ep_step *st, struct moe_model *m, int l, int n)
                            .k = m->cfg.top_k,
                            .d = m->cfg.d_model};
     st->row_bytes = (size_t)st->d * sizeof(float);
-    if (m->opts.dp_attention) { /* this rank's own rows */
-        st->chunk = n;
-        st->t0 = 0;
-        st->t1 = n;
-        st->n_items = n * st->k;
-        return;
-    }
-    st->chunk = (n + st->W - 1) / st->W;
-    st->t0 = st->me * st->chunk < n ? st->me * st->chunk : n;
-    st->t1 = (st->me + 1) * st->chunk < n ? (st->me + 1) * st->chunk : n;
+    st->row_comm = m->opts.dp_attention ? m->tp_comm : m->ep_comm;
+    st->R = st->row_comm ? st->row_comm->size : 1;
+    st->row_rank = st->row_comm ? st->row_comm->rank : 0;
+    st->chunk = (n + st->R - 1) / st->R;
+    st->t0 = st->row_rank * st->chunk < n ? st->row_rank * st->chunk : n;
+    st->t1 = (st->row_rank + 1) * st->chunk < n ? (st->row_rank + 1) * st->chunk : n;
     st->n_items = (st->t1 - st->t0) * st->k;
 }
 
@@ -245,7 +248,7 @@ static enum moe_status ep_combine(struct ep_step *st, struct moe_error *err)
     /* clear what step 3 scattered into, for the next layer */
     if (n_recv)
         moe_model_zero(m, s->ep_out, n_recv * row_bytes);
-    moe_model_zero(m, s->ffn_out, (size_t)st->chunk * (m->opts.dp_attention ? 1 : W) * row_bytes);
+    moe_model_zero(m, s->ffn_out, (size_t)st->chunk * st->R * row_bytes);
     if (!n_items)
         return MOE_OK;
     /* per expert, in id order: rows of that expert among the sent items */
@@ -292,14 +295,15 @@ enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_e
 
     if ((rc = ep_combine(&st, err)))
         return rc;
-    /* 5. every rank gets every row: all-gather of the padded shards */
+    /* 5. every rank of the row group gets every row: all-gather of the
+     * padded shards */
     be->ops->synchronize(be);
-    if (m->opts.dp_attention) {
+    if (st.R == 1) {
         m->prof.combine_s += moe_now() - t_computed;
         return MOE_OK;
     }
-    rc = moe_comm_all_gather(m->ep_comm, s->ffn_out + (size_t)st.me * st.chunk * st.d, s->ffn_out,
-                             (size_t)st.chunk * st.row_bytes, err);
+    rc = moe_comm_all_gather(st.row_comm, s->ffn_out + (size_t)st.row_rank * st.chunk * st.d,
+                             s->ffn_out, (size_t)st.chunk * st.row_bytes, err);
     if (rc)
         return moe_error_prefix(err, "layer %d expert all-gather", l);
     m->prof.combine_s += moe_now() - t_computed;

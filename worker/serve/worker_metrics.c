@@ -123,22 +123,23 @@ static void collect(void *user, struct moe_metrics_out *out)
 
     if (st.kv_parts > 1) { /* data-parallel attention: each rank's part of the pool */
         moe_metrics_out_family(out, "moe_dp_rank_kv_blocks_used", "gauge",
-                               "Data-parallel attention: KV blocks held by each rank's sequences.");
+                               "Data-parallel attention: KV blocks held by each DP group's "
+                               "sequences (dp_rank: the group, a rank with TP 1).");
         for (int r = 0; r < st.kv_parts; r++) {
-            snprintf(labels, sizeof labels, "rank=\"%d\"", r);
+            snprintf(labels, sizeof labels, "dp_rank=\"%d\"", r);
             moe_metrics_out_sample(out, "moe_dp_rank_kv_blocks_used", labels,
                                    st.part_blocks_used[r]);
         }
         moe_metrics_out_family(out, "moe_dp_rank_requests_running", "gauge",
-                               "Data-parallel attention: sequences running on each rank.");
+                               "Data-parallel attention: sequences running on each DP group.");
         for (int r = 0; r < st.kv_parts; r++) {
-            snprintf(labels, sizeof labels, "rank=\"%d\"", r);
+            snprintf(labels, sizeof labels, "dp_rank=\"%d\"", r);
             moe_metrics_out_sample(out, "moe_dp_rank_requests_running", labels, st.part_running[r]);
         }
         moe_metrics_out_family(out, "moe_dp_rank_computed_tokens_total", "counter",
-                               "Data-parallel attention: tokens each rank ran attention for.");
+                               "Data-parallel attention: tokens each DP group ran attention for.");
         for (int r = 0; r < st.kv_parts; r++) {
-            snprintf(labels, sizeof labels, "rank=\"%d\"", r);
+            snprintf(labels, sizeof labels, "dp_rank=\"%d\"", r);
             moe_metrics_out_sample(out, "moe_dp_rank_computed_tokens_total", labels,
                                    (double)st.part_tokens[r]);
         }
