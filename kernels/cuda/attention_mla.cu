@@ -49,9 +49,9 @@ size_t smem_bytes(int d)
 __global__ void __launch_bounds__(kThreads) mla_kernel(const mla_args a)
 {
     extern __shared__ float smem[];
-    float *qs = smem;                           // (d)
-    float *ps = qs + a.d;                       // (kThreads) this tile's exp(s - m')
-    float *red = ps + kThreads;                 // (kWarps) reduction scratch
+    float *qs = smem;                          // (d)
+    float *ps = qs + a.d;                      // (kThreads) this tile's exp(s - m')
+    float *red = ps + kThreads;                // (kWarps) reduction scratch
     int32_t *slot = (int32_t *)(red + kWarps); // (kThreads) this tile's cache rows
 
     const int h = blockIdx.x, t = a.t0 + (int)blockIdx.y;
@@ -135,18 +135,21 @@ extern "C" const char *moe_cuda_attention_mla_unsupported(const moe_attn_params 
         return why;
     }
     if (p->d_head < 1 || p->d_head > kMaxD || p->d_v < 1 || p->d_v > p->d_head) {
-        snprintf(why, cap, "latent attention: d_head %d, d_v %d not supported (1 <= d_v <= d_head <= %d)",
+        snprintf(why, cap,
+                 "latent attention: d_head %d, d_v %d not supported (1 <= d_v <= d_head <= %d)",
                  p->d_head, p->d_v, kMaxD);
         return why;
     }
     if (p->n_kv_head != 1 || p->v_cache != p->k_cache) {
-        snprintf(why, cap,
-                 "latent attention: %d KV heads, V %s K: one KV head whose rows are also V expected",
-                 p->n_kv_head, p->v_cache == p->k_cache ? "==" : "!=");
+        snprintf(
+            why, cap,
+            "latent attention: %d KV heads, V %s K: one KV head whose rows are also V expected",
+            p->n_kv_head, p->v_cache == p->k_cache ? "==" : "!=");
         return why;
     }
     if (p->n_head < 1 || p->block_size < 1 || p->max_blocks < 1 || p->n_tok < 0) {
-        snprintf(why, cap, "latent attention: n_head %d, block_size %d, max_blocks %d, n_tok %d out of range",
+        snprintf(why, cap,
+                 "latent attention: n_head %d, block_size %d, max_blocks %d, n_tok %d out of range",
                  p->n_head, p->block_size, p->max_blocks, p->n_tok);
         return why;
     }

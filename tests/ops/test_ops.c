@@ -206,43 +206,62 @@ static void run_kv_write(struct run *r, const struct op_case *c)
     free(perm);
 }
 
-/* attention: a = {n_seq, max_len, n_head, n_kv_head, d_head, block_size, mode}
- * mode 0: decode (one token per sequence, at its last position); 1: prefill
- * (every position of every sequence); 2: mixed (each sequence a random tail
- * of new tokens after a cached prefix). Sequence lengths are random in
- * [1, max_len]; the cache has spare blocks and the block ids of each sequence
- * are a random, non-contiguous draw (unused table entries are -1). */
-static void run_attention(struct run *r, const struct op_case *c)
+/* The sequences of an attention case: n_seq sequences of random lengths in
+ * [1, max_len] over a cache with spare blocks, each sequence's block ids a
+ * random, non-contiguous draw (unused table entries -1), and the tokens that
+ * attend: mode 0 decode (one per sequence, at its last position), 1 prefill
+ * (every position), 2 mixed (a random tail of new tokens after a cached
+ * prefix). */
+struct paged_batch {
+    int n_block, max_blocks, n_tok;
+    int32_t *table, *seq, *pos;
+};
+
+static void paged_batch_make(int n_seq, int max_len, int bs, int mode, struct paged_batch *pb)
 {
-    int n_seq = c->a[0], max_len = c->a[1], n_head = c->a[2], n_kv = c->a[3], d = c->a[4];
-    int bs = c->a[5], mode = c->a[6];
-    int max_blocks = (max_len + bs - 1) / bs;
-    int n_block = n_seq * max_blocks + 3; /* spare blocks: holes in the cache */
-    int kv_dim = n_kv * d;
-    size_t nc = (size_t)n_block * bs * kv_dim;
-    int32_t *perm = calloc(1, (size_t)n_block * sizeof(int32_t));
-    int32_t *table = calloc(1, (size_t)n_seq * max_blocks * sizeof(int32_t));
+    pb->max_blocks = (max_len + bs - 1) / bs;
+    pb->n_block = n_seq * pb->max_blocks + 3; /* spare blocks: holes in the cache */
+    int32_t *perm = calloc(1, (size_t)pb->n_block * sizeof(int32_t));
+    pb->table = calloc(1, (size_t)n_seq * pb->max_blocks * sizeof(int32_t));
     int *len = calloc(1, (size_t)n_seq * sizeof(int)),
         *n_new = calloc(1, (size_t)n_seq * sizeof(int));
-    shuffle_ids(perm, n_block);
-    int n_tok = 0;
+    shuffle_ids(perm, pb->n_block);
+    pb->n_tok = 0;
     for (int s = 0; s < n_seq; s++) {
         len[s] = test_rng_int(&g_rng, 1, max_len);
         int used = (len[s] + bs - 1) / bs;
-        for (int b = 0; b < max_blocks; b++)
-            table[s * max_blocks + b] = b < used ? perm[s * max_blocks + b] : -1;
+        for (int b = 0; b < pb->max_blocks; b++)
+            pb->table[s * pb->max_blocks + b] = b < used ? perm[s * pb->max_blocks + b] : -1;
         n_new[s] = mode == 0 ? 1 : mode == 1 ? len[s] : test_rng_int(&g_rng, 1, len[s]);
-        n_tok += n_new[s];
+        pb->n_tok += n_new[s];
     }
-    int32_t *seq = calloc(1, (size_t)n_tok * 4), *pos = calloc(1, (size_t)n_tok * 4);
-    int t = 0;
-    for (int s = 0; s < n_seq; s++) {
+    pb->seq = calloc(1, (size_t)pb->n_tok * 4 + 4);
+    pb->pos = calloc(1, (size_t)pb->n_tok * 4 + 4);
+    for (int s = 0, t = 0; s < n_seq; s++)
         for (int i = 0; i < n_new[s]; i++, t++) {
-            seq[t] = s;
-            pos[t] = len[s] - n_new[s] + i; /* positions before are the cached prefix */
+            pb->seq[t] = s;
+            pb->pos[t] = len[s] - n_new[s] + i; /* positions before are the cached prefix */
         }
-    }
-    size_t nq = (size_t)n_tok * n_head * d;
+    free(perm);
+    free(len);
+    free(n_new);
+}
+
+static void paged_batch_free(struct paged_batch *pb)
+{
+    free(pb->table);
+    free(pb->seq);
+    free(pb->pos);
+}
+
+/* attention: a = {n_seq, max_len, n_head, n_kv_head, d_head, block_size, mode}
+ * (modes: paged_batch_make) */
+static void run_attention(struct run *r, const struct op_case *c)
+{
+    int n_seq = c->a[0], n_head = c->a[2], n_kv = c->a[3], d = c->a[4], bs = c->a[5];
+    struct paged_batch pb;
+    paged_batch_make(n_seq, c->a[1], bs, c->a[6], &pb);
+    size_t nc = (size_t)pb.n_block * bs * n_kv * d, nq = (size_t)pb.n_tok * n_head * d;
     float *q = calloc(1, (nq + 1) * 4), *kc = calloc(1, (nc + 1) * 4),
           *vc = calloc(1, (nc + 1) * 4);
     fill_floats(q, nq, 1.0f);
@@ -253,11 +272,11 @@ static void run_attention(struct run *r, const struct op_case *c)
         .out = run_buf(r, NULL, nq * 4),
         .k_cache = run_buf(r, kc, nc * 4),
         .v_cache = run_buf(r, vc, nc * 4),
-        .tok_seq = run_buf(r, seq, (size_t)n_tok * 4),
-        .tok_pos = run_buf(r, pos, (size_t)n_tok * 4),
-        .block_tables = run_buf(r, table, (size_t)n_seq * max_blocks * 4),
-        .max_blocks = max_blocks,
-        .n_tok = n_tok,
+        .tok_seq = run_buf(r, pb.seq, (size_t)pb.n_tok * 4),
+        .tok_pos = run_buf(r, pb.pos, (size_t)pb.n_tok * 4),
+        .block_tables = run_buf(r, pb.table, (size_t)n_seq * pb.max_blocks * 4),
+        .max_blocks = pb.max_blocks,
+        .n_tok = pb.n_tok,
         .n_head = n_head,
         .n_kv_head = n_kv,
         .d_head = d,
@@ -266,12 +285,7 @@ static void run_attention(struct run *r, const struct op_case *c)
     };
     r->be->ops->attention(r->be, &p);
     run_get_floats(r, p.out, nq);
-    free(perm);
-    free(table);
-    free(len);
-    free(n_new);
-    free(seq);
-    free(pos);
+    paged_batch_free(&pb);
     free(q);
     free(kc);
     free(vc);
@@ -282,32 +296,11 @@ static void run_attention(struct run *r, const struct op_case *c)
  * floats, V (DeepSeek-V3's absorbed MLA); modes as for attention. */
 static void run_attention_mla(struct run *r, const struct op_case *c)
 {
-    int n_seq = c->a[0], max_len = c->a[1], n_head = c->a[2], d = c->a[3], dv = c->a[4];
-    int bs = c->a[5], mode = c->a[6];
-    int max_blocks = (max_len + bs - 1) / bs;
-    int n_block = n_seq * max_blocks + 3;
-    size_t nc = (size_t)n_block * bs * d;
-    int32_t *perm = calloc(1, (size_t)n_block * sizeof(int32_t));
-    int32_t *table = calloc(1, (size_t)n_seq * max_blocks * sizeof(int32_t));
-    int *len = calloc(1, (size_t)n_seq * sizeof(int)),
-        *n_new = calloc(1, (size_t)n_seq * sizeof(int));
-    shuffle_ids(perm, n_block);
-    int n_tok = 0;
-    for (int s = 0; s < n_seq; s++) {
-        len[s] = test_rng_int(&g_rng, 1, max_len);
-        int used = (len[s] + bs - 1) / bs;
-        for (int b = 0; b < max_blocks; b++)
-            table[s * max_blocks + b] = b < used ? perm[s * max_blocks + b] : -1;
-        n_new[s] = mode == 0 ? 1 : mode == 1 ? len[s] : test_rng_int(&g_rng, 1, len[s]);
-        n_tok += n_new[s];
-    }
-    int32_t *seq = calloc(1, (size_t)n_tok * 4 + 4), *pos = calloc(1, (size_t)n_tok * 4 + 4);
-    for (int s = 0, t = 0; s < n_seq; s++)
-        for (int i = 0; i < n_new[s]; i++, t++) {
-            seq[t] = s;
-            pos[t] = len[s] - n_new[s] + i;
-        }
-    size_t nq = (size_t)n_tok * n_head * d, no = (size_t)n_tok * n_head * dv;
+    int n_seq = c->a[0], n_head = c->a[2], d = c->a[3], dv = c->a[4], bs = c->a[5];
+    struct paged_batch pb;
+    paged_batch_make(n_seq, c->a[1], bs, c->a[6], &pb);
+    size_t nc = (size_t)pb.n_block * bs * d, nq = (size_t)pb.n_tok * n_head * d,
+           no = (size_t)pb.n_tok * n_head * dv;
     float *q = calloc(1, (nq + 1) * 4), *kc = calloc(1, (nc + 1) * 4);
     fill_floats(q, nq, 1.0f);
     fill_floats(kc, nc, 1.0f);
@@ -317,11 +310,11 @@ static void run_attention_mla(struct run *r, const struct op_case *c)
         .out = run_buf(r, NULL, no * 4 + 4),
         .k_cache = cache,
         .v_cache = cache,
-        .tok_seq = run_buf(r, seq, (size_t)n_tok * 4 + 4),
-        .tok_pos = run_buf(r, pos, (size_t)n_tok * 4 + 4),
-        .block_tables = run_buf(r, table, (size_t)n_seq * max_blocks * 4),
-        .max_blocks = max_blocks,
-        .n_tok = n_tok,
+        .tok_seq = run_buf(r, pb.seq, (size_t)pb.n_tok * 4 + 4),
+        .tok_pos = run_buf(r, pb.pos, (size_t)pb.n_tok * 4 + 4),
+        .block_tables = run_buf(r, pb.table, (size_t)n_seq * pb.max_blocks * 4),
+        .max_blocks = pb.max_blocks,
+        .n_tok = pb.n_tok,
         .n_head = n_head,
         .n_kv_head = 1,
         .d_head = d,
@@ -331,12 +324,7 @@ static void run_attention_mla(struct run *r, const struct op_case *c)
     };
     r->be->ops->attention(r->be, &p);
     run_get_floats(r, p.out, no);
-    free(perm);
-    free(table);
-    free(len);
-    free(n_new);
-    free(seq);
-    free(pos);
+    paged_batch_free(&pb);
     free(q);
     free(kc);
 }
