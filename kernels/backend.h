@@ -290,7 +290,10 @@ struct moe_backend {
     const char *name; /* "cpu", "cuda" */
     enum moe_device device;
     const struct moe_backend_ops *ops;
-    void *ctx; /* backend private state */
+    void *ctx;     /* backend private state */
+    int ordinal;   /* CUDA: the device number; CPU: -1 */
+    char label[128]; /* one line for start-up logs: "cuda:1 (NVIDIA H200, 139.8 GiB, sm_90)",
+                      * "cpu (2 threads, avx512 + avx512-bf16,avx512-vnni)" */
 };
 
 /* The KV element type a cache on `be` gets unless told otherwise: BF16 on
@@ -310,8 +313,35 @@ enum moe_status moe_backend_cpu_create(int n_threads, struct moe_backend **out,
 enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
                                         struct moe_error *err);
 
-/* Picks a backend by name: "cpu", "cuda", or "auto" (CUDA when a GPU is
- * usable, otherwise CPU, saying why on stderr). */
+/* The --device flag: "cpu", "cuda" (the GPU of this process's local rank),
+ * "cuda:N" (GPU N, whatever the local rank) or "auto" (CUDA when a GPU is
+ * usable, otherwise CPU). */
+struct moe_device_flag {
+    enum { MOE_DEVICE_FLAG_AUTO, MOE_DEVICE_FLAG_CPU, MOE_DEVICE_FLAG_CUDA } kind;
+    int ordinal; /* cuda:N: N; else -1 (by local rank) */
+};
+
+/* Parses `s`; refuses anything else naming the value. */
+enum moe_status moe_device_flag_parse(const char *s, struct moe_device_flag *out,
+                                      struct moe_error *err);
+
+/* The GPU a process opens, out of n_gpus visible ones: the flag's N, else
+ * its local rank (its index among the group's processes on this node), so
+ * `mpirun -np 8` on an 8-GPU node puts each rank on its own GPU. A local
+ * rank (or N) without a GPU of its own is refused, naming both numbers. */
+enum moe_status moe_device_pick_ordinal(const struct moe_device_flag *f, int local_rank,
+                                        int n_gpus, int *ordinal, struct moe_error *err);
+
+/* GPUs this process can see (0 without CUDA, a driver or a GPU). */
+int moe_backend_cuda_device_count(void);
+
+/* Picks a backend by the --device flag (moe_device_flag_parse) for a process
+ * of local rank `local_rank` (0 outside a group); "auto" without a usable GPU
+ * falls back to the CPU, saying why on stderr. */
+enum moe_status moe_backend_create_at(const char *device, int n_threads, int local_rank,
+                                      struct moe_backend **out, struct moe_error *err);
+
+/* moe_backend_create_at for local rank 0. */
 enum moe_status moe_backend_create(const char *device, int n_threads, struct moe_backend **out,
                                    struct moe_error *err);
 

@@ -3,7 +3,7 @@
  *
  *   moe-generate --model DIR (--prompt TEXT | --tokens 1,2,3) [-n N]
  *                [--temperature T] [--top-p P] [--top-k K] [--seed S]
- *                [--dtype f32|bf16|int8] [--threads N] [--device auto|cpu|cuda]
+ *                [--dtype f32|bf16|int8] [--threads N] [--device auto|cpu|cuda[:N]]
  *                [--logits-out FILE] [--ignore-eos]
  *   moe-generate --model DIR --prompts-file FILE.jsonl [scheduler options]
  *                runs many prompts through the engine as one offline batch
@@ -91,7 +91,8 @@ static void usage(FILE *f)
            "  --exact             f32 activations in every matmul (default: bf16 / int8\n"
            "                      activations where the CPU has dot-product instructions)\n"
            "  --threads N         CPU threads, 0 = all cores (default 0)\n"
-           "  --device D          auto|cpu|cuda (default auto)\n"
+           "  --device D          auto|cpu|cuda|cuda:N (default auto; cuda: under mpirun\n"
+           "                      each rank takes the GPU of its local rank)\n"
            "  --logits-out FILE   write prompt logits: f32 LE, one row of vocab_size per position\n"
            "  --ignore-eos        do not stop at an end-of-sequence token\n"
            "offline batch (engine):\n"

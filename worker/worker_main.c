@@ -9,7 +9,7 @@
  *
  *   moe-worker --model DIR [--listen HOST:PORT] [--advertise HOST:PORT]
  *              [--etcd URLS --worker-id ID --lease-ttl S] [--dtype f32|bf16|int8]
- *              [--threads N] [--device auto|cpu|cuda] [--kv-blocks N | --kv-memory MIB]
+ *              [--threads N] [--device auto|cpu|cuda[:N]] [--kv-blocks N | --kv-memory MIB]
  *              [--block-size N] [--max-batch-tokens N] [--max-running N]
  *              [--no-prefix-cache] [--role mixed|prefill|decode] [--kv-listen HOST:PORT]
  *              [--drain-timeout S] [--metrics-listen HOST:PORT]
@@ -107,7 +107,8 @@ static void usage(FILE *f)
                "  --exact               f32 activations in every matmul (default: bf16 / int8\n"
                "                        activations where the CPU has dot-product instructions)\n"
                "  --threads N           CPU threads, 0 = all cores (default 0)\n"
-               "  --device D            auto|cpu|cuda (default auto)\n"
+               "  --device D            auto|cpu|cuda|cuda:N (default auto; cuda: under mpirun\n"
+               "                        each rank takes the GPU of its local rank)\n"
                "  --kv-blocks N | --kv-memory MIB   KV cache size (default 512 MiB)\n"
                "  --kv-dtype T          KV cache elements: bf16 (CPU default: twice the tokens\n"
                "                        in the same memory) or f32 (CUDA default, and with\n"

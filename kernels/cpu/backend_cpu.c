@@ -1,5 +1,6 @@
 /* The CPU backend: host memory and the kernels of kernels/cpu, run on a
  * thread pool that the backend owns. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -233,6 +234,12 @@ enum moe_status moe_backend_cpu_create(int n_threads, struct moe_backend **out,
     cb->base.device = MOE_DEVICE_CPU;
     cb->base.ops = &cpu_ops;
     cb->base.ctx = cb;
+    cb->base.ordinal = -1;
+    char feats[96];
+    unsigned f = cpu_kernels_features();
+    snprintf(cb->base.label, sizeof cb->base.label, "cpu (%d thread%s, %s%s%s)",
+             moe_threadpool_size(cb->pool), moe_threadpool_size(cb->pool) == 1 ? "" : "s",
+             cpu_isa_name(cpu_kernels_isa()), f ? " + " : "", f ? cpu_features_name(f, feats, sizeof feats) : "");
     *out = &cb->base;
     return MOE_OK;
 fail:

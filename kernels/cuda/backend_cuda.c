@@ -559,6 +559,16 @@ static int missing_ops(const struct moe_backend_ops *ops, char *buf, size_t cap)
     return n;
 }
 
+int moe_backend_cuda_device_count(void)
+{
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+        (void)cudaGetLastError(); /* not sticky: clear it for the next call */
+        return 0;
+    }
+    return count > 0 ? count : 0;
+}
+
 enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
                                         struct moe_error *err)
 {
@@ -625,6 +635,14 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
     cb->base.device = MOE_DEVICE_CUDA;
     cb->base.ops = &cuda_ops;
     cb->base.ctx = cb;
+    cb->base.ordinal = ordinal;
+    struct cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, ordinal) == cudaSuccess)
+        snprintf(cb->base.label, sizeof cb->base.label, "cuda:%d (%.64s, %.1f GiB, sm_%d%d)",
+                 ordinal, prop.name, (double)prop.totalGlobalMem / (1 << 30), prop.major,
+                 prop.minor);
+    else
+        snprintf(cb->base.label, sizeof cb->base.label, "cuda:%d", ordinal);
     *out = &cb->base;
     return MOE_OK;
 fail:

@@ -175,6 +175,30 @@ else
     || bad "bad placement: $(cat "$tmp/w.out.err" | grep -v CUDA | head -3)"
 fi
 
+# Devices: every rank names what it opened (its local rank picks its GPU);
+# a rank that cannot open its device makes the whole group fail at once,
+# naming the rank and why (not hang in the NCCL set-up): here --device cuda
+# on a machine without a GPU, or with fewer GPUs than ranks.
+dcommon=(--model "$fixtures/mixtral" --tokens 3,14,15 -n 2 --dtype f32)
+if gen "$tmp/d.out" "$tmp/d.bin" 2 "${dcommon[@]}" --device cpu &&
+   grep -q "moe: rank 0 of 2 (local rank 0 of 2 on this node): cpu (" "$tmp/d.out.err" &&
+   grep -q "moe: rank 1 of 2 (local rank 1 of 2 on this node): cpu (" "$tmp/d.out.err"; then
+  ok "W=2 --device cpu: $(grep -m1 'moe: rank 1 of 2' "$tmp/d.out.err")"
+else
+  bad "W=2 device lines: $(errs "$tmp/d.out.err")"
+fi
+if gen "$tmp/d.out" "$tmp/d.bin" 2 "${dcommon[@]}" --device cuda; then
+  grep -q "cuda:1" "$tmp/d.out.err" && ok "W=2 --device cuda: two GPUs, rank 1 on cuda:1" \
+    || bad "W=2 --device cuda ran, but not on cuda:0 and cuda:1: $(errs "$tmp/d.out.err")"
+else
+  rc=$?
+  if [ "$rc" != 124 ] && grep -Eq "rank [01]: " "$tmp/d.out.err"; then
+    ok "W=2 --device cuda without a GPU per rank: the group refuses at once: $(grep -Em1 -o 'rank [01]: .{0,90}' "$tmp/d.out.err")"
+  else
+    bad "W=2 --device cuda (rc $rc): $(errs "$tmp/d.out.err")"
+  fi
+fi
+
 # A rank dies mid-run. mpirun is told not to kill the job itself, so the
 # survivors must notice through the 2 s communicator timeout, say so, and
 # abort the job: the command must end by itself (not by the 120 s guard),

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "group/devices.h"
 #include "test_fault.h"
 #include "clock.h"
 
@@ -254,6 +255,20 @@ enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, bool dp_a
     }
     if (tp_size > 1 && (rc = moe_comm_split(g->world, g->rank / tp_size, g->tp_rank, &g->tp, err)))
         goto fail;
+    /* The processes of this node, numbered in rank order: the local rank
+     * picks the GPU (the launcher's own variables, OMPI_COMM_WORLD_LOCAL_RANK
+     * and the like, differ between launchers; this does not). */
+    MPI_Comm node_comm;
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, g->rank, MPI_INFO_NULL,
+                            &node_comm) != MPI_SUCCESS) {
+        rc = moe_error_set(err, MOE_ERR_IO, "MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) failed");
+        goto fail;
+    }
+    g->node = g->rank;
+    MPI_Comm_rank(node_comm, &g->local_rank);
+    MPI_Comm_size(node_comm, &g->local_size);
+    MPI_Bcast(&g->node, 1, MPI_INT, 0, node_comm);
+    MPI_Comm_free(&node_comm);
     *out = g;
     return MOE_OK;
 fail:
@@ -288,12 +303,27 @@ void moe_group_destroy(struct moe_group *g)
 }
 
 enum moe_status moe_group_attach_device(struct moe_group *g, struct moe_backend *be,
-                                        struct moe_error *err)
+                                        const struct moe_error *why, struct moe_error *err)
 {
+    struct moe_rank_device mine, *all = calloc((size_t)g->size, sizeof *all);
+    if (!all)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    moe_rank_device_fill(&mine, be, why, g->node);
+    enum moe_status rc = moe_comm_all_gather(g->world, &mine, all, sizeof mine, err);
+    if (rc) {
+        free(all);
+        return moe_error_prefix(err, "sharing the ranks' devices");
+    }
+    rc = moe_rank_devices_check(all, g->size, err);
+    free(all);
+    if (rc)
+        return rc;
+    fprintf(stderr, "moe: rank %d of %d (local rank %d of %d on this node): %s\n", g->rank,
+            g->size, g->local_rank, g->local_size, be->label);
     if (be->device != MOE_DEVICE_CUDA)
         return MOE_OK;
     struct moe_comm_nccl_id id = {{0}};
-    enum moe_status rc = g->rank == 0 ? moe_comm_nccl_get_id(&id, err) : MOE_OK;
+    rc = g->rank == 0 ? moe_comm_nccl_get_id(&id, err) : MOE_OK;
     /* everyone takes part in the broadcast, even after a failure on rank 0 */
     int failed = rc != MOE_OK;
     if (moe_comm_broadcast(g->world, &failed, sizeof failed, 0, err) ||
@@ -303,8 +333,8 @@ enum moe_status moe_group_attach_device(struct moe_group *g, struct moe_backend 
         return rc ? rc : moe_error_set(err, MOE_ERR_IO, "rank 0 could not create an NCCL id");
     /* The default stream: the model synchronises the backend's stream before
      * every collective, and each collective waits for its own completion. */
-    if ((rc = moe_comm_create_nccl(&id, g->size, g->rank, 0, NULL, g->world->timeout_ms,
-                                   &g->dev_world, err)))
+    if ((rc = moe_comm_create_nccl(&id, g->size, g->rank, be->ordinal, NULL,
+                                   g->world->timeout_ms, &g->dev_world, err)))
         return rc;
     if (g->tp_size > 1 &&
         (rc = moe_comm_split(g->dev_world, g->rank / g->tp_size, g->tp_rank, &g->dev_tp, err)))

@@ -38,6 +38,9 @@ struct moe_group {
     int size;
     int tp_size;
     int tp_rank;
+    int local_rank; /* index among the group's processes on this node: picks its GPU */
+    int local_size; /* the group's processes on this node */
+    int node;       /* world rank of this node's first process */
     struct moe_comm *world; /* all ranks: plan broadcast and expert parallel */
     struct moe_comm *tp;    /* this rank's tensor-parallel sub-group (NULL when tp_size 1) */
     /* On GPUs the model's collectives run on device buffers over NCCL; the
@@ -88,11 +91,16 @@ bool moe_group_launched_by_mpi(void);
 enum moe_status moe_group_create(int *argc, char ***argv, int tp_size, bool dp_attention,
                                  int timeout_ms, struct moe_group **out, struct moe_error *err);
 
-/* For a CUDA backend: creates the NCCL communicators the model uses (the
- * unique id travels by MPI broadcast). A no-op on the CPU. UNVERIFIED: no GPU
- * has run this path yet. */
+/* Called on every rank right after it made its backend (be), or failed to
+ * (be NULL, `why` the reason): the ranks exchange what they opened and all
+ * fail together, naming the rank, when one failed, when they are on
+ * different kinds of device or when two share a GPU (group/devices.h).
+ * Prints each rank's device on stderr. For a CUDA backend it then creates
+ * the NCCL communicators the model uses, on the rank's own GPU (the unique id
+ * travels by MPI broadcast). UNVERIFIED on a GPU: none has run this path
+ * yet. */
 enum moe_status moe_group_attach_device(struct moe_group *g, struct moe_backend *be,
-                                        struct moe_error *err);
+                                        const struct moe_error *why, struct moe_error *err);
 
 /* The communicators to give the model (struct moe_model_opts). */
 struct moe_comm *moe_group_model_tp(const struct moe_group *g);

@@ -24,7 +24,7 @@ void moe_group_destroy(struct moe_group *g)
 }
 
 enum moe_status moe_group_attach_device(struct moe_group *g, struct moe_backend *be,
-                                        struct moe_error *err)
+                                        const struct moe_error *why, struct moe_error *err)
 {
     return MOE_OK;
 }

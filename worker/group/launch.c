@@ -1,5 +1,6 @@
 #include "group/launch.h"
 
+#include <stdio.h>
 #include <string.h>
 
 bool moe_launch_parse_dtype(const char *s, enum moe_dtype *out)
@@ -46,9 +47,15 @@ enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launc
     if (g && a->placement &&
         (rc = moe_placement_load_for_model(a->placement, a->model, g->size, &l->placement, err)))
         return rc;
-    if ((rc = moe_backend_create(a->device, a->threads, &l->be, err)))
-        return rc;
-    if (g && (rc = moe_group_attach_device(g, l->be, err)))
+    struct moe_error why = {0};
+    rc = moe_backend_create_at(a->device, a->threads, g ? g->local_rank : 0, &l->be, &why);
+    if (g) /* every rank learns whether all of them have a backend */
+        rc = moe_group_attach_device(g, l->be, &why, err);
+    else if (rc)
+        *err = why;
+    else
+        fprintf(stderr, "moe: device %s\n", l->be->label);
+    if (rc)
         return rc;
     l->model_opts = (struct moe_model_opts){
         .dtype = a->dtype,

@@ -13,7 +13,7 @@
 
 struct moe_launch_args {
     const char *model;  /* checkpoint directory */
-    const char *device; /* auto | cpu | cuda */
+    const char *device; /* auto | cpu | cuda | cuda:N (moe_device_flag_parse) */
     int threads;
     enum moe_dtype dtype;
     int group_size;    /* --group-size: int4 columns per scale (0: 32) */
