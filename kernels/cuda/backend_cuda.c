@@ -44,9 +44,20 @@ struct cuda_backend {
     char first_msg[256];
 };
 
+/* The CUDA device current on this thread, as last set here (-1: not yet). */
+static _Thread_local int t_bound_ordinal = -1;
+
+/* The backend, with its device made current on the calling thread: the
+ * current device is per thread, and the engine, the KV data plane and the
+ * loader call ops from threads other than the one that made the backend
+ * (on a rank whose GPU is not device 0, a launch or cudaMalloc would go to
+ * the wrong GPU otherwise). Every op enters through here. */
 static struct cuda_backend *cuda_of(struct moe_backend *be)
 {
-    return (struct cuda_backend *)be;
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    if (t_bound_ordinal != cb->ordinal && cudaSetDevice(cb->ordinal) == cudaSuccess)
+        t_bound_ordinal = cb->ordinal;
+    return cb;
 }
 
 /* Records the first error (printed once); later ones are dropped. */
@@ -594,6 +605,7 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
     if (e != cudaSuccess)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED, "cudaSetDevice(%d): error %d, %s", ordinal,
                              (int)e, cudaGetErrorString(e));
+    t_bound_ordinal = ordinal;
     e = moe_cuda_probe();
     if (e != cudaSuccess) {
         struct cudaDeviceProp prop;
@@ -610,6 +622,7 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
     struct cuda_backend *cb = calloc(1, sizeof(*cb));
     if (!cb)
         return moe_error_set(err, MOE_ERR_NOMEM, "cuda backend: out of memory");
+    cb->ordinal = ordinal;
     enum moe_status st = MOE_OK;
     e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
