@@ -102,6 +102,9 @@ void cpu_vec_to_bf16(uint16_t *dst, const float *src, int n);
 float cpu_vec_sumsq(const float *a, int n);
 void cpu_vec_axpy(float *y, float a, const float *x, int n); /* y += a x */
 void cpu_vec_scale(float *y, float a, int n);                /* y *= a */
+/* moe_host_argmax on a given ISA (clamped by the caller to one the
+ * processor has): the tests compare every path with the scalar one. */
+int32_t cpu_vec_argmax_isa(const float *x, int n, enum cpu_isa isa);
 
 /* ---- norm.c ---- */
 

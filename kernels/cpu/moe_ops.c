@@ -114,11 +114,7 @@ void cpu_unpermute_combine(const float *rows, const float *weights, const int32_
 
 int32_t cpu_argmax_row(const float *logits, int vocab)
 {
-    int32_t best = 0;
-    for (int i = 1; i < vocab; i++)
-        if (logits[i] > logits[best])
-            best = i;
-    return best;
+    return moe_host_argmax(logits, vocab);
 }
 
 void cpu_argmax(const float *logits, int n, int vocab, int32_t *out_ids)

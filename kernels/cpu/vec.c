@@ -1,5 +1,6 @@
 /* Run-time ISA selection and the small vector primitives (dot, sum of
  * squares, axpy, scale) used by attention and rmsnorm. */
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -337,6 +338,69 @@ AVX512_TARGET static void to_bf16_avx512(uint16_t *dst, const float *src, int n)
     }
 }
 
+
+/* argmax in two passes: the maximum over the non-NaN elements (several
+ * accumulators, no dependency on an index), then the first index holding
+ * it. The same answer as the scalar loop `if (x[i] > x[best]) best = i`,
+ * NaNs and signed zeros included (callers check x[0] for NaN first). */
+AVX512_TARGET static int32_t argmax_avx512(const float *x, int n)
+{
+    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+    int i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        __m512 c = _mm512_loadu_ps(x + i + 32), d = _mm512_loadu_ps(x + i + 48);
+        m0 = _mm512_mask_max_ps(m0, _mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), m0, a);
+        m1 = _mm512_mask_max_ps(m1, _mm512_cmp_ps_mask(b, b, _CMP_ORD_Q), m1, b);
+        m2 = _mm512_mask_max_ps(m2, _mm512_cmp_ps_mask(c, c, _CMP_ORD_Q), m2, c);
+        m3 = _mm512_mask_max_ps(m3, _mm512_cmp_ps_mask(d, d, _CMP_ORD_Q), m3, d);
+    }
+    for (; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        __m512 a = _mm512_maskz_loadu_ps(m, x + i);
+        m0 = _mm512_mask_max_ps(m0, m & _mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), m0, a);
+    }
+    float best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+    __m512 bv = _mm512_set1_ps(best);
+    for (i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        __mmask16 eq = m & _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(m, x + i), bv, _CMP_EQ_OQ);
+        if (eq)
+            return i + __builtin_ctz(eq);
+    }
+    return 0; /* every element NaN but x[0] handled by the caller: unreachable */
+}
+
+AVX2_TARGET static int32_t argmax_avx2(const float *x, int n)
+{
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 m0 = ninf, m1 = ninf;
+    int i = 0;
+    /* max_ps(v, acc) returns acc when v is NaN: NaNs are skipped */
+    for (; i + 16 <= n; i += 16) {
+        m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
+        m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
+    }
+    m0 = _mm256_max_ps(m0, m1);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m0);
+    float best = lanes[0];
+    for (int j = 1; j < 8; j++)
+        best = lanes[j] > best ? lanes[j] : best;
+    for (; i < n; i++)
+        best = x[i] > best ? x[i] : best;
+    __m256 bv = _mm256_set1_ps(best);
+    for (i = 0; i + 8 <= n; i += 8) {
+        int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), bv, _CMP_EQ_OQ));
+        if (eq)
+            return i + __builtin_ctz((unsigned)eq);
+    }
+    for (; i < n; i++)
+        if (x[i] == best)
+            return i;
+    return 0;
+}
+
 #endif /* VEC_X86 */
 
 void cpu_vec_from_bf16(float *dst, const uint16_t *src, int n)
@@ -402,4 +466,34 @@ void cpu_vec_scale(float *y, float a, int n)
     }
 #endif
     scale_scalar(y, a, n);
+}
+
+static int32_t argmax_scalar(const float *x, int n)
+{
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = i;
+    return best;
+}
+
+int32_t cpu_vec_argmax_isa(const float *x, int n, enum cpu_isa isa)
+{
+    if (n <= 1 || isnan(x[0]))
+        return 0; /* the scalar loop never moves off a NaN at 0 */
+#ifdef VEC_X86
+    switch (isa) {
+    case CPU_ISA_AVX512: return argmax_avx512(x, n);
+    case CPU_ISA_AVX2: return argmax_avx2(x, n);
+    case CPU_ISA_SCALAR: break;
+    }
+#else
+    (void)isa;
+#endif
+    return argmax_scalar(x, n);
+}
+
+int32_t moe_host_argmax(const float *x, int n)
+{
+    return cpu_vec_argmax_isa(x, n, cpu_kernels_isa());
 }

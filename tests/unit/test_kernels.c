@@ -1433,6 +1433,55 @@ static void test_sampling(void)
            mismatch);
 }
 
+/* moe_host_argmax on one ISA against the plain loop: random rows of many
+ * lengths (the vector bodies and their tails), ties (the lower index wins),
+ * NaNs anywhere (never chosen; x[0] NaN gives 0), +-inf, signed zeros. */
+static void test_argmax(const char *isa)
+{
+    enum cpu_isa now = cpu_kernels_isa();
+    struct test_rng rng;
+    test_rng_seed(&rng, 0xa7a7);
+    static float x[32000 + 64];
+    int bad = 0, rows = 0;
+    for (int trial = 0; trial < 600; trial++) {
+        int n = trial < 200 ? 1 + trial : trial < 580 ? 1 + test_rng_int(&rng, 0, 400) : 32000;
+        int kind = trial % 6;
+        for (int i = 0; i < n; i++) {
+            float v = test_rng_float(&rng) * 8.0f - 4.0f;
+            if (kind == 1) /* few distinct values: many ties */
+                v = (float)test_rng_int(&rng, 0, 3);
+            x[i] = v;
+        }
+        if (kind == 2) /* NaNs sprinkled, maybe at 0 */
+            for (int j = 0; j < 1 + n / 8; j++)
+                x[test_rng_int(&rng, 0, n - 1)] = NAN;
+        if (kind == 3) { /* infinities */
+            x[test_rng_int(&rng, 0, n - 1)] = -INFINITY;
+            if (trial & 8)
+                x[test_rng_int(&rng, 0, n - 1)] = INFINITY;
+        }
+        if (kind == 4) /* all zeros of both signs */
+            for (int i = 0; i < n; i++)
+                x[i] = test_rng_int(&rng, 0, 1) ? 0.0f : -0.0f;
+        if (kind == 5) /* all -inf, or all NaN but one */
+            for (int i = 0; i < n; i++)
+                x[i] = trial & 16 ? -INFINITY : NAN;
+        if (kind == 5 && !(trial & 16))
+            x[test_rng_int(&rng, 0, n - 1)] = -1.0f;
+        int32_t want = 0;
+        for (int i = 1; i < n; i++)
+            if (x[i] > x[want])
+                want = i;
+        int32_t got = cpu_vec_argmax_isa(x, n, now);
+        rows++;
+        if (got != want && bad++ < 5)
+            fprintf(stderr, "argmax %s: n %d kind %d: got %d want %d\n", isa, n, kind, got, want);
+    }
+    CHECKF(bad == 0, "%s: %d of %d rows differ from the plain loop", isa, bad, rows);
+    CHECK(moe_host_argmax(x, 0) == 0 && moe_host_argmax(x, 1) == 0);
+    printf("argmax %s: %d rows identical to the plain loop\n", isa, rows - bad);
+}
+
 static void test_kv_blocks(void)
 {
     int n_block = 9, bs = 4, kv_dim = 6, n = 5;
@@ -1539,6 +1588,7 @@ int main(void)
         test_rmsnorm(name);
         test_bf16_convert(name);
         test_attention(name);
+        test_argmax(name);
     }
     CHECK(cpu_kernels_force_isa(CPU_ISA_AVX512) == best); /* clamped to what exists */
     if (best == CPU_ISA_AVX512)

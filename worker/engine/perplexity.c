@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend.h"
 #include "clock.h"
 #include "engine/generate.h"
 
@@ -53,14 +54,6 @@ static int32_t log_softmax(const float *logits, int vocab, float *row)
     return best;
 }
 
-static int32_t argmax(const float *row, int vocab)
-{
-    int32_t best = 0;
-    for (int v = 1; v < vocab; v++)
-        if (row[v] > row[best])
-            best = v;
-    return best;
-}
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -147,7 +140,7 @@ static enum moe_status score_window(struct ppl_run *p, const int32_t *win, struc
                 kl += exp(lb) * (lb - (double)p->row[v]);
             }
             p->kl[p->n_scored] = kl;
-            p->top1 += argmax(p->brow, p->vocab) == best;
+            p->top1 += moe_host_argmax(p->brow, p->vocab) == best;
             p->base_nll -= p->brow[win[j + 1]];
         }
         p->n_scored++;

@@ -5,6 +5,8 @@
 #include <stdbool.h>
 #include <string.h>
 
+#include "backend.h"
+
 static uint64_t splitmix64(uint64_t *x)
 {
     uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
@@ -45,11 +47,7 @@ double moe_rng_uniform(struct moe_rng *rng)
 
 int32_t moe_argmax(const float *logits, int n)
 {
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (logits[i] > logits[best])
-            best = i;
-    return best;
+    return moe_host_argmax(logits, n);
 }
 
 struct cand {
