@@ -147,6 +147,42 @@ struct moe_router_grouped_params {
     float *weights; /* (n_tok, top_k) */
 };
 
+/* Routing's permutation, the step between the router and the grouped
+ * expert GEMM (ARCHITECTURE.md section 3). The n_tok * top_k items of a
+ * shard, item i = t * top_k + j (token t, its j-th choice e = ids[i]), each
+ * computed on rank dest = 0 when `ranks` is NULL, else
+ *   dest = ranks[e * rank_stride + (token_base + t) % n_ranks[e]]
+ * (the placement's replicas of e, picked by the token's row in the whole
+ * batch, as moe_placement_pick does), are counting-sorted by
+ * key = dest * n_expert + e, stably (within a key, by item index, so by
+ * token). Sorted position q holds item_tok[q] (its token, 0..n_tok),
+ * item_exp[q] (its expert) and item_w[q] = weights[i]; the positions of
+ * token t's items, listed by ascending expert id (the order
+ * unpermute_combine sums in), are tok_rows[t * top_k .. + top_k); key k's
+ * items are the positions offsets[k] .. offsets[k + 1) (n_dest * n_expert
+ * + 1 entries). Integer work only: every backend gives the same arrays.
+ * With top_k 1 and no weights this sorts rows by expert: item_tok is the
+ * permutation (sorted -> original) and tok_rows its inverse. Every output
+ * but tok_rows and offsets may be NULL (not written); ids outside
+ * [0, n_expert) are recorded as an error (see `status`). */
+struct moe_permute_params {
+    const int32_t *ids;     /* (n_tok, top_k) */
+    const float *weights;   /* (n_tok, top_k), or NULL */
+    int n_tok;
+    int top_k;
+    int n_expert;
+    int n_dest;             /* ranks the items go to (1 without `ranks`) */
+    const int32_t *ranks;   /* (n_expert, rank_stride) replicas' ranks, or NULL */
+    const int32_t *n_ranks; /* (n_expert) replicas of each expert (>= 1) */
+    int rank_stride;
+    int token_base; /* the shard's first row in the whole batch */
+    int32_t *item_tok;  /* (n_tok * top_k) */
+    int32_t *item_exp;  /* (n_tok * top_k) */
+    float *item_w;      /* (n_tok * top_k) */
+    int32_t *tok_rows;  /* (n_tok, top_k) */
+    int32_t *offsets;   /* (n_dest * n_expert + 1) */
+};
+
 struct moe_backend;
 
 struct moe_backend_ops {
@@ -229,6 +265,9 @@ struct moe_backend_ops {
     void (*buf_zero)(struct moe_backend *be, void *p, size_t bytes);
 
     void (*grouped_matmul)(struct moe_backend *be, const struct moe_grouped_matmul_params *p);
+
+    /* struct moe_permute_params. */
+    void (*permute)(struct moe_backend *be, const struct moe_permute_params *p);
 
     /* Weighted combine of expert outputs back into token order, the inverse
      * of gather_rows over the permuted rows: for each token t and j = 0, 1,

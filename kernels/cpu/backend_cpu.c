@@ -10,6 +10,8 @@ struct cpu_backend {
     struct moe_backend base; /* first: a struct moe_backend * is a struct cpu_backend * */
     struct moe_threadpool *pool;
     struct moe_error first_error; /* code MOE_OK while none (ops are called from one thread) */
+    int32_t *cursor;              /* permute's counting-sort cursor */
+    size_t cap_cursor;            /* entries */
 };
 
 static struct moe_threadpool *be_pool(struct moe_backend *be)
@@ -153,6 +155,32 @@ static void cpu_op_grouped_matmul(struct moe_backend *be, const struct moe_group
     cpu_record(be, cpu_grouped_matmul(be_pool(be), p, &e), &e);
 }
 
+static void cpu_op_permute(struct moe_backend *be, const struct moe_permute_params *p)
+{
+    struct cpu_backend *cb = (struct cpu_backend *)be;
+    struct moe_error e = {0};
+    size_t keys = (size_t)(p->n_dest > 0 ? p->n_dest : 1) * (size_t)(p->n_expert > 0 ? p->n_expert : 1);
+    if (p->top_k < 1 || p->top_k > 64 || p->n_dest < 1 || p->n_expert < 1 || p->n_tok < 0) {
+        cpu_record(be,
+                   moe_error_set(&e, MOE_ERR_INVALID,
+                                 "permute: bad sizes (n_tok %d, top_k %d (1..64), n_expert %d, "
+                                 "n_dest %d)",
+                                 p->n_tok, p->top_k, p->n_expert, p->n_dest),
+                   &e);
+        return;
+    }
+    if (keys > cb->cap_cursor) {
+        int32_t *c = realloc(cb->cursor, keys * sizeof *c);
+        if (!c) {
+            cpu_record(be, moe_error_set(&e, MOE_ERR_NOMEM, "permute: out of memory"), &e);
+            return;
+        }
+        cb->cursor = c;
+        cb->cap_cursor = keys;
+    }
+    cpu_record(be, cpu_permute(p, cb->cursor, &e), &e);
+}
+
 static void cpu_op_unpermute_combine(struct moe_backend *be, const float *rows,
                                      const float *weights, const int32_t *tok_rows, int n_tok,
                                      int top_k, int dim, float *y)
@@ -210,6 +238,7 @@ static const struct moe_backend_ops cpu_ops = {
     .status = cpu_status,
     .buf_zero = cpu_buf_zero,
     .grouped_matmul = cpu_op_grouped_matmul,
+    .permute = cpu_op_permute,
     .unpermute_combine = cpu_op_unpermute_combine,
     .argmax = cpu_op_argmax,
     .sample_top_p = cpu_op_sample_top_p,
@@ -253,5 +282,6 @@ void cpu_backend_destroy(struct moe_backend *be)
         return;
     struct cpu_backend *cb = (struct cpu_backend *)be;
     moe_threadpool_destroy(cb->pool);
+    free(cb->cursor);
     free(cb);
 }

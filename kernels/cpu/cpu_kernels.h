@@ -161,6 +161,10 @@ enum moe_status moe_grouped_matmul_check(const struct moe_grouped_matmul_params 
 enum moe_status cpu_grouped_matmul(struct moe_threadpool *pool,
                                    const struct moe_grouped_matmul_params *p,
                                    struct moe_error *err);
+/* struct moe_permute_params; `cursor` holds n_dest * n_expert entries of
+ * scratch. top_k is at most 64. */
+enum moe_status cpu_permute(const struct moe_permute_params *p, int32_t *cursor,
+                            struct moe_error *err);
 void cpu_unpermute_combine(const float *rows, const float *weights, const int32_t *tok_rows,
                            int n_tok, int top_k, int dim, float *y);
 int32_t cpu_argmax_row(const float *logits, int vocab);

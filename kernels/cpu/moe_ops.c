@@ -92,6 +92,69 @@ enum moe_status cpu_grouped_matmul(struct moe_threadpool *pool,
     return MOE_OK;
 }
 
+/* ---- routing's permutation ---- */
+
+enum moe_status cpu_permute(const struct moe_permute_params *p, int32_t *cursor,
+                            struct moe_error *err)
+{
+    const int n_items = p->n_tok * p->top_k, n_keys = p->n_dest * p->n_expert;
+    int32_t *off = p->offsets;
+    memset(off, 0, ((size_t)n_keys + 1) * sizeof *off);
+    /* the key of each item, kept in tok_rows until the positions replace it */
+    int32_t *key = p->tok_rows;
+    for (int i = 0; i < n_items; i++) {
+        int e = p->ids[i], t = i / p->top_k, dest = 0;
+        if (e < 0 || e >= p->n_expert)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "permute: item %d (token %d) names expert %d of %d", i, t, e,
+                                 p->n_expert);
+        if (p->ranks) {
+            int n_rep = p->n_ranks[e];
+            dest = p->ranks[(size_t)e * p->rank_stride + (p->token_base + t) % n_rep];
+            if (dest < 0 || dest >= p->n_dest)
+                return moe_error_set(err, MOE_ERR_INVALID,
+                                     "permute: expert %d's replica %d is on rank %d of %d", e,
+                                     (p->token_base + t) % n_rep, dest, p->n_dest);
+        }
+        key[i] = dest * p->n_expert + e;
+        off[key[i] + 1]++;
+    }
+    for (int k = 0; k < n_keys; k++)
+        off[k + 1] += off[k];
+    memcpy(cursor, off, (size_t)n_keys * sizeof *cursor);
+    for (int i = 0; i < n_items; i++) {
+        int q = cursor[key[i]]++;
+        if (p->item_tok)
+            p->item_tok[q] = i / p->top_k;
+        if (p->item_exp)
+            p->item_exp[q] = p->ids[i];
+        if (p->item_w)
+            p->item_w[q] = p->weights[i];
+        key[i] = q; /* now the item's position */
+    }
+    /* each token's positions by ascending expert id (its experts are
+     * distinct; top_k is small: insertion sort) */
+    for (int t = 0; t < p->n_tok; t++) {
+        int32_t *pos = p->tok_rows + (size_t)t * p->top_k;
+        const int32_t *e = p->ids + (size_t)t * p->top_k;
+        int32_t ord[64];
+        int k = p->top_k < 64 ? p->top_k : 64;
+        for (int j = 0; j < k; j++) {
+            int at = j;
+            while (at > 0 && e[ord[at - 1]] > e[j]) {
+                ord[at] = ord[at - 1];
+                at--;
+            }
+            ord[at] = j;
+        }
+        int32_t sorted[64];
+        for (int j = 0; j < k; j++)
+            sorted[j] = pos[ord[j]];
+        memcpy(pos, sorted, (size_t)k * sizeof *pos);
+    }
+    return MOE_OK;
+}
+
 /* ---- unpermute + weighted combine ---- */
 
 void cpu_unpermute_combine(const float *rows, const float *weights, const int32_t *tok_rows,

@@ -40,6 +40,7 @@ struct cuda_backend {
     size_t scratch_cap;
     void *meta; /* device copies of host arrays that ops were given (grouped_matmul) */
     size_t meta_cap;
+    int *bad; /* device flag: permute met an expert id or rank out of range */
     _Atomic int first_error; /* 0 while none; else the cudaError_t (or -1 for non-CUDA errors) */
     char first_msg[256];
 };
@@ -358,6 +359,14 @@ static enum moe_status status_of(int code)
 
 static enum moe_status cuda_status(struct moe_backend *be, struct moe_error *err)
 {
+    struct cuda_backend *cb = cuda_of(be);
+    int bad = 0;
+    if (cb->bad && cudaMemcpy(&bad, cb->bad, sizeof bad, cudaMemcpyDeviceToHost) == cudaSuccess &&
+        bad) {
+        cudaMemset(cb->bad, 0, sizeof bad);
+        cuda_fail(be, (int)cudaErrorInvalidValue,
+                  "permute: an item named an expert or a replica's rank out of range");
+    }
     char msg[256];
     int code = cuda_backend_take_error(be, msg, sizeof msg);
     if (!code)
@@ -439,6 +448,22 @@ static void cuda_op_grouped_matmul(struct moe_backend *be,
         cuda_check(be, ce, "grouped_matmul");
 }
 
+static void cuda_op_permute(struct moe_backend *be, const struct moe_permute_params *p)
+{
+    const char *why = moe_cuda_permute_unsupported(p);
+    if (why) {
+        cuda_fail(be, (int)cudaErrorNotSupported, "permute: %s", why);
+        return;
+    }
+    struct cuda_backend *cb = cuda_of(be);
+    size_t n_items = (size_t)p->n_tok * (size_t)p->top_k;
+    size_t n_keys = (size_t)p->n_dest * (size_t)p->n_expert;
+    int32_t *keys = scratch_reserve(be, (n_items + n_keys) * sizeof(int32_t), "permute");
+    if (!keys)
+        return;
+    cuda_check(be, moe_cuda_permute(p, keys, keys + n_items, cb->bad, cb->stream), "permute");
+}
+
 static void cuda_op_unpermute_combine(struct moe_backend *be, const float *rows,
                                       const float *weights, const int32_t *tok_rows, int n_tok,
                                       int top_k, int dim, float *y)
@@ -511,6 +536,7 @@ static const struct moe_backend_ops cuda_ops = {
     .status = cuda_status,
     .buf_zero = cuda_buf_zero,
     .grouped_matmul = cuda_op_grouped_matmul,
+    .permute = cuda_op_permute,
     .unpermute_combine = cuda_op_unpermute_combine,
     .argmax = cuda_op_argmax,
     .sample_top_p = cuda_op_sample_top_p,
@@ -549,6 +575,7 @@ static int missing_ops(const struct moe_backend_ops *ops, char *buf, size_t cap)
         OP(status),
         OP(buf_zero),
         OP(grouped_matmul),
+        OP(permute),
         OP(unpermute_combine),
         OP(argmax),
         OP(sample_top_p),
@@ -642,6 +669,12 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
         st = moe_error_set(err, MOE_ERR_UNSUPPORTED, "cublasSetStream: status %d", (int)bs);
         goto fail;
     }
+    if (cudaMalloc((void **)&cb->bad, sizeof *cb->bad) != cudaSuccess ||
+        cudaMemset(cb->bad, 0, sizeof *cb->bad) != cudaSuccess) {
+        cb->bad = NULL;
+        st = moe_error_set(err, MOE_ERR_NOMEM, "cuda backend: cannot allocate a 4-byte flag");
+        goto fail;
+    }
     cb->ordinal = ordinal;
     atomic_init(&cb->first_error, 0);
     cb->base.name = "cuda";
@@ -659,6 +692,8 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
     *out = &cb->base;
     return MOE_OK;
 fail:
+    if (cb->bad)
+        cudaFree(cb->bad);
     if (cb->blas)
         cublasDestroy(cb->blas);
     if (cb->stream)
@@ -676,6 +711,7 @@ void cuda_backend_destroy(struct moe_backend *be)
     cublasDestroy(cb->blas);
     cudaFree(cb->scratch);
     cudaFree(cb->meta);
+    cudaFree(cb->bad);
     cudaStreamDestroy(cb->stream);
     free(cb);
 }

@@ -137,6 +137,15 @@ bool moe_cuda_grouped_gemv_fits(const struct moe_grouped_matmul_params *p);
 cudaError_t moe_cuda_grouped_gemv(const struct moe_grouped_matmul_params *p, const int32_t *off_dev,
                                   const void *const *w_dev, cudaStream_t stream);
 
+/* ---- permute.cu ---- */
+
+/* Why p cannot run here (top_k above 32, bad sizes, missing arrays), or NULL. */
+const char *moe_cuda_permute_unsupported(const struct moe_permute_params *p);
+/* keys (n_tok * top_k) and cursor (n_dest * n_expert) are device scratch;
+ * *bad (device) is set to 1 if an id or a replica's rank is out of range. */
+cudaError_t moe_cuda_permute(const struct moe_permute_params *p, int32_t *keys, int32_t *cursor,
+                             int *bad, cudaStream_t stream);
+
 /* ---- combine.cu ---- */
 
 cudaError_t moe_cuda_unpermute_combine(const float *rows, const float *weights,

@@ -566,6 +566,70 @@ static void run_grouped(struct run *r, const struct op_case *c)
     free(w);
 }
 
+/* permute: a = {n_tok, top_k, n_expert, n_dest, replicated, token_base,
+ * bad}. Distinct experts per token; with n_dest > 1 a placement table
+ * (experts split over the ranks, every third expert also on the next rank
+ * when `replicated`); `bad` puts an expert id out of range (a refusal). All
+ * outputs are integers but item_w (weights moved, bit-exact). */
+static void run_permute(struct run *r, const struct op_case *c)
+{
+    int n_tok = c->a[0], k = c->a[1], n_e = c->a[2], n_dest = c->a[3];
+    size_t n_items = (size_t)n_tok * k, n_keys = (size_t)n_dest * n_e;
+    int32_t *ids = calloc(n_items + 1, 4);
+    float *w = calloc(n_items + 1, 4);
+    for (int t = 0; t < n_tok; t++)
+        for (int j = 0; j < k; j++) {
+            int e, dup;
+            do {
+                e = test_rng_int(&g_rng, 0, n_e - 1);
+                dup = 0;
+                for (int i = 0; i < j; i++)
+                    dup |= ids[t * k + i] == e;
+            } while (dup);
+            ids[t * k + j] = e;
+        }
+    if (c->a[6] && n_items)
+        ids[n_items / 2] = n_e + 3;
+    fill_floats(w, n_items, 1.0f);
+    const int stride = 2;
+    int32_t *ranks = calloc((size_t)n_e * stride, 4), *n_ranks = calloc((size_t)n_e, 4);
+    for (int e = 0; e < n_e; e++) {
+        ranks[e * stride] = (int)((long)e * n_dest / n_e);
+        n_ranks[e] = 1;
+        if (c->a[4] && e % 3 == 0 && n_dest > 1) {
+            ranks[e * stride + 1] = (ranks[e * stride] + 1) % n_dest;
+            n_ranks[e] = 2;
+        }
+    }
+    size_t n_int = 3 * n_items + n_keys + 1;
+    int32_t *out = run_buf(r, NULL, n_int * 4);
+    float *dw = run_buf(r, NULL, (n_items + 1) * 4);
+    struct moe_permute_params p = {
+        .ids = run_buf(r, ids, (n_items + 1) * 4),
+        .weights = run_buf(r, w, (n_items + 1) * 4),
+        .n_tok = n_tok,
+        .top_k = k,
+        .n_expert = n_e,
+        .n_dest = n_dest,
+        .ranks = n_dest > 1 ? run_buf(r, ranks, (size_t)n_e * stride * 4) : NULL,
+        .n_ranks = n_dest > 1 ? run_buf(r, n_ranks, (size_t)n_e * 4) : NULL,
+        .rank_stride = stride,
+        .token_base = c->a[5],
+        .item_tok = out,
+        .item_exp = out + n_items,
+        .tok_rows = out + 2 * n_items,
+        .offsets = out + 3 * n_items,
+        .item_w = dw,
+    };
+    r->be->ops->permute(r->be, &p);
+    run_get_floats(r, dw, n_items);
+    run_get_ids(r, out, n_int);
+    free(ids);
+    free(w);
+    free(ranks);
+    free(n_ranks);
+}
+
 /* unpermute_combine: a = {n_tok, top_k, n_expert, dim, holes}. Rows grouped
  * by expert as the model groups them; tok_rows sorted by expert; with holes
  * about a third of the entries are -1; y prefilled. */
@@ -848,6 +912,15 @@ static const struct op_case g_cases[] = {
     {"grouped_matmul", run_grouped, {12, 4, 64, 40, BF16, 0, 2}, 1e-10},
     {"grouped_matmul", run_grouped, {8, 8, 256, 520, BF16, 1, 1}, 1e-10},
     {"grouped_matmul", run_grouped, {9, 8, 64, 64, BF16, 0, 1}, 1e-9}, /* tensor-core split */
+    /* permute {n_tok, top_k, n_expert, n_dest, replicated, token_base}: integers, exact */
+    {"permute", run_permute, {1, 1, 1, 1, 0, 0}, 0},
+    {"permute", run_permute, {0, 2, 8, 1, 0, 0}, 0},
+    {"permute", run_permute, {37, 2, 8, 1, 0, 0}, 0},
+    {"permute", run_permute, {64, 8, 256, 1, 0, 0}, 0},
+    {"permute", run_permute, {2048, 8, 256, 1, 0, 0}, 0},
+    {"permute", run_permute, {300, 6, 64, 4, 1, 17}, 0},
+    {"permute", run_permute, {33, 1, 16, 1, 0, 0}, 0},
+    {"permute", run_permute, {1000, 2, 8, 8, 1, 5}, 0},
     /* unpermute_combine {n_tok, top_k, n_expert, dim, holes}: same roundings, bit-exact */
     {"unpermute_combine", run_combine, {1, 1, 1, 1, 0}, 0},
     {"unpermute_combine", run_combine, {37, 2, 8, 1024, 0}, 0},
@@ -895,6 +968,7 @@ static const struct op_case g_refused[] = {
 /* first index of the refusals every backend makes (the CPU too: run in --cpu-vs-cpu) */
 #define REFUSED_ALL_FROM 6
     {"grouped_matmul", run_grouped, {20, 4, 32, 16, F32, 0, 4}, 0}, /* rows, NULL weights */
+    {"permute", run_permute, {40, 2, 8, 2, 0, 0, 1}, 0},             /* expert id 11 of 8 */
     {"sample_top_p", run_sample, {2, 0, 100, 90, 1, 0}, 0},         /* vocab 0 */
 };
 

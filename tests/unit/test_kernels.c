@@ -1482,6 +1482,122 @@ static void test_argmax(const char *isa)
     printf("argmax %s: %d rows identical to the plain loop\n", isa, rows - bad);
 }
 
+/* The permute op against its definition, computed the slow way: for each
+ * key (dest, expert) in order, the items with that key in item order; each
+ * token's positions listed by expert id; offsets the running counts. With
+ * and without a placement table (replicas picked by token_base + t), top_k
+ * 1 as the receive-side sort (item_tok a permutation, tok_rows its inverse). */
+static void test_permute(void)
+{
+    struct test_rng rng;
+    test_rng_seed(&rng, 0x9e37);
+    int bad = 0, cases = 0;
+    for (int trial = 0; trial < 120; trial++) {
+        int n_tok = test_rng_int(&rng, 0, 90), k = 1 + test_rng_int(&rng, 0, 7);
+        int n_e = k + test_rng_int(&rng, 0, 40), n_dest = trial % 3 ? 1 + test_rng_int(&rng, 0, 5) : 1;
+        int base = test_rng_int(&rng, 0, 9), stride = 3;
+        int n_items = n_tok * k, n_keys = n_dest * n_e;
+        int32_t *ids = malloc((size_t)(n_items + 1) * 4), *ranks = malloc((size_t)n_e * stride * 4);
+        int32_t *n_ranks = malloc((size_t)n_e * 4);
+        float *w = malloc((size_t)(n_items + 1) * 4);
+        for (int t = 0; t < n_tok; t++)
+            for (int j = 0; j < k; j++) {
+                int e, dup;
+                do {
+                    e = test_rng_int(&rng, 0, n_e - 1);
+                    dup = 0;
+                    for (int i = 0; i < j; i++)
+                        dup |= ids[t * k + i] == e;
+                } while (dup);
+                ids[t * k + j] = e;
+                w[t * k + j] = test_rng_float(&rng);
+            }
+        for (int e = 0; e < n_e; e++) {
+            n_ranks[e] = 1 + test_rng_int(&rng, 0, n_dest < stride ? n_dest - 1 : stride - 1);
+            for (int q = 0; q < n_ranks[e]; q++)
+                ranks[e * stride + q] = (e + q) % n_dest;
+        }
+        int32_t *tok = malloc((size_t)(n_items + 1) * 4), *exp = malloc((size_t)(n_items + 1) * 4);
+        int32_t *rows = malloc((size_t)(n_items + 1) * 4), *off = malloc((size_t)(n_keys + 1) * 4);
+        float *iw = malloc((size_t)(n_items + 1) * 4);
+        struct moe_permute_params p = {.ids = ids,
+                                       .weights = w,
+                                       .n_tok = n_tok,
+                                       .top_k = k,
+                                       .n_expert = n_e,
+                                       .n_dest = n_dest,
+                                       .ranks = n_dest > 1 ? ranks : NULL,
+                                       .n_ranks = n_ranks,
+                                       .rank_stride = stride,
+                                       .token_base = base,
+                                       .item_tok = tok,
+                                       .item_exp = exp,
+                                       .item_w = iw,
+                                       .tok_rows = rows,
+                                       .offsets = off};
+        g_cpu->ops->permute(g_cpu, &p);
+        struct moe_error err = {0};
+        CHECKF(g_cpu->ops->status(g_cpu, &err) == MOE_OK, "%s", err.msg);
+        /* the slow way */
+        int q = 0, wrong = 0;
+        int32_t *where = malloc((size_t)(n_items + 1) * 4);
+        for (int key = 0; key < n_keys; key++) {
+            wrong += off[key] != q;
+            for (int i = 0; i < n_items; i++) {
+                int t = i / k, e = ids[i];
+                int dest = n_dest > 1 ? ranks[e * stride + (base + t) % n_ranks[e]] : 0;
+                if (dest * n_e + e != key)
+                    continue;
+                wrong += tok[q] != t || exp[q] != e || iw[q] != w[i];
+                where[i] = q++;
+            }
+        }
+        wrong += off[n_keys] != n_items || q != n_items;
+        for (int t = 0; t < n_tok; t++) /* by expert id: each entry's expert rises */
+            for (int j = 0; j < k; j++) {
+                int at = rows[t * k + j];
+                wrong += at < 0 || at >= n_items || tok[at] != t;
+                if (j && at >= 0 && at < n_items)
+                    wrong += exp[at] <= exp[rows[t * k + j - 1]];
+                int found = 0;
+                for (int jj = 0; jj < k; jj++)
+                    found += where[t * k + jj] == at;
+                wrong += found != 1;
+            }
+        cases++;
+        if (wrong && bad++ < 3)
+            fprintf(stderr, "permute: n_tok %d k %d n_e %d n_dest %d: %d wrong\n", n_tok, k, n_e,
+                    n_dest, wrong);
+        free(where);
+        free(ids);
+        free(ranks);
+        free(n_ranks);
+        free(w);
+        free(tok);
+        free(exp);
+        free(rows);
+        free(off);
+        free(iw);
+    }
+    CHECKF(bad == 0, "permute: %d of %d cases differ from the definition", bad, cases);
+    /* top_k 1, no weights: the receive side's sort by expert */
+    int32_t rid[7] = {3, 1, 3, 0, 1, 3, 2}, perm[7], inv[7], off[5];
+    struct moe_permute_params r = {.ids = rid, .n_tok = 7, .top_k = 1, .n_expert = 4, .n_dest = 1,
+                                   .item_tok = perm, .tok_rows = inv, .offsets = off};
+    g_cpu->ops->permute(g_cpu, &r);
+    const int32_t want_perm[7] = {3, 1, 4, 6, 0, 2, 5}, want_off[5] = {0, 1, 3, 4, 7};
+    CHECK(!memcmp(perm, want_perm, sizeof perm) && !memcmp(off, want_off, sizeof off));
+    for (int i = 0; i < 7; i++)
+        CHECK(perm[inv[i]] == i);
+    /* refusals by value */
+    rid[2] = 9;
+    g_cpu->ops->permute(g_cpu, &r);
+    struct moe_error err = {0};
+    CHECK(g_cpu->ops->status(g_cpu, &err) == MOE_ERR_INVALID);
+    CHECKF(strstr(err.msg, "names expert 9 of 4"), "%s", err.msg);
+    printf("permute: %d random cases equal the definition\n", cases - bad);
+}
+
 static void test_kv_blocks(void)
 {
     int n_block = 9, bs = 4, kv_dim = 6, n = 5;
@@ -1605,6 +1721,7 @@ int main(void)
     test_elementwise();
     test_grouped_matmul();
     test_unpermute_combine();
+    test_permute();
     test_sampling();
     test_kv_blocks();
     test_buffers(g_cpu);
