@@ -7,7 +7,7 @@
 #    a failure there is only a warning: the machine may be offline);
 # 2. configures and builds with CUDA (Release, MOE_CUDA=ON, sm_90 only);
 # 3. runs the op tests (every op on CPU and CUDA, tests/ops/test_ops.c: one table row per
-#    op, the MoE ops grouped_matmul, unpermute_combine, argmax, sample_top_p,
+#    op, the MoE ops permute, grouped_matmul, unpermute_combine, argmax, sample_top_p,
 #    kv_gather/scatter_blocks, buf_zero and buf_copy included) and times the grouped expert
 #    GEMM and sampling (tests/ops/time_ops.c); 3b. runs the KV data plane test
 #    (tests/unit/test_kv_link.c) on CPU and CUDA caches;
@@ -109,9 +109,9 @@ case $rc in
 esac
 # one row per op: cases ok / failing (refusal cases count as cases of their op)
 if [ "$rc" != 77 ]; then
-  for op in matmul rmsnorm rope kv_write attention router swiglu gather_rows scatter_add_rows \
-            embed add grouped_matmul unpermute_combine argmax sample_top_p kv_gather_blocks \
-            kv_scatter_blocks buf_zero buf_copy; do
+  for op in matmul rmsnorm rope kv_write attention attention_mla router router_grouped swiglu \
+            gather_rows scatter_add_rows embed add grouped_matmul permute unpermute_combine argmax \
+            sample_top_p kv_gather_blocks kv_scatter_blocks copy_cols buf_zero buf_copy; do
     o=$(grep -cE "^ok +$op \{" "$WORK/ops.log" || true)
     f=$(grep -cE "^FAIL +$op \{" "$WORK/ops.log" || true)
     if [ "$f" -eq 0 ] && [ "$o" -gt 0 ]; then row "  op $op" "pass ($o)"

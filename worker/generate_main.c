@@ -652,7 +652,7 @@ static void print_speed(const struct gen_run *g)
         res->n_tokens > 1 && res->decode_s > 0 ? (res->n_tokens - 1) / res->decode_s : 0;
     printf("model: %s (%s, %s, %.1f MiB of weights, loaded in %.2f s) on %s\n", a->model,
            moe_launch_dtype_flag(a->dtype), a->exact ? "exact" : "fast",
-           (double)moe_model_weight_bytes(g->model) / (1024.0 * 1024.0), g->t_load, g->be->name);
+           (double)moe_model_weight_bytes(g->model) / (1024.0 * 1024.0), g->t_load, g->be->label);
     printf("prefill: %d tokens in %.3f s, %.1f tokens/s\n", g->n_prompt, res->prefill_s,
            res->prefill_s > 0 ? g->n_prompt / res->prefill_s : 0);
     printf("decode: %d tokens in %.3f s, %.1f tokens/s%s\n",

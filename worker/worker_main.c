@@ -538,9 +538,14 @@ static void announce(const struct worker_run *r)
 {
     const struct args *a = &r->a;
     const struct moe_group *group = r->group;
+    char dev[24]; /* "cpu", "cuda:1": the GPU is named in full on stderr under mpirun */
+    if (r->be->device == MOE_DEVICE_CUDA)
+        snprintf(dev, sizeof dev, "cuda:%d", r->be->ordinal);
+    else
+        snprintf(dev, sizeof dev, "%s", r->be->name);
     printf("moe-worker: %s serving %s on %s (%s, %s, %d KV blocks x %d tokens of %s, %d rank%s, "
            "tp %d%s, pid %d)%s%s\n",
-           r->id, r->name, r->address, a->role, r->be->name, r->eo.n_block, r->eo.block_size,
+           r->id, r->name, r->address, a->role, dev, r->eo.n_block, r->eo.block_size,
            moe_kv_dtype_flag(moe_model_kv_dtype(r->model)), group ? group->size : 1,
            group && group->size > 1 ? "s" : "", group ? group->tp_size : 1,
            group && group->dp ? ", dp attention" : "", (int)getpid(),

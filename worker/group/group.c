@@ -99,9 +99,9 @@ static enum moe_status start_prepare(struct moe_group *g, struct moe_model *m, c
     return MOE_OK;
 }
 
-/* Data-parallel attention, every rank after each forward: each rank routed
- * only its own tokens; the leader adds the others' to its counters (what
- * the metrics and `moectl experts stats` read). */
+/* Every rank after each forward: each rank routed only its own shard of
+ * the rows (moe_layer.c); the leader adds the others' counts to its
+ * counters (what the metrics and `moectl experts stats` read). */
 static enum moe_status sum_expert_tokens(struct moe_group *g, struct moe_model *m,
                                          struct moe_error *err)
 {
@@ -112,9 +112,9 @@ static enum moe_status sum_expert_tokens(struct moe_group *g, struct moe_model *
     if (!g->dp_expert && (!(g->dp_expert = calloc(n, sizeof *g->dp_expert)) ||
                           !(g->dp_expert_seen = calloc(n, sizeof *g->dp_expert_seen))))
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
-    /* one rank per DP group speaks for it (its TP ranks routed the same
-     * rows), the leader's own are counted already */
-    bool speaks = g->rank != 0 && g->tp_rank == 0;
+    /* the shards are distinct (within a DP group, and between groups), the
+     * leader's own are counted already */
+    bool speaks = g->rank != 0;
     const uint64_t *now = moe_model_expert_tokens(m);
     for (size_t i = 0; i < n; i++) {
         g->dp_expert[i] = speaks ? (float)(now[i] - g->dp_expert_seen[i]) : 0.0f;
@@ -144,7 +144,7 @@ static enum moe_status count_rank_rows(struct moe_group *g, struct moe_model *m,
     v[g->rank] = (float)(now - g->rows_seen);
     g->rows_seen = now;
     enum moe_status rc = moe_comm_all_reduce_sum(g->world, v, (size_t)g->size, err);
-    if (!rc && g->dp)
+    if (!rc)
         rc = sum_expert_tokens(g, m, err);
     if (!rc) {
         pthread_mutex_lock(&g->mu);

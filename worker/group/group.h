@@ -52,8 +52,8 @@ struct moe_group {
     struct moe_dp_split split; /* dp: this rank's share of the step */
     float *dp_logits;          /* dp: this rank's logit rows, then (leader) everyone's */
     size_t cap_dp_logits;      /* floats */
-    float *dp_expert;          /* dp: per (layer, expert) tokens routed this step */
-    uint64_t *dp_expert_seen;  /* dp: this rank's counters at the last step */
+    float *dp_expert;          /* per (layer, expert) tokens this rank routed this step */
+    uint64_t *dp_expert_seen;  /* this rank's counters at the last step */
     struct moe_kv_cache *follower_kv;
     bool kv_shared; /* follower_kv was made by moe_group_share_kv: its shape is fixed */
     struct moe_model *follower_model;

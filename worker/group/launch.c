@@ -1,6 +1,5 @@
 #include "group/launch.h"
 
-#include <stdio.h>
 #include <string.h>
 
 bool moe_launch_parse_dtype(const char *s, enum moe_dtype *out)
@@ -53,8 +52,6 @@ enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launc
         rc = moe_group_attach_device(g, l->be, &why, err);
     else if (rc)
         *err = why;
-    else
-        fprintf(stderr, "moe: device %s\n", l->be->label);
     if (rc)
         return rc;
     l->model_opts = (struct moe_model_opts){

@@ -8,15 +8,16 @@
  *   a   = attention(q, cache)                 (n, n_head*d_head)
  *   x  += a Wo^T
  *   h   = rmsnorm(x)
- *   MoE: router logits -> top-k -> tokens grouped by expert ->
- *        per expert: gather, [gate|up] = h We^T, silu(gate)*up, down, weighted scatter-add
+ *   MoE: router logits -> top-k -> moe_layer.c: permute (rows grouped by
+ *        expert) -> [EP dispatch] -> grouped GEMMs [gate|up], silu(gate)*up,
+ *        down -> [EP combine] -> unpermute + weighted sum
  *   dense (Qwen3 mlp_only_layers): the same FFN for every token, weight 1
  *   x  += ffn
  * then final rmsnorm and lm_head on the rows that need logits.
  *
  * Memory is touched only through the backend, so the same code runs on any
- * backend. Router decisions come back to the host to group tokens by expert
- * (a few bytes per token). */
+ * backend. Routing is permuted on the backend; only the per-expert offsets
+ * come back to the host (they size the grouped GEMMs' launches). */
 #include "model/model.h"
 #include "model/model_internal.h"
 
@@ -77,12 +78,10 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     ALLOC(router_logits, n * (size_t)(c->n_expert > 0 ? c->n_expert : 1), float);
     /* ids then weights in one buffer, so one copy moves both (see ffn_block) */
     ALLOC(topk_ids, 2 * n_route, int32_t);
-    ALLOC(xe, n * c->d_model, float);
     ALLOC(gate_up, n * 2 * (size_t)d_ff_max, float);
     ALLOC(shared_g, n, float);
     ALLOC(act, n * (size_t)d_ff_max, float);
     ALLOC(ye, n * c->d_model, float);
-    ALLOC(route_idx, 2 * n_route, int32_t); /* token indexes then weights */
     ALLOC(ones, n, float);
     ALLOC(iota, n, int32_t);
     ALLOC(tokens, n, int32_t);
@@ -113,44 +112,40 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
         a->n_built = 0;
         ok = ok && a->h_idx && a->h_off;
     }
-    if (m->ep_comm) {
-        ALLOC(ep_send, n_route * c->d_model, float);
-        ALLOC(ep_recv, n_route * c->d_model, float);
-        ALLOC(ep_out, n_route * c->d_model, float);
-        ALLOC(ep_ret, n_route * c->d_model, float);
-        ALLOC(ep_ids, n_route, int32_t);
-        ALLOC(ep_rids, n_route, int32_t);
-        ALLOC(ep_idx, n_route, int32_t);
-        ALLOC(ep_w, n_route, float);
-        s->h_ep_tok = malloc(n_route * sizeof *s->h_ep_tok);
-        s->h_ep_exp = malloc(n_route * sizeof *s->h_ep_exp);
-        s->h_ep_pos = malloc(n_route * sizeof *s->h_ep_pos);
-        s->h_ep_rexp = malloc(n_route * sizeof *s->h_ep_rexp);
-        s->h_ep_idx = malloc(n_route * sizeof *s->h_ep_idx);
-        s->h_ep_w = malloc(n_route * sizeof *s->h_ep_w);
-        s->h_ep_dest = malloc(n_route * sizeof *s->h_ep_dest);
-        s->h_ep_order = malloc(n_route * sizeof *s->h_ep_order);
-        s->h_ep_ctok = malloc(n_route * sizeof *s->h_ep_ctok);
-        s->h_ep_cw = malloc(n_route * sizeof *s->h_ep_cw);
-        s->h_ep_off = malloc(((size_t)c->n_expert + 1) * sizeof *s->h_ep_off);
-        size_t n_keys = c->n_expert > MOE_MAX_EP_RANKS ? (size_t)c->n_expert : MOE_MAX_EP_RANKS;
-        s->h_ep_cursor = malloc(n_keys * sizeof *s->h_ep_cursor);
-        ok = ok && s->h_ep_tok && s->h_ep_exp && s->h_ep_pos && s->h_ep_rexp && s->h_ep_idx &&
-             s->h_ep_w && s->h_ep_dest && s->h_ep_order && s->h_ep_ctok && s->h_ep_cw &&
-             s->h_ep_off && s->h_ep_cursor;
+    size_t n_ep = (size_t)(m->ep_comm ? m->ep_comm->size : 1), n_e = (size_t)c->n_expert;
+    if (c->n_expert > 0) { /* the MoE layer (moe_layer.c) */
+        ALLOC(rows_a, n_route * c->d_model, float);
+        ALLOC(rows_b, n_route * c->d_model, float);
+        ALLOC(item_tok, n_route, int32_t);
+        ALLOC(item_exp, n_route, int32_t);
+        ALLOC(item_w, n_route, float);
+        ALLOC(tok_rows, n_route, int32_t);
+        ALLOC(offsets, n_ep * n_e + 1, int32_t);
+        s->h_offsets = malloc((n_ep * n_e + 1) * sizeof *s->h_offsets);
+        s->h_win = malloc((n_e + 1) * sizeof *s->h_win);
+        s->h_w_gu = malloc(n_e * sizeof *s->h_w_gu);
+        s->h_w_dn = malloc(n_e * sizeof *s->h_w_dn);
+        s->h_s_gu = malloc(n_e * sizeof *s->h_s_gu);
+        s->h_s_dn = malloc(n_e * sizeof *s->h_s_dn);
+        ok = ok && s->h_offsets && s->h_win && s->h_w_gu && s->h_w_dn && s->h_s_gu && s->h_s_dn;
+        if (m->ep_comm) {
+            ALLOC(rows_r, n_route * c->d_model, float);
+            ALLOC(r_ids, n_route, int32_t);
+            ALLOC(r_perm, n_route, int32_t);
+            ALLOC(r_inv, n_route, int32_t);
+            ALLOC(r_offsets, n_e + 1, int32_t);
+            s->h_r_offsets = malloc((n_e + 1) * sizeof *s->h_r_offsets);
+            ok = ok && s->h_r_offsets;
+        }
     }
 #undef ALLOC
-    s->h_ids = malloc(2 * n_route * sizeof *s->h_ids); /* ids then weights */
-    s->h_route_idx = malloc(2 * n_route * sizeof *s->h_route_idx);
-    s->h_counts = malloc(((size_t)c->n_expert + 1) * sizeof *s->h_counts);
     s->h_shared_g = malloc(n * sizeof *s->h_shared_g);
     s->h_zero = calloc((n_route > n + MOE_MAX_EP_RANKS ? n_route : n + MOE_MAX_EP_RANKS) *
                            (size_t)c->d_model,
                        sizeof *s->h_zero);
     float *h_ones = malloc(n * sizeof *h_ones);
     int32_t *h_iota = malloc(n * sizeof *h_iota);
-    ok = ok && s->h_ids && s->h_route_idx && s->h_counts && s->h_shared_g && s->h_zero && h_ones &&
-         h_iota;
+    ok = ok && s->h_shared_g && s->h_zero && h_ones && h_iota;
     if (!ok) {
         free(h_ones);
         free(h_iota);
@@ -410,42 +405,6 @@ static enum moe_status mla_block(struct moe_model *m, struct moe_kv_cache *kv, i
     return MOE_OK;
 }
 
-/* Groups the top-k choices by expert (counting sort): h_counts[e]..h_counts[e+1]
- * index the (token, weight) pairs of expert e. */
-static void route_group(struct moe_model *m, int layer, int n)
-{
-    const struct moe_config *c = &m->cfg;
-    struct scratch *s = &m->s;
-    int n_route = n * c->top_k;
-    /* one copy each way: [ids | weights] down, [token indexes | weights] up */
-    m->be->ops->buf_download(m->be, s->h_ids, s->topk_ids, 2 * (size_t)n_route * sizeof(int32_t));
-    s->h_route_w = (float *)(s->h_route_idx + n_route);
-    s->route_w = (float *)(s->route_idx + n_route);
-    memset(s->h_counts, 0, ((size_t)c->n_expert + 1) * sizeof *s->h_counts);
-    for (int i = 0; i < n_route; i++)
-        s->h_counts[s->h_ids[i] + 1]++;
-    for (int e = 0; e < c->n_expert; e++)
-        s->h_counts[e + 1] += s->h_counts[e];
-    for (int e = 0; e < c->n_expert; e++)
-        __atomic_fetch_add(&m->expert_tokens[(size_t)layer * c->n_expert + e],
-                           (uint64_t)(s->h_counts[e + 1] - s->h_counts[e]), __ATOMIC_RELAXED);
-    /* stable fill: the tokens of an expert stay in token order */
-    int32_t next[1024];
-    int32_t *cursor = c->n_expert <= 1024 ? next : malloc((size_t)c->n_expert * sizeof *cursor);
-    MOE_ASSERT(cursor);
-    memcpy(cursor, s->h_counts, (size_t)c->n_expert * sizeof *cursor);
-    for (int i = 0; i < n_route; i++) {
-        int e = s->h_ids[i];
-        int at = cursor[e]++;
-        s->h_route_idx[at] = i / c->top_k;
-        s->h_route_w[at] = s->h_w[i];
-    }
-    if (cursor != next)
-        free(cursor);
-    m->be->ops->buf_upload(m->be, s->route_idx, s->h_route_idx,
-                           2 * (size_t)n_route * sizeof(int32_t));
-}
-
 /* Qwen2-MoE: ffn_out += sigmoid(shared_gate . h) * shared_expert(h), per
  * token, after the routed experts' sum (transformers' order); DeepSeek-V3
  * (no gate): ffn_out += shared_experts(h). */
@@ -474,7 +433,6 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
     const struct layer_weights *w = &m->layers[l];
     struct scratch *s = &m->s;
     const struct moe_backend_ops *ops = m->be->ops;
-    size_t row_bytes = (size_t)c->d_model * sizeof(float);
 
     ops->rmsnorm(m->be, s->x, w->ffn_norm, s->h, n, c->d_model, c->rms_eps);
     if (!w->is_moe) {
@@ -484,7 +442,6 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
     }
     double t0 = moe_now();
     s->topk_w = (float *)(s->topk_ids + (size_t)n * c->top_k);
-    s->h_w = (float *)(s->h_ids + (size_t)n * c->top_k);
     /* The router stays exact: a rounded logit can flip an expert choice. */
     matmul_dtype(m, m->base_dtype, false, s->h, n, c->d_model, w->router, c->n_expert,
                  s->router_logits, false);
@@ -510,34 +467,14 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
     m->prof.moe_layer_tokens += (uint64_t)n;
     double t1 = moe_now();
     m->prof.router_s += t1 - t0;
-    if (m->ep_comm) {
-        enum moe_status rc = moe_ep_moe_layer(m, l, n, err);
-        if (rc)
-            return rc;
-        if (w->shared_gate_up)
-            shared_expert(m, w, n);
-        ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
-        return MOE_OK;
-    }
-    route_group(m, l, n);
-    double t2 = moe_now();
-    m->prof.dispatch_s += t2 - t1;
-    /* Sum of the experts' weighted outputs, then one residual add (the order
-     * transformers uses). */
-    moe_model_zero(m, s->ffn_out, (size_t)n * row_bytes);
-    for (int e = 0; e < c->n_expert; e++) {
-        int begin = s->h_counts[e], cnt = s->h_counts[e + 1] - begin;
-        if (!cnt || !w->w_gate_up[e])
-            continue;
-        ops->gather_rows(m->be, s->h, s->route_idx + begin, cnt, c->d_model, s->xe);
-        moe_model_ffn(m, s->xe, cnt, w->w_gate_up[e], c->d_ff_expert, w->w_down[e], s->ye);
-        ops->scatter_add_rows(m->be, s->ye, s->route_idx + begin, s->route_w + begin, cnt,
-                              c->d_model, s->ffn_out);
-    }
+    enum moe_status rc = moe_moe_layer(m, l, n, err);
+    if (rc)
+        return rc;
+    /* the shared experts after the routed ones' sum (transformers' order),
+     * then one residual add */
     if (w->shared_gate_up)
         shared_expert(m, w, n);
     ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
-    m->prof.experts_s += moe_now() - t2;
     return MOE_OK;
 }
 
@@ -595,7 +532,7 @@ static enum moe_status forward_idle(struct moe_model *m, const struct moe_batch 
     enum moe_status rc = scratch_reserve(m, b->n_tok_group > 1 ? b->n_tok_group : 1, 1, err);
     for (int l = 0; !rc && l < m->cfg.n_layer; l++)
         if (m->layers[l].is_moe)
-            rc = moe_ep_moe_layer(m, l, 0, err);
+            rc = moe_moe_layer(m, l, 0, err);
     m->be->ops->synchronize(m->be);
     if (!rc && m->be->ops->status && (rc = m->be->ops->status(m->be, err)))
         return moe_error_prefix(err, "forward pass");
@@ -676,11 +613,9 @@ void moe_model_scratch_free(struct moe_model *m)
                    s->shared_g,
                    s->router_logits,
                    s->topk_ids,
-                   s->xe,
                    s->gate_up,
                    s->act,
                    s->ye,
-                   s->route_idx,
                    s->ones,
                    s->iota,
                    s->tokens,
@@ -690,14 +625,20 @@ void moe_model_scratch_free(struct moe_model *m)
                    s->block_tables,
                    s->logit_rows,
                    s->logits,
-                   s->ep_send,
-                   s->ep_recv,
-                   s->ep_out,
-                   s->ep_ret,
-                   s->ep_ids,
-                   s->ep_rids,
-                   s->ep_idx,
-                   s->ep_w,
+                   s->rows_a,
+                   s->rows_b,
+                   s->rows_r,
+                   s->item_tok,
+                   s->item_exp,
+                   s->item_w,
+                   s->tok_rows,
+                   s->offsets,
+                   s->r_ids,
+                   s->r_perm,
+                   s->r_inv,
+                   s->r_offsets,
+                   s->route_ranks,
+                   s->route_n,
                    s->mla.qa,
                    s->mla.q_nope,
                    s->mla.q_rope,
@@ -712,23 +653,15 @@ void moe_model_scratch_free(struct moe_model *m)
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i])
             be->ops->buf_free(be, dev[i]);
-    free(s->h_ids);
-    free(s->h_route_idx);
-    free(s->h_counts);
     free(s->h_shared_g);
     free(s->h_zero);
-    free(s->h_ep_tok);
-    free(s->h_ep_exp);
-    free(s->h_ep_pos);
-    free(s->h_ep_rexp);
-    free(s->h_ep_idx);
-    free(s->h_ep_w);
-    free(s->h_ep_dest);
-    free(s->h_ep_order);
-    free(s->h_ep_ctok);
-    free(s->h_ep_cw);
-    free(s->h_ep_off);
-    free(s->h_ep_cursor);
+    free(s->h_offsets);
+    free(s->h_r_offsets);
+    free(s->h_win);
+    free(s->h_w_gu);
+    free(s->h_w_dn);
+    free(s->h_s_gu);
+    free(s->h_s_dn);
     free(s->mla.h_idx);
     free(s->mla.h_off);
     memset(s, 0, sizeof *s);

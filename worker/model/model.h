@@ -4,8 +4,8 @@
  * A model is loaded for a shard: a tensor-parallel rank of attention heads
  * and an expert-parallel set of experts; the loader reads only the slice of
  * every weight that the shard owns. load.c loads and frees, forward.c runs
- * the forward pass, model_ep.c the expert-parallel MoE layer,
- * placement_swap.c changes the expert placement while serving. */
+ * the forward pass, moe_layer.c the MoE layer (one rank or expert
+ * parallel), placement_swap.c changes the expert placement while serving. */
 #ifndef MOE_MODEL_H
 #define MOE_MODEL_H
 

@@ -1,5 +1,5 @@
-/* Internals of the model shared by model.c (loading, forward) and
- * model_ep.c (the expert-parallel MoE layer). Not a public interface. */
+/* Internals of the model shared by load.c, forward.c, moe_layer.c (the MoE
+ * layer) and placement_swap.c. Not a public interface. */
 #ifndef MOE_MODEL_INTERNAL_H
 #define MOE_MODEL_INTERNAL_H
 
@@ -80,18 +80,15 @@ struct scratch {
     float *v;              /* (n, kv_dim) */
     float *att;            /* (n, q_dim) */
     float *o;              /* (n, d_model) */
-    float *ffn_out;        /* (n, d_model) */
+    float *ffn_out;        /* (n + MOE_MAX_EP_RANKS, d_model): + the all-gather's padding */
     float *shared_g;       /* (n) the shared expert's gate: logits, then sigmoids */
     float *h_shared_g;     /* host mirror of shared_g */
     float *router_logits;  /* (n, n_expert) */
     int32_t *topk_ids;     /* (n, top_k) */
     float *topk_w;         /* (n, top_k): a view right after the n*top_k ids in topk_ids */
-    float *xe;             /* (n, d_model) rows gathered for one expert */
     float *gate_up;        /* (n, 2*d_ff_max) */
     float *act;            /* (n, d_ff_max) */
     float *ye;             /* (n, d_model) */
-    int32_t *route_idx;    /* (n*top_k) token index, grouped by expert */
-    float *route_w;        /* (n*top_k): a view right after the indexes in route_idx */
     float *ones;           /* (n) all 1: dense FFN weights */
     int32_t *iota;         /* (n) 0..n-1 */
     int32_t *tokens;       /* (n) */
@@ -101,29 +98,29 @@ struct scratch {
     int32_t *block_tables; /* (cap_seq_blocks) */
     int32_t *logit_rows;   /* (n) */
     float *logits;         /* (n, vocab) */
-    /* host mirrors for routing */
-    int32_t *h_ids; /* (n*top_k) */
-    float *h_w;     /* (n*top_k): a view after the ids in h_ids */
-    int32_t *h_route_idx;
-    float *h_route_w;
-    int32_t *h_counts; /* (n_expert + 1) */
-    /* expert parallel (model_ep.c), sized for cap_tok * top_k items */
-    float *ep_send;   /* (n*k, d_model) rows to other ranks, grouped by destination */
-    float *ep_recv;   /* (n*k, d_model) rows received */
-    float *ep_out;    /* (n*k, d_model) expert outputs for the received rows */
-    float *ep_ret;    /* (n*k, d_model) outputs returned, in send order */
-    int32_t *ep_ids;  /* (n*k) expert id of each sent item */
-    int32_t *ep_rids; /* (n*k) expert id of each received item */
-    int32_t *ep_idx;  /* (n*k) row indexes for gather/scatter */
-    float *ep_w;      /* (n*k) combine weights */
-    int32_t *h_ep_tok, *h_ep_exp, *h_ep_pos, *h_ep_rexp, *h_ep_idx;
-    float *h_ep_w;
-    int32_t *h_ep_dest;   /* (n*k) destination rank of each item, in expert order */
-    int32_t *h_ep_order;  /* (n*k) a counting sort's permutation, rebuilt by each phase */
-    int32_t *h_ep_ctok;   /* (n*k) combine: token of each returned row, by expert */
-    float *h_ep_cw;       /* (n*k) combine: its weight */
-    int32_t *h_ep_off;    /* (n_expert + 1) offsets by expert */
-    int32_t *h_ep_cursor; /* (max(n_expert, MOE_MAX_EP_RANKS)) counting sort cursor */
+    /* the MoE layer (moe_layer.c), sized for n * top_k items */
+    float *rows_a;      /* (n*k, d_model) rows in send order, then grouped by expert */
+    float *rows_b;      /* (n*k, d_model) expert outputs, grouped by expert */
+    float *rows_r;      /* expert parallel: (n*k, d_model) rows in receive order */
+    int32_t *item_tok;  /* (n*k) permute: token of each sorted item */
+    int32_t *item_exp;  /* (n*k) its expert */
+    float *item_w;      /* (n*k) its combine weight */
+    int32_t *tok_rows;  /* (n*k) each token's sorted positions, by expert id */
+    int32_t *offsets;   /* (W * n_expert + 1) by (rank, expert) */
+    int32_t *h_offsets; /* host mirror of offsets */
+    /* expert parallel: the received items' experts, their sort by expert
+     * (sorted -> received) and its inverse, offsets by expert */
+    int32_t *r_ids, *r_perm, *r_inv, *r_offsets;
+    int32_t *h_r_offsets;
+    /* the placement on the backend for permute (moe_layer.c, route_table) */
+    int32_t *route_ranks; /* (n_layer, n_expert, MOE_PLACEMENT_MAX_REPLICAS) */
+    int32_t *route_n;     /* (n_layer, n_expert) replicas */
+    int64_t route_version; /* the placement_version it was copied at */
+    /* host, for the grouped GEMMs: a window's offsets, the experts' weights
+     * and scales */
+    int32_t *h_win; /* (n_expert + 1) */
+    const void **h_w_gu, **h_w_dn;
+    const float **h_s_gu, **h_s_dn;
     float *h_zero;        /* (n, d_model) zeros, to clear device buffers */
     struct mla_scratch mla;
 };
@@ -164,16 +161,14 @@ struct moe_model {
     void **pending_down;
     uint64_t ep_bytes_sent;
     uint64_t ep_rows_routed;
+    int64_t placement_version; /* bumped by every committed placement change */
     struct scratch s;
 };
 
-/* model_ep.c: the MoE layer over the expert-parallel group (ep size > 1):
- * each rank dispatches its shard of the tokens to the ranks holding the
- * chosen experts (all-to-all-v), computes the rows it received on its local
- * experts, returns them (all-to-all-v), combines them weighted in expert
- * order, and all-gathers the shards so every rank holds all rows. Reads
- * s->h, s->topk_ids, s->topk_w; writes s->ffn_out (n rows). */
-enum moe_status moe_ep_moe_layer(struct moe_model *m, int l, int n, struct moe_error *err);
+/* moe_layer.c: the MoE layer of layer l on n rows (every W: one rank, or
+ * expert parallel over ep_comm, see there). Reads s->h, s->topk_ids,
+ * s->topk_w; writes s->ffn_out (n rows). */
+enum moe_status moe_moe_layer(struct moe_model *m, int l, int n, struct moe_error *err);
 
 /* ---- forward.c ---- */
 

@@ -147,6 +147,7 @@ void moe_model_commit_placement(struct moe_model *m)
     }
     moe_placement_free(&m->placement);
     m->placement = m->pending;
+    m->placement_version++; /* the MoE layer copies it to the backend again */
     memset(&m->pending, 0, sizeof m->pending);
     drop_pending(m);
 }
