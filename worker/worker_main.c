@@ -340,11 +340,6 @@ static enum moe_status start_kv_link(struct worker_run *r)
     if (!strcmp(a->role, "mixed"))
         return MOE_OK;
     struct moe_group *group = r->group;
-    if (group && group->dp)
-        return moe_error_set(&r->err, MOE_ERR_UNSUPPORTED,
-                             "--role %s with --dp-attention: a KV handoff into or out of a "
-                             "data-parallel group is not built yet (use --role mixed)",
-                             a->role);
     int world = group ? group->size : 1;
     char listen[300];
     if (a->kv_listen && (!group || group->size == 1)) {
@@ -462,7 +457,9 @@ static enum moe_status start_engine(struct worker_run *r)
         return rc;
     if (r->kv_link) {
         struct moe_kv_cache *none;
-        if (group && (rc = moe_group_share_kv(group, r->model, eo->n_block, eo->block_size,
+        /* every rank's cache: the whole pool, or with DP attention one part */
+        int rank_blocks = group && group->dp ? eo->n_block / group->dp_size : eo->n_block;
+        if (group && (rc = moe_group_share_kv(group, r->model, rank_blocks, eo->block_size,
                                               kv_link_endpoint(r->kv_link), r->kv_endpoints, &none,
                                               &r->err)))
             return rc;

@@ -416,8 +416,6 @@ BAD = [
     ({"pools": [{"name": "a", "ranksPerGroup": 2, "tp": 2, "dpAttention": True}]},
      "pools[0].dpAttention needs ranksPerGroup (2) > tp (2)"),
     ({"pools": [{"name": "a", "dpAttention": True}]}, "ranksPerGroup (1) > tp (1)"),
-    ({"pools": [{"name": "a", "ranksPerGroup": 2, "dpAttention": True, "role": "decode"},
-                {"name": "p", "role": "prefill"}]}, "and role mixed (not decode)"),
     ({"pools": [{"name": "a", "ranksPerGroup": 2, "dpAttention": "yes"}]}, "/pools/0/dpAttention"),
     ({"pools": [{"name": "a"}, {"name": "a"}]}, "pools[1].name"),
     ({"pools": [{"name": "p", "role": "prefill"}]}, "role prefill needs a pool with role decode"),

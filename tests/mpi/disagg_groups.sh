@@ -7,9 +7,14 @@
 #   C: prefill 2 ranks tp 2 (16)               -> decode 2 ranks tp 2 (4)
 #   D: prefill 2 ranks tp 2 (16)               -> decode 2 ranks tp 1 (16): attention
 #      replicated, both decode ranks hold every head
+#   E: prefill 2 ranks DP attention (16)       -> decode 2 ranks DP attention (8): a
+#      sequence lives on one DP rank on each side; only that rank sends / receives
+#   F: prefill 2 ranks tp 2 (16)               -> decode 2 ranks DP attention (8)
+#   G: prefill 2 ranks DP attention (16)       -> decode 2 ranks tp 2 (4)
 # Greedy tokens through each pair equal moe-generate's on one process, every
 # request is handed off (no recompute), the transfer counters agree, and the
-# block pools are whole afterwards. With a DeepSeek-V3 model (latent cache:
+# block pools are whole afterwards; both DP ranks of each DP worker ran
+# handed-off sequences (their /metrics). With a DeepSeek-V3 model (latent cache:
 # one row per token on every rank) each decode rank receives the whole row
 # once, from one prefill rank. With DRAFT_MODEL set, the decode workers
 # speculate with that draft (--spec-tokens 3): a handed-off sequence arrives
@@ -29,6 +34,7 @@ start() {
   shift 5
   local args=(--model "$model" --dtype f32 --threads 1 --kv-memory 16 --block-size "$bs"
               --role "$role" --listen 127.0.0.1:0 --worker-id "$name")
+  [ -n "${DP:-}" ] && args+=(--dp-attention --metrics-listen 127.0.0.1:0)
   if [ "$role" = decode ] && [ -n "${DRAFT_MODEL:-}" ]; then
     args+=(--spec-tokens 3 --draft-model "$DRAFT_MODEL")
   fi
@@ -45,12 +51,14 @@ start D1 decode 1 1 8
 start P1 prefill 1 1 16
 start D2 decode 2 2 4 "${mpirun[@]}"
 start D3 decode 2 1 16 "${mpirun[@]}"
+DP=1 start P3 prefill 2 1 16 "${mpirun[@]}"
+DP=1 start D4 decode 2 1 8 "${mpirun[@]}"
 declare -A addr
-for w in P2 D1 P1 D2 D3; do
+for w in P2 D1 P1 D2 D3 P3 D4; do
   wait_for "$tmp/$w.log" "serving" || { bad "$w did not start: $(grep -v CUDA "$tmp/$w.err" | tail -3)"; test_end; }
   addr[$w]=$(grep -o 'on 127\.0\.0\.1:[0-9]*' "$tmp/$w.log" | head -1 | cut -c4-)
 done
-ok "workers up: P2 ${addr[P2]} D1 ${addr[D1]} P1 ${addr[P1]} D2 ${addr[D2]} D3 ${addr[D3]}"
+ok "workers up: P2 ${addr[P2]} D1 ${addr[D1]} P1 ${addr[P1]} D2 ${addr[D2]} D3 ${addr[D3]} P3 ${addr[P3]} D4 ${addr[D4]}"
 
 # coordinator NAME WORKER... -> its address in caddr[NAME]
 declare -A caddr
@@ -69,6 +77,9 @@ coordinator A P2 D1
 coordinator B P1 D2
 coordinator C P2 D2
 coordinator D P2 D3
+coordinator E P3 D4
+coordinator F P2 D4
+coordinator G P3 D2
 
 # Prompts of 3, 17 and 41 tokens: inside one block, across blocks of every size.
 prompts=("5,6,7" "$(seq -s, 20 36)" "$(seq -s, 100 3 220)")
@@ -82,7 +93,7 @@ ask() { # COORD PROMPT -> token ids on stdout
     --logprobs 0 2>&1 >/dev/null | grep -o '^\[token [0-9]*' | grep -o '[0-9]*$' | tr '\n' ' ' |
     sed 's/ $//'
 }
-for c in A B C D; do
+for c in A B C D E F G; do
   for i in "${!prompts[@]}"; do
     got=$(ask "$c" "${prompts[$i]}")
     [ -n "${want[$i]}" ] && [ "$got" = "${want[$i]}" ] &&
@@ -91,16 +102,18 @@ for c in A B C D; do
   done
 done
 
-# 8 concurrent requests through C.
-clients=()
-for i in 1 2 3 4 5 6 7 8; do
-  timeout 60 "$bin/moe-client" --addr "${caddr[C]}" --prompt "concurrent request number $i" -n 6 \
-    --ignore-eos --quiet >"$tmp/r$i.out" 2>&1 &
-  clients+=($!)
+# 8 concurrent requests through C, and through E (DP to DP).
+for c in C E; do
+  clients=()
+  for i in 1 2 3 4 5 6 7 8; do
+    timeout 60 "$bin/moe-client" --addr "${caddr[$c]}" --prompt "concurrent request number $i" -n 6 \
+      --ignore-eos --quiet >"$tmp/r$c$i.out" 2>&1 &
+    clients+=($!)
+  done
+  wait "${clients[@]}"
+  n_ok=$(grep -l "finish: length, 6 tokens" "$tmp"/r$c*.out | wc -l)
+  [ "$n_ok" = 8 ] && ok "8 concurrent requests through $c" || bad "$n_ok of 8 concurrent requests through $c"
 done
-wait "${clients[@]}"
-n_ok=$(grep -l "finish: length, 6 tokens" "$tmp"/r*.out | wc -l)
-[ "$n_ok" = 8 ] && ok "8 concurrent requests through C" || bad "$n_ok of 8 concurrent requests"
 
 if grep -q "recomputing" "$tmp"/c*.log; then
   bad "a handoff failed and was recomputed: $(grep -h recomputing "$tmp"/c*.log | head -2)"
@@ -121,7 +134,10 @@ stats A >"$tmp/sA"
 stats B >"$tmp/sB"
 stats C >"$tmp/sC"
 stats D >"$tmp/sD"
-cat "$tmp/sA" "$tmp/sB" "$tmp/sC" "$tmp/sD" | sort -u >"$tmp/s"
+stats E >"$tmp/sE"
+stats F >"$tmp/sF"
+stats G >"$tmp/sG"
+cat "$tmp"/s[A-G] | sort -u >"$tmp/s"
 echo "worker in out bytes failures blocks-used:"
 sed 's/^/  /' "$tmp/s"
 read -r _ p2in p2out p2bytes p2fail _ < <(grep "^${addr[P2]} " "$tmp/s" | head -1)
@@ -129,17 +145,30 @@ read -r _ p1in p1out p1bytes p1fail _ < <(grep "^${addr[P1]} " "$tmp/s" | head -
 read -r _ d1in d1out d1bytes d1fail _ < <(grep "^${addr[D1]} " "$tmp/s" | head -1)
 read -r _ d2in d2out d2bytes d2fail _ < <(grep "^${addr[D2]} " "$tmp/s" | head -1)
 read -r _ d3in d3out d3bytes d3fail _ < <(grep "^${addr[D3]} " "$tmp/s" | head -1)
-[ "$d1in" = 3 ] && [ "$d2in" = 14 ] && [ "$d3in" = 3 ] && [ "$p1out" = 3 ] && [ "$p2out" = 17 ] &&
-  ok "handoffs: P2 -> 17 out, P1 -> 3 out, D1 <- 3 in, D2 <- 14 in, D3 <- 3 in" ||
-  bad "handoff counts: P2 out $p2out, P1 out $p1out, D1 in $d1in, D2 in $d2in, D3 in $d3in"
-# D3's two ranks both hold every head: it receives twice what was computed once
-sent=$((p1bytes + p2bytes)) got=$((d1bytes + d2bytes + d3bytes))
-[ "$sent" = "$got" ] && [ "$p2bytes" -gt 0 ] && [ "$d3bytes" -gt 0 ] &&
-  ok "bytes sent ($sent) = bytes received" || bad "bytes sent $sent, received $got"
-[ $((p1fail + p2fail + d1fail + d2fail + d3fail)) = 0 ] && ok "no transfer failures" ||
-  bad "transfer failures: $p2fail $p1fail $d1fail $d2fail $d3fail"
+read -r _ p3in p3out p3bytes p3fail _ < <(grep "^${addr[P3]} " "$tmp/s" | head -1)
+read -r _ d4in d4out d4bytes d4fail _ < <(grep "^${addr[D4]} " "$tmp/s" | head -1)
+[ "$d1in" = 3 ] && [ "$d2in" = 17 ] && [ "$d3in" = 3 ] && [ "$d4in" = 14 ] && [ "$p1out" = 3 ] &&
+  [ "$p2out" = 20 ] && [ "$p3out" = 14 ] &&
+  ok "handoffs: P2 -> 20 out, P1 -> 3, P3 -> 14; D1 <- 3 in, D2 <- 17, D3 <- 3, D4 <- 14" ||
+  bad "handoff counts: P2 out $p2out, P1 out $p1out, P3 out $p3out, D1 in $d1in, D2 in $d2in, D3 in $d3in, D4 in $d4in"
+# D3's two ranks both hold every head: it receives twice what was computed
+# once; a DP worker's sequence is on one of its ranks: it receives it once
+sent=$((p1bytes + p2bytes + p3bytes)) got=$((d1bytes + d2bytes + d3bytes + d4bytes))
+[ "$sent" = "$got" ] && [ "$p2bytes" -gt 0 ] && [ "$d3bytes" -gt 0 ] && [ "$d4bytes" -gt 0 ] &&
+  [ "$p3bytes" -gt 0 ] && ok "bytes sent ($sent) = bytes received" || bad "bytes sent $sent, received $got"
+[ $((p1fail + p2fail + p3fail + d1fail + d2fail + d3fail + d4fail)) = 0 ] && ok "no transfer failures" ||
+  bad "transfer failures: $p2fail $p1fail $p3fail $d1fail $d2fail $d3fail $d4fail"
+# both DP ranks of P3 (prefill) and D4 (decode) ran handed-off sequences
+for w in P3 D4; do
+  murl=http://$(grep -o '/metrics on 127\.0\.0\.1:[0-9]*' "$tmp/$w.log" | grep -o '127.*')/metrics
+  m=$(curl -sf "$murl")
+  r0=$(echo "$m" | grep -E '^moe_dp_rank_computed_tokens_total\{(.*,)?dp_rank="0"\}' | awk '{print $2}')
+  r1=$(echo "$m" | grep -E '^moe_dp_rank_computed_tokens_total\{(.*,)?dp_rank="1"\}' | awk '{print $2}')
+  [ -n "$r0" ] && [ -n "$r1" ] && [ "${r0%.*}" -gt 0 ] && [ "${r1%.*}" -gt 0 ] &&
+    ok "$w: tokens run on DP rank 0 and 1: $r0, $r1" || bad "$w per DP rank: '$r0' '$r1'"
+done
 if [ -n "${DRAFT_MODEL:-}" ]; then # the handed-off sequences were decoded speculatively
-  acc=$(awk -v a="${addr[D1]} ${addr[D2]} ${addr[D3]}" 'BEGIN { n = split(a, w, " ") }
+  acc=$(awk -v a="${addr[D1]} ${addr[D2]} ${addr[D3]} ${addr[D4]}" 'BEGIN { n = split(a, w, " ") }
         { for (i = 1; i <= n; i++) if ($1 == w[i]) s += $7 } END { print s + 0 }' "$tmp/s")
   [ "$acc" -gt 0 ] && ok "decode pools kept $acc draft tokens after the handoffs" ||
     bad "decode pools kept no draft token"
@@ -147,7 +176,7 @@ fi
 whole=1
 for _ in $(seq 300); do
   whole=1
-  for c in A B C D; do stats $c | awk '$6 != 0 { exit 1 }' || whole=0; done
+  for c in A B C D E F G; do stats $c | awk '$6 != 0 { exit 1 }' || whole=0; done
   [ $whole = 1 ] && break
   sleep 0.1
 done

@@ -37,9 +37,12 @@ struct handoff {
     int n_prompt, n_tokens;
     int32_t *tokens; /* (n_tokens) */
     struct moe_rng rng;
-    /* both: block ids in this worker's cache (decode side: once reserved) */
+    /* both: block ids in the KV cache of the ranks that hold the sequence
+     * (decode side: once reserved): the DP group of pool part `part`, at
+     * the part's own ids (without DP: part 0, the pool's ids) */
     int32_t *blocks; /* (n_blocks) */
     int n_blocks;
+    int part;
     /* decode side */
     uint64_t key;             /* engine reservation */
     int n_kv;                 /* KV positions expected */
@@ -66,6 +69,7 @@ struct kv_handoff {
     struct kv_handoff_opts o;
     char *endpoints; /* (world_size x KV_LINK_ENDPOINT_MAX) */
     int block_size;
+    int part_blocks; /* blocks of one KV pool part (the whole pool without DP) */
     int n_layer;
 
     pthread_mutex_t mu;
@@ -116,6 +120,29 @@ static struct rpc_client *peer_client(struct kv_handoff *x, const char *target, 
 static const char *rank_endpoint(const struct kv_handoff *x, int r)
 {
     return r == 0 ? NULL : x->endpoints + (size_t)r * KV_LINK_ENDPOINT_MAX;
+}
+
+/* The ranks holding h's KV: [*first, *first + return value). Without DP
+ * every rank (each TP sub-group holds a replica); with DP the TP ranks of
+ * the DP group whose part holds it. */
+static int holders(const struct kv_handoff *x, const struct handoff *h, int *first)
+{
+    if (x->o.dp_size > 1) {
+        *first = h->part * x->o.tp_size;
+        return x->o.tp_size;
+    }
+    *first = 0;
+    return x->o.world_size;
+}
+
+/* Engine block ids (the whole pool) -> the part they are in and the ids in
+ * that part's cache, in place. */
+static int to_part(const struct kv_handoff *x, int32_t *blocks, int n)
+{
+    int part = n ? blocks[0] / x->part_blocks : 0;
+    for (int i = 0; i < n; i++)
+        blocks[i] -= part * x->part_blocks;
+    return part;
 }
 
 const char *kv_handoff_state_name(enum kv_handoff_state s)
@@ -244,12 +271,12 @@ static void drop_locked(struct kv_handoff *x, struct handoff *h, enum kv_handoff
 static enum moe_status announce(struct kv_handoff *x, struct handoff *h, struct moe_error *err)
 {
     /* the ranks' entries outlive the RESERVED deadline (set after this) */
-    int ttl = x->o.ttl_ms + 1000;
-    for (int r = 0; r < x->o.world_size; r++) {
+    int ttl = x->o.ttl_ms + 1000, first, n = holders(x, h, &first);
+    for (int r = first; r < first + n; r++) {
         enum moe_status rc = kv_link_expect(x->o.link, rank_endpoint(x, r), h->id, h->blocks,
                                             h->n_blocks, h->n_kv, ttl, err);
         if (rc) {
-            for (int q = 0; q < r; q++) {
+            for (int q = first; q < r; q++) {
                 uint64_t b;
                 bool c;
                 struct moe_error ignored = {0};
@@ -270,7 +297,8 @@ static enum moe_status forget_all(struct kv_handoff *x, struct handoff *h, uint6
     *bytes = 0;
     *complete = true;
     enum moe_status first = MOE_OK;
-    for (int r = 0; r < x->o.world_size; r++) {
+    int r0, n = holders(x, h, &r0);
+    for (int r = r0; r < r0 + n; r++) {
         uint64_t b = 0;
         bool c = false;
         struct moe_error e = {0};
@@ -290,7 +318,8 @@ static void run_announce(struct kv_handoff *x, struct handoff *h)
     struct moe_error err = {0};
     enum moe_status rc = announce(x, h, &err);
     uint32_t *ids = malloc((size_t)(h->n_blocks ? h->n_blocks : 1) * sizeof *ids);
-    char **eps = malloc((size_t)x->o.world_size * sizeof *eps);
+    int first, n_ranks = holders(x, h, &first);
+    char **eps = malloc((size_t)n_ranks * sizeof *eps);
     pthread_mutex_lock(&x->mu);
     struct rpc_call *call = h->pending;
     h->pending = NULL;
@@ -311,8 +340,9 @@ static void run_announce(struct kv_handoff *x, struct handoff *h)
     }
     for (int i = 0; i < h->n_blocks; i++)
         ids[i] = (uint32_t)h->blocks[i];
-    for (int r = 0; r < x->o.world_size; r++)
-        eps[r] = r == 0 ? (char *)kv_link_endpoint(x->o.link) : (char *)rank_endpoint(x, r);
+    for (int r = 0; r < n_ranks; r++) /* the ranks holding it: a plain TP group to the sender */
+        eps[r] = first + r == 0 ? (char *)kv_link_endpoint(x->o.link)
+                                : (char *)rank_endpoint(x, first + r);
     h->state = KV_HANDOFF_RESERVED;
     h->deadline = moe_now() + x->o.ttl_ms / 1e3;
     Moe__V1__KvReserveResponse resp = MOE__V1__KV_RESERVE_RESPONSE__INIT;
@@ -320,7 +350,7 @@ static void run_announce(struct kv_handoff *x, struct handoff *h)
     resp.ok = true;
     resp.n_block_ids = (size_t)h->n_blocks;
     resp.block_ids = ids;
-    resp.n_rank_endpoints = (size_t)x->o.world_size;
+    resp.n_rank_endpoints = (size_t)n_ranks;
     resp.rank_endpoints = eps;
     resp.tp_size = (uint32_t)x->o.tp_size;
     resp.block_size = (uint32_t)x->block_size;
@@ -440,7 +470,20 @@ enum moe_status kv_handoff_create(const struct kv_handoff_opts *opts, struct kv_
     if (opts->endpoints)
         memcpy(x->endpoints, opts->endpoints, eb);
     x->o.endpoints = NULL;
+    if (x->o.dp_size <= 0)
+        x->o.dp_size = 1;
     x->block_size = moe_engine_block_size(opts->engine);
+    x->part_blocks = moe_engine_n_block(opts->engine) / x->o.dp_size;
+    if (x->o.dp_size > 1 && (x->o.dp_size * x->o.tp_size != x->o.world_size ||
+                             moe_engine_n_block(opts->engine) % x->o.dp_size)) {
+        moe_error_set(err, MOE_ERR_INVALID,
+                      "KV handoff: %d DP groups of TP %d over %d ranks and %d blocks",
+                      opts->dp_size, x->o.tp_size, x->o.world_size,
+                      moe_engine_n_block(opts->engine));
+        free(x->endpoints);
+        free(x);
+        return MOE_ERR_INVALID;
+    }
     x->n_layer = moe_engine_kv_cache(opts->engine)->n_layer;
     x->next_key = 1;
     x->jobs_tail = &x->jobs;
@@ -526,6 +569,7 @@ void kv_handoff_on_parked(struct kv_handoff *x, const char *id, const struct moe
     h->n_blocks = ex->n_blocks;
     if (ex->n_blocks)
         memcpy(h->blocks, ex->blocks, (size_t)ex->n_blocks * sizeof *h->blocks);
+    h->part = to_part(x, h->blocks, h->n_blocks);
     h->rng = ex->rng;
     push_locked(x, h);
     pthread_mutex_unlock(&x->mu);
@@ -615,6 +659,7 @@ static void on_reserved(void *user, uint64_t key, const int32_t *blocks, int n_b
     memcpy(copy, blocks, (size_t)n_blocks * sizeof *copy);
     h->blocks = copy;
     h->n_blocks = n_blocks;
+    h->part = to_part(x, h->blocks, n_blocks); /* the engine reserves in one part */
     queue_job_locked(x, JOB_ANNOUNCE, h); /* h->pending stays: the job answers */
     pthread_mutex_unlock(&x->mu);
 }
@@ -651,10 +696,11 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
                  "n_blocks: %u blocks do not hold %u tokens of %u per block (this worker's "
                  "block size)",
                  rq->n_blocks, rq->n_tokens, bs);
-    } else if ((rq->n_tokens + bs - 1) / bs > (uint32_t)moe_engine_n_block(x->o.engine)) {
+    } else if ((rq->n_tokens + bs - 1) / bs > (uint32_t)x->part_blocks) {
         code = RPC_RESOURCE_EXHAUSTED;
-        snprintf(msg, sizeof msg, "no free KV blocks: the handoff needs %u, the whole pool has %d",
-                 (rq->n_tokens + bs - 1) / bs, moe_engine_n_block(x->o.engine));
+        snprintf(msg, sizeof msg, "no free KV blocks: the handoff needs %u, the whole pool has %d%s",
+                 (rq->n_tokens + bs - 1) / bs, x->part_blocks,
+                 x->o.dp_size > 1 ? " in each data-parallel group" : "");
     } else if (!(h = calloc(1, sizeof *h))) {
         code = RPC_RESOURCE_EXHAUSTED;
         snprintf(msg, sizeof msg, "out of memory");
@@ -823,8 +869,9 @@ static int64_t ms_until(double t)
     return left < 1 ? 1 : (int64_t)left;
 }
 
-/* Every rank of the first TP group pushes its heads (rank 0 here, the others
- * by order); returns RPC_OK or the failure with msg set. */
+/* Every TP rank holding the sequence pushes its heads (the first TP group,
+ * or with DP the sequence's DP group; rank 0 here, the others by order);
+ * returns RPC_OK or the failure with msg set. */
 static enum rpc_code push_slices(struct sender *s, uint64_t *bytes, uint32_t *slices, char *msg,
                                  size_t cap)
 {
@@ -851,13 +898,14 @@ static enum rpc_code push_slices(struct sender *s, uint64_t *bytes, uint32_t *sl
     struct moe_error err = {0};
     enum moe_status rc = MOE_OK;
     int n_orders = x->o.tp_size < KV_LINK_MAX_RANKS ? x->o.tp_size : KV_LINK_MAX_RANKS;
-    for (int r = 1; r < n_orders && !rc; r++)
-        rc = kv_link_order_start(x->o.link, rank_endpoint(x, r), &p, &orders[r], &err);
+    int first = x->o.dp_size > 1 ? h->part * x->o.tp_size : 0; /* the senders' first rank */
+    for (int r = first ? 0 : 1; r < n_orders && !rc; r++)
+        rc = kv_link_order_start(x->o.link, rank_endpoint(x, first + r), &p, &orders[r], &err);
     uint64_t mine = 0;
-    if (!rc)
+    if (!rc && first == 0)
         rc = kv_link_push(x->o.link, &p, &mine, &err);
     *bytes += mine;
-    for (int r = 1; r < n_orders; r++) {
+    for (int r = 0; r < n_orders; r++) {
         if (!orders[r])
             continue;
         uint64_t theirs = 0;
@@ -866,7 +914,7 @@ static enum rpc_code push_slices(struct sender *s, uint64_t *bytes, uint32_t *sl
         *bytes += theirs;
         if (orc && !rc) {
             rc = orc;
-            moe_error_set(&err, orc, "rank %d: %s", r, e.msg);
+            moe_error_set(&err, orc, "rank %d: %s", first + r, e.msg);
         }
     }
     free(dst);

@@ -4,6 +4,10 @@
  * KvRelease). The bytes move rank to rank over the KV data plane
  * (kv_link.h): every TP rank of the prefill group sends its own heads to the
  * decode ranks that hold them, re-sliced when the TP or block sizes differ.
+ * With data-parallel attention on either side, the group is the DP group
+ * whose KV pool part holds the sequence (kv_handoff_opts.dp_size): a decode
+ * worker reserves in its emptiest part and answers with that DP group's
+ * ranks and block ids, so the sender sees a plain TP group.
  *
  * The flow (driven by the coordinator, see coordinator/forward.c):
  *   prefill group P                       decode group D
@@ -72,6 +76,12 @@ struct kv_handoff_opts {
     const char *endpoints;
     int world_size; /* 0 = 1 */
     int tp_size;    /* 0 = 1 */
+    /* Data-parallel attention (0 or 1: none): the engine's block pool is
+     * dp_size equal parts, part d the KV cache of DP group d (ranks d *
+     * tp_size .. + tp_size). A handoff's sequence lives in one part: only
+     * that group's ranks send it or receive it, at the part's own block
+     * ids. */
+    int dp_size;
     int n_kv_head, d_head;
     bool latent;              /* kv_link_layout.latent: one latent row per token on every rank */
     int ttl_ms;               /* lifetime of a parked / reserved handoff; 0 = 30000 */

@@ -77,6 +77,7 @@ struct seq_list {
 };
 
 struct moe_engine {
+    int next_part; /* data-parallel attention: where choose_part's scan starts */
     struct moe_model *model;
     struct moe_tokenizer *tok;
     const struct moe_config *cfg;
@@ -798,11 +799,14 @@ static void schedule_drafts(struct moe_engine *e, int n, int budget)
 
 /* Data-parallel attention: the part a waiting sequence goes to (see
  * moe_engine_opts.kv_parts), among those with token budget left; -1 when
- * none has. One part: 0. */
-static int choose_part(const struct moe_engine *e, const struct seq *s, const int *budget)
+ * none has. One part: 0. Full ties go round: the scan starts after the
+ * part chosen last, so requests that come one at a time (an idle pool's
+ * parts all tie) spread over the DP ranks instead of all landing on 0. */
+static int choose_part(struct moe_engine *e, const struct seq *s, const int *budget)
 {
     int n_part = e->opts.kv_parts, best = -1, best_hits = -1, bs = e->opts.block_size;
-    for (int p = 0; p < n_part; p++) {
+    for (int i = 0; i < n_part; i++) {
+        int p = (e->next_part + i) % n_part;
         if (budget[p] <= 0)
             continue;
         int hits = 0; /* full blocks of the prompt already cached in part p */
@@ -824,6 +828,8 @@ static int choose_part(const struct moe_engine *e, const struct seq *s, const in
             best_hits = hits;
         }
     }
+    if (best >= 0)
+        e->next_part = (best + 1) % n_part;
     return best;
 }
 

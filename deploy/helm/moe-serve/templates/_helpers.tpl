@@ -198,8 +198,8 @@ grpc:
 {{- fail (printf "pools[%d].tp (%d) does not divide pools[%d].ranksPerGroup (%d)" $i $tp $i $ranks) -}}
 {{- end -}}
 {{- if $p.dpAttention -}}
-{{- if or (le $ranks $tp) (ne (default "mixed" $p.role) "mixed") -}}
-{{- fail (printf "pools[%d].dpAttention needs ranksPerGroup (%d) > tp (%d), i.e. two DP groups or more, and role mixed (not %s): KV handoffs into DP groups are not built" $i $ranks $tp (default "mixed" $p.role)) -}}
+{{- if le $ranks $tp -}}
+{{- fail (printf "pools[%d].dpAttention needs ranksPerGroup (%d) > tp (%d), i.e. two DP groups or more" $i $ranks $tp) -}}
 {{- end -}}
 {{- end -}}
 {{- with $p.placement -}}
