@@ -172,18 +172,37 @@ static void test_all_to_all_v(struct moe_comm *c)
 
         unsigned char *send = malloc(n_send);
         unsigned char *recv = malloc(n_recv);
-        for (int p = 0; p < w; p++)
-            fill(send + sd[p], sc[p], me, p);
-        memset(recv, 0xee, n_recv);
-        st = moe_comm_all_to_all_v(c, send, sc, sd, recv, rc, rd, &err);
-        CHECKF(st == MOE_OK, "rank %d: %s", me, err.msg);
-        for (int p = 0; p < w; p++) {
-            size_t bad = first_bad(recv + rd[p], rc[p], p, me);
-            CHECKF(bad == rc[p], "rank %d: all_to_all_v base=%zu: from rank %d wrong at %zu", me,
-                   base, p, bad);
-            for (int g = 0; g < A2A_GAP; g++)
-                CHECKF(recv[rd[p] + rc[p] + g] == 0xee, "rank %d: gap after rank %d written", me,
-                       p);
+        for (int split = 0; split < 2; split++) { /* whole, then started and finished */
+            for (int p = 0; p < w; p++)
+                fill(send + sd[p], sc[p], me, p);
+            memset(recv, 0xee, n_recv);
+            if (!split) {
+                st = moe_comm_all_to_all_v(c, send, sc, sd, recv, rc, rd, &err);
+            } else {
+                st = moe_comm_all_to_all_v_start(c, send, sc, sd, recv, rc, rd, &err);
+                CHECKF(st == MOE_OK, "rank %d: start: %s", me, err.msg);
+                /* the layer's work while the rows travel; another operation
+                 * on the communicator meanwhile is refused, not run */
+                struct moe_error busy = {0};
+                enum moe_status bst = moe_comm_barrier(c, &busy);
+                if (c->ops->all_to_all_v_start)
+                    CHECKF(bst == MOE_ERR_INVALID && strstr(busy.msg, "waiting for its finish"),
+                           "rank %d: barrier during a started all_to_all_v: %d %s", me, bst,
+                           busy.msg);
+                else
+                    CHECKF(bst == MOE_OK, "rank %d: %s", me, busy.msg);
+                st = moe_comm_all_to_all_v_finish(c, &err);
+            }
+            CHECKF(st == MOE_OK, "rank %d: %s", me, err.msg);
+            for (int p = 0; p < w; p++) {
+                size_t bad = first_bad(recv + rd[p], rc[p], p, me);
+                CHECKF(bad == rc[p],
+                       "rank %d: all_to_all_v%s base=%zu: from rank %d wrong at %zu", me,
+                       split ? " (split)" : "", base, p, bad);
+                for (int g = 0; g < A2A_GAP; g++)
+                    CHECKF(recv[rd[p] + rc[p] + g] == 0xee, "rank %d: gap after rank %d written",
+                           me, p);
+            }
         }
         free(send);
         free(recv);

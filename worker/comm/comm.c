@@ -51,6 +51,10 @@ static enum moe_status comm_check(struct moe_comm *c, const char *op, struct moe
         return moe_error_set(err, MOE_ERR_IO,
                              "rank %d: %s: communicator is broken by an earlier failure", c->rank,
                              op);
+    if (c->pending)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "rank %d: %s: an all_to_all_v_start is waiting for its finish",
+                             c->rank, op);
     return MOE_OK;
 }
 
@@ -97,30 +101,69 @@ enum moe_status moe_comm_all_gather(struct moe_comm *c, const void *send, void *
     return comm_done(c, c->ops->all_gather(c, send, recv, n_bytes, err));
 }
 
+static enum moe_status check_all_to_all_v(struct moe_comm *c, const char *op, const void *send,
+                                          const size_t *send_counts, const size_t *send_displs,
+                                          const void *recv, const size_t *recv_counts,
+                                          const size_t *recv_displs, struct moe_error *err)
+{
+    enum moe_status st = comm_check(c, op, err);
+    if (st)
+        return st;
+    if (!send_counts || !send_displs || !recv_counts || !recv_displs)
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "rank %d: %s: a counts or displacements array is NULL", c->rank, op);
+    for (int p = 0; p < c->size; p++) {
+        if (send_counts[p] > 0 && !send)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "rank %d: %s: send is NULL with send_counts[%d] = %zu", c->rank,
+                                 op, p, send_counts[p]);
+        if (recv_counts[p] > 0 && !recv)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "rank %d: %s: recv is NULL with recv_counts[%d] = %zu", c->rank,
+                                 op, p, recv_counts[p]);
+    }
+    return MOE_OK;
+}
+
 enum moe_status moe_comm_all_to_all_v(struct moe_comm *c, const void *send,
                                       const size_t *send_counts, const size_t *send_displs,
                                       void *recv, const size_t *recv_counts,
                                       const size_t *recv_displs, struct moe_error *err)
 {
-    enum moe_status st = comm_check(c, "all_to_all_v", err);
+    enum moe_status st = check_all_to_all_v(c, "all_to_all_v", send, send_counts, send_displs,
+                                            recv, recv_counts, recv_displs, err);
     if (st)
         return st;
-    if (!send_counts || !send_displs || !recv_counts || !recv_displs)
-        return moe_error_set(err, MOE_ERR_INVALID,
-                             "rank %d: all_to_all_v: a counts or displacements array is NULL",
-                             c->rank);
-    for (int p = 0; p < c->size; p++) {
-        if (send_counts[p] > 0 && !send)
-            return moe_error_set(err, MOE_ERR_INVALID,
-                                 "rank %d: all_to_all_v: send is NULL with send_counts[%d] = %zu",
-                                 c->rank, p, send_counts[p]);
-        if (recv_counts[p] > 0 && !recv)
-            return moe_error_set(err, MOE_ERR_INVALID,
-                                 "rank %d: all_to_all_v: recv is NULL with recv_counts[%d] = %zu",
-                                 c->rank, p, recv_counts[p]);
-    }
     return comm_done(c, c->ops->all_to_all_v(c, send, send_counts, send_displs, recv, recv_counts,
                                              recv_displs, err));
+}
+
+enum moe_status moe_comm_all_to_all_v_start(struct moe_comm *c, const void *send,
+                                            const size_t *send_counts, const size_t *send_displs,
+                                            void *recv, const size_t *recv_counts,
+                                            const size_t *recv_displs, struct moe_error *err)
+{
+    enum moe_status st = check_all_to_all_v(c, "all_to_all_v_start", send, send_counts,
+                                            send_displs, recv, recv_counts, recv_displs, err);
+    if (st)
+        return st;
+    if (!c->ops->all_to_all_v_start)
+        st = c->ops->all_to_all_v(c, send, send_counts, send_displs, recv, recv_counts,
+                                  recv_displs, err);
+    else if ((st = c->ops->all_to_all_v_start(c, send, send_counts, send_displs, recv,
+                                              recv_counts, recv_displs, err)) == MOE_OK)
+        c->pending = 1;
+    return comm_done(c, st);
+}
+
+enum moe_status moe_comm_all_to_all_v_finish(struct moe_comm *c, struct moe_error *err)
+{
+    if (!c)
+        return moe_error_set(err, MOE_ERR_INVALID, "all_to_all_v_finish: communicator is NULL");
+    if (!c->pending)
+        return MOE_OK; /* run whole by start, or nothing started */
+    c->pending = 0;
+    return comm_done(c, c->ops->all_to_all_v_finish(c, err));
 }
 
 enum moe_status moe_comm_all_to_all_counts(struct moe_comm *c, const size_t *send_counts,

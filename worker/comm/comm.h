@@ -63,6 +63,14 @@ struct moe_comm_ops {
                                     const size_t *send_displs, void *recv,
                                     const size_t *recv_counts, const size_t *recv_displs,
                                     struct moe_error *err);
+    /* Optional, both or neither (NULL: moe_comm_all_to_all_v_start runs the
+     * whole exchange and _finish has nothing left): all_to_all_v in two
+     * halves, the messages posted by start and completed by finish. */
+    enum moe_status (*all_to_all_v_start)(struct moe_comm *c, const void *send,
+                                          const size_t *send_counts, const size_t *send_displs,
+                                          void *recv, const size_t *recv_counts,
+                                          const size_t *recv_displs, struct moe_error *err);
+    enum moe_status (*all_to_all_v_finish)(struct moe_comm *c, struct moe_error *err);
     /* Optional: NULL means "use all_to_all_v on host buffers". */
     enum moe_status (*all_to_all_counts)(struct moe_comm *c, const size_t *send_counts,
                                          size_t *recv_counts, struct moe_error *err);
@@ -84,6 +92,7 @@ struct moe_comm {
     int size;       /* W */
     int timeout_ms; /* per operation; <= 0 waits forever (tests only) */
     int broken;     /* set by the first MOE_ERR_IO; never cleared */
+    int pending;    /* an all_to_all_v_start is waiting for its finish */
     const struct moe_comm_ops *ops;
     void *impl; /* backend state */
 };
@@ -165,6 +174,19 @@ enum moe_status moe_comm_all_to_all_v(struct moe_comm *c, const void *send,
                                       const size_t *send_counts, const size_t *send_displs,
                                       void *recv, const size_t *recv_counts,
                                       const size_t *recv_displs, struct moe_error *err);
+
+/* moe_comm_all_to_all_v in two halves, so that work can run while the
+ * messages travel and while the slowest peer catches up (the MoE layer
+ * computes its shared experts there): start posts the exchange, finish
+ * waits for it (the timeout counts from finish). Until finish returns, the
+ * buffers belong to the exchange and no other operation may run on `c`
+ * (refused by name). A backend without the split runs the whole exchange in
+ * start. */
+enum moe_status moe_comm_all_to_all_v_start(struct moe_comm *c, const void *send,
+                                            const size_t *send_counts, const size_t *send_displs,
+                                            void *recv, const size_t *recv_counts,
+                                            const size_t *recv_displs, struct moe_error *err);
+enum moe_status moe_comm_all_to_all_v_finish(struct moe_comm *c, struct moe_error *err);
 
 /* Exchanges the counts of an all_to_all_v: recv_counts[p] becomes rank p's
  * send_counts[this rank]. Both arrays are host memory of `size` entries, for

@@ -29,6 +29,7 @@ struct mpi_impl {
     size_t *expect; /* bytes expected by a receive, SIZE_MAX for a send */
     int *idx;
     MPI_Status *statuses;
+    int n_posted; /* requests of a started all_to_all_v, completed by its finish */
 };
 
 static const struct moe_comm_ops mpi_ops;
@@ -182,10 +183,11 @@ static enum moe_status mpi_all_gather(struct moe_comm *c, const void *send, void
     return wait_one(c, op, &req, err);
 }
 
-static enum moe_status mpi_all_to_all_v(struct moe_comm *c, const void *send,
-                                        const size_t *send_counts, const size_t *send_displs,
-                                        void *recv, const size_t *recv_counts,
-                                        const size_t *recv_displs, struct moe_error *err)
+/* Posts an all_to_all_v's receives and sends (m->reqs, m->n_posted). */
+static enum moe_status mpi_all_to_all_v_start(struct moe_comm *c, const void *send,
+                                              const size_t *send_counts, const size_t *send_displs,
+                                              void *recv, const size_t *recv_counts,
+                                              const size_t *recv_displs, struct moe_error *err)
 {
     const char *op = "all_to_all_v";
     struct mpi_impl *m = impl_of(c);
@@ -232,7 +234,8 @@ static enum moe_status mpi_all_to_all_v(struct moe_comm *c, const void *send,
     if (send_counts[me] > 0)
         memmove((char *)recv + recv_displs[me], (const char *)send + send_displs[me],
                 send_counts[me]);
-    return mpi_wait(c, op, m->reqs, n, m->peers, m->expect, err);
+    m->n_posted = n;
+    return MOE_OK;
 
 fail_posted:
     /* Could not post everything: cancel what was posted. */
@@ -245,6 +248,24 @@ fail_posted:
                          "rank %d: all_to_all_v: posting message %d to/from rank "
                          "%d failed",
                          me, n, m->peers[n]);
+}
+
+static enum moe_status mpi_all_to_all_v_finish(struct moe_comm *c, struct moe_error *err)
+{
+    struct mpi_impl *m = impl_of(c);
+    int n = m->n_posted;
+    m->n_posted = 0;
+    return mpi_wait(c, "all_to_all_v", m->reqs, n, m->peers, m->expect, err);
+}
+
+static enum moe_status mpi_all_to_all_v(struct moe_comm *c, const void *send,
+                                        const size_t *send_counts, const size_t *send_displs,
+                                        void *recv, const size_t *recv_counts,
+                                        const size_t *recv_displs, struct moe_error *err)
+{
+    enum moe_status st = mpi_all_to_all_v_start(c, send, send_counts, send_displs, recv,
+                                                recv_counts, recv_displs, err);
+    return st ? st : mpi_all_to_all_v_finish(c, err);
 }
 
 static enum moe_status mpi_send(struct moe_comm *c, const void *buf, size_t n_bytes, int peer,
@@ -386,6 +407,8 @@ static const struct moe_comm_ops mpi_ops = {
     .all_reduce_sum_f32 = mpi_all_reduce,
     .all_gather = mpi_all_gather,
     .all_to_all_v = mpi_all_to_all_v,
+    .all_to_all_v_start = mpi_all_to_all_v_start,
+    .all_to_all_v_finish = mpi_all_to_all_v_finish,
     .all_to_all_counts = NULL,
     .send = mpi_send,
     .recv = mpi_recv,

@@ -405,26 +405,37 @@ static enum moe_status mla_block(struct moe_model *m, struct moe_kv_cache *kv, i
     return MOE_OK;
 }
 
-/* Qwen2-MoE: ffn_out += sigmoid(shared_gate . h) * shared_expert(h), per
- * token, after the routed experts' sum (transformers' order); DeepSeek-V3
- * (no gate): ffn_out += shared_experts(h). */
-static void shared_expert(struct moe_model *m, const struct layer_weights *w, int n)
+/* The shared experts, in two halves so the MoE layer can run the first
+ * while its dispatch travels (moe_layer.c). Qwen2-MoE: ffn_out +=
+ * sigmoid(shared_gate . h) * shared_expert(h), per token, after the routed
+ * experts' sum (transformers' order); DeepSeek-V3 (no gate): ffn_out +=
+ * shared_experts(h). compute leaves shared_expert(h) in s->ye and the gate
+ * in s->shared_g; add adds them to s->ffn_out. */
+void moe_model_shared_compute(struct moe_model *m, const struct layer_weights *w, int n)
 {
     const struct moe_config *c = &m->cfg;
     struct scratch *s = &m->s;
     const struct moe_backend_ops *ops = m->be->ops;
     moe_model_ffn(m, s->h, n, w->shared_gate_up, c->d_ff_shared, w->shared_down, s->ye);
-    if (!w->shared_gate) {
-        ops->add(m->be, s->ffn_out, s->ye, (size_t)n * c->d_model);
+    if (!w->shared_gate)
         return;
-    }
     matmul_dtype(m, m->base_dtype, false, s->h, n, c->d_model, w->shared_gate, 1, s->shared_g,
                  false);
     ops->buf_download(m->be, s->h_shared_g, s->shared_g, (size_t)n * sizeof(float));
     for (int t = 0; t < n; t++)
         s->h_shared_g[t] = 1.0f / (1.0f + expf(-s->h_shared_g[t]));
     ops->buf_upload(m->be, s->shared_g, s->h_shared_g, (size_t)n * sizeof(float));
-    ops->scatter_add_rows(m->be, s->ye, s->iota, s->shared_g, n, c->d_model, s->ffn_out);
+}
+
+void moe_model_shared_add(struct moe_model *m, const struct layer_weights *w, int n)
+{
+    const struct moe_config *c = &m->cfg;
+    struct scratch *s = &m->s;
+    const struct moe_backend_ops *ops = m->be->ops;
+    if (!w->shared_gate)
+        ops->add(m->be, s->ffn_out, s->ye, (size_t)n * c->d_model);
+    else
+        ops->scatter_add_rows(m->be, s->ye, s->iota, s->shared_g, n, c->d_model, s->ffn_out);
 }
 
 static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_error *err)
@@ -467,14 +478,10 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
     m->prof.moe_layer_tokens += (uint64_t)n;
     double t1 = moe_now();
     m->prof.router_s += t1 - t0;
-    enum moe_status rc = moe_moe_layer(m, l, n, err);
+    enum moe_status rc = moe_moe_layer(m, l, n, err); /* routed + shared experts */
     if (rc)
         return rc;
-    /* the shared experts after the routed ones' sum (transformers' order),
-     * then one residual add */
-    if (w->shared_gate_up)
-        shared_expert(m, w, n);
-    ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model);
+    ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model); /* one residual add */
     return MOE_OK;
 }
 

@@ -166,14 +166,19 @@ struct moe_model {
 };
 
 /* moe_layer.c: the MoE layer of layer l on n rows (every W: one rank, or
- * expert parallel over ep_comm, see there). Reads s->h, s->topk_ids,
- * s->topk_w; writes s->ffn_out (n rows). */
+ * expert parallel over ep_comm, see there), routed and shared experts.
+ * Reads s->h, s->topk_ids, s->topk_w; writes s->ffn_out (n rows). */
 enum moe_status moe_moe_layer(struct moe_model *m, int l, int n, struct moe_error *err);
 
 /* ---- forward.c ---- */
 
 /* Zeroes `bytes` of a backend buffer (at most the h_zero scratch size). */
 void moe_model_zero(struct moe_model *m, void *p, size_t bytes);
+
+/* The shared experts of layer w on n rows of s->h: compute into s->ye (and
+ * s->shared_g), then add into s->ffn_out (after the routed experts' sum). */
+void moe_model_shared_compute(struct moe_model *m, const struct layer_weights *w, int n);
+void moe_model_shared_add(struct moe_model *m, const struct layer_weights *w, int n);
 
 /* SwiGLU FFN on n rows. */
 void moe_model_ffn(struct moe_model *m, const float *xe, int n, const void *w_gate_up, int d_ff,

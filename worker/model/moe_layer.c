@@ -9,6 +9,11 @@
  *   [dispatch all-to-all-v of the rows and their expert ids; the received
  *             rows, in (source, expert, token) order, sorted by expert by
  *             permute again (top_k 1)]
+ *   shared    the shared experts (Qwen2-MoE, DeepSeek-V3) on every row of the
+ *             row group, replicated on its ranks; with expert parallel while
+ *             the dispatched rows travel (between the exchange's start and
+ *             finish, so a rank computes them while its slowest peer
+ *             catches up instead of waiting)
  *   experts   grouped GEMM gate/up -> SwiGLU -> grouped GEMM down over all
  *             local experts at once (the rows are grouped by expert)
  *   [combine  the outputs back to receive order, all-to-all-v back to their
@@ -16,6 +21,7 @@
  *   unpermute each token's outputs weighted and summed in expert-id order
  *             (unpermute_combine), the order transformers sums in
  *   [all-gather of the shards within the row group]
+ *   + shared  added after the routed sum (transformers' order)
  *
  * With one rank the bracketed steps are skipped and the shard is every row.
  * In expert parallel every rank holds the same n rows (lock-step) and owns
@@ -177,13 +183,11 @@ static enum moe_status permute_shard(struct moe_step *st, struct moe_error *err)
     return MOE_OK;
 }
 
-/* Dispatch: exchange the counts, then all-to-all-v the expert ids (item_exp
- * -> r_ids) and the rows (rows_a -> rows_r); sort what arrived by expert
- * (r_perm, r_inv, h_r_offsets) and gather it into rows_a. */
-static enum moe_status dispatch(struct moe_step *st, struct moe_error *err)
+/* The dispatch's start: exchange the counts and the expert ids (item_exp ->
+ * r_ids), then start the all-to-all-v of the rows (rows_a -> rows_r). */
+static enum moe_status dispatch_start(struct moe_step *st, struct moe_error *err)
 {
     struct moe_model *m = st->m;
-    const struct moe_config *c = &m->cfg;
     struct scratch *s = &m->s;
     struct moe_backend *be = m->be;
     const struct moe_backend_ops *ops = be->ops;
@@ -213,12 +217,27 @@ static enum moe_status dispatch(struct moe_step *st, struct moe_error *err)
     if (!rc) {
         to_bytes(W, st->send_counts, st->sd, st->row_bytes, sb, sdb);
         to_bytes(W, st->recv_counts, st->rd, st->row_bytes, rb, rdb);
-        rc = moe_comm_all_to_all_v(comm, s->rows_a, sb, sdb, s->rows_r, rb, rdb, err);
+        rc = moe_comm_all_to_all_v_start(comm, s->rows_a, sb, sdb, s->rows_r, rb, rdb, err);
     }
     if (rc)
         return moe_error_prefix(err, "layer %d expert dispatch", st->l);
     m->ep_bytes_sent += n_sent_off_rank * (st->row_bytes + sizeof(int32_t));
     m->ep_rows_routed += (uint64_t)st->n_items;
+    return MOE_OK;
+}
+
+/* The dispatch's end: wait for the rows, sort what arrived by expert
+ * (r_perm, r_inv, h_r_offsets) and gather it into rows_a. */
+static enum moe_status dispatch_finish(struct moe_step *st, struct moe_error *err)
+{
+    struct moe_model *m = st->m;
+    const struct moe_config *c = &m->cfg;
+    struct scratch *s = &m->s;
+    struct moe_backend *be = m->be;
+    const struct moe_backend_ops *ops = be->ops;
+    enum moe_status rc = moe_comm_all_to_all_v_finish(m->ep_comm, err);
+    if (rc)
+        return moe_error_prefix(err, "layer %d expert dispatch", st->l);
     struct moe_permute_params p = {.ids = s->r_ids,
                                    .n_tok = (int)st->n_recv,
                                    .top_k = 1,
@@ -230,7 +249,7 @@ static enum moe_status dispatch(struct moe_step *st, struct moe_error *err)
     ops->permute(be, &p);
     ops->buf_download(be, s->h_r_offsets, s->r_offsets, ((size_t)c->n_expert + 1) * sizeof(int32_t));
     if ((rc = ops->status(be, err)))
-        return moe_error_prefix(err, "layer %d: the rows rank %d received", st->l, me);
+        return moe_error_prefix(err, "layer %d: the rows rank %d received", st->l, st->me);
     if (st->n_recv)
         ops->gather_rows(be, s->rows_r, s->r_perm, (int)st->n_recv, st->d, s->rows_a);
     return MOE_OK;
@@ -356,19 +375,27 @@ enum moe_status moe_moe_layer(struct moe_model *m, int l, int n, struct moe_erro
     enum moe_status rc;
     double t_begin = moe_now();
 
+    const struct layer_weights *w = &m->layers[l];
     if ((rc = permute_shard(&st, err)))
         return rc;
     const int32_t *off = s->h_offsets; /* one rank: grouped by expert already */
     float *out = s->rows_b;            /* expert outputs in send order */
     st.n_recv = (size_t)st.n_items;
+    if (st.W > 1 && (rc = dispatch_start(&st, err)))
+        return rc;
+    double t_shared = moe_now();
+    if (w->shared_gate_up && n)
+        moe_model_shared_compute(m, w, n);
+    double t_shared_done = moe_now();
     if (st.W > 1) {
-        if ((rc = dispatch(&st, err)))
+        if ((rc = dispatch_finish(&st, err)))
             return rc;
         off = s->h_r_offsets;
         out = s->rows_a;
     }
     double t_dispatched = moe_now();
-    m->prof.dispatch_s += t_dispatched - t_begin;
+    m->prof.experts_s += t_shared_done - t_shared;
+    m->prof.dispatch_s += t_dispatched - t_begin - (t_shared_done - t_shared);
     m->ep_rows_computed += st.n_recv;
 
     if ((rc = experts(&st, off, (int)st.n_recv, err)))
@@ -394,6 +421,8 @@ enum moe_status moe_moe_layer(struct moe_model *m, int l, int n, struct moe_erro
         if (rc)
             return moe_error_prefix(err, "layer %d expert all-gather", l);
     }
+    if (w->shared_gate_up && n)
+        moe_model_shared_add(m, w, n);
     m->prof.combine_s += moe_now() - t_computed;
     return MOE_OK;
 }
