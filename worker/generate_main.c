@@ -483,6 +483,11 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
            rep.ttft_p50_s, rep.ttft_p99_s, rep.tpot_mean_s * 1e3);
     printf("kv utilisation: mean %.3f, min %.3f (tokens stored / slots of blocks held)\n",
            rep.kv_util_mean, rep.kv_util_min);
+    if (rep.decode_steps)
+        printf("decode step at batch %d: median %.3f ms (p10 %.3f, p90 %.3f) over %lld steps "
+               "(every request running one token, after 2 warm-up steps)\n",
+               set.n, rep.decode_step_p50_s * 1e3, rep.decode_step_p10_s * 1e3,
+               rep.decode_step_p90_s * 1e3, (long long)rep.decode_steps);
     rc = 0;
 out:
     moe_engine_destroy(e);

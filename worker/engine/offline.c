@@ -281,12 +281,33 @@ enum moe_status moe_offline_run(struct moe_engine *e, struct moe_offline_set *se
     }
     double util_sum = 0;
     int util_n = 0;
+    double *dstep = NULL; /* steady-state decode step durations */
+    int64_t n_dstep = 0, cap_dstep = 0, n_full = 0;
     while (moe_engine_busy(e)) {
-        enum moe_status rc = moe_engine_step(e, NULL, err);
-        if (rc)
+        int n_tok = 0;
+        double ts = moe_now();
+        enum moe_status rc = moe_engine_step(e, &n_tok, err);
+        double dt = moe_now() - ts;
+        if (rc) {
+            free(dstep);
             return rc;
+        }
         struct moe_engine_stats st;
         moe_engine_stats(e, &st);
+        /* every request running, one token each (its finish may end the
+         * step's sequence: running counts it until the step is over) */
+        if (n_tok > 0 && n_tok == set->n && st.waiting == 0 && n_full++ >= 2) {
+            if (n_dstep == cap_dstep) {
+                cap_dstep = cap_dstep ? 2 * cap_dstep : 64;
+                double *g = realloc(dstep, (size_t)cap_dstep * sizeof *g);
+                if (!g) {
+                    free(dstep);
+                    return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+                }
+                dstep = g;
+            }
+            dstep[n_dstep++] = dt;
+        }
         if (st.running > rep->peak_running)
             rep->peak_running = st.running;
         if (st.kv_blocks_used > 0) {
@@ -298,6 +319,14 @@ enum moe_status moe_offline_run(struct moe_engine *e, struct moe_offline_set *se
         }
     }
     rep->wall_s = moe_now() - t0;
+    if (n_dstep) {
+        qsort(dstep, (size_t)n_dstep, sizeof *dstep, cmp_double);
+        rep->decode_steps = n_dstep;
+        rep->decode_step_p50_s = dstep[n_dstep / 2];
+        rep->decode_step_p10_s = dstep[n_dstep / 10];
+        rep->decode_step_p90_s = dstep[(n_dstep * 9) / 10];
+    }
+    free(dstep);
     struct moe_engine_stats st;
     moe_engine_stats(e, &st);
     rep->steps = st.steps;

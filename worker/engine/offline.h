@@ -57,6 +57,12 @@ struct moe_offline_report {
     double kv_util_min;
     double ttft_mean_s, ttft_p50_s, ttft_p99_s;
     double tpot_mean_s; /* per output token after the first */
+    /* Steady-state decode: the steps in which every request was running and
+     * each ran one token (no prefill, no drafts), the first two left out as
+     * warm-up: how many, and their durations' median, 10th and 90th
+     * percentiles (0 when none). The step time at batch = n requests. */
+    int64_t decode_steps;
+    double decode_step_p50_s, decode_step_p10_s, decode_step_p90_s;
 };
 
 /* Submits every request at once and steps the engine until all finish. */
