@@ -183,6 +183,17 @@ struct moe_permute_params {
     int32_t *offsets;   /* (n_dest * n_expert + 1) */
 };
 
+/* What a backend was asked to do since it was made (the `counters` op):
+ * ops queued (each one kernel launch or more, or a cuBLAS call), host waits
+ * (stream synchronisations: synchronize, and the copies and frees that
+ * wait), and copies between host and backend memory. */
+struct moe_backend_counters {
+    uint64_t ops;
+    uint64_t syncs;
+    uint64_t uploads, upload_bytes;
+    uint64_t downloads, download_bytes;
+};
+
 struct moe_backend;
 
 struct moe_backend_ops {
@@ -323,6 +334,10 @@ struct moe_backend_ops {
 
     /* struct moe_router_grouped_params. */
     void (*router_topk_grouped)(struct moe_backend *be, const struct moe_router_grouped_params *p);
+
+    /* struct moe_backend_counters (CUDA; NULL on the CPU, where a copy is a
+     * memcpy and nothing waits). Read from the thread that calls the ops. */
+    void (*counters)(struct moe_backend *be, struct moe_backend_counters *out);
 };
 
 struct moe_backend {

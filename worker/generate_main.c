@@ -500,7 +500,8 @@ out:
 
 /* One line per rank on stderr: the phase split of the forward passes and the
  * expert-parallel bytes this rank sent. */
-static void print_profile(const struct moe_model *model, const struct moe_group *group)
+static void print_profile(const struct moe_model *model, const struct moe_group *group,
+                          struct moe_backend *be, const struct moe_backend_counters *at_load)
 {
     struct moe_model_profile p;
     moe_model_profile(model, &p);
@@ -522,6 +523,19 @@ static void print_profile(const struct moe_model *model, const struct moe_group 
         p.combine_s, 100 * p.combine_s / total, p.other_s, 100 * p.other_s / total,
         (unsigned long long)bytes, (unsigned long long)p.moe_layer_tokens,
         (unsigned long long)moe_model_ep_rows_computed(model));
+    if (be->ops->counters && p.forwards) {
+        struct moe_backend_counters k;
+        be->ops->counters(be, &k);
+        double f = (double)p.forwards;
+        fprintf(stderr,
+                "profile rank %d: backend %s per forward (after the load): %.1f ops, %.1f host "
+                "waits, %.1f uploads (%.0f bytes), %.1f downloads (%.0f bytes)\n",
+                group ? group->rank : 0, be->name, (k.ops - at_load->ops) / f,
+                (k.syncs - at_load->syncs) / f, (k.uploads - at_load->uploads) / f,
+                (k.upload_bytes - at_load->upload_bytes) / f,
+                (k.downloads - at_load->downloads) / f,
+                (k.download_bytes - at_load->download_bytes) / f);
+    }
 }
 
 /* What main builds; gen_run_close frees it. */
@@ -534,6 +548,7 @@ struct gen_run {
     struct moe_model *model;
     const struct moe_config *cfg;
     double t_load; /* seconds moe_model_load took */
+    struct moe_backend_counters at_load; /* the backend's counters after the load (--profile) */
     struct moe_tokenizer *tok;
     int32_t *prompt; /* (n_prompt) */
     int n_prompt;
@@ -595,6 +610,8 @@ static enum moe_status load_model(struct gen_run *g)
     if (rc)
         return rc;
     g->t_load = moe_now() - g->t_load;
+    if (g->be->ops->counters)
+        g->be->ops->counters(g->be, &g->at_load);
     g->cfg = moe_model_config(g->model);
     if (g->cfg->n_mtp && (!g->group || g->group->rank == 0))
         fprintf(stderr,
@@ -783,7 +800,7 @@ static void print_group_report(const struct gen_run *g)
     const struct args *a = &g->a;
     struct moe_group *group = g->group;
     if (a->profile && g->model)
-        print_profile(g->model, group);
+        print_profile(g->model, group, g->be, &g->at_load);
     if (a->profile && group && group->rank == 0 && group->size > 1) {
         uint64_t rows[MOE_MAX_EP_RANKS_PRINT], steps, max = 0, sum = 0;
         int n = group->size < MOE_MAX_EP_RANKS_PRINT ? group->size : MOE_MAX_EP_RANKS_PRINT;

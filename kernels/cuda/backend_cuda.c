@@ -41,6 +41,7 @@ struct cuda_backend {
     void *meta; /* device copies of host arrays that ops were given (grouped_matmul) */
     size_t meta_cap;
     int *bad; /* device flag: permute met an expert id or rank out of range */
+    struct moe_backend_counters cnt; /* the engine thread's calls (plain counters) */
     _Atomic int first_error; /* 0 while none; else the cudaError_t (or -1 for non-CUDA errors) */
     char first_msg[256];
 };
@@ -102,6 +103,7 @@ static void *scratch_reserve(struct moe_backend *be, size_t bytes, const char *w
         return cb->scratch;
     size_t cap = cb->scratch_cap * 2 > bytes ? cb->scratch_cap * 2 : bytes;
     if (cb->scratch) {
+        cb->cnt.syncs++;
         cuda_check(be, cudaStreamSynchronize(cb->stream), "scratch: cudaStreamSynchronize");
         cudaFree(cb->scratch);
         cb->scratch = NULL;
@@ -126,6 +128,7 @@ static void *meta_reserve(struct moe_backend *be, size_t bytes, const char *what
         return cb->meta;
     size_t cap = bytes < 4096 ? 4096 : bytes;
     if (cb->meta) {
+        cb->cnt.syncs++;
         cuda_check(be, cudaStreamSynchronize(cb->stream), "meta: cudaStreamSynchronize");
         cudaFree(cb->meta);
         cb->meta = NULL;
@@ -159,6 +162,7 @@ static void cuda_buf_free(struct moe_backend *be, void *p)
 {
     if (!p)
         return;
+    cuda_of(be)->cnt.syncs++;
     cuda_check(be, cudaStreamSynchronize(cuda_of(be)->stream), "buf_free: cudaStreamSynchronize");
     cuda_check(be, cudaFree(p), "cudaFree");
 }
@@ -168,6 +172,10 @@ static void cuda_buf_upload(struct moe_backend *be, void *dst, const void *src_h
     if (!bytes)
         return;
     cudaStream_t s = cuda_of(be)->stream;
+    struct moe_backend_counters *k = &cuda_of(be)->cnt;
+    k->uploads++;
+    k->upload_bytes += bytes;
+    k->syncs++;
     cuda_check(be, cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, s),
                "buf_upload: cudaMemcpyAsync");
     cuda_check(be, cudaStreamSynchronize(s), "buf_upload: cudaStreamSynchronize");
@@ -178,6 +186,10 @@ static void cuda_buf_download(struct moe_backend *be, void *dst_host, const void
     if (!bytes)
         return;
     cudaStream_t s = cuda_of(be)->stream;
+    struct moe_backend_counters *k = &cuda_of(be)->cnt;
+    k->downloads++;
+    k->download_bytes += bytes;
+    k->syncs++;
     cuda_check(be, cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, s),
                "buf_download: cudaMemcpyAsync");
     cuda_check(be, cudaStreamSynchronize(s), "buf_download: cudaStreamSynchronize");
@@ -193,11 +205,13 @@ static void cuda_buf_copy(struct moe_backend *be, void *dst, const void *src, si
 
 static void cuda_synchronize(struct moe_backend *be)
 {
+    cuda_of(be)->cnt.syncs++;
     cuda_check(be, cudaStreamSynchronize(cuda_of(be)->stream), "synchronize");
 }
 
 static void cuda_op_matmul(struct moe_backend *be, const struct moe_matmul_params *p)
 {
+    cuda_of(be)->cnt.ops++;
     const char *why = moe_cuda_matmul_unsupported(p);
     if (why) {
         cuda_fail(be, (int)cudaErrorNotSupported,
@@ -223,12 +237,14 @@ static void cuda_op_matmul(struct moe_backend *be, const struct moe_matmul_param
 static void cuda_op_rmsnorm(struct moe_backend *be, const float *x, const float *w, float *y,
                             int n_rows, int dim, float eps)
 {
+    cuda_of(be)->cnt.ops++;
     cuda_check(be, moe_cuda_rmsnorm(x, w, y, n_rows, dim, eps, cuda_of(be)->stream), "rmsnorm");
 }
 
 static void cuda_op_rope(struct moe_backend *be, float *x, const int32_t *pos, int n_tok,
                          int n_heads, int d_head, const float *inv_freq, float scale)
 {
+    cuda_of(be)->cnt.ops++;
     if (d_head <= 0 || d_head % 2 || d_head > MOE_CUDA_ROPE_MAX_DHEAD) {
         cuda_fail(be, (int)cudaErrorNotSupported,
                   "rope: d_head %d not supported (even, at most %d)", d_head,
@@ -244,6 +260,7 @@ static void cuda_op_kv_write(struct moe_backend *be, const float *k, const float
                              const int32_t *slots, int n_tok, int kv_dim, void *k_cache,
                              void *v_cache, enum moe_dtype kv_dtype)
 {
+    cuda_of(be)->cnt.ops++;
     if (kv_dtype != MOE_DTYPE_F32) {
         cuda_fail(be, (int)cudaErrorNotSupported,
                   "kv_write: KV cache dtype %s not supported (F32 only)", moe_dtype_name(kv_dtype));
@@ -256,6 +273,7 @@ static void cuda_op_kv_write(struct moe_backend *be, const float *k, const float
 
 static void cuda_op_attention(struct moe_backend *be, const struct moe_attn_params *p)
 {
+    cuda_of(be)->cnt.ops++;
     char why[200];
     if (p->d_v && p->d_v != p->d_head) { /* latent attention */
         if (moe_cuda_attention_mla_unsupported(p, why, sizeof why)) {
@@ -280,6 +298,7 @@ static void cuda_op_attention(struct moe_backend *be, const struct moe_attn_para
 static void cuda_op_router_topk(struct moe_backend *be, const float *logits, int n_tok,
                                 int n_expert, int top_k, bool renorm, int32_t *ids, float *weights)
 {
+    cuda_of(be)->cnt.ops++;
     if (n_expert < 1 || n_expert > MOE_CUDA_ROUTER_MAX_EXPERT || top_k < 1 || top_k > n_expert ||
         top_k > MOE_CUDA_ROUTER_MAX_TOPK) {
         cuda_fail(be, (int)cudaErrorNotSupported,
@@ -297,6 +316,7 @@ static void cuda_op_router_topk(struct moe_backend *be, const float *logits, int
 static void cuda_op_router_topk_grouped(struct moe_backend *be,
                                         const struct moe_router_grouped_params *p)
 {
+    cuda_of(be)->cnt.ops++;
     char why[300];
     if (moe_cuda_router_grouped_unsupported(p, why, sizeof why)) {
         cuda_fail(be, (int)cudaErrorNotSupported, "%s", why);
@@ -308,6 +328,7 @@ static void cuda_op_router_topk_grouped(struct moe_backend *be,
 static void cuda_op_copy_cols(struct moe_backend *be, float *dst, int ld_dst, const float *src,
                               int ld_src, int n_rows, int n_cols)
 {
+    cuda_of(be)->cnt.ops++;
     cuda_check(be,
                moe_cuda_copy_cols(dst, ld_dst, src, ld_src, n_rows, n_cols, cuda_of(be)->stream),
                "copy_cols");
@@ -316,18 +337,21 @@ static void cuda_op_copy_cols(struct moe_backend *be, float *dst, int ld_dst, co
 static void cuda_op_swiglu(struct moe_backend *be, const float *gate_up, float *out, int n_rows,
                            int dim)
 {
+    cuda_of(be)->cnt.ops++;
     cuda_check(be, moe_cuda_swiglu(gate_up, out, n_rows, dim, cuda_of(be)->stream), "swiglu");
 }
 
 static void cuda_op_gather_rows(struct moe_backend *be, const float *src, const int32_t *idx, int n,
                                 int dim, float *dst)
 {
+    cuda_of(be)->cnt.ops++;
     cuda_check(be, moe_cuda_gather_rows(src, idx, n, dim, dst, cuda_of(be)->stream), "gather_rows");
 }
 
 static void cuda_op_scatter_add_rows(struct moe_backend *be, const float *src, const int32_t *idx,
                                      const float *scale, int n, int dim, float *dst)
 {
+    cuda_of(be)->cnt.ops++;
     cuda_check(be, moe_cuda_scatter_add_rows(src, idx, scale, n, dim, dst, cuda_of(be)->stream),
                "scatter_add_rows");
 }
@@ -335,6 +359,7 @@ static void cuda_op_scatter_add_rows(struct moe_backend *be, const float *src, c
 static void cuda_op_embed(struct moe_backend *be, const void *table, enum moe_dtype dtype,
                           const int32_t *ids, int n_tok, int dim, float *dst)
 {
+    cuda_of(be)->cnt.ops++;
     if (dtype != MOE_DTYPE_F32 && dtype != MOE_DTYPE_BF16 && dtype != MOE_DTYPE_F16) {
         cuda_fail(be, (int)cudaErrorNotSupported, "embed: dtype %d not supported", (int)dtype);
         return;
@@ -345,6 +370,7 @@ static void cuda_op_embed(struct moe_backend *be, const void *table, enum moe_dt
 
 static void cuda_op_add(struct moe_backend *be, float *y, const float *x, size_t n)
 {
+    cuda_of(be)->cnt.ops++;
     cuda_check(be, moe_cuda_add(y, x, n, cuda_of(be)->stream), "add");
 }
 
@@ -383,6 +409,7 @@ static void cuda_buf_zero(struct moe_backend *be, void *p, size_t bytes)
 static void cuda_op_grouped_matmul(struct moe_backend *be,
                                    const struct moe_grouped_matmul_params *p)
 {
+    cuda_of(be)->cnt.ops++;
     struct moe_error e = {0};
     enum moe_status st = moe_grouped_matmul_check(p, &e);
     if (st != MOE_OK) {
@@ -450,6 +477,7 @@ static void cuda_op_grouped_matmul(struct moe_backend *be,
 
 static void cuda_op_permute(struct moe_backend *be, const struct moe_permute_params *p)
 {
+    cuda_of(be)->cnt.ops++;
     const char *why = moe_cuda_permute_unsupported(p);
     if (why) {
         cuda_fail(be, (int)cudaErrorNotSupported, "permute: %s", why);
@@ -468,6 +496,7 @@ static void cuda_op_unpermute_combine(struct moe_backend *be, const float *rows,
                                       const float *weights, const int32_t *tok_rows, int n_tok,
                                       int top_k, int dim, float *y)
 {
+    cuda_of(be)->cnt.ops++;
     cuda_check(be,
                moe_cuda_unpermute_combine(rows, weights, tok_rows, n_tok, top_k, dim, y,
                                           cuda_of(be)->stream),
@@ -477,6 +506,7 @@ static void cuda_op_unpermute_combine(struct moe_backend *be, const float *rows,
 static void cuda_op_argmax(struct moe_backend *be, const float *logits, int n, int vocab,
                            int32_t *out_ids)
 {
+    cuda_of(be)->cnt.ops++;
     cuda_check(be, moe_cuda_argmax(logits, n, vocab, out_ids, cuda_of(be)->stream), "argmax");
 }
 
@@ -484,6 +514,7 @@ static void cuda_op_sample_top_p(struct moe_backend *be, const float *logits, in
                                  float temperature, float top_p, const double *uniform,
                                  int32_t *out_ids)
 {
+    cuda_of(be)->cnt.ops++;
     if (vocab < 1 || vocab > MOE_CUDA_SAMPLE_MAX_VOCAB) {
         cuda_fail(be, (int)cudaErrorNotSupported, "sample_top_p: vocab %d not supported (1 .. %d)",
                   vocab, MOE_CUDA_SAMPLE_MAX_VOCAB);
@@ -499,6 +530,7 @@ static void cuda_op_kv_gather_blocks(struct moe_backend *be, const float *k_cach
                                      const float *v_cache, const int32_t *block_ids, int n,
                                      int block_size, int kv_dim, float *out)
 {
+    cuda_of(be)->cnt.ops++;
     cuda_check(be,
                moe_cuda_kv_gather_blocks(k_cache, v_cache, block_ids, n, block_size, kv_dim, out,
                                          cuda_of(be)->stream),
@@ -509,10 +541,16 @@ static void cuda_op_kv_scatter_blocks(struct moe_backend *be, const float *in,
                                       const int32_t *block_ids, int n, int block_size, int kv_dim,
                                       float *k_cache, float *v_cache)
 {
+    cuda_of(be)->cnt.ops++;
     cuda_check(be,
                moe_cuda_kv_scatter_blocks(in, block_ids, n, block_size, kv_dim, k_cache, v_cache,
                                           cuda_of(be)->stream),
                "kv_scatter_blocks");
+}
+
+static void cuda_counters(struct moe_backend *be, struct moe_backend_counters *out)
+{
+    *out = cuda_of(be)->cnt;
 }
 
 static const struct moe_backend_ops cuda_ops = {
@@ -537,6 +575,7 @@ static const struct moe_backend_ops cuda_ops = {
     .buf_zero = cuda_buf_zero,
     .grouped_matmul = cuda_op_grouped_matmul,
     .permute = cuda_op_permute,
+    .counters = cuda_counters,
     .unpermute_combine = cuda_op_unpermute_combine,
     .argmax = cuda_op_argmax,
     .sample_top_p = cuda_op_sample_top_p,
