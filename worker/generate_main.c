@@ -399,6 +399,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         .kv_parts = group ? group->dp_size : 1,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
+        .forward_ids = group && !group->dp, /* dp_forward gathers logits */
     };
     /* a block holds the model's K/V and, with a draft, the draft's */
     size_t block_bytes =

@@ -429,6 +429,7 @@ static enum moe_status start_engine(struct worker_run *r)
         .kv_parts = group ? group->dp_size : 1,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
+        .forward_ids = group && !group->dp, /* dp_forward gathers logits */
     };
     struct moe_engine_opts *eo = &r->eo;
     const char *name = strrchr(a->model, '/');

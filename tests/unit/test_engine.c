@@ -7,6 +7,7 @@
  *  - prefix caching computes only the new tokens and changes no logit;
  *  - seeded sampling is the same whatever the batch; stop strings that
  *    straddle tokens stop the request; bad parameters are refused;
+ *  - greedy steps bring back ids instead of logits, with the same tokens;
  *  - on the DeepSeek-V3 fixture (a latent KV cache): batch vs alone,
  *    preemption and prefix caching again;
  *  - data-parallel attention's scheduling (a pool in 2 parts, each part's
@@ -240,6 +241,79 @@ static void test_batch_equals_alone(void)
            worst, (long long)st.steps);
     capture_free(&alone);
     capture_free(&batch);
+}
+
+/* Greedy steps bring back ids, not logits (moe_batch.argmax_out): a batch
+ * of greedy sequences gives the same tokens as with host_sampling, every
+ * step took the ids path, and a step with one sampled or logprobs-asking
+ * sequence in it brings the logits back for all (the sampled one drawn by
+ * its seed, the greedy ones unchanged). */
+static int g_id_steps, g_logit_steps;
+static enum moe_status counting_forward(void *ctx, struct moe_model *m, struct moe_kv_cache *kv,
+                                        const struct moe_batch *b, float *logits,
+                                        struct moe_error *err)
+{
+    (void)ctx;
+    if (b->n_logits)
+        (*(b->argmax_out ? &g_id_steps : &g_logit_steps))++;
+    return moe_model_forward(m, kv, b, logits, err);
+}
+
+static void test_greedy_ids(void)
+{
+    enum { N = 8, OUT = 10 };
+    int32_t prompts[N][40];
+    for (int i = 0; i < N; i++)
+        make_prompt(50 + i, 5 + 4 * i, prompts[i]);
+    struct moe_request_params p;
+    moe_request_params_init(&p);
+    p.max_tokens = OUT;
+    p.ignore_eos = true;
+    struct moe_error err = {0};
+    static struct capture runs[3];
+    int ids_steps[3], logit_steps[3];
+    for (int run = 0; run < 3; run++) {
+        memset(&runs[run], 0, sizeof runs[run]);
+        struct moe_engine_opts o = {.n_block = 128,
+                                    .forward = counting_forward,
+                                    .forward_ids = true,
+                                    .host_sampling = run == 1};
+        struct moe_engine *e = NULL;
+        CHECKF(moe_engine_create(model, NULL, &o, &e, &err) == MOE_OK, "%s", err.msg);
+        g_id_steps = g_logit_steps = 0;
+        for (int i = 0; i < N; i++) {
+            struct moe_request_params q = p;
+            if (run == 2 && i == 3) { /* one sampled request in the batch */
+                q.sp.temperature = 0.8f;
+                q.has_seed = true;
+                q.seed = 7;
+            }
+            if (run == 2 && i == 5)
+                q.logprobs = 2;
+            CHECK(moe_engine_submit(e, (uint64_t)i, prompts[i], 5 + 4 * i, &q, on_token, &runs[run],
+                                    &err) == MOE_OK);
+        }
+        run_to_end(e);
+        moe_engine_destroy(e);
+        ids_steps[run] = g_id_steps;
+        logit_steps[run] = g_logit_steps;
+    }
+    int same = 0, same_mixed = 0;
+    for (int i = 0; i < N; i++) {
+        same += runs[0].n[i] == OUT &&
+                !memcmp(runs[0].tokens[i], runs[1].tokens[i], sizeof(int32_t) * OUT);
+        same_mixed += i == 3 || !memcmp(runs[0].tokens[i], runs[2].tokens[i], sizeof(int32_t) * OUT);
+    }
+    CHECKF(same == N, "ids vs host sampling: %d of %d identical", same, N);
+    CHECKF(same_mixed == N, "greedy sequences beside a sampled one: %d of %d identical", same_mixed,
+           N);
+    CHECKF(ids_steps[0] > 0 && logit_steps[0] == 0, "greedy batch: %d id steps, %d logit steps",
+           ids_steps[0], logit_steps[0]);
+    CHECKF(ids_steps[1] == 0 && logit_steps[1] > 0, "host_sampling: %d id steps", ids_steps[1]);
+    CHECKF(logit_steps[2] > 0, "a sampled sequence in the batch: %d logit steps", logit_steps[2]);
+    printf("greedy ids: %d of %d identical to host sampling (%d steps ids only); mixed batch: %d "
+           "id steps, %d logit steps\n",
+           same, N, ids_steps[0], ids_steps[2], logit_steps[2]);
 }
 
 static void test_preemption(void)
@@ -656,6 +730,7 @@ int main(void)
     test_bad_params();
     test_logprobs_and_penalties();
     test_batch_equals_alone();
+    test_greedy_ids();
     test_preemption();
     test_prefix_cache();
     test_seeded_sampling();

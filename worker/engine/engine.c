@@ -101,6 +101,8 @@ struct moe_engine {
     int cap_tok, cap_tables;
     float *logits;
     int cap_logits;
+    int32_t *ids; /* greedy steps: each logit row's argmax (moe_batch.argmax_out) */
+    int cap_ids;
     void *sample_work;
 
     pthread_mutex_t mu; /* guards everything below */
@@ -293,6 +295,7 @@ void moe_engine_destroy(struct moe_engine *e)
     free(e->b_rows);
     free(e->b_tables);
     free(e->logits);
+    free(e->ids);
     free(e->sample_work);
     moe_kv_cache_free(e->model, e->kv);
     kv_pool_destroy(e->pool);
@@ -963,9 +966,19 @@ static int match_stop_string(struct moe_engine *e, struct seq *s, int64_t *text_
     return best;
 }
 
-/* Samples the next token of `s` from its logits row and reports it. Returns
- * true when the sequence finished (it is then freed). */
-static bool seq_emit(struct moe_engine *e, struct seq *s, float *row)
+/* True when `s`'s next token is its logits' argmax and nothing else of the
+ * row is needed: greedy, no penalties, no logprobs, no logits hook. */
+static bool seq_greedy_only(const struct moe_engine *e, const struct seq *s)
+{
+    const struct moe_request_params *p = &s->params;
+    return p->sp.temperature <= 0.0f && !moe_sampler_has_penalties(&p->sp) && p->logprobs < 0 &&
+           !e->opts.logits_hook;
+}
+
+/* Samples the next token of `s` from its logits row (or takes `id`, the
+ * row's argmax computed by the backend, when row is NULL) and reports it.
+ * Returns true when the sequence finished (it is then freed). */
+static bool seq_emit(struct moe_engine *e, struct seq *s, float *row, int32_t id)
 {
     int vocab = e->cfg->vocab_size;
     const struct moe_request_params *p = &s->params;
@@ -979,21 +992,26 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row)
         /* raw model distribution; the token is filled in after sampling */
         ev.n_top = p->logprobs;
     }
-    if (e->opts.logits_hook)
-        e->opts.logits_hook(e->opts.logits_hook_user, s->id, s->n_tokens - s->n_prompt, row, vocab);
-    bool raw_lp_needed = p->logprobs >= 0;
-    float *raw = NULL;
-    if (raw_lp_needed && moe_sampler_has_penalties(&p->sp)) {
-        raw = malloc((size_t)vocab * sizeof *raw);
-        if (raw)
-            memcpy(raw, row, (size_t)vocab * sizeof *raw);
+    int32_t t = id;
+    if (row) {
+        if (e->opts.logits_hook)
+            e->opts.logits_hook(e->opts.logits_hook_user, s->id, s->n_tokens - s->n_prompt, row,
+                                vocab);
+        bool raw_lp_needed = p->logprobs >= 0;
+        float *raw = NULL;
+        if (raw_lp_needed && moe_sampler_has_penalties(&p->sp)) {
+            raw = malloc((size_t)vocab * sizeof *raw);
+            if (raw)
+                memcpy(raw, row, (size_t)vocab * sizeof *raw);
+        }
+        if (s->seen)
+            moe_apply_penalties(row, vocab, &p->sp, s->seen, s->out_count);
+        t = moe_sample(row, vocab, &p->sp, &s->rng, e->sample_work);
+        if (raw_lp_needed)
+            ev.logprob =
+                moe_logprobs(raw ? raw : row, vocab, t, ev.n_top, ev.top_ids, ev.top_logprobs);
+        free(raw);
     }
-    if (s->seen)
-        moe_apply_penalties(row, vocab, &p->sp, s->seen, s->out_count);
-    int32_t t = moe_sample(row, vocab, &p->sp, &s->rng, e->sample_work);
-    if (raw_lp_needed)
-        ev.logprob = moe_logprobs(raw ? raw : row, vocab, t, ev.n_top, ev.top_ids, ev.top_logprobs);
-    free(raw);
     MOE_ASSERT(s->n_tokens < s->cap_tokens);
     s->tokens[s->n_tokens++] = t;
     if (s->seen) {
@@ -1083,7 +1101,7 @@ static void seq_verify(struct moe_engine *e, struct seq *s, int k, float *rows)
     size_t vocab = (size_t)e->cfg->vocab_size;
     int accepted = 0;
     for (int i = 0;; i++) {
-        if (seq_emit(e, s, rows + (size_t)i * vocab))
+        if (seq_emit(e, s, rows + (size_t)i * vocab, -1))
             return; /* finished: s is freed with all its blocks */
         if (i == k || s->draft[i] != s->tokens[s->n_tokens - 1])
             break;
@@ -1290,8 +1308,13 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
             max_blocks = e->sched[i].s->n_blocks;
     }
     int vocab = e->cfg->vocab_size;
+    /* ids only: every row greedy and nothing else of the logits needed */
+    bool ids = (!e->opts.forward || e->opts.forward_ids) && !e->opts.host_sampling;
+    for (int i = 0; ids && i < n_sched; i++)
+        ids = !e->sched[i].n_draft && seq_greedy_only(e, e->sched[i].s);
     if (!reserve_batch(e, n_tok, n_sched * max_blocks) ||
-        !grow((void **)&e->logits, &e->cap_logits, n_rows * vocab, sizeof(float)))
+        !grow((void **)&e->logits, &e->cap_logits, ids ? 0 : n_rows * vocab, sizeof(float)) ||
+        !grow((void **)&e->ids, &e->cap_ids, n_rows, sizeof(int32_t)))
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a batch of %d tokens", n_tok);
     int t = 0;
     for (int i = 0; i < n_sched; i++) {
@@ -1322,6 +1345,7 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
         .max_blocks = max_blocks,
         .n_logits = n_logits,
         .logit_rows = e->b_rows,
+        .argmax_out = ids ? e->ids : NULL,
     };
     enum moe_status rc =
         e->opts.forward ? e->opts.forward(e->opts.forward_ctx, e->model, e->kv, &b, e->logits, err)
@@ -1355,7 +1379,7 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
         if (en->n_draft)
             seq_verify(e, s, en->n_draft, e->logits + (size_t)row * vocab);
         else if (rows)
-            seq_emit(e, s, e->logits + (size_t)row * vocab);
+            seq_emit(e, s, ids ? NULL : e->logits + (size_t)row * vocab, ids ? e->ids[row] : -1);
         row += rows;
     }
     publish_stats(e);

@@ -68,6 +68,13 @@ struct moe_engine_opts {
     int kv_parts;
     moe_forward_fn forward; /* NULL: moe_model_forward (one rank) */
     void *forward_ctx;
+    /* `forward` fills moe_batch.argmax_out (moe_model_forward does): a step
+     * whose every row is greedy, without penalties, logprobs, drafts or a
+     * logits hook, then brings back one id per row instead of the logits
+     * (on a GPU: n ints instead of n x vocab floats, and no host argmax).
+     * host_sampling turns that off. */
+    bool forward_ids;
+    bool host_sampling;
     moe_logits_hook logits_hook; /* optional */
     void *logits_hook_user;
 };

@@ -91,6 +91,7 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     ALLOC(block_tables, (size_t)(cap_tab > 0 ? cap_tab : 1), int32_t);
     ALLOC(logit_rows, n, int32_t);
     ALLOC(logits, n * c->vocab_size, float);
+    ALLOC(logit_ids, n, int32_t);
     if (c->mla) {
         struct mla_scratch *a = &s->mla;
         size_t H = (size_t)m->n_head_local, L = (size_t)c->kv_lora_rank, R = (size_t)c->d_head;
@@ -584,8 +585,14 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
         ops->gather_rows(be, s->x, s->logit_rows, b->n_logits, c->d_model, s->h);
         ops->rmsnorm(be, s->h, m->final_norm, s->h, b->n_logits, c->d_model, c->rms_eps);
         matmul(m, s->h, b->n_logits, c->d_model, m->lm_head, c->vocab_size, s->logits, false);
-        ops->buf_download(be, logits, s->logits,
-                          (size_t)b->n_logits * (size_t)c->vocab_size * sizeof(float));
+        if (b->argmax_out) { /* greedy: n ids come back instead of n x vocab floats */
+            ops->argmax(be, s->logits, b->n_logits, c->vocab_size, s->logit_ids);
+            ops->buf_download(be, b->argmax_out, s->logit_ids,
+                              (size_t)b->n_logits * sizeof(int32_t));
+        } else {
+            ops->buf_download(be, logits, s->logits,
+                              (size_t)b->n_logits * (size_t)c->vocab_size * sizeof(float));
+        }
     }
     ops->synchronize(be);
     /* An op that failed on the device (launch error, unsupported shape) is
@@ -632,6 +639,7 @@ void moe_model_scratch_free(struct moe_model *m)
                    s->block_tables,
                    s->logit_rows,
                    s->logits,
+                   s->logit_ids,
                    s->rows_a,
                    s->rows_b,
                    s->rows_r,

@@ -158,6 +158,11 @@ struct moe_batch {
      * then be 0, a rank with no sequence this step that still serves its
      * experts. 0: n_tok. */
     int n_tok_group;
+    /* Greedy steps: when not NULL (host, n_logits entries), the argmax of
+     * each logit row is taken on the backend (its argmax op, ties to the
+     * lower id) and only these ids come back; the logits are not written
+     * (the forward's `logits` may be NULL). */
+    int32_t *argmax_out;
 };
 
 enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,

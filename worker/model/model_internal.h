@@ -98,6 +98,7 @@ struct scratch {
     int32_t *block_tables; /* (cap_seq_blocks) */
     int32_t *logit_rows;   /* (n) */
     float *logits;         /* (n, vocab) */
+    int32_t *logit_ids;    /* (n) argmax of each logit row (moe_batch.argmax_out) */
     /* the MoE layer (moe_layer.c), sized for n * top_k items */
     float *rows_a;      /* (n*k, d_model) rows in send order, then grouped by expert */
     float *rows_b;      /* (n*k, d_model) expert outputs, grouped by expert */
