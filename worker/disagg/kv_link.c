@@ -657,6 +657,8 @@ struct pair {
     struct pair *next;
 };
 
+#define KV_LINK_STAGES 4
+
 struct kv_link {
     struct kv_link_opts o;
     bool nccl;          /* payloads device to device when the peer agrees */
@@ -675,7 +677,64 @@ struct kv_link {
     struct expected *table;
     int n_conns;
     bool stopping;
+    /* device staging buffers for NCCL payloads, kept between slices: on a
+     * GPU an allocation per slice would cudaFree, which waits for the whole
+     * device (under mu) */
+    struct {
+        void *p;
+        size_t cap;
+    } stages[KV_LINK_STAGES];
+    int n_stages;
 };
+
+/* A staging buffer of at least `bytes` in backend memory: a kept one, or a
+ * new one (NULL when that fails). Give it back with stage_put. */
+static void *stage_get(struct kv_link *l, size_t bytes, size_t *cap)
+{
+    pthread_mutex_lock(&l->mu);
+    int best = -1;
+    for (int i = 0; i < l->n_stages; i++)
+        if (l->stages[i].cap >= bytes && (best < 0 || l->stages[i].cap < l->stages[best].cap))
+            best = i;
+    if (best >= 0) {
+        void *p = l->stages[best].p;
+        *cap = l->stages[best].cap;
+        l->stages[best] = l->stages[--l->n_stages];
+        pthread_mutex_unlock(&l->mu);
+        return p;
+    }
+    pthread_mutex_unlock(&l->mu);
+    *cap = bytes ? bytes : 1;
+    return l->o.be->ops->buf_alloc(l->o.be, *cap);
+}
+
+/* Keeps `p` for the next slices (the largest KV_LINK_STAGES of them); the
+ * caller has synchronised the backend's stream. */
+static void stage_put(struct kv_link *l, void *p, size_t cap)
+{
+    if (!p)
+        return;
+    pthread_mutex_lock(&l->mu);
+    if (l->n_stages < KV_LINK_STAGES) {
+        l->stages[l->n_stages].p = p;
+        l->stages[l->n_stages++].cap = cap;
+        p = NULL;
+    } else {
+        int small = 0;
+        for (int i = 1; i < l->n_stages; i++)
+            if (l->stages[i].cap < l->stages[small].cap)
+                small = i;
+        if (l->stages[small].cap < cap) {
+            void *q = l->stages[small].p;
+            l->stages[small].p = p;
+            l->stages[small].cap = cap;
+            p = q;
+        }
+    }
+    pthread_mutex_unlock(&l->mu);
+    if (p)
+        l->o.be->ops->buf_free(l->o.be, p);
+}
 
 void kv_link_heads(int n_kv_head, int tp_size, int tp_rank, int *begin, int *end)
 {
@@ -1031,7 +1090,8 @@ static void serve_slice(struct kv_link *l, struct kv_sock *ks, const struct kv_l
     const size_t esz = moe_dtype_size(kv->dtype);
     size_t per = (size_t)n_tokens * (size_t)(he - hb) * (size_t)d_head * esz; /* bytes */
     void *host = pr ? NULL : malloc(per ? per : 1);
-    void *stage = pr ? l->o.be->ops->buf_alloc(l->o.be, per ? per : 1) : NULL;
+    size_t stage_cap = 0;
+    void *stage = pr ? stage_get(l, per, &stage_cap) : NULL;
     uint64_t bytes = 0;
     if (!host && !stage)
         st = moe_error_set(&err, MOE_ERR_NOMEM, "out of memory for a slice");
@@ -1047,8 +1107,7 @@ static void serve_slice(struct kv_link *l, struct kv_sock *ks, const struct kv_l
             bytes += per;
         }
     l->o.be->ops->synchronize(l->o.be);
-    if (stage)
-        l->o.be->ops->buf_free(l->o.be, stage);
+    stage_put(l, stage, stage_cap);
     if (pr) {
         if (st) { /* a failed NCCL exchange leaves the communicator unusable */
             moe_comm_destroy(pr->comm);
@@ -1125,9 +1184,10 @@ static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
     }
     size_t per = (size_t)p->n_tokens * (size_t)(he - hb) * (size_t)dh * moe_dtype_size(kv->dtype);
     void *host = NULL, *stage = NULL;
+    size_t stage_cap = 0;
     if (!rc) {
         if (pr)
-            stage = l->o.be->ops->buf_alloc(l->o.be, per ? per : 1);
+            stage = stage_get(l, per, &stage_cap);
         else
             host = malloc(per ? per : 1);
         if (!host && !stage)
@@ -1151,8 +1211,10 @@ static enum moe_status push_one(struct kv_link *l, struct moe_kv_cache *kv,
         }
     }
     free(host);
-    if (stage)
-        l->o.be->ops->buf_free(l->o.be, stage);
+    if (stage) {
+        l->o.be->ops->synchronize(l->o.be); /* the last copies out of it are done */
+        stage_put(l, stage, stage_cap);
+    }
     uint64_t got = 0;
     if (!rc)
         rc = recv_status(ks, t->endpoint, deadline, &got, NULL, err);
@@ -1527,6 +1589,9 @@ void kv_link_destroy(struct kv_link *l)
         pthread_mutex_destroy(&p->mu);
         free(p);
     }
+    for (int i = 0; i < l->n_stages; i++)
+        l->o.be->ops->buf_free(l->o.be, l->stages[i].p);
+    l->n_stages = 0;
     pthread_mutex_unlock(&l->mu);
     pthread_mutex_destroy(&l->mu);
     pthread_cond_destroy(&l->cond);
