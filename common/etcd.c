@@ -1037,7 +1037,8 @@ static void watch_deliver(struct moe_etcd_watch *w, const cJSON *events)
         };
         if (kv.mod_revision >= w->next_rev) { /* never deliver twice */
             w->fn(w->user, &ev);
-            w->next_rev = kv.mod_revision + 1;
+            /* the last revision there can be: nothing after it is new */
+            w->next_rev = kv.mod_revision < INT64_MAX ? kv.mod_revision + 1 : INT64_MAX;
         }
         moe_etcd_kv_clear(&kv);
     }
@@ -1060,7 +1061,7 @@ static void watch_line(struct moe_etcd_watch *w, const char *s, size_t n)
             const cJSON *h = cJSON_GetObjectItemCaseSensitive(r, "header");
             int64_t rev;
             if (cJSON_IsObject(h) && json_int64(h, "revision", &rev) && rev > 0)
-                w->next_rev = rev + 1;
+                w->next_rev = rev < INT64_MAX ? rev + 1 : INT64_MAX;
         }
     }
     const cJSON *events = cJSON_GetObjectItemCaseSensitive(r, "events");
