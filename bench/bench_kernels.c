@@ -81,16 +81,13 @@ static double time_matmul(struct moe_backend *be, struct moe_matmul_params *p, v
     return (t - t0) / reps;
 }
 
-/* The host argmax of a logits row (greedy sampling): the plain loop against
- * moe_host_argmax's two-pass vector form, on vocabularies of 32000 (Mixtral)
- * and 151936 (Qwen), the row hot in cache as after the lm_head wrote it. */
+/* The host argmax of a logits row (greedy sampling): the plain loop (the
+ * scalar path of the same function) against moe_host_argmax's two-pass
+ * vector form, on vocabularies of 32000 (Mixtral) and 151936 (Qwen), the
+ * row hot in cache as after the lm_head wrote it. */
 static int32_t argmax_loop(const float *x, int n)
 {
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best])
-            best = i;
-    return best;
+    return cpu_vec_argmax_isa(x, n, CPU_ISA_SCALAR);
 }
 
 static void bench_argmax(bool quick)

@@ -166,8 +166,8 @@ struct moe_router_grouped_params {
  * but tok_rows and offsets may be NULL (not written); ids outside
  * [0, n_expert) are recorded as an error (see `status`). */
 struct moe_permute_params {
-    const int32_t *ids;     /* (n_tok, top_k) */
-    const float *weights;   /* (n_tok, top_k), or NULL */
+    const int32_t *ids;   /* (n_tok, top_k) */
+    const float *weights; /* (n_tok, top_k), or NULL */
     int n_tok;
     int top_k;
     int n_expert;
@@ -175,12 +175,12 @@ struct moe_permute_params {
     const int32_t *ranks;   /* (n_expert, rank_stride) replicas' ranks, or NULL */
     const int32_t *n_ranks; /* (n_expert) replicas of each expert (>= 1) */
     int rank_stride;
-    int token_base; /* the shard's first row in the whole batch */
-    int32_t *item_tok;  /* (n_tok * top_k) */
-    int32_t *item_exp;  /* (n_tok * top_k) */
-    float *item_w;      /* (n_tok * top_k) */
-    int32_t *tok_rows;  /* (n_tok, top_k) */
-    int32_t *offsets;   /* (n_dest * n_expert + 1) */
+    int token_base;    /* the shard's first row in the whole batch */
+    int32_t *item_tok; /* (n_tok * top_k) */
+    int32_t *item_exp; /* (n_tok * top_k) */
+    float *item_w;     /* (n_tok * top_k) */
+    int32_t *tok_rows; /* (n_tok, top_k) */
+    int32_t *offsets;  /* (n_dest * n_expert + 1) */
 };
 
 /* What a backend was asked to do since it was made (the `counters` op):
@@ -344,8 +344,8 @@ struct moe_backend {
     const char *name; /* "cpu", "cuda" */
     enum moe_device device;
     const struct moe_backend_ops *ops;
-    void *ctx;     /* backend private state */
-    int ordinal;   /* CUDA: the device number; CPU: -1 */
+    void *ctx;       /* backend private state */
+    int ordinal;     /* CUDA: the device number; CPU: -1 */
     char label[128]; /* one line for start-up logs: "cuda:1 (NVIDIA H200, 139.8 GiB, sm_90)",
                       * "cpu (2 threads, avx512 + avx512-bf16,avx512-vnni)" */
 };
@@ -383,8 +383,8 @@ enum moe_status moe_device_flag_parse(const char *s, struct moe_device_flag *out
  * its local rank (its index among the group's processes on this node), so
  * `mpirun -np 8` on an 8-GPU node puts each rank on its own GPU. A local
  * rank (or N) without a GPU of its own is refused, naming both numbers. */
-enum moe_status moe_device_pick_ordinal(const struct moe_device_flag *f, int local_rank,
-                                        int n_gpus, int *ordinal, struct moe_error *err);
+enum moe_status moe_device_pick_ordinal(const struct moe_device_flag *f, int local_rank, int n_gpus,
+                                        int *ordinal, struct moe_error *err);
 
 /* GPUs this process can see (0 without CUDA, a driver or a GPU). */
 int moe_backend_cuda_device_count(void);

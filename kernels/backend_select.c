@@ -63,15 +63,15 @@ enum moe_status moe_device_flag_parse(const char *s, struct moe_device_flag *out
                          "--device %s: unknown device (expected cpu, cuda, cuda:N or auto)", s);
 }
 
-enum moe_status moe_device_pick_ordinal(const struct moe_device_flag *f, int local_rank,
-                                        int n_gpus, int *ordinal, struct moe_error *err)
+enum moe_status moe_device_pick_ordinal(const struct moe_device_flag *f, int local_rank, int n_gpus,
+                                        int *ordinal, struct moe_error *err)
 {
     *ordinal = -1;
     if (f->ordinal >= 0) {
         if (f->ordinal >= n_gpus)
             return moe_error_set(err, MOE_ERR_INVALID,
-                                 "--device cuda:%d: this process sees %d GPU%s (0..%d)",
-                                 f->ordinal, n_gpus, n_gpus == 1 ? "" : "s", n_gpus - 1);
+                                 "--device cuda:%d: this process sees %d GPU%s (0..%d)", f->ordinal,
+                                 n_gpus, n_gpus == 1 ? "" : "s", n_gpus - 1);
         *ordinal = f->ordinal;
         return MOE_OK;
     }

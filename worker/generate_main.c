@@ -548,7 +548,7 @@ struct gen_run {
     struct moe_backend *be;  /* = launch.be */
     struct moe_model *model;
     const struct moe_config *cfg;
-    double t_load; /* seconds moe_model_load took */
+    double t_load;                       /* seconds moe_model_load took */
     struct moe_backend_counters at_load; /* the backend's counters after the load (--profile) */
     struct moe_tokenizer *tok;
     int32_t *prompt; /* (n_prompt) */

@@ -159,7 +159,8 @@ static void cpu_op_permute(struct moe_backend *be, const struct moe_permute_para
 {
     struct cpu_backend *cb = (struct cpu_backend *)be;
     struct moe_error e = {0};
-    size_t keys = (size_t)(p->n_dest > 0 ? p->n_dest : 1) * (size_t)(p->n_expert > 0 ? p->n_expert : 1);
+    size_t keys =
+        (size_t)(p->n_dest > 0 ? p->n_dest : 1) * (size_t)(p->n_expert > 0 ? p->n_expert : 1);
     if (p->top_k < 1 || p->top_k > 64 || p->n_dest < 1 || p->n_expert < 1 || p->n_tok < 0) {
         cpu_record(be,
                    moe_error_set(&e, MOE_ERR_INVALID,
@@ -268,7 +269,8 @@ enum moe_status moe_backend_cpu_create(int n_threads, struct moe_backend **out,
     unsigned f = cpu_kernels_features();
     snprintf(cb->base.label, sizeof cb->base.label, "cpu (%d thread%s, %s%s%s)",
              moe_threadpool_size(cb->pool), moe_threadpool_size(cb->pool) == 1 ? "" : "s",
-             cpu_isa_name(cpu_kernels_isa()), f ? " + " : "", f ? cpu_features_name(f, feats, sizeof feats) : "");
+             cpu_isa_name(cpu_kernels_isa()), f ? " + " : "",
+             f ? cpu_features_name(f, feats, sizeof feats) : "");
     *out = &cb->base;
     return MOE_OK;
 fail:

@@ -338,7 +338,6 @@ AVX512_TARGET static void to_bf16_avx512(uint16_t *dst, const float *src, int n)
     }
 }
 
-
 /* argmax in two passes: the maximum over the non-NaN elements (several
  * accumulators, no dependency on an index), then the first index holding
  * it. The same answer as the scalar loop `if (x[i] > x[best]) best = i`,

@@ -196,9 +196,8 @@ static void test_all_to_all_v(struct moe_comm *c)
             CHECKF(st == MOE_OK, "rank %d: %s", me, err.msg);
             for (int p = 0; p < w; p++) {
                 size_t bad = first_bad(recv + rd[p], rc[p], p, me);
-                CHECKF(bad == rc[p],
-                       "rank %d: all_to_all_v%s base=%zu: from rank %d wrong at %zu", me,
-                       split ? " (split)" : "", base, p, bad);
+                CHECKF(bad == rc[p], "rank %d: all_to_all_v%s base=%zu: from rank %d wrong at %zu",
+                       me, split ? " (split)" : "", base, p, bad);
                 for (int g = 0; g < A2A_GAP; g++)
                     CHECKF(recv[rd[p] + rc[p] + g] == 0xee, "rank %d: gap after rank %d written",
                            me, p);

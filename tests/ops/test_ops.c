@@ -566,17 +566,9 @@ static void run_grouped(struct run *r, const struct op_case *c)
     free(w);
 }
 
-/* permute: a = {n_tok, top_k, n_expert, n_dest, replicated, token_base,
- * bad}. Distinct experts per token; with n_dest > 1 a placement table
- * (experts split over the ranks, every third expert also on the next rank
- * when `replicated`); `bad` puts an expert id out of range (a refusal). All
- * outputs are integers but item_w (weights moved, bit-exact). */
-static void run_permute(struct run *r, const struct op_case *c)
+/* n_tok rows of top_k distinct expert ids in [0, n_e) into ids. */
+static void random_topk_ids(int32_t *ids, int n_tok, int k, int n_e)
 {
-    int n_tok = c->a[0], k = c->a[1], n_e = c->a[2], n_dest = c->a[3];
-    size_t n_items = (size_t)n_tok * k, n_keys = (size_t)n_dest * n_e;
-    int32_t *ids = calloc(n_items + 1, 4);
-    float *w = calloc(n_items + 1, 4);
     for (int t = 0; t < n_tok; t++)
         for (int j = 0; j < k; j++) {
             int e, dup;
@@ -588,6 +580,20 @@ static void run_permute(struct run *r, const struct op_case *c)
             } while (dup);
             ids[t * k + j] = e;
         }
+}
+
+/* permute: a = {n_tok, top_k, n_expert, n_dest, replicated, token_base,
+ * bad}. Distinct experts per token; with n_dest > 1 a placement table
+ * (experts split over the ranks, every third expert also on the next rank
+ * when `replicated`); `bad` puts an expert id out of range (a refusal). All
+ * outputs are integers but item_w (weights moved, bit-exact). */
+static void run_permute(struct run *r, const struct op_case *c)
+{
+    int n_tok = c->a[0], k = c->a[1], n_e = c->a[2], n_dest = c->a[3];
+    size_t n_items = (size_t)n_tok * k, n_keys = (size_t)n_dest * n_e;
+    int32_t *ids = calloc(n_items + 1, 4);
+    float *w = calloc(n_items + 1, 4);
+    random_topk_ids(ids, n_tok, k, n_e);
     if (c->a[6] && n_items)
         ids[n_items / 2] = n_e + 3;
     fill_floats(w, n_items, 1.0f);
@@ -639,17 +645,7 @@ static void run_combine(struct run *r, const struct op_case *c)
     size_t n_route = (size_t)n_tok * k;
     int32_t *ids = calloc(n_route + 1, 4), *pos = calloc(n_route + 1, 4);
     int32_t *tok_rows = calloc(n_route + 1, 4), *cur = calloc((size_t)n_e + 1, 4);
-    for (int t = 0; t < n_tok; t++)
-        for (int j = 0; j < k; j++) {
-            int e, dup;
-            do {
-                e = test_rng_int(&g_rng, 0, n_e - 1);
-                dup = 0;
-                for (int i = 0; i < j; i++)
-                    dup |= ids[t * k + i] == e;
-            } while (dup);
-            ids[t * k + j] = e;
-        }
+    random_topk_ids(ids, n_tok, k, n_e);
     for (size_t i = 0; i < n_route; i++)
         cur[ids[i] + 1]++;
     for (int e = 0; e < n_e; e++)
@@ -968,7 +964,7 @@ static const struct op_case g_refused[] = {
 /* first index of the refusals every backend makes (the CPU too: run in --cpu-vs-cpu) */
 #define REFUSED_ALL_FROM 6
     {"grouped_matmul", run_grouped, {20, 4, 32, 16, F32, 0, 4}, 0}, /* rows, NULL weights */
-    {"permute", run_permute, {40, 2, 8, 2, 0, 0, 1}, 0},             /* expert id 11 of 8 */
+    {"permute", run_permute, {40, 2, 8, 2, 0, 0, 1}, 0},            /* expert id 11 of 8 */
     {"sample_top_p", run_sample, {2, 0, 100, 90, 1, 0}, 0},         /* vocab 0 */
 };
 

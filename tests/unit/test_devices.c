@@ -29,12 +29,12 @@ static void flags(void)
           f.ordinal == -1);
     CHECK(moe_device_flag_parse("cuda:0", &f, &err) == MOE_OK && f.ordinal == 0);
     CHECK(moe_device_flag_parse("cuda:7", &f, &err) == MOE_OK && f.ordinal == 7);
-    const char *bad[] = {"cuda:", "cuda:-1", "cuda:x", "cuda:1x", "cuda:99999999999", "cudax",
-                         "gpu", "CPU", "", "cuda: 1"};
+    const char *bad[] = {"cuda:", "cuda:-1", "cuda:x", "cuda:1x", "cuda:99999999999",
+                         "cudax", "gpu",     "CPU",    "",        "cuda: 1"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         err = (struct moe_error){0};
-        CHECKF(moe_device_flag_parse(bad[i], &f, &err) == MOE_ERR_INVALID && has(&err, "--device") &&
-                   has(&err, bad[i]),
+        CHECKF(moe_device_flag_parse(bad[i], &f, &err) == MOE_ERR_INVALID &&
+                   has(&err, "--device") && has(&err, bad[i]),
                "'%s': %s", bad[i], err.msg);
     }
     CHECK(moe_device_flag_parse(NULL, &f, &err) == MOE_ERR_INVALID);
@@ -64,10 +64,8 @@ static void ordinals(void)
 
 static struct moe_rank_device gpu(int ordinal, int node, uint32_t host_id)
 {
-    struct moe_rank_device d = {.device = MOE_DEVICE_CUDA,
-                                .ordinal = ordinal,
-                                .node = node,
-                                .host_id = host_id};
+    struct moe_rank_device d = {
+        .device = MOE_DEVICE_CUDA, .ordinal = ordinal, .node = node, .host_id = host_id};
     snprintf(d.msg, sizeof d.msg, "cuda:%d", ordinal);
     return d;
 }

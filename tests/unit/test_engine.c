@@ -302,7 +302,8 @@ static void test_greedy_ids(void)
     for (int i = 0; i < N; i++) {
         same += runs[0].n[i] == OUT &&
                 !memcmp(runs[0].tokens[i], runs[1].tokens[i], sizeof(int32_t) * OUT);
-        same_mixed += i == 3 || !memcmp(runs[0].tokens[i], runs[2].tokens[i], sizeof(int32_t) * OUT);
+        same_mixed +=
+            i == 3 || !memcmp(runs[0].tokens[i], runs[2].tokens[i], sizeof(int32_t) * OUT);
     }
     CHECKF(same == N, "ids vs host sampling: %d of %d identical", same, N);
     CHECKF(same_mixed == N, "greedy sequences beside a sampled one: %d of %d identical", same_mixed,

@@ -1494,7 +1494,8 @@ static void test_permute(void)
     int bad = 0, cases = 0;
     for (int trial = 0; trial < 120; trial++) {
         int n_tok = test_rng_int(&rng, 0, 90), k = 1 + test_rng_int(&rng, 0, 7);
-        int n_e = k + test_rng_int(&rng, 0, 40), n_dest = trial % 3 ? 1 + test_rng_int(&rng, 0, 5) : 1;
+        int n_e = k + test_rng_int(&rng, 0, 40),
+            n_dest = trial % 3 ? 1 + test_rng_int(&rng, 0, 5) : 1;
         int base = test_rng_int(&rng, 0, 9), stride = 3;
         int n_items = n_tok * k, n_keys = n_dest * n_e;
         int32_t *ids = malloc((size_t)(n_items + 1) * 4), *ranks = malloc((size_t)n_e * stride * 4);
@@ -1582,8 +1583,14 @@ static void test_permute(void)
     CHECKF(bad == 0, "permute: %d of %d cases differ from the definition", bad, cases);
     /* top_k 1, no weights: the receive side's sort by expert */
     int32_t rid[7] = {3, 1, 3, 0, 1, 3, 2}, perm[7], inv[7], off[5];
-    struct moe_permute_params r = {.ids = rid, .n_tok = 7, .top_k = 1, .n_expert = 4, .n_dest = 1,
-                                   .item_tok = perm, .tok_rows = inv, .offsets = off};
+    struct moe_permute_params r = {.ids = rid,
+                                   .n_tok = 7,
+                                   .top_k = 1,
+                                   .n_expert = 4,
+                                   .n_dest = 1,
+                                   .item_tok = perm,
+                                   .tok_rows = inv,
+                                   .offsets = off};
     g_cpu->ops->permute(g_cpu, &r);
     const int32_t want_perm[7] = {3, 1, 4, 6, 0, 2, 5}, want_off[5] = {0, 1, 3, 4, 7};
     CHECK(!memcmp(perm, want_perm, sizeof perm) && !memcmp(off, want_off, sizeof off));

@@ -130,8 +130,8 @@ enum moe_status moe_comm_all_to_all_v(struct moe_comm *c, const void *send,
                                       void *recv, const size_t *recv_counts,
                                       const size_t *recv_displs, struct moe_error *err)
 {
-    enum moe_status st = check_all_to_all_v(c, "all_to_all_v", send, send_counts, send_displs,
-                                            recv, recv_counts, recv_displs, err);
+    enum moe_status st = check_all_to_all_v(c, "all_to_all_v", send, send_counts, send_displs, recv,
+                                            recv_counts, recv_displs, err);
     if (st)
         return st;
     return comm_done(c, c->ops->all_to_all_v(c, send, send_counts, send_displs, recv, recv_counts,
@@ -143,15 +143,15 @@ enum moe_status moe_comm_all_to_all_v_start(struct moe_comm *c, const void *send
                                             void *recv, const size_t *recv_counts,
                                             const size_t *recv_displs, struct moe_error *err)
 {
-    enum moe_status st = check_all_to_all_v(c, "all_to_all_v_start", send, send_counts,
-                                            send_displs, recv, recv_counts, recv_displs, err);
+    enum moe_status st = check_all_to_all_v(c, "all_to_all_v_start", send, send_counts, send_displs,
+                                            recv, recv_counts, recv_displs, err);
     if (st)
         return st;
     if (!c->ops->all_to_all_v_start)
-        st = c->ops->all_to_all_v(c, send, send_counts, send_displs, recv, recv_counts,
-                                  recv_displs, err);
-    else if ((st = c->ops->all_to_all_v_start(c, send, send_counts, send_displs, recv,
-                                              recv_counts, recv_displs, err)) == MOE_OK)
+        st = c->ops->all_to_all_v(c, send, send_counts, send_displs, recv, recv_counts, recv_displs,
+                                  err);
+    else if ((st = c->ops->all_to_all_v_start(c, send, send_counts, send_displs, recv, recv_counts,
+                                              recv_displs, err)) == MOE_OK)
         c->pending = 1;
     return comm_done(c, st);
 }

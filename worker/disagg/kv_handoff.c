@@ -476,10 +476,9 @@ enum moe_status kv_handoff_create(const struct kv_handoff_opts *opts, struct kv_
     x->part_blocks = moe_engine_n_block(opts->engine) / x->o.dp_size;
     if (x->o.dp_size > 1 && (x->o.dp_size * x->o.tp_size != x->o.world_size ||
                              moe_engine_n_block(opts->engine) % x->o.dp_size)) {
-        moe_error_set(err, MOE_ERR_INVALID,
-                      "KV handoff: %d DP groups of TP %d over %d ranks and %d blocks",
-                      opts->dp_size, x->o.tp_size, x->o.world_size,
-                      moe_engine_n_block(opts->engine));
+        moe_error_set(
+            err, MOE_ERR_INVALID, "KV handoff: %d DP groups of TP %d over %d ranks and %d blocks",
+            opts->dp_size, x->o.tp_size, x->o.world_size, moe_engine_n_block(opts->engine));
         free(x->endpoints);
         free(x);
         return MOE_ERR_INVALID;
@@ -660,7 +659,7 @@ static void on_reserved(void *user, uint64_t key, const int32_t *blocks, int n_b
     h->blocks = copy;
     h->n_blocks = n_blocks;
     h->part = to_part(x, h->blocks, n_blocks); /* the engine reserves in one part */
-    queue_job_locked(x, JOB_ANNOUNCE, h); /* h->pending stays: the job answers */
+    queue_job_locked(x, JOB_ANNOUNCE, h);      /* h->pending stays: the job answers */
     pthread_mutex_unlock(&x->mu);
 }
 
@@ -698,7 +697,8 @@ static void handle_reserve(struct rpc_call *call, const uint8_t *bytes, size_t l
                  rq->n_blocks, rq->n_tokens, bs);
     } else if ((rq->n_tokens + bs - 1) / bs > (uint32_t)x->part_blocks) {
         code = RPC_RESOURCE_EXHAUSTED;
-        snprintf(msg, sizeof msg, "no free KV blocks: the handoff needs %u, the whole pool has %d%s",
+        snprintf(msg, sizeof msg,
+                 "no free KV blocks: the handoff needs %u, the whole pool has %d%s",
                  (rq->n_tokens + bs - 1) / bs, x->part_blocks,
                  x->o.dp_size > 1 ? " in each data-parallel group" : "");
     } else if (!(h = calloc(1, sizeof *h))) {

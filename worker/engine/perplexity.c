@@ -54,7 +54,6 @@ static int32_t log_softmax(const float *logits, int vocab, float *row)
     return best;
 }
 
-
 static int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;

@@ -318,8 +318,8 @@ enum moe_status moe_group_attach_device(struct moe_group *g, struct moe_backend 
     free(all);
     if (rc)
         return rc;
-    fprintf(stderr, "moe: rank %d of %d (local rank %d of %d on this node): %s\n", g->rank,
-            g->size, g->local_rank, g->local_size, be->label);
+    fprintf(stderr, "moe: rank %d of %d (local rank %d of %d on this node): %s\n", g->rank, g->size,
+            g->local_rank, g->local_size, be->label);
     if (be->device != MOE_DEVICE_CUDA)
         return MOE_OK;
     struct moe_comm_nccl_id id = {{0}};
@@ -333,8 +333,8 @@ enum moe_status moe_group_attach_device(struct moe_group *g, struct moe_backend 
         return rc ? rc : moe_error_set(err, MOE_ERR_IO, "rank 0 could not create an NCCL id");
     /* The default stream: the model synchronises the backend's stream before
      * every collective, and each collective waits for its own completion. */
-    if ((rc = moe_comm_create_nccl(&id, g->size, g->rank, be->ordinal, NULL,
-                                   g->world->timeout_ms, &g->dev_world, err)))
+    if ((rc = moe_comm_create_nccl(&id, g->size, g->rank, be->ordinal, NULL, g->world->timeout_ms,
+                                   &g->dev_world, err)))
         return rc;
     if (g->tp_size > 1 &&
         (rc = moe_comm_split(g->dev_world, g->rank / g->tp_size, g->tp_rank, &g->dev_tp, err)))

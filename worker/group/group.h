@@ -38,9 +38,9 @@ struct moe_group {
     int size;
     int tp_size;
     int tp_rank;
-    int local_rank; /* index among the group's processes on this node: picks its GPU */
-    int local_size; /* the group's processes on this node */
-    int node;       /* world rank of this node's first process */
+    int local_rank;         /* index among the group's processes on this node: picks its GPU */
+    int local_size;         /* the group's processes on this node */
+    int node;               /* world rank of this node's first process */
     struct moe_comm *world; /* all ranks: plan broadcast and expert parallel */
     struct moe_comm *tp;    /* this rank's tensor-parallel sub-group (NULL when tp_size 1) */
     /* On GPUs the model's collectives run on device buffers over NCCL; the

@@ -294,30 +294,37 @@ static void mla_indexes(struct moe_model *m, int n)
     a->n_built = n;
 }
 
+void moe_model_grouped_matmul(struct moe_model *m, const float *x, int n_rows, int n_in, int n_out,
+                              int n_groups, const int32_t *offsets, const void **w,
+                              const float **w_scale, float *y)
+{
+    bool quant = m->lin_dtype == MOE_DTYPE_I8 || m->lin_dtype == MOE_DTYPE_I4;
+    struct moe_grouped_matmul_params p = {
+        .x = x,
+        .n_rows = n_rows,
+        .n_in = n_in,
+        .n_out = n_out,
+        .n_expert = n_groups,
+        .expert_offsets = offsets,
+        .w = (const void *const *)w,
+        .w_dtype = m->lin_dtype,
+        .ldw = n_in,
+        .y = y,
+        .w_scale = quant ? (const float *const *)w_scale : NULL,
+        .w_group = m->q4_group,
+        .fast = m->opts.fast,
+    };
+    m->be->ops->grouped_matmul(m->be, &p);
+}
+
 /* y (H * n rows, n_out) = x (H * n rows, n_in) . W_h^T, head h's rows against
  * its own weight: one grouped matmul with the heads as its groups. */
 static void per_head_matmul(struct moe_model *m, const float *x, int n_in, void **w,
                             const float **w_scale, int n_out, float *y)
 {
     struct mla_scratch *a = &m->s.mla;
-    struct moe_grouped_matmul_params p = {
-        .x = x,
-        .n_rows = a->h_off[m->n_head_local],
-        .n_in = n_in,
-        .n_out = n_out,
-        .n_expert = m->n_head_local,
-        .expert_offsets = a->h_off,
-        .w = (const void *const *)w,
-        .w_dtype = m->lin_dtype,
-        .ldw = n_in,
-        .y = y,
-        .w_scale = m->lin_dtype == MOE_DTYPE_I8 || m->lin_dtype == MOE_DTYPE_I4
-                       ? (const float *const *)w_scale
-                       : NULL,
-        .w_group = m->q4_group,
-        .fast = m->opts.fast,
-    };
-    m->be->ops->grouped_matmul(m->be, &p);
+    moe_model_grouped_matmul(m, x, a->h_off[m->n_head_local], n_in, n_out, m->n_head_local,
+                             a->h_off, (const void **)w, w_scale, y);
 }
 
 /* DeepSeek-V3 multi-head latent attention, in the absorbed form for every

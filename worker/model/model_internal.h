@@ -114,15 +114,15 @@ struct scratch {
     int32_t *r_ids, *r_perm, *r_inv, *r_offsets;
     int32_t *h_r_offsets;
     /* the placement on the backend for permute (moe_layer.c, route_table) */
-    int32_t *route_ranks; /* (n_layer, n_expert, MOE_PLACEMENT_MAX_REPLICAS) */
-    int32_t *route_n;     /* (n_layer, n_expert) replicas */
+    int32_t *route_ranks;  /* (n_layer, n_expert, MOE_PLACEMENT_MAX_REPLICAS) */
+    int32_t *route_n;      /* (n_layer, n_expert) replicas */
     int64_t route_version; /* the placement_version it was copied at */
     /* host, for the grouped GEMMs: a window's offsets, the experts' weights
      * and scales */
     int32_t *h_win; /* (n_expert + 1) */
     const void **h_w_gu, **h_w_dn;
     const float **h_s_gu, **h_s_dn;
-    float *h_zero;        /* (n, d_model) zeros, to clear device buffers */
+    float *h_zero; /* (n, d_model) zeros, to clear device buffers */
     struct mla_scratch mla;
 };
 
@@ -180,6 +180,13 @@ void moe_model_zero(struct moe_model *m, void *p, size_t bytes);
  * s->shared_g), then add into s->ffn_out (after the routed experts' sum). */
 void moe_model_shared_compute(struct moe_model *m, const struct layer_weights *w, int n);
 void moe_model_shared_add(struct moe_model *m, const struct layer_weights *w, int n);
+
+/* One grouped matmul of the model's Linear weights (lin_dtype, the fast
+ * path unless exact): rows offsets[g] .. offsets[g + 1] of x (n_rows, n_in)
+ * against w[g] (n_out, n_in), scales w_scale[g] for int8 / int4, into y. */
+void moe_model_grouped_matmul(struct moe_model *m, const float *x, int n_rows, int n_in, int n_out,
+                              int n_groups, const int32_t *offsets, const void **w,
+                              const float **w_scale, float *y);
 
 /* SwiGLU FFN on n rows. */
 void moe_model_ffn(struct moe_model *m, const float *xe, int n, const void *w_gate_up, int d_ff,

@@ -175,8 +175,8 @@ static enum moe_status permute_shard(struct moe_step *st, struct moe_error *err)
                                __ATOMIC_RELAXED);
     }
     for (int r = 0; r < st->W; r++)
-        st->send_counts[r] = (size_t)(s->h_offsets[(r + 1) * c->n_expert] -
-                                      s->h_offsets[r * c->n_expert]);
+        st->send_counts[r] =
+            (size_t)(s->h_offsets[(r + 1) * c->n_expert] - s->h_offsets[r * c->n_expert]);
     if (st->n_items)
         ops->gather_rows(be, s->h + (size_t)st->t0 * st->d, s->item_tok, st->n_items, st->d,
                          s->rows_a);
@@ -247,7 +247,8 @@ static enum moe_status dispatch_finish(struct moe_step *st, struct moe_error *er
                                    .tok_rows = s->r_inv,
                                    .offsets = s->r_offsets};
     ops->permute(be, &p);
-    ops->buf_download(be, s->h_r_offsets, s->r_offsets, ((size_t)c->n_expert + 1) * sizeof(int32_t));
+    ops->buf_download(be, s->h_r_offsets, s->r_offsets,
+                      ((size_t)c->n_expert + 1) * sizeof(int32_t));
     if ((rc = ops->status(be, err)))
         return moe_error_prefix(err, "layer %d: the rows rank %d received", st->l, st->me);
     if (st->n_recv)
@@ -266,24 +267,7 @@ static void grouped(struct moe_model *m, const float *x, int r0, int r1, const i
         int v = off[e] < r0 ? r0 : off[e] > r1 ? r1 : off[e];
         win[e] = v - r0;
     }
-    struct moe_grouped_matmul_params p = {
-        .x = x,
-        .n_rows = r1 - r0,
-        .n_in = n_in,
-        .n_out = n_out,
-        .n_expert = c->n_expert,
-        .expert_offsets = win,
-        .w = (const void *const *)w,
-        .w_dtype = m->lin_dtype,
-        .ldw = n_in,
-        .y = y,
-        .w_scale = m->lin_dtype == MOE_DTYPE_I8 || m->lin_dtype == MOE_DTYPE_I4
-                       ? (const float *const *)sc
-                       : NULL,
-        .w_group = m->q4_group,
-        .fast = m->opts.fast,
-    };
-    m->be->ops->grouped_matmul(m->be, &p);
+    moe_model_grouped_matmul(m, x, r1 - r0, n_in, n_out, c->n_expert, win, w, sc, y);
 }
 
 /* The experts: `n_rows` rows of rows_a grouped by expert (offsets `off` on
@@ -310,15 +294,13 @@ static enum moe_status experts(struct moe_step *st, const int32_t *off, int n_ro
         s->h_w_dn[e] = rows ? w->w_down[e] : NULL;
         s->h_s_gu[e] = s->h_s_dn[e] = NULL;
         if (rows && m->lin_dtype == MOE_DTYPE_I8) {
-            s->h_s_gu[e] = (const float *)((const char *)w->w_gate_up[e] +
-                                           moe_i8_scale_offset(2 * ff, d));
-            s->h_s_dn[e] = (const float *)((const char *)w->w_down[e] +
-                                           moe_i8_scale_offset(d, ff));
+            s->h_s_gu[e] =
+                (const float *)((const char *)w->w_gate_up[e] + moe_i8_scale_offset(2 * ff, d));
+            s->h_s_dn[e] = (const float *)((const char *)w->w_down[e] + moe_i8_scale_offset(d, ff));
         } else if (rows && m->lin_dtype == MOE_DTYPE_I4) {
-            s->h_s_gu[e] = (const float *)((const char *)w->w_gate_up[e] +
-                                           moe_q4_scale_offset(2 * ff, d));
-            s->h_s_dn[e] = (const float *)((const char *)w->w_down[e] +
-                                           moe_q4_scale_offset(d, ff));
+            s->h_s_gu[e] =
+                (const float *)((const char *)w->w_gate_up[e] + moe_q4_scale_offset(2 * ff, d));
+            s->h_s_dn[e] = (const float *)((const char *)w->w_down[e] + moe_q4_scale_offset(d, ff));
         }
     }
     const int cap = s->cap_tok;

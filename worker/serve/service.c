@@ -652,9 +652,8 @@ enum moe_status worker_service_create(struct moe_engine *engine, struct moe_mode
                                      .endpoints = opts->kv_endpoints,
                                      .world_size = ws->world_size,
                                      .tp_size = ws->tp_size,
-                                     .dp_size = opts->group && opts->group->dp
-                                                    ? opts->group->dp_size
-                                                    : 1,
+                                     .dp_size =
+                                         opts->group && opts->group->dp ? opts->group->dp_size : 1,
                                      .n_kv_head = moe_config_kv_heads(ws->cfg),
                                      .d_head = moe_config_kv_head_dim(ws->cfg),
                                      .latent = ws->cfg->mla,
