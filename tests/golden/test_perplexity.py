@@ -97,6 +97,15 @@ def main():
     tmp = tempfile.mkdtemp(prefix="moe-ppl-")
     names = sorted(n for n in os.listdir(fix) if os.path.isfile(os.path.join(fix, n, "ppl.json")))
     check(len(names) >= 2, f"fixtures with ppl.json: {names}")
+    if os.environ.get("MOE_TEST_SANITIZER"):
+        # the sanitizer passes (tests/run.sh) look for memory and UB errors in
+        # the code every fixture runs; the trained model's 35k-token held-out
+        # text repeats it ~40x (155 of the ASan pass's seconds): the plain
+        # pass holds it to transformers
+        big = [n for n in names if json.load(open(os.path.join(fix, n, "ppl.json")))["n_tokens"] > 4096]
+        names = [n for n in names if n not in big]
+        print(f"({os.environ['MOE_TEST_SANITIZER']} sanitizer pass: {', '.join(big)} left to the "
+              f"plain pass)")
     for name in names:
         model = os.path.join(fix, name)
         ref = json.load(open(os.path.join(model, "ppl.json")))
