@@ -18,6 +18,10 @@
 # lm_head, per step of 16 tokens). Prefill is compute-bound: GFLOP/s from
 # 2 x active weights per token (+ attention) are printed instead.
 #
+# On a processor with AMX, mode "noamx" (fast with MOE_CPU_ISA=avx512-dot:
+# the AVX512-BF16 / VNNI paths alone) joins the default modes, so the AMX
+# tiles are measured against the AVX-512 ones in the same rounds.
+#
 # With BASE=DIR (a build directory of another commit, e.g. the one before
 # issue 19), its moe-generate runs the same cells in the same rounds as
 # "base" (no --exact flag there: its only mode).
@@ -32,7 +36,8 @@ rounds=${2:-3}
 model=${MODEL:-/tmp/moe-bench-cpu-model}
 cells=${CELLS:-"prefill512 prefill4096 decode1 decode16"}
 dtypes=${DTYPES:-"bf16 int8"}
-modes=${MODES:-"exact fast"}
+has_amx=$(grep -q amx_tile /proc/cpuinfo && echo yes || echo no)
+if [ "$has_amx" = yes ]; then modes=${MODES:-"exact fast noamx"}; else modes=${MODES:-"exact fast"}; fi
 threads_list=${THREADS:-"1 2"}
 base=${BASE:-}
 [ -n "$base" ] && modes="base $modes"
@@ -62,12 +67,13 @@ awk 'BEGIN { srand(11); for (i = 0; i < 16; i++) { line = "{\"tokens\": [";
 
 # run MODE DTYPE THREADS CELL: appends one tokens/s number to $tmp/CELL.DTYPE.MODE.THREADS
 run() {
-  local mode=$1 dt=$2 th=$3 cell=$4 bin=$build/bin/moe-generate flags=()
+  local mode=$1 dt=$2 th=$3 cell=$4 bin=$build/bin/moe-generate flags=() isa=auto
   case $mode in
     base) bin=$base/bin/moe-generate ;;
     exact) flags=(--exact) ;;
+    noamx) isa=avx512-dot ;;
   esac
-  local gen=("$bin" --model "$model" --device cpu --threads "$th" --dtype "$dt" --ignore-eos
+  local gen=(env MOE_CPU_ISA="$isa" "$bin" --model "$model" --device cpu --threads "$th" --dtype "$dt" --ignore-eos
              "${flags[@]}")
   local out v
   case $cell in
@@ -85,7 +91,7 @@ run() {
 }
 
 echo "# $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs;" \
-  "AMX: $(grep -q amx_tile /proc/cpuinfo && echo yes || echo no)," \
+  "AMX: $has_amx," \
   "avx512_bf16: $(grep -q avx512_bf16 /proc/cpuinfo && echo yes || echo no)," \
   "avx512_vnni: $(grep -q avx512_vnni /proc/cpuinfo && echo yes || echo no)"
 echo "# model $model; $rounds rounds; cells: $cells; dtypes: $dtypes; modes: $modes; threads: $threads_list"

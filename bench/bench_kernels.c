@@ -9,8 +9,13 @@
  * from memory, not from the last-level cache, as in real decode; GB/s is
  * weight bytes streamed per second.
  *
- * usage: bench-kernels [--quick | --argmax]   (--quick: fewer repetitions, no scalar GEMM;
- *        --argmax: only the host argmax cells) */
+ * --fast: the fast (moe_matmul_params.fast) paths instead: bf16 and int8
+ * weights at 8..512 tokens, on every dot-product path this processor has
+ * (AMX, then AMX forced off: AVX512-BF16 / VNNI), the paths alternated
+ * within each cell, best of 5, and their ratio.
+ *
+ * usage: bench-kernels [--quick | --argmax | --fast]   (--quick: fewer repetitions, no scalar
+ *        GEMM; --argmax: only the host argmax cells; --fast: only the fast-path cells) */
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -121,6 +126,80 @@ static void bench_argmax(bool quick)
     }
 }
 
+/* The fast paths side by side: for each cell, every path this machine has,
+ * alternated five times, the best time of each. */
+static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_backend **be)
+{
+    unsigned have = cpu_kernels_detect_features();
+    const unsigned amx = CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8;
+    unsigned sets[2] = {have, have & ~amx};
+    int n_sets = (have & amx) ? 2 : 1;
+    char names[2][64];
+    static const enum moe_dtype dts[] = {MOE_DTYPE_BF16, MOE_DTYPE_I8};
+    static const int toks[] = {1, 4, 8, 16, 32, 64, 128, 512};
+    const size_t cold_bytes = (size_t)256 << 20;
+    printf("# fast paths; features %s%s\n", cpu_features_name(have, names[0], sizeof names[0]),
+           n_sets == 1 ? " (no AMX: one path per type)" : "");
+    printf("# up to 16 tokens the weights come from memory (copies rotating over >= %zu MiB, as "
+           "in decode), from cache above; W GB/s: weight bytes per second\n",
+           cold_bytes >> 20);
+    printf("%-5s %-18s %-3s %6s", "dtype", "shape", "thr", "n_tok");
+    for (int i = 0; i < n_sets; i++)
+        printf(" %14s %8s", i == 0 && n_sets == 2 ? "AMX GFLOP/s" : "AVX512 GFLOP/s", "W GB/s");
+    printf("%s\n", n_sets == 2 ? "  AMX/AVX512" : "");
+    for (size_t d = 0; d < 2; d++) {
+        enum moe_dtype dt = dts[d];
+        for (size_t s = 0; s < n_shapes; s++) {
+            const struct shape *sh = &shapes[s];
+            const size_t w_bytes = weight_bytes(dt, sh);
+            int n_copies = (int)((cold_bytes + w_bytes - 1) / w_bytes);
+            void **copies = calloc((size_t)n_copies, sizeof(void *));
+            for (int c = 0; c < n_copies; c++) {
+                copies[c] = malloc(w_bytes);
+                fill_weights(copies[c], dt, sh, 777u + (unsigned)c);
+            }
+            float *x = malloc((size_t)512 * sh->n_in * sizeof(float));
+            float *y = malloc((size_t)512 * sh->n_out * sizeof(float));
+            for (size_t i = 0; i < (size_t)512 * sh->n_in; i++)
+                x[i] = (float)(i % 97) / 97.0f - 0.5f;
+            for (int th = 1; th <= 2; th++)
+                for (size_t k = 0; k < sizeof toks / sizeof *toks; k++) {
+                    struct moe_matmul_params p = {.x = x,
+                                                  .n_tok = toks[k],
+                                                  .n_in = sh->n_in,
+                                                  .w_dtype = dt,
+                                                  .ldw = sh->n_in,
+                                                  .n_out = sh->n_out,
+                                                  .y = y,
+                                                  .fast = true};
+                    double best[2] = {1e9, 1e9};
+                    for (int round = 0; round < 5; round++)
+                        for (int i = 0; i < n_sets; i++) {
+                            cpu_kernels_force_features(sets[i]);
+                            best[i] =
+                                fmin(best[i], time_matmul(be[th], &p, copies,
+                                                          toks[k] <= 16 ? n_copies : 1, 0.04, 2));
+                        }
+                    double flop = 2.0 * toks[k] * (double)sh->n_out * sh->n_in * 1e-9;
+                    printf("%-5s %-18s %-3d %6d", moe_dtype_name(dt), sh->name, th, toks[k]);
+                    for (int i = 0; i < n_sets; i++)
+                        printf(" %14.1f %8.2f", flop / best[i], (double)w_bytes / best[i] * 1e-9);
+                    if (n_sets == 2)
+                        printf("  %9.2fx", best[1] / best[0]);
+                    printf("\n");
+                    fflush(stdout);
+                }
+            for (int c = 0; c < n_copies; c++)
+                free(copies[c]);
+            free(copies);
+            free(x);
+            free(y);
+        }
+    }
+    cpu_kernels_force_features(have);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
@@ -146,6 +225,20 @@ int main(int argc, char **argv)
             fprintf(stderr, "bench-kernels: %s\n", err.msg);
             return 1;
         }
+    }
+    if (argc > 1 && strcmp(argv[1], "--fast") == 0) {
+        cpu_kernels_env();
+        int rc = 0;
+        struct moe_matmul_params probe = {.fast = true, .w_dtype = MOE_DTYPE_BF16, .n_in = 64};
+        if (!cpu_matmul_dot_supported(&probe)) {
+            printf("bench-kernels --fast: this processor has no fast matmul path (AVX512-BF16)\n");
+            rc = 1;
+        } else {
+            rc = bench_fast(shapes, sizeof shapes / sizeof shapes[0], be);
+        }
+        moe_backend_destroy(be[1]);
+        moe_backend_destroy(be[2]);
+        return rc;
     }
     printf("# cpu isa detected: %s; GEMV weights rotate over >= %zu MiB of copies\n",
            cpu_isa_name(best), cold_bytes >> 20);

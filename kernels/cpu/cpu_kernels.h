@@ -35,14 +35,15 @@ enum cpu_isa cpu_kernels_force_isa(enum cpu_isa isa);
 const char *cpu_isa_name(enum cpu_isa isa);
 
 /* Dot-product extensions used by the fast matmul paths (matmul_dot.c), on
- * top of CPU_ISA_AVX512 only. A bit set. AMX is detected and reported, but
- * there is no AMX kernel yet: it could not be tested on the machines this was
- * written on (AMD EPYC), so none was written (see matmul_dot.c). */
+ * top of CPU_ISA_AVX512 only. A bit set. AMX runs the packed (prefill-sized)
+ * tiles; the streaming (decode-sized) ones stay on AVX512-BF16 / VNNI, which
+ * an AMX processor always has. */
 enum cpu_feature {
     CPU_FEAT_AVX512_BF16 = 1 << 0, /* vdpbf16ps: bf16 pairs, f32 accumulation */
     CPU_FEAT_AVX512_VNNI = 1 << 1, /* vpdpbusd: u8 x s8 quads, i32 accumulation */
-    CPU_FEAT_AMX_BF16 = 1 << 2,    /* detected only: no kernel */
-    CPU_FEAT_AMX_INT8 = 1 << 3,    /* detected only: no kernel */
+    CPU_FEAT_AMX_BF16 = 1 << 2,    /* tdpbf16ps: 16 x 16 f32 tiles from bf16 pairs */
+    CPU_FEAT_AMX_INT8 = 1 << 3,    /* tdpbssd: 16 x 16 i32 tiles from s8 x s8 quads */
+    CPU_FEAT_ALL = 0xf,
 };
 
 /* Features this processor (and OS) supports (cpuid, cached). */
@@ -57,8 +58,9 @@ unsigned cpu_kernels_features(void);
  * in use. Process-wide; for tests and benchmarks. */
 unsigned cpu_kernels_force_features(unsigned features);
 
-/* MOE_CPU_ISA=auto|scalar|avx2|avx512|avx512-bf16|avx512-vnni (avx512 alone:
- * no dot-product extensions; the -bf16 / -vnni forms: that one only), read
+/* MOE_CPU_ISA=auto|scalar|avx2|avx512|avx512-bf16|avx512-vnni|avx512-dot|amx
+ * (avx512 alone: no dot-product extensions; the -bf16 / -vnni forms: that one
+ * only; avx512-dot: both, without AMX; amx: everything), read
  * once by the first cpu_kernels_isa() / cpu_kernels_features() call and
  * clamped to what the processor has (a note on stderr says so). Unknown
  * values are reported on stderr and ignored. */
@@ -67,9 +69,11 @@ void cpu_kernels_env(void);
 /* "avx512-bf16,avx512-vnni" etc. into buf; "none" for an empty set. */
 const char *cpu_features_name(unsigned features, char *buf, size_t len);
 
-/* What an fast-mode matmul of weight type `wt` runs on now: "avx512-bf16",
- * "avx512-vnni", or "f32-fma" (the exact kernels, used where the processor
- * has no dot-product path for that type). */
+/* What a fast-mode matmul of weight type `wt` runs on now: "amx-bf16" or
+ * "amx-int8" (calls of at least 8 (bf16) / 16 (int8) tokens on AMX, fewer on
+ * AVX-512),
+ * "avx512-bf16", "avx512-vnni", or "f32-fma" (the exact kernels, used where
+ * the processor has no dot-product path for that type). */
 const char *cpu_matmul_fast_path(enum moe_dtype wt);
 
 /* ---- matmul.c ---- */

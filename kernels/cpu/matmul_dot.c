@@ -48,10 +48,26 @@
  * int8 quads of k, 16 rows per vector) and broadcast one group of each token
  * against two panel vectors: PK_T x 32 outputs per step, no horizontal sums.
  *
- * AMX: not implemented. The machines this was written on (AMD EPYC) have no
- * AMX, and an untested AMX kernel (note gcc 12's _tile_loadconfig problem in
- * ../shared/NOTES.md) would be worse than none; cpu_kernels_detect_features
- * reports AMX where it exists, and an AMX machine runs these AVX-512 paths. */
+ * AMX (packed tiles only, where the processor has it): the same panels are
+ * the B operand of the tile instructions as they stand (a panel row, 16
+ * dword groups of 16 weight rows, is one 64-byte tile row; stride 128
+ * bytes), the activation rows are the A operand (16 tokens x 64 bytes), and
+ * a step is 2 x 2 tiles: 32 tokens x 32 weight rows per 64 bytes of k, in 4
+ * tdpbf16ps / tdpbssd (one A tile, 2 x 1, for a last step of <= 16 tokens).
+ * AMX takes over from 8 (bf16) / 16 (int8) tokens on, below DP_MIN_TOK.
+ * Below 32 tokens, where n_in is a whole number of 64-byte steps, a
+ * weight-stationary form (amx_stream_block) runs instead: the weights are
+ * the A operand straight from memory (nothing packed per weight row; decode
+ * is memory-bound) and the few tokens' activations, transposed once per
+ * call, the B operand. BF16: the same bf16 products summed into f32 in the
+ * instruction's order, so within the same bound as vdpbf16ps (another
+ * rounding order). I8: tdpbssd takes signed activations (xq, no +128 offset,
+ * so no row sums), and the exact i32 sums are the VNNI path's: AMX int8
+ * results are bit-identical to AVX512-VNNI. The tile instructions are
+ * written as inline asm with a "memory" clobber, ldtilecfg included: gcc
+ * 12's _tile_loadconfig is declared as reading 8 bytes, so the stores that
+ * build the 64-byte config can be dropped (../shared/NOTES.md), and its
+ * tileloadd / tilestored carry no memory clobber either. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -82,6 +98,14 @@ static enum dot_kind kind_of(enum moe_dtype wt)
     return wt == MOE_DTYPE_I8 ? DOT_I8 : wt == MOE_DTYPE_I4 ? DOT_I4 : DOT_BF16;
 }
 
+/* The packed path runs on AMX tiles for this weight type. */
+static bool amx_for(enum moe_dtype wt)
+{
+    unsigned f = cpu_kernels_features();
+    return wt == MOE_DTYPE_BF16 ? (f & CPU_FEAT_AMX_BF16) != 0
+                                : wt == MOE_DTYPE_I8 && (f & CPU_FEAT_AMX_INT8) != 0;
+}
+
 bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
 {
     if (!p->fast || cpu_kernels_isa() != CPU_ISA_AVX512 || p->n_in > DOT_MAX_N_IN)
@@ -99,6 +123,8 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt)
     struct moe_matmul_params p = {.fast = true, .w_dtype = wt};
     if (!cpu_matmul_dot_supported(&p))
         return "f32-fma";
+    if (amx_for(wt))
+        return wt == MOE_DTYPE_BF16 ? "amx-bf16" : "amx-int8";
     return wt == MOE_DTYPE_BF16 ? "avx512-bf16" : "avx512-vnni";
 }
 
@@ -598,6 +624,242 @@ DOT_TARGET static void mk_packed_any(enum dot_kind kind, int T, const char *xt, 
 }
 
 /* ---------------------------------------------------------------------------
+ * AMX tiles (see the top). Tile registers: 0-3 the 2 x 2 accumulators
+ * (tokens 0-15 / 16-31 x panel rows 0-15 / 16-31), 4-5 activations, 6-7
+ * the panel's two halves; all 16 rows x 64 bytes. */
+
+#define AMX_T 32 /* tokens per step: two A tiles */
+/* AMX from this many tokens on (bench-kernels --fast, Xeon with AMX, weights
+ * hot and cold alike): bf16 1.2x the streaming tiles at 8 tokens, 2.2x at
+ * 16 (vdpbf16ps reaches only ~110 GFLOP/s a core there); int8 0.75x at 8,
+ * 1.3-1.5x at 16 (vpdpbusd is 3x vdpbf16ps). */
+#define AMX_MIN_TOK_BF16 8
+#define AMX_MIN_TOK_I8 16
+/* The weight-stationary kernel (amx_stream_block) for calls of
+ * AMX_STREAM_MIN_* .. AMX_STREAM_MAX - 1 tokens, the decode-sized ones. Weights
+ * from memory, one thread (bench-kernels --fast): bf16 at 4 / 8 / 16 tokens
+ * 1.1x / 1.5x / 2.5x the streaming tiles (13-16 GB/s against 16 for one
+ * token); int8 at 4 tokens 0.85-1.05x, at 8 1.0-1.2x, at 16 1.4-1.7x. */
+#define AMX_STREAM_MIN_BF16 2
+#define AMX_STREAM_MIN_I8 8
+#define AMX_STREAM_MAX 32
+
+struct amx_tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void amx_begin(void)
+{
+    struct amx_tilecfg cfg __attribute__((aligned(64)));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+}
+
+static void amx_end(void)
+{
+    __asm__ volatile("tilerelease" : : : "memory");
+}
+
+#define AMX_LOAD(tmm, base, stride)                                                                \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tmm                                             \
+                     :                                                                             \
+                     : "r"(base), "r"((int64_t)(stride))                                           \
+                     : "memory")
+#define AMX_STORE(tmm, base, stride)                                                               \
+    __asm__ volatile("tilestored %%tmm" #tmm ", (%0,%1,1)"                                         \
+                     :                                                                             \
+                     : "r"(base), "r"((int64_t)(stride))                                           \
+                     : "memory")
+/* Intel order dst, src1 (A), src2 (B); AT&T reverses it. */
+#define AMX_DP(insn, c, a, b)                                                                      \
+    __asm__ volatile(insn " %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
+
+/* T (1..32) tokens from xt x the panel's 32 rows, over n_ks 64-byte steps
+ * of k, into out (32 x 32, f32 for BF16, i32 for I8). Rows of xt past T
+ * are read (the buffer is padded to whole tiles) and their outputs dropped
+ * by the caller. */
+static void amx_block(enum dot_kind kind, int T, const char *xt, int64_t ldxb, int n_ks,
+                      const int32_t *panel, int32_t out[AMX_T][DP_R])
+{
+    const int64_t ldp = DP_R * 4; /* bytes per panel row */
+    __asm__ volatile("tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\ttilezero %%tmm3" ::
+                         : "memory");
+    const char *b = (const char *)panel;
+#define AMX_STEP(insn, two)                                                                        \
+    for (int ks = 0; ks < n_ks; ks++, b += 16 * ldp) {                                             \
+        const char *a = xt + (int64_t)ks * 64;                                                     \
+        AMX_LOAD(6, b, ldp);                                                                       \
+        AMX_LOAD(7, b + 64, ldp);                                                                  \
+        AMX_LOAD(4, a, ldxb);                                                                      \
+        AMX_DP(insn, 0, 4, 6);                                                                     \
+        AMX_DP(insn, 1, 4, 7);                                                                     \
+        if (two) {                                                                                 \
+            AMX_LOAD(5, a + 16 * ldxb, ldxb);                                                      \
+            AMX_DP(insn, 2, 5, 6);                                                                 \
+            AMX_DP(insn, 3, 5, 7);                                                                 \
+        }                                                                                          \
+    }
+    if (kind == DOT_BF16) {
+        if (T > 16)
+            AMX_STEP("tdpbf16ps", 1)
+        else
+            AMX_STEP("tdpbf16ps", 0)
+    } else {
+        if (T > 16)
+            AMX_STEP("tdpbssd", 1)
+        else
+            AMX_STEP("tdpbssd", 0)
+    }
+#undef AMX_STEP
+    const int64_t ldo = DP_R * 4;
+    AMX_STORE(0, &out[0][0], ldo);
+    AMX_STORE(1, &out[0][16], ldo);
+    if (T > 16) {
+        AMX_STORE(2, &out[16][0], ldo);
+        AMX_STORE(3, &out[16][16], ldo);
+    }
+}
+
+/* out (T x 32) into y at columns masked by m0 / m1; I8: the VNNI path's
+ * scaling, (float)sum * (sx_t * sw_r). */
+DOT_TARGET static void amx_write(enum dot_kind kind, int T, int32_t out[AMX_T][DP_R], float *y,
+                                 int64_t ldy, __mmask16 m0, __mmask16 m1, bool accumulate,
+                                 const float *sx, const float *sw)
+{
+    __m512 sw0 = _mm512_setzero_ps(), sw1 = sw0;
+    if (kind == DOT_I8) {
+        sw0 = _mm512_loadu_ps(sw);
+        sw1 = _mm512_loadu_ps(sw + 16);
+    }
+    for (int t = 0; t < T; t++) {
+        __m512 v0, v1;
+        if (kind == DOT_BF16) {
+            v0 = _mm512_loadu_ps((const float *)&out[t][0]);
+            v1 = _mm512_loadu_ps((const float *)&out[t][16]);
+        } else {
+            __m512 s = _mm512_set1_ps(sx[t]);
+            v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)&out[t][0])),
+                               _mm512_mul_ps(s, sw0));
+            v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)&out[t][16])),
+                               _mm512_mul_ps(s, sw1));
+        }
+        float *yt = y + t * ldy;
+        if (accumulate) {
+            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, yt), v0);
+            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, yt + 16), v1);
+        }
+        _mm512_mask_storeu_ps(yt, m0, v0);
+        _mm512_mask_storeu_ps(yt + 16, m1, v1);
+    }
+}
+
+/* Weight-stationary AMX, for decode-sized calls (AMX_STREAM_MIN_* ..
+ * AMX_STREAM_MAX - 1 tokens, n_in a whole number of 64-byte steps): the roles swap,
+ * so nothing is packed per weight row. The A operand is 16 weight rows
+ * straight from memory (stride ldw), the B operand 16 tokens' activations
+ * transposed once per call into dword groups (xb: per 16-token group and
+ * 64-byte step of k, 16 rows (k pairs / quads) x 16 tokens), and C is
+ * 16 weight rows x 16 tokens, transposed on the way out. A block is 32
+ * weight rows x up to 32 tokens (2 x 2 tiles). */
+
+/* xb from the activation rows (tokens past n_tok are zero). */
+DOT_TARGET static void amx_pack_act(const char *xa, int64_t ldxb, int n_tok, int n_ks, char *xb)
+{
+    for (int tg = 0; tg * 16 < n_tok; tg++)
+        for (int ks = 0; ks < n_ks; ks++) {
+            __m512 v[16];
+            for (int i = 0; i < 16; i++) {
+                int t = tg * 16 + i;
+                v[i] = t < n_tok ? _mm512_loadu_ps((const float *)(xa + t * ldxb + ks * 64))
+                                 : _mm512_setzero_ps();
+            }
+            transpose16_avx512(v); /* v[j]: dword j of k of tokens 0..15 */
+            char *d = xb + ((size_t)tg * n_ks + (size_t)ks) * 1024;
+            for (int j = 0; j < 16; j++)
+                _mm512_storeu_ps((float *)(d + j * 64), v[j]);
+        }
+}
+
+/* 32 weight rows from w (stride ldwb) x G (1, 2) token groups of xb into
+ * out[token group][row group][row][token]. */
+static void amx_stream_block(enum dot_kind kind, int G, const char *w, int64_t ldwb, int n_ks,
+                             const char *xb, int32_t out[2][2][16][16])
+{
+    __asm__ volatile("tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\ttilezero %%tmm3" ::
+                         : "memory");
+    const char *b1 = xb + (size_t)n_ks * 1024;
+#define AMX_WSTEP(insn, two)                                                                       \
+    for (int ks = 0; ks < n_ks; ks++) {                                                            \
+        const char *a = w + (int64_t)ks * 64;                                                      \
+        AMX_LOAD(4, a, ldwb);                                                                      \
+        AMX_LOAD(5, a + 16 * ldwb, ldwb);                                                          \
+        AMX_LOAD(6, xb + (size_t)ks * 1024, 64);                                                   \
+        AMX_DP(insn, 0, 4, 6);                                                                     \
+        AMX_DP(insn, 1, 5, 6);                                                                     \
+        if (two) {                                                                                 \
+            AMX_LOAD(7, b1 + (size_t)ks * 1024, 64);                                               \
+            AMX_DP(insn, 2, 4, 7);                                                                 \
+            AMX_DP(insn, 3, 5, 7);                                                                 \
+        }                                                                                          \
+    }
+    if (kind == DOT_BF16) {
+        if (G > 1)
+            AMX_WSTEP("tdpbf16ps", 1)
+        else
+            AMX_WSTEP("tdpbf16ps", 0)
+    } else {
+        if (G > 1)
+            AMX_WSTEP("tdpbssd", 1)
+        else
+            AMX_WSTEP("tdpbssd", 0)
+    }
+#undef AMX_WSTEP
+    AMX_STORE(0, &out[0][0][0][0], 64);
+    AMX_STORE(1, &out[0][1][0][0], 64);
+    if (G > 1) {
+        AMX_STORE(2, &out[1][0][0][0], 64);
+        AMX_STORE(3, &out[1][1][0][0], 64);
+    }
+}
+
+/* out (rows x tokens) into y[t][o ..], transposed; T tokens, R rows. */
+DOT_TARGET static void amx_stream_write(enum dot_kind kind, int T, int R, int32_t out[2][2][16][16],
+                                        float *y, int64_t ldy, bool accumulate, const float *sx,
+                                        const float *sw)
+{
+    for (int tg = 0; tg * 16 < T; tg++)
+        for (int rg = 0; rg * 16 < R; rg++) {
+            const int rr = R - rg * 16 < 16 ? R - rg * 16 : 16;
+            const __mmask16 m = rr == 16 ? (__mmask16)0xffff : (__mmask16)((1u << rr) - 1u);
+            __m512 v[16];
+            for (int r = 0; r < 16; r++)
+                v[r] = _mm512_loadu_ps((const float *)out[tg][rg][r]);
+            transpose16_avx512(v); /* v[t]: rows of token t */
+            __m512 swv =
+                kind == DOT_I8 ? _mm512_maskz_loadu_ps(m, sw + rg * 16) : _mm512_setzero_ps();
+            const int nt = T - tg * 16 < 16 ? T - tg * 16 : 16;
+            for (int t = 0; t < nt; t++) {
+                const int tt = tg * 16 + t;
+                __m512 o = v[t];
+                if (kind == DOT_I8)
+                    o = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_castps_si512(o)),
+                                      _mm512_mul_ps(_mm512_set1_ps(sx[tt]), swv));
+                float *yt = y + tt * ldy + rg * 16;
+                if (accumulate)
+                    o = _mm512_add_ps(_mm512_maskz_loadu_ps(m, yt), o);
+                _mm512_mask_storeu_ps(yt, m, o);
+            }
+        }
+}
+
+/* ---------------------------------------------------------------------------
  * Tasks */
 
 struct dot_job {
@@ -608,6 +870,9 @@ struct dot_job {
     int ldx;        /* elements per activation row */
     float *sx;      /* I8: (n_tok) token scales */
     bool packed;
+    bool amx;        /* AMX tiles (activations signed for I8) */
+    bool amx_stream; /* ... weight-stationary (amx_stream_block), xb below */
+    char *xb;        /* amx_stream: the activations as B tiles */
     int row_block, n_row_blocks, tok_block;
     char *scratch; /* packed: (n_threads, scratch_stride) panels */
     size_t scratch_stride;
@@ -683,11 +948,58 @@ DOT_TARGET static void task_packed(const struct dot_job *j, int thread, int t0, 
         __mmask16 m1 = R >= 32  ? (__mmask16)0xffff
                        : R > 16 ? (__mmask16)((1u << (R - 16)) - 1u)
                                 : (__mmask16)0;
+        if (j->amx) {
+            int32_t out[AMX_T][DP_R] __attribute__((aligned(64)));
+            for (int t = t0; t < t0 + nt; t += AMX_T) {
+                int T = t0 + nt - t < AMX_T ? t0 + nt - t : AMX_T;
+                amx_block(j->kind, T, j->xa + t * j->ldxb, j->ldxb, (int)(j->ldxb / 64), panel,
+                          out);
+                amx_write(j->kind, T, out, p->y + (size_t)t * p->n_out + o, p->n_out, m0, m1,
+                          p->accumulate, j->sx ? j->sx + t : NULL, sw);
+            }
+            continue;
+        }
         for (int t = t0; t < t0 + nt; t += DP_T) {
             int T = t0 + nt - t < DP_T ? t0 + nt - t : DP_T;
             mk_packed_any(j->kind, T, j->xa + t * j->ldxb, j->ldxb, n_grp, panel,
                           p->y + (size_t)t * p->n_out + o, p->n_out, m0, m1, p->accumulate,
                           j->sx ? j->sx + t : NULL, sw, rs);
+        }
+    }
+}
+
+DOT_TARGET static void task_amx_stream(const struct dot_job *j, int thread, int o0, int no)
+{
+    const struct moe_matmul_params *p = j->p;
+    const int64_t esz = j->kind == DOT_BF16 ? 2 : 1;
+    const int64_t ldwb = p->ldw * esz;
+    const int n_ks = (int)(j->ldxb / 64), G = (p->n_tok + 15) / 16;
+    int32_t out[2][2][16][16] __attribute__((aligned(64)));
+    float sw[DP_R];
+    for (int o = o0; o < o0 + no; o += DP_R) {
+        const int R = o0 + no - o < DP_R ? o0 + no - o : DP_R;
+        const char *w = (const char *)p->w + o * ldwb;
+        int64_t ld = ldwb;
+        if (R < DP_R) { /* the matrix's last rows: a zero-padded copy (tiles read 32) */
+            char *pad = j->scratch + (size_t)thread * j->scratch_stride;
+            for (int r = 0; r < DP_R; r++) {
+                if (r < R)
+                    memcpy(pad + r * j->ldxb, w + r * ldwb, (size_t)j->ldxb);
+                else
+                    memset(pad + r * j->ldxb, 0, (size_t)j->ldxb);
+            }
+            w = pad;
+            ld = j->ldxb;
+        }
+        if (j->kind == DOT_I8)
+            for (int r = 0; r < DP_R; r++)
+                sw[r] = r < R ? p->w_scale[o + r] : 0.0f;
+        for (int tg = 0; tg < G; tg += 2) {
+            const int T = p->n_tok - tg * 16 < 32 ? p->n_tok - tg * 16 : 32;
+            amx_stream_block(j->kind, T > 16 ? 2 : 1, w, ld, n_ks, j->xb + (size_t)tg * n_ks * 1024,
+                             out);
+            amx_stream_write(j->kind, T, R, out, p->y + (size_t)tg * 16 * p->n_out + o, p->n_out,
+                             p->accumulate, j->sx ? j->sx + tg * 16 : NULL, sw);
         }
     }
 }
@@ -700,7 +1012,15 @@ static void dot_task(void *arg, int task, int thread)
     int o0 = rb * j->row_block, t0 = tb * j->tok_block;
     int no = p->n_out - o0 < j->row_block ? p->n_out - o0 : j->row_block;
     int nt = p->n_tok - t0 < j->tok_block ? p->n_tok - t0 : j->tok_block;
-    if (j->packed)
+    if (j->amx_stream) {
+        amx_begin();
+        task_amx_stream(j, thread, o0, no);
+        amx_end();
+    } else if (j->packed && j->amx) {
+        amx_begin();
+        task_packed(j, thread, t0, nt, o0, no);
+        amx_end();
+    } else if (j->packed)
         task_packed(j, thread, t0, nt, o0, no);
     else
         task_stream(j, t0, nt, o0, no);
@@ -720,10 +1040,10 @@ static void cvt_task(void *arg, int task, int thread)
         return;
     }
     for (int t = r0; t < r1; t++)
-        j->sx[t] = j->kind == DOT_I4 ? act_s8_row(p->x + (size_t)t * p->n_in, p->n_in,
-                                                  (int8_t *)j->xa + t * j->ldxb, j->ldx)
-                                     : act_u8_row(p->x + (size_t)t * p->n_in, p->n_in,
-                                                  (uint8_t *)j->xa + t * j->ldxb, j->ldx);
+        j->sx[t] = j->kind == DOT_I4 || j->amx ? act_s8_row(p->x + (size_t)t * p->n_in, p->n_in,
+                                                            (int8_t *)j->xa + t * j->ldxb, j->ldx)
+                                               : act_u8_row(p->x + (size_t)t * p->n_in, p->n_in,
+                                                            (uint8_t *)j->xa + t * j->ldxb, j->ldx);
 }
 
 void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params *p)
@@ -743,17 +1063,30 @@ void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params 
         j.ldx = V;
     j.ldxb = (int64_t)j.ldx * esz;
 
-    /* One allocation: activations, token scales, panels. */
-    size_t act_bytes = (size_t)p->n_tok * (size_t)j.ldxb;
+    /* One allocation: activations (AMX: whole 16-row tiles, zero past
+     * n_tok), token scales, panels. */
+    const bool amx = amx_for(p->w_dtype);
+    j.amx_stream = amx &&
+                   p->n_tok >= (j.kind == DOT_BF16 ? AMX_STREAM_MIN_BF16 : AMX_STREAM_MIN_I8) &&
+                   p->n_tok < AMX_STREAM_MAX && p->n_in % V == 0;
+    j.amx = j.amx_stream ||
+            (amx && p->n_tok >= (j.kind == DOT_BF16 ? AMX_MIN_TOK_BF16 : AMX_MIN_TOK_I8));
+    j.packed = !j.amx_stream && (j.amx || (p->n_tok >= DP_MIN_TOK && j.kind != DOT_I4));
+    size_t act_rows = j.amx ? ((size_t)p->n_tok + 15) / 16 * 16 : (size_t)p->n_tok;
+    size_t act_bytes = act_rows * (size_t)j.ldxb;
     size_t sx_bytes = j.kind != DOT_BF16 ? ((size_t)p->n_tok * sizeof(float) + 63) / 64 * 64 : 0;
-    j.packed = p->n_tok >= DP_MIN_TOK && j.kind != DOT_I4;
-    j.scratch_stride = j.packed ? ((size_t)DP_R * (size_t)j.ldxb + 63) / 64 * 64 : 0;
-    size_t total = act_bytes + sx_bytes + (size_t)n_threads * j.scratch_stride;
+    j.scratch_stride =
+        j.packed || j.amx_stream ? ((size_t)DP_R * (size_t)j.ldxb + 63) / 64 * 64 : 0;
+    size_t xb_bytes = j.amx_stream ? (size_t)(p->n_tok + 15) / 16 * (size_t)j.ldxb * 16 : 0;
+    size_t total = act_bytes + sx_bytes + (size_t)n_threads * j.scratch_stride + xb_bytes;
     char *buf = NULL;
     MOE_ASSERT(posix_memalign((void **)&buf, 64, total) == 0);
     j.xa = buf;
     j.sx = j.kind != DOT_BF16 ? (float *)(buf + act_bytes) : NULL;
-    j.scratch = j.packed ? buf + act_bytes + sx_bytes : NULL;
+    j.scratch = j.packed || j.amx_stream ? buf + act_bytes + sx_bytes : NULL;
+    j.xb = j.amx_stream ? buf + act_bytes + sx_bytes + (size_t)n_threads * j.scratch_stride : NULL;
+    if (act_rows > (size_t)p->n_tok)
+        memset(buf + (size_t)p->n_tok * j.ldxb, 0, (act_rows - (size_t)p->n_tok) * j.ldxb);
 
     int n_cvt = (p->n_tok + CVT_ROWS - 1) / CVT_ROWS;
     if ((size_t)p->n_tok * p->n_in < 65536 || n_cvt == 1) {
@@ -763,15 +1096,23 @@ void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params 
         moe_threadpool_run(pool, n_cvt, cvt_task, &j);
     }
 
+    if (j.amx_stream)
+        amx_pack_act(j.xa, j.ldxb, p->n_tok, (int)(j.ldxb / 64), j.xb);
+
     /* Rows per task: about 8 tasks per thread, 16..256. */
     int rb = (p->n_out + 8 * n_threads - 1) / (8 * n_threads);
-    if (j.packed) {
+    if (j.amx_stream) {
+        rb = (rb + DP_R - 1) / DP_R * DP_R;
+        j.tok_block = p->n_tok;
+    } else if (j.packed) {
         rb = (rb + DP_R - 1) / DP_R * DP_R;
         rb = rb > 2 * DP_R ? 2 * DP_R : rb;
         j.tok_block = p->n_tok < DP_TOK_BLOCK ? p->n_tok : DP_TOK_BLOCK;
         /* Even token blocks: no thin leftover block. */
         int n_tb = (p->n_tok + DP_TOK_BLOCK - 1) / DP_TOK_BLOCK;
         j.tok_block = (p->n_tok + n_tb - 1) / n_tb;
+        if (j.amx) /* whole 32-token steps but the last */
+            j.tok_block = (j.tok_block + AMX_T - 1) / AMX_T * AMX_T;
     } else {
         rb = (rb + DT_R - 1) / DT_R * DT_R;
         rb = rb < 16 ? 16 : rb > 256 ? 256 : rb;

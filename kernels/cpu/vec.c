@@ -11,7 +11,10 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#include <errno.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define VEC_X86 1
 #endif
 
@@ -41,6 +44,25 @@ enum cpu_isa cpu_kernels_detect_isa(void)
     return (enum cpu_isa)isa;
 }
 
+#ifdef VEC_X86
+/* Linux hands out the AMX tile data state (8 KB of XSAVE area) only to a
+ * process that asks: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA),
+ * process-wide and for every thread. Refused (ENOSPC) when some thread's
+ * sigaltstack is too small for the larger signal frame (sanitizer runtimes
+ * install small ones): the kernels then run without AMX, and say so. */
+static bool amx_permission(void)
+{
+    const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
+    if (syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0)
+        return true;
+    fprintf(stderr,
+            "moe: AMX present but the kernel refused its tile state (arch_prctl: %s); "
+            "using AVX-512 only\n",
+            strerror(errno));
+    return false;
+}
+#endif
+
 unsigned cpu_kernels_detect_features(void)
 {
     int f = atomic_load_explicit(&g_feat_detected, memory_order_relaxed);
@@ -54,16 +76,19 @@ unsigned cpu_kernels_detect_features(void)
         if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
             if (c & (1u << 11))
                 f |= CPU_FEAT_AVX512_VNNI;
-            /* AMX: tile + bf16 / int8, and the OS enabling the tile state
-             * (XCR0 bits 17, 18). Reported only. */
+            /* AMX: tile + bf16 / int8, the OS enabling the tile state
+             * (XCR0 bits 17, 18), and this process allowed to use it
+             * (amx_permission). */
             unsigned lo = 0, hi = 0;
             if (c & (1u << 27)) /* OSXSAVE */
                 __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
             bool tiles = (d & (1u << 24)) && (lo & (3u << 17)) == (3u << 17);
-            if (tiles && (d & (1u << 22)))
-                f |= CPU_FEAT_AMX_BF16;
-            if (tiles && (d & (1u << 25)))
-                f |= CPU_FEAT_AMX_INT8;
+            if (tiles && (d & (1u << 22 | 1u << 25)) && amx_permission()) {
+                if (d & (1u << 22))
+                    f |= CPU_FEAT_AMX_BF16;
+                if (d & (1u << 25))
+                    f |= CPU_FEAT_AMX_INT8;
+            }
         }
         if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)))
             f |= CPU_FEAT_AVX512_BF16;
@@ -78,7 +103,7 @@ unsigned cpu_kernels_detect_features(void)
 static void apply_env(void)
 {
     int isa = cpu_kernels_detect_isa();
-    int feat = (int)(cpu_kernels_detect_features() & (CPU_FEAT_AVX512_BF16 | CPU_FEAT_AVX512_VNNI));
+    int feat = (int)cpu_kernels_detect_features();
     const char *e = getenv("MOE_CPU_ISA");
     if (e && *e && strcmp(e, "auto") != 0) {
         static const struct {
@@ -91,6 +116,8 @@ static void apply_env(void)
             {"avx512", CPU_ISA_AVX512, 0},
             {"avx512-bf16", CPU_ISA_AVX512, CPU_FEAT_AVX512_BF16},
             {"avx512-vnni", CPU_ISA_AVX512, CPU_FEAT_AVX512_VNNI},
+            {"avx512-dot", CPU_ISA_AVX512, CPU_FEAT_AVX512_BF16 | CPU_FEAT_AVX512_VNNI},
+            {"amx", CPU_ISA_AVX512, CPU_FEAT_ALL},
         };
         size_t i = 0;
         while (i < sizeof forms / sizeof forms[0] && strcmp(e, forms[i].name) != 0)
@@ -98,7 +125,7 @@ static void apply_env(void)
         if (i == sizeof forms / sizeof forms[0]) {
             fprintf(stderr,
                     "moe: MOE_CPU_ISA='%s' is not one of auto, scalar, avx2, avx512, avx512-bf16, "
-                    "avx512-vnni; ignored\n",
+                    "avx512-vnni, avx512-dot, amx; ignored\n",
                     e);
         } else {
             int want_isa = (int)forms[i].isa;
@@ -165,7 +192,7 @@ enum cpu_isa cpu_kernels_force_isa(enum cpu_isa isa)
 unsigned cpu_kernels_force_features(unsigned features)
 {
     apply_env_once();
-    features &= cpu_kernels_detect_features() & (CPU_FEAT_AVX512_BF16 | CPU_FEAT_AVX512_VNNI);
+    features &= cpu_kernels_detect_features();
     atomic_store_explicit(&g_feat_active, (int)features, memory_order_relaxed);
     return features;
 }

@@ -1,15 +1,17 @@
 /* The fast matmul paths (moe_matmul_params.fast, kernels/cpu/matmul_dot.c)
  * on every one this processor has; a path it lacks is reported SKIPPED by
  * name, and the test exits 77 when it has none (so nothing passes without
- * running). AMX has no kernel yet and is always reported SKIPPED.
+ * running). Where the processor has AMX, each type runs twice: on AMX (the
+ * packed tiles, 32+ tokens) and with AMX forced off (AVX-512 throughout);
+ * AMX int8 must equal AVX512-VNNI bit for bit (the same exact i32 sums).
  *
  * Each path is held to two references computed here in double:
  *   - the exact path's arithmetic (f32 x, the same weights), within the
  *     documented bound of the approximation:
- *       avx512-bf16: |y - ref| <= 2^-8 sum_k |x_k w_k| + (n_in + 2) 2^-24
+ *       avx512-bf16, amx-bf16: |y - ref| <= 2^-8 sum_k |x_k w_k| + (n_in + 2) 2^-24
  *         sum_k |x_k w_k|  (bf16 has 8 significant bits: x rounded to
  *         nearest moves by < 2^-8 |x|; then the f32 sums of either side);
- *       avx512-vnni: |y - ref| <= (1 + 1e-3) (sx / 2) w_scale sum_k |q_k|
+ *       avx512-vnni, amx-int8: |y - ref| <= (1 + 1e-3) (sx / 2) w_scale sum_k |q_k|
  *         + 1e-5 sum_k |x_k w_k|  (half a quantization step of x per element);
  *   - an emulation of what the instruction computes (x rounded / quantized
  *     here, products and sums in double), to 1e-5 of sum_k |x_k w_k|: this
@@ -17,11 +19,12 @@
  *     pair order, a lost offset, a wrong scale) even when the loose bound
  *     above would hide it.
  * Shapes: odd n_in / n_out (masked tails), a row stride wider than n_in,
- * 1..5 tokens (streaming tiles), 31..300 tokens (packed panels with leftover
- * tokens), accumulate on and off, through the ops table, the pool and the
- * calling thread. Also: int8 results do not depend on the batch they are in
- * (exact integer sums), a NaN row stays NaN, an all-zero row gives 0, and a
- * forced-off feature falls back to the exact kernels bit for bit. */
+ * 1..5 tokens (streaming tiles), 2..31 with n_in a multiple of 64 (AMX's
+ * weight-stationary form), 8..17 (AMX's thresholds), 31..300 tokens
+ * (packed panels with leftover tokens), accumulate on and off, through the ops table, the pool and
+ * the calling thread. Also: int8 results do not depend on the batch they are in (exact integer
+ * sums), a NaN row stays NaN, an all-zero row gives 0, and a forced-off feature falls back to the
+ * exact kernels bit for bit. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -180,12 +183,29 @@ static double fast_case(enum moe_dtype dt, const struct fcase *c, double *worst_
 static void test_path(enum moe_dtype dt, const char *name)
 {
     static const struct fcase fixed[] = {
-        {1, 64, 4, 64, false, 0},        {1, 1024, 2816, 1024, false, 0},
-        {2, 77, 13, 80, true, 1},        {3, 31, 5, 31, false, 2},
-        {4, 2816, 1024, 2816, false, 0}, {5, 100, 9, 128, true, 1},
-        {31, 63, 33, 64, false, 0},      {32, 64, 32, 64, false, 0},
-        {33, 129, 47, 130, true, 1},     {100, 1024, 96, 1024, false, 0},
-        {300, 200, 70, 256, true, 2},    {257, 65, 31, 65, false, 1},
+        {1, 64, 4, 64, false, 0},
+        {1, 1024, 2816, 1024, false, 0},
+        {2, 77, 13, 80, true, 1},
+        {3, 31, 5, 31, false, 2},
+        {4, 2816, 1024, 2816, false, 0},
+        {5, 100, 9, 128, true, 1},
+        {31, 63, 33, 64, false, 0},
+        {32, 64, 32, 64, false, 0},
+        {33, 129, 47, 130, true, 1},
+        {100, 1024, 96, 1024, false, 0},
+        {300, 200, 70, 256, true, 2},
+        {257, 65, 31, 65, false, 1},
+        {8, 96, 40, 96, false, 0},
+        {9, 33, 17, 40, true, 1},
+        {16, 300, 33, 300, false, 2},
+        {17, 64, 64, 64, true, 0},
+        /* n_in a multiple of 64: AMX's weight-stationary form below 32 tokens */
+        {2, 64, 33, 64, false, 0},
+        {7, 128, 70, 136, true, 1},
+        {8, 1024, 40, 1024, false, 2},
+        {20, 192, 50, 200, true, 0},
+        {31, 256, 31, 256, false, 1},
+        {16, 2816, 32, 2816, true, 2},
     };
     double worst_bound = 0, worst_emu = 0;
     int n = 0;
@@ -213,7 +233,7 @@ static void test_path(enum moe_dtype dt, const char *name)
 /* A token's int8 result does not depend on the other tokens of the call
  * (exact integer sums): token rows alone (streaming tiles) equal the same
  * rows inside a 200-token call (packed panels), bit for bit. */
-static void test_i8_batch_invariance(void)
+static void test_i8_batch_invariance(const char *name)
 {
     const int n_tok = 200, n_in = 300, n_out = 70;
     const float *sc;
@@ -243,13 +263,60 @@ static void test_i8_batch_invariance(void)
         cpu_matmul(NULL, &q);
         differ += memcmp(y1, ya + (size_t)t * n_out, (size_t)n_out * sizeof *y1) != 0;
     }
-    CHECKF(differ == 0, "avx512-vnni: %d tokens differ alone vs in a batch of %d", differ, n_tok);
-    printf("avx512-vnni: one token alone equals the same token in a %d-token call, bit for bit\n",
+    CHECKF(differ == 0, "%s: %d tokens differ alone vs in a batch of %d", name, differ, n_tok);
+    printf("%s: one token alone equals the same token in a %d-token call, bit for bit\n", name,
            n_tok);
     free(w);
     free(x);
     free(ya);
     free(y1);
+}
+
+/* AMX int8 tiles and the AVX512-VNNI panels compute the same exact i32
+ * sums and scale them alike: equal bit for bit, over shapes with token,
+ * row and k tails. BF16 is held to the bound and emulation by test_path
+ * instead (another f32 rounding order). */
+static void test_amx_i8_equals_vnni(unsigned amx_on)
+{
+    static const int shapes[][3] = {{8, 128, 40},   {16, 100, 50},  {17, 64, 33},
+                                    {31, 256, 100}, {32, 64, 32},   {33, 129, 47},
+                                    {200, 300, 70}, {47, 1024, 96}, {257, 65, 31}};
+    int differ = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int n_tok = shapes[s][0], n_in = shapes[s][1], n_out = shapes[s][2];
+        const float *sc;
+        void *w = make_weights(MOE_DTYPE_I8, n_out, n_in, &sc);
+        float *x = malloc((size_t)n_tok * n_in * sizeof *x);
+        for (size_t i = 0; i < (size_t)n_tok * n_in; i++)
+            x[i] = test_rng_float(&g_rng);
+        float *ya = malloc((size_t)n_tok * n_out * sizeof *ya);
+        float *yv = malloc((size_t)n_tok * n_out * sizeof *yv);
+        struct moe_matmul_params p = {.x = x,
+                                      .n_tok = n_tok,
+                                      .n_in = n_in,
+                                      .w = w,
+                                      .w_dtype = MOE_DTYPE_I8,
+                                      .ldw = n_in,
+                                      .n_out = n_out,
+                                      .y = ya,
+                                      .w_scale = sc,
+                                      .fast = true};
+        cpu_kernels_force_features(amx_on);
+        CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_I8), "amx-int8") == 0);
+        cpu_matmul(g_pool, &p);
+        cpu_kernels_force_features(amx_on & ~(unsigned)CPU_FEAT_AMX_INT8);
+        CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_I8), "avx512-vnni") == 0);
+        p.y = yv;
+        cpu_matmul(g_pool, &p);
+        differ += memcmp(ya, yv, (size_t)n_tok * n_out * sizeof *ya) != 0;
+        free(w);
+        free(x);
+        free(ya);
+        free(yv);
+    }
+    cpu_kernels_force_features(amx_on);
+    CHECKF(differ == 0, "amx-int8: %d of 9 shapes differ from avx512-vnni", differ);
+    printf("amx-int8: equals avx512-vnni bit for bit on 9 shapes (8..257 tokens)\n");
 }
 
 /* A NaN in a row makes that row's outputs NaN; a zero row gives zeros. */
@@ -341,12 +408,32 @@ int main(void)
     enum cpu_isa isa = cpu_kernels_detect_isa();
     printf("cpu: isa %s, dot-product features %s\n", cpu_isa_name(isa),
            cpu_features_name(have, names, sizeof names));
-    printf("SKIPPED: amx-bf16, amx-int8: no AMX kernel is implemented (%s)\n",
-           have & (CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8) ? "this processor has AMX"
-                                                          : "this processor has no AMX");
     int ran = 0;
     cpu_kernels_force_isa(isa);
+    const unsigned amx = CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8;
+    if (isa == CPU_ISA_AVX512 && (have & CPU_FEAT_AMX_BF16) && (have & CPU_FEAT_AVX512_BF16)) {
+        cpu_kernels_force_features(have);
+        CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_BF16), "amx-bf16") == 0);
+        test_path(MOE_DTYPE_BF16, "amx-bf16");
+        test_special_rows(MOE_DTYPE_BF16, "amx-bf16");
+        ran++;
+    } else {
+        printf("SKIPPED: amx-bf16: this processor (or its OS) lacks AMX-BF16\n");
+    }
+    if (isa == CPU_ISA_AVX512 && (have & CPU_FEAT_AMX_INT8) && (have & CPU_FEAT_AVX512_VNNI)) {
+        cpu_kernels_force_features(have);
+        test_path(MOE_DTYPE_I8, "amx-int8");
+        test_i8_batch_invariance("amx-int8");
+        test_special_rows(MOE_DTYPE_I8, "amx-int8");
+        test_amx_i8_equals_vnni(have);
+        ran++;
+    } else {
+        printf("SKIPPED: amx-int8: this processor (or its OS) lacks AMX-INT8\n");
+    }
+    /* The AVX-512 paths, AMX forced off (where there is any). */
+    cpu_kernels_force_features(have & ~amx);
     if (isa == CPU_ISA_AVX512 && (have & CPU_FEAT_AVX512_BF16)) {
+        CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_BF16), "avx512-bf16") == 0);
         test_path(MOE_DTYPE_BF16, "avx512-bf16");
         test_special_rows(MOE_DTYPE_BF16, "avx512-bf16");
         test_forced_off(MOE_DTYPE_BF16, CPU_FEAT_AVX512_BF16, "avx512-bf16");
@@ -356,13 +443,14 @@ int main(void)
     }
     if (isa == CPU_ISA_AVX512 && (have & CPU_FEAT_AVX512_VNNI)) {
         test_path(MOE_DTYPE_I8, "avx512-vnni");
-        test_i8_batch_invariance();
+        test_i8_batch_invariance("avx512-vnni");
         test_special_rows(MOE_DTYPE_I8, "avx512-vnni");
         test_forced_off(MOE_DTYPE_I8, CPU_FEAT_AVX512_VNNI, "avx512-vnni");
         ran++;
     } else {
         printf("SKIPPED: avx512-vnni: this processor lacks AVX512-VNNI\n");
     }
+    cpu_kernels_force_features(have);
     /* Off AVX-512 (forced), fast asks for nothing the kernels cannot do. */
     if (isa == CPU_ISA_AVX512) {
         cpu_kernels_force_isa(CPU_ISA_AVX2);
