@@ -90,7 +90,6 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     ALLOC(slots, n, int32_t);
     ALLOC(block_tables, (size_t)(cap_tab > 0 ? cap_tab : 1), int32_t);
     ALLOC(logit_rows, n, int32_t);
-    ALLOC(logits, n * c->vocab_size, float);
     ALLOC(logit_ids, n, int32_t);
     if (c->mla) {
         struct mla_scratch *a = &s->mla;
@@ -163,6 +162,25 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     free(h_iota);
     s->cap_tok = cap;
     s->cap_seq_blocks = cap_tab;
+    return MOE_OK;
+}
+
+/* The lm_head's output rows, grown to the step's n_logits: a prefill asks
+ * for one row (not n_tok x vocab floats: 65 MB at 512 tokens of a 32000
+ * vocabulary, zeroed at allocation). */
+static enum moe_status logits_reserve(struct moe_model *m, int n_logits, struct moe_error *err)
+{
+    struct scratch *s = &m->s;
+    if (n_logits <= s->cap_logits)
+        return MOE_OK;
+    float *l =
+        m->be->ops->buf_alloc(m->be, (size_t)n_logits * (size_t)m->cfg.vocab_size * sizeof(float));
+    if (!l)
+        return moe_error_set(err, MOE_ERR_NOMEM, "cannot allocate logits for %d rows", n_logits);
+    if (s->logits)
+        m->be->ops->buf_free(m->be, s->logits);
+    s->logits = l;
+    s->cap_logits = n_logits;
     return MOE_OK;
 }
 
@@ -564,7 +582,8 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
     if (rc)
         return rc;
     int n = b->n_tok, n_table = b->n_seq * b->max_blocks;
-    if ((rc = scratch_reserve(m, dp && b->n_tok_group > n ? b->n_tok_group : n, n_table, err)))
+    if ((rc = scratch_reserve(m, dp && b->n_tok_group > n ? b->n_tok_group : n, n_table, err)) ||
+        (rc = logits_reserve(m, b->n_logits, err)))
         return rc;
     const struct moe_config *c = &m->cfg;
     struct scratch *s = &m->s;

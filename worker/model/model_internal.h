@@ -73,6 +73,7 @@ struct mla_scratch {
 struct scratch {
     int cap_tok;
     int cap_seq_blocks;
+    int cap_logits;        /* rows of logits: grown to the most n_logits seen, not cap_tok */
     float *x;              /* (n, d_model) residual stream */
     float *h;              /* (n, d_model) normalised */
     float *q;              /* (n, q_dim) */
@@ -97,7 +98,7 @@ struct scratch {
     int32_t *slots;        /* (n) */
     int32_t *block_tables; /* (cap_seq_blocks) */
     int32_t *logit_rows;   /* (n) */
-    float *logits;         /* (n, vocab) */
+    float *logits;         /* (cap_logits, vocab) */
     int32_t *logit_ids;    /* (n) argmax of each logit row (moe_batch.argmax_out) */
     /* the MoE layer (moe_layer.c), sized for n * top_k items */
     float *rows_a;      /* (n*k, d_model) rows in send order, then grouped by expert */
