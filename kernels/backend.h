@@ -92,6 +92,10 @@ struct moe_attn_params {
      * is K whole and, in its first kv_lora_rank elements, V (v_cache ==
      * k_cache). CPU backend only. */
     int d_v;
+    /* The model's fast mode (moe_model_opts.fast): the backend may round q
+     * and the softmax probabilities to bf16 for its matrix units (the CPU
+     * backend does, on AMX, over a BF16 cache); false: f32 arithmetic. */
+    bool fast;
 };
 
 /* Grouped expert GEMM: for every expert e with rows,

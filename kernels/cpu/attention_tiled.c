@@ -37,12 +37,28 @@
  * first d_v columns of V are accumulated; a cache whose V is its K (latent)
  * is widened from BF16 once.
  *
+ * AMX (p->fast, a BF16 cache, AMX-BF16; d_head a multiple of 32 up to
+ * FA_AMX_MAX_D, V as wide as K and its own cache, blocks of a multiple of 16
+ * slots): the same tiles, chunks and online softmax, with both products on
+ * tdpbf16ps. S^T = K Q^T takes 16 keys' rows straight from the cache as the
+ * A operand (16 consecutive positions share a block) and Q^T, rounded to
+ * bf16 and transposed into dword pairs once per task, as B; P V takes P
+ * rounded to bf16 (rows x keys) as A and a chunk's V rows interleaved in
+ * key pairs as B, into f32 tiles added to alpha O. Rounding q and p to bf16
+ * (8 significant bits) is what GPU attention kernels do; unit/test_kernels
+ * holds the result to the f32 reference within a documented tolerance.
+ * Every row's arithmetic is still independent of its group (each tile
+ * element is one row's dot product, masked keys and padded rows are exact
+ * zeros), so the bit-identity across prefill, chunks and decode holds on
+ * AMX too: decode-sized calls take the same path.
+ *
  * Shapes: d_head <= FA_MAX_D and n_head / n_kv_head <= FA_ROWS; others take
  * the reference path. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_x86.h"
 #include "cpu_kernels.h"
 #include "simd_x86.h"
 
@@ -50,6 +66,7 @@
 #define FA_KB 64      /* keys per chunk */
 #define FA_MAX_D 1024 /* widest head (scratch is sized for the actual one) */
 #define FA_PV_D 128   /* O columns per PV pass: 8 vectors */
+#define FA_AMX_MAX_D 256
 
 bool cpu_attention_tiled_supported(const struct moe_attn_params *p)
 {
@@ -97,6 +114,7 @@ struct fa_group {
 
 struct fa_job {
     const struct moe_attn_params *p;
+    bool amx;                      /* fa_task_amx */
     const struct fa_group *groups; /* heaviest first */
     int n_group;
     int rep; /* query heads per KV head */
@@ -241,9 +259,245 @@ FA_TARGET static void fa_pv_any(int RT, int ND, int r0, int nk, const float *con
     MOE_ASSERT(0 && "fa_pv_any: unsupported tile");
 }
 
+/* ---- AMX (see the top) ---- */
+
+/* Per-thread scratch of the AMX task, in floats, on top of the f32 one: Q^T
+ * as B tiles (d/32 steps x 4 row groups x 1 KB), P as A tiles (4 row groups
+ * x 2 key steps x 1 KB), V as B tiles (d/16 column tiles x 2 key steps x
+ * 1 KB), one 16 x 16 f32 tile of PV. */
+static size_t fa_amx_scratch_floats(int d)
+{
+    return ((size_t)d / 32 * 4 * 256) + (size_t)4 * 2 * 256 + (size_t)d / 16 * 2 * 256 + 256;
+}
+
+/* The scores of one 16-key group: S^T[key][row] for the mv row groups, from
+ * the K rows at kb (stride ldk bytes) and Q^T tiles qb, into st (FA_ROWS
+ * apart). */
+static void fa_amx_scores(int mv, int n_ks, const char *kb, int64_t ldk, const char *qb, float *st)
+{
+    AMX_ZERO(0);
+    AMX_ZERO(1);
+    AMX_ZERO(2);
+    AMX_ZERO(3);
+    for (int ks = 0; ks < n_ks; ks++) {
+        const char *q = qb + (size_t)ks * 4 * 1024;
+        AMX_LOAD(4, kb + ks * 64, ldk);
+        AMX_LOAD(5, q, 64);
+        AMX_DP("tdpbf16ps", 0, 4, 5);
+        if (mv > 1) {
+            AMX_LOAD(6, q + 1024, 64);
+            AMX_DP("tdpbf16ps", 1, 4, 6);
+        }
+        if (mv > 2) {
+            AMX_LOAD(7, q + 2048, 64);
+            AMX_DP("tdpbf16ps", 2, 4, 7);
+        }
+        if (mv > 3) {
+            AMX_LOAD(5, q + 3072, 64);
+            AMX_DP("tdpbf16ps", 3, 4, 5);
+        }
+    }
+    const int64_t lds = FA_ROWS * 4;
+    AMX_STORE(0, st, lds);
+    if (mv > 1)
+        AMX_STORE(1, st + 16, lds);
+    if (mv > 2)
+        AMX_STORE(2, st + 32, lds);
+    if (mv > 3)
+        AMX_STORE(3, st + 48, lds);
+}
+
+/* C (16 x 16 f32) = sum over n_s key steps of A (P rows) . B (V columns). */
+static void fa_amx_pv(int n_s, const char *pa, const char *vb, float *c)
+{
+    AMX_ZERO(0);
+    for (int s = 0; s < n_s; s++) {
+        AMX_LOAD(4, pa + (size_t)s * 1024, 64);
+        AMX_LOAD(6, vb + (size_t)s * 1024, 64);
+        AMX_DP("tdpbf16ps", 0, 4, 6);
+    }
+    AMX_STORE(0, c, 64);
+}
+
+#define FA_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,avx2")))
+
+FA_AMX_TARGET static void fa_task_amx(const struct fa_job *j, int task, int thread)
+{
+    const struct moe_attn_params *p = j->p;
+    const struct fa_group *g = &j->groups[task / p->n_kv_head];
+    const int kvh = task % p->n_kv_head;
+    const int d = p->d_head, rep = j->rep;
+    const int n_rows = g->nt * rep;
+    const int mv = (n_rows + 15) / 16, n_ks = d / 32, nct = d / 16;
+    const size_t slot_stride = (size_t)p->n_kv_head * d;
+    const int64_t ldk = (int64_t)slot_stride * 2; /* bytes between a key's rows */
+    float *o = j->scratch + (size_t)thread * j->scratch_stride;
+    float *pt = o + (size_t)FA_ROWS * d;
+    float *mrow = pt + (size_t)FA_KB * FA_ROWS, *lrow = mrow + FA_ROWS, *alpha = lrow + FA_ROWS;
+    char *qb = (char *)(alpha + FA_ROWS);
+    char *pa = qb + (size_t)n_ks * 4 * 1024;
+    char *vb = pa + (size_t)4 * 2 * 1024;
+    float *ct = (float *)(vb + (size_t)nct * 2 * 1024);
+    int32_t rpos[FA_ROWS];
+
+    /* Q^T tiles: for step ks and row group rg, 16 dword rows (pairs of d)
+     * x 16 query rows; padded rows are zero queries at the last position. */
+    for (int r = 0; r < mv * 16; r++) {
+        rpos[r] = r < n_rows ? p->tok_pos[g->t0 + r / rep] : g->max_pos;
+        mrow[r] = -INFINITY;
+        lrow[r] = 0.0f;
+    }
+    for (int rg = 0; rg < mv; rg++)
+        for (int ks = 0; ks < n_ks; ks++) {
+            __m512 v[16];
+            for (int i = 0; i < 16; i++) {
+                const int r = rg * 16 + i;
+                if (r >= n_rows) {
+                    v[i] = _mm512_setzero_ps();
+                    continue;
+                }
+                const int t = g->t0 + r / rep, h = kvh * rep + r % rep;
+                const float *q = p->q + ((size_t)t * p->n_head + h) * d + ks * 32;
+                v[i] = _mm512_castsi512_ps(
+                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(q)));
+            }
+            transpose16_avx512(v); /* v[dp]: pair dp of the 16 rows */
+            char *dst = qb + ((size_t)ks * 4 + (size_t)rg) * 1024;
+            for (int dp = 0; dp < 16; dp++)
+                _mm512_storeu_ps((float *)(dst + dp * 64), v[dp]);
+        }
+    memset(o, 0, (size_t)mv * 16 * d * sizeof(float));
+
+    const int32_t *blocks = p->block_tables + (size_t)p->tok_seq[g->t0] * p->max_blocks;
+    const uint16_t *kc = p->k_cache, *vc = p->v_cache;
+    /* vpermt2w indices: key 2kp's and key 2kp+1's element c, c + 1, ... */
+    __m512i ilo, ihi;
+    {
+        uint16_t lo[32], hi[32];
+        for (int i = 0; i < 16; i++) {
+            lo[2 * i] = (uint16_t)i;
+            lo[2 * i + 1] = (uint16_t)(32 + i);
+            hi[2 * i] = (uint16_t)(16 + i);
+            hi[2 * i + 1] = (uint16_t)(48 + i);
+        }
+        ilo = _mm512_loadu_si512((const void *)lo);
+        ihi = _mm512_loadu_si512((const void *)hi);
+    }
+    for (int c0 = 0; c0 <= g->max_pos; c0 += FA_KB) {
+        const int nk = g->max_pos + 1 - c0 < FA_KB ? g->max_pos + 1 - c0 : FA_KB;
+        const int n_kg = (nk + 15) / 16, n_s = (nk + 31) / 32;
+        /* S^T, 16 keys at a time: their rows are 16 consecutive slots */
+        for (int kg = 0; kg < n_kg; kg++) {
+            int pos = c0 + kg * 16;
+            size_t slot = (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
+            fa_amx_scores(mv, n_ks, (const char *)(kc + slot * slot_stride + (size_t)kvh * d), ldk,
+                          qb, pt + (size_t)kg * 16 * FA_ROWS);
+        }
+        /* Online softmax, as fa_task (the scale applied here) */
+        const __m512 scale = _mm512_set1_ps(p->scale);
+        for (int v = 0; v < mv; v++) {
+            const __m512i posv = _mm512_loadu_si512((const void *)(rpos + 16 * v));
+            __m512 cmax = _mm512_set1_ps(-INFINITY);
+            for (int kk = 0; kk < nk; kk++) {
+                float *sp = pt + (size_t)kk * FA_ROWS + 16 * v;
+                __mmask16 masked = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(c0 + kk), posv);
+                __m512 sv = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_loadu_ps(sp), scale), masked,
+                                               _mm512_set1_ps(-INFINITY));
+                _mm512_storeu_ps(sp, sv);
+                cmax = _mm512_max_ps(cmax, sv);
+            }
+            __m512 mold = _mm512_loadu_ps(mrow + 16 * v);
+            __m512 mnew = _mm512_max_ps(mold, cmax);
+            __m512 a = exp512(_mm512_sub_ps(mold, mnew));
+            __m512 sum = _mm512_setzero_ps();
+            for (int kk = 0; kk < nk; kk++) {
+                float *sp = pt + (size_t)kk * FA_ROWS + 16 * v;
+                __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sp), mnew));
+                _mm512_storeu_ps(sp, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            _mm512_storeu_ps(lrow + 16 * v,
+                             _mm512_fmadd_ps(_mm512_loadu_ps(lrow + 16 * v), a, sum));
+            _mm512_storeu_ps(mrow + 16 * v, mnew);
+            _mm512_storeu_ps(alpha + 16 * v, a);
+        }
+        /* P as A tiles: row group rg, key step s: 16 rows x 32 keys of bf16
+         * (keys past nk are zero) */
+        for (int rg = 0; rg < mv; rg++)
+            for (int s2 = 0; s2 < n_s; s2++) {
+                __m512 lo[16], hi[16];
+                for (int i = 0; i < 16; i++) {
+                    int k0 = s2 * 32 + i, k1 = k0 + 16;
+                    lo[i] = k0 < nk ? _mm512_loadu_ps(pt + (size_t)k0 * FA_ROWS + 16 * rg)
+                                    : _mm512_setzero_ps();
+                    hi[i] = k1 < nk ? _mm512_loadu_ps(pt + (size_t)k1 * FA_ROWS + 16 * rg)
+                                    : _mm512_setzero_ps();
+                }
+                transpose16_avx512(lo); /* lo[r]: keys 0..15 of row r */
+                transpose16_avx512(hi);
+                char *dst = pa + ((size_t)rg * 2 + (size_t)s2) * 1024;
+                for (int r = 0; r < 16; r++)
+                    _mm512_storeu_si512((void *)(dst + r * 64),
+                                        (__m512i)_mm512_cvtne2ps_pbh(hi[r], lo[r]));
+            }
+        /* V as B tiles: column tile ct, key step s: 16 key pairs x 16
+         * columns of (key 2kp, key 2kp + 1) */
+        for (int kp = 0; kp < n_s * 16; kp++) {
+            for (int c32 = 0; c32 < d; c32 += 32) {
+                int k0 = 2 * kp, k1 = k0 + 1;
+                __m512i a = _mm512_setzero_si512(), b = a;
+                if (k0 < nk) {
+                    int pos = c0 + k0;
+                    size_t slot =
+                        (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
+                    a = _mm512_loadu_si512(
+                        (const void *)(vc + slot * slot_stride + (size_t)kvh * d + c32));
+                }
+                if (k1 < nk) {
+                    int pos = c0 + k1;
+                    size_t slot =
+                        (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
+                    b = _mm512_loadu_si512(
+                        (const void *)(vc + slot * slot_stride + (size_t)kvh * d + c32));
+                }
+                __m512i r0 = _mm512_permutex2var_epi16(a, ilo, b); /* columns c32 .. c32 + 15 */
+                __m512i r1 = _mm512_permutex2var_epi16(a, ihi, b); /* c32 + 16 .. c32 + 31 */
+                const int ct0 = c32 / 16, s2 = kp / 16, row = kp % 16;
+                _mm512_storeu_si512((void *)(vb + ((size_t)ct0 * 2 + s2) * 1024 + row * 64), r0);
+                _mm512_storeu_si512((void *)(vb + ((size_t)(ct0 + 1) * 2 + s2) * 1024 + row * 64),
+                                    r1);
+            }
+        }
+        /* O = alpha O + P V, one 16 x 16 tile at a time */
+        for (int rg = 0; rg < mv; rg++)
+            for (int c = 0; c < nct; c++) {
+                fa_amx_pv(n_s, pa + (size_t)rg * 2 * 1024, vb + (size_t)c * 2 * 1024, ct);
+                for (int i = 0; i < 16; i++) {
+                    float *orow = o + (size_t)(rg * 16 + i) * d + c * 16;
+                    _mm512_storeu_ps(orow, _mm512_fmadd_ps(_mm512_loadu_ps(orow),
+                                                           _mm512_set1_ps(alpha[rg * 16 + i]),
+                                                           _mm512_loadu_ps(ct + i * 16)));
+                }
+            }
+    }
+    for (int r = 0; r < n_rows; r++) {
+        const int t = g->t0 + r / rep, h = kvh * rep + r % rep;
+        float *out = p->out + ((size_t)t * p->n_head + h) * d;
+        const __m512 inv = _mm512_set1_ps(1.0f / lrow[r]);
+        for (int k = 0; k < d; k += 16)
+            _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)r * d + k), inv));
+    }
+}
+
 FA_TARGET static void fa_task(void *arg, int task, int thread)
 {
     const struct fa_job *j = arg;
+    if (j->amx) {
+        amx_begin();
+        fa_task_amx(j, task, thread);
+        amx_end();
+        return;
+    }
     const struct moe_attn_params *p = j->p;
     const struct fa_group *g = &j->groups[task / p->n_kv_head];
     const int kvh = task % p->n_kv_head;
@@ -387,14 +641,23 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
     }
     qsort(groups, (size_t)n_group, sizeof *groups, fa_group_cmp);
     int n_threads = moe_threadpool_size(pool);
+    const int dv = p->d_v ? p->d_v : p->d_head;
+    const bool amx = p->fast && p->kv_dtype == MOE_DTYPE_BF16 &&
+                     (cpu_kernels_features() & CPU_FEAT_AMX_BF16) && p->d_head % 32 == 0 &&
+                     p->d_head <= FA_AMX_MAX_D && dv == p->d_head && p->v_cache != p->k_cache &&
+                     p->block_size % 16 == 0;
     struct fa_job j = {
         .p = p,
+        .amx = amx,
         .groups = groups,
         .n_group = n_group,
         .rep = rep,
         .scratch_stride = fa_scratch_floats((p->d_head + 15) / 16 * 16,
                                             ((p->d_v ? p->d_v : p->d_head) + 15) / 16 * 16),
     };
+    if (amx)
+        j.scratch_stride = (size_t)FA_ROWS * p->d_head + (size_t)FA_KB * FA_ROWS + 3 * FA_ROWS +
+                           fa_amx_scratch_floats(p->d_head) + 16;
     j.scratch = malloc((size_t)n_threads * j.scratch_stride * sizeof(float));
     MOE_ASSERT(j.scratch != NULL);
     int n_tasks = n_group * p->n_kv_head;

@@ -74,6 +74,7 @@
 
 #include "cpu_kernels.h"
 #include "quant.h"
+#include "amx_x86.h"
 #include "simd_x86.h"
 
 #if defined(__x86_64__)
@@ -643,43 +644,6 @@ DOT_TARGET static void mk_packed_any(enum dot_kind kind, int T, const char *xt, 
 #define AMX_STREAM_MIN_BF16 2
 #define AMX_STREAM_MIN_I8 8
 #define AMX_STREAM_MAX 32
-
-struct amx_tilecfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-static void amx_begin(void)
-{
-    struct amx_tilecfg cfg __attribute__((aligned(64)));
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
-}
-
-static void amx_end(void)
-{
-    __asm__ volatile("tilerelease" : : : "memory");
-}
-
-#define AMX_LOAD(tmm, base, stride)                                                                \
-    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tmm                                             \
-                     :                                                                             \
-                     : "r"(base), "r"((int64_t)(stride))                                           \
-                     : "memory")
-#define AMX_STORE(tmm, base, stride)                                                               \
-    __asm__ volatile("tilestored %%tmm" #tmm ", (%0,%1,1)"                                         \
-                     :                                                                             \
-                     : "r"(base), "r"((int64_t)(stride))                                           \
-                     : "memory")
-/* Intel order dst, src1 (A), src2 (B); AT&T reverses it. */
-#define AMX_DP(insn, c, a, b)                                                                      \
-    __asm__ volatile(insn " %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
 
 /* T (1..32) tokens from xt x the panel's 32 rows, over n_ks 64-byte steps
  * of k, into out (32 x 32, f32 for BF16, i32 for I8). Rows of xt past T

@@ -138,12 +138,16 @@ static int health(struct rpc_client *c)
 
 static void test_tokens_match(struct rpc_client *c)
 {
-    /* reference: the same model in-process */
+    /* reference: the same model in-process, as the worker loads it (its
+     * defaults: fast mode, the backend's KV dtype) */
     struct moe_backend *be = NULL;
     struct moe_model *m = NULL;
     struct moe_error err = {0};
     CHECK(moe_backend_create("cpu", 1, &be, &err) == MOE_OK);
-    struct moe_model_opts mo = {.dtype = MOE_DTYPE_F32, .tp_size = 1};
+    struct moe_model_opts mo = {.dtype = MOE_DTYPE_F32,
+                                .tp_size = 1,
+                                .fast = true,
+                                .kv_dtype = moe_backend_default_kv_dtype(be)};
     CHECKF(moe_model_load(model_dir, &mo, be, &m, &err) == MOE_OK, "%s", err.msg);
     int32_t prompt[7] = {11, 22, 33, 44, 55, 66, 77};
     uint32_t uprompt[7];

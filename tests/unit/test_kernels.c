@@ -606,6 +606,125 @@ static void test_attention_tiled(void)
            n_tiled, sizeof cases / sizeof cases[0], worst);
 }
 
+/* Fast-mode attention on AMX (p->fast over a BF16 cache, attention_tiled.c):
+ * held to the f32 reference over the same cache within the tolerance of
+ * rounding q and the probabilities to bf16 (max |out - ref| <= 2e-2 of
+ * max |ref|; random data reach ~3e-3), each token alone bit-identical to
+ * the same token in its batch, and fast = false still the f32 kernel bit for
+ * bit. Blocks of 16 and 32 slots, d 32 .. 128, GQA 1 .. 64, sequences
+ * shorter than a chunk, ending mid-chunk, several chunks long. */
+static void test_attention_amx(void)
+{
+    if (!(cpu_kernels_features() & CPU_FEAT_AMX_BF16)) {
+        printf("SKIPPED: attention amx-bf16: this processor (or its OS) lacks AMX-BF16\n");
+        return;
+    }
+    static const struct {
+        int n_kv_head, rep, d_head, block_size, seq_len, n_new;
+    } cases[] = {
+        {4, 4, 64, 16, 300, 40},   {2, 8, 128, 16, 200, 17}, {1, 64, 32, 32, 70, 3},
+        {1, 16, 64, 16, 129, 128}, {2, 1, 96, 32, 65, 64},   {3, 2, 64, 16, 9, 8},
+    }; /* n_new < seq_len: sequence 1 (one shorter) starts at position 0 */
+    double worst = 0;
+    int differ = 0, exact_differ = 0;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int nkv = cases[c].n_kv_head, n_head = nkv * cases[c].rep, d = cases[c].d_head;
+        const int bs = cases[c].block_size, len = cases[c].seq_len, n_new = cases[c].n_new;
+        const int kv_dim = nkv * d, n_seq = 2;
+        const int max_blocks = (len + bs - 1) / bs, n_block = n_seq * max_blocks;
+        int32_t *bt = malloc((size_t)n_block * sizeof *bt);
+        for (int b = 0; b < n_block; b++)
+            bt[b] = n_block - 1 - b;
+        size_t n_cache = (size_t)n_block * bs * kv_dim;
+        float *kf = rand_floats(n_cache), *vf = rand_floats(n_cache);
+        uint16_t *kb = malloc(n_cache * 2), *vb = malloc(n_cache * 2);
+        for (size_t i = 0; i < n_cache; i++) {
+            kb[i] = moe_f32_to_bf16(kf[i]);
+            vb[i] = moe_f32_to_bf16(vf[i]);
+        }
+        const int n_tok = n_seq * n_new;
+        int32_t *seq = malloc((size_t)n_tok * sizeof *seq),
+                *pos = malloc((size_t)n_tok * sizeof *pos);
+        for (int t = 0; t < n_tok; t++) {
+            seq[t] = t / n_new;
+            pos[t] = len - n_new + t % n_new - (seq[t] ? 1 : 0);
+        }
+        size_t nq = (size_t)n_tok * n_head * d;
+        float *q = rand_floats(nq), *oa = malloc(nq * sizeof(float)),
+              *orf = malloc(nq * sizeof(float)), *oe = malloc(nq * sizeof(float)),
+              *ot = malloc(nq * sizeof(float));
+        for (size_t i = 0; i < nq; i++)
+            q[i] *= 3.0f;
+        struct moe_attn_params ap = {
+            .q = q,
+            .out = oa,
+            .k_cache = kb,
+            .v_cache = vb,
+            .kv_dtype = MOE_DTYPE_BF16,
+            .tok_seq = seq,
+            .tok_pos = pos,
+            .block_tables = bt,
+            .max_blocks = max_blocks,
+            .n_tok = n_tok,
+            .n_head = n_head,
+            .n_kv_head = nkv,
+            .d_head = d,
+            .block_size = bs,
+            .scale = 1.0f / sqrtf((float)d),
+            .fast = true,
+        };
+        cpu_attention(g_pool, &ap);
+        struct moe_attn_params ar = ap;
+        ar.out = orf;
+        ar.fast = false;
+        cpu_attention_ref(g_pool, &ar);
+        ar.out = oe;
+        cpu_attention(g_pool, &ar); /* fast = false: the f32 tiles */
+        ar.out = ot;
+        cpu_attention_tiled(NULL, &ar);
+        exact_differ += memcmp(oe, ot, nq * sizeof(float)) != 0;
+        double num = 0, den = 1e-30;
+        for (size_t i = 0; i < nq; i++) {
+            num = fmax(num, fabs((double)oa[i] - orf[i]));
+            den = fmax(den, fabs((double)orf[i]));
+        }
+        double e = num / den;
+        CHECKF(e <= 2e-2, "amx attention case %zu: max err %.3g of max |ref|", c, e);
+        worst = fmax(worst, e);
+        float *o1 = malloc((size_t)n_head * d * sizeof(float));
+        for (int t = 0; t < n_tok; t += 3) {
+            struct moe_attn_params a1 = ap;
+            a1.q = q + (size_t)t * n_head * d;
+            a1.out = o1;
+            a1.tok_seq = seq + t;
+            a1.tok_pos = pos + t;
+            a1.n_tok = 1;
+            cpu_attention(g_pool, &a1);
+            differ +=
+                memcmp(o1, oa + (size_t)t * n_head * d, (size_t)n_head * d * sizeof(float)) != 0;
+        }
+        free(o1);
+        free(bt);
+        free(kf);
+        free(vf);
+        free(kb);
+        free(vb);
+        free(seq);
+        free(pos);
+        free(q);
+        free(oa);
+        free(orf);
+        free(oe);
+        free(ot);
+    }
+    CHECKF(differ == 0, "amx attention: %d tokens differ alone vs in their batch", differ);
+    CHECKF(exact_differ == 0, "amx attention: fast = false differs from the f32 tiles in %d cases",
+           exact_differ);
+    printf("attention amx-bf16: %zu cases, worst err %.3g of max |ref| (tolerance 2e-2), tokens "
+           "alone bit-identical to batched\n",
+           sizeof cases / sizeof cases[0], worst);
+}
+
 /* Latent attention (multi-head latent attention's cache): one row of
  * d = L + R per token that is K whole and, in its first d_v = L elements, V
  * (v_cache == k_cache); heads wider than the tiled kernel's 8-vector PV pass.
@@ -1714,9 +1833,10 @@ int main(void)
         test_argmax(name);
     }
     CHECK(cpu_kernels_force_isa(CPU_ISA_AVX512) == best); /* clamped to what exists */
-    if (best == CPU_ISA_AVX512)
+    if (best == CPU_ISA_AVX512) {
         test_attention_tiled();
-    else
+        test_attention_amx();
+    } else
         printf("SKIPPED: attention tiled: this processor lacks AVX-512\n");
     test_matmul_ref();
     test_matmul_detects_error();

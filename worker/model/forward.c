@@ -277,6 +277,7 @@ static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache 
         .d_head = c->d_head,
         .block_size = kv->block_size,
         .scale = 1.0f / sqrtf((float)c->d_head),
+        .fast = m->opts.fast,
     };
     ops->attention(m->be, &ap);
     /* Row-parallel o_proj: with tp_size > 1 the partial sums are all-reduced here. */
