@@ -259,6 +259,42 @@ FA_TARGET static void fa_pv_any(int RT, int ND, int r0, int nk, const float *con
     MOE_ASSERT(0 && "fa_pv_any: unsupported tile");
 }
 
+/* The online softmax over a chunk's nk keys at c0, 16 rows per vector:
+ * S^T in pt (scaled by `scale` here: 1 where the scores came scaled) becomes
+ * P^T; keys after a row's position are masked (p = 0 exactly); m, l and
+ * alpha per row. */
+FA_TARGET static void fa_softmax(float *pt, int nk, int c0, int mv, const int32_t *rpos,
+                                 float *mrow, float *lrow, float *alpha, float scale)
+{
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int v = 0; v < mv; v++) {
+        const __m512i posv = _mm512_loadu_si512((const void *)(rpos + 16 * v));
+        __m512 cmax = _mm512_set1_ps(-INFINITY);
+        for (int kk = 0; kk < nk; kk++) {
+            float *s = pt + (size_t)kk * FA_ROWS + 16 * v;
+            __mmask16 masked = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(c0 + kk), posv);
+            __m512 sv = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_loadu_ps(s), sc), masked,
+                                           _mm512_set1_ps(-INFINITY));
+            _mm512_storeu_ps(s, sv);
+            cmax = _mm512_max_ps(cmax, sv);
+        }
+        __m512 mold = _mm512_loadu_ps(mrow + 16 * v);
+        __m512 mnew = _mm512_max_ps(mold, cmax);
+        /* every row sees key 0 in chunk 0, so mnew is finite from then on */
+        __m512 a = exp512(_mm512_sub_ps(mold, mnew));
+        __m512 sum = _mm512_setzero_ps();
+        for (int kk = 0; kk < nk; kk++) {
+            float *s = pt + (size_t)kk * FA_ROWS + 16 * v;
+            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s), mnew));
+            _mm512_storeu_ps(s, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        _mm512_storeu_ps(lrow + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(lrow + 16 * v), a, sum));
+        _mm512_storeu_ps(mrow + 16 * v, mnew);
+        _mm512_storeu_ps(alpha + 16 * v, a);
+    }
+}
+
 /* ---- AMX (see the top) ---- */
 
 /* Per-thread scratch of the AMX task, in floats, on top of the f32 one: Q^T
@@ -393,34 +429,7 @@ FA_AMX_TARGET static void fa_task_amx(const struct fa_job *j, int task, int thre
             fa_amx_scores(mv, n_ks, (const char *)(kc + slot * slot_stride + (size_t)kvh * d), ldk,
                           qb, pt + (size_t)kg * 16 * FA_ROWS);
         }
-        /* Online softmax, as fa_task (the scale applied here) */
-        const __m512 scale = _mm512_set1_ps(p->scale);
-        for (int v = 0; v < mv; v++) {
-            const __m512i posv = _mm512_loadu_si512((const void *)(rpos + 16 * v));
-            __m512 cmax = _mm512_set1_ps(-INFINITY);
-            for (int kk = 0; kk < nk; kk++) {
-                float *sp = pt + (size_t)kk * FA_ROWS + 16 * v;
-                __mmask16 masked = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(c0 + kk), posv);
-                __m512 sv = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_loadu_ps(sp), scale), masked,
-                                               _mm512_set1_ps(-INFINITY));
-                _mm512_storeu_ps(sp, sv);
-                cmax = _mm512_max_ps(cmax, sv);
-            }
-            __m512 mold = _mm512_loadu_ps(mrow + 16 * v);
-            __m512 mnew = _mm512_max_ps(mold, cmax);
-            __m512 a = exp512(_mm512_sub_ps(mold, mnew));
-            __m512 sum = _mm512_setzero_ps();
-            for (int kk = 0; kk < nk; kk++) {
-                float *sp = pt + (size_t)kk * FA_ROWS + 16 * v;
-                __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sp), mnew));
-                _mm512_storeu_ps(sp, e);
-                sum = _mm512_add_ps(sum, e);
-            }
-            _mm512_storeu_ps(lrow + 16 * v,
-                             _mm512_fmadd_ps(_mm512_loadu_ps(lrow + 16 * v), a, sum));
-            _mm512_storeu_ps(mrow + 16 * v, mnew);
-            _mm512_storeu_ps(alpha + 16 * v, a);
-        }
+        fa_softmax(pt, nk, c0, mv, rpos, mrow, lrow, alpha, p->scale);
         /* P as A tiles: row group rg, key step s: 16 rows x 32 keys of bf16
          * (keys past nk are zero) */
         for (int rg = 0; rg < mv; rg++)
@@ -558,34 +567,7 @@ FA_TARGET static void fa_task(void *arg, int task, int thread)
             fa_scores_any(jt, mv, kp + i, d, qt, pt + (size_t)i * FA_ROWS, p->scale);
         for (; i < nk; i++)
             fa_scores_any(1, mv, kp + i, d, qt, pt + (size_t)i * FA_ROWS, p->scale);
-        /* Online softmax, 16 rows per vector. */
-        for (int v = 0; v < mv; v++) {
-            const __m512i posv = _mm512_loadu_si512((const void *)(rpos + 16 * v));
-            __m512 cmax = _mm512_set1_ps(-INFINITY);
-            for (int kk = 0; kk < nk; kk++) {
-                float *s = pt + (size_t)kk * FA_ROWS + 16 * v;
-                __mmask16 masked = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(c0 + kk), posv);
-                __m512 sv =
-                    _mm512_mask_mov_ps(_mm512_loadu_ps(s), masked, _mm512_set1_ps(-INFINITY));
-                _mm512_storeu_ps(s, sv);
-                cmax = _mm512_max_ps(cmax, sv);
-            }
-            __m512 mold = _mm512_loadu_ps(mrow + 16 * v);
-            __m512 mnew = _mm512_max_ps(mold, cmax);
-            /* every row sees key 0 in chunk 0, so mnew is finite from then on */
-            __m512 a = exp512(_mm512_sub_ps(mold, mnew));
-            __m512 sum = _mm512_setzero_ps();
-            for (int kk = 0; kk < nk; kk++) {
-                float *s = pt + (size_t)kk * FA_ROWS + 16 * v;
-                __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s), mnew));
-                _mm512_storeu_ps(s, e);
-                sum = _mm512_add_ps(sum, e);
-            }
-            _mm512_storeu_ps(lrow + 16 * v,
-                             _mm512_fmadd_ps(_mm512_loadu_ps(lrow + 16 * v), a, sum));
-            _mm512_storeu_ps(mrow + 16 * v, mnew);
-            _mm512_storeu_ps(alpha + 16 * v, a);
-        }
+        fa_softmax(pt, nk, c0, mv, rpos, mrow, lrow, alpha, 1.0f); /* scores came scaled */
         /* O's columns in passes of up to FA_PV_D (8 vectors) */
         for (int col = 0; col < dv; col += FA_PV_D) {
             const int nd = (dv - col > FA_PV_D ? FA_PV_D : dv - col + 15) / 16;
