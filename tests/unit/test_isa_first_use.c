@@ -2,7 +2,11 @@
  * inside a pool run: every thread that asks must get the chosen ISA, never
  * "not chosen yet" (which once sent a task to the scalar kernels, so a
  * forward pass differed from the next one in the last bits). Each round is
- * a fresh process whose threads all make their first call at once. */
+ * a fresh process whose threads all make their first call at once.
+ *
+ * Also: MOE_CPU_ISA, read by that first use, narrows the choice to each of
+ * its forms (clamped to what this processor has), and an unknown value is
+ * ignored. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,10 +53,70 @@ static int child(void)
     return 0;
 }
 
+/* A fresh process with MOE_CPU_ISA=form: 0 when it chose isa / feat. */
+static int env_child(const char *self, const char *form, int isa, unsigned feat)
+{
+    pid_t pid = fork();
+    if (pid == 0) {
+        char a[16], f[16];
+        snprintf(a, sizeof a, "%d", isa);
+        snprintf(f, sizeof f, "%u", feat);
+        setenv("MOE_CPU_ISA", form, 1);
+        execl("/proc/self/exe", self, "--expect", a, f, (char *)NULL);
+        _exit(127);
+    }
+    int st = 0;
+    if (pid <= 0 || waitpid(pid, &st, 0) != pid)
+        return -1;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void test_env_forms(const char *self)
+{
+    const int det = (int)cpu_kernels_detect_isa();
+    const unsigned have = cpu_kernels_detect_features();
+    static const struct {
+        const char *form;
+        int isa;
+        unsigned feat; /* before the clamp */
+    } forms[] = {
+        {"auto", CPU_ISA_AVX512, CPU_FEAT_ALL},
+        {"scalar", CPU_ISA_SCALAR, 0},
+        {"avx2", CPU_ISA_AVX2, 0},
+        {"avx512", CPU_ISA_AVX512, 0},
+        {"avx512-bf16", CPU_ISA_AVX512, CPU_FEAT_AVX512_BF16},
+        {"avx512-vnni", CPU_ISA_AVX512, CPU_FEAT_AVX512_VNNI},
+        {"avx512-dot", CPU_ISA_AVX512, CPU_FEAT_AVX512_BF16 | CPU_FEAT_AVX512_VNNI},
+        {"amx", CPU_ISA_AVX512, CPU_FEAT_ALL},
+        {"no-such-isa", CPU_ISA_AVX512, CPU_FEAT_ALL}, /* ignored: as auto */
+    };
+    for (size_t i = 0; i < sizeof forms / sizeof forms[0]; i++) {
+        int isa = forms[i].isa < det ? forms[i].isa : det;
+        unsigned feat = isa == CPU_ISA_AVX512 ? forms[i].feat & have : 0;
+        int rc = env_child(self, forms[i].form, isa, feat);
+        CHECKF(rc == 0, "MOE_CPU_ISA=%s: the process did not choose isa %d features %#x (rc %d)",
+               forms[i].form, isa, feat, rc);
+    }
+    char names[128];
+    printf("MOE_CPU_ISA: %zu forms, each clamped to this processor (%s, %s)\n",
+           sizeof forms / sizeof forms[0], cpu_isa_name((enum cpu_isa)det),
+           cpu_features_name(have, names, sizeof names));
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && !strcmp(argv[1], "--child"))
         return child();
+    if (argc > 3 && !strcmp(argv[1], "--expect")) {
+        int isa = (int)cpu_kernels_isa();
+        unsigned feat = cpu_kernels_features();
+        if (isa == atoi(argv[2]) && feat == (unsigned)strtoul(argv[3], NULL, 10))
+            return 0;
+        fprintf(stderr, "chose isa %d features %#x, expected %s / %s\n", isa, feat, argv[2],
+                argv[3]);
+        return 1;
+    }
+    test_env_forms(argv[0]);
     int bad = 0;
     for (int r = 0; r < N_ROUNDS; r++) {
         pid_t pid = fork();
