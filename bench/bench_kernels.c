@@ -61,6 +61,25 @@ static void fill_weights(void *w, enum moe_dtype dt, const struct shape *sh, uns
     }
 }
 
+/* n filled copies of one weight (seeds seed, seed + 1, ...): calls rotate
+ * over them so the weights come from memory, as in decode. */
+static void **weight_copies(enum moe_dtype dt, const struct shape *sh, int n, unsigned seed)
+{
+    void **copies = calloc((size_t)n, sizeof(void *));
+    for (int c = 0; c < n; c++) {
+        copies[c] = malloc(weight_bytes(dt, sh));
+        fill_weights(copies[c], dt, sh, seed + (unsigned)c);
+    }
+    return copies;
+}
+
+static void free_copies(void **copies, int n)
+{
+    for (int c = 0; c < n; c++)
+        free(copies[c]);
+    free(copies);
+}
+
 /* Points p at weight copy `w` (and its row scales when I8). */
 static void set_weights(struct moe_matmul_params *p, void *w)
 {
@@ -153,11 +172,7 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
             const struct shape *sh = &shapes[s];
             const size_t w_bytes = weight_bytes(dt, sh);
             int n_copies = (int)((cold_bytes + w_bytes - 1) / w_bytes);
-            void **copies = calloc((size_t)n_copies, sizeof(void *));
-            for (int c = 0; c < n_copies; c++) {
-                copies[c] = malloc(w_bytes);
-                fill_weights(copies[c], dt, sh, 777u + (unsigned)c);
-            }
+            void **copies = weight_copies(dt, sh, n_copies, 777u);
             float *x = malloc((size_t)512 * sh->n_in * sizeof(float));
             float *y = malloc((size_t)512 * sh->n_out * sizeof(float));
             for (size_t i = 0; i < (size_t)512 * sh->n_in; i++)
@@ -189,9 +204,7 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
                     printf("\n");
                     fflush(stdout);
                 }
-            for (int c = 0; c < n_copies; c++)
-                free(copies[c]);
-            free(copies);
+            free_copies(copies, n_copies);
             free(x);
             free(y);
         }
@@ -257,11 +270,7 @@ int main(int argc, char **argv)
                 if (quick || isas[ii] == CPU_ISA_SCALAR)
                     n_copies =
                         n_copies < 4 ? n_copies : 4; /* the scalar path is not bandwidth-bound */
-                void **copies = calloc((size_t)n_copies, sizeof(void *));
-                for (int c = 0; c < n_copies; c++) {
-                    copies[c] = malloc(w_bytes);
-                    fill_weights(copies[c], dt, sh, 12345u + (unsigned)c);
-                }
+                void **copies = weight_copies(dt, sh, n_copies, 12345u);
                 int max_tok = 256;
                 float *x = malloc((size_t)max_tok * sh->n_in * sizeof(float));
                 float *y = malloc((size_t)max_tok * sh->n_out * sizeof(float));
@@ -293,9 +302,7 @@ int main(int argc, char **argv)
                         fflush(stdout);
                     }
                 }
-                for (int c = 0; c < n_copies; c++)
-                    free(copies[c]);
-                free(copies);
+                free_copies(copies, n_copies);
                 free(x);
                 free(y);
             }

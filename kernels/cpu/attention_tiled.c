@@ -107,6 +107,12 @@ FA_TARGET static inline __attribute__((always_inline)) __m512 exp512(__m512 x)
     return _mm512_mask_mov_ps(e, zero, _mm512_setzero_ps());
 }
 
+/* The cache slot of position pos of the sequence whose block table is blocks. */
+static inline size_t fa_slot(const struct moe_attn_params *p, const int32_t *blocks, int pos)
+{
+    return (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
+}
+
 struct fa_group {
     int t0, nt; /* batch rows [t0, t0 + nt), one sequence */
     int max_pos;
@@ -425,7 +431,7 @@ FA_AMX_TARGET static void fa_task_amx(const struct fa_job *j, int task, int thre
         /* S^T, 16 keys at a time: their rows are 16 consecutive slots */
         for (int kg = 0; kg < n_kg; kg++) {
             int pos = c0 + kg * 16;
-            size_t slot = (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
+            size_t slot = fa_slot(p, blocks, pos);
             fa_amx_scores(mv, n_ks, (const char *)(kc + slot * slot_stride + (size_t)kvh * d), ldk,
                           qb, pt + (size_t)kg * 16 * FA_ROWS);
         }
@@ -452,23 +458,16 @@ FA_AMX_TARGET static void fa_task_amx(const struct fa_job *j, int task, int thre
         /* V as B tiles: column tile ct, key step s: 16 key pairs x 16
          * columns of (key 2kp, key 2kp + 1) */
         for (int kp = 0; kp < n_s * 16; kp++) {
+            const int k0 = 2 * kp, k1 = k0 + 1;
+            const uint16_t *v0 =
+                k0 < nk ? vc + fa_slot(p, blocks, c0 + k0) * slot_stride + (size_t)kvh * d : NULL;
+            const uint16_t *v1 =
+                k1 < nk ? vc + fa_slot(p, blocks, c0 + k1) * slot_stride + (size_t)kvh * d : NULL;
             for (int c32 = 0; c32 < d; c32 += 32) {
-                int k0 = 2 * kp, k1 = k0 + 1;
-                __m512i a = _mm512_setzero_si512(), b = a;
-                if (k0 < nk) {
-                    int pos = c0 + k0;
-                    size_t slot =
-                        (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
-                    a = _mm512_loadu_si512(
-                        (const void *)(vc + slot * slot_stride + (size_t)kvh * d + c32));
-                }
-                if (k1 < nk) {
-                    int pos = c0 + k1;
-                    size_t slot =
-                        (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
-                    b = _mm512_loadu_si512(
-                        (const void *)(vc + slot * slot_stride + (size_t)kvh * d + c32));
-                }
+                __m512i a =
+                    v0 ? _mm512_loadu_si512((const void *)(v0 + c32)) : _mm512_setzero_si512();
+                __m512i b =
+                    v1 ? _mm512_loadu_si512((const void *)(v1 + c32)) : _mm512_setzero_si512();
                 __m512i r0 = _mm512_permutex2var_epi16(a, ilo, b); /* columns c32 .. c32 + 15 */
                 __m512i r1 = _mm512_permutex2var_epi16(a, ihi, b); /* c32 + 16 .. c32 + 31 */
                 const int ct0 = c32 / 16, s2 = kp / 16, row = kp % 16;
@@ -548,7 +547,7 @@ FA_TARGET static void fa_task(void *arg, int task, int thread)
         const int nk = g->max_pos + 1 - c0 < FA_KB ? g->max_pos + 1 - c0 : FA_KB;
         for (int i = 0; i < nk; i++) {
             int pos = c0 + i;
-            size_t slot = (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
+            size_t slot = fa_slot(p, blocks, pos);
             size_t off = slot * slot_stride + (size_t)kvh * d;
             if (wide) {
                 float *kr = kw + (size_t)i * ldk, *vr = vw + (size_t)i * ldv;
