@@ -141,16 +141,6 @@ static size_t fa_scratch_floats(int ldk, int ldv)
 /* n bf16 values widened (exactly) to f32: inline, since a decode step widens
  * a short row per key and head (a call per row cost ~14% of a 16-sequence
  * decode step at 300 positions). */
-FA_TARGET static inline __attribute__((always_inline)) void fa_widen(float *dst,
-                                                                     const uint16_t *src, int n)
-{
-    for (int k = 0; k < n; k += 16) {
-        __mmask16 m = n - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - k)) - 1u);
-        __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + k));
-        _mm512_mask_storeu_ps(dst + k, m, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-    }
-}
-
 /* S^T[j][rows] = sum_k K[j][k] Q^T[k][rows] for J keys (pointers kp) and
  * MV vectors of 16 rows. */
 FA_TARGET static inline __attribute__((always_inline)) void fa_scores(const int J, const int MV,
@@ -564,9 +554,9 @@ FA_TARGET static void fa_task(void *arg, int task, int thread)
             size_t off = slot * slot_stride + (size_t)kvh * d;
             if (wide) {
                 float *kr = kw + (size_t)i * ldk, *vr = vw + (size_t)i * ldv;
-                fa_widen(kr, (const uint16_t *)p->k_cache + off, d);
+                bf16_to_f32_avx512(kr, (const uint16_t *)p->k_cache + off, d);
                 if (!same_kv)
-                    fa_widen(vr, (const uint16_t *)p->v_cache + off, dv);
+                    bf16_to_f32_avx512(vr, (const uint16_t *)p->v_cache + off, dv);
                 kp[i] = kr;
                 vp[i] = same_kv ? kr : vr;
             } else {

@@ -225,12 +225,7 @@ static void tile_scalar(const struct mm_tile *mt)
 
 /* ---- AVX-512 path ---- */
 
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx2")))
-
-AVX512_TARGET static inline __m512 bf16x16_to_f32(__m256i h)
-{
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+#define AVX512_TARGET MOE_AVX512_TARGET
 
 AVX512_TARGET static inline __m512 i8x16_to_f32(__m128i q)
 {

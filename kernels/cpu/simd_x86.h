@@ -5,8 +5,25 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#include <stdint.h>
 
 #define MOE_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx2")))
+
+/* bf16 -> f32 is a 16-bit left shift (bit for bit moe_bf16_to_f32 in
+ * dtype.h): one vector, and n elements (any n; no access past them). */
+MOE_AVX512_TARGET static inline __attribute__((always_inline)) __m512 bf16x16_to_f32(__m256i h)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+MOE_AVX512_TARGET static inline __attribute__((always_inline)) void
+bf16_to_f32_avx512(float *dst, const uint16_t *src, int n)
+{
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(dst + i, m, bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, src + i)));
+    }
+}
 
 /* In-register transpose of a 16 x 16 f32 block: v[i] lane j <-> v[j] lane i.
  * 32-bit, then 64-bit interleaves within 128-bit lanes, then two rounds of

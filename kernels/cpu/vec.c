@@ -15,6 +15,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "simd_x86.h"
 #define VEC_X86 1
 #endif
 
@@ -259,7 +261,7 @@ static void scale_scalar(float *y, float a, int n)
 
 #ifdef VEC_X86
 
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx2")))
+#define AVX512_TARGET MOE_AVX512_TARGET
 #define AVX2_TARGET __attribute__((target("avx2,fma")))
 
 AVX512_TARGET static float dot_avx512(const float *a, const float *b, int n)
@@ -342,11 +344,7 @@ AVX2_TARGET static void scale_avx2(float *y, float a, int n)
  * keeps a NaN a (quiet) NaN. */
 AVX512_TARGET static void from_bf16_avx512(float *dst, const uint16_t *src, int n)
 {
-    for (int i = 0; i < n; i += 16) {
-        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
-        __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + i));
-        _mm512_mask_storeu_ps(dst + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-    }
+    bf16_to_f32_avx512(dst, src, n);
 }
 
 AVX512_TARGET static void to_bf16_avx512(uint16_t *dst, const float *src, int n)
