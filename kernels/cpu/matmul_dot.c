@@ -20,10 +20,15 @@
  *   row: sum_k xq_tk q_ok = sum_k u_tk q_ok - 128 sum_k q_ok, all in exact
  *   int32 arithmetic (|sum| < 255 * 127 * n_in < 2^31 for n_in <= 65536).
  *   y_to = sx_t * w_scale_o * that. The row sums sum_k q_ok are computed in
- *   the kernel, not at load: once per packed panel on the prefill path, and
- *   with one extra vpdpbusd (against ones) per 64 weights of a row on the
- *   streaming path, which is memory-bound there; so the int8 weight layout
- *   (common/quant.h) and every caller stay as they are. Error against the
+ *   the kernel, not at load, once per packed panel (prefill), so the int8
+ *   weight layout (common/quant.h) and every caller stay as they are. The
+ *   streaming (decode) path swaps the operands instead: the weights become
+ *   the unsigned side, q_ok ^ 0x80 = q_ok + 128 in [1, 255] (one XOR per 64
+ *   weights, shared by a tile's tokens), the activations stay signed, and
+ *   sum_k xq_tk (q_ok + 128) - 128 sum_k xq_tk is the same exact int32 sum;
+ *   the token sums are taken once per call while quantizing, so no row-sum
+ *   dot product per weight vector (there, at 16 tokens, the dot products
+ *   are what binds). Error against the
  *   exact int8 path (f32 x, dequantized weights):
  *     |y - y_exact| <= (sx_t / 2) w_scale_o sum_k |q_ok| + f32 rounding,
  *   i.e. half a quantization step of x per element. Because the sums are
@@ -201,6 +206,16 @@ DOT_TARGET static float act_s8_row(const float *xr, int n_in, int8_t *d, int ldx
     return sx;
 }
 
+/* sum_k xq_k of a signed row (ldx a multiple of 64; zeros past n_in). */
+DOT_TARGET static int32_t act_s8_sum(const int8_t *d, int ldx)
+{
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i acc = _mm512_setzero_si512();
+    for (int k = 0; k < ldx; k += 64)
+        acc = _mm512_dpbusd_epi32(acc, ones, _mm512_loadu_si512((const void *)(d + k)));
+    return _mm512_reduce_add_epi32(acc);
+}
+
 /* ---------------------------------------------------------------------------
  * The dot-product step, by kind: acc += x . w over one 64-byte vector
  * (32 bf16 pairs' worth, or 64 u8 x s8 quads' worth) */
@@ -276,16 +291,18 @@ union dot_out {
     int32_t i[DT_T][DT_R];
 };
 
+/* I8: xa holds signed xq (zero past n_in) and xs[t] = sum_k xq_tk; the
+ * weights go in as the unsigned operand, q + 128 (see the top). */
 DOT_TARGET static inline __attribute__((always_inline)) void
 mk_stream(const enum dot_kind K, const int T, const int R, const char *xa, int64_t ldxb,
-          const char *w, int64_t ldwb, int n_in, union dot_out *out)
+          const int32_t *xs, const char *w, int64_t ldwb, int n_in, union dot_out *out)
 {
     const int V = K == DOT_BF16 ? 32 : 64; /* elements per vector */
     const int esz = K == DOT_BF16 ? 2 : 1;
     /* Accumulators typed per kind (a cast array makes gcc keep them in memory). */
     __m512 accf[DT_T][DT_R];
-    __m512i acci[DT_T][DT_R], rs[DT_R];
-    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i acci[DT_T][DT_R];
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++)
 #pragma GCC unroll 4
@@ -295,9 +312,6 @@ mk_stream(const enum dot_kind K, const int T, const int R, const char *xa, int64
             else
                 acci[t][r] = _mm512_setzero_si512();
         }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-        rs[r] = _mm512_setzero_si512();
     /* The next register tile's rows, prefetched as far ahead as this one reads. */
     const char *pf = w + R * ldwb;
     int k = 0;
@@ -313,13 +327,13 @@ mk_stream(const enum dot_kind K, const int T, const int R, const char *xa, int64
         for (int r = 0; r < R; r++) {
             __m512i wv = _mm512_loadu_si512((const void *)(w + r * ldwb + (int64_t)k * esz));
             if (K == DOT_I8)
-                rs[r] = dot_u8s8(rs[r], ones, wv);
+                wv = _mm512_xor_si512(wv, flip);
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++) {
                 if (K == DOT_BF16)
                     accf[t][r] = dot_bf16(accf[t][r], xv[t], wv);
                 else
-                    acci[t][r] = dot_u8s8(acci[t][r], xv[t], wv);
+                    acci[t][r] = dot_u8s8(acci[t][r], wv, xv[t]);
             }
         }
     }
@@ -330,15 +344,15 @@ mk_stream(const enum dot_kind K, const int T, const int R, const char *xa, int64
             xv[t] = _mm512_loadu_si512((const void *)(xa + t * ldxb + (int64_t)k * esz));
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            __m512i wv = load_w(K, w + r * ldwb, k, n_in);
+            __m512i wv = load_w(K, w + r * ldwb, k, n_in); /* past n_in: 128, times xq = 0 */
             if (K == DOT_I8)
-                rs[r] = dot_u8s8(rs[r], ones, wv);
+                wv = _mm512_xor_si512(wv, flip);
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++) {
                 if (K == DOT_BF16)
                     accf[t][r] = dot_bf16(accf[t][r], xv[t], wv);
                 else
-                    acci[t][r] = dot_u8s8(acci[t][r], xv[t], wv);
+                    acci[t][r] = dot_u8s8(acci[t][r], wv, xv[t]);
             }
         }
     }
@@ -357,25 +371,22 @@ mk_stream(const enum dot_kind K, const int T, const int R, const char *xa, int64
         } else {
             __m512i off = _mm512_setzero_si512();
 #pragma GCC unroll 4
-            for (int r = 0; r < DT_R; r++)
-                off = _mm512_mask_set1_epi32(off, (__mmask16)(0x1111u << r),
-                                             128 * _mm512_reduce_add_epi32(rs[r]));
+            for (int t = 0; t < DT_T; t++)
+                off = _mm512_mask_set1_epi32(off, (__mmask16)(0xfu << (4 * t)), 128 * xs[t]);
             _mm512_storeu_si512((void *)&out->i[0][0],
                                 _mm512_sub_epi32(_mm512_castps_si512(sums), off));
         }
         return;
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        int32_t off = K == DOT_I8 ? 128 * _mm512_reduce_add_epi32(rs[r]) : 0;
+    for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
             if (K == DOT_BF16)
                 out->f[t][r] = _mm512_reduce_add_ps(accf[t][r]);
             else
-                out->i[t][r] = _mm512_reduce_add_epi32(acci[t][r]) - off;
+                out->i[t][r] = _mm512_reduce_add_epi32(acci[t][r]) - 128 * xs[t];
         }
-    }
 }
 
 /* I4: the codes of columns [k, k + 64) of a row (common/quant.h layout) as 64
@@ -468,11 +479,12 @@ DOT_TARGET static void mk_q4_dot_any(int T, int R, const int8_t *xa, int64_t ldx
 }
 
 DOT_TARGET static void mk_stream_any(enum dot_kind kind, int T, int R, const char *xa, int64_t ldxb,
-                                     const char *w, int64_t ldwb, int n_in, union dot_out *out)
+                                     const int32_t *xs, const char *w, int64_t ldwb, int n_in,
+                                     union dot_out *out)
 {
 #define DS_CASE(TT, RR)                                                                            \
-    case (TT)*8 + (RR): mk_stream(DOT_BF16, TT, RR, xa, ldxb, w, ldwb, n_in, out); return;         \
-    case 64 + (TT)*8 + (RR): mk_stream(DOT_I8, TT, RR, xa, ldxb, w, ldwb, n_in, out); return;
+    case (TT)*8 + (RR): mk_stream(DOT_BF16, TT, RR, xa, ldxb, xs, w, ldwb, n_in, out); return;     \
+    case 64 + (TT)*8 + (RR): mk_stream(DOT_I8, TT, RR, xa, ldxb, xs, w, ldwb, n_in, out); return;
     switch ((kind == DOT_I8 ? 64 : 0) + T * 8 + R) {
         DS_CASE(1, 4)
         DS_CASE(2, 4)
@@ -832,7 +844,8 @@ struct dot_job {
     const char *xa; /* (n_tok, ldx) bf16 or u8 activations */
     int64_t ldxb;   /* bytes per activation row */
     int ldx;        /* elements per activation row */
-    float *sx;      /* I8: (n_tok) token scales */
+    float *sx;      /* I8, I4: (n_tok) token scales */
+    int32_t *xs;    /* I8 streaming: (n_tok) sums of each row's xq */
     bool packed;
     bool amx;        /* AMX tiles (activations signed for I8) */
     bool amx_stream; /* ... weight-stationary (amx_stream_block), xb below */
@@ -880,7 +893,8 @@ DOT_TARGET static void task_stream(const struct dot_job *j, int t0, int nt, int 
         const char *w = (const char *)p->w + o * ldwb;
         for (int t = t0; t < t0 + nt; t += DT_T) {
             int T = t0 + nt - t < DT_T ? t0 + nt - t : DT_T;
-            mk_stream_any(j->kind, T, R, j->xa + t * j->ldxb, j->ldxb, w, ldwb, p->n_in, &out);
+            mk_stream_any(j->kind, T, R, j->xa + t * j->ldxb, j->ldxb, j->xs ? j->xs + t : NULL, w,
+                          ldwb, p->n_in, &out);
             for (int tt = 0; tt < T; tt++)
                 for (int r = 0; r < R; r++)
                     store_out(p, t + tt, o + r,
@@ -1003,11 +1017,15 @@ static void cvt_task(void *arg, int task, int thread)
         act_bf16_rows(p->x, p->n_in, r0, r1, (uint16_t *)j->xa, j->ldx);
         return;
     }
-    for (int t = r0; t < r1; t++)
-        j->sx[t] = j->kind == DOT_I4 || j->amx ? act_s8_row(p->x + (size_t)t * p->n_in, p->n_in,
-                                                            (int8_t *)j->xa + t * j->ldxb, j->ldx)
-                                               : act_u8_row(p->x + (size_t)t * p->n_in, p->n_in,
-                                                            (uint8_t *)j->xa + t * j->ldxb, j->ldx);
+    const bool u8 = j->kind == DOT_I8 && j->packed && !j->amx; /* VNNI panels: xq + 128 */
+    for (int t = r0; t < r1; t++) {
+        const float *xr = p->x + (size_t)t * p->n_in;
+        char *d = (char *)j->xa + t * j->ldxb;
+        j->sx[t] = u8 ? act_u8_row(xr, p->n_in, (uint8_t *)d, j->ldx)
+                      : act_s8_row(xr, p->n_in, (int8_t *)d, j->ldx);
+        if (j->xs)
+            j->xs[t] = act_s8_sum((const int8_t *)d, j->ldx);
+    }
 }
 
 void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params *p)
@@ -1039,16 +1057,21 @@ void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params 
     size_t act_rows = j.amx ? ((size_t)p->n_tok + 15) / 16 * 16 : (size_t)p->n_tok;
     size_t act_bytes = act_rows * (size_t)j.ldxb;
     size_t sx_bytes = j.kind != DOT_BF16 ? ((size_t)p->n_tok * sizeof(float) + 63) / 64 * 64 : 0;
+    const bool stream_i8 = j.kind == DOT_I8 && !j.packed && !j.amx_stream;
+    size_t xs_bytes = stream_i8 ? ((size_t)p->n_tok * sizeof(int32_t) + 63) / 64 * 64 : 0;
     j.scratch_stride =
         j.packed || j.amx_stream ? ((size_t)DP_R * (size_t)j.ldxb + 63) / 64 * 64 : 0;
     size_t xb_bytes = j.amx_stream ? (size_t)(p->n_tok + 15) / 16 * (size_t)j.ldxb * 16 : 0;
-    size_t total = act_bytes + sx_bytes + (size_t)n_threads * j.scratch_stride + xb_bytes;
+    size_t total =
+        act_bytes + sx_bytes + xs_bytes + (size_t)n_threads * j.scratch_stride + xb_bytes;
     char *buf = NULL;
     MOE_ASSERT(posix_memalign((void **)&buf, 64, total) == 0);
     j.xa = buf;
     j.sx = j.kind != DOT_BF16 ? (float *)(buf + act_bytes) : NULL;
-    j.scratch = j.packed || j.amx_stream ? buf + act_bytes + sx_bytes : NULL;
-    j.xb = j.amx_stream ? buf + act_bytes + sx_bytes + (size_t)n_threads * j.scratch_stride : NULL;
+    j.xs = stream_i8 ? (int32_t *)(buf + act_bytes + sx_bytes) : NULL;
+    char *after = buf + act_bytes + sx_bytes + xs_bytes;
+    j.scratch = j.packed || j.amx_stream ? after : NULL;
+    j.xb = j.amx_stream ? after + (size_t)n_threads * j.scratch_stride : NULL;
     if (act_rows > (size_t)p->n_tok)
         memset(buf + (size_t)p->n_tok * j.ldxb, 0, (act_rows - (size_t)p->n_tok) * j.ldxb);
 
