@@ -97,6 +97,11 @@ bool cpu_matmul_dot_supported(const struct moe_matmul_params *p);
  * 128 * sum(q) per weight row. Caller checks cpu_matmul_dot_supported. */
 void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params *p);
 
+/* cpu_matmul_dot on each of ps[0 .. n), all their tasks in one pool run (a
+ * grouped GEMM's experts: no wait between them, both cores streaming to the
+ * end). Each result is exactly what cpu_matmul_dot gives it alone. */
+void cpu_matmul_dot_many(struct moe_threadpool *pool, const struct moe_matmul_params *ps, int n);
+
 /* ---- vec.c: small vector primitives with ISA dispatch ---- */
 
 float cpu_vec_dot(const float *a, const float *b, int n);

@@ -853,6 +853,8 @@ struct dot_job {
     int row_block, n_row_blocks, tok_block;
     char *scratch; /* packed: (n_threads, scratch_stride) panels */
     size_t scratch_stride;
+    int n_tasks;
+    char *buf; /* the one allocation all of the above live in */
 };
 
 static void store_out(const struct moe_matmul_params *p, int t, int o, float v)
@@ -1028,10 +1030,11 @@ static void cvt_task(void *arg, int task, int thread)
     }
 }
 
-void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params *p)
+/* Everything before the dot products: the kind of tile, one allocation, the
+ * activations converted (on the pool when there are many), the tasks. */
+static void dot_prepare(struct moe_threadpool *pool, const struct moe_matmul_params *p,
+                        struct dot_job *jp)
 {
-    if (p->n_tok <= 0 || p->n_out <= 0)
-        return;
     MOE_ASSERT(cpu_matmul_dot_supported(p));
     MOE_ASSERT(p->ldw >= p->n_in && p->n_in >= 0);
     MOE_ASSERT(p->w_dtype == MOE_DTYPE_BF16 ||
@@ -1107,15 +1110,93 @@ void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params 
     }
     j.row_block = rb > p->n_out ? p->n_out : rb;
     j.n_row_blocks = (p->n_out + j.row_block - 1) / j.row_block;
-    int n_tasks = j.n_row_blocks * ((p->n_tok + j.tok_block - 1) / j.tok_block);
-    double flops = 2.0 * p->n_tok * (double)p->n_out * p->n_in;
-    if (flops < 65536.0 || n_tasks == 1) {
-        for (int t = 0; t < n_tasks; t++)
+    j.n_tasks = j.n_row_blocks * ((p->n_tok + j.tok_block - 1) / j.tok_block);
+    j.buf = buf;
+    *jp = j;
+}
+
+/* Small calls run on the calling thread alone. */
+static bool dot_serial(double flops, int n_tasks)
+{
+    return flops < 65536.0 || n_tasks == 1;
+}
+
+void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params *p)
+{
+    if (p->n_tok <= 0 || p->n_out <= 0)
+        return;
+    struct dot_job j;
+    dot_prepare(pool, p, &j);
+    if (dot_serial(2.0 * p->n_tok * (double)p->n_out * p->n_in, j.n_tasks)) {
+        for (int t = 0; t < j.n_tasks; t++)
             dot_task(&j, t, 0);
     } else {
-        moe_threadpool_run(pool, n_tasks, dot_task, &j);
+        moe_threadpool_run(pool, j.n_tasks, dot_task, &j);
     }
-    free(buf);
+    free(j.buf);
+}
+
+/* Several matmuls' tasks in one pool run: task i belongs to the job whose
+ * range [first[k], first[k + 1]) holds it. */
+struct dot_many {
+    struct dot_job *jobs;
+    int *first; /* n + 1 */
+    int n;
+};
+
+static void dot_many_task(void *arg, int task, int thread)
+{
+    const struct dot_many *dm = arg;
+    int lo = 0, hi = dm->n - 1;
+    while (lo < hi) { /* the last k with first[k] <= task */
+        int mid = (lo + hi + 1) / 2;
+        if (dm->first[mid] <= task)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    dot_task(&dm->jobs[lo], task - dm->first[lo], thread);
+}
+
+void cpu_matmul_dot_many(struct moe_threadpool *pool, const struct moe_matmul_params *ps, int n)
+{
+    struct dot_job stack_jobs[16];
+    int stack_first[17];
+    struct dot_job *jobs = stack_jobs;
+    int *first = stack_first;
+    if (n > 16) {
+        jobs = malloc((size_t)n * sizeof *jobs);
+        first = malloc(((size_t)n + 1) * sizeof *first);
+        MOE_ASSERT(jobs && first);
+    }
+    int k = 0, total = 0;
+    double flops = 0.0;
+    for (int i = 0; i < n; i++) {
+        const struct moe_matmul_params *p = &ps[i];
+        if (p->n_tok <= 0 || p->n_out <= 0)
+            continue;
+        dot_prepare(pool, p, &jobs[k]);
+        first[k] = total;
+        total += jobs[k].n_tasks;
+        flops += 2.0 * p->n_tok * (double)p->n_out * p->n_in;
+        k++;
+    }
+    first[k] = total;
+    struct dot_many dm = {.jobs = jobs, .first = first, .n = k};
+    if (k > 0) {
+        if (dot_serial(flops, total)) {
+            for (int t = 0; t < total; t++)
+                dot_many_task(&dm, t, 0);
+        } else {
+            moe_threadpool_run(pool, total, dot_many_task, &dm);
+        }
+    }
+    for (int i = 0; i < k; i++)
+        free(jobs[i].buf);
+    if (jobs != stack_jobs) {
+        free(jobs);
+        free(first);
+    }
 }
 
 #else /* !DOT_X86 */
@@ -1125,6 +1206,14 @@ void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params 
     (void)pool;
     (void)p;
     MOE_ASSERT(0 && "cpu_matmul_dot: no dot-product path on this architecture");
+}
+
+void cpu_matmul_dot_many(struct moe_threadpool *pool, const struct moe_matmul_params *ps, int n)
+{
+    (void)pool;
+    (void)ps;
+    (void)n;
+    MOE_ASSERT(0 && "cpu_matmul_dot_many: no dot-product path on this architecture");
 }
 
 #endif

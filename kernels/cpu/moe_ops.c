@@ -69,11 +69,17 @@ enum moe_status cpu_grouped_matmul(struct moe_threadpool *pool,
     enum moe_status st = moe_grouped_matmul_check(p, err);
     if (st != MOE_OK)
         return st;
+    struct moe_matmul_params stack_mp[16], *mps = stack_mp;
+    if (p->n_expert > 16) {
+        mps = malloc((size_t)p->n_expert * sizeof *mps);
+        MOE_ASSERT(mps != NULL);
+    }
+    int n = 0;
     for (int e = 0; e < p->n_expert; e++) {
         int r0 = p->expert_offsets[e], cnt = p->expert_offsets[e + 1] - r0;
         if (!cnt)
             continue;
-        struct moe_matmul_params mp = {
+        mps[n++] = (struct moe_matmul_params){
             .x = p->x + (size_t)r0 * p->n_in,
             .n_tok = cnt,
             .n_in = p->n_in,
@@ -87,8 +93,16 @@ enum moe_status cpu_grouped_matmul(struct moe_threadpool *pool,
             .w_group = p->w_group,
             .fast = p->fast,
         };
-        cpu_matmul(pool, &mp);
     }
+    /* The fast paths take every expert in one pool run; the others one each. */
+    if (n > 1 && p->fast && cpu_matmul_dot_supported(&mps[0])) {
+        cpu_matmul_dot_many(pool, mps, n);
+    } else {
+        for (int i = 0; i < n; i++)
+            cpu_matmul(pool, &mps[i]);
+    }
+    if (mps != stack_mp)
+        free(mps);
     return MOE_OK;
 }
 

@@ -23,8 +23,9 @@
  * weight-stationary form), 8..17 (AMX's thresholds), 31..300 tokens
  * (packed panels with leftover tokens), accumulate on and off, through the ops table, the pool and
  * the calling thread. Also: int8 results do not depend on the batch they are in (exact integer
- * sums), a NaN row stays NaN, an all-zero row gives 0, and a forced-off feature falls back to the
- * exact kernels bit for bit. */
+ * sums), a NaN row stays NaN, an all-zero row gives 0, a forced-off feature falls back to the
+ * exact kernels bit for bit, and a grouped matmul (all experts in one pool run) equals one call
+ * per expert bit for bit. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -319,6 +320,82 @@ static void test_amx_i8_equals_vnni(unsigned amx_on)
     printf("amx-int8: equals avx512-vnni bit for bit on 9 shapes (8..257 tokens)\n");
 }
 
+/* A grouped matmul on the fast path runs all its experts' tasks in one pool
+ * run (cpu_matmul_dot_many); each expert's rows must come out bit for bit
+ * as its own cpu_matmul call gives them. Row counts cross every tile kind's
+ * threshold (streaming, AMX weight-stationary, packed) and include empty
+ * experts; accumulate on and off; the pool and the calling thread. */
+static void test_grouped_equals_each(enum moe_dtype dt, const char *name)
+{
+    enum { E = 8 };
+    static const int counts[E] = {0, 1, 4, 9, 0, 40, 17, 300};
+    const int n_in = 192, n_out = 70;
+    int32_t off[E + 1] = {0};
+    for (int e = 0; e < E; e++)
+        off[e + 1] = off[e] + counts[e];
+    const int n_rows = off[E];
+    const void *w[E];
+    const float *sc[E];
+    for (int e = 0; e < E; e++)
+        w[e] = make_weights(dt, n_out, n_in, &sc[e]);
+    float *x = malloc((size_t)n_rows * n_in * sizeof *x);
+    for (size_t i = 0; i < (size_t)n_rows * n_in; i++)
+        x[i] = test_rng_float(&g_rng);
+    float *yg = malloc((size_t)n_rows * n_out * sizeof *yg);
+    float *ye = malloc((size_t)n_rows * n_out * sizeof *ye);
+    int differ = 0, runs = 0;
+    for (int acc = 0; acc < 2; acc++)
+        for (int via = 0; via < 2; via++) {
+            struct moe_threadpool *pool = via ? NULL : g_pool;
+            for (size_t i = 0; i < (size_t)n_rows * n_out; i++)
+                yg[i] = ye[i] = 0.25f * (float)(i % 7);
+            struct moe_grouped_matmul_params gp = {
+                .x = x,
+                .n_rows = n_rows,
+                .n_in = n_in,
+                .n_out = n_out,
+                .n_expert = E,
+                .expert_offsets = off,
+                .w = w,
+                .w_dtype = dt,
+                .ldw = n_in,
+                .y = yg,
+                .accumulate = acc,
+                .w_scale = dt == MOE_DTYPE_I8 ? sc : NULL,
+                .fast = true,
+            };
+            struct moe_error err = {0};
+            CHECKF(cpu_grouped_matmul(pool, &gp, &err) == MOE_OK, "%s: grouped: %s", name, err.msg);
+            for (int e = 0; e < E; e++) {
+                struct moe_matmul_params p = {.x = x + (size_t)off[e] * n_in,
+                                              .n_tok = counts[e],
+                                              .n_in = n_in,
+                                              .w = w[e],
+                                              .w_dtype = dt,
+                                              .ldw = n_in,
+                                              .n_out = n_out,
+                                              .y = ye + (size_t)off[e] * n_out,
+                                              .accumulate = acc,
+                                              .w_scale = sc[e],
+                                              .fast = true};
+                cpu_matmul(pool, &p);
+            }
+            differ += memcmp(yg, ye, (size_t)n_rows * n_out * sizeof *yg) != 0;
+            runs++;
+        }
+    CHECKF(differ == 0, "%s: grouped matmul differs from one call per expert in %d of %d runs",
+           name, differ, runs);
+    if (differ == 0)
+        printf("%s: a grouped matmul (8 experts, 0..300 rows) equals one call per expert, bit for "
+               "bit\n",
+               name);
+    for (int e = 0; e < E; e++)
+        free((void *)w[e]);
+    free(x);
+    free(yg);
+    free(ye);
+}
+
 /* A NaN in a row makes that row's outputs NaN; a zero row gives zeros. */
 static void test_special_rows(enum moe_dtype dt, const char *name)
 {
@@ -416,6 +493,7 @@ int main(void)
         CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_BF16), "amx-bf16") == 0);
         test_path(MOE_DTYPE_BF16, "amx-bf16");
         test_special_rows(MOE_DTYPE_BF16, "amx-bf16");
+        test_grouped_equals_each(MOE_DTYPE_BF16, "amx-bf16");
         ran++;
     } else {
         printf("SKIPPED: amx-bf16: this processor (or its OS) lacks AMX-BF16\n");
@@ -425,6 +503,7 @@ int main(void)
         test_path(MOE_DTYPE_I8, "amx-int8");
         test_i8_batch_invariance("amx-int8");
         test_special_rows(MOE_DTYPE_I8, "amx-int8");
+        test_grouped_equals_each(MOE_DTYPE_I8, "amx-int8");
         test_amx_i8_equals_vnni(have);
         ran++;
     } else {
@@ -436,6 +515,7 @@ int main(void)
         CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_BF16), "avx512-bf16") == 0);
         test_path(MOE_DTYPE_BF16, "avx512-bf16");
         test_special_rows(MOE_DTYPE_BF16, "avx512-bf16");
+        test_grouped_equals_each(MOE_DTYPE_BF16, "avx512-bf16");
         test_forced_off(MOE_DTYPE_BF16, CPU_FEAT_AVX512_BF16, "avx512-bf16");
         ran++;
     } else {
@@ -445,6 +525,7 @@ int main(void)
         test_path(MOE_DTYPE_I8, "avx512-vnni");
         test_i8_batch_invariance("avx512-vnni");
         test_special_rows(MOE_DTYPE_I8, "avx512-vnni");
+        test_grouped_equals_each(MOE_DTYPE_I8, "avx512-vnni");
         test_forced_off(MOE_DTYPE_I8, CPU_FEAT_AVX512_VNNI, "avx512-vnni");
         ran++;
     } else {
