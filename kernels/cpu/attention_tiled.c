@@ -83,30 +83,6 @@ bool cpu_attention_tiled_supported(const struct moe_attn_params *p)
 
 #define FA_TARGET MOE_AVX512_TARGET
 
-/* exp(x) for 16 lanes, ~2 ulp; exactly 0 below -87.3 (and for -inf),
- * exactly 1 at 0. */
-FA_TARGET static inline __attribute__((always_inline)) __m512 exp512(__m512 x)
-{
-    const __m512 lo = _mm512_set1_ps(-87.33654f), hi = _mm512_set1_ps(88.72283f);
-    __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    /* r = x - n ln2, ln2 in two parts so n * ln2_hi is exact */
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 pl = _mm512_set1_ps(1.9875691500e-4f);
-    pl = _mm512_fmadd_ps(pl, r, _mm512_set1_ps(1.3981999507e-3f));
-    pl = _mm512_fmadd_ps(pl, r, _mm512_set1_ps(8.3334519073e-3f));
-    pl = _mm512_fmadd_ps(pl, r, _mm512_set1_ps(4.1665795894e-2f));
-    pl = _mm512_fmadd_ps(pl, r, _mm512_set1_ps(1.6666665459e-1f));
-    pl = _mm512_fmadd_ps(pl, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 r2 = _mm512_mul_ps(r, r);
-    pl = _mm512_fmadd_ps(pl, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512 e = _mm512_scalef_ps(pl, n);
-    return _mm512_mask_mov_ps(e, zero, _mm512_setzero_ps());
-}
-
 /* The cache slot of position pos of the sequence whose block table is blocks. */
 static inline size_t fa_slot(const struct moe_attn_params *p, const int32_t *blocks, int pos)
 {
@@ -290,11 +266,11 @@ FA_TARGET static void fa_softmax(float *pt, int nk, int c0, int mv, const int32_
         __m512 mold = _mm512_loadu_ps(mrow + 16 * v);
         __m512 mnew = _mm512_max_ps(mold, cmax);
         /* every row sees key 0 in chunk 0, so mnew is finite from then on */
-        __m512 a = exp512(_mm512_sub_ps(mold, mnew));
+        __m512 a = exp_avx512(_mm512_sub_ps(mold, mnew));
         __m512 sum = _mm512_setzero_ps();
         for (int kk = 0; kk < nk; kk++) {
             float *s = pt + (size_t)kk * FA_ROWS + 16 * v;
-            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s), mnew));
+            __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s), mnew));
             _mm512_storeu_ps(s, e);
             sum = _mm512_add_ps(sum, e);
         }

@@ -1028,30 +1028,48 @@ static void test_copy_cols(void)
     CHECKF(bad == 0, "copy_cols: %d elements wrong", bad);
 }
 
-static void test_elementwise(void)
+/* swiglu on the given ISA: random rows (masked tails, the pool above its
+ * threshold), and the edges: |g| past exp's range both ways, zeros, a NaN. */
+static void test_swiglu(const char *isa)
 {
-    /* swiglu */
-    for (int c = 0; c < 6; c++) {
+    for (int c = 0; c < 7; c++) {
         int n_rows = test_rng_int(&g_rng, 1, 40),
             dim = c == 5 ? 3000 : test_rng_int(&g_rng, 1, 300);
+        if (c == 6) {
+            n_rows = 1;
+            dim = 19;
+        }
         float *gu = rand_floats((size_t)n_rows * 2 * dim);
         for (size_t i = 0; i < (size_t)n_rows * 2 * dim; i++)
             gu[i] *= 8.0f;
+        static const float edge[18] = {-1000.0f, -104.0f, -100.0f, -89.0f, -88.0f, -87.0f,
+                                       -20.0f,   -1e-3f,  -0.0f,   0.0f,   1e-3f,  20.0f,
+                                       87.0f,    88.0f,   89.0f,   100.0f, 104.0f, 1000.0f};
+        if (c == 6)
+            memcpy(gu, edge, sizeof edge); /* gate 18 = the NaN */
+        if (c == 6)
+            gu[18] = NAN;
         float *out = malloc((size_t)n_rows * dim * sizeof(float));
         double *ref = malloc((size_t)n_rows * dim * sizeof(double));
         for (int r = 0; r < n_rows; r++)
             for (int i = 0; i < dim; i++) {
                 double g = gu[(size_t)r * 2 * dim + i], u = gu[(size_t)r * 2 * dim + dim + i];
-                ref[(size_t)r * dim + i] = g / (1.0 + exp(-g)) * u;
+                ref[(size_t)r * dim + i] = g < -700.0 ? 0.0 * u : g / (1.0 + exp(-g)) * u;
             }
         g_cpu->ops->swiglu(g_cpu, gu, out, n_rows, dim);
-        double e = max_rel_err(out, ref, (size_t)n_rows * dim);
-        CHECKF(e < 1e-6, "swiglu rows %d dim %d: err %.3g", n_rows, dim, e);
+        size_t n = (size_t)n_rows * dim - (c == 6); /* the NaN's output checked below */
+        double e = max_rel_err(out, ref, n);
+        CHECKF(e < 1e-6, "%s swiglu rows %d dim %d: err %.3g", isa, n_rows, dim, e);
+        if (c == 6)
+            CHECKF(isnan(out[18]), "%s swiglu: a NaN gate gave %g, not NaN", isa, out[18]);
         free(gu);
         free(out);
         free(ref);
     }
+}
 
+static void test_elementwise(void)
+{
     /* gather_rows, scatter_add_rows (with and without scale) */
     {
         int n_src = 20, n = 12, dim = 33;
@@ -1831,6 +1849,7 @@ int main(void)
         test_bf16_convert(name);
         test_attention(name);
         test_argmax(name);
+        test_swiglu(name);
     }
     CHECK(cpu_kernels_force_isa(CPU_ISA_AVX512) == best); /* clamped to what exists */
     if (best == CPU_ISA_AVX512) {
