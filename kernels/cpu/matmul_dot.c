@@ -47,6 +47,19 @@
  *   per-step partial sums. Streaming tiles only (prefill too): a 64-column
  *   step widens 32 code bytes to 64 per row, shared by the tile's tokens.
  *
+ *   I4 weights where the processor has AMX-BF16, from AMX_MIN_TOK_I4 tokens
+ *   on: group scales stop integer sums at every group, which would cost
+ *   the tiles most of their speed, so the rows are dequantized instead,
+ *   32 at a time into a per-thread scratch, w = (u - 8) d_g rounded to bf16
+ *   (nearest even), and go through the BF16 tiles (packed panels, or the
+ *   weight-stationary form below 32 tokens) with bf16 activations. Both
+ *   sides round once to bf16, so against the exact int4 path (f32 x, f32
+ *   dequantized weights)
+ *     |y - y_exact| <= (2^-7 + 2^-16) sum_k |x_k w_k| + f32 sums (as BF16),
+ *   which is tighter than W4A8's half quantization step of x for typical
+ *   rows. The dequantization (~2 instructions per 16 weights) is paid once
+ *   per 32 rows and token block, shared by up to 256 tokens.
+ *
  * Tiles as in matmul.c: decode-sized token counts stream the weights once
  * through T x R register tiles (dot products, one horizontal sum per output);
  * larger ones pack 32 weight rows into a panel of dword groups (bf16 pairs or
@@ -112,6 +125,16 @@ static bool amx_for(enum moe_dtype wt)
                                 : wt == MOE_DTYPE_I8 && (f & CPU_FEAT_AMX_INT8) != 0;
 }
 
+/* I4 takes the dequantize-to-bf16 AMX route (see the top) from this many
+ * tokens on: below it the W4A8 streaming tiles read half the bytes. */
+#define AMX_MIN_TOK_I4 8
+
+static bool q4_via_bf16(const struct moe_matmul_params *p)
+{
+    return p->w_dtype == MOE_DTYPE_I4 && (cpu_kernels_features() & CPU_FEAT_AMX_BF16) &&
+           (cpu_kernels_features() & CPU_FEAT_AVX512_BF16) && p->n_tok >= AMX_MIN_TOK_I4;
+}
+
 bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
 {
     if (!p->fast || cpu_kernels_isa() != CPU_ISA_AVX512 || p->n_in > DOT_MAX_N_IN)
@@ -129,6 +152,9 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt)
     struct moe_matmul_params p = {.fast = true, .w_dtype = wt};
     if (!cpu_matmul_dot_supported(&p))
         return "f32-fma";
+    if (wt == MOE_DTYPE_I4 && (cpu_kernels_features() & CPU_FEAT_AMX_BF16) &&
+        (cpu_kernels_features() & CPU_FEAT_AVX512_BF16))
+        return "avx512-vnni+amx-bf16"; /* W4A8 below AMX_MIN_TOK_I4 tokens */
     if (amx_for(wt))
         return wt == MOE_DTYPE_BF16 ? "amx-bf16" : "amx-int8";
     return wt == MOE_DTYPE_BF16 ? "avx512-bf16" : "avx512-vnni";
@@ -835,6 +861,35 @@ DOT_TARGET static void amx_stream_write(enum dot_kind kind, int T, int R, int32_
         }
 }
 
+/* Rows [o, o + R) of I4 weights as bf16 rows of ldx elements (zero past
+ * n_in), and zero rows up to DP_R: w = (u - 8) d_g, rounded to nearest even. */
+DOT_TARGET static void q4_rows_bf16(const struct moe_matmul_params *p, int o, int R, uint16_t *dst,
+                                    int ldx)
+{
+    const int64_t ldb = p->ldw / 2, lds = moe_q4_groups(p->ldw, p->w_group);
+    const __m128i lo4 = _mm_set1_epi8(0x0f);
+    const __m512i eight = _mm512_set1_epi32(8);
+    for (int r = 0; r < DP_R; r++) {
+        uint16_t *d = dst + (size_t)r * ldx;
+        int k = 0;
+        if (r < R) {
+            const uint8_t *codes = (const uint8_t *)p->w + (int64_t)(o + r) * ldb;
+            const float *sc = p->w_scale + (int64_t)(o + r) * lds;
+            for (; k < p->n_in; k += MOE_Q4_BLOCK) { /* a block lies in one group */
+                __m128i b = _mm_loadu_si128((const __m128i *)(codes + k / 2));
+                __m512i c0 = _mm512_cvtepu8_epi32(_mm_and_si128(b, lo4)); /* columns k .. k+15 */
+                __m512i c1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), lo4));
+                __m512 dg = _mm512_set1_ps(sc[k / p->w_group]);
+                __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(c0, eight)), dg);
+                __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(c1, eight)), dg);
+                _mm512_storeu_si512((void *)(d + k), (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+            }
+        }
+        if (k < ldx)
+            memset(d + k, 0, (size_t)(ldx - k) * sizeof *d);
+    }
+}
+
 /* ---------------------------------------------------------------------------
  * Tasks */
 
@@ -849,6 +904,7 @@ struct dot_job {
     bool packed;
     bool amx;        /* AMX tiles (activations signed for I8) */
     bool amx_stream; /* ... weight-stationary (amx_stream_block), xb below */
+    bool q4_bf16;    /* I4 weights through the BF16 tiles (kind DOT_BF16), see the top */
     char *xb;        /* amx_stream: the activations as B tiles */
     int row_block, n_row_blocks, tok_block;
     char *scratch; /* packed: (n_threads, scratch_stride) panels */
@@ -920,7 +976,13 @@ DOT_TARGET static void task_packed(const struct dot_job *j, int thread, int t0, 
     float sw[DP_R];
     for (int o = o0; o < o0 + no; o += DP_R) {
         int R = o0 + no - o < DP_R ? o0 + no - o : DP_R;
-        pack_panel(j->kind, (const char *)p->w + o * ldwb, ldwb, p->n_in, R, n_grp, panel, rs);
+        if (j->q4_bf16) { /* dequantized rows after the panel, packed like bf16 ones */
+            uint16_t *rows = (uint16_t *)((char *)panel + j->scratch_stride / 2);
+            q4_rows_bf16(p, o, R, rows, j->ldx);
+            pack_panel(DOT_BF16, (const char *)rows, j->ldxb, p->n_in, R, n_grp, panel, rs);
+        } else {
+            pack_panel(j->kind, (const char *)p->w + o * ldwb, ldwb, p->n_in, R, n_grp, panel, rs);
+        }
         if (j->kind == DOT_I8)
             for (int r = 0; r < DP_R; r++)
                 sw[r] = r < R ? p->w_scale[o + r] : 0.0f;
@@ -960,7 +1022,12 @@ DOT_TARGET static void task_amx_stream(const struct dot_job *j, int thread, int 
         const int R = o0 + no - o < DP_R ? o0 + no - o : DP_R;
         const char *w = (const char *)p->w + o * ldwb;
         int64_t ld = ldwb;
-        if (R < DP_R) { /* the matrix's last rows: a zero-padded copy (tiles read 32) */
+        if (j->q4_bf16) { /* dequantized, zero-padded to 32 rows */
+            char *rows = j->scratch + (size_t)thread * j->scratch_stride;
+            q4_rows_bf16(p, o, R, (uint16_t *)rows, j->ldx);
+            w = rows;
+            ld = j->ldxb;
+        } else if (R < DP_R) { /* the matrix's last rows: a zero-padded copy (tiles read 32) */
             char *pad = j->scratch + (size_t)thread * j->scratch_stride;
             for (int r = 0; r < DP_R; r++) {
                 if (r < R)
@@ -1040,7 +1107,9 @@ static void dot_prepare(struct moe_threadpool *pool, const struct moe_matmul_par
     MOE_ASSERT(p->w_dtype == MOE_DTYPE_BF16 ||
                ((p->w_dtype == MOE_DTYPE_I8 || p->w_dtype == MOE_DTYPE_I4) && p->w_scale));
     const int n_threads = moe_threadpool_size(pool);
-    struct dot_job j = {.p = p, .kind = kind_of(p->w_dtype)};
+    struct dot_job j = {.p = p, .kind = kind_of(p->w_dtype), .q4_bf16 = q4_via_bf16(p)};
+    if (j.q4_bf16)
+        j.kind = DOT_BF16;
     const int V = j.kind == DOT_BF16 ? 32 : 64;
     const int esz = j.kind == DOT_BF16 ? 2 : 1;
     j.ldx = (p->n_in + V - 1) / V * V;
@@ -1050,7 +1119,7 @@ static void dot_prepare(struct moe_threadpool *pool, const struct moe_matmul_par
 
     /* One allocation: activations (AMX: whole 16-row tiles, zero past
      * n_tok), token scales, panels. */
-    const bool amx = amx_for(p->w_dtype);
+    const bool amx = j.q4_bf16 || amx_for(p->w_dtype);
     j.amx_stream = amx &&
                    p->n_tok >= (j.kind == DOT_BF16 ? AMX_STREAM_MIN_BF16 : AMX_STREAM_MIN_I8) &&
                    p->n_tok < AMX_STREAM_MAX && p->n_in % V == 0;
@@ -1062,8 +1131,12 @@ static void dot_prepare(struct moe_threadpool *pool, const struct moe_matmul_par
     size_t sx_bytes = j.kind != DOT_BF16 ? ((size_t)p->n_tok * sizeof(float) + 63) / 64 * 64 : 0;
     const bool stream_i8 = j.kind == DOT_I8 && !j.packed && !j.amx_stream;
     size_t xs_bytes = stream_i8 ? ((size_t)p->n_tok * sizeof(int32_t) + 63) / 64 * 64 : 0;
+    /* per thread: a panel, or the weight-stationary form's padded rows; for
+     * q4_bf16's panels also the dequantized rows they are packed from */
     j.scratch_stride =
         j.packed || j.amx_stream ? ((size_t)DP_R * (size_t)j.ldxb + 63) / 64 * 64 : 0;
+    if (j.q4_bf16 && j.packed)
+        j.scratch_stride *= 2;
     size_t xb_bytes = j.amx_stream ? (size_t)(p->n_tok + 15) / 16 * (size_t)j.ldxb * 16 : 0;
     size_t total =
         act_bytes + sx_bytes + xs_bytes + (size_t)n_threads * j.scratch_stride + xb_bytes;

@@ -242,25 +242,41 @@ static void test_matmul_i4(const char *isa)
            isa, n, worst);
 }
 
-/* The fast path (W4A8, AVX512-VNNI: activations quantized per token to
- * int8, kernels/cpu/matmul_dot.c) against the exact int4 path: every output
- * within half a quantization step of x per element, (sx_t / 2) sum_k
- * |deq_ok| (sx_t = max|x_t| / 127), plus 1e-5 of sum |x w| for f32 sums;
- * and not equal to it (the fast path ran). SKIPPED by name without VNNI. */
-static void test_fast_i4(void)
+/* The fast paths against the exact int4 path (f32 x, f32 dequantized
+ * weights), and against an emulation of what they compute; each must also
+ * differ from exact somewhere (it ran).
+ *   amx = false, W4A8 (AVX512-VNNI, AMX forced off): activations quantized
+ *     per token to int8; every output within half a quantization step of x
+ *     per element, (sx_t / 2) sum_k |deq_ok| (sx_t = max|x_t| / 127), plus
+ *     1e-5 of sum |x w|; the emulation: xq rounded to nearest even, exact
+ *     integer sums per group, to 1e-5 of sum |x w|.
+ *   amx = true (AMX-BF16, from 8 tokens): the rows dequantized to bf16 and
+ *     the activations rounded to bf16; within (2^-7 + 2^-16 + 2 (n_in + 2)
+ *     2^-24) sum |x w| (one bf16 rounding of each operand, f32 sums either
+ *     side); the emulation: both operands rounded as the kernel does,
+ *     products summed in double, to 1e-5 of sum |x w|.
+ * SKIPPED by name where the processor lacks the path. */
+static void test_fast_i4(bool amx)
 {
-    if (!(cpu_kernels_features() & CPU_FEAT_AVX512_VNNI)) {
-        printf("SKIPPED: int4 fast path (avx512-vnni): this processor lacks it\n");
+    const unsigned have = cpu_kernels_detect_features();
+    const unsigned amx_bits = CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8;
+    const char *name = amx ? "amx-bf16" : "avx512-vnni";
+    if (!(have & CPU_FEAT_AVX512_VNNI) ||
+        (amx && !((have & CPU_FEAT_AMX_BF16) && (have & CPU_FEAT_AVX512_BF16)))) {
+        printf("SKIPPED: int4 fast path (%s): this processor lacks it\n", name);
         return;
     }
-    static const int toks[] = {1, 3, 4, 9, 40};
+    cpu_kernels_force_features(amx ? have : have & ~amx_bits);
+    static const int toks_w4a8[] = {1, 3, 4, 9, 40}, toks_amx[] = {8, 9, 17, 31, 32, 40, 100};
+    const int *toks = amx ? toks_amx : toks_w4a8;
+    const int n_toks = amx ? 7 : 5;
     static const int dims[][3] = {
         {64, 5, 32},    {96, 4, 32},  {256, 33, 64}, {384, 7, 128},
         {1024, 18, 32}, {160, 5, 64}, {224, 3, 128}}; /* short last groups */
     double worst = 0;                                 /* error / bound */
     double emul_worst = 0;                            /* error vs the emulation / sum |x w| */
     int differ = 0, n = 0;
-    for (size_t ti = 0; ti < sizeof toks / sizeof toks[0]; ti++)
+    for (int ti = 0; ti < n_toks; ti++)
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
             const int n_tok = toks[ti], n_in = dims[di][0], n_out = dims[di][1], G = dims[di][2];
             const int64_t ldw = n_in + (ti % 2 ? G : 0);
@@ -293,7 +309,20 @@ static void test_fast_i4(void)
                 double sx = amax / 127.0;
                 /* the instruction emulated: xq rounded to nearest even, exact sums */
                 const float inv = 127.0f / amax;
-                for (int o = 0; o < n_out; o++) {
+                for (int o = 0; amx && o < n_out; o++) { /* bf16 x bf16, summed in double */
+                    double em = 0, mag = 0;
+                    for (int k = 0; k < n_in; k++) {
+                        float xv = x[(size_t)t * n_in + k];
+                        float wq = (float)(moe_q4_code(qw.q + (size_t)o * (ldw / 2), k) - 8) *
+                                   qw.sc[(size_t)o * moe_q4_groups(ldw, G) + k / G];
+                        em += (double)moe_bf16_to_f32(moe_f32_to_bf16(xv)) *
+                              moe_bf16_to_f32(moe_f32_to_bf16(wq));
+                        mag += fabs((double)xv * qw.deq[(size_t)o * ldw + k]);
+                    }
+                    double e = fabs(yf[(size_t)t * n_out + o] - em) / (mag + 1e-30);
+                    emul_worst = e > emul_worst || e != e ? e : emul_worst;
+                }
+                for (int o = 0; !amx && o < n_out; o++) {
                     double em = 0, mag = 0;
                     for (int g = 0; g < moe_q4_groups(n_in, G); g++) {
                         int64_t isum = 0;
@@ -318,7 +347,9 @@ static void test_fast_i4(void)
                         sw += fabs(w);
                         mag += fabs(w * x[(size_t)t * n_in + k]);
                     }
-                    double bound = 0.5 * sx * sw * (1 + 1e-4) + 1e-5 * mag + 1e-30;
+                    double bound =
+                        amx ? (0x1p-7 + 0x1p-16 + 2.0 * (n_in + 2) * 0x1p-24) * mag + 1e-30
+                            : 0.5 * sx * sw * (1 + 1e-4) + 1e-5 * mag + 1e-30;
                     size_t i = (size_t)t * n_out + o;
                     double e = fabs((double)yf[i] - ye[i]) / bound;
                     worst = e > worst || e != e ? e : worst;
@@ -331,14 +362,16 @@ static void test_fast_i4(void)
             free(ye);
             free_weights(&qw);
         }
-    CHECKF(worst <= 1.0, "int4 fast: an output is %.3g x its bound from the exact int4 path",
-           worst);
-    CHECKF(differ > 0, "int4 fast: every output equals the exact path (fast path not used?)");
-    CHECKF(emul_worst < 1e-5, "int4 fast: %.3g of sum|x w| from an emulation of vpdpbusd",
+    CHECKF(worst <= 1.0, "%s: int4 fast: an output is %.3g x its bound from the exact int4 path",
+           name, worst);
+    CHECKF(differ > 0, "%s: int4 fast: every output equals the exact path (fast path not used?)",
+           name);
+    CHECKF(emul_worst < 1e-5, "%s: int4 fast: %.3g of sum|x w| from an emulation of the path", name,
            emul_worst);
-    printf("avx512-vnni: int4 fast (W4A8) %d cases, worst error %.3g of the bound, %.3g of "
-           "sum|x w| from the emulation, %d outputs differ from exact\n",
-           n, worst, emul_worst, differ);
+    printf("%s: int4 fast (%s) %d cases, worst error %.3g of the bound, %.3g of sum|x w| from "
+           "the emulation, %d outputs differ from exact\n",
+           name, amx ? "bf16-dequantized rows, bf16 x" : "W4A8", n, worst, emul_worst, differ);
+    cpu_kernels_force_features(have);
 }
 
 /* The comparison can fail: one dequantized reference weight off by one code. */
@@ -466,7 +499,8 @@ int main(void)
     }
     cpu_kernels_force_isa(best);
     test_detects_error();
-    test_fast_i4();
+    test_fast_i4(false);
+    test_fast_i4(true);
     test_grouped_i4();
     moe_threadpool_destroy(g_pool);
     moe_backend_destroy(g_cpu);
