@@ -1020,7 +1020,7 @@ DOT_TARGET static void task_amx_stream(const struct dot_job *j, int thread, int 
     float sw[DP_R];
     for (int o = o0; o < o0 + no; o += DP_R) {
         const int R = o0 + no - o < DP_R ? o0 + no - o : DP_R;
-        const char *w = (const char *)p->w + o * ldwb;
+        const char *w = j->q4_bf16 ? NULL : (const char *)p->w + o * ldwb;
         int64_t ld = ldwb;
         if (j->q4_bf16) { /* dequantized, zero-padded to 32 rows */
             char *rows = j->scratch + (size_t)thread * j->scratch_stride;
