@@ -91,10 +91,15 @@ void cpu_matmul_ref(const struct moe_matmul_params *p);
  * the feature for p->w_dtype in use). */
 bool cpu_matmul_dot_supported(const struct moe_matmul_params *p);
 
-/* BF16 weights: x rounded to bf16 (nearest even), vdpbf16ps, f32 sums.
+/* BF16 weights: x rounded to bf16 (nearest even), vdpbf16ps (AMX tiles
+ * from a few tokens where present), f32 sums.
  * I8 weights: each token row quantized to int8 with its own scale
- * (max|x| / 127), vpdpbusd on (xq + 128) x q with exact i32 sums, less
- * 128 * sum(q) per weight row. Caller checks cpu_matmul_dot_supported. */
+ * (max|x| / 127), exact i32 sums of xq x q (vpdpbusd with a +128 offset on
+ * one operand taken back exactly, or AMX tdpbssd), then scaled.
+ * I4 weights: W4A8 (exact i32 sums per group, scaled per group), or from 8
+ * tokens on AMX-BF16 the rows dequantized to bf16 through the BF16 tiles.
+ * matmul_dot.c's top comment has the bounds. Caller checks
+ * cpu_matmul_dot_supported. */
 void cpu_matmul_dot(struct moe_threadpool *pool, const struct moe_matmul_params *p);
 
 /* cpu_matmul_dot on each of ps[0 .. n), all their tasks in one pool run (a
