@@ -57,8 +57,9 @@
  *   dequantized weights)
  *     |y - y_exact| <= (2^-7 + 2^-16) sum_k |x_k w_k| + f32 sums (as BF16),
  *   which is tighter than W4A8's half quantization step of x for typical
- *   rows. The dequantization (~2 instructions per 16 weights) is paid once
- *   per 32 rows and token block, shared by up to 256 tokens.
+ *   rows. The dequantization (~14 instructions per 32 weights) is paid once
+ *   per 32 rows and token block, shared by up to 256 tokens; below 8 tokens
+ *   it would cost more than W4A8's whole dot products.
  *
  * Tiles as in matmul.c: decode-sized token counts stream the weights once
  * through T x R register tiles (dot products, one horizontal sum per output);
@@ -129,10 +130,16 @@ static bool amx_for(enum moe_dtype wt)
  * tokens on: below it the W4A8 streaming tiles read half the bytes. */
 #define AMX_MIN_TOK_I4 8
 
+/* The processor can take I4 through the bf16 tiles. */
+static bool q4_amx_ok(void)
+{
+    const unsigned need = CPU_FEAT_AMX_BF16 | CPU_FEAT_AVX512_BF16;
+    return (cpu_kernels_features() & need) == need;
+}
+
 static bool q4_via_bf16(const struct moe_matmul_params *p)
 {
-    return p->w_dtype == MOE_DTYPE_I4 && (cpu_kernels_features() & CPU_FEAT_AMX_BF16) &&
-           (cpu_kernels_features() & CPU_FEAT_AVX512_BF16) && p->n_tok >= AMX_MIN_TOK_I4;
+    return p->w_dtype == MOE_DTYPE_I4 && p->n_tok >= AMX_MIN_TOK_I4 && q4_amx_ok();
 }
 
 bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
@@ -152,8 +159,7 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt)
     struct moe_matmul_params p = {.fast = true, .w_dtype = wt};
     if (!cpu_matmul_dot_supported(&p))
         return "f32-fma";
-    if (wt == MOE_DTYPE_I4 && (cpu_kernels_features() & CPU_FEAT_AMX_BF16) &&
-        (cpu_kernels_features() & CPU_FEAT_AVX512_BF16))
+    if (wt == MOE_DTYPE_I4 && q4_amx_ok())
         return "avx512-vnni+amx-bf16"; /* W4A8 below AMX_MIN_TOK_I4 tokens */
     if (amx_for(wt))
         return wt == MOE_DTYPE_BF16 ? "amx-bf16" : "amx-int8";
