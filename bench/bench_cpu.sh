@@ -15,7 +15,9 @@
 # decode cells are given as % of the roofline: bandwidth / bytes of weights
 # read per token (decode1: attention + top-k experts + lm_head per layer;
 # decode16: attention + the experts 16 tokens are expected to touch +
-# lm_head, per step of 16 tokens). Prefill is compute-bound: GFLOP/s from
+# lm_head, per step of 16 tokens). Decode only reads, so %read gives the
+# same against bench-triad's read probes (the better of 1 and 4 streams a
+# thread), which can be below triad. Prefill is compute-bound: GFLOP/s from
 # 2 x active weights per token (+ attention) are printed instead.
 #
 # On a processor with AMX, mode "noamx" (fast with MOE_CPU_ISA=avx512-dot:
@@ -132,18 +134,25 @@ per_step16 = {dt: L * (attn(dt) + active16 * expert(dt) + router) + lin(V, d, dt
 flops_tok = 2 * (L * (H * dh + 2 * KV * dh) * d + L * d * H * dh + L * k * 3 * ff * d + V * d)
 def attn_flops(n):  # causal attention per token, averaged over a prompt of n
     return L * H * dh * 4 * (n + 1) / 2
-triad = {}
+triad, read = {}, {}
 for line in open(os.path.join(tmp, "triad.txt")):
     m = re.match(r"triad threads (\d+): best ([0-9.]+) GB/s, median ([0-9.]+)", line)
     if m: triad.setdefault(m.group(1), []).append(float(m.group(2)))
+    m = re.match(r"read threads (\d+) streams (\d+): best ([0-9.]+) GB/s", line)
+    if m: read.setdefault(m.group(1), {}).setdefault(m.group(2), []).append(float(m.group(3)))
 # The best of a round's repetitions (STREAM's convention; on a shared machine
 # the others are other people's traffic), median over rounds.
 bw = {t: statistics.median(v) * 1e9 for t, v in triad.items()}
 print("# triad (median over rounds of each round's best): " + ", ".join(f"{t} thread(s) {bw[t]/1e9:.2f} GB/s" for t in sorted(bw)))
+# Decode only reads: the better of bench-triad's two read probes (1 or 4
+# streams a thread) is the read roofline, %read; %roof stays against triad.
+rbw = {t: max(statistics.median(v) for v in s.values()) * 1e9 for t, s in read.items()}
+print("# read (the better probe, median over rounds of each round's best): "
+      + ", ".join(f"{t} thread(s) {rbw[t]/1e9:.2f} GB/s" for t in sorted(rbw)))
 print(f"# bytes read per token, decode1: " + ", ".join(f"{dt} {per_tok[dt]/1e6:.1f} MB" for dt in dtypes)
       + f"; per 16-token step, decode16 ({active16:.2f} of {E} experts): "
       + ", ".join(f"{dt} {per_step16[dt]/1e6:.1f} MB" for dt in dtypes))
-print(f"{'cell':<12} {'dtype':<5} {'mode':<6} {'thr':>3} {'tok/s':>9} {'roofline':>9} {'%roof':>6} {'GFLOP/s':>8}  all rounds")
+print(f"{'cell':<12} {'dtype':<5} {'mode':<6} {'thr':>3} {'tok/s':>9} {'roofline':>9} {'%roof':>6} {'%read':>6} {'GFLOP/s':>8}  all rounds")
 for cell in cells:
     for th in threads:
         for dt in dtypes:
@@ -153,14 +162,15 @@ for cell in cells:
                 vals = [float(x) for x in open(f).read().split()]
                 ok = [v for v in vals if v == v]
                 med = statistics.median(ok) if ok else float("nan")
-                roof, pct, gf = "", "", ""
-                if cell == "decode1" and th in bw:
-                    rf = bw[th] / per_tok[dt]; roof, pct = f"{rf:9.1f}", f"{100 * med / rf:5.0f}%"
-                elif cell == "decode16" and th in bw:
-                    rf = 16 * bw[th] / per_step16[dt]; roof, pct = f"{rf:9.1f}", f"{100 * med / rf:5.0f}%"
+                roof, pct, rpct, gf = "", "", "", ""
+                if cell in ("decode1", "decode16") and th in bw:
+                    per = per_tok[dt] if cell == "decode1" else per_step16[dt] / 16
+                    rf = bw[th] / per; roof, pct = f"{rf:9.1f}", f"{100 * med / rf:5.0f}%"
+                    if th in rbw:
+                        rpct = f"{100 * med * per / rbw[th]:5.0f}%"
                 else:
                     n = 512 if cell == "prefill512" else 4096
                     gf = f"{med * (flops_tok + attn_flops(n)) / 1e9:8.0f}"
-                print(f"{cell:<12} {dt:<5} {mode:<6} {th:>3} {med:9.1f} {roof:>9} {pct:>6} {gf:>8}  "
+                print(f"{cell:<12} {dt:<5} {mode:<6} {th:>3} {med:9.1f} {roof:>9} {pct:>6} {rpct:>6} {gf:>8}  "
                       + " ".join(f"{v:.1f}" for v in vals))
 EOF
