@@ -61,12 +61,43 @@ static inline __attribute__((always_inline)) uint64_t read_parts(const double *x
     return sum;
 }
 
-/* Cloned for AVX-512 where the processor has it: one load a line, as the
- * matmul tiles read (the baseline's 16-byte loads would probe the load
- * ports, not memory). */
-__attribute__((target_clones("avx512f", "default"))) static uint64_t
-read_slice(const double *x, size_t lo, size_t hi, int streams)
+#if defined(__x86_64__)
+#include <immintrin.h>
+/* The same with one 64-byte load a line, as the matmul tiles read (16-byte
+ * loads would probe the load ports, not memory). */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) uint64_t
+read_parts_avx512(const double *x, size_t lo, size_t hi, const int S)
 {
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
+    size_t part = (hi - lo) / (size_t)S / 8 * 8;
+    for (size_t i = 0; i < part; i += 8)
+        for (int s = 0; s < S; s++)
+            acc[s] = _mm512_add_epi64(acc[s], _mm512_loadu_si512(x + lo + (size_t)s * part + i));
+    uint64_t sum = 0;
+    for (size_t i = lo + (size_t)S * part; i < hi; i++) {
+        uint64_t v;
+        memcpy(&v, x + i, sizeof v);
+        sum += v;
+    }
+    for (int s = 0; s < S; s++)
+        sum += (uint64_t)_mm512_reduce_add_epi64(acc[s]);
+    return sum;
+}
+
+__attribute__((target("avx512f"))) static uint64_t read_slice_avx512(const double *x, size_t lo,
+                                                                     size_t hi, int streams)
+{
+    return streams == 4 ? read_parts_avx512(x, lo, hi, 4) : read_parts_avx512(x, lo, hi, 1);
+}
+#endif
+
+static uint64_t read_slice(const double *x, size_t lo, size_t hi, int streams)
+{
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx512f"))
+        return read_slice_avx512(x, lo, hi, streams);
+#endif
     return streams == 4 ? read_parts(x, lo, hi, 4) : read_parts(x, lo, hi, 1);
 }
 
