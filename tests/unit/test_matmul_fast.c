@@ -207,6 +207,10 @@ static void test_path(enum moe_dtype dt, const char *name)
         {20, 192, 50, 200, true, 0},
         {31, 256, 31, 256, false, 1},
         {16, 2816, 32, 2816, true, 2},
+        /* ... with 64+ rows a task: a block's 32 rows from 32 parts of it */
+        {16, 256, 1100, 256, true, 1},
+        {9, 128, 2050, 136, false, 0},
+        {24, 64, 1500, 64, true, 2},
     };
     double worst_bound = 0, worst_emu = 0;
     int n = 0;
@@ -279,9 +283,9 @@ static void test_i8_batch_invariance(const char *name)
  * instead (another f32 rounding order). */
 static void test_amx_i8_equals_vnni(unsigned amx_on)
 {
-    static const int shapes[][3] = {{8, 128, 40},   {16, 100, 50},  {17, 64, 33},
-                                    {31, 256, 100}, {32, 64, 32},   {33, 129, 47},
-                                    {200, 300, 70}, {47, 1024, 96}, {257, 65, 31}};
+    static const int shapes[][3] = {{8, 128, 40},  {16, 100, 50},  {17, 64, 33},   {31, 256, 100},
+                                    {32, 64, 32},  {33, 129, 47},  {200, 300, 70}, {47, 1024, 96},
+                                    {257, 65, 31}, {16, 256, 1100}};
     int differ = 0;
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int n_tok = shapes[s][0], n_in = shapes[s][1], n_out = shapes[s][2];
@@ -316,8 +320,8 @@ static void test_amx_i8_equals_vnni(unsigned amx_on)
         free(yv);
     }
     cpu_kernels_force_features(amx_on);
-    CHECKF(differ == 0, "amx-int8: %d of 9 shapes differ from avx512-vnni", differ);
-    printf("amx-int8: equals avx512-vnni bit for bit on 9 shapes (8..257 tokens)\n");
+    CHECKF(differ == 0, "amx-int8: %d of 10 shapes differ from avx512-vnni", differ);
+    printf("amx-int8: equals avx512-vnni bit for bit on 10 shapes (8..257 tokens)\n");
 }
 
 /* A grouped matmul on the fast path runs all its experts' tasks in one pool
