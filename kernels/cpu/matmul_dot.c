@@ -1236,8 +1236,12 @@ static void dot_prepare(struct moe_threadpool *pool, const struct moe_matmul_par
         if (j.amx) /* whole 32-token steps but the last */
             j.tok_block = (j.tok_block + AMX_T - 1) / AMX_T * AMX_T;
     } else {
+        /* Longer: each task starts DT_R new streams, which the prefetchers
+         * take a while to follow; ~2 tasks a thread, 16..1024 rows (the
+         * 16-sequence int8 decode step -3% against 8 of <= 256 rows). */
+        rb = (p->n_out + 2 * n_threads - 1) / (2 * n_threads);
         rb = (rb + DT_R - 1) / DT_R * DT_R;
-        rb = rb < 16 ? 16 : rb > 256 ? 256 : rb;
+        rb = rb < 16 ? 16 : rb > 1024 ? 1024 : rb;
         j.tok_block = p->n_tok < DT_TOK_BLOCK ? p->n_tok : DT_TOK_BLOCK;
     }
     j.row_block = rb > p->n_out ? p->n_out : rb;
