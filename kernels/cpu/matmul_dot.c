@@ -976,10 +976,36 @@ DOT_TARGET static void stream_rows(const struct dot_job *j, int t0, int nt, int 
     const int64_t ldwb = p->ldw * (j->kind == DOT_BF16 ? 2 : 1);
     const char *w = (const char *)p->w + o * ldwb;
     union dot_out out;
+    /* A whole tile's 16 outputs (lane tt * DT_R + r, as out holds them) are
+     * scaled as the scalar loop does and scattered in one go. */
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lt = _mm512_srli_epi32(lane, 2),
+                  lr = _mm512_and_si512(lane, _mm512_set1_epi32(3));
+    const __m512i lrow = _mm512_mullo_epi32(lr, _mm512_set1_epi32(step));
+    const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(lt, _mm512_set1_epi32(p->n_out)), lrow);
+    const __m512 swv = j->kind == DOT_I8 && R == DT_R ? _mm512_i32gather_ps(lrow, p->w_scale + o, 4)
+                                                      : _mm512_setzero_ps();
     for (int t = t0; t < t0 + nt; t += DT_T) {
         int T = t0 + nt - t < DT_T ? t0 + nt - t : DT_T;
         mk_stream_any(j->kind, T, R, j->xa + t * j->ldxb, j->ldxb, j->xs ? j->xs + t : NULL, w,
                       step * ldwb, w + ldwb, p->n_in, &out);
+        if (T == DT_T && R == DT_R) {
+            __m512 v;
+            if (j->kind == DOT_BF16) {
+                v = _mm512_loadu_ps(&out.f[0][0]);
+            } else {
+                const __m512 sxv =
+                    _mm512_permutexvar_ps(lt, _mm512_castps128_ps512(_mm_loadu_ps(j->sx + t)));
+                v = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)&out.i[0][0])),
+                    _mm512_mul_ps(sxv, swv));
+            }
+            float *y = p->y + (size_t)t * p->n_out + o;
+            if (p->accumulate)
+                v = _mm512_add_ps(_mm512_i32gather_ps(idx, y, 4), v);
+            _mm512_i32scatter_ps(y, idx, v, 4);
+            continue;
+        }
         for (int tt = 0; tt < T; tt++)
             for (int r = 0; r < R; r++) {
                 const int row = o + r * step;
@@ -1221,7 +1247,7 @@ static void dot_prepare(struct moe_threadpool *pool, const struct moe_matmul_par
     if (j.amx_stream)
         amx_pack_act(j.xa, j.ldxb, p->n_tok, (int)(j.ldxb / 64), j.xb);
 
-    /* Rows per task: about 8 tasks per thread, 16..256. */
+    /* Rows per task: about 8 tasks per thread, 16..256 (streaming: below). */
     int rb = (p->n_out + 8 * n_threads - 1) / (8 * n_threads);
     if (j.amx_stream) {
         rb = (rb + DP_R - 1) / DP_R * DP_R;
