@@ -485,11 +485,15 @@ mk_q4_dot(const int T, const int R, const int8_t *xa, int64_t ldxb,
                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(base[t], u, xv[t])), sv, acc[t][r]);
         }
     }
+    /* One add tree for every tile shape (zeros where the tile is short), so
+     * a token's result does not depend on the tokens beside it. */
+    __m512 v[16];
 #pragma GCC unroll 4
-    for (int t = 0; t < T; t++)
+    for (int t = 0; t < DT_T; t++)
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            out[t][r] = _mm512_reduce_add_ps(acc[t][r]);
+        for (int r = 0; r < DT_R; r++)
+            v[t * DT_R + r] = t < T && r < R ? acc[t][r] : _mm512_setzero_ps();
+    _mm512_storeu_ps(&out[0][0], hsum16(false, v));
 }
 
 DOT_TARGET static void mk_q4_dot_any(int T, int R, const int8_t *xa, int64_t ldxb,
@@ -948,10 +952,25 @@ DOT_TARGET static void stream_rows_q4(const struct dot_job *j, int t0, int nt, i
                                       int step)
 {
     const struct moe_matmul_params *p = j->p;
-    float out[DT_T][DT_R];
+    float out[DT_T][DT_R] __attribute__((aligned(64)));
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lt = _mm512_srli_epi32(lane, 2),
+                  lr = _mm512_and_si512(lane, _mm512_set1_epi32(3));
+    const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(lt, _mm512_set1_epi32(p->n_out)),
+                                         _mm512_mullo_epi32(lr, _mm512_set1_epi32(step)));
     for (int t = t0; t < t0 + nt; t += DT_T) {
         int T = t0 + nt - t < DT_T ? t0 + nt - t : DT_T;
         mk_q4_dot_any(T, R, (const int8_t *)j->xa + t * j->ldxb, j->ldxb, p, o, step, 1, out);
+        if (T == DT_T && R == DT_R) { /* as stream_rows */
+            const __m512 sxv =
+                _mm512_permutexvar_ps(lt, _mm512_castps128_ps512(_mm_loadu_ps(j->sx + t)));
+            __m512 v = _mm512_mul_ps(_mm512_load_ps(&out[0][0]), sxv);
+            float *y = p->y + (size_t)t * p->n_out + o;
+            if (p->accumulate)
+                v = _mm512_add_ps(_mm512_i32gather_ps(idx, y, 4), v);
+            _mm512_i32scatter_ps(y, idx, v, 4);
+            continue;
+        }
         for (int tt = 0; tt < T; tt++)
             for (int r = 0; r < R; r++)
                 store_out(p, t + tt, o + r * step, out[tt][r] * j->sx[t + tt]);

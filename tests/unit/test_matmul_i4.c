@@ -374,6 +374,56 @@ static void test_fast_i4(bool amx)
     cpu_kernels_force_features(have);
 }
 
+/* W4A8 (AMX off) reduces every tile with one add tree, so a token's output
+ * does not depend on the other tokens of the call: each token of a 7-token
+ * call (a 4-token tile and a 3-token one) alone equals its row, bit for bit. */
+static void test_i4_token_alone(void)
+{
+    const unsigned have = cpu_kernels_detect_features();
+    if (!(have & CPU_FEAT_AVX512_VNNI)) {
+        printf("SKIPPED: int4 token alone (avx512-vnni): this processor lacks it\n");
+        return;
+    }
+    cpu_kernels_force_features(have & ~(CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8));
+    const int n_tok = 7, n_in = 256, n_out = 70, G = 32;
+    struct q4_weights qw = make_weights(n_out, n_in, G);
+    float *x = malloc((size_t)n_tok * n_in * sizeof *x);
+    for (int i = 0; i < n_tok * n_in; i++)
+        x[i] = test_rng_float(&g_rng);
+    float *ya = malloc((size_t)n_tok * n_out * sizeof *ya),
+          *y1 = malloc((size_t)n_out * sizeof *y1);
+    struct moe_matmul_params p = {.x = x,
+                                  .n_tok = n_tok,
+                                  .n_in = n_in,
+                                  .w = qw.q,
+                                  .w_dtype = MOE_DTYPE_I4,
+                                  .ldw = n_in,
+                                  .n_out = n_out,
+                                  .y = ya,
+                                  .w_scale = qw.sc,
+                                  .w_group = G,
+                                  .fast = true};
+    cpu_matmul_dot(g_pool, &p);
+    int differ = 0;
+    for (int t = 0; t < n_tok; t++) {
+        struct moe_matmul_params q = p;
+        q.x = x + (size_t)t * n_in;
+        q.n_tok = 1;
+        q.y = y1;
+        cpu_matmul_dot(g_pool, &q);
+        differ += memcmp(y1, ya + (size_t)t * n_out, (size_t)n_out * sizeof *y1) != 0;
+    }
+    CHECKF(differ == 0, "avx512-vnni int4: %d of %d tokens differ alone from in the call", differ,
+           n_tok);
+    printf("avx512-vnni int4: each token alone equals its row of a %d-token call, bit for bit\n",
+           n_tok);
+    free(x);
+    free(ya);
+    free(y1);
+    free_weights(&qw);
+    cpu_kernels_force_features(have);
+}
+
 /* The comparison can fail: one dequantized reference weight off by one code. */
 static void test_detects_error(void)
 {
@@ -500,6 +550,7 @@ int main(void)
     cpu_kernels_force_isa(best);
     test_detects_error();
     test_fast_i4(false);
+    test_i4_token_alone();
     test_fast_i4(true);
     test_grouped_i4();
     moe_threadpool_destroy(g_pool);
