@@ -947,28 +947,56 @@ static void store_out(const struct moe_matmul_params *p, int t, int o, float v)
     *y = p->accumulate ? *y + v : v;
 }
 
+/* A whole streaming tile's 16 outputs, lane l = t * DT_R + r as dot_out
+ * and hsum16 hold them: token t of the tile, row r (o + r * step). */
+_Static_assert(DT_T == 4 && DT_R == 4, "tile_map: 16 lanes, 4 x 4");
+struct tile_map {
+    __m512i tok; /* t */
+    __m512i row; /* r * step */
+    __m512i off; /* t * n_out + r * step: from y[t0][o] to the output */
+};
+
+DOT_TARGET static inline struct tile_map tile_map(int n_out, int step)
+{
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    struct tile_map m;
+    m.tok = _mm512_srli_epi32(lane, 2);
+    m.row =
+        _mm512_mullo_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(3)), _mm512_set1_epi32(step));
+    m.off = _mm512_add_epi32(_mm512_mullo_epi32(m.tok, _mm512_set1_epi32(n_out)), m.row);
+    return m;
+}
+
+/* Each lane's token scale, from the tile's first token's. */
+DOT_TARGET static inline __m512 tile_sx(const struct tile_map *m, const float *sx)
+{
+    return _mm512_permutexvar_ps(m->tok, _mm512_castps128_ps512(_mm_loadu_ps(sx)));
+}
+
+/* The tile's outputs into y (= y[t0][o]), added to what is there when
+ * accumulating: store_out's arithmetic, one scatter. */
+DOT_TARGET static inline void tile_store(const struct tile_map *m, float *y, __m512 v,
+                                         bool accumulate)
+{
+    if (accumulate)
+        v = _mm512_add_ps(_mm512_i32gather_ps(m->off, y, 4), v);
+    _mm512_i32scatter_ps(y, m->off, v, 4);
+}
+
 /* R rows o, o + step, ... of an I4 streaming task x tokens [t0, t0 + nt). */
 DOT_TARGET static void stream_rows_q4(const struct dot_job *j, int t0, int nt, int o, int R,
                                       int step)
 {
     const struct moe_matmul_params *p = j->p;
     float out[DT_T][DT_R] __attribute__((aligned(64)));
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i lt = _mm512_srli_epi32(lane, 2),
-                  lr = _mm512_and_si512(lane, _mm512_set1_epi32(3));
-    const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(lt, _mm512_set1_epi32(p->n_out)),
-                                         _mm512_mullo_epi32(lr, _mm512_set1_epi32(step)));
+    const struct tile_map m = tile_map(p->n_out, step);
     for (int t = t0; t < t0 + nt; t += DT_T) {
         int T = t0 + nt - t < DT_T ? t0 + nt - t : DT_T;
         mk_q4_dot_any(T, R, (const int8_t *)j->xa + t * j->ldxb, j->ldxb, p, o, step, 1, out);
-        if (T == DT_T && R == DT_R) { /* as stream_rows */
-            const __m512 sxv =
-                _mm512_permutexvar_ps(lt, _mm512_castps128_ps512(_mm_loadu_ps(j->sx + t)));
-            __m512 v = _mm512_mul_ps(_mm512_load_ps(&out[0][0]), sxv);
-            float *y = p->y + (size_t)t * p->n_out + o;
-            if (p->accumulate)
-                v = _mm512_add_ps(_mm512_i32gather_ps(idx, y, 4), v);
-            _mm512_i32scatter_ps(y, idx, v, 4);
+        if (T == DT_T && R == DT_R) {
+            tile_store(&m, p->y + (size_t)t * p->n_out + o,
+                       _mm512_mul_ps(_mm512_load_ps(&out[0][0]), tile_sx(&m, j->sx + t)),
+                       p->accumulate);
             continue;
         }
         for (int tt = 0; tt < T; tt++)
@@ -988,41 +1016,29 @@ DOT_TARGET static void task_stream_q4(const struct dot_job *j, int t0, int nt, i
 }
 
 /* R rows o, o + step, ... of a streaming task x tokens [t0, t0 + nt); the
- * next tile starts at row o + 1. */
+ * next tile starts at row o + 1. A whole tile is scaled as the loop for
+ * short ones below scales (sx_t * sw_r first) and scattered at once. */
 DOT_TARGET static void stream_rows(const struct dot_job *j, int t0, int nt, int o, int R, int step)
 {
     const struct moe_matmul_params *p = j->p;
     const int64_t ldwb = p->ldw * (j->kind == DOT_BF16 ? 2 : 1);
     const char *w = (const char *)p->w + o * ldwb;
     union dot_out out;
-    /* A whole tile's 16 outputs (lane tt * DT_R + r, as out holds them) are
-     * scaled as the scalar loop does and scattered in one go. */
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i lt = _mm512_srli_epi32(lane, 2),
-                  lr = _mm512_and_si512(lane, _mm512_set1_epi32(3));
-    const __m512i lrow = _mm512_mullo_epi32(lr, _mm512_set1_epi32(step));
-    const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(lt, _mm512_set1_epi32(p->n_out)), lrow);
-    const __m512 swv = j->kind == DOT_I8 && R == DT_R ? _mm512_i32gather_ps(lrow, p->w_scale + o, 4)
-                                                      : _mm512_setzero_ps();
+    const struct tile_map m = tile_map(p->n_out, step);
+    const __m512 swv = j->kind == DOT_I8 && R == DT_R
+                           ? _mm512_i32gather_ps(m.row, p->w_scale + o, 4)
+                           : _mm512_setzero_ps();
     for (int t = t0; t < t0 + nt; t += DT_T) {
         int T = t0 + nt - t < DT_T ? t0 + nt - t : DT_T;
         mk_stream_any(j->kind, T, R, j->xa + t * j->ldxb, j->ldxb, j->xs ? j->xs + t : NULL, w,
                       step * ldwb, w + ldwb, p->n_in, &out);
         if (T == DT_T && R == DT_R) {
-            __m512 v;
-            if (j->kind == DOT_BF16) {
-                v = _mm512_loadu_ps(&out.f[0][0]);
-            } else {
-                const __m512 sxv =
-                    _mm512_permutexvar_ps(lt, _mm512_castps128_ps512(_mm_loadu_ps(j->sx + t)));
-                v = _mm512_mul_ps(
-                    _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)&out.i[0][0])),
-                    _mm512_mul_ps(sxv, swv));
-            }
-            float *y = p->y + (size_t)t * p->n_out + o;
-            if (p->accumulate)
-                v = _mm512_add_ps(_mm512_i32gather_ps(idx, y, 4), v);
-            _mm512_i32scatter_ps(y, idx, v, 4);
+            __m512 v = j->kind == DOT_BF16
+                           ? _mm512_loadu_ps(&out.f[0][0])
+                           : _mm512_mul_ps(
+                                 _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)&out.i[0][0])),
+                                 _mm512_mul_ps(tile_sx(&m, j->sx + t), swv));
+            tile_store(&m, p->y + (size_t)t * p->n_out + o, v, p->accumulate);
             continue;
         }
         for (int tt = 0; tt < T; tt++)
