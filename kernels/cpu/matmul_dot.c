@@ -62,10 +62,12 @@
  *   it would cost more than W4A8's whole dot products.
  *
  * Tiles as in matmul.c: decode-sized token counts stream the weights once
- * through T x R register tiles (dot products, one horizontal sum per output);
- * larger ones pack 32 weight rows into a panel of dword groups (bf16 pairs or
- * int8 quads of k, 16 rows per vector) and broadcast one group of each token
- * against two panel vectors: PK_T x 32 outputs per step, no horizontal sums.
+ * through T x R register tiles (dot products, horizontal sums at the end),
+ * the R rows taken from R parts of a task so that each thread reads R
+ * sequential streams (task_stream); larger ones pack 32 weight rows into a
+ * panel of dword groups (bf16 pairs or int8 quads of k, 16 rows per vector)
+ * and broadcast one group of each token against two panel vectors: PK_T x
+ * 32 outputs per step, no horizontal sums.
  *
  * AMX (packed tiles only, where the processor has it): the same panels are
  * the B operand of the tile instructions as they stand (a panel row, 16
