@@ -34,6 +34,18 @@ struct triad_job {
     uint64_t sums[256];
 };
 
+/* The plain sum of the bit patterns of x[lo, hi): the probes' leftovers. */
+static uint64_t bit_sum(const double *x, size_t lo, size_t hi)
+{
+    uint64_t sum = 0;
+    for (size_t i = lo; i < hi; i++) {
+        uint64_t v;
+        memcpy(&v, x + i, sizeof v);
+        sum += v;
+    }
+    return sum;
+}
+
 /* The sum of the bit patterns of x[lo, hi) (integer adds: no latency chain
  * slows the read), read as S parts a line at a time in turn; S is a
  * constant, so the accumulators stay in registers. */
@@ -49,12 +61,7 @@ static inline __attribute__((always_inline)) uint64_t read_parts(const double *x
                 memcpy(&v, x + lo + (size_t)s * part + i + k, sizeof v);
                 acc[s][k] += v;
             }
-    uint64_t sum = 0;
-    for (size_t i = lo + (size_t)S * part; i < hi; i++) {
-        uint64_t v;
-        memcpy(&v, x + i, sizeof v);
-        sum += v;
-    }
+    uint64_t sum = bit_sum(x, lo + (size_t)S * part, hi);
     for (int s = 0; s < S; s++)
         for (int k = 0; k < 8; k++)
             sum += acc[s][k];
@@ -74,12 +81,7 @@ read_parts_avx512(const double *x, size_t lo, size_t hi, const int S)
     for (size_t i = 0; i < part; i += 8)
         for (int s = 0; s < S; s++)
             acc[s] = _mm512_add_epi64(acc[s], _mm512_loadu_si512(x + lo + (size_t)s * part + i));
-    uint64_t sum = 0;
-    for (size_t i = lo + (size_t)S * part; i < hi; i++) {
-        uint64_t v;
-        memcpy(&v, x + i, sizeof v);
-        sum += v;
-    }
+    uint64_t sum = bit_sum(x, lo + (size_t)S * part, hi);
     for (int s = 0; s < S; s++)
         sum += (uint64_t)_mm512_reduce_add_epi64(acc[s]);
     return sum;
