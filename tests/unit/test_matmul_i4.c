@@ -144,6 +144,23 @@ static void free_weights(struct q4_weights *qw)
     free(qw->deq);
 }
 
+/* An int4 matmul's parameters over qw (exact; callers set .fast and
+ * .accumulate). */
+static struct moe_matmul_params i4_params(const float *x, int n_tok, int n_in, int64_t ldw,
+                                          int n_out, const struct q4_weights *qw, int G, float *y)
+{
+    return (struct moe_matmul_params){.x = x,
+                                      .n_tok = n_tok,
+                                      .n_in = n_in,
+                                      .w = qw->q,
+                                      .w_dtype = MOE_DTYPE_I4,
+                                      .ldw = ldw,
+                                      .n_out = n_out,
+                                      .y = y,
+                                      .w_scale = qw->sc,
+                                      .w_group = G};
+}
+
 /* The worst per-output error of the int4 matmul (through `which`: 0 the
  * backend op, 1 the pooled kernel, 2 one thread) against the f32 reference
  * on the dequantized weights, relative to sum |x w| (+ |y0| accumulating);
@@ -160,19 +177,8 @@ static double i4_case(int n_tok, int n_in, int n_out, int64_t ldw, int G, bool a
     float *y0 = malloc((ny + 16) * sizeof *y);
     for (size_t i = 0; i < ny + 16; i++)
         y0[i] = y[i] = y_ref[i] = test_rng_float(&g_rng);
-    struct moe_matmul_params p = {
-        .x = x,
-        .n_tok = n_tok,
-        .n_in = n_in,
-        .w = qw.q,
-        .w_dtype = MOE_DTYPE_I4,
-        .ldw = ldw,
-        .n_out = n_out,
-        .y = y,
-        .accumulate = accumulate,
-        .w_scale = qw.sc,
-        .w_group = G,
-    };
+    struct moe_matmul_params p = i4_params(x, n_tok, n_in, ldw, n_out, &qw, G, y);
+    p.accumulate = accumulate;
     if (which == 0)
         g_cpu->ops->matmul(g_cpu, &p);
     else
@@ -286,17 +292,8 @@ static void test_fast_i4(bool amx)
                 x[i] = test_rng_float(&g_rng) * (i % 13 == 0 ? 4.0f : 1.0f);
             float *yf = malloc((size_t)n_tok * n_out * sizeof *yf);
             float *ye = malloc((size_t)n_tok * n_out * sizeof *ye);
-            struct moe_matmul_params p = {.x = x,
-                                          .n_tok = n_tok,
-                                          .n_in = n_in,
-                                          .w = qw.q,
-                                          .w_dtype = MOE_DTYPE_I4,
-                                          .ldw = ldw,
-                                          .n_out = n_out,
-                                          .y = yf,
-                                          .w_scale = qw.sc,
-                                          .w_group = G,
-                                          .fast = true};
+            struct moe_matmul_params p = i4_params(x, n_tok, n_in, ldw, n_out, &qw, G, yf);
+            p.fast = true;
             CHECK(cpu_matmul_dot_supported(&p));
             cpu_matmul(g_pool, &p);
             p.fast = false;
@@ -392,17 +389,8 @@ static void test_i4_token_alone(void)
         x[i] = test_rng_float(&g_rng);
     float *ya = malloc((size_t)n_tok * n_out * sizeof *ya),
           *y1 = malloc((size_t)n_out * sizeof *y1);
-    struct moe_matmul_params p = {.x = x,
-                                  .n_tok = n_tok,
-                                  .n_in = n_in,
-                                  .w = qw.q,
-                                  .w_dtype = MOE_DTYPE_I4,
-                                  .ldw = n_in,
-                                  .n_out = n_out,
-                                  .y = ya,
-                                  .w_scale = qw.sc,
-                                  .w_group = G,
-                                  .fast = true};
+    struct moe_matmul_params p = i4_params(x, n_tok, n_in, n_in, n_out, &qw, G, ya);
+    p.fast = true;
     cpu_matmul_dot(g_pool, &p);
     int differ = 0;
     for (int t = 0; t < n_tok; t++) {
@@ -432,16 +420,7 @@ static void test_detects_error(void)
     float x[2 * 64], y[10], y_ref[10];
     for (int i = 0; i < n_tok * n_in; i++)
         x[i] = 1.0f + test_rng_float(&g_rng);
-    struct moe_matmul_params p = {.x = x,
-                                  .n_tok = n_tok,
-                                  .n_in = n_in,
-                                  .w = qw.q,
-                                  .w_dtype = MOE_DTYPE_I4,
-                                  .ldw = n_in,
-                                  .n_out = n_out,
-                                  .y = y,
-                                  .w_scale = qw.sc,
-                                  .w_group = 32};
+    struct moe_matmul_params p = i4_params(x, n_tok, n_in, n_in, n_out, &qw, 32, y);
     cpu_matmul(g_pool, &p);
     int o = 3, k = 40; /* group 1 of row 3 */
     qw.deq[o * n_in + k] += fabsf(qw.sc[o * 2 + 1]) + 1.0f;
