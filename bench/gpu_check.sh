@@ -30,10 +30,10 @@
 #             parallel (TP 1) and TP 2, greedy tokens equal to one process
 #   graphs    CUDA graphs: not built yet (reported as such)
 #
-# Offline GPU machines: carry the compute core's three libraries as Debian
+# Offline GPU machines: carry the compute core's four libraries as Debian
 # packages in .gpudeps/ (ignored by git), made beside the checkout with
 #   mkdir -p .gpudeps && cd .gpudeps && apt-get download libcjson1 libcjson-dev \
-#       libpcre2-8-0 libpcre2-dev libunistring2 libunistring-dev
+#       libpcre2-8-0 libpcre2-dev libunistring2 libunistring-dev libssl3 libssl-dev
 # and unpacked by this script into a private prefix (never into /).
 #
 # A dry run of the script itself on a machine without a GPU:
@@ -102,11 +102,15 @@ trap finish EXIT
 phase "dependencies"
 CMAKE_EXTRA=()
 if ls "$ROOT"/.gpudeps/*.deb >/dev/null 2>&1; then
-  DEPS=$WORK/deps
+  DEPS=$BUILD/carried-deps # a fixed path: the build cache remembers it
   mkdir -p "$DEPS"
   for f in "$ROOT"/.gpudeps/*.deb; do dpkg -x "$f" "$DEPS"; done
   export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  CMAKE_EXTRA+=(-DCMAKE_PREFIX_PATH="$DEPS/usr" -DPKG_CONFIG_EXECUTABLE=/nonexistent)
+  # Debian keeps OpenSSL's configuration.h under the multiarch include
+  # directory, which the compiler searches only under /usr: name it
+  export CPATH=$DEPS/usr/include/x86_64-linux-gnu${CPATH:+:$CPATH}
+  CMAKE_EXTRA+=(-DCMAKE_PREFIX_PATH="$DEPS/usr" -DOPENSSL_ROOT_DIR="$DEPS/usr"
+                -DPKG_CONFIG_EXECUTABLE=/nonexistent)
   echo "using the carried packages: $(ls "$ROOT"/.gpudeps | tr '\n' ' ')"
 elif command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
   timeout "$(cap 120)" "$ROOT/deploy/install-deps.sh" ||
@@ -182,7 +186,7 @@ for model in mixtral qwen3_moe deepseek_v3; do
       if ! fits 30; then g_skip=$((g_skip + 1)); continue; fi
       ids=$("$BIN/compare-logits" --ids "$dir" "$p")
       want=$("$BIN/compare-logits" --greedy "$dir" "$dtype" "$p")
-      timeout "$(cap 60)" "$BIN/moe-generate" --model "$dir" --tokens "$ids" -n 32 --dtype "$dtype" \
+      timeout "$(cap 60)" "$BIN/moe-generate" --model "$dir" --tokens "$ids" -n 32 --dtype "$dtype" --exact \
         --device "$DEVICE" --temperature 0 --ignore-eos --logits-out "$WORK/logits.bin" \
         >"$WORK/gen.log" 2>&1
       grc=$?
@@ -263,7 +267,7 @@ if [ $have_model = 1 ]; then
     fi
     bytes=$(step_bytes "$B")
     read -r tps gbps pct < <(awk -v b="$bytes" -v ms="$ms" -v B="$B" -v c="$copy" 'BEGIN {
-      g = b / (ms / 1e3) / 1e9; printf "%.0f %.1f %.1f\n", B / (ms / 1e3), g, c > 0 ? 100 * g / c : 0 }')
+      g = b / (ms / 1e3) / 1e9; printf "%.0f %.1f %.1f\n", B / (ms / 1e3), g, (c > 0 ? 100 * g / c : 0) }')
     row "decode batch $B" "step $ms ms = $tps tok/s; $((bytes / 1000000)) MB weights/step = $gbps GB/s = $pct% of copy bw" \
       "{\"step_ms\": $ms, \"tok_s\": $tps, \"weight_gbps\": $gbps, \"pct_copy_bw\": $pct}"
   done
