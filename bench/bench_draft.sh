@@ -6,9 +6,12 @@
 # the same tokens), at max running sequences 1, 4 and 16. Configurations:
 # no speculation, n-gram lookup, the student trained on the text alone
 # (draft-tiny-en-text) and the distilled one (draft-tiny-en-kd), K drafts per
-# step; alternated REPS times so all see the same machine state. Prints the
-# median output tokens/s, its ratio to no speculation, and the acceptance;
-# the difference between the last two rows is what distillation buys.
+# step (K adapted to acceptance, the default --spec-policy), and n-gram and
+# the distilled draft again under --spec-policy cost (K also weighs the
+# measured step and draft costs: what that buys); alternated REPS times so
+# all see the same machine state. Prints the median output tokens/s, its
+# ratio to no speculation, and the acceptance; text vs kd is what
+# distillation buys.
 #
 #   bench/bench_draft.sh [BUILD_DIR] [K] [BATCHES]
 set -euo pipefail
@@ -32,9 +35,12 @@ n, out = int(sys.argv[2]), int(sys.argv[3])
 for p in paras[::7][:n]:
     print(json.dumps({"prompt": " ".join(p.split()[:8]), "max_tokens": out, "ignore_eos": True}))
 PY
+kd=$here/deploy/model/draft-tiny-en-kd
 configs=("none|--spec-tokens 0" "ngram|--spec-tokens $k"
          "text|--spec-tokens $k --draft-model $here/deploy/model/draft-tiny-en-text"
-         "kd|--spec-tokens $k --draft-model $here/deploy/model/draft-tiny-en-kd")
+         "kd|--spec-tokens $k --draft-model $kd"
+         "ngram-cost|--spec-tokens $k --spec-policy cost"
+         "kd-cost|--spec-tokens $k --draft-model $kd --spec-policy cost")
 echo "moe-tiny-en (bf16), $n held-out prompts, $out tokens each, K=$k, $threads threads," \
   "$reps alternated rounds; $(lscpu | grep -m1 'Model name' | sed 's/  */ /g')"
 for _ in $(seq "$reps"); do
@@ -54,15 +60,15 @@ done
 python3 - "$dir/runs.txt" "$batches" <<'PY'
 import statistics, sys
 runs = [l.split() for l in open(sys.argv[1]) if l.strip()]
-print(f"{'draft':<6} {'batch':>5} {'tok/s':>12} {'vs none':>9} {'acceptance':>11}")
+print(f"{'draft':<9} {'batch':>5} {'tok/s':>12} {'vs none':>9} {'acceptance':>11}")
 for b in sys.argv[2].split():
     def med(c):
         return statistics.median(float(r[2]) for r in runs if r[0] == c and r[1] == b)
     base = med("none")
-    for c in ("none", "ngram", "text", "kd"):
+    for c in ("none", "ngram", "text", "kd", "ngram-cost", "kd-cost"):
         rs = [r for r in runs if r[0] == c and r[1] == b]
         prop = sum(float(r[3]) for r in rs)
         acc = sum(float(r[4]) for r in rs)
         a = f"{100 * acc / prop:.1f}%" if prop else "-"
-        print(f"{c:<6} {b:>5} {med(c):12.1f} {med(c) / base:8.2f}x {a:>11}")
+        print(f"{c:<9} {b:>5} {med(c):12.1f} {med(c) / base:8.2f}x {a:>11}")
 PY

@@ -55,6 +55,7 @@ struct args {
     bool no_prefix_cache;
     int spec_tokens;
     int spec_max_batch;
+    bool spec_cost; /* --spec-policy cost */
     const char *draft_model;
     bool print_outputs;
     /* worker group under mpirun */
@@ -113,6 +114,9 @@ static void usage(FILE *f)
            "                      tokenizer; default: n-gram lookup in the sequence)\n"
            "  --spec-max-batch N  no drafts in a step with more than N decode rows\n"
            "                      (0 = no limit; default 8)\n"
+           "  --spec-policy P     acceptance (default): draft as many as the sequence's\n"
+           "                      recent guesses were kept; cost: only the guesses that\n"
+           "                      raise throughput at the measured step and draft costs\n"
            "  --print-outputs     print every request's tokens (and text)\n"
            "quality meter (definitions in the README):\n"
            "  --perplexity FILE   perplexity of the text in FILE, in windows of --ctx tokens\n"
@@ -186,6 +190,10 @@ static int parse_special(const char *k, const char *v, struct args *a)
         if (strcmp(v, "32") && strcmp(v, "64") && strcmp(v, "128"))
             return cli_fail("--group-size: '%s' is not one of 32, 64, 128", v);
         a->group_size = atoi(v);
+    } else if (!strcmp(k, "--spec-policy")) {
+        if (strcmp(v, "cost") && strcmp(v, "acceptance"))
+            return cli_fail("--spec-policy: '%s' is not one of cost, acceptance", v);
+        a->spec_cost = !strcmp(v, "cost");
     } else if (!strcmp(k, "--kv-dtype")) {
         if (!moe_kv_parse_dtype(v, &a->kv_dtype))
             return cli_fail("--kv-dtype: '%s' is not one of f32, bf16", v);
@@ -395,6 +403,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         .no_prefix_cache = a->no_prefix_cache,
         .spec_tokens = a->spec_tokens,
         .spec_max_batch = a->spec_max_batch,
+        .spec_cost = a->spec_cost,
         .draft = draft,
         .kv_parts = group ? group->dp_size : 1,
         .forward = group ? moe_group_forward : NULL,

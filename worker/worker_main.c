@@ -74,6 +74,7 @@ struct args {
     bool kv_dtype_set;
     int spec_tokens;
     int spec_max_batch;
+    bool spec_cost; /* --spec-policy cost */
     const char *draft_model;
     int drain_timeout_s;
     int tp;
@@ -123,6 +124,9 @@ static void usage(FILE *f)
                "                        default: n-gram lookup in the sequence)\n"
                "  --spec-max-batch N    no drafts in a step with more than N decode rows\n"
                "                        (0 = no limit; default 8)\n"
+               "  --spec-policy P       acceptance (default): draft as many as the sequence's\n"
+               "                        recent guesses were kept; cost: only the guesses that\n"
+               "                        raise throughput at the measured step and draft costs\n"
                "  --role R              mixed (default), prefill or decode: the pool this worker\n"
                "                        serves in disaggregated serving (KV handed off from\n"
                "                        prefill to decode workers, rank to rank)\n"
@@ -198,6 +202,12 @@ static int parse_args(int argc, char **argv, struct args *a)
         INT_OPT("--spec-tokens", 0, MOE_SPEC_TOKENS_MAX, spec_tokens)
         INT_OPT("--spec-max-batch", 0, 1 << 16, spec_max_batch)
         INT_OPT("--drain-timeout", 0, 86400, drain_timeout_s)
+        if (!strcmp(k, "--spec-policy")) {
+            if (strcmp(v, "cost") && strcmp(v, "acceptance"))
+                return cli_fail("--spec-policy: '%s' is not one of cost, acceptance", v);
+            a->spec_cost = !strcmp(v, "cost");
+            continue;
+        }
         INT_OPT("--tp", 1, 1024, tp)
         INT_OPT("--comm-timeout-ms", 100, 3600000, comm_timeout_ms)
         INT_OPT("--handoff-ttl-ms", 50, 3600000, handoff_ttl_ms)
@@ -425,6 +435,7 @@ static enum moe_status start_engine(struct worker_run *r)
         .no_prefix_cache = a->no_prefix_cache,
         .spec_tokens = a->spec_tokens,
         .spec_max_batch = a->spec_max_batch,
+        .spec_cost = a->spec_cost,
         .draft = r->draft,
         .kv_parts = group ? group->dp_size : 1,
         .forward = group ? moe_group_forward : NULL,

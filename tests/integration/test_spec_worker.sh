@@ -14,8 +14,12 @@ test_begin moe-spec
 
 dflags=()
 [ -n "$draft" ] && dflags=(--draft-model "$draft")
+# --spec-policy acceptance: drafts follow acceptance alone, so the counters
+# checked below do not hang on measured step times (the cost policy, which
+# may stop drafting on a model this small, is tested with a fake clock in
+# unit/test_spec.c)
 "$bin/moe-worker" --model "$model" --dtype f32 --threads 1 --kv-memory 16 --spec-tokens 3 \
-  "${dflags[@]}" --listen 127.0.0.1:0 >"$tmp/w.log" 2>"$tmp/w.err" &
+  --spec-policy acceptance "${dflags[@]}" --listen 127.0.0.1:0 >"$tmp/w.log" 2>"$tmp/w.err" &
 pids+=($!)
 wait_for "$tmp/w.log" "serving" || { bad "worker did not start: $(cat "$tmp/w.err")"; test_end; }
 waddr=$(grep -o 'on 127\.0\.0\.1:[0-9]*' "$tmp/w.log" | head -1 | cut -c4-)

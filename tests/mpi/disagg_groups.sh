@@ -36,7 +36,9 @@ start() {
               --role "$role" --listen 127.0.0.1:0 --worker-id "$name")
   [ -n "${DP:-}" ] && args+=(--dp-attention --metrics-listen 127.0.0.1:0)
   if [ "$role" = decode ] && [ -n "${DRAFT_MODEL:-}" ]; then
-    args+=(--spec-tokens 3 --draft-model "$DRAFT_MODEL")
+    # acceptance alone: the kept-draft count checked below must not hang on
+    # measured step times (the cost policy has its own test, unit/test_spec.c)
+    args+=(--spec-tokens 3 --draft-model "$DRAFT_MODEL" --spec-policy acceptance)
   fi
   if [ "$np" -gt 1 ]; then
     "$@" -np "$np" "$bin/moe-worker" "${args[@]}" --tp "$tp" >"$tmp/$name.log" 2>"$tmp/$name.err" &

@@ -129,7 +129,8 @@ if [ -f "$tiny/moe-tiny-en/config.json" ] && [ -f "$tiny/draft-tiny-en-kd/config
   d=(--model "$tiny/moe-tiny-en" --prompts-file "$tmp/prompts.jsonl" --dtype f32 --kv-dtype f32
      --ignore-eos --max-batch-tokens 16 --print-outputs)
   if run "$tmp/dref.all" 1 "${d[@]}" &&
-     run "$tmp/ddp.all" 2 "${d[@]}" --draft-model "$tiny/draft-tiny-en-kd" --spec-tokens 3 &&
+     run "$tmp/ddp.all" 2 "${d[@]}" --draft-model "$tiny/draft-tiny-en-kd" --spec-tokens 3 \
+       --spec-policy acceptance &&
      cmp -s <(grep '^request' "$tmp/ddp.all") <(grep '^request' "$tmp/dref.all") &&
      grep -q '^speculation:.* [1-9][0-9]* accepted' "$tmp/ddp.all"; then
     ok "moe-tiny-en DP W=2 with the distilled draft: identical to plain decoding ($(grep -o '[0-9]* proposed, [0-9]* accepted' "$tmp/ddp.all"))"

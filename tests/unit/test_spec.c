@@ -242,6 +242,136 @@ static void test_adapt(void)
     CHECK(k == 1); /* never past k_max */
 }
 
+/* The cost model alone (spec.h), on step times chosen here. */
+static void test_cost_model(void)
+{
+    struct spec_cost c = {0};
+    CHECK(isnan(spec_cost_threshold(&c, 1, 1, 1, false)));
+    CHECK(spec_cost_k(0.5, &c, 1, 1, false, 4) == 4); /* nothing measured: acceptance decides */
+    spec_cost_step(&c, true, 1, 1, 1.0, 0);
+    CHECK(isnan(spec_cost_threshold(&c, 1, 1, 1, false))); /* one size: no slope yet */
+    spec_cost_step(&c, false, 9, 1, 50.0, 0);              /* a prompt chunk: not counted */
+    CHECK(isnan(spec_cost_threshold(&c, 1, 1, 1, false)));
+    /* T(n) = 0.9 + 0.1 n, one token a second (R = 1): a guess needs 0.1 */
+    spec_cost_step(&c, true, 2, 1, 1.1, 0);
+    spec_cost_step(&c, true, 3, 1, 1.2 + 0.5, 0.5); /* the draft's 0.5 s is not the step's */
+    /* R: the tokens and seconds of the three decode steps, decayed by 0.95 a step */
+    const double q = 0.95, r = (q * q + q + 1) / (q * q * 1.0 + q * 1.1 + 1.7);
+    double thr = spec_cost_threshold(&c, 1, 1, 1, false);
+    CHECKF(fabs(thr - 0.1 * r) < 1e-6, "threshold %g, want %g", thr, 0.1 * r);
+    CHECK(spec_cost_k(0.5, &c, 1, 1, false, 4) == 3); /* 0.5, 0.25, 0.125 >= 0.078 > 0.0625 */
+    CHECK(spec_cost_k(0.5, &c, 1, 1, false, 2) == 2);
+    /* a draft model, its passes unmeasured: no threshold; then 0.3 s a pass */
+    CHECK(isnan(spec_cost_threshold(&c, 1, 1, 1, true)) &&
+          spec_cost_k(0.5, &c, 1, 1, true, 4) == 4);
+    spec_cost_draft_pass(&c, 1, 0.3);
+    CHECK(fabs(spec_cost_threshold(&c, 1, 1, 1, true) - 0.4 * r) < 1e-6);
+    CHECK(spec_cost_k(0.5, &c, 1, 1, true, 4) == 1); /* 0.5 >= 0.31 > 0.25 */
+    /* verify rows that cost whole steps (T(n) = n), then plain steps (R near
+     * 1 token a second): nothing below certainty pays */
+    struct spec_cost e = {0};
+    for (int n = 3; n >= 1; n--)
+        spec_cost_step(&e, true, n, 1, n, 0);
+    for (int i = 0; i < 40; i++)
+        spec_cost_step(&e, true, 1, 1, 1.0, 0);
+    CHECK(spec_cost_k(0.9, &e, 1, 1, false, 4) == 0);
+    /* free verify rows (T(n) = 1): every guess pays */
+    struct spec_cost f = {0};
+    for (int n = 1; n <= 3; n++)
+        spec_cost_step(&f, true, n, 1, 1.0, 0);
+    CHECK(spec_cost_k(0.05, &f, 1, 1, false, 4) == 4);
+    /* batch 16: the fixed part is shared (T(16) = 1, T(17) = 1.06, 16 tokens
+     * a second): a guess needs 16 x 0.06 = 0.96 */
+    struct spec_cost g = {0};
+    spec_cost_step(&g, true, 16, 16, 1.0, 0);
+    spec_cost_step(&g, true, 17, 16, 1.06, 0);
+    CHECK(spec_cost_k(0.9, &g, 16, 16, false, 4) == 0);
+    CHECK(spec_cost_k(0.9, &g, 1, 1, false, 4) == 0); /* the nearest sizes stand in for batch 1 */
+    /* a negative measured slope counts as free, never as a gain */
+    struct spec_cost h = {0};
+    spec_cost_step(&h, true, 1, 1, 1.0, 0);
+    spec_cost_step(&h, true, 2, 1, 0.8, 0);
+    CHECK(spec_cost_threshold(&h, 1, 1, 1, false) == 0);
+    /* a first guess dearer than its gain, paid for by cheap later ones:
+     * T(1..4) = 1, 2, 2.1, 2.2 at R = 1 token a second; alpha 0.9 gains
+     * 0.9 - 1, then 0.81 - 0.1, 0.729 - 0.1: three guesses pay, one does not */
+    struct spec_cost v = {0};
+    const double tv[] = {1.0, 2.0, 2.1, 2.2};
+    for (int i = 0; i < 40; i++)
+        spec_cost_step(&v, true, 1 + i % 4, 1, tv[i % 4], 0);
+    v.emit_n = v.emit_t = 1; /* R = 1 exactly */
+    CHECK(spec_cost_k(0.9, &v, 1, 1, false, 3) == 3 && spec_cost_k(0.9, &v, 1, 1, false, 1) == 0);
+    /* the acceptance estimate: (kept + 1/2) / (compared + 1), decayed by 0.95 */
+    float acc = 0, tried = 0;
+    CHECK(spec_alpha(acc, tried) == 0.5);
+    spec_alpha_update(&acc, &tried, 4, 4); /* 4 kept of 4 compared */
+    CHECK(acc == 4 && tried == 4 && fabs(spec_alpha(acc, tried) - 0.9) < 1e-6);
+    spec_alpha_update(&acc, &tried, 4, 1); /* 1 kept, the second rejected: 2 compared */
+    CHECK(fabs(acc - 4.8f) < 1e-5 && fabs(tried - 5.8f) < 1e-5);
+}
+
+/* The engine under the cost policy with a fake clock: each forward "takes"
+ * a + b n seconds, so the costs, and the policy's choices, are the test's. */
+static double g_fake_now, g_cost_a, g_cost_b;
+
+static double fake_clock(void *ctx)
+{
+    (void)ctx;
+    return g_fake_now;
+}
+
+static enum moe_status fake_forward(void *ctx, struct moe_model *m, struct moe_kv_cache *kv,
+                                    const struct moe_batch *b, float *logits, struct moe_error *err)
+{
+    (void)ctx;
+    g_fake_now += g_cost_a + g_cost_b * b->n_tok;
+    return moe_model_forward(m, kv, b, logits, err);
+}
+
+static void params_greedy(struct moe_request_params *p, int n, int max_tokens);
+
+static void test_cost_policy(void)
+{
+    enum { N = 8 };
+    struct moe_request_params p[N];
+    params_greedy(p, N, 48);
+    struct moe_engine_opts o = {.n_block = 128,
+                                .spec_tokens = 4,
+                                .forward = fake_forward,
+                                .forward_ids = true,
+                                .clock = fake_clock};
+    struct run plain, acc, free_rows, dear_rows;
+    run_set((struct moe_engine_opts){.n_block = 128}, N, p, false, false, &plain);
+    run_set(o, N, p, false, true, &acc);
+    o.spec_cost = true;
+    g_cost_a = 1.0, g_cost_b = 0; /* verify rows free: every guess acceptance allows */
+    run_set(o, N, p, false, true, &free_rows);
+    g_cost_a = 0.01, g_cost_b = 1.0; /* a verify token costs a whole step: guesses stop */
+    run_set(o, N, p, false, true, &dear_rows);
+    double lp = 0;
+    CHECKF(count_diffs(&acc, &plain, true, &lp) == 0 &&
+               count_diffs(&free_rows, &plain, true, &lp) == 0 &&
+               count_diffs(&dear_rows, &plain, true, &lp) == 0 && lp < 1e-4,
+           "cost policy: outputs differ from plain decoding (worst logprob %g)", lp);
+    CHECKF(free_rows.st.spec_draft_tokens == acc.st.spec_draft_tokens &&
+               free_rows.st.steps == acc.st.steps,
+           "free verify rows: %lld drafts in %lld steps, acceptance alone %lld in %lld",
+           (long long)free_rows.st.spec_draft_tokens, (long long)free_rows.st.steps,
+           (long long)acc.st.spec_draft_tokens, (long long)acc.st.steps);
+    CHECKF(acc.st.spec_draft_tokens > 0 &&
+               dear_rows.st.spec_draft_tokens * 4 < acc.st.spec_draft_tokens,
+           "dear verify rows: %lld drafts, acceptance alone %lld",
+           (long long)dear_rows.st.spec_draft_tokens, (long long)acc.st.spec_draft_tokens);
+    printf("-- cost policy: drafts %lld (acceptance alone), %lld (free verify rows), %lld (a "
+           "verify token costs a step)\n",
+           (long long)acc.st.spec_draft_tokens, (long long)free_rows.st.spec_draft_tokens,
+           (long long)dear_rows.st.spec_draft_tokens);
+    capture_free(&plain.c);
+    capture_free(&acc.c);
+    capture_free(&free_rows.c);
+    capture_free(&dear_rows.c);
+}
+
 static void params_greedy(struct moe_request_params *p, int n, int max_tokens)
 {
     for (int i = 0; i < n; i++) {
@@ -701,6 +831,7 @@ int main(void)
     struct moe_model_opts mo = {.dtype = MOE_DTYPE_F32, .tp_size = 1};
     test_ngram_draft();
     test_adapt();
+    test_cost_model();
     const char *fixtures[] = {"qwen3_moe", "mixtral"};
     for (int f = 0; f < 2 && be; f++) {
         char rel[128];
@@ -719,6 +850,7 @@ int main(void)
             test_random_workload(2500);
             test_prefill_only_and_options();
             test_max_batch();
+            test_cost_policy();
             test_draft_refusals(be);
             draft_battery(be, "qwen3_moe", "the model itself: guesses kept", true);
             /* the ThreadSanitizer pass (tests/run.sh) skips the second: the

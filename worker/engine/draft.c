@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/generate.h" /* moe_now */
 #include "engine/sampler.h"
 
 struct moe_draft {
@@ -116,7 +117,7 @@ static enum moe_status reserve(struct moe_draft *d, int n_tok, int n_rows, int n
 }
 
 enum moe_status moe_draft_propose(struct moe_draft *d, struct moe_draft_seq *s, int n,
-                                  struct moe_error *err)
+                                  struct moe_draft_pass *passes, struct moe_error *err)
 {
     if (n <= 0)
         return MOE_OK;
@@ -166,10 +167,14 @@ enum moe_status moe_draft_propose(struct moe_draft *d, struct moe_draft_seq *s, 
                               .max_blocks = max_blocks,
                               .n_logits = r,
                               .logit_rows = d->rows};
+        double t0 = passes ? moe_now() : 0;
         if ((rc = moe_model_forward(d->model, d->kv, &b, d->logits, err)))
             return moe_error_prefix(err, "draft forward");
         for (int j = 0; j < r; j++)
             s[d->row_seq[j]].out[pass] = moe_argmax(d->logits + (size_t)j * d->vocab, d->vocab);
+        if (passes)
+            passes[pass] =
+                (struct moe_draft_pass){.n_tok = t, .n_rows = r, .seconds = moe_now() - t0};
     }
     return MOE_OK;
 }

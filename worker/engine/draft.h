@@ -48,11 +48,18 @@ struct moe_draft_seq {
     int32_t *out; /* (k) the guesses */
 };
 
+/* One forward pass of a proposal: tokens fed, sequences in it, seconds. */
+struct moe_draft_pass {
+    int n_tok, n_rows;
+    double seconds;
+};
+
 /* Proposes s[i].k tokens for each of the n sequences in k_max forward passes
  * of the draft over all of them: the first feeds every position from done to
  * n_tokens - 1 (catching the draft's cache up) and reads the first guess;
- * each next pass feeds the previous guess. */
+ * each next pass feeds the previous guess. `passes` (NULL, or room for
+ * k_max) gets each pass's size and time. */
 enum moe_status moe_draft_propose(struct moe_draft *d, struct moe_draft_seq *s, int n,
-                                  struct moe_error *err);
+                                  struct moe_draft_pass *passes, struct moe_error *err);
 
 #endif

@@ -41,6 +41,9 @@ struct seq {
     int32_t draft[MOE_SPEC_TOKENS_MAX]; /* this step's draft tokens, after tokens[n_tokens - 1] */
     int spec_k;                         /* drafts its next decode row may carry (spec_adapt) */
     int spec_cool;                      /* decode steps left without drafting */
+    float spec_acc, spec_tried;         /* decayed guesses kept / compared (spec_alpha) */
+    int spec_rest;  /* opts.spec_cost: decode steps between probes while guesses do not pay */
+    int spec_idle;  /* ... and the steps since the last guess */
     int draft_done; /* draft model: positions its KV cache holds for these tokens */
     int draft_spec; /* ... and beyond them, for this step's guesses but the last */
 };
@@ -87,9 +90,12 @@ struct moe_engine {
     struct moe_draft *draft;          /* opts.draft's proposals, or NULL (n-gram) */
     struct moe_draft_seq *draft_reqs; /* (cap_draft_reqs) this step's proposals */
     int cap_draft_reqs;
-    struct seq_list waiting; /* FCFS; preempted sequences go to the front */
-    struct seq_list running; /* admission order: the last is the newest */
-    struct seq_list parked;  /* prefill_only sequences holding KV for a handoff */
+    struct spec_cost spec_cost; /* opts.spec_cost: the measured decode steps */
+    int spec_batch;             /* this step's decode rows (spec_cost_k) */
+    double step_draft_s;        /* this step's time in the draft model */
+    struct seq_list waiting;    /* FCFS; preempted sequences go to the front */
+    struct seq_list running;    /* admission order: the last is the newest */
+    struct seq_list parked;     /* prefill_only sequences holding KV for a handoff */
     struct reservation *resv;
     int n_resv, cap_resv;
     struct moe_rng seed_rng;
@@ -714,6 +720,11 @@ static bool sched_add(struct moe_engine *e, int *n, struct seq *s, int count)
     return true;
 }
 
+static double engine_clock(const struct moe_engine *e)
+{
+    return e->opts.clock ? e->opts.clock(e->opts.clock_ctx) : moe_now();
+}
+
 /* How many draft tokens entry `en` may carry this step: 0 unless it is a
  * plain decode row (one token, the sequence's last, after its prompt: a
  * prefill or a prefill_only sequence never speculates). Drafts get only what
@@ -742,7 +753,7 @@ static int draft_limit(const struct moe_engine *e, const struct sched_entry *en,
  * draft model's, proposed for all drafting rows at once. */
 static void schedule_drafts(struct moe_engine *e, int n, int budget)
 {
-    int n_req = 0;
+    int n_req = 0, given = 0; /* given: draft tokens put into this step so far */
     for (int i = 0; i < n && budget > 0; i++) {
         struct sched_entry *en = &e->sched[i];
         struct seq *s = en->s;
@@ -753,6 +764,28 @@ static void schedule_drafts(struct moe_engine *e, int n, int budget)
         int k = draft_limit(e, en, budget);
         if (k <= 0)
             continue;
+        if (e->opts.spec_cost) {
+            int kc = spec_cost_k(spec_alpha(s->spec_acc, s->spec_tried), &e->spec_cost,
+                                 e->spec_batch + given, e->spec_batch, e->draft != NULL,
+                                 e->opts.spec_tokens);
+            if (kc <= 0) {
+                /* guesses cost more than they yield: none, but a probe of
+                 * one now and then keeps the acceptance estimate fresh (the
+                 * gap doubles while the probes do not pay) */
+                if (!s->spec_rest)
+                    s->spec_rest = MOE_SPEC_COST_COOLDOWN, s->spec_idle = 0;
+                if (++s->spec_idle < s->spec_rest)
+                    continue;
+                s->spec_idle = 0;
+                s->spec_rest *= 2;
+                if (s->spec_rest > MOE_SPEC_COST_REST_MAX)
+                    s->spec_rest = MOE_SPEC_COST_REST_MAX;
+                kc = 1;
+            } else {
+                s->spec_rest = 0;
+            }
+            k = kc < k ? kc : k;
+        }
         if (!e->draft && !(k = spec_ngram_draft(s->tokens, s->n_tokens, k, s->draft)))
             continue;
         if (e->draft &&
@@ -763,6 +796,7 @@ static void schedule_drafts(struct moe_engine *e, int n, int budget)
         en->count += k;
         en->n_draft = k;
         budget -= k;
+        given += k;
         if (e->draft)
             e->draft_reqs[n_req++] = (struct moe_draft_seq){.tokens = s->tokens,
                                                             .n_tokens = s->n_tokens,
@@ -777,7 +811,15 @@ static void schedule_drafts(struct moe_engine *e, int n, int budget)
     if (!n_req)
         return;
     struct moe_error err = {0};
-    enum moe_status rc = moe_draft_propose(e->draft, e->draft_reqs, n_req, &err);
+    double t0 = engine_clock(e);
+    struct moe_draft_pass passes[MOE_SPEC_TOKENS_MAX];
+    enum moe_status rc = moe_draft_propose(e->draft, e->draft_reqs, n_req, passes, &err);
+    e->step_draft_s += engine_clock(e) - t0;
+    int n_pass = 0;
+    for (int i = 0; !rc && i < n_req; i++)
+        n_pass = e->draft_reqs[i].k > n_pass ? e->draft_reqs[i].k : n_pass;
+    for (int p = 1; e->opts.spec_cost && p < n_pass; p++) /* the first also catches up */
+        spec_cost_draft_pass(&e->spec_cost, passes[p].n_rows, passes[p].seconds);
     for (int i = 0, r = 0; i < n && r < n_req; i++) {
         struct sched_entry *en = &e->sched[i];
         struct seq *s = en->s;
@@ -915,8 +957,11 @@ static int schedule(struct moe_engine *e)
     int spare = 0; /* drafts: what the parts' budgets leave over */
     for (int p = 0; p < n_part; p++)
         spare += budget[p] > 0 ? budget[p] : 0;
-    if (e->opts.spec_tokens > 0 && (!e->opts.spec_max_batch || decoding <= e->opts.spec_max_batch))
+    if (e->opts.spec_tokens > 0 &&
+        (!e->opts.spec_max_batch || decoding <= e->opts.spec_max_batch)) {
+        e->spec_batch = decoding;
         schedule_drafts(e, n, spare);
+    }
     return n;
 }
 
@@ -1113,6 +1158,7 @@ static void seq_verify(struct moe_engine *e, struct seq *s, int k, float *rows)
     s->draft_done += accepted < s->draft_spec ? accepted : s->draft_spec;
     s->draft_spec = 0;
     spec_adapt(&s->spec_k, &s->spec_cool, e->opts.spec_tokens, k, accepted);
+    spec_alpha_update(&s->spec_acc, &s->spec_tried, k, accepted);
     seq_publish_blocks(e, s);
     seq_trim_blocks(e, s);
 }
@@ -1294,6 +1340,9 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
 {
     if (n_tokens)
         *n_tokens = 0;
+    double t_step = e->opts.spec_cost ? engine_clock(e) : 0;
+    int64_t emitted = e->counts.generated_tokens;
+    e->step_draft_s = 0;
     take_inbox_and_aborts(e);
     int n_sched = schedule(e);
     if (!n_sched) {
@@ -1307,6 +1356,10 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
         if (e->sched[i].s->n_blocks > max_blocks)
             max_blocks = e->sched[i].s->n_blocks;
     }
+    bool decode_only = true; /* every row a sequence's next token (drafts or not) */
+    for (int i = 0; i < n_sched; i++)
+        decode_only &= e->sched[i].count - e->sched[i].n_draft == 1 &&
+                       e->sched[i].start == e->sched[i].s->n_tokens - 1;
     int vocab = e->cfg->vocab_size;
     /* ids only: every row greedy and nothing else of the logits needed */
     bool ids = (!e->opts.forward || e->opts.forward_ids) && !e->opts.host_sampling;
@@ -1382,6 +1435,10 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
             seq_emit(e, s, ids ? NULL : e->logits + (size_t)row * vocab, ids ? e->ids[row] : -1);
         row += rows;
     }
+    if (e->opts.spec_cost && e->opts.spec_tokens > 0)
+        spec_cost_step(&e->spec_cost, decode_only, n_tok,
+                       (int)(e->counts.generated_tokens - emitted), engine_clock(e) - t_step,
+                       e->step_draft_s);
     publish_stats(e);
     if (n_tokens)
         *n_tokens = n_tok;

@@ -57,6 +57,15 @@ struct moe_engine_opts {
     /* With spec_tokens: no drafts in a step with more than this many decode
      * rows (0: no limit). */
     int spec_max_batch;
+    /* With spec_tokens: each sequence's K also weighs what a draft costs
+     * against what it yields, as measured on the recent decode steps
+     * (spec_cost in engine/spec.h): a guess is made only where it raises the
+     * throughput, down to none. false: acceptance alone (spec_adapt). */
+    bool spec_cost;
+    /* The clock that cost model reads, in seconds; NULL: moe_now. (Tests
+     * give one their forward advances, so the costs are theirs to set.) */
+    double (*clock)(void *ctx);
+    void *clock_ctx;
     /* Data-parallel attention: the pool is split into kv_parts equal parts
      * (n_block a multiple of it), part r the KV cache of group rank r; the
      * engine's own cache holds one part, and every sequence takes its blocks
