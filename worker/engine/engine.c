@@ -772,8 +772,10 @@ static void schedule_drafts(struct moe_engine *e, int n, int budget)
                 /* guesses cost more than they yield: none, but a probe of
                  * one now and then keeps the acceptance estimate fresh (the
                  * gap doubles while the probes do not pay) */
-                if (!s->spec_rest)
-                    s->spec_rest = MOE_SPEC_COST_COOLDOWN, s->spec_idle = 0;
+                if (!s->spec_rest) {
+                    s->spec_rest = MOE_SPEC_COST_COOLDOWN;
+                    s->spec_idle = 0;
+                }
                 if (++s->spec_idle < s->spec_rest)
                     continue;
                 s->spec_idle = 0;

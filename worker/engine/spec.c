@@ -129,8 +129,10 @@ int spec_cost_k(double alpha, const struct spec_cost *c, int at, int rows, bool 
         if (isnan(thr))
             return k_max;
         gain += (p *= alpha) - thr;
-        if (gain > best)
-            best = gain, best_k = k;
+        if (gain > best) {
+            best = gain;
+            best_k = k;
+        }
     }
     return best_k;
 }
