@@ -601,7 +601,11 @@ static void test_preemption(void)
 /* Random submits and aborts into a small pool with speculation on; every
  * request that finished is then run again plainly in one batch and must
  * give the same output. */
-static void test_random_workload(int n_steps)
+/* by_cost: under --spec-policy cost, with the fake clock of test_cost_policy
+ * (each forward 0.3 + 0.1 n seconds: guesses pay for some sequences at some
+ * batch sizes, not for others), so the policy's every branch runs under
+ * preemption, aborts and prefix hits. */
+static void test_random_workload(int n_steps, bool by_cost)
 {
     /* under ThreadSanitizer (tests/run.sh; 20x slower) a fifth: the races it
      * looks for are in the thread pool every step uses */
@@ -609,11 +613,17 @@ static void test_random_workload(int n_steps)
     if (san && !strcmp(san, "thread"))
         n_steps /= 5;
     enum { SLOTS = 48, MAX_SUB = 2048 };
-    struct moe_engine *e = make_engine((struct moe_engine_opts){.n_block = 40,
-                                                                .block_size = 4,
-                                                                .max_batch_tokens = 32,
-                                                                .max_running = 6,
-                                                                .spec_tokens = 4});
+    struct moe_engine_opts o = {
+        .n_block = 40, .block_size = 4, .max_batch_tokens = 32, .max_running = 6, .spec_tokens = 4};
+    if (by_cost) {
+        o.spec_cost = true;
+        o.forward = fake_forward;
+        o.forward_ids = true;
+        o.clock = fake_clock;
+        g_cost_a = 0.3;
+        g_cost_b = 0.1;
+    }
+    struct moe_engine *e = make_engine(o);
     struct capture c;
     capture_init(&c, MAX_SUB);
     struct moe_request_params *params = calloc(MAX_SUB, sizeof *params);
@@ -694,11 +704,11 @@ static void test_random_workload(int n_steps)
                   memcmp(x->tokens, y->tokens, (size_t)x->n * sizeof *x->tokens);
     }
     CHECKF(differ == 0, "%d of %d finished requests differ from plain decoding", differ, n_ref);
-    printf("random workload with speculation: %d submitted, %lld aborted, %lld preemptions, %d "
+    printf("random workload with speculation%s: %d submitted, %lld aborted, %lld preemptions, %d "
            "finished identical to plain, drafts %lld / %lld accepted, prefix hits %lld\n",
-           submitted, (long long)st.aborted, (long long)st.preemptions, n_ref - differ,
-           (long long)st.spec_accepted_tokens, (long long)st.spec_draft_tokens,
-           (long long)st.prefix_hit_tokens);
+           by_cost ? " (cost policy)" : "", submitted, (long long)st.aborted,
+           (long long)st.preemptions, n_ref - differ, (long long)st.spec_accepted_tokens,
+           (long long)st.spec_draft_tokens, (long long)st.prefix_hit_tokens);
     capture_free(&c);
     capture_free(&ref);
     free(params);
@@ -817,7 +827,7 @@ static void draft_battery(struct moe_backend *be, const char *fixture, const cha
         test_stops();
         test_preemption();
     }
-    test_random_workload(600); /* shorter: sanitizer passes run this too */
+    test_random_workload(600, false); /* shorter: sanitizer passes run this too */
     moe_model_free(g_draft);
     g_draft = NULL;
     g_expect_accept = true;
@@ -847,7 +857,8 @@ int main(void)
             test_sampling();
             test_stops();
             test_preemption();
-            test_random_workload(2500);
+            test_random_workload(2500, false);
+            test_random_workload(1500, true);
             test_prefill_only_and_options();
             test_max_batch();
             test_cost_policy();
