@@ -173,8 +173,7 @@ enum moe_status moe_draft_propose(struct moe_draft *d, struct moe_draft_seq *s, 
         for (int j = 0; j < r; j++)
             s[d->row_seq[j]].out[pass] = moe_argmax(d->logits + (size_t)j * d->vocab, d->vocab);
         if (passes)
-            passes[pass] =
-                (struct moe_draft_pass){.n_tok = t, .n_rows = r, .seconds = moe_now() - t0};
+            passes[pass] = (struct moe_draft_pass){.n_rows = r, .seconds = moe_now() - t0};
     }
     return MOE_OK;
 }

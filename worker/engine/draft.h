@@ -48,9 +48,9 @@ struct moe_draft_seq {
     int32_t *out; /* (k) the guesses */
 };
 
-/* One forward pass of a proposal: tokens fed, sequences in it, seconds. */
+/* One forward pass of a proposal: the sequences in it, seconds. */
 struct moe_draft_pass {
-    int n_tok, n_rows;
+    int n_rows;
     double seconds;
 };
 

@@ -76,14 +76,14 @@ void spec_cost_draft_pass(struct spec_cost *c, int n_rows, double seconds)
         avg_add(&c->pass_t[n_rows], seconds > 1e-9 ? seconds : 1e-9);
 }
 
-/* The measured size nearest to n in [1, MOE_SPEC_COST_N] other than `not`,
+/* The measured size nearest to n in [1, MOE_SPEC_COST_N] other than `skip`,
  * or 0. */
-static int nearest(const float *t, int n, int not )
+static int nearest(const float *t, int n, int skip)
 {
     for (int dist = 0; dist < MOE_SPEC_COST_N; dist++)
         for (int side = 0; side < 2; side++) {
             int m = side ? n + dist : n - dist;
-            if (m >= 1 && m <= MOE_SPEC_COST_N && m != not &&t[m] > 0)
+            if (m >= 1 && m <= MOE_SPEC_COST_N && m != skip && t[m] > 0)
                 return m;
         }
     return 0;

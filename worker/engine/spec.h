@@ -55,10 +55,10 @@ void spec_adapt(int *k, int *cool, int k_max, int drafted, int accepted);
  * probability alpha^j) adds alpha^j tokens for b + d seconds, so it raises
  * the throughput exactly when alpha^j >= R (b + d): that product is the
  * threshold, and a sequence drafts the K of the largest sum of alpha^j -
- * threshold_j (its acceptance-adapted K bounds it too). At batch 1 R (b + d) compares a
- * guess with a whole plain step; at batch 16 the fixed part of a step is
- * shared by 16 rows, R ~ 1 / b, and guesses stop unless verify rows are
- * nearly free. Until T is known at two sizes near the batch (and P, with a
+ * threshold_j (its acceptance-adapted K bounds it too). At batch 1 R (b + d)
+ * compares a guess with a whole plain step; at batch 16 the fixed part of a
+ * step is shared by 16 rows, R ~ 1 / b, and guesses stop unless verify rows
+ * are nearly free. Until T is known at two sizes near the batch (and P, with a
  * draft model) there is no threshold and drafting follows acceptance alone,
  * which measures the sizes it lacks. */
 #define MOE_SPEC_COST_N 64 /* step and pass sizes tracked, 1 .. this */
