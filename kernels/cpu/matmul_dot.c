@@ -424,6 +424,57 @@ mk_stream(const enum dot_kind K, const int T, const int R, const char *xa, int64
         }
 }
 
+/* One token against DT_R weight rows (row r at w + r * ldwb), the sums left
+ * as vectors in acc[r]: the single-token tile. With one token a 4 x 4 tile
+ * holds only 4 sums, so each row paid a whole horizontal sum (~25% of a
+ * 128-wide row's samples in the draft model's GEMVs); task_stream_tok1
+ * reduces 4 such tiles in one add tree. The rows stay DT_R streams (16
+ * would outrun the prefetchers: 10% slower decode at n_in 1024). */
+DOT_TARGET static inline __attribute__((always_inline)) void
+mk_stream1(const enum dot_kind K, const char *xa, const char *w, int64_t ldwb, const char *pf,
+           int n_in, __m512 acc[DT_R])
+{
+    const int V = K == DOT_BF16 ? 32 : 64;
+    const int esz = K == DOT_BF16 ? 2 : 1;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 accf[DT_R];
+    __m512i acci[DT_R];
+#pragma GCC unroll 4
+    for (int r = 0; r < DT_R; r++) {
+        accf[r] = _mm512_setzero_ps();
+        acci[r] = _mm512_setzero_si512();
+    }
+    int k = 0;
+    for (; k + V <= n_in; k += V) {
+#pragma GCC unroll 4
+        for (int r = 0; r < DT_R; r++)
+            _mm_prefetch(pf + r * ldwb + (int64_t)k * esz, _MM_HINT_T0);
+        const __m512i xv = _mm512_loadu_si512((const void *)(xa + (int64_t)k * esz));
+#pragma GCC unroll 4
+        for (int r = 0; r < DT_R; r++) {
+            __m512i wv = _mm512_loadu_si512((const void *)(w + r * ldwb + (int64_t)k * esz));
+            if (K == DOT_BF16)
+                accf[r] = dot_bf16(accf[r], xv, wv);
+            else
+                acci[r] = dot_u8s8(acci[r], _mm512_xor_si512(wv, flip), xv);
+        }
+    }
+    if (k < n_in) {
+        const __m512i xv = _mm512_loadu_si512((const void *)(xa + (int64_t)k * esz));
+#pragma GCC unroll 4
+        for (int r = 0; r < DT_R; r++) {
+            __m512i wv = load_w(K, w + r * ldwb, k, n_in); /* past n_in: 128, times xq = 0 */
+            if (K == DOT_BF16)
+                accf[r] = dot_bf16(accf[r], xv, wv);
+            else
+                acci[r] = dot_u8s8(acci[r], _mm512_xor_si512(wv, flip), xv);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < DT_R; r++)
+        acc[r] = K == DOT_BF16 ? accf[r] : _mm512_castsi512_ps(acci[r]);
+}
+
 /* I4: the codes of columns [k, k + 64) of a row (common/quant.h layout) as 64
  * unsigned bytes in column order; a step past n_in (n_in % 64 == 32) reads
  * only its first block and gives zero codes for the rest. */
@@ -443,8 +494,8 @@ DOT_TARGET static inline __attribute__((always_inline)) __m512i q4_codes64(const
  * the next tile starts at row o + next. out gets sum_g s_g sum (u - 8) xq
  * per (token, row): times sx_t is y. */
 DOT_TARGET static inline __attribute__((always_inline)) void
-mk_q4_dot(const int T, const int R, const int8_t *xa, int64_t ldxb,
-          const struct moe_matmul_params *p, int o, int step, int next, float out[DT_T][DT_R])
+mk_q4_acc(const int T, const int R, const int8_t *xa, int64_t ldxb,
+          const struct moe_matmul_params *p, int o, int step, int next, __m512 v[16])
 {
     const int n_in = p->n_in, group = p->w_group;
     const int64_t ldb = p->ldw / 2 * step, lds = moe_q4_groups(p->ldw, group) * step;
@@ -487,14 +538,22 @@ mk_q4_dot(const int T, const int R, const int8_t *xa, int64_t ldxb,
                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(base[t], u, xv[t])), sv, acc[t][r]);
         }
     }
-    /* One add tree for every tile shape (zeros where the tile is short), so
-     * a token's result does not depend on the tokens beside it. */
-    __m512 v[16];
 #pragma GCC unroll 4
     for (int t = 0; t < DT_T; t++)
 #pragma GCC unroll 4
         for (int r = 0; r < DT_R; r++)
             v[t * DT_R + r] = t < T && r < R ? acc[t][r] : _mm512_setzero_ps();
+}
+
+/* mk_q4_acc's sums: one add tree for every tile shape (zeros where the tile
+ * is short), so a token's result does not depend on the tokens beside it
+ * (the single-token tiles of task_stream_tok1 share the tree's order). */
+DOT_TARGET static inline __attribute__((always_inline)) void
+mk_q4_dot(const int T, const int R, const int8_t *xa, int64_t ldxb,
+          const struct moe_matmul_params *p, int o, int step, int next, float out[DT_T][DT_R])
+{
+    __m512 v[16];
+    mk_q4_acc(T, R, xa, ldxb, p, o, step, next, v);
     _mm512_storeu_ps(&out[0][0], hsum16(false, v));
 }
 
@@ -1074,6 +1133,54 @@ DOT_TARGET static void task_stream(const struct dot_job *j, int t0, int nt, int 
         stream_rows(j, t0, nt, o, 1, 1);
 }
 
+/* One token, rows [o0, o0 + no): task_stream's tiles (row o0 + i + r q of
+ * tile i), four tiles at a time reduced by one add tree (lane i' * 4 + r:
+ * tile i + i', row r); the rest as task_stream does them. */
+DOT_TARGET static void task_stream_tok1(const struct dot_job *j, int t0, int o0, int no)
+{
+    const struct moe_matmul_params *p = j->p;
+    const int64_t ldwb = p->ldw * (j->kind == DOT_BF16 ? 2 : 1);
+    const bool i8 = j->kind == DOT_I8;
+    const int q = no / DT_R;
+    const struct tile_map m = tile_map(1, q); /* off = i' + r q */
+    const char *xa = j->xa + t0 * j->ldxb;
+    float *y = p->y + (size_t)t0 * p->n_out;
+    const __m512 scale = _mm512_set1_ps(j->kind != DOT_BF16 ? j->sx[t0] : 0.0f);
+    const __m512i xs_off = _mm512_set1_epi32(i8 ? 128 * j->xs[t0] : 0);
+    int i = 0;
+    for (; i + 4 <= q; i += 4) {
+        const int o = o0 + i;
+        __m512 v[16];
+#pragma GCC unroll 4
+        for (int ii = 0; ii < 4; ii++) {
+            const char *w = (const char *)p->w + (o + ii) * ldwb;
+            if (j->kind == DOT_I4) {
+                __m512 t1[16];
+                mk_q4_acc(1, DT_R, (const int8_t *)xa, j->ldxb, p, o + ii, q, 1, t1);
+#pragma GCC unroll 4
+                for (int r = 0; r < DT_R; r++)
+                    v[4 * ii + r] = t1[r];
+            } else if (i8)
+                mk_stream1(DOT_I8, xa, w, q * ldwb, w + ldwb, p->n_in, v + 4 * ii);
+            else
+                mk_stream1(DOT_BF16, xa, w, q * ldwb, w + ldwb, p->n_in, v + 4 * ii);
+        }
+        __m512 sums = hsum16(i8, v);
+        if (j->kind == DOT_I4)
+            sums = _mm512_mul_ps(sums, scale);
+        else if (i8)
+            sums = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_castps_si512(sums), xs_off)),
+                _mm512_mul_ps(scale, _mm512_i32gather_ps(m.off, p->w_scale + o, 4)));
+        tile_store(&m, y + o, sums, p->accumulate);
+    }
+    for (; i < q; i++)
+        j->kind == DOT_I4 ? stream_rows_q4(j, t0, 1, o0 + i, DT_R, q)
+                          : stream_rows(j, t0, 1, o0 + i, DT_R, q);
+    for (int o = o0 + DT_R * q; o < o0 + no; o++)
+        j->kind == DOT_I4 ? stream_rows_q4(j, t0, 1, o, 1, 1) : stream_rows(j, t0, 1, o, 1, 1);
+}
+
 DOT_TARGET static void task_packed(const struct dot_job *j, int thread, int t0, int nt, int o0,
                                    int no)
 {
@@ -1191,6 +1298,8 @@ static void dot_task(void *arg, int task, int thread)
         amx_end();
     } else if (j->packed)
         task_packed(j, thread, t0, nt, o0, no);
+    else if (nt == 1)
+        task_stream_tok1(j, t0, o0, no);
     else
         task_stream(j, t0, nt, o0, no);
 }

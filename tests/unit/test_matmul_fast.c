@@ -186,6 +186,10 @@ static void test_path(enum moe_dtype dt, const char *name)
     static const struct fcase fixed[] = {
         {1, 64, 4, 64, false, 0},
         {1, 1024, 2816, 1024, false, 0},
+        /* one token: 16-row tiles from 4 streams, and the rows past them */
+        {1, 128, 4096, 128, true, 0},
+        {1, 100, 53, 104, true, 1},
+        {1, 33, 300, 40, false, 2},
         {2, 77, 13, 80, true, 1},
         {3, 31, 5, 31, false, 2},
         {4, 2816, 1024, 2816, false, 0},
