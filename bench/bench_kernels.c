@@ -155,7 +155,7 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
     int n_sets = (have & amx) ? 2 : 1;
     char names[2][64];
     static const enum moe_dtype dts[] = {MOE_DTYPE_BF16, MOE_DTYPE_I8};
-    static const int toks[] = {1, 4, 8, 16, 32, 64, 128, 512};
+    static const int toks[] = {1, 4, 6, 8, 16, 32, 64, 128, 512};
     const size_t cold_bytes = (size_t)256 << 20;
     printf("# fast paths; features %s%s\n", cpu_features_name(have, names[0], sizeof names[0]),
            n_sets == 1 ? " (no AMX: one path per type)" : "");
