@@ -259,6 +259,22 @@ static enum moe_status rope_num(const struct cfg_ctx *c, const char *dict, const
     return MOE_OK;
 }
 
+/* original_max_position_embeddings: a positive whole number that fits an
+ * int (it becomes one), like max_position_embeddings itself. */
+static enum moe_status rope_orig_pos(const struct cfg_ctx *c, const char *dict, const cJSON *rp,
+                                     double *out)
+{
+    const char *key = "original_max_position_embeddings";
+    enum moe_status st = rope_num(c, dict, rp, key, NAN, out);
+    if (st)
+        return st;
+    if (*out != floor(*out) || *out > INT_MAX)
+        return moe_error_set(c->err, MOE_ERR_FORMAT,
+                             "%s: field '%s': '%s' = %g is not a whole number in 1..%d", c->name,
+                             dict, key, *out, INT_MAX);
+    return MOE_OK;
+}
+
 #define MOE_TWO_PI 6.283185307179586
 
 static double yarn_mscale(double scale, double m)
@@ -285,7 +301,7 @@ static enum moe_status parse_rope_scaling(const struct cfg_ctx *c, const char *d
         if ((st = rope_num(c, dict, rp, "factor", NAN, &factor)) ||
             (st = rope_num(c, dict, rp, "low_freq_factor", NAN, &lo)) ||
             (st = rope_num(c, dict, rp, "high_freq_factor", NAN, &hi)) ||
-            (st = rope_num(c, dict, rp, "original_max_position_embeddings", NAN, &orig)))
+            (st = rope_orig_pos(c, dict, rp, &orig)))
             return st;
         if (hi <= lo)
             return moe_error_set(c->err, MOE_ERR_FORMAT,
@@ -300,7 +316,7 @@ static enum moe_status parse_rope_scaling(const struct cfg_ctx *c, const char *d
     }
     if (!strcmp(type, "yarn")) {
         r->type = MOE_ROPE_YARN;
-        if ((st = rope_num(c, dict, rp, "original_max_position_embeddings", NAN, &orig)) ||
+        if ((st = rope_orig_pos(c, dict, rp, &orig)) ||
             (st = rope_num(c, dict, rp, "factor", (double)max_pos / orig, &factor)) ||
             (st = rope_num(c, dict, rp, "beta_fast", 32, &bf)) ||
             (st = rope_num(c, dict, rp, "beta_slow", 1, &bs)) ||

@@ -454,6 +454,16 @@ static void test_common_errors(void)
                     "{\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 4, "
                     "\"high_freq_factor\": 1, \"original_max_position_embeddings\": 8192}",
                     MOE_ERR_FORMAT, "high_freq_factor 1 must exceed", NULL, NULL);
+        /* a float past INT_MAX once became an int (UB; found by fuzz_model_config) */
+        expect_edit(base, "rope_scaling",
+                    "{\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 1, "
+                    "\"high_freq_factor\": 4, \"original_max_position_embeddings\": 3.2e93}",
+                    MOE_ERR_FORMAT, "'original_max_position_embeddings' = 3.2e+93", NULL, NULL);
+        expect_edit(base, "rope_scaling",
+                    "{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                    "\"original_max_position_embeddings\": 64.5}",
+                    MOE_ERR_FORMAT,
+                    "'original_max_position_embeddings' = 64.5 is not a whole number", NULL, NULL);
         expect_edit(base, "rope_scaling", "{\"rope_type\": \"su\", \"factor\": 8.0}",
                     MOE_ERR_UNSUPPORTED, "'rope_scaling'", "su", NULL);
         expect_edit(base, "rope_scaling", "null", MOE_OK, NULL, NULL, NULL);
