@@ -348,12 +348,16 @@ mk_stream(const enum dot_kind K, const int T, const int R, const char *xa, int64
                 acci[t][r] = _mm512_setzero_si512();
         }
     /* pf: the next register tile's rows (same stride), prefetched as far
-     * ahead as this one reads. */
+     * ahead as this one reads, into L2 only (T1). Measured on a Zen 4: T1
+     * made 16-sequence decode 12% faster in bf16 and 7% in int8 than T0 (T2
+     * alike, batch 1 unchanged; unmeasured on Intel). The likely reason: the
+     * tile's activation rows (up to 6 x 2 KB) keep their L1 lines while the
+     * weights stream through. */
     int k = 0;
     for (; k + V <= n_in; k += V) {
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            _mm_prefetch(pf + r * ldwb + (int64_t)k * esz, _MM_HINT_T0);
+            _mm_prefetch(pf + r * ldwb + (int64_t)k * esz, _MM_HINT_T1);
         __m512i xv[DT_T];
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++)
@@ -448,7 +452,7 @@ mk_stream1(const enum dot_kind K, const char *xa, const char *w, int64_t ldwb, c
     for (; k + V <= n_in; k += V) {
 #pragma GCC unroll 4
         for (int r = 0; r < DT_R; r++)
-            _mm_prefetch(pf + r * ldwb + (int64_t)k * esz, _MM_HINT_T0);
+            _mm_prefetch(pf + r * ldwb + (int64_t)k * esz, _MM_HINT_T1); /* as mk_stream */
         const __m512i xv = _mm512_loadu_si512((const void *)(xa + (int64_t)k * esz));
 #pragma GCC unroll 4
         for (int r = 0; r < DT_R; r++) {
