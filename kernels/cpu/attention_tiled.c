@@ -1,6 +1,9 @@
-/* Causal grouped-query attention, tiled (FlashAttention-style) on AVX-512:
- * the fast twin of cpu_attention_ref (attention.c), f32 throughout, used in
- * both the exact and the fast mode.
+/* Causal grouped-query attention, tiled (FlashAttention-style) on AVX-512
+ * and on AVX2: the fast twin of cpu_attention_ref (attention.c), f32
+ * throughout, used in both the exact and the fast mode. The AVX2 tiles
+ * (8 lanes, 16 registers: smaller tiles) do each lane's operations in the
+ * AVX-512 order, so both ISAs give the same bits (unit/test_kernels checks
+ * it where a processor has both).
  *
  * A task is a group of up to FA_ROWS query rows -- consecutive batch tokens
  * of one sequence times the n_head / n_kv_head query heads that share a KV
@@ -71,7 +74,7 @@
 bool cpu_attention_tiled_supported(const struct moe_attn_params *p)
 {
 #if defined(__x86_64__)
-    return cpu_kernels_isa() == CPU_ISA_AVX512 && p->d_head <= FA_MAX_D &&
+    return cpu_kernels_isa() >= CPU_ISA_AVX2 && p->d_head <= FA_MAX_D &&
            p->n_head / p->n_kv_head <= FA_ROWS;
 #else
     (void)p;
@@ -97,6 +100,7 @@ struct fa_group {
 struct fa_job {
     const struct moe_attn_params *p;
     bool amx;                      /* fa_task_amx */
+    enum cpu_isa isa;              /* else fa_task_avx512 or fa_task_avx2 */
     const struct fa_group *groups; /* heaviest first */
     int n_group;
     int rep; /* query heads per KV head */
@@ -476,76 +480,122 @@ FA_AMX_TARGET static void fa_task_amx(const struct fa_job *j, int task, int thre
     }
 }
 
-FA_TARGET static void fa_task(void *arg, int task, int thread)
+/* ---- the f32 task: shared set-up and finish, one chunk loop per ISA ---- */
+
+/* One task's state: its group and KV head, and its views of the thread's
+ * scratch (the fa_scratch_floats layout). */
+struct fa_ctx {
+    const struct moe_attn_params *p;
+    const struct fa_group *g;
+    int kvh, d, dv, n_rows, ldk, ldv, rep;
+    size_t slot_stride;
+    bool wide;    /* BF16 cache: rows widened into kw / vw */
+    bool same_kv; /* a latent row: V is K's first dv */
+    const int32_t *blocks;
+    float *qt, *o, *pt, *kw, *vw, *mrow, *lrow, *alpha;
+    int32_t rpos[FA_ROWS];
+};
+
+/* Q^T: row r = token i * rep + head g; rows padded to a multiple of 16 are
+ * zero queries at the group's last position (finite, discarded); O zero,
+ * m = -inf, l = 0. Plain C: the same for every ISA. */
+static void fa_begin(const struct fa_job *j, int task, int thread, struct fa_ctx *c)
 {
-    const struct fa_job *j = arg;
-    if (j->amx) {
-        amx_begin();
-        fa_task_amx(j, task, thread);
-        amx_end();
-        return;
-    }
     const struct moe_attn_params *p = j->p;
     const struct fa_group *g = &j->groups[task / p->n_kv_head];
-    const int kvh = task % p->n_kv_head;
-    const int d = p->d_head, dv = p->d_v ? p->d_v : p->d_head, rep = j->rep;
-    const int n_rows = g->nt * rep;
-    const int mv = (n_rows + 15) / 16;
-    const int ndv = (dv + 15) / 16, ldk = (d + 15) / 16 * 16, ldv = ndv * 16;
-    const size_t slot_stride = (size_t)p->n_kv_head * d;
-    float *qt = j->scratch + (size_t)thread * j->scratch_stride;
-    float *o = qt + (size_t)ldk * FA_ROWS;
-    float *pt = o + (size_t)FA_ROWS * ldv;
-    float *kw = pt + (size_t)FA_KB * FA_ROWS, *vw = kw + (size_t)FA_KB * ldk;
-    float *mrow = vw + (size_t)FA_KB * ldv, *lrow = mrow + FA_ROWS, *alpha = lrow + FA_ROWS;
-    const bool wide = p->kv_dtype == MOE_DTYPE_BF16;
-    const bool same_kv = p->v_cache == p->k_cache; /* a latent row: V is K's first dv */
-    int32_t rpos[FA_ROWS];
-
-    /* Q^T: row r = token i * rep + head g; padded rows are zero queries at
-     * the group's last position (finite, discarded). */
-    memset(qt, 0, (size_t)d * FA_ROWS * sizeof(float));
-    for (int r = 0; r < mv * 16; r++) {
-        rpos[r] = r < n_rows ? p->tok_pos[g->t0 + r / rep] : g->max_pos;
-        mrow[r] = -INFINITY;
-        lrow[r] = 0.0f;
+    c->p = p;
+    c->g = g;
+    c->kvh = task % p->n_kv_head;
+    c->rep = j->rep;
+    c->d = p->d_head;
+    c->dv = p->d_v ? p->d_v : p->d_head;
+    c->n_rows = g->nt * j->rep;
+    c->ldk = (c->d + 15) / 16 * 16;
+    c->ldv = (c->dv + 15) / 16 * 16;
+    c->slot_stride = (size_t)p->n_kv_head * c->d;
+    c->wide = p->kv_dtype == MOE_DTYPE_BF16;
+    c->same_kv = p->v_cache == p->k_cache;
+    c->blocks = p->block_tables + (size_t)p->tok_seq[g->t0] * p->max_blocks;
+    c->qt = j->scratch + (size_t)thread * j->scratch_stride;
+    c->o = c->qt + (size_t)c->ldk * FA_ROWS;
+    c->pt = c->o + (size_t)FA_ROWS * c->ldv;
+    c->kw = c->pt + (size_t)FA_KB * FA_ROWS;
+    c->vw = c->kw + (size_t)FA_KB * c->ldk;
+    c->mrow = c->vw + (size_t)FA_KB * c->ldv;
+    c->lrow = c->mrow + FA_ROWS;
+    c->alpha = c->lrow + FA_ROWS;
+    const int padded = (c->n_rows + 15) / 16 * 16;
+    memset(c->qt, 0, (size_t)c->d * FA_ROWS * sizeof(float));
+    for (int r = 0; r < padded; r++) {
+        c->rpos[r] = r < c->n_rows ? p->tok_pos[g->t0 + r / c->rep] : g->max_pos;
+        c->mrow[r] = -INFINITY;
+        c->lrow[r] = 0.0f;
     }
-    for (int r = 0; r < n_rows; r++) {
-        const int t = g->t0 + r / rep, h = kvh * rep + r % rep;
-        const float *q = p->q + ((size_t)t * p->n_head + h) * d;
-        for (int k = 0; k < d; k++)
-            qt[(size_t)k * FA_ROWS + r] = q[k];
+    for (int r = 0; r < c->n_rows; r++) {
+        const int t = g->t0 + r / c->rep, h = c->kvh * c->rep + r % c->rep;
+        const float *q = p->q + ((size_t)t * p->n_head + h) * c->d;
+        for (int k = 0; k < c->d; k++)
+            c->qt[(size_t)k * FA_ROWS + r] = q[k];
     }
-    for (int r = 0; r < mv * 16; r++)
-        memset(o + (size_t)r * ldv, 0, (size_t)ldv * sizeof(float));
+    memset(c->o, 0, (size_t)padded * c->ldv * sizeof(float));
+}
 
-    const int32_t *blocks = p->block_tables + (size_t)p->tok_seq[g->t0] * p->max_blocks;
+/* The K and V rows of the chunk's nk keys at c0 as f32 (kp, vp): in the
+ * cache for F32, widened by `widen` (an ISA's bf16 -> f32, inlined) for
+ * BF16. */
+static inline __attribute__((always_inline)) void
+fa_gather(const struct fa_ctx *c, int c0, int nk, const float **kp, const float **vp,
+          void (*widen)(float *, const uint16_t *, int))
+{
+    const struct moe_attn_params *p = c->p;
+    for (int i = 0; i < nk; i++) {
+        size_t off = fa_slot(p, c->blocks, c0 + i) * c->slot_stride + (size_t)c->kvh * c->d;
+        if (c->wide) {
+            float *kr = c->kw + (size_t)i * c->ldk, *vr = c->vw + (size_t)i * c->ldv;
+            widen(kr, (const uint16_t *)p->k_cache + off, c->d);
+            if (!c->same_kv)
+                widen(vr, (const uint16_t *)p->v_cache + off, c->dv);
+            kp[i] = kr;
+            vp[i] = c->same_kv ? kr : vr;
+        } else {
+            kp[i] = (const float *)p->k_cache + off;
+            vp[i] = (const float *)p->v_cache + off;
+        }
+    }
+}
+
+/* out = O / l for the task's rows (one rounded multiply each, as the
+ * vector forms did). */
+static void fa_end(const struct fa_ctx *c)
+{
+    const struct moe_attn_params *p = c->p;
+    for (int r = 0; r < c->n_rows; r++) {
+        const int t = c->g->t0 + r / c->rep, h = c->kvh * c->rep + r % c->rep;
+        float *out = p->out + ((size_t)t * p->n_head + h) * c->dv;
+        const float inv = 1.0f / c->lrow[r];
+        const float *orow = c->o + (size_t)r * c->ldv;
+        for (int k = 0; k < c->dv; k++)
+            out[k] = orow[k] * inv;
+    }
+}
+
+FA_TARGET static void fa_task_avx512(const struct fa_job *j, int task, int thread)
+{
+    struct fa_ctx c;
+    fa_begin(j, task, thread, &c);
+    const int mv = (c.n_rows + 15) / 16, dv = c.dv;
     const float *kp[FA_KB], *vp[FA_KB];
     const int jt = mv == 4 ? 6 : mv == 3 ? 8 : mv == 2 ? 12 : 16;
-    for (int c0 = 0; c0 <= g->max_pos; c0 += FA_KB) {
-        const int nk = g->max_pos + 1 - c0 < FA_KB ? g->max_pos + 1 - c0 : FA_KB;
-        for (int i = 0; i < nk; i++) {
-            int pos = c0 + i;
-            size_t slot = fa_slot(p, blocks, pos);
-            size_t off = slot * slot_stride + (size_t)kvh * d;
-            if (wide) {
-                float *kr = kw + (size_t)i * ldk, *vr = vw + (size_t)i * ldv;
-                bf16_to_f32_avx512(kr, (const uint16_t *)p->k_cache + off, d);
-                if (!same_kv)
-                    bf16_to_f32_avx512(vr, (const uint16_t *)p->v_cache + off, dv);
-                kp[i] = kr;
-                vp[i] = same_kv ? kr : vr;
-            } else {
-                kp[i] = (const float *)p->k_cache + off;
-                vp[i] = (const float *)p->v_cache + off;
-            }
-        }
+    for (int c0 = 0; c0 <= c.g->max_pos; c0 += FA_KB) {
+        const int nk = c.g->max_pos + 1 - c0 < FA_KB ? c.g->max_pos + 1 - c0 : FA_KB;
+        fa_gather(&c, c0, nk, kp, vp, bf16_to_f32_avx512);
         int i = 0;
         for (; i + jt <= nk; i += jt)
-            fa_scores_any(jt, mv, kp + i, d, qt, pt + (size_t)i * FA_ROWS, p->scale);
+            fa_scores_any(jt, mv, kp + i, c.d, c.qt, c.pt + (size_t)i * FA_ROWS, c.p->scale);
         for (; i < nk; i++)
-            fa_scores_any(1, mv, kp + i, d, qt, pt + (size_t)i * FA_ROWS, p->scale);
-        fa_softmax(pt, nk, c0, mv, rpos, mrow, lrow, alpha, 1.0f); /* scores came scaled */
+            fa_scores_any(1, mv, kp + i, c.d, c.qt, c.pt + (size_t)i * FA_ROWS, c.p->scale);
+        /* the scores came scaled */
+        fa_softmax(c.pt, nk, c0, mv, c.rpos, c.mrow, c.lrow, c.alpha, 1.0f);
         /* O's columns in passes of up to FA_PV_D (8 vectors) */
         for (int col = 0; col < dv; col += FA_PV_D) {
             const int nd = (dv - col > FA_PV_D ? FA_PV_D : dv - col + 15) / 16;
@@ -553,23 +603,226 @@ FA_TARGET static void fa_task(void *arg, int task, int thread)
             const __mmask16 dm = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
             const int rt = fa_pv_rows(nd);
             int r = 0;
-            for (; r + rt <= n_rows; r += rt)
-                fa_pv_any(rt, nd, r, nk, vp, col, pt, alpha, o, ldv, dm);
-            for (; r < n_rows; r++)
-                fa_pv_any(1, nd, r, nk, vp, col, pt, alpha, o, ldv, dm);
+            for (; r + rt <= c.n_rows; r += rt)
+                fa_pv_any(rt, nd, r, nk, vp, col, c.pt, c.alpha, c.o, c.ldv, dm);
+            for (; r < c.n_rows; r++)
+                fa_pv_any(1, nd, r, nk, vp, col, c.pt, c.alpha, c.o, c.ldv, dm);
         }
     }
-    for (int r = 0; r < n_rows; r++) {
-        const int t = g->t0 + r / rep, h = kvh * rep + r % rep;
-        float *out = p->out + ((size_t)t * p->n_head + h) * dv;
-        const float inv = 1.0f / lrow[r];
-        const float *orow = o + (size_t)r * ldv;
-        for (int k = 0; k < dv; k += 16) {
-            __mmask16 m = dv - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (dv - k)) - 1u);
-            _mm512_mask_storeu_ps(
-                out + k, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, orow + k), _mm512_set1_ps(inv)));
+    fa_end(&c);
+}
+
+/* ---- AVX2: the same tiles on 8 lanes ----
+ * Every lane still computes one (key, row) score or one (row, column)
+ * output with the same operations in the same order as the AVX-512 tiles
+ * (k ascending, keys ascending, exp_avx2 bit for bit exp_avx512), so the
+ * two ISAs give bit-identical attention; only the tile shapes differ (16
+ * ymm registers). */
+
+#define FA2_TARGET MOE_AVX2_TARGET
+#define FA2_PV_D 32 /* O columns per PV pass: 4 vectors */
+
+/* S^T[j][rows] for J keys and MV vectors of 8 rows (qt, st already offset
+ * to the first of them). */
+FA2_TARGET static inline __attribute__((always_inline)) void fa2_scores(const int J, const int MV,
+                                                                        const float *const *kp,
+                                                                        int d, const float *qt,
+                                                                        float *st, float scale)
+{
+    __m256 acc[12][2];
+#pragma GCC unroll 12
+    for (int j = 0; j < J; j++)
+#pragma GCC unroll 2
+        for (int v = 0; v < MV; v++)
+            acc[j][v] = _mm256_setzero_ps();
+    for (int k = 0; k < d; k++) {
+        __m256 q[2];
+#pragma GCC unroll 2
+        for (int v = 0; v < MV; v++)
+            q[v] = _mm256_loadu_ps(qt + (size_t)k * FA_ROWS + 8 * v);
+#pragma GCC unroll 12
+        for (int j = 0; j < J; j++) {
+            __m256 kb = _mm256_broadcast_ss(kp[j] + k);
+#pragma GCC unroll 2
+            for (int v = 0; v < MV; v++)
+                acc[j][v] = _mm256_fmadd_ps(kb, q[v], acc[j][v]);
         }
     }
+    const __m256 sc = _mm256_set1_ps(scale);
+#pragma GCC unroll 12
+    for (int j = 0; j < J; j++)
+#pragma GCC unroll 2
+        for (int v = 0; v < MV; v++)
+            _mm256_storeu_ps(st + (size_t)j * FA_ROWS + 8 * v, _mm256_mul_ps(acc[j][v], sc));
+}
+
+FA2_TARGET static void fa2_scores_any(int J, int MV, const float *const *kp, int d, const float *qt,
+                                      float *st, float scale)
+{
+    if (J == 6 && MV == 2)
+        fa2_scores(6, 2, kp, d, qt, st, scale);
+    else if (J == 12 && MV == 1)
+        fa2_scores(12, 1, kp, d, qt, st, scale);
+    else if (J == 1 && MV == 2)
+        fa2_scores(1, 2, kp, d, qt, st, scale);
+    else if (J == 1 && MV == 1)
+        fa2_scores(1, 1, kp, d, qt, st, scale);
+    else
+        MOE_ASSERT(0 && "fa2_scores_any: unsupported tile");
+}
+
+/* O[rows r0 .. r0+RT) = alpha O + sum_j P^T[j][r] V[j] over nk keys, ND
+ * vectors of columns from `col`, the last one loaded under `last` (all
+ * lanes when it is full); O rows ldo apart. */
+FA2_TARGET static inline __attribute__((always_inline)) void
+fa2_pv(const int RT, const int ND, int r0, int nk, const float *const *vp, int col, const float *pt,
+       const float *alpha, float *o, int ldo, __m256i last, bool partial)
+{
+    __m256 acc[12][4];
+    o += col;
+#pragma GCC unroll 12
+    for (int r = 0; r < RT; r++) {
+        __m256 a = _mm256_set1_ps(alpha[r0 + r]);
+#pragma GCC unroll 4
+        for (int v = 0; v < ND; v++)
+            acc[r][v] = _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)(r0 + r) * ldo + 8 * v), a);
+    }
+    for (int j = 0; j < nk; j++) {
+        __m256 vv[4];
+        const float *vr = vp[j] + col;
+#pragma GCC unroll 4
+        for (int v = 0; v < ND; v++)
+            vv[v] = v == ND - 1 && partial ? _mm256_maskload_ps(vr + 8 * v, last)
+                                           : _mm256_loadu_ps(vr + 8 * v);
+#pragma GCC unroll 12
+        for (int r = 0; r < RT; r++) {
+            __m256 pb = _mm256_broadcast_ss(pt + (size_t)j * FA_ROWS + r0 + r);
+#pragma GCC unroll 4
+            for (int v = 0; v < ND; v++)
+                acc[r][v] = _mm256_fmadd_ps(pb, vv[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < RT; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < ND; v++)
+            _mm256_storeu_ps(o + (size_t)(r0 + r) * ldo + 8 * v, acc[r][v]);
+}
+
+/* Rows per PV tile for ND vectors of d: at most 12 accumulators. */
+static int fa2_pv_rows(int nd)
+{
+    static const int rows[5] = {0, 12, 5, 3, 2};
+    return rows[nd];
+}
+
+FA2_TARGET static void fa2_pv_any(int RT, int ND, int r0, int nk, const float *const *vp, int col,
+                                  const float *pt, const float *alpha, float *o, int ldo,
+                                  __m256i last, bool partial)
+{
+#define PV2_CASE(RR, DD)                                                                           \
+    case (RR)*8 + (DD): fa2_pv(RR, DD, r0, nk, vp, col, pt, alpha, o, ldo, last, partial); return;
+    switch (RT * 8 + ND) {
+        PV2_CASE(12, 1)
+        PV2_CASE(5, 2)
+        PV2_CASE(3, 3)
+        PV2_CASE(2, 4)
+        PV2_CASE(1, 1)
+        PV2_CASE(1, 2)
+        PV2_CASE(1, 3)
+        PV2_CASE(1, 4)
+    default: break;
+    }
+#undef PV2_CASE
+    MOE_ASSERT(0 && "fa2_pv_any: unsupported tile");
+}
+
+/* fa_softmax on vectors of 8 rows (mv of them). */
+FA2_TARGET static void fa2_softmax(float *pt, int nk, int c0, int mv, const int32_t *rpos,
+                                   float *mrow, float *lrow, float *alpha)
+{
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int v = 0; v < mv; v++) {
+        const __m256i posv = _mm256_loadu_si256((const __m256i *)(rpos + 8 * v));
+        __m256 cmax = ninf;
+        for (int kk = 0; kk < nk; kk++) {
+            float *s = pt + (size_t)kk * FA_ROWS + 8 * v;
+            __m256 masked =
+                _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(c0 + kk), posv));
+            __m256 sv = _mm256_blendv_ps(_mm256_loadu_ps(s), ninf, masked);
+            _mm256_storeu_ps(s, sv);
+            cmax = _mm256_max_ps(cmax, sv);
+        }
+        __m256 mold = _mm256_loadu_ps(mrow + 8 * v);
+        __m256 mnew = _mm256_max_ps(mold, cmax);
+        __m256 a = exp_avx2(_mm256_sub_ps(mold, mnew));
+        __m256 sum = _mm256_setzero_ps();
+        for (int kk = 0; kk < nk; kk++) {
+            float *s = pt + (size_t)kk * FA_ROWS + 8 * v;
+            __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s), mnew));
+            _mm256_storeu_ps(s, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(lrow + 8 * v, _mm256_fmadd_ps(_mm256_loadu_ps(lrow + 8 * v), a, sum));
+        _mm256_storeu_ps(mrow + 8 * v, mnew);
+        _mm256_storeu_ps(alpha + 8 * v, a);
+    }
+}
+
+FA2_TARGET static void fa_task_avx2(const struct fa_job *j, int task, int thread)
+{
+    struct fa_ctx c;
+    fa_begin(j, task, thread, &c);
+    const int mv = (c.n_rows + 7) / 8, dv = c.dv;
+    const float *kp[FA_KB], *vp[FA_KB];
+    for (int c0 = 0; c0 <= c.g->max_pos; c0 += FA_KB) {
+        const int nk = c.g->max_pos + 1 - c0 < FA_KB ? c.g->max_pos + 1 - c0 : FA_KB;
+        fa_gather(&c, c0, nk, kp, vp, bf16_to_f32_avx2);
+        /* scores: row vectors in pairs (6 keys a tile), an odd one alone (12) */
+        for (int v0 = 0; v0 < mv; v0 += 2) {
+            const int m2 = mv - v0 >= 2 ? 2 : 1, jt = m2 == 2 ? 6 : 12;
+            const float *qt = c.qt + 8 * v0;
+            float *st = c.pt + 8 * v0;
+            int i = 0;
+            for (; i + jt <= nk; i += jt)
+                fa2_scores_any(jt, m2, kp + i, c.d, qt, st + (size_t)i * FA_ROWS, c.p->scale);
+            for (; i < nk; i++)
+                fa2_scores_any(1, m2, kp + i, c.d, qt, st + (size_t)i * FA_ROWS, c.p->scale);
+        }
+        fa2_softmax(c.pt, nk, c0, mv, c.rpos, c.mrow, c.lrow, c.alpha);
+        for (int col = 0; col < dv; col += FA2_PV_D) {
+            const int nd = (dv - col > FA2_PV_D ? FA2_PV_D : dv - col + 7) / 8;
+            const int left = dv - col - 8 * (nd - 1); /* columns in the last vector */
+            const __m256i last = _mm256_cmpgt_epi32(_mm256_set1_epi32(left),
+                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            const bool partial = left < 8;
+            const int rt = fa2_pv_rows(nd);
+            int r = 0;
+            for (; r + rt <= c.n_rows; r += rt)
+                fa2_pv_any(rt, nd, r, nk, vp, col, c.pt, c.alpha, c.o, c.ldv, last, partial);
+            for (; r < c.n_rows; r++)
+                fa2_pv_any(1, nd, r, nk, vp, col, c.pt, c.alpha, c.o, c.ldv, last, partial);
+        }
+    }
+    fa_end(&c);
+}
+
+FA_AMX_TARGET static void fa_task_amx_scoped(const struct fa_job *j, int task, int thread)
+{
+    amx_begin();
+    fa_task_amx(j, task, thread);
+    amx_end();
+}
+
+static void fa_task(void *arg, int task, int thread)
+{
+    const struct fa_job *j = arg;
+    if (j->amx)
+        fa_task_amx_scoped(j, task, thread);
+    else if (j->isa == CPU_ISA_AVX512)
+        fa_task_avx512(j, task, thread);
+    else
+        fa_task_avx2(j, task, thread);
 }
 
 static int fa_group_cmp(const void *a, const void *b)
@@ -609,6 +862,7 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
     struct fa_job j = {
         .p = p,
         .amx = amx,
+        .isa = cpu_kernels_isa(),
         .groups = groups,
         .n_group = n_group,
         .rep = rep,
@@ -637,7 +891,7 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
 {
     (void)pool;
     (void)p;
-    MOE_ASSERT(0 && "cpu_attention_tiled: AVX-512 only");
+    MOE_ASSERT(0 && "cpu_attention_tiled: x86-64 (AVX2 or AVX-512) only");
 }
 
 #endif

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #define MOE_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx2")))
+#define MOE_AVX2_TARGET __attribute__((target("avx2,fma")))
 
 /* bf16 -> f32 is a 16-bit left shift (bit for bit moe_bf16_to_f32 in
  * dtype.h): one vector, and n elements (any n; no access past them). */
@@ -22,6 +23,21 @@ bf16_to_f32_avx512(float *dst, const uint16_t *src, int n)
     for (int i = 0; i < n; i += 16) {
         __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
         _mm512_mask_storeu_ps(dst + i, m, bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, src + i)));
+    }
+}
+
+/* The same on AVX2 (8 at a time, the tail scalar: no access past n). */
+MOE_AVX2_TARGET static inline __attribute__((always_inline)) void
+bf16_to_f32_avx2(float *dst, const uint16_t *src, int n)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+    for (; i < n; i++) {
+        uint32_t u = (uint32_t)src[i] << 16;
+        __builtin_memcpy(dst + i, &u, sizeof u);
     }
 }
 
@@ -47,6 +63,37 @@ MOE_AVX512_TARGET static inline __attribute__((always_inline)) __m512 exp_avx512
     pl = _mm512_fmadd_ps(pl, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     __m512 e = _mm512_scalef_ps(pl, n);
     return _mm512_mask_mov_ps(e, zero, _mm512_setzero_ps());
+}
+
+/* exp_avx512 on 8 lanes, bit for bit: the same reduction and polynomial,
+ * and scalef(p, n) as p 2^(n >> 1) 2^(n - (n >> 1)): the first product is
+ * exact (both factors' exponents stay normal for n in [-126, 128]), the
+ * second is one correctly rounded multiply, which is what scalef computes
+ * (subnormal results included). */
+MOE_AVX2_TARGET static inline __attribute__((always_inline)) __m256 exp_avx2(__m256 x)
+{
+    const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.72283f);
+    __m256 zero = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 pl = _mm256_set1_ps(1.9875691500e-4f);
+    pl = _mm256_fmadd_ps(pl, r, _mm256_set1_ps(1.3981999507e-3f));
+    pl = _mm256_fmadd_ps(pl, r, _mm256_set1_ps(8.3334519073e-3f));
+    pl = _mm256_fmadd_ps(pl, r, _mm256_set1_ps(4.1665795894e-2f));
+    pl = _mm256_fmadd_ps(pl, r, _mm256_set1_ps(1.6666665459e-1f));
+    pl = _mm256_fmadd_ps(pl, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r2 = _mm256_mul_ps(r, r);
+    pl = _mm256_fmadd_ps(pl, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i ni = _mm256_cvtps_epi32(n);
+    __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    __m256 e = _mm256_mul_ps(_mm256_mul_ps(pl, p1), p2);
+    return _mm256_andnot_ps(zero, e);
 }
 
 /* In-register transpose of a 16 x 16 f32 block: v[i] lane j <-> v[j] lane i.

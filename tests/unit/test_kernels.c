@@ -509,20 +509,28 @@ static void test_attention(const char *isa)
     printf("%s: attention %d cases, worst err %.3g\n", isa, n, worst);
 }
 
-/* The tiled attention kernel (AVX-512) against the reference kernel, and
- * each token computed alone (a decode-sized call over the same cache) equals
- * the same token inside the batch bit for bit: its arithmetic does not
- * depend on the group it lands in. Long sequences (several 64-key chunks),
- * GQA ratios up to 64 query heads per KV head, and one beyond (the
- * reference path). */
-static void test_attention_tiled(void)
+/* The tiled attention kernel (on the ISA now forced: AVX2 or AVX-512)
+ * against the reference kernel, and each token computed alone (a
+ * decode-sized call over the same cache) equals the same token inside the
+ * batch bit for bit: its arithmetic does not depend on the group it lands
+ * in. Long sequences (several 64-key chunks), GQA ratios up to 64 query
+ * heads per KV head, and one beyond (the reference path); heads whose width
+ * is not a multiple of a vector (100, 20) over F32 and BF16 caches. */
+static const struct {
+    int n_kv_head, rep, d_head, block_size, seq_len, n_new;
+} g_tiled_cases[] = {
+    {4, 4, 64, 16, 300, 40},  {2, 8, 128, 16, 200, 17}, {1, 64, 32, 5, 70, 3},
+    {1, 16, 16, 7, 129, 129}, {2, 1, 100, 3, 65, 64},   {3, 2, 20, 8, 90, 30},
+    {1, 65, 16, 4, 20, 2},
+};
+#define N_TILED_CASES (sizeof g_tiled_cases / sizeof g_tiled_cases[0])
+
+/* keep[c]: each case's output over its BF16 cache (malloc'd, for
+ * test_attention_tiled_isas_agree); the data are the same on every call. */
+static void test_attention_tiled(const char *isa, float *keep[N_TILED_CASES])
 {
-    static const struct {
-        int n_kv_head, rep, d_head, block_size, seq_len, n_new;
-    } cases[] = {
-        {4, 4, 64, 16, 300, 40},  {2, 8, 128, 16, 200, 17}, {1, 64, 32, 5, 70, 3},
-        {1, 16, 16, 7, 129, 129}, {2, 1, 100, 3, 65, 64},   {1, 65, 16, 4, 20, 2},
-    };
+#define cases g_tiled_cases
+    test_rng_seed(&g_rng, 0x7a11ed);
     double worst = 0;
     int differ = 0, n_tiled = 0;
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
@@ -575,9 +583,34 @@ static void test_attention_tiled(void)
             den = fmax(den, fabs((double)orf[i]));
         }
         double e = num / den;
-        CHECKF(e <= 2e-6, "case %zu: tiled vs reference rel err %.3g", c, e);
+        CHECKF(e <= 2e-6, "%s case %zu: tiled vs reference rel err %.3g", isa, c, e);
         worst = fmax(worst, e);
-        /* each token alone */
+        /* BF16 caches: bit for bit F32 caches holding the same rounded values */
+        const size_t n_cache = (size_t)n_block * bs * kv_dim;
+        uint16_t *kb = malloc(n_cache * sizeof *kb), *vb = malloc(n_cache * sizeof *vb);
+        for (size_t i = 0; i < n_cache; i++) {
+            kb[i] = moe_f32_to_bf16(kc[i]);
+            vb[i] = moe_f32_to_bf16(vc[i]);
+            kc[i] = moe_bf16_to_f32(kb[i]);
+            vc[i] = moe_bf16_to_f32(vb[i]);
+        }
+        struct moe_attn_params ab = ap;
+        float *obf = malloc(nq * sizeof(float));
+        ab.k_cache = kb;
+        ab.v_cache = vb;
+        ab.kv_dtype = MOE_DTYPE_BF16;
+        ab.out = obf;
+        cpu_attention(g_pool, &ab);
+        cpu_attention(g_pool, &ap); /* ap: the rounded F32 caches, into orf */
+        CHECKF(memcmp(obf, orf, nq * sizeof(float)) == 0,
+               "%s case %zu: tiled attention over BF16 caches differs from F32 caches of the "
+               "same values",
+               isa, c);
+        keep[c] = obf;
+        free(kb);
+        free(vb);
+        ap.out = ot;
+        /* each token alone (over the rounded caches: against orf) */
         float *o1 = malloc((size_t)n_head * d * sizeof(float));
         for (int t = 0; t < n_tok; t += 5) {
             struct moe_attn_params a1 = ap;
@@ -588,7 +621,7 @@ static void test_attention_tiled(void)
             a1.n_tok = 1;
             cpu_attention(g_pool, &a1);
             differ +=
-                memcmp(o1, ot + (size_t)t * n_head * d, (size_t)n_head * d * sizeof(float)) != 0;
+                memcmp(o1, orf + (size_t)t * n_head * d, (size_t)n_head * d * sizeof(float)) != 0;
         }
         free(o1);
         free(bt);
@@ -600,10 +633,26 @@ static void test_attention_tiled(void)
         free(ot);
         free(orf);
     }
-    CHECKF(differ == 0, "%d tokens differ alone vs in their batch", differ);
-    printf("attention tiled: %d of %zu cases tiled, worst rel err vs reference %.3g, tokens alone "
-           "bit-identical to batched\n",
-           n_tiled, sizeof cases / sizeof cases[0], worst);
+    CHECKF(differ == 0, "%s: %d tokens differ alone vs in their batch", isa, differ);
+    printf("%s attention tiled: %d of %zu cases tiled, worst rel err vs reference %.3g, tokens "
+           "alone bit-identical to batched, BF16 caches to F32 of the same values\n",
+           isa, n_tiled, sizeof cases / sizeof cases[0], worst);
+#undef cases
+}
+
+/* The AVX2 tiles do, lane for lane, the AVX-512 tiles' operations in the
+ * same order (exp_avx2 is exp_avx512 bit for bit), so their outputs are
+ * identical: checked where the processor has both. */
+static void test_attention_tiled_isas_agree(float *a2[N_TILED_CASES], float *a5[N_TILED_CASES])
+{
+    int differ = 0;
+    for (size_t c = 0; c < N_TILED_CASES; c++) {
+        const int n_head = g_tiled_cases[c].n_kv_head * g_tiled_cases[c].rep;
+        size_t nq = (size_t)2 * g_tiled_cases[c].n_new * n_head * g_tiled_cases[c].d_head;
+        differ += memcmp(a2[c], a5[c], nq * sizeof(float)) != 0;
+    }
+    CHECKF(differ == 0, "tiled attention: %d cases differ between AVX2 and AVX-512", differ);
+    printf("attention tiled: avx2 and avx512 bit-identical in %zu cases\n", N_TILED_CASES);
 }
 
 /* Fast-mode attention on AMX (p->fast over a BF16 cache, attention_tiled.c):
@@ -1851,12 +1900,24 @@ int main(void)
         test_argmax(name);
         test_swiglu(name);
     }
+    float *tiled2[N_TILED_CASES] = {0}, *tiled5[N_TILED_CASES] = {0};
+    if (best >= CPU_ISA_AVX2) {
+        cpu_kernels_force_isa(CPU_ISA_AVX2);
+        test_attention_tiled("avx2", tiled2);
+    } else
+        printf("SKIPPED: attention tiled avx2: this processor lacks AVX2\n");
     CHECK(cpu_kernels_force_isa(CPU_ISA_AVX512) == best); /* clamped to what exists */
     if (best == CPU_ISA_AVX512) {
-        test_attention_tiled();
+        test_attention_tiled("avx512", tiled5);
+        test_attention_tiled_isas_agree(tiled2, tiled5);
         test_attention_amx();
     } else
-        printf("SKIPPED: attention tiled: this processor lacks AVX-512\n");
+        printf("SKIPPED: attention tiled avx512 (and avx2 == avx512): this processor lacks "
+               "AVX-512\n");
+    for (size_t c = 0; c < N_TILED_CASES; c++) {
+        free(tiled2[c]);
+        free(tiled5[c]);
+    }
     test_matmul_ref();
     test_matmul_detects_error();
     test_rope();
