@@ -804,6 +804,7 @@ FA2_TARGET static void fa_task_avx2(const struct fa_job *j, int task, int thread
                 fa2_pv_any(1, nd, r, nk, vp, col, c.pt, c.alpha, c.o, c.ldv, last, partial);
         }
     }
+    _mm256_zeroupper(); /* fa_end is SSE code (see tile_avx2_packed in matmul.c) */
     fa_end(&c);
 }
 

@@ -35,6 +35,22 @@ MOE_AVX512_TARGET static void swiglu_row_avx512(const float *g, const float *u, 
         _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + i)));
     }
 }
+
+/* The same on 8 lanes (exp_avx2 is exp_avx512 bit for bit, so the two ISAs
+ * agree); the tail under a lane mask. */
+MOE_AVX2_TARGET static void swiglu_row_avx2(const float *g, const float *u, float *o, int dim)
+{
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int i = 0; i < dim; i += 8) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(dim - i), lane);
+        __m256 gv = _mm256_maskload_ps(g + i, m);
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+        _mm256_maskstore_ps(o + i, m, _mm256_mul_ps(silu, _mm256_maskload_ps(u + i, m)));
+    }
+    _mm256_zeroupper(); /* the caller is SSE code (see tile_avx2_packed, matmul.c) */
+}
 #endif
 
 static void swiglu_row(const struct swiglu_job *j, int r)
@@ -45,6 +61,10 @@ static void swiglu_row(const struct swiglu_job *j, int r)
 #ifdef EW_X86
     if (cpu_kernels_isa() == CPU_ISA_AVX512) {
         swiglu_row_avx512(g, u, o, j->dim);
+        return;
+    }
+    if (cpu_kernels_isa() == CPU_ISA_AVX2) {
+        swiglu_row_avx2(g, u, o, j->dim);
         return;
     }
 #endif

@@ -8,10 +8,14 @@
  * prefill: a 4-row weight tile stays in L1 while every token of the block
  * passes over it). bf16 weights are widened to f32 exactly (a 16-bit shift)
  * and multiplied in f32, so the result equals an f32 matmul with the
- * bf16-rounded weights up to summation order. For token blocks wider than one
- * register tile the AVX2 and scalar paths widen bf16 rows once into
- * per-thread scratch; AVX-512 reads the narrow rows in every tile (cheaper
- * there, see tile_avx512).
+ * bf16-rounded weights up to summation order. Calls of PK_MIN_TOK (AVX-512)
+ * or PK2_MIN_TOK (AVX2) tokens and more take packed panels: a block of
+ * weight rows widened (dequantized) once into k-major f32 scratch, then
+ * register tiles that broadcast x against it (tile_avx512_packed,
+ * tile_avx2_packed). Below that, for token blocks wider than one register
+ * tile the AVX2 and scalar paths widen rows once into per-thread scratch;
+ * AVX-512 reads the narrow rows in every tile (cheaper there, see
+ * tile_avx512).
  *
  * int8 weights (MOE_DTYPE_I8, W8A16: W[o] = q[o] * w_scale[o], common/quant.h)
  * take the same tiles. Streaming tiles (decode) sign-extend 16 (AVX-512) or
@@ -56,6 +60,10 @@
  * unchanged (moe-generate on the benchmark shape, 2 threads, alternated 3x). */
 #define PK_MIN_TOK 96
 #define PK_TOK_BLOCK 256 /* tokens per task on the packed path (amortises packing) */
+#define PK2_R 16         /* AVX2 prefill: weight rows per packed panel (2 ymm) */
+#define PK2_T 6          /* AVX2 prefill: tokens per register tile (12 accumulators) */
+/* Token blocks at least this wide take the AVX2 packed path. */
+#define PK2_MIN_TOK 8
 
 /* ---------------------------------------------------------------------------
  * Weight access shared by every path */
@@ -714,8 +722,170 @@ AVX2_TARGET static void mk_avx2_any(int T, int R, enum moe_dtype wt, const float
     MOE_ASSERT(0 && "mk_avx2_any: unsupported tile");
 }
 
+/* AVX2 prefill path, the AVX-512 packed path's shape on 8 lanes: W rows
+ * [o, o + R) (R <= PK2_R) widened to f32 (int8 and int4 dequantized) and
+ * packed k-major into a panel (n_in, PK2_R) through 8 x 8 in-register
+ * transposes; then each register tile of up to PK2_T tokens x PK2_R
+ * outputs broadcasts one x element per token and k against the panel's two
+ * vectors: 12 FMAs per 2 weight loads + 6 broadcasts, no horizontal sums,
+ * one accumulator per output (k ascending). */
+
+/* In-register transpose of an 8 x 8 f32 block: v[i] lane j <-> v[j] lane i. */
+AVX2_TARGET static inline __attribute__((always_inline)) void transpose8_avx2(__m256 v[8])
+{
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int c = 0; c < 4; c++) {
+        v[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+        v[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
+}
+
+/* Columns [k, k + 8) of row o as f32, dequantized (int8 times its row
+ * scale, int4 (u - 8) times its group scale). */
+AVX2_TARGET static inline __attribute__((always_inline)) __m256
+row8_avx2(const struct moe_matmul_params *p, int o, int k)
+{
+    switch (p->w_dtype) {
+    case MOE_DTYPE_BF16: return load_w8(MOE_DTYPE_BF16, p->w, (int64_t)o * p->ldw + k);
+    case MOE_DTYPE_I8:
+        return _mm256_mul_ps(load_w8(MOE_DTYPE_I8, p->w, (int64_t)o * p->ldw + k),
+                             _mm256_set1_ps(p->w_scale[o]));
+    case MOE_DTYPE_I4: {
+        /* column j of a 32-column block: byte j % 16, low nibble below 16 */
+        const int b = k % MOE_Q4_BLOCK;
+        __m256i u = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64((const __m128i *)(q4_row(p, o) + k / MOE_Q4_BLOCK * 16 + b % 16)));
+        u = b >= 16 ? _mm256_srli_epi32(u, 4) : _mm256_and_si256(u, _mm256_set1_epi32(0x0f));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(8))),
+                             _mm256_set1_ps(q4_scales(p, o)[k / p->w_group]));
+    }
+    default: return _mm256_loadu_ps((const float *)p->w + (int64_t)o * p->ldw + k);
+    }
+}
+
+/* One panel: rows [o, o + R) as f32, panel[k * PK2_R + r]; rows past R are
+ * zero. */
+AVX2_TARGET static void pack_panel_avx2(const struct moe_matmul_params *p, int o, int R,
+                                        float *panel)
+{
+    const int n_in = p->n_in, k8 = n_in / 8 * 8;
+    for (int r0 = 0; r0 < PK2_R; r0 += 8) {
+        const int rr = R - r0 <= 0 ? 0 : R - r0 < 8 ? R - r0 : 8;
+        for (int k = 0; k < k8; k += 8) {
+            __m256 v[8];
+            for (int i = 0; i < 8; i++)
+                v[i] = i < rr ? row8_avx2(p, o + r0 + i, k) : _mm256_setzero_ps();
+            transpose8_avx2(v);
+            for (int j = 0; j < 8; j++)
+                _mm256_storeu_ps(panel + (size_t)(k + j) * PK2_R + r0, v[j]);
+        }
+        for (int k = k8; k < n_in; k++) /* never for int4: n_in is whole blocks */
+            for (int i = 0; i < 8; i++)
+                panel[(size_t)k * PK2_R + r0 + i] =
+                    i < rr ? w_elem(p->w_dtype, p->w, (int64_t)(o + r0 + i) * p->ldw + k) *
+                                 (p->w_dtype == MOE_DTYPE_I8 ? p->w_scale[o + r0 + i] : 1.0f)
+                           : 0.0f;
+    }
+}
+
+/* y[t][0 .. R) (+)= x[t] . panel for T tokens; m0, m1 mask the outputs of
+ * the panel's two vectors when R < PK2_R. */
+AVX2_TARGET static inline __attribute__((always_inline)) void
+mk_packed_avx2(const int T, const float *x, int n_in, const float *panel, float *y, int64_t ldy,
+               bool full, __m256i m0, __m256i m1, bool accumulate)
+{
+    __m256 acc[PK2_T][2];
+#pragma GCC unroll 6
+    for (int t = 0; t < T; t++)
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int k = 0; k < n_in; k++) {
+        __m256 w0 = _mm256_loadu_ps(panel + (size_t)k * PK2_R);
+        __m256 w1 = _mm256_loadu_ps(panel + (size_t)k * PK2_R + 8);
+#pragma GCC unroll 6
+        for (int t = 0; t < T; t++) {
+            __m256 xb = _mm256_broadcast_ss(x + (size_t)t * n_in + k);
+            acc[t][0] = _mm256_fmadd_ps(xb, w0, acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(xb, w1, acc[t][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int t = 0; t < T; t++) {
+        float *yt = y + t * ldy;
+        if (full) {
+            if (accumulate) {
+                acc[t][0] = _mm256_add_ps(_mm256_loadu_ps(yt), acc[t][0]);
+                acc[t][1] = _mm256_add_ps(_mm256_loadu_ps(yt + 8), acc[t][1]);
+            }
+            _mm256_storeu_ps(yt, acc[t][0]);
+            _mm256_storeu_ps(yt + 8, acc[t][1]);
+        } else {
+            if (accumulate) {
+                acc[t][0] = _mm256_add_ps(_mm256_maskload_ps(yt, m0), acc[t][0]);
+                acc[t][1] = _mm256_add_ps(_mm256_maskload_ps(yt + 8, m1), acc[t][1]);
+            }
+            _mm256_maskstore_ps(yt, m0, acc[t][0]);
+            _mm256_maskstore_ps(yt + 8, m1, acc[t][1]);
+        }
+    }
+}
+
+AVX2_TARGET static void mk_packed_avx2_any(int T, const float *x, int n_in, const float *panel,
+                                           float *y, int64_t ldy, bool full, __m256i m0, __m256i m1,
+                                           bool accumulate)
+{
+    switch (T) {
+    case 6: mk_packed_avx2(6, x, n_in, panel, y, ldy, full, m0, m1, accumulate); return;
+    case 5: mk_packed_avx2(5, x, n_in, panel, y, ldy, full, m0, m1, accumulate); return;
+    case 4: mk_packed_avx2(4, x, n_in, panel, y, ldy, full, m0, m1, accumulate); return;
+    case 3: mk_packed_avx2(3, x, n_in, panel, y, ldy, full, m0, m1, accumulate); return;
+    case 2: mk_packed_avx2(2, x, n_in, panel, y, ldy, full, m0, m1, accumulate); return;
+    case 1: mk_packed_avx2(1, x, n_in, panel, y, ldy, full, m0, m1, accumulate); return;
+    default: break;
+    }
+    MOE_ASSERT(0 && "mk_packed_avx2_any: unsupported tile");
+}
+
+AVX2_TARGET static void tile_avx2_packed(const struct mm_tile *mt)
+{
+    const struct moe_matmul_params *p = mt->p;
+    const int n_in = p->n_in;
+    const int o_end = mt->o0 + mt->no, t_end = mt->t0 + mt->nt;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int o = mt->o0; o < o_end; o += PK2_R) {
+        const int R = o_end - o < PK2_R ? o_end - o : PK2_R;
+        pack_panel_avx2(p, o, R, mt->scratch);
+        const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(R), lane);
+        const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(R - 8), lane);
+        for (int t = mt->t0; t < t_end; t += PK2_T) {
+            const int T = t_end - t < PK2_T ? t_end - t : PK2_T;
+            mk_packed_avx2_any(T, p->x + (size_t)t * n_in, n_in, mt->scratch,
+                               p->y + (size_t)t * p->n_out + o, p->n_out, R == PK2_R, m0, m1,
+                               p->accumulate);
+        }
+    }
+    /* gcc 12 returned from here with the upper ymm halves dirty (its callee
+     * mk_packed_avx2_any skips vzeroupper), and the SSE code that ran next on
+     * the thread (libm's expf in swiglu) stalled on every instruction:
+     * swiglu went from ~1% to ~30% of a 512-token prefill on a Zen 3. */
+    _mm256_zeroupper();
+}
+
 AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
 {
+    if (mt->nt >= PK2_MIN_TOK) {
+        tile_avx2_packed(mt);
+        return;
+    }
     const struct moe_matmul_params *p = mt->p;
     const int n_in = p->n_in;
     const bool widen =
@@ -821,17 +991,20 @@ void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
         p->w_dtype != MOE_DTYPE_F32 &&
         (job.isa == CPU_ISA_SCALAR ||
          (job.isa == CPU_ISA_AVX2 && (job.tok_block > MK_T_AVX2 || p->w_dtype == MOE_DTYPE_I4)));
-    if (job.isa == CPU_ISA_AVX512 && p->n_tok >= PK_MIN_TOK) {
-        /* Packed path: row blocks of whole panels, wide token blocks. */
-        job.row_block = rb <= PK_R ? PK_R : (rb + PK_R - 1) / PK_R * PK_R;
+    const int pk_r = job.isa == CPU_ISA_AVX512 ? PK_R : PK2_R;
+    const int pk_min = job.isa == CPU_ISA_AVX512 ? PK_MIN_TOK : PK2_MIN_TOK;
+    if (job.isa != CPU_ISA_SCALAR && p->n_tok >= pk_min) {
+        /* Packed path: row blocks of whole panels, wide token blocks, none
+         * narrower than pk_min. */
+        job.row_block = rb <= pk_r ? pk_r : (rb + pk_r - 1) / pk_r * pk_r;
         job.row_block = job.row_block > 2 * PK_R ? 2 * PK_R : job.row_block;
         job.n_row_blocks = (p->n_out + job.row_block - 1) / job.row_block;
         job.tok_block = p->n_tok < PK_TOK_BLOCK ? p->n_tok : PK_TOK_BLOCK;
         if (p->n_tok - (p->n_tok / job.tok_block) * job.tok_block > 0 &&
-            p->n_tok % job.tok_block < PK_MIN_TOK)
+            p->n_tok % job.tok_block < pk_min)
             job.tok_block = (p->n_tok + (p->n_tok + PK_TOK_BLOCK - 1) / PK_TOK_BLOCK - 1) /
                             ((p->n_tok + PK_TOK_BLOCK - 1) / PK_TOK_BLOCK);
-        scratch_rows = PK_R;
+        scratch_rows = (size_t)pk_r;
         need_scratch = true;
     }
     int n_tok_blocks = (p->n_tok + job.tok_block - 1) / job.tok_block;
