@@ -35,6 +35,7 @@
  * per row and step (a quarter of bf16's bytes), the AVX-512 packed panels
  * dequantize while packing, and the AVX2 and scalar paths dequantize rows
  * into their widened scratch for every tile (tests/unit/test_matmul_i4.c). */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -133,6 +134,16 @@ struct mm_tile {
     const struct moe_matmul_params *p;
     int t0, nt, o0, no;
     float *scratch;
+};
+
+/* The W8A8 path's activations (AVX2, fast int8, calls below PK2_MIN_TOK
+ * tokens): each token's row quantized, xq signed and xa = |xq| (ldq bytes a
+ * row, zero past n_in), and its scale sx. */
+struct w8_act {
+    int8_t *xq;
+    uint8_t *xa;
+    float *sx;
+    int ldq;
 };
 
 static inline void store_out(const struct moe_matmul_params *p, int t, int o, float v)
@@ -976,6 +987,180 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
     _mm256_zeroupper(); /* see tile_avx2_packed */
 }
 
+/* Token row x quantized as the VNNI path quantizes it (act_u8_row in
+ * matmul_dot.c): sx = max |x| / 127, xq = round-to-nearest-even(x * (127 /
+ * max |x|)) clamped to [-127, 127] (cvtps2dq under the default MXCSR; lrintf
+ * for the tail); a row holding an infinity or a NaN gets sx = NaN (its
+ * outputs are NaN, as on the exact path) and xq = 0, an all-zero row sx = 0.
+ * xa = |xq|; both zero past n_in. Returns sx. */
+AVX2_TARGET static float w8_quant_row_avx2(const float *x, int n_in, int8_t *xq, uint8_t *xa,
+                                           int ldq)
+{
+    const int n32 = n_in / 32 * 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int k = 0; k < n32; k += 8) {
+        __m256 v = _mm256_loadu_ps(x + k);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+        bad = _mm256_add_ps(bad, _mm256_mul_ps(v, _mm256_setzero_ps())); /* NaN if inf / NaN */
+    }
+    float lanes[8], a = 0.0f;
+    _mm256_storeu_ps(lanes, amax);
+    for (int i = 0; i < 8; i++)
+        a = fmaxf(a, lanes[i]);
+    _mm256_storeu_ps(lanes, bad);
+    bool nonfinite = false;
+    for (int i = 0; i < 8; i++)
+        nonfinite |= isnan(lanes[i]);
+    for (int k = n32; k < n_in; k++) {
+        nonfinite |= !isfinite(x[k]);
+        a = fmaxf(a, fabsf(x[k]));
+    }
+    memset(xq, 0, (size_t)ldq);
+    memset(xa, 0, (size_t)ldq);
+    if (nonfinite) {
+        _mm256_zeroupper();
+        return NAN;
+    }
+    if (a == 0.0f) {
+        _mm256_zeroupper();
+        return 0.0f;
+    }
+    const float inv = 127.0f / a;
+    const __m256 invv = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int k = 0; k < n32; k += 32) {
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) {
+            q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8 * i), invv));
+            q[i] = _mm256_min_epi32(_mm256_max_epi32(q[i], lo), hi);
+        }
+        /* int32 -> int16 -> int8 packs interleave 128-bit lanes; put the
+         * 4-byte groups back in column order */
+        __m256i b =
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        b = _mm256_permutevar8x32_epi32(b, order);
+        _mm256_storeu_si256((__m256i *)(xq + k), b);
+        _mm256_storeu_si256((__m256i *)(xa + k), _mm256_abs_epi8(b));
+    }
+    for (int k = n32; k < n_in; k++) {
+        long v = lrintf(x[k] * inv);
+        v = v > 127 ? 127 : v < -127 ? -127 : v;
+        xq[k] = (int8_t)v;
+        xa[k] = (uint8_t)(v < 0 ? -v : v);
+    }
+    _mm256_zeroupper();
+    return a / 127.0f;
+}
+
+/* ---- AVX2 W8A8: fast int8 weights on decode-sized calls ----
+ * No AVX2 instruction multiplies signed bytes by signed bytes, but
+ * vpmaddubsw multiplies unsigned by signed ones and adds neighbouring pairs
+ * into int16: fed |xq| and q * sign(xq) (vpsignb), it gives xq q pairs, and
+ * with |xq|, |q| <= 127 (common/quant.c clamps q to [-127, 127]) a pair
+ * is at most 2 * 127 * 127 = 32258, so it never saturates; vpmaddwd by ones
+ * widens the pairs to int32. The sums are the exact int32 sums the VNNI
+ * path forms, from the same per-token quantization (w8_quant_row_avx2), scaled
+ * as it scales them, so the results are bit for bit avx512-vnni's. */
+
+AVX2_TARGET static inline __attribute__((always_inline)) int32_t hsum256_epi32(__m256i v)
+{
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* T tokens (quantized rows xq and |xq|, ldq apart) x R rows of int8 weights
+ * w (ldw apart): exact int32 sums into out; the next tile's rows (after
+ * these R) prefetched as far ahead as this one has read. */
+AVX2_TARGET static inline __attribute__((always_inline)) void
+mk_w8a8_avx2(const int T, const int R, const int8_t *xq, const uint8_t *xa, int64_t ldq,
+             const int8_t *w, int64_t ldw, int n_in, int32_t out[MK_T][MK_R])
+{
+    __m256i acc[MK_T_AVX2][MK_R];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[t][r] = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *pf = w + R * ldw;
+    const int n32 = n_in / 32 * 32;
+    for (int k = 0; k < n32; k += 32) {
+        if (k % 64 == 0) {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)(pf + r * ldw + k), _MM_HINT_T0);
+        }
+        __m256i xs[MK_T_AVX2], xu[MK_T_AVX2];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            xs[t] = _mm256_loadu_si256((const __m256i *)(xq + t * ldq + k));
+            xu[t] = _mm256_loadu_si256((const __m256i *)(xa + t * ldq + k));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * ldw + k));
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                __m256i pairs = _mm256_maddubs_epi16(xu[t], _mm256_sign_epi8(wv, xs[t]));
+                acc[t][r] = _mm256_add_epi32(acc[t][r], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            int32_t sum = hsum256_epi32(acc[t][r]);
+            for (int k = n32; k < n_in; k++)
+                sum += (int32_t)xq[t * ldq + k] * w[r * ldw + k];
+            out[t][r] = sum;
+        }
+}
+
+AVX2_TARGET static void mk_w8a8_avx2_any(int T, int R, const int8_t *xq, const uint8_t *xa,
+                                         int64_t ldq, const int8_t *w, int64_t ldw, int n_in,
+                                         int32_t out[MK_T][MK_R])
+{
+    if (T == 2 && R == 4)
+        mk_w8a8_avx2(2, 4, xq, xa, ldq, w, ldw, n_in, out);
+    else if (T == 1 && R == 4)
+        mk_w8a8_avx2(1, 4, xq, xa, ldq, w, ldw, n_in, out);
+    else if (T == 2 && R == 1)
+        mk_w8a8_avx2(2, 1, xq, xa, ldq, w, ldw, n_in, out);
+    else if (T == 1 && R == 1)
+        mk_w8a8_avx2(1, 1, xq, xa, ldq, w, ldw, n_in, out);
+    else
+        MOE_ASSERT(0 && "mk_w8a8_avx2_any: unsupported tile");
+}
+
+/* A task of the W8A8 path: y = sum * (sx_t * w_scale_o), the VNNI path's
+ * arithmetic (matmul_dot.c, stream_rows). */
+AVX2_TARGET static void tile_avx2_w8a8(const struct mm_tile *mt, const struct w8_act *a)
+{
+    const struct moe_matmul_params *p = mt->p;
+    int32_t out[MK_T][MK_R];
+    const int o_end = mt->o0 + mt->no;
+    for (int o = mt->o0; o < o_end;) {
+        const int R = o_end - o >= MK_R ? MK_R : 1;
+        const int8_t *w = (const int8_t *)p->w + (int64_t)o * p->ldw;
+        for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_AVX2) {
+            const int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
+            mk_w8a8_avx2_any(T, R, a->xq + (size_t)t * a->ldq, a->xa + (size_t)t * a->ldq, a->ldq,
+                             w, p->ldw, p->n_in, out);
+            for (int tt = 0; tt < T; tt++)
+                for (int r = 0; r < R; r++)
+                    store_out(p, t + tt, o + r,
+                              (float)out[tt][r] * (a->sx[t + tt] * p->w_scale[o + r]));
+        }
+        o += R;
+    }
+    _mm256_zeroupper(); /* see tile_avx2_packed */
+}
+
 #endif /* MATMUL_X86 */
 
 /* ---------------------------------------------------------------------------
@@ -988,6 +1173,7 @@ struct mm_job {
     int tok_block;
     float *scratch; /* (n_threads, scratch_stride) or NULL */
     size_t scratch_stride;
+    const struct w8_act *w8; /* the AVX2 W8A8 path, or NULL */
 };
 
 static void mm_run_tile(enum cpu_isa isa, const struct mm_tile *mt)
@@ -1018,7 +1204,19 @@ static void mm_task(void *arg, int task, int thread)
     mt.t0 = tb * job->tok_block;
     mt.nt = p->n_tok - mt.t0 < job->tok_block ? p->n_tok - mt.t0 : job->tok_block;
     mt.scratch = job->scratch ? job->scratch + (size_t)thread * job->scratch_stride : NULL;
+#ifdef MATMUL_X86
+    if (job->w8) {
+        tile_avx2_w8a8(&mt, job->w8);
+        return;
+    }
+#endif
     mm_run_tile(job->isa, &mt);
+}
+
+/* Fast int8 weights on AVX2, decode-sized calls: the W8A8 tiles. */
+static bool w8a8_avx2_for(const struct moe_matmul_params *p, enum cpu_isa isa)
+{
+    return p->fast && p->w_dtype == MOE_DTYPE_I8 && isa == CPU_ISA_AVX2 && p->n_tok < PK2_MIN_TOK;
 }
 
 void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
@@ -1082,6 +1280,23 @@ void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
             job.scratch = heap_scratch;
         }
     }
+    struct w8_act w8 = {0};
+    int8_t *w8_buf = NULL;
+#ifdef MATMUL_X86
+    if (w8a8_avx2_for(p, job.isa)) {
+        w8.ldq = (p->n_in + 31) / 32 * 32;
+        w8_buf = malloc((size_t)p->n_tok * (2 * (size_t)w8.ldq + sizeof(float)));
+        MOE_ASSERT(w8_buf != NULL);
+        w8.sx = (float *)w8_buf;
+        w8.xq = w8_buf + (size_t)p->n_tok * sizeof(float);
+        w8.xa = (uint8_t *)w8.xq + (size_t)p->n_tok * w8.ldq;
+        for (int t = 0; t < p->n_tok; t++)
+            w8.sx[t] =
+                w8_quant_row_avx2(p->x + (size_t)t * p->n_in, p->n_in, w8.xq + (size_t)t * w8.ldq,
+                                  w8.xa + (size_t)t * w8.ldq, w8.ldq);
+        job.w8 = &w8;
+    }
+#endif
     int n_tasks = job.n_row_blocks * n_tok_blocks;
     double flops = 2.0 * p->n_tok * (double)p->n_out * p->n_in;
     if (flops < 65536.0 || n_tasks == 1) {
@@ -1091,4 +1306,5 @@ void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
         moe_threadpool_run(pool, n_tasks, mm_task, &job);
     }
     free(heap_scratch);
+    free(w8_buf);
 }

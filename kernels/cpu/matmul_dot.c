@@ -159,8 +159,8 @@ bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
 const char *cpu_matmul_fast_path(enum moe_dtype wt)
 {
     struct moe_matmul_params p = {.fast = true, .w_dtype = wt};
-    if (!cpu_matmul_dot_supported(&p))
-        return "f32-fma";
+    if (!cpu_matmul_dot_supported(&p)) /* AVX2: int8 calls below 8 tokens in matmul.c */
+        return wt == MOE_DTYPE_I8 && cpu_kernels_isa() == CPU_ISA_AVX2 ? "avx2-w8a8" : "f32-fma";
     if (wt == MOE_DTYPE_I4 && q4_amx_ok())
         return "avx512-vnni+amx-bf16"; /* W4A8 below AMX_MIN_TOK_I4 tokens */
     if (amx_for(wt))

@@ -25,7 +25,12 @@
  * the calling thread. Also: int8 results do not depend on the batch they are in (exact integer
  * sums), a NaN row stays NaN, an all-zero row gives 0, a forced-off feature falls back to the
  * exact kernels bit for bit, and a grouped matmul (all experts in one pool run) equals one call
- * per expert bit for bit. */
+ * per expert bit for bit.
+ *
+ * avx2-w8a8 (int8 on AVX2, forced on AVX-512 machines too): calls below 8 tokens are held to
+ * the same bound and emulation, and besides, output by output, to the float the VNNI path's
+ * formula gives from exact integer sums (bit for bit); calls of 8+ tokens equal the exact
+ * kernels bit for bit; where the processor has AVX512-VNNI, avx2-w8a8 equals it bit for bit. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +41,11 @@
 #include "testlib.h"
 
 static struct test_rng g_rng = {0x5851f42d4c957f2dull};
+
+/* The path under test is avx2-w8a8 (matmul.c): int8 calls below 8 tokens
+ * run W8A8 there, larger ones the exact kernels. */
+static bool g_w8a8_avx2;
+#define W8A8_AVX2_MAX_TOK 7
 
 static struct moe_backend *g_cpu;     /* 2 threads, through the ops table */
 static struct moe_threadpool *g_pool; /* 3 threads, direct kernel calls */
@@ -129,13 +139,26 @@ static double fast_case(enum moe_dtype dt, const struct fcase *c, double *worst_
         .w_scale = sc,
         .fast = true,
     };
-    CHECK(cpu_matmul_dot_supported(&p));
+    CHECK(g_w8a8_avx2 ? !cpu_matmul_dot_supported(&p) : cpu_matmul_dot_supported(&p));
     if (c->via == 0)
         g_cpu->ops->matmul(g_cpu, &p);
     else
         cpu_matmul(c->via == 1 ? g_pool : NULL, &p);
     double worst_emu = 0;
     double *xe = malloc((size_t)c->n_in * sizeof *xe);
+    if (g_w8a8_avx2 && c->n_tok > W8A8_AVX2_MAX_TOK) {
+        /* the exact kernels, bit for bit */
+        float *ye = malloc((ny + 16) * sizeof *ye);
+        memcpy(ye, y0, (ny + 16) * sizeof *ye);
+        struct moe_matmul_params pe = p;
+        pe.fast = false;
+        pe.y = ye;
+        cpu_matmul(g_pool, &pe);
+        if (memcmp(ye, y, (ny + 16) * sizeof *ye) != 0)
+            worst_emu = INFINITY;
+        free(ye);
+        goto done;
+    }
     for (int t = 0; t < c->n_tok; t++) {
         const float *xt = x + (size_t)t * c->n_in;
         double sx;
@@ -168,8 +191,23 @@ static double fast_case(enum moe_dtype dt, const struct fcase *c, double *worst_
                 *worst_bound = isnan(eb) ? INFINITY : eb;
             if (!(ee <= worst_emu))
                 worst_emu = isnan(ee) ? INFINITY : ee;
+            if (g_w8a8_avx2) {
+                /* exact int32 sums scaled as the VNNI path scales them:
+                 * the same float, bit for bit */
+                int64_t isum = 0;
+                for (int k = 0; k < c->n_in; k++)
+                    isum += (int64_t)xe[k] * ((const int8_t *)w)[(size_t)o * c->ldw + k];
+                float a = 0.0f;
+                for (int k = 0; k < c->n_in; k++)
+                    a = fmaxf(a, fabsf(xt[k]));
+                float v = (float)isum * ((a / 127.0f) * sc[o]);
+                float want = c->accumulate ? y0[i] + v : v;
+                if (memcmp(&want, &y[i], sizeof want) != 0)
+                    worst_emu = INFINITY;
+            }
         }
     }
+done:
     for (int i = 0; i < 16; i++)
         if (y[ny + i] != y0[ny + i])
             worst_emu = INFINITY; /* wrote past the end */
@@ -279,6 +317,50 @@ static void test_i8_batch_invariance(const char *name)
     free(x);
     free(ya);
     free(y1);
+}
+
+/* avx2-w8a8 (forced AVX2) equals avx512-vnni bit for bit on calls below 8
+ * tokens: the same quantization, the same exact i32 sums, the same scaling. */
+static void test_w8a8_avx2_equals_vnni(void)
+{
+    static const int shapes[][3] = {{1, 1024, 300}, {1, 100, 53}, {2, 77, 13},
+                                    {3, 31, 5},     {5, 300, 70}, {7, 2816, 64}};
+    int differ = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int n_tok = shapes[s][0], n_in = shapes[s][1], n_out = shapes[s][2];
+        const float *sc;
+        void *w = make_weights(MOE_DTYPE_I8, n_out, n_in, &sc);
+        float *x = malloc((size_t)n_tok * n_in * sizeof *x);
+        for (size_t i = 0; i < (size_t)n_tok * n_in; i++)
+            x[i] = test_rng_float(&g_rng);
+        float *yv = malloc((size_t)n_tok * n_out * sizeof *yv);
+        float *ya = malloc((size_t)n_tok * n_out * sizeof *ya);
+        struct moe_matmul_params p = {.x = x,
+                                      .n_tok = n_tok,
+                                      .n_in = n_in,
+                                      .w = w,
+                                      .w_dtype = MOE_DTYPE_I8,
+                                      .ldw = n_in,
+                                      .n_out = n_out,
+                                      .y = yv,
+                                      .w_scale = sc,
+                                      .fast = true};
+        cpu_matmul(g_pool, &p);
+        enum cpu_isa was = cpu_kernels_isa();
+        cpu_kernels_force_isa(CPU_ISA_AVX2);
+        CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_I8), "avx2-w8a8") == 0);
+        p.y = ya;
+        cpu_matmul(g_pool, &p);
+        cpu_kernels_force_isa(was);
+        differ += memcmp(yv, ya, (size_t)n_tok * n_out * sizeof *yv) != 0;
+        free(w);
+        free(x);
+        free(yv);
+        free(ya);
+    }
+    CHECKF(differ == 0, "avx2-w8a8: %d shapes differ from avx512-vnni", differ);
+    printf("avx2-w8a8: equals avx512-vnni bit for bit in %zu shapes\n",
+           sizeof shapes / sizeof shapes[0]);
 }
 
 /* AMX int8 tiles and the AVX512-VNNI panels compute the same exact i32
@@ -535,11 +617,27 @@ int main(void)
         test_special_rows(MOE_DTYPE_I8, "avx512-vnni");
         test_grouped_equals_each(MOE_DTYPE_I8, "avx512-vnni");
         test_forced_off(MOE_DTYPE_I8, CPU_FEAT_AVX512_VNNI, "avx512-vnni");
+        test_w8a8_avx2_equals_vnni();
         ran++;
     } else {
         printf("SKIPPED: avx512-vnni: this processor lacks AVX512-VNNI\n");
     }
     cpu_kernels_force_features(have);
+    /* int8 on AVX2 (forced on AVX-512 machines): W8A8 below 8 tokens, the
+     * exact kernels from 8 on, each held to its own reference */
+    if (isa >= CPU_ISA_AVX2) {
+        cpu_kernels_force_isa(CPU_ISA_AVX2);
+        CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_I8), "avx2-w8a8") == 0);
+        g_w8a8_avx2 = true;
+        test_path(MOE_DTYPE_I8, "avx2-w8a8");
+        test_special_rows(MOE_DTYPE_I8, "avx2-w8a8");
+        test_grouped_equals_each(MOE_DTYPE_I8, "avx2-w8a8");
+        g_w8a8_avx2 = false;
+        cpu_kernels_force_isa(isa);
+        ran++;
+    } else {
+        printf("SKIPPED: avx2-w8a8: this processor lacks AVX2\n");
+    }
     /* Off AVX-512 (forced), fast asks for nothing the kernels cannot do. */
     if (isa == CPU_ISA_AVX512) {
         cpu_kernels_force_isa(CPU_ISA_AVX2);
