@@ -803,8 +803,8 @@ AVX2_TARGET static inline __attribute__((always_inline)) void transpose8_avx2(__
     }
 }
 
-/* Columns [k, k + 8) of row o as f32, dequantized (int8 times its row
- * scale, int4 (u - 8) times its group scale). */
+/* Columns [k, k + 8) of row o as f32 (int8 times its row scale; not I4:
+ * q4_row8_avx2). */
 AVX2_TARGET static inline __attribute__((always_inline)) __m256
 row8_avx2(const struct moe_matmul_params *p, int o, int k)
 {
@@ -813,17 +813,22 @@ row8_avx2(const struct moe_matmul_params *p, int o, int k)
     case MOE_DTYPE_I8:
         return _mm256_mul_ps(load_w8(MOE_DTYPE_I8, p->w, (int64_t)o * p->ldw + k),
                              _mm256_set1_ps(p->w_scale[o]));
-    case MOE_DTYPE_I4: {
-        /* column j of a 32-column block: byte j % 16, low nibble below 16 */
-        const int b = k % MOE_Q4_BLOCK;
-        __m256i u = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64((const __m128i *)(q4_row(p, o) + k / MOE_Q4_BLOCK * 16 + b % 16)));
-        u = b >= 16 ? _mm256_srli_epi32(u, 4) : _mm256_and_si256(u, _mm256_set1_epi32(0x0f));
-        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(8))),
-                             _mm256_set1_ps(q4_scales(p, o)[k / p->w_group]));
-    }
     default: return _mm256_loadu_ps((const float *)p->w + (int64_t)o * p->ldw + k);
     }
+}
+
+/* I4: columns [k, k + 8) of the codes `row` (k a multiple of 8) dequantized,
+ * (u - 8) * s. Column j of a 32-column block is byte j % 16 of the block's
+ * 16, its low nibble below 16. The callers find the row and its group scale
+ * once (q4_row and q4_scales divide), not per 8 columns. */
+AVX2_TARGET static inline __attribute__((always_inline)) __m256 q4_row8_avx2(const uint8_t *row,
+                                                                             int k, __m256 s)
+{
+    const int b = k % MOE_Q4_BLOCK;
+    __m256i u = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64((const __m128i *)(row + k / MOE_Q4_BLOCK * 16 + b % 16)));
+    u = b >= 16 ? _mm256_srli_epi32(u, 4) : _mm256_and_si256(u, _mm256_set1_epi32(0x0f));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(8))), s);
 }
 
 /* One panel: rows [o, o + R) as f32, panel[k * PK2_R + r]; rows past R are
@@ -832,12 +837,22 @@ AVX2_TARGET static void pack_panel_avx2(const struct moe_matmul_params *p, int o
                                         float *panel)
 {
     const int n_in = p->n_in, k8 = n_in / 8 * 8;
+    const bool i4 = p->w_dtype == MOE_DTYPE_I4;
     for (int r0 = 0; r0 < PK2_R; r0 += 8) {
         const int rr = R - r0 <= 0 ? 0 : R - r0 < 8 ? R - r0 : 8;
+        const uint8_t *q4r[8];
+        const float *q4s[8];
+        for (int i = 0; i < rr && i4; i++) {
+            q4r[i] = q4_row(p, o + r0 + i);
+            q4s[i] = q4_scales(p, o + r0 + i);
+        }
         for (int k = 0; k < k8; k += 8) {
             __m256 v[8];
+            const int g = i4 ? k / p->w_group : 0;
             for (int i = 0; i < 8; i++)
-                v[i] = i < rr ? row8_avx2(p, o + r0 + i, k) : _mm256_setzero_ps();
+                v[i] = i >= rr ? _mm256_setzero_ps()
+                       : i4    ? q4_row8_avx2(q4r[i], k, _mm256_set1_ps(q4s[i][g]))
+                               : row8_avx2(p, o + r0 + i, k);
             transpose8_avx2(v);
             for (int j = 0; j < 8; j++)
                 _mm256_storeu_ps(panel + (size_t)(k + j) * PK2_R + r0, v[j]);
@@ -858,6 +873,16 @@ AVX2_TARGET static void widen_rows_avx2(const struct moe_matmul_params *p, int o
     const int n_in = p->n_in, k8 = n_in / 8 * 8;
     for (int r = 0; r < R; r++) {
         float *d = dst + (size_t)r * n_in;
+        if (p->w_dtype == MOE_DTYPE_I4) { /* n_in is whole 32-column blocks */
+            const uint8_t *row = q4_row(p, o + r);
+            const float *sc = q4_scales(p, o + r);
+            for (int k = 0; k < n_in; k += MOE_Q4_BLOCK) {
+                const __m256 sv = _mm256_set1_ps(sc[k / p->w_group]);
+                for (int j = 0; j < MOE_Q4_BLOCK; j += 8)
+                    _mm256_storeu_ps(d + k + j, q4_row8_avx2(row, k + j, sv));
+            }
+            continue;
+        }
         for (int k = 0; k < k8; k += 8)
             _mm256_storeu_ps(d + k, row8_avx2(p, o + r, k));
         for (int k = k8; k < n_in; k++) /* never for int4: n_in is whole blocks */
