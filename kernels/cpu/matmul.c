@@ -866,28 +866,24 @@ AVX2_TARGET static void pack_panel_avx2(const struct moe_matmul_params *p, int o
     }
 }
 
-/* widen_rows_scalar's result (rows [o, o + R) as f32 rows of n_in,
- * dequantized) 8 columns at a time. */
-AVX2_TARGET static void widen_rows_avx2(const struct moe_matmul_params *p, int o, int R, float *dst)
+/* int4 rows [o, o + R) dequantized into f32 rows of n_in (widen_rows_scalar's
+ * result), 8 columns at a time; each row's codes and scales found once.
+ * The only rows tile_avx2 widens: bf16 and int8 tiles read theirs as they
+ * are. */
+AVX2_TARGET static void widen_q4_rows_avx2(const struct moe_matmul_params *p, int o, int R,
+                                           float *dst)
 {
-    const int n_in = p->n_in, k8 = n_in / 8 * 8;
+    MOE_ASSERT(p->w_dtype == MOE_DTYPE_I4); /* n_in is whole 32-column blocks */
+    const int n_in = p->n_in;
     for (int r = 0; r < R; r++) {
         float *d = dst + (size_t)r * n_in;
-        if (p->w_dtype == MOE_DTYPE_I4) { /* n_in is whole 32-column blocks */
-            const uint8_t *row = q4_row(p, o + r);
-            const float *sc = q4_scales(p, o + r);
-            for (int k = 0; k < n_in; k += MOE_Q4_BLOCK) {
-                const __m256 sv = _mm256_set1_ps(sc[k / p->w_group]);
-                for (int j = 0; j < MOE_Q4_BLOCK; j += 8)
-                    _mm256_storeu_ps(d + k + j, q4_row8_avx2(row, k + j, sv));
-            }
-            continue;
+        const uint8_t *row = q4_row(p, o + r);
+        const float *sc = q4_scales(p, o + r);
+        for (int k = 0; k < n_in; k += MOE_Q4_BLOCK) {
+            const __m256 sv = _mm256_set1_ps(sc[k / p->w_group]);
+            for (int j = 0; j < MOE_Q4_BLOCK; j += 8)
+                _mm256_storeu_ps(d + k + j, q4_row8_avx2(row, k + j, sv));
         }
-        for (int k = 0; k < k8; k += 8)
-            _mm256_storeu_ps(d + k, row8_avx2(p, o + r, k));
-        for (int k = k8; k < n_in; k++) /* never for int4: n_in is whole blocks */
-            d[k] = w_elem(p->w_dtype, p->w, (int64_t)(o + r) * p->ldw + k) *
-                   (p->w_dtype == MOE_DTYPE_I8 ? p->w_scale[o + r] : 1.0f);
     }
 }
 
@@ -996,7 +992,7 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
         int64_t ldw = p->ldw;
         const float *sc = raw_scales(p, o);
         if (widen) {
-            widen_rows_avx2(p, o, R, mt->scratch);
+            widen_q4_rows_avx2(p, o, R, mt->scratch);
             wt = MOE_DTYPE_F32;
             w = mt->scratch;
             ldw = n_in;
