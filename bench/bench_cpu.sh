@@ -24,6 +24,9 @@
 # the AVX512-BF16 / VNNI paths alone) joins the default modes, so the AMX
 # tiles are measured against the AVX-512 ones in the same rounds.
 #
+# Mode "inv" (fast with --batch-invariant) is there to ask for: MODES="fast inv"
+# prices batch invariance against the default in the same rounds.
+#
 # With BASE=DIR (a build directory of another commit, e.g. the one before
 # issue 19), its moe-generate runs the same cells in the same rounds as
 # "base" (no --exact flag there: its only mode).
@@ -74,6 +77,7 @@ run() {
     base) bin=$base/bin/moe-generate ;;
     exact) flags=(--exact) ;;
     noamx) isa=avx512-dot ;;
+    inv) flags=(--batch-invariant) ;;
   esac
   local gen=(env MOE_CPU_ISA="$isa" "$bin" --model "$model" --device cpu --threads "$th" --dtype "$dt" --ignore-eos
              "${flags[@]}")

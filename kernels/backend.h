@@ -54,6 +54,17 @@ struct moe_matmul_params {
      * bounds documented in kernels/cpu/matmul_dot.c; a backend or processor
      * without such a path computes exactly. */
     bool fast;
+    /* true: every row of y is computed by the same arithmetic in the same
+     * order whatever n_tok is, so a token's result does not depend on the
+     * batch it shares a call with (the CPU backend then skips its paths
+     * chosen by token count: the packed prefill panels, the split
+     * accumulators of one-token decode, and the bf16 / int4 dot paths, whose
+     * fast mode computes exactly instead; the int8 dot paths sum integers
+     * exactly and stay). false (the default): the fastest path for the
+     * call's n_tok, whose last bits may differ with it. The CUDA backend
+     * does not honour it yet (its bf16 GEMV / cuBLAS choice is by n_tok):
+     * moe_launch_start refuses the pair. */
+    bool batch_invariant;
 };
 
 /* Element types a KV cache may hold (struct moe_kv_cache.dtype): F32, or
@@ -126,8 +137,9 @@ struct moe_grouped_matmul_params {
      * struct moe_matmul_params), NULL where the expert is not held; NULL for
      * F32 and BF16. */
     const float *const *w_scale;
-    int w_group; /* I4: as in struct moe_matmul_params */
-    bool fast;   /* as in struct moe_matmul_params */
+    int w_group;          /* I4: as in struct moe_matmul_params */
+    bool fast;            /* as in struct moe_matmul_params */
+    bool batch_invariant; /* as in struct moe_matmul_params */
 };
 
 /* DeepSeek-V3 routing, as transformers' DeepseekV3TopkRouter computes it,

@@ -66,6 +66,7 @@ struct args {
     bool profile;
     const char *placement_switch;
     bool exact;
+    bool batch_invariant;
     enum moe_dtype kv_dtype;
     bool kv_dtype_set;
     /* the quality meter */
@@ -91,6 +92,8 @@ static void usage(FILE *f)
            "  --group-size G      int4 columns per scale: 32 (default), 64 or 128\n"
            "  --exact             f32 activations in every matmul (default: bf16 / int8\n"
            "                      activations where the CPU has dot-product instructions)\n"
+           "  --batch-invariant   every token's results independent of what it is batched\n"
+           "                      with (deterministic serving; CPU: slower prefill)\n"
            "  --threads N         CPU threads, 0 = all cores (default 0)\n"
            "  --device D          auto|cpu|cuda|cuda:N (default auto; cuda: under mpirun\n"
            "                      each rank takes the GPU of its local rank)\n"
@@ -242,6 +245,7 @@ static int parse_args(int argc, char **argv, struct args *a)
         {"--no-prefix-cache", &a->no_prefix_cache},
         {"--profile", &a->profile},
         {"--exact", &a->exact},
+        {"--batch-invariant", &a->batch_invariant},
         {"--print-outputs", &a->print_outputs},
         {"--dp-attention", &a->dp_attention},
     };
@@ -390,6 +394,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         struct moe_model_opts dopts = {.dtype = mopts->dtype,
                                        .q4_group = mopts->q4_group,
                                        .fast = mopts->fast,
+                                       .batch_invariant = mopts->batch_invariant,
                                        .kv_dtype = mopts->kv_dtype,
                                        .tp_size = 1};
         if (moe_model_load(a->draft_model, &dopts, be, &draft, &err))
@@ -593,6 +598,7 @@ static enum moe_status start_group(struct gen_run *g, int *argc, char ***argv)
                                  .comm_timeout_ms = a->comm_timeout_ms,
                                  .placement = a->placement,
                                  .exact = a->exact,
+                                 .batch_invariant = a->batch_invariant,
                                  .kv_dtype = a->kv_dtype,
                                  .kv_dtype_set = a->kv_dtype_set};
     enum moe_status rc = moe_launch_start(argc, argv, &la, &g->launch, &g->err);
@@ -682,8 +688,9 @@ static void print_speed(const struct gen_run *g)
     const struct moe_gen_result *res = &g->res;
     double decode_tps =
         res->n_tokens > 1 && res->decode_s > 0 ? (res->n_tokens - 1) / res->decode_s : 0;
-    printf("model: %s (%s, %s, %.1f MiB of weights, loaded in %.2f s) on %s\n", a->model,
+    printf("model: %s (%s, %s%s, %.1f MiB of weights, loaded in %.2f s) on %s\n", a->model,
            moe_launch_dtype_flag(a->dtype), a->exact ? "exact" : "fast",
+           g->launch.model_opts.batch_invariant ? ", batch-invariant" : "",
            (double)moe_model_weight_bytes(g->model) / (1024.0 * 1024.0), g->t_load, g->be->label);
     printf("prefill: %d tokens in %.3f s, %.1f tokens/s\n", g->n_prompt, res->prefill_s,
            res->prefill_s > 0 ? g->n_prompt / res->prefill_s : 0);

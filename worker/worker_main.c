@@ -70,6 +70,7 @@ struct args {
     int max_running;
     bool no_prefix_cache;
     bool exact;
+    bool batch_invariant;
     enum moe_dtype kv_dtype;
     bool kv_dtype_set;
     int spec_tokens;
@@ -107,6 +108,9 @@ static void usage(FILE *f)
                "                        int4: CPU only\n"
                "  --exact               f32 activations in every matmul (default: bf16 / int8\n"
                "                        activations where the CPU has dot-product instructions)\n"
+               "  --batch-invariant     every token's results independent of what it is\n"
+               "                        batched with: the same tokens alone or under load, in\n"
+               "                        one pool or handed between two (CPU: slower prefill)\n"
                "  --threads N           CPU threads, 0 = all cores (default 0)\n"
                "  --device D            auto|cpu|cuda|cuda:N (default auto; cuda: under mpirun\n"
                "                        each rank takes the GPU of its local rank)\n"
@@ -175,6 +179,10 @@ static int parse_args(int argc, char **argv, struct args *a)
         }
         if (!strcmp(k, "--exact")) {
             a->exact = true;
+            continue;
+        }
+        if (!strcmp(k, "--batch-invariant")) {
+            a->batch_invariant = true;
             continue;
         }
         if (!strcmp(k, "--dp-attention")) {
@@ -323,6 +331,7 @@ static enum moe_status start_model(struct worker_run *r, int *argc, char ***argv
                                  .comm_timeout_ms = a->comm_timeout_ms,
                                  .placement = a->placement,
                                  .exact = a->exact,
+                                 .batch_invariant = a->batch_invariant,
                                  .kv_dtype = a->kv_dtype,
                                  .kv_dtype_set = a->kv_dtype_set};
     enum moe_status rc = moe_launch_start(argc, argv, &la, &r->launch, &r->err);
@@ -422,6 +431,7 @@ static enum moe_status start_engine(struct worker_run *r)
         struct moe_model_opts dopts = {.dtype = mo->dtype,
                                        .q4_group = mo->q4_group,
                                        .fast = mo->fast,
+                                       .batch_invariant = mo->batch_invariant,
                                        .kv_dtype = mo->kv_dtype,
                                        .tp_size = 1};
         if ((rc = moe_model_load(a->draft_model, &dopts, r->be, &r->draft, &r->err)))
@@ -553,11 +563,12 @@ static void announce(const struct worker_run *r)
     else
         snprintf(dev, sizeof dev, "%s", r->be->name);
     printf("moe-worker: %s serving %s on %s (%s, %s, %d KV blocks x %d tokens of %s, %d rank%s, "
-           "tp %d%s, pid %d)%s%s\n",
+           "tp %d%s%s, pid %d)%s%s\n",
            r->id, r->name, r->address, a->role, dev, r->eo.n_block, r->eo.block_size,
            moe_kv_dtype_flag(moe_model_kv_dtype(r->model)), group ? group->size : 1,
            group && group->size > 1 ? "s" : "", group ? group->tp_size : 1,
-           group && group->dp ? ", dp attention" : "", (int)getpid(),
+           group && group->dp ? ", dp attention" : "",
+           r->launch.model_opts.batch_invariant ? ", batch-invariant" : "", (int)getpid(),
            a->etcd ? ", registered in etcd" : "",
            r->tls ? (moe_tls_has_ca(r->tls) ? ", mutual TLS" : ", TLS") : "");
     if (r->metrics) {

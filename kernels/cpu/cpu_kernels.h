@@ -73,8 +73,8 @@ const char *cpu_features_name(unsigned features, char *buf, size_t len);
  * "amx-int8" (calls of at least 8 (bf16) / 16 (int8) tokens on AMX, fewer on
  * AVX-512),
  * "avx512-bf16", "avx512-vnni", "avx2-w8a8" (int8 on AVX2-only processors:
- * calls below 8 tokens quantize the activations and sum bytes exactly,
- * bit for bit avx512-vnni's results; larger calls run the exact f32 tiles),
+ * every call quantizes the activations and sums bytes exactly, bit for bit
+ * avx512-vnni's results),
  * or "f32-fma" (the exact kernels, used where the processor has no
  * dot-product path for that type). */
 const char *cpu_matmul_fast_path(enum moe_dtype wt);

@@ -148,6 +148,11 @@ bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
 {
     if (!p->fast || cpu_kernels_isa() != CPU_ISA_AVX512 || p->n_in > DOT_MAX_N_IN)
         return false;
+    /* bf16 and int4 pick their tiles (streaming, packed, AMX) by token count
+     * and sum floats in each one's order; int8 sums integers exactly
+     * whatever the tile (tests/unit/test_matmul_fast.c, batch invariance). */
+    if (p->batch_invariant && p->w_dtype != MOE_DTYPE_I8)
+        return false;
     unsigned f = cpu_kernels_features();
     if (p->w_dtype == MOE_DTYPE_BF16)
         return (f & CPU_FEAT_AVX512_BF16) != 0;
@@ -159,7 +164,7 @@ bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
 const char *cpu_matmul_fast_path(enum moe_dtype wt)
 {
     struct moe_matmul_params p = {.fast = true, .w_dtype = wt};
-    if (!cpu_matmul_dot_supported(&p)) /* AVX2: int8 calls below 8 tokens in matmul.c */
+    if (!cpu_matmul_dot_supported(&p)) /* AVX2 int8: W8A8 tiles in matmul.c */
         return wt == MOE_DTYPE_I8 && cpu_kernels_isa() == CPU_ISA_AVX2 ? "avx2-w8a8" : "f32-fma";
     if (wt == MOE_DTYPE_I4 && q4_amx_ok())
         return "avx512-vnni+amx-bf16"; /* W4A8 below AMX_MIN_TOK_I4 tokens */

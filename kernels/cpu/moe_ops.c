@@ -92,6 +92,7 @@ enum moe_status cpu_grouped_matmul(struct moe_threadpool *pool,
             .w_scale = p->w_scale ? p->w_scale[e] : NULL,
             .w_group = p->w_group,
             .fast = p->fast,
+            .batch_invariant = p->batch_invariant,
         };
     }
     /* The fast paths take every expert in one pool run; the others one each. */

@@ -27,10 +27,10 @@
  * exact kernels bit for bit, and a grouped matmul (all experts in one pool run) equals one call
  * per expert bit for bit.
  *
- * avx2-w8a8 (int8 on AVX2, forced on AVX-512 machines too): calls below 8 tokens are held to
+ * avx2-w8a8 (int8 on AVX2, forced on AVX-512 machines too): every call is held to
  * the same bound and emulation, and besides, output by output, to the float the VNNI path's
- * formula gives from exact integer sums (bit for bit); calls of 8+ tokens equal the exact
- * kernels bit for bit; where the processor has AVX512-VNNI, avx2-w8a8 equals it bit for bit. */
+ * formula gives from exact integer sums (bit for bit), at every call size, batch-invariant;
+ * where the processor has AVX512-VNNI, avx2-w8a8 equals it bit for bit. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,10 +42,9 @@
 
 static struct test_rng g_rng = {0x5851f42d4c957f2dull};
 
-/* The path under test is avx2-w8a8 (matmul.c): int8 calls below 8 tokens
- * run W8A8 there, larger ones the exact kernels. */
+/* The path under test is avx2-w8a8 (matmul.c): every int8 call runs W8A8
+ * there. */
 static bool g_w8a8_avx2;
-#define W8A8_AVX2_MAX_TOK 7
 
 static struct moe_backend *g_cpu;     /* 2 threads, through the ops table */
 static struct moe_threadpool *g_pool; /* 3 threads, direct kernel calls */
@@ -146,19 +145,6 @@ static double fast_case(enum moe_dtype dt, const struct fcase *c, double *worst_
         cpu_matmul(c->via == 1 ? g_pool : NULL, &p);
     double worst_emu = 0;
     double *xe = malloc((size_t)c->n_in * sizeof *xe);
-    if (g_w8a8_avx2 && c->n_tok > W8A8_AVX2_MAX_TOK) {
-        /* the exact kernels, bit for bit */
-        float *ye = malloc((ny + 16) * sizeof *ye);
-        memcpy(ye, y0, (ny + 16) * sizeof *ye);
-        struct moe_matmul_params pe = p;
-        pe.fast = false;
-        pe.y = ye;
-        cpu_matmul(g_pool, &pe);
-        if (memcmp(ye, y, (ny + 16) * sizeof *ye) != 0)
-            worst_emu = INFINITY;
-        free(ye);
-        goto done;
-    }
     for (int t = 0; t < c->n_tok; t++) {
         const float *xt = x + (size_t)t * c->n_in;
         double sx;
@@ -207,7 +193,6 @@ static double fast_case(enum moe_dtype dt, const struct fcase *c, double *worst_
             }
         }
     }
-done:
     for (int i = 0; i < 16; i++)
         if (y[ny + i] != y0[ny + i])
             worst_emu = INFINITY; /* wrote past the end */
@@ -319,12 +304,13 @@ static void test_i8_batch_invariance(const char *name)
     free(y1);
 }
 
-/* avx2-w8a8 (forced AVX2) equals avx512-vnni bit for bit on calls below 8
- * tokens: the same quantization, the same exact i32 sums, the same scaling. */
+/* avx2-w8a8 (forced AVX2) equals avx512-vnni bit for bit (its streaming
+ * tiles below 8 tokens, packed panels and AMX above): the same quantization,
+ * the same exact i32 sums, the same scaling. */
 static void test_w8a8_avx2_equals_vnni(void)
 {
-    static const int shapes[][3] = {{1, 1024, 300}, {1, 100, 53}, {2, 77, 13},
-                                    {3, 31, 5},     {5, 300, 70}, {7, 2816, 64}};
+    static const int shapes[][3] = {{1, 1024, 300}, {1, 100, 53},  {2, 77, 13},   {3, 31, 5},
+                                    {5, 300, 70},   {7, 2816, 64}, {40, 300, 70}, {130, 256, 33}};
     int differ = 0;
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int n_tok = shapes[s][0], n_in = shapes[s][1], n_out = shapes[s][2];
@@ -623,13 +609,13 @@ int main(void)
         printf("SKIPPED: avx512-vnni: this processor lacks AVX512-VNNI\n");
     }
     cpu_kernels_force_features(have);
-    /* int8 on AVX2 (forced on AVX-512 machines): W8A8 below 8 tokens, the
-     * exact kernels from 8 on, each held to its own reference */
+    /* int8 on AVX2 (forced on AVX-512 machines): W8A8 at every size */
     if (isa >= CPU_ISA_AVX2) {
         cpu_kernels_force_isa(CPU_ISA_AVX2);
         CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_I8), "avx2-w8a8") == 0);
         g_w8a8_avx2 = true;
         test_path(MOE_DTYPE_I8, "avx2-w8a8");
+        test_i8_batch_invariance("avx2-w8a8");
         test_special_rows(MOE_DTYPE_I8, "avx2-w8a8");
         test_grouped_equals_each(MOE_DTYPE_I8, "avx2-w8a8");
         g_w8a8_avx2 = false;

@@ -1,5 +1,7 @@
 #include "group/launch.h"
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 bool moe_launch_parse_dtype(const char *s, enum moe_dtype *out)
@@ -54,10 +56,29 @@ enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launc
         *err = why;
     if (rc)
         return rc;
+    bool invariant = a->batch_invariant;
+    const char *env = getenv("MOE_BATCH_INVARIANT");
+    if (env && strcmp(env, "0") && strcmp(env, "1"))
+        return moe_error_set(err, MOE_ERR_INVALID,
+                             "MOE_BATCH_INVARIANT='%s': expected 0 or 1 (1 is --batch-invariant)",
+                             env);
+    if (l->be->device != MOE_DEVICE_CPU) {
+        /* the CUDA backend picks its GEMMs by token count */
+        if (invariant)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "--batch-invariant: the CUDA backend cannot promise it yet; "
+                                 "use --device cpu");
+        if (env && !strcmp(env, "1"))
+            fprintf(stderr, "moe: MOE_BATCH_INVARIANT=1 ignored: the CUDA backend cannot "
+                            "promise it yet\n");
+    } else {
+        invariant = invariant || (env && !strcmp(env, "1"));
+    }
     l->model_opts = (struct moe_model_opts){
         .dtype = a->dtype,
         .q4_group = a->group_size,
         .fast = !a->exact,
+        .batch_invariant = invariant,
         .kv_dtype = a->kv_dtype_set ? a->kv_dtype
                     : a->exact      ? MOE_DTYPE_F32
                                     : moe_backend_default_kv_dtype(l->be),

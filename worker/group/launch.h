@@ -22,6 +22,9 @@ struct moe_launch_args {
     int comm_timeout_ms;
     const char *placement; /* placement file, or NULL */
     bool exact;            /* --exact: f32 activations in every matmul (moe_model_opts.fast off) */
+    /* --batch-invariant (moe_model_opts.batch_invariant); the environment's
+     * MOE_BATCH_INVARIANT=1 asks for it too, where the backend can (CPU). */
+    bool batch_invariant;
     /* --kv-dtype when given (kv_dtype_set); else the backend's default
      * (moe_backend_default_kv_dtype), F32 under --exact. */
     enum moe_dtype kv_dtype;

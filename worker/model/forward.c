@@ -201,6 +201,7 @@ static void matmul_dtype(struct moe_model *m, enum moe_dtype dtype, bool fast, c
         .y = y,
         .accumulate = accumulate,
         .fast = fast,
+        .batch_invariant = m->opts.batch_invariant,
     };
     if (dtype == MOE_DTYPE_I8)
         p.w_scale = (const float *)((const char *)w + moe_i8_scale_offset(n_out, n_in));
@@ -332,6 +333,7 @@ void moe_model_grouped_matmul(struct moe_model *m, const float *x, int n_rows, i
         .w_scale = quant ? (const float *const *)w_scale : NULL,
         .w_group = m->q4_group,
         .fast = m->opts.fast,
+        .batch_invariant = m->opts.batch_invariant,
     };
     m->be->ops->grouped_matmul(m->be, &p);
 }

@@ -46,6 +46,14 @@ struct moe_model_opts {
      * struct moe_matmul_params.fast); elsewhere it computes as exact. The
      * binaries default to fast and take --exact. */
     bool fast;
+    /* true: every matmul batch-invariant (struct moe_matmul_params), so a
+     * sequence's tokens do not depend on what else is batched with it:
+     * alone or among others, prefilled or decoded in any chunks, on one
+     * worker or handed from a prefill pool to a decode pool, verified in
+     * speculative steps or decoded one token at a time (the attention,
+     * norms and routing are row by row already). Costs the packed prefill
+     * panels (CPU). The binaries take --batch-invariant. */
+    bool batch_invariant;
     /* Element type of this model's KV caches (moe_kv_cache_create): F32 (0,
      * the default here) or BF16 (CPU backend only). The binaries take
      * --kv-dtype and default to the backend's moe_backend_default_kv_dtype,
