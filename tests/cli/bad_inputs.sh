@@ -121,6 +121,7 @@ expect bad-top-p "--top-p" -- --model "$fixtures/$Q" --tokens 1 --top-p 1.5
 expect bad-spec-tokens "--spec-tokens" "17" -- --model "$fixtures/$Q" --tokens 1 --spec-tokens 17
 expect bad-spec-policy "--spec-policy" "greedy" -- --model "$fixtures/$Q" --tokens 1 --spec-tokens 2 --spec-policy greedy
 expect too-long "max_position_embeddings" -- --model "$fixtures/$Q" --tokens 1 -n 100000
+MOE_BATCH_INVARIANT=yes expect bad-batch-invariant-env "MOE_BATCH_INVARIANT" "yes" -- --model "$fixtures/$Q" --tokens 1
 expect no-gpu-cuda "cuda" -- --model "$fixtures/$Q" --tokens 1 --device cuda
 expect bad-device "tpu" -- --model "$fixtures/$Q" --tokens 1 --device tpu
 
