@@ -664,16 +664,14 @@ AVX512_TARGET static void tile_avx512(const struct mm_tile *mt)
 
 /* ---- AVX2 path ---- */
 
-#define AVX2_TARGET __attribute__((target("avx2,fma")))
+#define AVX2_TARGET MOE_AVX2_TARGET
 
 /* 8 weights from element i of w as f32 (int8 unscaled). */
 AVX2_TARGET static inline __attribute__((always_inline)) __m256 load_w8(const enum moe_dtype WT,
                                                                         const void *w, int64_t i)
 {
-    if (WT == MOE_DTYPE_BF16) {
-        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
+    if (WT == MOE_DTYPE_BF16)
+        return bf16x8_to_f32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
     if (WT == MOE_DTYPE_I8) {
         __m128i q = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + i));
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
@@ -1302,8 +1300,8 @@ void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
         (job.isa == CPU_ISA_SCALAR || (job.isa == CPU_ISA_AVX2 && p->w_dtype == MOE_DTYPE_I4));
     const int pk_r = job.isa == CPU_ISA_AVX512 ? PK_R : PK2_R;
     const int pk_min = job.isa == CPU_ISA_AVX512 ? PK_MIN_TOK : PK2_MIN_TOK;
-    job.packed = job.isa != CPU_ISA_SCALAR && p->n_tok >= pk_min && !p->batch_invariant &&
-                 !w8a8_avx2_for(p, job.isa);
+    const bool w8a8 = w8a8_avx2_for(p, job.isa);
+    job.packed = job.isa != CPU_ISA_SCALAR && p->n_tok >= pk_min && !p->batch_invariant && !w8a8;
     if (job.packed) {
         /* Packed path: row blocks of whole panels, wide token blocks, none
          * narrower than pk_min. Its sums run k by k (one accumulator lane
@@ -1339,7 +1337,7 @@ void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
     struct w8_act w8 = {0};
     int8_t *w8_buf = NULL;
 #ifdef MATMUL_X86
-    if (w8a8_avx2_for(p, job.isa)) {
+    if (w8a8) {
         w8.ldq = (p->n_in + 31) / 32 * 32;
         w8_buf = malloc((size_t)p->n_tok * (2 * (size_t)w8.ldq + sizeof(float)));
         MOE_ASSERT(w8_buf != NULL);

@@ -1,4 +1,4 @@
-/* Small AVX-512 helpers shared by the CPU kernels (x86-64 only; each
+/* Small AVX-512 and AVX2 helpers shared by the CPU kernels (x86-64 only; each
  * user compiles its SIMD functions with a target attribute, never -march). */
 #ifndef MOE_SIMD_X86_H
 #define MOE_SIMD_X86_H
@@ -26,15 +26,19 @@ bf16_to_f32_avx512(float *dst, const uint16_t *src, int n)
     }
 }
 
-/* The same on AVX2 (8 at a time, the tail scalar: no access past n). */
+/* The same on AVX2: one vector of 8, and n elements (8 at a time, the tail
+ * scalar: no access past n). */
+MOE_AVX2_TARGET static inline __attribute__((always_inline)) __m256 bf16x8_to_f32(__m128i h)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 MOE_AVX2_TARGET static inline __attribute__((always_inline)) void
 bf16_to_f32_avx2(float *dst, const uint16_t *src, int n)
 {
     int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
-        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-    }
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, bf16x8_to_f32(_mm_loadu_si128((const __m128i *)(src + i))));
     for (; i < n; i++) {
         uint32_t u = (uint32_t)src[i] << 16;
         __builtin_memcpy(dst + i, &u, sizeof u);

@@ -262,7 +262,7 @@ static void scale_scalar(float *y, float a, int n)
 #ifdef VEC_X86
 
 #define AVX512_TARGET MOE_AVX512_TARGET
-#define AVX2_TARGET __attribute__((target("avx2,fma")))
+#define AVX2_TARGET MOE_AVX2_TARGET
 
 AVX512_TARGET static float dot_avx512(const float *a, const float *b, int n)
 {
