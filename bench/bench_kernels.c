@@ -11,8 +11,9 @@
  *
  * --fast: the fast (moe_matmul_params.fast) paths instead: bf16 and int8
  * weights at 8..512 tokens, on every dot-product path this processor has
- * (AMX, then AMX forced off: AVX512-BF16 / VNNI), the paths alternated
- * within each cell, best of 5, and their ratio.
+ * (AMX, then AMX forced off: AVX512-BF16 / VNNI; on AVX2 the int8 W8A8
+ * tiles alone, bf16 reported as skipped), the paths alternated within each
+ * cell, best of 5, and their ratio.
  *
  * usage: bench-kernels [--quick | --argmax | --fast]   (--quick: fewer repetitions, no scalar
  *        GEMM; --argmax: only the host argmax cells; --fast: only the fast-path cells) */
@@ -164,10 +165,18 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
            cold_bytes >> 20);
     printf("%-5s %-18s %-3s %6s", "dtype", "shape", "thr", "n_tok");
     for (int i = 0; i < n_sets; i++)
-        printf(" %14s %8s", i == 0 && n_sets == 2 ? "AMX GFLOP/s" : "AVX512 GFLOP/s", "W GB/s");
+        printf(" %14s %8s",
+               i == 0 && n_sets == 2                        ? "AMX GFLOP/s"
+               : cpu_kernels_detect_isa() == CPU_ISA_AVX512 ? "AVX512 GFLOP/s"
+                                                            : "GFLOP/s",
+               "W GB/s");
     printf("%s\n", n_sets == 2 ? "  AMX/AVX512" : "");
     for (size_t d = 0; d < 2; d++) {
         enum moe_dtype dt = dts[d];
+        if (strcmp(cpu_matmul_fast_path(dt), "f32-fma") == 0) {
+            printf("%-5s (no dot-product path on this processor: skipped)\n", moe_dtype_name(dt));
+            continue;
+        }
         for (size_t s = 0; s < n_shapes; s++) {
             const struct shape *sh = &shapes[s];
             const size_t w_bytes = weight_bytes(dt, sh);
@@ -242,9 +251,10 @@ int main(int argc, char **argv)
     if (argc > 1 && strcmp(argv[1], "--fast") == 0) {
         cpu_kernels_env();
         int rc = 0;
-        struct moe_matmul_params probe = {.fast = true, .w_dtype = MOE_DTYPE_BF16, .n_in = 64};
-        if (!cpu_matmul_dot_supported(&probe)) {
-            printf("bench-kernels --fast: this processor has no fast matmul path (AVX512-BF16)\n");
+        if (strcmp(cpu_matmul_fast_path(MOE_DTYPE_BF16), "f32-fma") == 0 &&
+            strcmp(cpu_matmul_fast_path(MOE_DTYPE_I8), "f32-fma") == 0) {
+            printf("bench-kernels --fast: this processor has no fast matmul path (AVX512-BF16, "
+                   "VNNI or AVX2 W8A8)\n");
             rc = 1;
         } else {
             rc = bench_fast(shapes, sizeof shapes / sizeof shapes[0], be);
