@@ -1152,15 +1152,26 @@ mk_w8a8_avx2(const int T, const int R, const int8_t *xq, const uint8_t *xa, int6
             }
         }
     }
+    if (R == MK_R) { /* the four rows' sums at once: an hadd tree, then the two lanes */
 #pragma GCC unroll 4
-    for (int t = 0; t < T; t++)
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            int32_t sum = hsum256_epi32(acc[t][r]);
-            for (int k = n32; k < n_in; k++)
-                sum += (int32_t)xq[t * ldq + k] * w[r * ldw + k];
-            out[t][r] = sum;
+        for (int t = 0; t < T; t++) {
+            const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[t][0], acc[t][1]),
+                                                _mm256_hadd_epi32(acc[t][2], acc[t][3]));
+            _mm_storeu_si128((__m128i *)out[t], _mm_add_epi32(_mm256_castsi256_si128(s),
+                                                              _mm256_extracti128_si256(s, 1)));
         }
+    } else {
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                out[t][r] = hsum256_epi32(acc[t][r]);
+    }
+    if (n32 < n_in)
+        for (int t = 0; t < T; t++)
+            for (int r = 0; r < R; r++)
+                for (int k = n32; k < n_in; k++)
+                    out[t][r] += (int32_t)xq[t * ldq + k] * w[r * ldw + k];
 }
 
 AVX2_TARGET static void mk_w8a8_avx2_any(int T, int R, const int8_t *xq, const uint8_t *xa,
@@ -1193,6 +1204,16 @@ AVX2_TARGET static void tile_avx2_w8a8(const struct mm_tile *mt, const struct w8
             const int T = mt->t0 + mt->nt - t < MK_T_W8 ? mt->t0 + mt->nt - t : MK_T_W8;
             mk_w8a8_avx2_any(T, R, a->xq + (size_t)t * a->ldq, a->xa + (size_t)t * a->ldq, a->ldq,
                              w, p->ldw, p->n_in, out);
+            if (R == MK_R) { /* the scalar loop's arithmetic, four outputs at a time */
+                const __m128 ws = _mm_loadu_ps(p->w_scale + o);
+                for (int tt = 0; tt < T; tt++) {
+                    float *y = p->y + (size_t)(t + tt) * p->n_out + o;
+                    __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(_mm_loadu_si128((__m128i *)out[tt])),
+                                          _mm_mul_ps(_mm_set1_ps(a->sx[t + tt]), ws));
+                    _mm_storeu_ps(y, p->accumulate ? _mm_add_ps(_mm_loadu_ps(y), v) : v);
+                }
+                continue;
+            }
             for (int tt = 0; tt < T; tt++)
                 for (int r = 0; r < R; r++)
                     store_out(p, t + tt, o + r,
