@@ -679,12 +679,52 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m256 load_w8(const en
     return _mm256_loadu_ps((const float *)w + i);
 }
 
+/* The sum of v's lanes as ((v0+v4) + (v2+v6)) + ((v1+v5) + (v3+v7)). */
 AVX2_TARGET static inline float hsum256(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* hsum256 of four vectors at once, each summed in hsum256's order (float
+ * addition commutes exactly, so the swapped pairs below give its bits): a
+ * row's outputs do not depend on whether it was in a tile of 4 or of 1. */
+AVX2_TARGET static inline __attribute__((always_inline)) __m128 hsum256_x4(const __m256 v[4])
+{
+    /* [v0 lo + v0 hi | v1 lo + v1 hi], the same for v2, v3 */
+    __m256 a = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20),
+                             _mm256_permute2f128_ps(v[0], v[1], 0x31));
+    __m256 b = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20),
+                             _mm256_permute2f128_ps(v[2], v[3], 0x31));
+    /* per 128-bit lane [e0 e1 e2 e3]: (e0+e2) + (e1+e3) in every element */
+    a = _mm256_add_ps(a, _mm256_permute_ps(a, 0x4e));
+    b = _mm256_add_ps(b, _mm256_permute_ps(b, 0x4e));
+    a = _mm256_add_ps(a, _mm256_permute_ps(a, 0xb1));
+    b = _mm256_add_ps(b, _mm256_permute_ps(b, 0xb1));
+    /* [a0 a0 b0 b0 | a4 a4 b4 b4] -> [a0 a4 b0 b4] = the four sums */
+    __m256 z = _mm256_shuffle_ps(a, b, 0x00);
+    return _mm_blend_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1), 0xa);
+}
+
+/* store_tile for the AVX2 tiles: a tile of four rows four outputs at a time,
+ * in store_tile's arithmetic. */
+AVX2_TARGET static inline void store_tile_avx2(const struct moe_matmul_params *p, int t, int T,
+                                               int o, int R, const float *scale,
+                                               float out[MK_T][MK_R])
+{
+    if (R != MK_R) {
+        store_tile(p, t, T, o, R, scale, out);
+        return;
+    }
+    for (int tt = 0; tt < T; tt++) {
+        float *y = p->y + (size_t)(t + tt) * p->n_out + o;
+        __m128 v = _mm_loadu_ps(out[tt]);
+        if (scale)
+            v = _mm_mul_ps(v, _mm_loadu_ps(scale));
+        _mm_storeu_ps(y, p->accumulate ? _mm_add_ps(_mm_loadu_ps(y), v) : v);
+    }
 }
 
 AVX2_TARGET static inline __attribute__((always_inline)) void
@@ -758,14 +798,18 @@ mk_avx2(const int T, const int R, const enum moe_dtype WT, const float *x, int64
     }
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
+        if (R == MK_R)
+            _mm_storeu_ps(out[t], hsum256_x4(acc[t]));
+        else
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            float s = hsum256(acc[t][r]);
-            for (int kk = k; kk < n_in; kk++)
-                s += x[t * ldx + kk] * w_elem(WT, w, r * ldw + kk);
-            out[t][r] = s;
-        }
+            for (int r = 0; r < R; r++)
+                out[t][r] = hsum256(acc[t][r]);
     }
+    if (k < n_in)
+        for (int t = 0; t < T; t++)
+            for (int r = 0; r < R; r++)
+                for (int kk = k; kk < n_in; kk++)
+                    out[t][r] += x[t * ldx + kk] * w_elem(WT, w, r * ldw + kk);
 }
 
 AVX2_TARGET static void mk_avx2_any(int T, int R, enum moe_dtype wt, const float *x, int64_t ldx,
@@ -1021,7 +1065,7 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
             int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
             mk_avx2_any(T, R, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, !p->batch_invariant,
                         out);
-            store_tile(p, t, T, o, R, sc, out);
+            store_tile_avx2(p, t, T, o, R, sc, out);
         }
         o += R;
     }
