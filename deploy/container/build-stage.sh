@@ -7,7 +7,8 @@
 #   /out/opt/moe-serve/models/draft-tiny-en-kd  its distilled draft (--draft-model)
 #   /out/runtime-packages the Debian packages that own the shared libraries the
 #                         binaries load (found with ldd + dpkg -S, so the list
-#                         follows the build instead of being kept by hand)
+#                         follows the build instead of being kept by hand; CUDA
+#                         builds add the cuBLAS and NCCL they dlopen)
 # Environment: MOE_CUDA (OFF|ON), JOBS, WITH_DEMO_MODEL (0|1),
 # CUDA_ARCHITECTURES (CUDA builds).
 set -euo pipefail
@@ -45,13 +46,36 @@ fi
 # finds them (its LD_LIBRARY_PATH), so that ldd names their packages.
 if [ "$cuda" != OFF ]; then export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
 
+# CUDA builds dlopen cuBLAS (when a CUDA backend starts) and NCCL (with the
+# first NCCL communicator) instead of linking them (kernels/cuda/cublas_lazy.h),
+# so ldd does not list them: they are looked up here as the runtime image's
+# loader finds them (LD_LIBRARY_PATH, then its cache), with what they link.
+dlopened=()
+if [ "$cuda" != OFF ]; then
+  for so in libcublas.so libnccl.so; do
+    lib=""
+    for d in ${LD_LIBRARY_PATH//:/ }; do
+      lib=$(ls "$d/$so".[0-9]* 2>/dev/null | head -1) && [ -n "$lib" ] && break
+    done
+    [ -n "$lib" ] || lib=$(ldconfig -p | awk -v so="$so." 'index($1, so) == 1 { print $NF; exit }')
+    if [ -z "$lib" ]; then echo "build-stage: $so (dlopened by the binaries) not found" >&2; exit 1; fi
+    dlopened+=("$lib")
+  done
+fi
+
 # Which Debian package owns each shared library the binaries load. A library
 # ldd cannot find (libcuda.so.1: the host's driver, injected at run time by
 # the NVIDIA container toolkit) is left out.
 : >"$out/runtime-packages"
-for t in "${targets[@]}"; do
-  ldd "$out/usr/local/bin/$t" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }'
-done | sort -u | while read -r lib; do
+{
+  for t in "${targets[@]}"; do
+    ldd "$out/usr/local/bin/$t" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }'
+  done
+  for lib in ${dlopened[@]+"${dlopened[@]}"}; do
+    echo "$lib"
+    ldd "$lib" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }'
+  done
+} | sort -u | while read -r lib; do
   real=$(readlink -f "$lib")
   pkg=""
   for p in "$lib" "$real" "${lib#/usr}" "${real#/usr}" "/usr$lib" "/usr$real"; do

@@ -1,5 +1,6 @@
 /* The CUDA backend: device memory through the CUDA runtime, one kernel per op
- * (kernels/cuda/<op>.cu), cuBLAS for matmul.
+ * (kernels/cuda/<op>.cu), cuBLAS for matmul (loaded when the first backend is
+ * created: cublas_lazy.h).
  *
  * One stream per backend; every op is queued on it. buf_upload and
  * buf_download are synchronous: when they return, the host buffer may be
@@ -30,6 +31,7 @@
 #include "cpu/cpu_kernels.h" /* moe_grouped_matmul_check, shared with the CPU backend */
 #include "cuda_backend.h"
 #include "cuda_ops.h"
+#include "cublas_lazy.h"
 
 struct cuda_backend {
     struct moe_backend base; /* first */
@@ -697,6 +699,8 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
                            cudaGetErrorString(e));
         goto fail;
     }
+    if ((st = moe_cublas_load(err)))
+        goto fail;
     cublasStatus_t bs = cublasCreate(&cb->blas);
     if (bs != CUBLAS_STATUS_SUCCESS) {
         cb->blas = NULL;

@@ -25,6 +25,7 @@
 
 #include "common.cuh"
 #include "cuda_ops.h"
+#include "cublas_lazy.h" /* cublasGemmEx, cublasSetStream: loaded on first use */
 
 namespace
 {

@@ -2,7 +2,8 @@
  *
  * Without CUDA in the build: both entry points answer UNSUPPORTED.
  * With CUDA but no usable GPU (these CI machines): a unique id can still be
- * made, and creating a communicator fails fast with MOE_ERR_IO, never hangs.
+ * made (the first call is what loads libnccl: it is not mapped before), and
+ * creating a communicator fails fast with MOE_ERR_IO, never hangs.
  * With a GPU: a one-rank NCCL communicator runs the operations on device
  * buffers (all_reduce, all_gather, all_to_all_v with its counts, broadcast,
  * barrier, split). */
@@ -14,6 +15,21 @@
 
 #ifdef MOE_HAVE_NCCL
 #include <cuda_runtime.h>
+#include <stdbool.h>
+#include <stdio.h>
+
+/* Whether libnccl is mapped into this process. */
+static bool nccl_mapped(void)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    char line[4096];
+    bool found = false;
+    while (f && !found && fgets(line, sizeof line, f))
+        found = strstr(line, "/libnccl.so") != NULL;
+    if (f)
+        fclose(f);
+    return found;
+}
 
 static void run_on_gpu(struct moe_comm *c)
 {
@@ -64,8 +80,11 @@ int main(void)
     CHECK(moe_comm_create_nccl(&id, 1, 0, 0, NULL, 1000, &c, &err) == MOE_ERR_UNSUPPORTED);
     CHECK(c == NULL);
 #else
+    /* libnccl is dlopened by the first entry point, not at start-up */
+    CHECK(!nccl_mapped());
     enum moe_status st = moe_comm_nccl_get_id(&id, &err);
     CHECKF(st == MOE_OK, "%s", err.msg);
+    CHECK(st != MOE_OK || nccl_mapped());
     unsigned char zero[MOE_COMM_NCCL_ID_BYTES] = {0};
     CHECK(st != MOE_OK || memcmp(id.bytes, zero, sizeof(zero)) != 0);
     CHECK(moe_comm_create_nccl(&id, 1, 1, 0, NULL, 1000, &c, &err) == MOE_ERR_INVALID);

@@ -36,7 +36,7 @@ for t in tests/ops/test_ops.c tests/ops/time_ops.c tests/unit/test_kernels.c tes
   cc "${CFLAGS[@]}" -c "$ROOT/$t" -o "$OUT/obj/$(basename "$t").o" & pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done
-LIBS=(-L"$CUDA_HOME/lib64" -L"$CUDA_HOME/lib" -lcublas -lcudart -lstdc++ -lpthread -lm)
+LIBS=(-L"$CUDA_HOME/lib64" -L"$CUDA_HOME/lib" -lcublas -lcudart -lstdc++ -lpthread -ldl -lm)
 for t in test_ops test_kernels time_ops; do
   cc -o "$OUT/$t" "$OUT/obj/$t.c.o" "$OUT/obj/testlib.c.o" "${objs[@]}" "${LIBS[@]}" \
      -Wl,-rpath,"$CUDA_HOME/lib64"

@@ -5,13 +5,18 @@
  * no GPU of its own refused naming both numbers, and the group check fed
  * records this machine could not produce: a failed rank, a mixed CPU/GPU
  * group, two ranks of one node on one GPU (NCCL's "Duplicate GPU"), the
- * same ordinal on two nodes or under two NCCL_HOSTIDs (allowed). */
+ * same ordinal on two nodes or under two NCCL_HOSTIDs (allowed); and that
+ * a CUDA build maps cuBLAS and NCCL only once it needs them. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "backend.h"
 #include "group/devices.h"
 #include "testlib.h"
+#ifdef MOE_HAVE_CUDA
+#include "cuda/cublas_lazy.h"
+#endif
 
 static bool has(const struct moe_error *e, const char *s)
 {
@@ -137,11 +142,47 @@ static void fill(void)
     }
 }
 
+/* Whether a shared object whose file name holds `lib` is mapped into this
+ * process. */
+static bool mapped(const char *lib)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (!f)
+        return false;
+    char line[4096];
+    bool found = false;
+    while (!found && fgets(line, sizeof line, f)) {
+        const char *slash = strrchr(line, '/');
+        found = slash && strstr(slash, lib) != NULL;
+    }
+    fclose(f);
+    return found;
+}
+
+/* cuBLAS and NCCL are dlopened on first use (kernels/cuda/cublas_lazy.h,
+ * worker/comm/comm_nccl.c): linked, they cost every process of a CUDA build
+ * ~0.1 s and ~200 MB at start-up. After fill() opened CPU backends and asked
+ * for GPUs (and, on a machine without one, tried cuda:0), neither is mapped;
+ * then the loader maps cuBLAS and resolves every function it names. */
+static void lazy_libraries(void)
+{
+    CHECK(!mapped("libcublas") && !mapped("libnccl"));
+#ifdef MOE_HAVE_CUDA
+    struct moe_error err = {0};
+    CHECKF(moe_cublas_load(&err) == MOE_OK, "%s", err.msg);
+    CHECK(mapped("libcublas.so") && mapped("libcublasLt.so"));
+    CHECK(moe_p_cublasCreate_v2 && moe_p_cublasDestroy_v2 && moe_p_cublasSetStream_v2 &&
+          moe_p_cublasGemmEx);
+    CHECK(!mapped("libnccl")); /* still: only a communicator loads it (test_comm_nccl) */
+#endif
+}
+
 int main(void)
 {
     flags();
     ordinals();
     groups();
     fill();
+    lazy_libraries();
     return test_summary();
 }

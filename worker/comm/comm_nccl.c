@@ -19,10 +19,98 @@
 #include "clock.h"
 
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nccl.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+/* ---- NCCL, loaded on first use ----
+ * As cuBLAS (kernels/cuda/cublas_lazy.h): linked, libnccl would load into
+ * every process of a CUDA build at start-up, GPU or not; it is dlopened by
+ * the first moe_comm_nccl_get_id or moe_comm_create_nccl instead (its
+ * soname, then the directory the build found it in), and the NCCL names
+ * below are pointers to its functions. */
+#define NCCL_STR_(x) #x
+#define NCCL_STR(x) NCCL_STR_(x)
+#define NCCL_SONAME "libnccl.so." NCCL_STR(NCCL_MAJOR)
+
+#define NCCL_FUNCTIONS(X)                                                                          \
+    X(ncclAllGather)                                                                               \
+    X(ncclAllReduce)                                                                               \
+    X(ncclBroadcast)                                                                               \
+    X(ncclCommAbort)                                                                               \
+    X(ncclCommCount)                                                                               \
+    X(ncclCommDestroy)                                                                             \
+    X(ncclCommFinalize)                                                                            \
+    X(ncclCommGetAsyncError)                                                                       \
+    X(ncclCommInitRankConfig)                                                                      \
+    X(ncclCommSplit)                                                                               \
+    X(ncclCommUserRank)                                                                            \
+    X(ncclGetErrorString)                                                                          \
+    X(ncclGetLastError)                                                                            \
+    X(ncclGetUniqueId)                                                                             \
+    X(ncclGroupEnd)                                                                                \
+    X(ncclGroupStart)                                                                              \
+    X(ncclRecv)                                                                                    \
+    X(ncclSend)
+
+#define NCCL_POINTER(name) static __typeof__(name) *p_##name;
+NCCL_FUNCTIONS(NCCL_POINTER)
+#undef NCCL_POINTER
+
+static pthread_once_t nccl_once = PTHREAD_ONCE_INIT;
+static char nccl_load_error[512]; /* empty when loaded */
+
+static void nccl_load_once(void)
+{
+    void *lib = dlopen(NCCL_SONAME, RTLD_NOW | RTLD_LOCAL);
+#ifdef MOE_NCCL_DIR
+    if (!lib)
+        lib = dlopen(MOE_NCCL_DIR "/" NCCL_SONAME, RTLD_NOW | RTLD_LOCAL);
+#endif
+    if (!lib) {
+        snprintf(nccl_load_error, sizeof nccl_load_error, "cannot load %s: %s", NCCL_SONAME,
+                 dlerror());
+        return;
+    }
+#define NCCL_RESOLVE(name)                                                                         \
+    if (!(p_##name = (__typeof__(name) *)dlsym(lib, #name))) {                                     \
+        snprintf(nccl_load_error, sizeof nccl_load_error, "%s has no %s", NCCL_SONAME, #name);     \
+        return;                                                                                    \
+    }
+    NCCL_FUNCTIONS(NCCL_RESOLVE)
+#undef NCCL_RESOLVE
+}
+
+static enum moe_status nccl_load(const char *op, struct moe_error *err)
+{
+    pthread_once(&nccl_once, nccl_load_once);
+    if (nccl_load_error[0])
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: NCCL: %s", op, nccl_load_error);
+    return MOE_OK;
+}
+
+#define ncclAllGather p_ncclAllGather
+#define ncclAllReduce p_ncclAllReduce
+#define ncclBroadcast p_ncclBroadcast
+#define ncclCommAbort p_ncclCommAbort
+#define ncclCommCount p_ncclCommCount
+#define ncclCommDestroy p_ncclCommDestroy
+#define ncclCommFinalize p_ncclCommFinalize
+#define ncclCommGetAsyncError p_ncclCommGetAsyncError
+#define ncclCommInitRankConfig p_ncclCommInitRankConfig
+#define ncclCommSplit p_ncclCommSplit
+#define ncclCommUserRank p_ncclCommUserRank
+#define ncclGetErrorString p_ncclGetErrorString
+#define ncclGetLastError p_ncclGetLastError
+#define ncclGetUniqueId p_ncclGetUniqueId
+#define ncclGroupEnd p_ncclGroupEnd
+#define ncclGroupStart p_ncclGroupStart
+#define ncclRecv p_ncclRecv
+#define ncclSend p_ncclSend
 
 _Static_assert(sizeof(ncclUniqueId) == MOE_COMM_NCCL_ID_BYTES, "ncclUniqueId size changed");
 
@@ -424,6 +512,9 @@ enum moe_status moe_comm_nccl_get_id(struct moe_comm_nccl_id *id, struct moe_err
 {
     if (!id)
         return moe_error_set(err, MOE_ERR_INVALID, "comm_nccl_get_id: id is NULL");
+    enum moe_status st = nccl_load("comm_nccl_get_id", err);
+    if (st)
+        return st;
     ncclUniqueId uid;
     ncclResult_t r = ncclGetUniqueId(&uid);
     if (r != ncclSuccess)
@@ -445,6 +536,9 @@ enum moe_status moe_comm_create_nccl(const struct moe_comm_nccl_id *id, int size
     if (size < 1 || rank < 0 || rank >= size)
         return moe_error_set(err, MOE_ERR_INVALID, "comm_create_nccl: rank %d of size %d", rank,
                              size);
+    enum moe_status st = nccl_load("comm_create_nccl", err);
+    if (st)
+        return st;
     cudaError_t e = cudaSetDevice(device);
     if (e != cudaSuccess)
         return moe_error_set(err, MOE_ERR_IO, "rank %d: comm_create_nccl: cudaSetDevice(%d): %s",
@@ -469,7 +563,7 @@ enum moe_status moe_comm_create_nccl(const struct moe_comm_nccl_id *id, int size
                              .timeout_ms = timeout_ms,
                              .ops = &nccl_ops,
                              .impl = &probe_impl};
-    enum moe_status st = nccl_wait(&probe, nc, 0, "comm_create_nccl", -1, err);
+    st = nccl_wait(&probe, nc, 0, "comm_create_nccl", -1, err);
     if (st)
         return st; /* aborted by nccl_wait */
     return nccl_wrap(nc, rank, size, device, (cudaStream_t)stream, timeout_ms, out, err);

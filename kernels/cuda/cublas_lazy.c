@@ -1,0 +1,50 @@
+/* cuBLAS loaded on first use (see cublas_lazy.h). */
+#define MOE_CUBLAS_LAZY_IMPL
+#include "cublas_lazy.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+
+#define MOE_STR_(x) #x
+#define MOE_STR(x) MOE_STR_(x)
+/* The library the headers belong to: libcublas.so.<major> */
+#define CUBLAS_SONAME "libcublas.so." MOE_STR(CUBLAS_VER_MAJOR)
+
+#define MOE_CUBLAS_DEFINE(name)                                                                    \
+    moe_##name##_fn moe_p_##name;                                                                  \
+    _Static_assert(__builtin_types_compatible_p(__typeof__(&name), moe_##name##_fn),               \
+                   "moe_" #name "_fn is not cuBLAS's type of " #name);
+MOE_CUBLAS_FUNCTIONS(MOE_CUBLAS_DEFINE)
+#undef MOE_CUBLAS_DEFINE
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static char load_error[512]; /* empty when loaded */
+
+static void load(void)
+{
+    void *lib = dlopen(CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
+#ifdef MOE_CUBLAS_DIR /* the toolkit's directory, for a soname not on the loader's path */
+    if (!lib)
+        lib = dlopen(MOE_CUBLAS_DIR "/" CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
+#endif
+    if (!lib) {
+        snprintf(load_error, sizeof load_error, "cannot load %s: %s", CUBLAS_SONAME, dlerror());
+        return;
+    }
+#define MOE_CUBLAS_RESOLVE(name)                                                                   \
+    if (!(moe_p_##name = (moe_##name##_fn)dlsym(lib, #name))) {                                    \
+        snprintf(load_error, sizeof load_error, "%s has no %s", CUBLAS_SONAME, #name);             \
+        return;                                                                                    \
+    }
+    MOE_CUBLAS_FUNCTIONS(MOE_CUBLAS_RESOLVE)
+#undef MOE_CUBLAS_RESOLVE
+}
+
+enum moe_status moe_cublas_load(struct moe_error *err)
+{
+    pthread_once(&once, load);
+    if (load_error[0])
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "cuBLAS: %s", load_error);
+    return MOE_OK;
+}
