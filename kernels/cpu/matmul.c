@@ -738,8 +738,10 @@ mk_avx2(const int T, const int R, const enum moe_dtype WT, const float *x, int64
         for (int r = 0; r < R; r++)
             acc[t][r] = _mm256_setzero_ps();
     int k = 0;
-    if (WT != MOE_DTYPE_F32 && T <= 2) {
-        /* Narrow-weight decode streams W once: a cache line of every row per
+    if (WT != MOE_DTYPE_F32) {
+        /* Narrow-weight tiles (every T: the 3-token tiles of a busy expert
+         * read its rows from memory first, before the 1- and 2-token tiles
+         * did) stream W once: a cache line of every row per
          * step (32 bf16 / 64 int8 weights), the next tile's rows prefetched
          * into L2 (T1: into L1 (T0) one sequence decoded 6-8% slower on a
          * Zen 3) as far ahead as this one has read, and for one token a second
