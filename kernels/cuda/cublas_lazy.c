@@ -2,9 +2,10 @@
 #define MOE_CUBLAS_LAZY_IMPL
 #include "cublas_lazy.h"
 
-#include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
+
+#include "dynlib.h"
 
 #define MOE_STR_(x) #x
 #define MOE_STR(x) MOE_STR_(x)
@@ -18,27 +19,22 @@
 MOE_CUBLAS_FUNCTIONS(MOE_CUBLAS_DEFINE)
 #undef MOE_CUBLAS_DEFINE
 
+#define MOE_CUBLAS_SYM(name) {#name, (void **)&moe_p_##name},
+static const struct moe_dynlib_sym syms[] = {MOE_CUBLAS_FUNCTIONS(MOE_CUBLAS_SYM)};
+#undef MOE_CUBLAS_SYM
+
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static char load_error[512]; /* empty when loaded */
 
 static void load(void)
 {
-    void *lib = dlopen(CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
-#ifdef MOE_CUBLAS_DIR /* the toolkit's directory, for a soname not on the loader's path */
-    if (!lib)
-        lib = dlopen(MOE_CUBLAS_DIR "/" CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
+#ifdef MOE_CUBLAS_DIR /* the toolkit's directory, for a soname off the loader's path */
+    const char *dir = MOE_CUBLAS_DIR;
+#else
+    const char *dir = NULL;
 #endif
-    if (!lib) {
-        snprintf(load_error, sizeof load_error, "cannot load %s: %s", CUBLAS_SONAME, dlerror());
-        return;
-    }
-#define MOE_CUBLAS_RESOLVE(name)                                                                   \
-    if (!(moe_p_##name = (moe_##name##_fn)dlsym(lib, #name))) {                                    \
-        snprintf(load_error, sizeof load_error, "%s has no %s", CUBLAS_SONAME, #name);             \
-        return;                                                                                    \
-    }
-    MOE_CUBLAS_FUNCTIONS(MOE_CUBLAS_RESOLVE)
-#undef MOE_CUBLAS_RESOLVE
+    (void)moe_dynlib_load(CUBLAS_SONAME, dir, syms, sizeof syms / sizeof syms[0], load_error,
+                          sizeof load_error);
 }
 
 enum moe_status moe_cublas_load(struct moe_error *err)

@@ -18,8 +18,9 @@
 #include "comm/comm.h"
 #include "clock.h"
 
+#include "dynlib.h"
+
 #include <cuda_runtime.h>
-#include <dlfcn.h>
 #include <nccl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -61,28 +62,22 @@
 NCCL_FUNCTIONS(NCCL_POINTER)
 #undef NCCL_POINTER
 
+#define NCCL_SYM(name) {#name, (void **)&p_##name},
+static const struct moe_dynlib_sym nccl_syms[] = {NCCL_FUNCTIONS(NCCL_SYM)};
+#undef NCCL_SYM
+
 static pthread_once_t nccl_once = PTHREAD_ONCE_INIT;
 static char nccl_load_error[512]; /* empty when loaded */
 
 static void nccl_load_once(void)
 {
-    void *lib = dlopen(NCCL_SONAME, RTLD_NOW | RTLD_LOCAL);
 #ifdef MOE_NCCL_DIR
-    if (!lib)
-        lib = dlopen(MOE_NCCL_DIR "/" NCCL_SONAME, RTLD_NOW | RTLD_LOCAL);
+    const char *dir = MOE_NCCL_DIR;
+#else
+    const char *dir = NULL;
 #endif
-    if (!lib) {
-        snprintf(nccl_load_error, sizeof nccl_load_error, "cannot load %s: %s", NCCL_SONAME,
-                 dlerror());
-        return;
-    }
-#define NCCL_RESOLVE(name)                                                                         \
-    if (!(p_##name = (__typeof__(name) *)dlsym(lib, #name))) {                                     \
-        snprintf(nccl_load_error, sizeof nccl_load_error, "%s has no %s", NCCL_SONAME, #name);     \
-        return;                                                                                    \
-    }
-    NCCL_FUNCTIONS(NCCL_RESOLVE)
-#undef NCCL_RESOLVE
+    (void)moe_dynlib_load(NCCL_SONAME, dir, nccl_syms, sizeof nccl_syms / sizeof nccl_syms[0],
+                          nccl_load_error, sizeof nccl_load_error);
 }
 
 static enum moe_status nccl_load(const char *op, struct moe_error *err)
