@@ -36,6 +36,8 @@ int moe_check_sampling(const Moe__V1__SamplingParams *sp, char *msg, size_t cap)
         if (len == 0 || len > MOE_REQ_MAX_STOP_LEN)
             FAIL("sampling.stop[%zu]: length %zu is not in [1, %d]", i, len, MOE_REQ_MAX_STOP_LEN);
     }
+    if (sp->max_tokens && sp->min_tokens > sp->max_tokens)
+        FAIL("sampling.min_tokens: %u is more than max_tokens %u", sp->min_tokens, sp->max_tokens);
     if (sp->n_stop_token_ids > MOE_REQ_MAX_STOP_IDS)
         FAIL("sampling.stop_token_ids: %zu ids, at most %d allowed", sp->n_stop_token_ids,
              MOE_REQ_MAX_STOP_IDS);
@@ -58,6 +60,11 @@ int moe_check_lengths(size_t n_prompt, const Moe__V1__SamplingParams *sp, unsign
         FAIL("sampling.max_tokens: prompt (%zu tokens) + max_tokens (%u) exceeds the model's "
              "context of %u",
              n_prompt, max_tokens, max_context);
+    unsigned min_tokens = sp ? sp->min_tokens : 0;
+    if (min_tokens && n_prompt + min_tokens > max_context)
+        FAIL("sampling.min_tokens: prompt (%zu tokens) + min_tokens (%u) exceeds the model's "
+             "context of %u",
+             n_prompt, min_tokens, max_context);
     return 0;
 }
 

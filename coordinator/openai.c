@@ -20,8 +20,12 @@
  * (longest stop - 1) bytes are held back so that a stop string's beginning
  * is never sent.
  *
+ * With min_tokens the worker ignores stop strings completed by the first
+ * min_tokens tokens, so the cut is searched for from where the worker
+ * started looking: the text of those tokens, less a stop string's length.
+ *
  * Fields the engine cannot honour yet are refused with 400 naming them
- * (best_of > n, logit_bias, suffix, min_tokens, beam search, prompt
+ * (best_of > n, logit_bias, suffix, beam search, prompt
  * logprobs, echo with logprobs, guided decoding, tools, ...); fields OpenAI
  * defines as hints (user, metadata, store, service_tier, ...) and unknown
  * fields are ignored. */
@@ -291,6 +295,8 @@ static bool parse_common(struct coord_http *h, const cJSON *body, struct oa_para
                         "repetition_penalty: must be > 0 (1 = none), got 0");
         p->sp.repetition_penalty = (float)d;
     }
+    if (get_num(body, "min_tokens", 0, h->c->cfg.max_pos, true, &d, e))
+        p->sp.min_tokens = (uint32_t)d; /* <= max_tokens: moe_check_sampling */
     if (get_num(body, "presence_penalty", -2, 2, false, &d, e))
         p->sp.presence_penalty = (float)d;
     if (get_num(body, "frequency_penalty", -2, 2, false, &d, e))
@@ -370,7 +376,6 @@ static bool parse_common(struct coord_http *h, const cJSON *body, struct oa_para
         fail(e, 400, "user", "user: expected a string, got %s", type_name(user));
     /* Valid requests this engine cannot honour yet: refused, never ignored. */
     unsupported_if(body, "logit_bias", is_empty, "no logit bias in the sampler", e);
-    unsupported_if(body, "min_tokens", is_zero, "no min_tokens in the sampler", e);
     unsupported_if(body, "use_beam_search", is_false, "no beam search", e);
     unsupported_if(body, "length_penalty", is_one, "no beam search", e);
     unsupported_if(body, "prompt_logprobs", NULL, "no prompt log-probabilities", e);
@@ -535,6 +540,8 @@ struct oa_choice {
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
     cJSON *lp; /* logprobs gathered (non-streaming) */
     size_t lp_offset;
+    uint32_t n_out;      /* tokens received */
+    size_t min_text_len; /* text.len once n_out reached call->min_tokens */
 };
 
 struct oa_call {
@@ -544,6 +551,7 @@ struct oa_call {
     int refs; /* mu */
     bool chat, stream, include_usage, echo, include_stop, want_logprobs;
     int n; /* samples per prompt */
+    uint32_t min_tokens;
     char **stops;
     int n_stops;
     size_t max_stop;
@@ -693,12 +701,18 @@ static void apply_stop(struct oa_call *call, struct oa_choice *ch, const char *s
     if (sscanf(stop_reason, "stop string %d", &idx) == 1 && idx >= 0 && idx < call->n_stops) {
         const char *s = call->stops[idx];
         size_t sl = strlen(s);
-        for (size_t at = 0; at + sl <= ch->text.len; at++)
-            if (!memcmp(ch->text.s + at, s, sl)) {
+        /* before min_tokens the worker skipped stop strings: look where it did */
+        size_t from = ch->min_text_len >= sl ? ch->min_text_len - sl + 1 : 0;
+        for (int pass = 0; pass < 2; pass++, from = 0) {
+            size_t at = from;
+            while (at + sl <= ch->text.len && memcmp(ch->text.s + at, s, sl))
+                at++;
+            if (at + sl <= ch->text.len) {
                 ch->text.len = call->include_stop ? at + sl : at;
                 ch->text.s[ch->text.len] = '\0';
                 break;
             }
+        }
         ch->stop_reason = cJSON_CreateString(s);
         return;
     }
@@ -985,6 +999,9 @@ static bool oa_send(void *user, const Moe__V1__GenerateResponse *m)
             call_fail_locked(call, 500, "out of memory");
             ok = false;
         }
+        ch->n_out += (uint32_t)m->n_token_ids;
+        if (call->min_tokens && ch->n_out <= call->min_tokens)
+            ch->min_text_len = ch->text.len;
     }
     if (ok) {
         cJSON *lp = NULL;
@@ -1113,6 +1130,7 @@ static struct oa_call *call_create(struct coord_http *h, struct http_request *rq
     call->include_usage = p->include_usage;
     call->echo = p->echo;
     call->include_stop = p->include_stop;
+    call->min_tokens = p->sp.min_tokens;
     call->want_logprobs = p->want_logprobs;
     call->n = p->n;
     call->n_prompts = p->n_prompts;

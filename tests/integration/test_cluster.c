@@ -368,6 +368,9 @@ static void test_validation(struct rpc_client *coord)
     BAD(sp.repetition_penalty = 50, RPC_INVALID_ARGUMENT, "sampling.repetition_penalty");
     BAD(sp.presence_penalty = 3, RPC_INVALID_ARGUMENT, "sampling.presence_penalty");
     BAD(sp.frequency_penalty = -3, RPC_INVALID_ARGUMENT, "sampling.frequency_penalty");
+    BAD(sp.min_tokens = 5, RPC_INVALID_ARGUMENT, "sampling.min_tokens"); /* max_tokens 4 */
+    BAD((sp.max_tokens = 0, sp.min_tokens = 1u << 20), RPC_INVALID_ARGUMENT,
+        "sampling.min_tokens"); /* beyond the context */
     BAD((sp.logprobs_opt_case = MOE__V1__SAMPLING_PARAMS__LOGPROBS_OPT_LOGPROBS, sp.logprobs = 21),
         RPC_INVALID_ARGUMENT, "sampling.logprobs");
     char *stops[9] = {"a", "b", "c", "d", "e", "f", "g", "h", "i"};

@@ -315,6 +315,38 @@ def check_stop(c):
     log("  stop %r at %d of %d characters" % (s, at, len(c.greedy_text)))
 
 
+def check_min_tokens(c):
+    """A one-character stop string that occurs more than once in the greedy
+    text: alone it cuts the text at its first occurrence; raising min_tokens
+    one at a time, the first value that changes the answer holds off that
+    occurrence (the token completing it is within min_tokens), and then the
+    worker stops at a later one and the text is cut there, before a later
+    occurrence (the coordinator looks for the cut where the worker looked,
+    not from the start), with finish_reason stop."""
+    text = c.greedy_text
+    counts = {ch: text.count(ch) for ch in set(text) if "!" <= ch <= "~"}
+    cands = sorted((ch for ch in counts if counts[ch] >= 2), key=lambda ch: -counts[ch])
+    expect(cands, "no ASCII character occurs twice in %r", text)
+    ch = cands[0]
+    a = text.find(ch)
+    r = greedy_completion(c, stop=[ch])
+    expect(r.choices[0].text == text[:a] and r.choices[0].finish_reason == "stop",
+           "stop %r alone: %r, want %r", ch, r.choices[0].text, text[:a])
+    for m in range(1, 25):
+        r = greedy_completion(c, stop=[ch], extra_body={"min_tokens": m})
+        got = r.choices[0]
+        if got.text != text[:a]:
+            break
+    expect(got.finish_reason == "stop" and len(got.text) > a and
+           text.startswith(got.text) and text[len(got.text)] == ch,
+           "stop %r, min_tokens %d: %r (%s) is not the greedy text cut before a later %r",
+           ch, m, got.text, got.finish_reason, ch)
+    streamed = "".join(x.choices[0].text for x in greedy_completion(
+        c, stop=[ch], stream=True, extra_body={"min_tokens": m}) if x.choices)
+    expect(streamed == got.text, "streamed: %r, want %r", streamed, got.text)
+    log("  stop %r at %d; min_tokens %d: cut at %d" % (ch, a, m, len(got.text)))
+
+
 def check_chat(c):
     msgs = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Say something."}]
@@ -441,7 +473,10 @@ def bad_requests(c):
         ("best_of 3 (not supported)", P, w(best_of=3), 400, "best_of"),
         ("echo with logprobs (not supported)", P, w(echo=True, logprobs=1), 400, "echo"),
         ("suffix (not supported)", P, w(suffix="end"), 400, "suffix"),
-        ("min_tokens (not supported)", P, w(min_tokens=3), 400, "min_tokens"),
+        ("min_tokens above max_tokens", P, w(min_tokens=3), 400, "min_tokens"),
+        ("min_tokens -1", P, w(min_tokens=-1), 400, "min_tokens"),
+        ("chat: prompt + min_tokens beyond the context", C, {"messages": [
+            {"role": "user", "content": "x"}], "min_tokens": LONG_CONTEXT}, 400, "min_tokens"),
         ("unknown model", P, w(model="gpt-4o"), 404, "model"),
         ("10 MB body", P, BIG, 413, None),
         ("chat: no messages", C, {"max_tokens": 2}, 400, "messages"),
@@ -811,6 +846,7 @@ def main():
             ("openai completions: 2 prompts x n = 2, seed reproducible", check_n_seed),
             ("openai completions: logprobs", check_logprobs),
             ("openai completions: stop strings (whole, streamed, included)", check_stop),
+            ("openai completions: min_tokens holds off a stop string", check_min_tokens),
             ("openai chat: text, logprobs, usage, streamed deltas in order", check_chat),
             ("curl -N: SSE events arrive one by one", check_sse_timing),
             ("bad requests: status + OpenAI error naming the field; still serving",

@@ -603,6 +603,113 @@ static void test_stop_strings(struct moe_tokenizer *tok)
     moe_engine_destroy(e);
 }
 
+/* Greedy tokens of one request (ids path: no logits hook), into c slot r. */
+static void run_plain(struct moe_tokenizer *tok, const struct moe_engine_opts *o,
+                      const int32_t *prompt, int n, const struct moe_request_params *p,
+                      struct capture *c, int r)
+{
+    struct moe_engine *e = NULL;
+    struct moe_error err = {0};
+    CHECKF(moe_engine_create(model, tok, o, &e, &err) == MOE_OK, "%s", err.msg);
+    CHECKF(moe_engine_submit(e, (uint64_t)r, prompt, n, p, on_token, c, &err) == MOE_OK, "%s",
+           err.msg);
+    run_to_end(e);
+    moe_engine_destroy(e);
+}
+
+/* min_tokens (vLLM's): before that many tokens no stop id, EOS or stop
+ * string ends a request. The greedy path's first token made a stop id ends
+ * the request at once without it; with min_tokens 3 the first three tokens
+ * avoid it (the first is the argmax of the rest of the row), on the ids path
+ * (greedy steps bring no logits) as with logits, and n-gram speculation
+ * gives the same tokens. A stop string that ends the text at token k+1
+ * stops there, and with min_tokens k+1 it does not. */
+static void test_min_tokens(struct moe_tokenizer *tok)
+{
+    int32_t prompt[10];
+    make_prompt(12, 10, prompt);
+    struct moe_request_params p;
+    moe_request_params_init(&p);
+    p.max_tokens = 20;
+    p.ignore_eos = true;
+    static struct capture ref, c;
+    memset(&ref, 0, sizeof ref);
+    memset(&c, 0, sizeof c);
+    struct moe_engine_opts o = {.n_block = 64};
+    run_plain(tok, &o, prompt, 10, &p, &ref, 0);
+    CHECK(ref.n[0] == 20);
+    int32_t t0 = ref.tokens[0][0];
+
+    p.n_stop_ids = 1;
+    p.stop_ids[0] = t0;
+    run_plain(tok, &o, prompt, 10, &p, &c, 1); /* stops at once */
+    CHECK(c.n[1] == 1 && c.tokens[1][0] == t0 && c.finish[1] == MOE_FINISH_STOP);
+    p.min_tokens = 3;
+    run_plain(tok, &o, prompt, 10, &p, &c, 2); /* ids path */
+    CHECKF(c.n[2] >= 3, "%d tokens", c.n[2]);
+    for (int i = 0; i < 3 && i < c.n[2]; i++)
+        CHECKF(c.tokens[2][i] != t0, "token %d is the stop id %d", i, t0);
+    CHECK(c.finish[2] == MOE_FINISH_LENGTH ||
+          (c.finish[2] == MOE_FINISH_STOP && c.tokens[2][c.n[2] - 1] == t0 && c.n[2] > 3));
+    /* with logits (the hook): the first token is the row's best but the stop id */
+    c.capture_logits = true;
+    struct moe_engine *e = make_engine(o, &c);
+    struct moe_error err = {0};
+    CHECK(moe_engine_submit(e, 3, prompt, 10, &p, on_token, &c, &err) == MOE_OK);
+    run_to_end(e);
+    moe_engine_destroy(e);
+    CHECK(c.n[3] == c.n[2] && !memcmp(c.tokens[3], c.tokens[2], sizeof(int32_t) * (size_t)c.n[2]));
+    int best = -1;
+    for (int v = 0; c.logits[3] && v < vocab; v++)
+        if (v != t0 && (best < 0 || c.logits[3][v] > c.logits[3][best]))
+            best = v;
+    CHECKF(c.n[3] >= 1 && c.tokens[3][0] == best, "first token %d, best but the stop id %d",
+           c.tokens[3][0], best);
+    /* speculation (n-gram drafts, verified row by row) changes nothing */
+    struct moe_engine_opts so = {.n_block = 64, .spec_tokens = 3};
+    run_plain(tok, &so, prompt, 10, &p, &c, 4);
+    CHECK(c.n[4] == c.n[2] && !memcmp(c.tokens[4], c.tokens[2], sizeof(int32_t) * (size_t)c.n[2]));
+
+    /* a stop string across tokens k and k+1 of the reference output */
+    p.n_stop_ids = 0;
+    p.min_tokens = 0;
+    char *head = NULL, *full = NULL;
+    size_t head_len = 0, full_len = 0;
+    int k = -1;
+    for (int j = 2; j < ref.n[0] - 1 && k < 0; j++) {
+        free(head);
+        free(full);
+        head = full = NULL;
+        moe_tokenizer_decode(tok, ref.tokens[0], (size_t)j, true, &head, &head_len, NULL);
+        moe_tokenizer_decode(tok, ref.tokens[0], (size_t)j + 1, true, &full, &full_len, NULL);
+        if (head && full && head_len >= 1 && full_len > head_len && !memcmp(full, head, head_len) &&
+            head[head_len - 1] > ' ' && (unsigned char)head[head_len - 1] < 0x80 &&
+            full[head_len] > ' ' && (unsigned char)full[head_len] < 0x80 &&
+            !strstr(head, (char[]){head[head_len - 1], full[head_len], 0}))
+            k = j;
+    }
+    CHECKF(k > 0, "no token boundary with ASCII text on both sides in %d tokens", ref.n[0]);
+    if (k > 0) {
+        char stop[3] = {head[head_len - 1], full[head_len], 0};
+        p.n_stop_strings = 1;
+        strcpy(p.stop_strings[0], stop);
+        run_plain(tok, &o, prompt, 10, &p, &c, 5);
+        CHECKF(c.finish[5] == MOE_FINISH_STOP && c.n[5] == k + 1, "finish %d after %d tokens, k %d",
+               c.finish[5], c.n[5], k);
+        p.min_tokens = k + 1;
+        run_plain(tok, &o, prompt, 10, &p, &c, 6);
+        CHECKF(c.n[6] > k + 1 &&
+                   !memcmp(c.tokens[6], ref.tokens[0], sizeof(int32_t) * (size_t)c.n[6]),
+               "%d tokens with min_tokens %d", c.n[6], k + 1);
+        printf("min_tokens: stop id held off 3 tokens (%d tokens, finish %d); stop string '%s' at "
+               "token %d, with min_tokens %d: %d tokens, finish %d\n",
+               c.n[2], c.finish[2], stop, k + 1, k + 1, c.n[6], c.finish[6]);
+    }
+    free(head);
+    free(full);
+    capture_free(&c);
+}
+
 struct lp_capture {
     float logits[4][1024];
     int n_logits;
@@ -704,6 +811,10 @@ static void test_bad_params(void)
     p.sp.top_p = 1.5f;
     CHECK(moe_engine_submit(e, 0, prompt, 4, &p, on_token, &c, &err) == MOE_ERR_INVALID);
     p.sp.top_p = 0;
+    p.min_tokens = 5;
+    CHECK(moe_engine_submit(e, 0, prompt, 4, &p, on_token, &c, &err) == MOE_ERR_INVALID);
+    CHECKF(strstr(err.msg, "min_tokens: 5 is not in [0, max_tokens 4]"), "%s", err.msg);
+    p.min_tokens = 0;
     p.n_stop_strings = 1;
     strcpy(p.stop_strings[0], "x");
     CHECK(moe_engine_submit(e, 0, prompt, 4, &p, on_token, &c, &err) == MOE_ERR_INVALID);
@@ -740,8 +851,10 @@ int main(void)
     test_preemption();
     test_prefix_cache();
     test_seeded_sampling();
-    if (tok)
+    if (tok) {
         test_stop_strings(tok);
+        test_min_tokens(tok);
+    }
     test_random_workload();
     moe_model_free(model);
     /* DeepSeek-V3's latent cache (one row per token, K = V) through the same

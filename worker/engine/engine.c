@@ -356,6 +356,9 @@ static enum moe_status check_params(const struct moe_engine *e, const int32_t *p
         return moe_error_set(err, MOE_ERR_INVALID,
                              "presence_penalty %g / frequency_penalty %g: must be in [-2, 2]",
                              (double)sp->presence_penalty, (double)sp->frequency_penalty);
+    if (p->min_tokens < 0 || p->min_tokens > p->max_tokens)
+        return moe_error_set(err, MOE_ERR_INVALID, "min_tokens: %d is not in [0, max_tokens %d]",
+                             p->min_tokens, p->max_tokens);
     if (p->n_stop_ids < 0 || p->n_stop_ids > MOE_MAX_STOP_IDS)
         return moe_error_set(err, MOE_ERR_INVALID, "stop_token_ids: %d ids, at most %d allowed",
                              p->n_stop_ids, MOE_MAX_STOP_IDS);
@@ -1013,13 +1016,32 @@ static int match_stop_string(struct moe_engine *e, struct seq *s, int64_t *text_
     return best;
 }
 
+/* True while `s` is below its min_tokens: its next token may not be one
+ * that would stop it (EOS unless ignore_eos, a stop id), nor may a stop
+ * string end it (vLLM's min_tokens). */
+static bool seq_below_min(const struct seq *s)
+{
+    return s->n_tokens - s->n_prompt < s->params.min_tokens;
+}
+
+/* Masks the ids that would stop `s` (is_stop_id's) in its logits row. */
+static void mask_stop_ids(const struct moe_engine *e, const struct seq *s, float *row)
+{
+    for (int i = 0; i < s->params.n_stop_ids; i++)
+        row[s->params.stop_ids[i]] = -INFINITY;
+    if (!s->params.ignore_eos)
+        for (int i = 0; i < e->cfg->n_eos; i++)
+            row[e->cfg->eos_ids[i]] = -INFINITY;
+}
+
 /* True when `s`'s next token is its logits' argmax and nothing else of the
- * row is needed: greedy, no penalties, no logprobs, no logits hook. */
+ * row is needed: greedy, no penalties, no logprobs, no logits hook, no ids
+ * to mask for min_tokens. */
 static bool seq_greedy_only(const struct moe_engine *e, const struct seq *s)
 {
     const struct moe_request_params *p = &s->params;
     return p->sp.temperature <= 0.0f && !moe_sampler_has_penalties(&p->sp) && p->logprobs < 0 &&
-           !e->opts.logits_hook;
+           !e->opts.logits_hook && !seq_below_min(s);
 }
 
 /* Samples the next token of `s` from its logits row (or takes `id`, the
@@ -1045,14 +1067,17 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row, int32_t id
             e->opts.logits_hook(e->opts.logits_hook_user, s->id, s->n_tokens - s->n_prompt, row,
                                 vocab);
         bool raw_lp_needed = p->logprobs >= 0;
+        bool below_min = seq_below_min(s);
         float *raw = NULL;
-        if (raw_lp_needed && moe_sampler_has_penalties(&p->sp)) {
+        if (raw_lp_needed && (moe_sampler_has_penalties(&p->sp) || below_min)) {
             raw = malloc((size_t)vocab * sizeof *raw);
             if (raw)
                 memcpy(raw, row, (size_t)vocab * sizeof *raw);
         }
         if (s->seen)
             moe_apply_penalties(row, vocab, &p->sp, s->seen, s->out_count);
+        if (below_min) /* after the penalties, which could lift a -inf no further */
+            mask_stop_ids(e, s, row);
         t = moe_sample(row, vocab, &p->sp, &s->rng, e->sample_work);
         if (raw_lp_needed)
             ev.logprob =
@@ -1070,8 +1095,15 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row, int32_t id
     ev.index = s->n_tokens - s->n_prompt - 1;
     if (is_stop_id(e, s, t))
         ev.finish = MOE_FINISH_STOP;
+    /* stop strings count from the token after the first min_tokens (vLLM's
+     * order); before it the text is still decoded, so the search resumes
+     * where it would have */
     if (!ev.finish && p->n_stop_strings) {
         ev.stop_string = match_stop_string(e, s, &ev.text_len);
+        if (ev.stop_string >= 0 && s->n_tokens - s->n_prompt <= p->min_tokens) {
+            ev.stop_string = -1;
+            ev.text_len = -1;
+        }
         if (ev.stop_string >= 0)
             ev.finish = MOE_FINISH_STOP;
     }

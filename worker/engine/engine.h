@@ -90,6 +90,8 @@ struct moe_engine_opts {
 
 struct moe_request_params {
     int max_tokens;               /* >= 1 */
+    int min_tokens;               /* 0..max_tokens: no EOS / stop id / stop string before this
+                                   * many tokens (those ids' logits are masked to -inf) */
     struct moe_sampler_params sp; /* temperature, top_p, top_k, min_p, penalties */
     bool has_seed;                /* else a seed is drawn from the engine's stream */
     uint64_t seed;

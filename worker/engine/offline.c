@@ -90,6 +90,7 @@ static enum moe_status parse_params(struct line_ctx *c, const cJSON *o,
             dst = d;                                                                               \
     } while (0)
     NUM("max_tokens", 1, 1 << 24, true, p->max_tokens);
+    NUM("min_tokens", 0, 1 << 24, true, p->min_tokens);
     NUM("temperature", 0, 100, false, p->sp.temperature);
     NUM("top_p", 0, 1, false, p->sp.top_p);
     NUM("top_k", 0, 1 << 30, true, p->sp.top_k);

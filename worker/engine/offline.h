@@ -4,7 +4,7 @@
  *
  * One JSON object per line:
  *   {"prompt": "text"} or {"tokens": [1, 2, 3]}
- * and optionally "max_tokens", "temperature", "top_p", "top_k", "min_p",
+ * and optionally "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
  * "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
  * "stop": ["..."], "stop_token_ids": [..], "ignore_eos", "logprobs".
  * Blank lines are skipped. */

@@ -266,6 +266,7 @@ static void to_engine_params(const Moe__V1__SamplingParams *sp, int n_prompt, in
         return;
     if (sp->max_tokens)
         p->max_tokens = (int)sp->max_tokens;
+    p->min_tokens = (int)sp->min_tokens;
     p->sp.temperature = sp->temperature;
     p->sp.top_p = sp->top_p;
     p->sp.top_k = (int)sp->top_k;
