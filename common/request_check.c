@@ -36,6 +36,13 @@ int moe_check_sampling(const Moe__V1__SamplingParams *sp, char *msg, size_t cap)
         if (len == 0 || len > MOE_REQ_MAX_STOP_LEN)
             FAIL("sampling.stop[%zu]: length %zu is not in [1, %d]", i, len, MOE_REQ_MAX_STOP_LEN);
     }
+    if (sp->n_logit_bias > MOE_REQ_MAX_LOGIT_BIAS)
+        FAIL("sampling.logit_bias: %zu tokens, at most %d allowed", sp->n_logit_bias,
+             MOE_REQ_MAX_LOGIT_BIAS);
+    for (size_t i = 0; i < sp->n_logit_bias; i++)
+        if (!(fabsf(sp->logit_bias[i]->value) <= MOE_REQ_MAX_BIAS))
+            FAIL("sampling.logit_bias[%u]: %g is not in [-100, 100]", sp->logit_bias[i]->key,
+                 (double)sp->logit_bias[i]->value);
     if (sp->max_tokens && sp->min_tokens > sp->max_tokens)
         FAIL("sampling.min_tokens: %u is more than max_tokens %u", sp->min_tokens, sp->max_tokens);
     if (sp->n_stop_token_ids > MOE_REQ_MAX_STOP_IDS)
@@ -88,6 +95,10 @@ int moe_check_generation(const char *request_id, const Moe__V1__SamplingParams *
     if (sp && moe_check_token_ids(sp->stop_token_ids, sp->n_stop_token_ids, vocab_size,
                                   "sampling.stop_token_ids", msg, cap))
         return -1;
+    for (size_t i = 0; sp && i < sp->n_logit_bias; i++)
+        if (sp->logit_bias[i]->key >= vocab_size)
+            FAIL("sampling.logit_bias: token %u is outside the vocabulary [0, %u)",
+                 sp->logit_bias[i]->key, vocab_size);
     return 0;
 }
 

@@ -13,6 +13,8 @@
 #define MOE_REQ_MAX_STOP_LEN 128 /* bytes per stop string */
 #define MOE_REQ_MAX_STOP_IDS 16
 #define MOE_REQ_MAX_LOGPROBS 20
+#define MOE_REQ_MAX_LOGIT_BIAS 300 /* tokens, as OpenAI's limit */
+#define MOE_REQ_MAX_BIAS 100.0f    /* |bias| */
 #define MOE_REQ_MAX_PROMPT_BYTES (1u << 20)
 #define MOE_REQ_MAX_ID_LEN 128    /* request_id */
 #define MOE_REQ_MAX_MODEL_LEN 256 /* model */

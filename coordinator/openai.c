@@ -25,7 +25,7 @@
  * started looking: the text of those tokens, less a stop string's length.
  *
  * Fields the engine cannot honour yet are refused with 400 naming them
- * (best_of > n, logit_bias, suffix, beam search, prompt
+ * (best_of > n, suffix, beam search, prompt
  * logprobs, echo with logprobs, guided decoding, tools, ...); fields OpenAI
  * defines as hints (user, metadata, store, service_tier, ...) and unknown
  * fields are ignored. */
@@ -177,6 +177,8 @@ struct oa_params {
     Moe__V1__SamplingParams sp;   /* stop / stop_token_ids point into the arrays below */
     char *stop[MOE_REQ_MAX_STOP]; /* borrowed from the body */
     uint32_t stop_ids[MOE_REQ_MAX_STOP_IDS];
+    Moe__V1__SamplingParams__LogitBiasEntry bias[MOE_REQ_MAX_LOGIT_BIAS];
+    Moe__V1__SamplingParams__LogitBiasEntry *bias_ptrs[MOE_REQ_MAX_LOGIT_BIAS];
     int n;
     bool stream, include_usage, echo, include_stop, want_logprobs;
     struct oa_prompt prompts[OA_MAX_CHOICES];
@@ -353,6 +355,37 @@ static bool parse_common(struct coord_http *h, const cJSON *body, struct oa_para
         p->sp.n_stop_token_ids = (size_t)n;
     }
     p->sp.stop_token_ids = p->stop_ids;
+    const cJSON *lb = field(body, "logit_bias");
+    if (lb && !cJSON_IsNull(lb)) { /* {"token id": bias, ...} */
+        if (!cJSON_IsObject(lb))
+            return fail(e, 400, "logit_bias", "logit_bias: expected an object, got %s",
+                        type_name(lb));
+        int n = cJSON_GetArraySize(lb);
+        if (n > MOE_REQ_MAX_LOGIT_BIAS)
+            return fail(e, 400, "logit_bias", "logit_bias: %d tokens, at most %d allowed", n,
+                        MOE_REQ_MAX_LOGIT_BIAS);
+        int i = 0;
+        const cJSON *b;
+        cJSON_ArrayForEach(b, lb)
+        {
+            char *end = NULL;
+            long id = strtol(b->string, &end, 10);
+            if (!b->string[0] || *end || id < 0 || id >= c->cfg.vocab_size)
+                return fail(e, 400, "logit_bias",
+                            "logit_bias: key '%.40s' is not a token id in [0, %d)", b->string,
+                            c->cfg.vocab_size);
+            if (!cJSON_IsNumber(b) || !(fabs(b->valuedouble) <= MOE_REQ_MAX_BIAS))
+                return fail(e, 400, "logit_bias",
+                            "logit_bias['%ld']: expected a number in [-100, 100]", id);
+            moe__v1__sampling_params__logit_bias_entry__init(&p->bias[i]);
+            p->bias[i].key = (uint32_t)id;
+            p->bias[i].value = (float)b->valuedouble;
+            p->bias_ptrs[i] = &p->bias[i];
+            i++;
+        }
+        p->sp.n_logit_bias = (size_t)i;
+        p->sp.logit_bias = p->bias_ptrs;
+    }
     p->sp.ignore_eos = get_bool(body, "ignore_eos", false, e);
     p->sp.skip_special_tokens = get_bool(body, "skip_special_tokens", true, e);
     p->include_stop = get_bool(body, "include_stop_str_in_output", false, e);
@@ -375,7 +408,6 @@ static bool parse_common(struct coord_http *h, const cJSON *body, struct oa_para
     if (user && !cJSON_IsString(user))
         fail(e, 400, "user", "user: expected a string, got %s", type_name(user));
     /* Valid requests this engine cannot honour yet: refused, never ignored. */
-    unsupported_if(body, "logit_bias", is_empty, "no logit bias in the sampler", e);
     unsupported_if(body, "use_beam_search", is_false, "no beam search", e);
     unsupported_if(body, "length_penalty", is_one, "no beam search", e);
     unsupported_if(body, "prompt_logprobs", NULL, "no prompt log-probabilities", e);

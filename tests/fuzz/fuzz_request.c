@@ -123,6 +123,13 @@ static void check_accepted_sampling(const Moe__V1__SamplingParams *sp)
     FUZZ_CHECK(sp->logprobs_opt_case != MOE__V1__SAMPLING_PARAMS__LOGPROBS_OPT_LOGPROBS ||
                    sp->logprobs <= MOE_REQ_MAX_LOGPROBS,
                "logprobs %u", sp->logprobs);
+    FUZZ_CHECK(sp->n_logit_bias <= MOE_MAX_LOGIT_BIAS, "%zu logit_bias tokens", sp->n_logit_bias);
+    for (size_t i = 0; i < sp->n_logit_bias; i++)
+        FUZZ_CHECK(isfinite(sp->logit_bias[i]->value) && fabsf(sp->logit_bias[i]->value) <= 100.0f,
+                   "logit_bias[%u] %g accepted", sp->logit_bias[i]->key,
+                   (double)sp->logit_bias[i]->value);
+    FUZZ_CHECK(sp->max_tokens == 0 || sp->min_tokens <= sp->max_tokens, "min_tokens %u > %u",
+               sp->min_tokens, sp->max_tokens);
 }
 
 /* Both checks, on the sampling parameters and on n_prompt against a few

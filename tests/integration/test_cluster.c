@@ -371,6 +371,16 @@ static void test_validation(struct rpc_client *coord)
     BAD(sp.min_tokens = 5, RPC_INVALID_ARGUMENT, "sampling.min_tokens"); /* max_tokens 4 */
     BAD((sp.max_tokens = 0, sp.min_tokens = 1u << 20), RPC_INVALID_ARGUMENT,
         "sampling.min_tokens"); /* beyond the context */
+    Moe__V1__SamplingParams__LogitBiasEntry bias = MOE__V1__SAMPLING_PARAMS__LOGIT_BIAS_ENTRY__INIT,
+                                            *bias_p = &bias;
+    bias.key = 5;
+    bias.value = 200;
+    BAD((sp.n_logit_bias = 1, sp.logit_bias = &bias_p), RPC_INVALID_ARGUMENT,
+        "sampling.logit_bias[5]");
+    bias.key = 5000;
+    bias.value = 1;
+    BAD((sp.n_logit_bias = 1, sp.logit_bias = &bias_p), RPC_INVALID_ARGUMENT,
+        "sampling.logit_bias");
     BAD((sp.logprobs_opt_case = MOE__V1__SAMPLING_PARAMS__LOGPROBS_OPT_LOGPROBS, sp.logprobs = 21),
         RPC_INVALID_ARGUMENT, "sampling.logprobs");
     char *stops[9] = {"a", "b", "c", "d", "e", "f", "g", "h", "i"};

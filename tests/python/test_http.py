@@ -347,6 +347,30 @@ def check_min_tokens(c):
     log("  stop %r at %d; min_tokens %d: cut at %d" % (ch, a, m, len(got.text)))
 
 
+def check_logit_bias(c):
+    """+100 on one token: greedy decoding emits it every step; the logprob
+    reported is the raw model's (not ~0); chat takes it too."""
+    for tid in range(256, 512):  # a token whose text is a few ASCII letters
+        st, de = http_json(c.http, "POST", "/detokenize", {"tokens": [tid]})
+        expect(st == 200, "/detokenize: %d %s", st, de)
+        if len(de["prompt"]) >= 2 and de["prompt"].isascii() and de["prompt"].isalpha():
+            break
+    expect(de["prompt"].isalpha(), "no token of ASCII letters among ids 256..511")
+    r = greedy_completion(c, n=6, logprobs=0, logit_bias={str(tid): 100})
+    ch = r.choices[0]
+    expect(ch.text == de["prompt"] * 6, "text %r, want 6 x %r", ch.text, de["prompt"])
+    lps = ch.logprobs.token_logprobs
+    expect(len(lps) == 6 and max(lps) < -0.7, "forced token's logprobs %s (raw: not ~0)", lps)
+    r = greedy_completion(c, n=4, logit_bias={str(tid): -100})
+    expect(r.choices[0].text != de["prompt"] * 4, "-100: %r", r.choices[0].text)
+    r = c.client.chat.completions.create(model=c.model_name(), max_tokens=3, temperature=0,
+                                         messages=[{"role": "user", "content": "hi"}],
+                                         logit_bias={str(tid): 100})
+    expect(r.choices[0].message.content == de["prompt"] * 3, "chat: %r",
+           r.choices[0].message.content)
+    log("  token %d (%r) forced: logprobs %s" % (tid, de["prompt"], ["%.2f" % x for x in lps]))
+
+
 def check_chat(c):
     msgs = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Say something."}]
@@ -469,7 +493,13 @@ def bad_requests(c):
         ("stream_options without stream", P, w(stream_options={"include_usage": True}), 400,
          "stream_options"),
         ("user is a number", P, w(user=5), 400, "user"),
-        ("logit_bias (not supported)", P, w(logit_bias={"5": 10}), 400, "logit_bias"),
+        ("logit_bias is a list", P, w(logit_bias=[5, 10]), 400, "logit_bias"),
+        ("logit_bias key not a token id", P, w(logit_bias={"five": 10}), 400, "logit_bias"),
+        ("logit_bias token out of vocabulary", P, w(logit_bias={str(1 << 20): 1}), 400,
+         "logit_bias"),
+        ("logit_bias 101", P, w(logit_bias={"5": 101}), 400, "logit_bias"),
+        ("logit_bias of 301 tokens", P, w(logit_bias={str(i): 1 for i in range(301)}), 400,
+         "logit_bias"),
         ("best_of 3 (not supported)", P, w(best_of=3), 400, "best_of"),
         ("echo with logprobs (not supported)", P, w(echo=True, logprobs=1), 400, "echo"),
         ("suffix (not supported)", P, w(suffix="end"), 400, "suffix"),
@@ -847,6 +877,7 @@ def main():
             ("openai completions: logprobs", check_logprobs),
             ("openai completions: stop strings (whole, streamed, included)", check_stop),
             ("openai completions: min_tokens holds off a stop string", check_min_tokens),
+            ("openai completions and chat: logit_bias", check_logit_bias),
             ("openai chat: text, logprobs, usage, streamed deltas in order", check_chat),
             ("curl -N: SSE events arrive one by one", check_sse_timing),
             ("bad requests: status + OpenAI error naming the field; still serving",

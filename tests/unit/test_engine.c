@@ -733,6 +733,60 @@ static void on_lp_logits(void *user, uint64_t req_id, int index, const float *lo
     }
 }
 
+/* logit_bias (OpenAI's): +100 on a token makes greedy decoding emit it every
+ * step, -100 on the greedy first token takes it away; logprobs stay the raw
+ * model's (the forced token's is not ~0); bad ids and values are refused by
+ * name. */
+static void test_logit_bias(void)
+{
+    int32_t prompt[8];
+    make_prompt(13, 8, prompt);
+    struct moe_request_params p;
+    moe_request_params_init(&p);
+    p.max_tokens = 6;
+    p.ignore_eos = true;
+    static struct capture c;
+    memset(&c, 0, sizeof c);
+    struct moe_engine_opts o = {.n_block = 32};
+    run_plain(NULL, &o, prompt, 8, &p, &c, 0);
+    int32_t t0 = c.tokens[0][0], forced = (t0 + 7) % vocab;
+    p.n_logit_bias = 1;
+    p.bias_ids[0] = t0;
+    p.logit_bias[0] = -100;
+    run_plain(NULL, &o, prompt, 8, &p, &c, 1);
+    CHECKF(c.n[1] == 6 && c.tokens[1][0] != t0, "first token %d with %d biased away",
+           c.tokens[1][0], t0);
+    p.bias_ids[0] = forced;
+    p.logit_bias[0] = 100;
+    run_plain(NULL, &o, prompt, 8, &p, &c, 2);
+    int all = 0;
+    for (int i = 0; i < c.n[2]; i++)
+        all += c.tokens[2][i] == forced;
+    CHECKF(c.n[2] == 6 && all == 6, "%d of %d tokens are the biased %d", all, c.n[2], forced);
+    /* logprobs: the raw distribution's */
+    static struct lp_capture lc;
+    memset(&lc, 0, sizeof lc);
+    struct moe_engine *e = NULL;
+    struct moe_error err = {0};
+    CHECK(moe_engine_create(model, NULL, &o, &e, &err) == MOE_OK);
+    p.logprobs = 0;
+    CHECK(moe_engine_submit(e, 3, prompt, 8, &p, on_lp_token, &lc, &err) == MOE_OK);
+    run_to_end(e);
+    CHECKF(lc.n_ev >= 1 && lc.ev[0].token == forced && lc.ev[0].logprob < logf(0.5f),
+           "forced token %d logprob %g", lc.ev[0].token, (double)lc.ev[0].logprob);
+    p.logprobs = -1;
+    p.logit_bias[0] = 101;
+    CHECK(moe_engine_submit(e, 4, prompt, 8, &p, on_token, &c, &err) == MOE_ERR_INVALID);
+    CHECKF(strstr(err.msg, "logit_bias"), "%s", err.msg);
+    p.logit_bias[0] = 1;
+    p.bias_ids[0] = vocab;
+    CHECK(moe_engine_submit(e, 4, prompt, 8, &p, on_token, &c, &err) == MOE_ERR_INVALID);
+    CHECKF(strstr(err.msg, "logit_bias: token"), "%s", err.msg);
+    moe_engine_destroy(e);
+    printf("logit_bias: -100 on the greedy %d -> %d first; +100 on %d -> %d of 6 tokens\n", t0,
+           c.tokens[1][0], forced, all);
+}
+
 /* Logprobs are log_softmax of the raw logits; the top-n list is sorted and
  * holds the greedy token first. Penalties change what is sampled. */
 static void test_logprobs_and_penalties(void)
@@ -855,6 +909,7 @@ int main(void)
         test_stop_strings(tok);
         test_min_tokens(tok);
     }
+    test_logit_bias();
     test_random_workload();
     moe_model_free(model);
     /* DeepSeek-V3's latent cache (one row per token, K = V) through the same

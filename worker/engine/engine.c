@@ -356,6 +356,18 @@ static enum moe_status check_params(const struct moe_engine *e, const int32_t *p
         return moe_error_set(err, MOE_ERR_INVALID,
                              "presence_penalty %g / frequency_penalty %g: must be in [-2, 2]",
                              (double)sp->presence_penalty, (double)sp->frequency_penalty);
+    if (p->n_logit_bias < 0 || p->n_logit_bias > MOE_MAX_LOGIT_BIAS)
+        return moe_error_set(err, MOE_ERR_INVALID, "logit_bias: %d tokens, at most %d allowed",
+                             p->n_logit_bias, MOE_MAX_LOGIT_BIAS);
+    for (int i = 0; i < p->n_logit_bias; i++) {
+        if (p->bias_ids[i] < 0 || p->bias_ids[i] >= e->cfg->vocab_size)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "logit_bias: token %d is outside the vocabulary [0, %d)",
+                                 p->bias_ids[i], e->cfg->vocab_size);
+        if (!(fabsf(p->logit_bias[i]) <= 100.0f))
+            return moe_error_set(err, MOE_ERR_INVALID, "logit_bias[%d]: %g is not in [-100, 100]",
+                                 p->bias_ids[i], (double)p->logit_bias[i]);
+    }
     if (p->min_tokens < 0 || p->min_tokens > p->max_tokens)
         return moe_error_set(err, MOE_ERR_INVALID, "min_tokens: %d is not in [0, max_tokens %d]",
                              p->min_tokens, p->max_tokens);
@@ -1041,7 +1053,7 @@ static bool seq_greedy_only(const struct moe_engine *e, const struct seq *s)
 {
     const struct moe_request_params *p = &s->params;
     return p->sp.temperature <= 0.0f && !moe_sampler_has_penalties(&p->sp) && p->logprobs < 0 &&
-           !e->opts.logits_hook && !seq_below_min(s);
+           !e->opts.logits_hook && !seq_below_min(s) && !p->n_logit_bias;
 }
 
 /* Samples the next token of `s` from its logits row (or takes `id`, the
@@ -1069,11 +1081,13 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row, int32_t id
         bool raw_lp_needed = p->logprobs >= 0;
         bool below_min = seq_below_min(s);
         float *raw = NULL;
-        if (raw_lp_needed && (moe_sampler_has_penalties(&p->sp) || below_min)) {
+        if (raw_lp_needed && (moe_sampler_has_penalties(&p->sp) || below_min || p->n_logit_bias)) {
             raw = malloc((size_t)vocab * sizeof *raw);
             if (raw)
                 memcpy(raw, row, (size_t)vocab * sizeof *raw);
         }
+        for (int i = 0; i < p->n_logit_bias; i++) /* OpenAI's: on the model's logits */
+            row[p->bias_ids[i]] += p->logit_bias[i];
         if (s->seen)
             moe_apply_penalties(row, vocab, &p->sp, s->seen, s->out_count);
         if (below_min) /* after the penalties, which could lift a -inf no further */

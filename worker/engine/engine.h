@@ -37,6 +37,7 @@
 #define MOE_MAX_STOP_STRINGS 8
 #define MOE_MAX_STOP_LEN 128
 #define MOE_MAX_LOGPROBS 20
+#define MOE_MAX_LOGIT_BIAS 300
 
 /* Called with the raw logits row of every sampled position, before
  * penalties and sampling (tests and logit-returning front ends). */
@@ -100,6 +101,9 @@ struct moe_request_params {
     int n_stop_strings;
     char stop_strings[MOE_MAX_STOP_STRINGS][MOE_MAX_STOP_LEN + 1]; /* needs a tokenizer */
     bool ignore_eos;   /* do not finish at the model's EOS ids */
+    int n_logit_bias;  /* logit_bias[i] is added to token bias_ids[i]'s logit (before penalties) */
+    int32_t bias_ids[MOE_MAX_LOGIT_BIAS];
+    float logit_bias[MOE_MAX_LOGIT_BIAS];
     int logprobs;      /* -1: none; 0: chosen token; n: plus the top n */
     bool prefill_only; /* disaggregated prefill: park after the first token */
 };

@@ -139,6 +139,22 @@ static enum moe_status parse_params(struct line_ctx *c, const cJSON *o,
         p->n_stop_ids = n;
         free(ids);
     }
+    v = cJSON_GetObjectItemCaseSensitive(o, "logit_bias");
+    if (v) { /* {"token id": bias}: ids and values checked by the engine */
+        if (!cJSON_IsObject(v) || cJSON_GetArraySize(v) > MOE_MAX_LOGIT_BIAS)
+            return bad(c, "logit_bias", "must be an object of at most 300 \"token id\": bias");
+        p->n_logit_bias = 0;
+        const cJSON *it;
+        cJSON_ArrayForEach(it, v)
+        {
+            char *end = NULL;
+            long id = strtol(it->string, &end, 10);
+            if (!it->string[0] || *end || id < 0 || id > INT32_MAX || !cJSON_IsNumber(it))
+                return bad(c, "logit_bias", "keys must be token ids and values numbers");
+            p->bias_ids[p->n_logit_bias] = (int32_t)id;
+            p->logit_bias[p->n_logit_bias++] = (float)it->valuedouble;
+        }
+    }
     return MOE_OK;
 }
 

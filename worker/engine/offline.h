@@ -6,7 +6,8 @@
  *   {"prompt": "text"} or {"tokens": [1, 2, 3]}
  * and optionally "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
  * "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
- * "stop": ["..."], "stop_token_ids": [..], "ignore_eos", "logprobs".
+ * "stop": ["..."], "stop_token_ids": [..], "ignore_eos", "logprobs",
+ * "logit_bias": {"token id": bias}.
  * Blank lines are skipped. */
 #ifndef MOE_OFFLINE_H
 #define MOE_OFFLINE_H

@@ -285,6 +285,14 @@ static void to_engine_params(const Moe__V1__SamplingParams *sp, int n_prompt, in
     for (size_t i = 0; i < sp->n_stop_token_ids; i++)
         p->stop_ids[i] = (int32_t)sp->stop_token_ids[i];
     p->ignore_eos = sp->ignore_eos;
+    _Static_assert(MOE_REQ_MAX_LOGIT_BIAS <= MOE_MAX_LOGIT_BIAS, "logit_bias limits differ");
+    /* at most MOE_REQ_MAX_LOGIT_BIAS entries: check_generate refused more */
+    p->n_logit_bias = sp->n_logit_bias < MOE_MAX_LOGIT_BIAS ? (int)sp->n_logit_bias
+                                                            : MOE_MAX_LOGIT_BIAS;
+    for (int i = 0; i < p->n_logit_bias; i++) {
+        p->bias_ids[i] = (int32_t)sp->logit_bias[i]->key;
+        p->logit_bias[i] = sp->logit_bias[i]->value;
+    }
     if (sp->logprobs_opt_case == MOE__V1__SAMPLING_PARAMS__LOGPROBS_OPT_LOGPROBS)
         p->logprobs = (int)sp->logprobs;
 }
