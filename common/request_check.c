@@ -36,6 +36,11 @@ int moe_check_sampling(const Moe__V1__SamplingParams *sp, char *msg, size_t cap)
         if (len == 0 || len > MOE_REQ_MAX_STOP_LEN)
             FAIL("sampling.stop[%zu]: length %zu is not in [1, %d]", i, len, MOE_REQ_MAX_STOP_LEN);
     }
+    if (sp->prompt_logprobs_opt_case ==
+            MOE__V1__SAMPLING_PARAMS__PROMPT_LOGPROBS_OPT_PROMPT_LOGPROBS &&
+        sp->prompt_logprobs > MOE_REQ_MAX_LOGPROBS)
+        FAIL("sampling.prompt_logprobs: %u is not in [0, %d]", sp->prompt_logprobs,
+             MOE_REQ_MAX_LOGPROBS);
     if (sp->n_logit_bias > MOE_REQ_MAX_LOGIT_BIAS)
         FAIL("sampling.logit_bias: %zu tokens, at most %d allowed", sp->n_logit_bias,
              MOE_REQ_MAX_LOGIT_BIAS);

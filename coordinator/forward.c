@@ -59,8 +59,9 @@ struct fwd {
     double deadline;                /* moe_now() seconds; 0: none */
     int32_t *prompt;                /* (n_prompt) */
     size_t n_prompt;
-    uint32_t n_tokens; /* tokens relayed to the client */
-    uint32_t *relayed; /* (cap_relayed) the ids relayed, in order */
+    uint32_t n_tokens;   /* tokens relayed to the client */
+    bool prompt_lp_sent; /* sampling.prompt_logprobs relayed (a retry's again are dropped) */
+    uint32_t *relayed;   /* (cap_relayed) the ids relayed, in order */
     size_t cap_relayed;
     uint32_t skip;      /* tokens of the next worker stream already relayed */
     uint32_t skip_from; /* index in relayed of the next one to compare */
@@ -308,6 +309,11 @@ static bool relay(struct fwd *f, Moe__V1__GenerateResponse *m, struct moe_detok 
         }
     }
     /* Swap in our fields, pack, and restore the unpacked ones before freeing. */
+    size_t saved_n_pids = m->n_prompt_token_ids, saved_n_plp = m->n_prompt_logprobs;
+    if (f->prompt_lp_sent) /* a retry's first message repeats them */
+        m->n_prompt_token_ids = m->n_prompt_logprobs = 0;
+    else if (m->n_prompt_token_ids)
+        f->prompt_lp_sent = true;
     char *saved_id = m->request_id, *saved_text = m->text;
     Moe__V1__Timings *saved_timings = m->timings;
     Moe__V1__Timings timings = MOE__V1__TIMINGS__INIT;
@@ -331,6 +337,8 @@ static bool relay(struct fwd *f, Moe__V1__GenerateResponse *m, struct moe_detok 
         coord_metrics_final(f->c->metrics, m);
     }
     bool sent = client_send(f, m);
+    m->n_prompt_token_ids = saved_n_pids;
+    m->n_prompt_logprobs = saved_n_plp;
     m->request_id = saved_id;
     m->text = saved_text;
     m->timings = saved_timings;

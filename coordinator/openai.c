@@ -26,7 +26,7 @@
  *
  * Fields the engine cannot honour yet are refused with 400 naming them
  * (best_of > n, suffix, beam search, prompt
- * logprobs, echo with logprobs, guided decoding, tools, ...); fields OpenAI
+ * logprobs, guided decoding, tools, ...); fields OpenAI
  * defines as hints (user, metadata, store, service_tier, ...) and unknown
  * fields are ignored. */
 #include <math.h>
@@ -441,9 +441,11 @@ static bool parse_completions(struct coord_http *h, const cJSON *body, struct oa
         p->want_logprobs = true;
     }
     p->echo = get_bool(body, "echo", false, e);
-    if (p->echo && p->want_logprobs)
-        fail(e, 400, "echo",
-             "echo: not supported together with logprobs (no prompt log-probabilities)");
+    if (p->echo && p->want_logprobs) { /* the prompt's too (lm-evaluation-harness asks so) */
+        p->sp.prompt_logprobs_opt_case =
+            MOE__V1__SAMPLING_PARAMS__PROMPT_LOGPROBS_OPT_PROMPT_LOGPROBS;
+        p->sp.prompt_logprobs = p->sp.logprobs;
+    }
     const cJSON *best_of = field(body, "best_of");
     if (best_of &&
         !(cJSON_IsNumber(best_of) && (best_of->valuedouble == p->n || best_of->valuedouble == 1)))
@@ -669,7 +671,7 @@ static void add_logprobs(struct oa_call *call, struct oa_choice *ch, cJSON **lp,
                          const Moe__V1__GenerateResponse *m)
 {
     struct coord *c = call->h->c;
-    if (!m->n_logprobs)
+    if (!m->n_logprobs && !m->n_prompt_token_ids)
         return;
     if (!*lp) {
         *lp = cJSON_CreateObject();
@@ -681,6 +683,30 @@ static void add_logprobs(struct oa_call *call, struct oa_choice *ch, cJSON **lp,
             cJSON_AddArrayToObject(*lp, "top_logprobs");
             cJSON_AddArrayToObject(*lp, "text_offset");
         }
+    }
+    /* echo with logprobs: the prompt's tokens first (the first has none) */
+    for (size_t i = 0; !call->chat && call->echo && i < m->n_prompt_token_ids; i++) {
+        char *s = token_text(c, m->prompt_token_ids[i]);
+        if (!s)
+            continue;
+        const Moe__V1__TokenLogprob *t =
+            i && i - 1 < m->n_prompt_logprobs ? m->prompt_logprobs[i - 1] : NULL;
+        cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "tokens"),
+                             cJSON_CreateString(s));
+        cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "token_logprobs"),
+                             t ? cJSON_CreateNumber(t->logprob) : cJSON_CreateNull());
+        cJSON *tops = t ? cJSON_CreateObject() : cJSON_CreateNull();
+        for (size_t k = 0; t && k < t->n_top; k++) {
+            char *ts = token_text(c, t->top[k]->token_id);
+            if (ts && !cJSON_GetObjectItemCaseSensitive(tops, ts))
+                cJSON_AddNumberToObject(tops, ts, t->top[k]->logprob);
+            free(ts);
+        }
+        cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "top_logprobs"), tops);
+        cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "text_offset"),
+                             cJSON_CreateNumber((double)ch->lp_offset));
+        ch->lp_offset += strlen(s);
+        free(s);
     }
     for (size_t i = 0; i < m->n_logprobs; i++) {
         const Moe__V1__TokenLogprob *t = m->logprobs[i];

@@ -371,6 +371,46 @@ def check_logit_bias(c):
     log("  token %d (%r) forced: logprobs %s" % (tid, de["prompt"], ["%.2f" % x for x in lps]))
 
 
+def check_echo_logprobs(c):
+    """echo + logprobs (what lm-evaluation-harness sends for log-likelihoods):
+    the prompt's tokens come first, the first with null logprob and top, and
+    the log-probability given to a prompt token is the one the model gives
+    it when it generates that token after the same prefix (gRPC, and its
+    sampling.prompt_logprobs agree)."""
+    st, tok = http_json(c.http, "POST", "/tokenize", {"prompt": GREEDY_PROMPT})
+    expect(st == 200, "/tokenize: %d %s", st, tok)
+    ids = tok["tokens"]
+    req = c.pb.GenerateRequest(token_ids=c.pb.TokenIds(ids=ids), sampling=c.pb.SamplingParams(
+        max_tokens=1, ignore_eos=True, logprobs=0))
+    msgs = list(c.inference.Generate(req, timeout=30))
+    g, g_lp = msgs[0].token_ids[0], msgs[0].logprobs[0].logprob
+    body = {"prompt": ids + [g], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0,
+            "ignore_eos": True}
+    st, r = http_json(c.http, "POST", "/v1/completions", body)
+    expect(st == 200, "echo + logprobs: %d %s", st, r)
+    lp = r["choices"][0]["logprobs"]
+    n = len(ids) + 1
+    expect(len(lp["tokens"]) == n + 1 and len(lp["token_logprobs"]) == n + 1,
+           "%d tokens, want %d prompt + 1", len(lp["tokens"]), n)
+    expect(lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None,
+           "first prompt token: %s %s", lp["token_logprobs"][0], lp["top_logprobs"][0])
+    expect(all(x <= 0 for x in lp["token_logprobs"][1:]), "logprobs %s", lp["token_logprobs"])
+    expect(lp["text_offset"] == sorted(lp["text_offset"]), "text_offset %s", lp["text_offset"])
+    got = lp["token_logprobs"][n - 1]
+    expect(abs(got - g_lp) <= 1e-4, "prompt token %d's logprob %g, generated it had %g", g, got,
+           g_lp)
+    req = c.pb.GenerateRequest(token_ids=c.pb.TokenIds(ids=ids + [g]),
+                               sampling=c.pb.SamplingParams(max_tokens=1, ignore_eos=True,
+                                                            prompt_logprobs=2))
+    first = next(iter(c.inference.Generate(req, timeout=30)))
+    expect(list(first.prompt_token_ids) == ids + [g] and len(first.prompt_logprobs) == n - 1 and
+           abs(first.prompt_logprobs[-1].logprob - g_lp) <= 1e-4 and
+           len(first.prompt_logprobs[-1].top) == 2,
+           "gRPC prompt_logprobs: %d ids, %d entries", len(first.prompt_token_ids),
+           len(first.prompt_logprobs))
+    log("  %d prompt tokens; the last's logprob %.4f, generated %.4f" % (n, got, g_lp))
+
+
 def check_chat(c):
     msgs = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Say something."}]
@@ -501,7 +541,6 @@ def bad_requests(c):
         ("logit_bias of 301 tokens", P, w(logit_bias={str(i): 1 for i in range(301)}), 400,
          "logit_bias"),
         ("best_of 3 (not supported)", P, w(best_of=3), 400, "best_of"),
-        ("echo with logprobs (not supported)", P, w(echo=True, logprobs=1), 400, "echo"),
         ("suffix (not supported)", P, w(suffix="end"), 400, "suffix"),
         ("min_tokens above max_tokens", P, w(min_tokens=3), 400, "min_tokens"),
         ("min_tokens -1", P, w(min_tokens=-1), 400, "min_tokens"),
@@ -878,6 +917,8 @@ def main():
             ("openai completions: stop strings (whole, streamed, included)", check_stop),
             ("openai completions: min_tokens holds off a stop string", check_min_tokens),
             ("openai completions and chat: logit_bias", check_logit_bias),
+            ("openai completions: echo + logprobs give the prompt's (gRPC prompt_logprobs)",
+             check_echo_logprobs),
             ("openai chat: text, logprobs, usage, streamed deltas in order", check_chat),
             ("curl -N: SSE events arrive one by one", check_sse_timing),
             ("bad requests: status + OpenAI error naming the field; still serving",

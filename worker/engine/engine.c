@@ -42,8 +42,10 @@ struct seq {
     int spec_k;                         /* drafts its next decode row may carry (spec_adapt) */
     int spec_cool;                      /* decode steps left without drafting */
     float spec_acc, spec_tried;         /* decayed guesses kept / compared (spec_alpha) */
-    int spec_rest;  /* opts.spec_cost: decode steps between probes while guesses do not pay */
-    int spec_idle;  /* ... and the steps since the last guess */
+    int spec_rest; /* opts.spec_cost: decode steps between probes while guesses do not pay */
+    int spec_idle; /* ... and the steps since the last guess */
+    struct moe_prompt_logprob *plp; /* (n_prompt) prompt_logprobs, or NULL */
+    int plp_done;   /* prompt positions whose logits were read for plp: [0, plp_done) */
     int draft_done; /* draft model: positions its KV cache holds for these tokens */
     int draft_spec; /* ... and beyond them, for this step's guesses but the last */
 };
@@ -142,6 +144,7 @@ void moe_request_params_init(struct moe_request_params *p)
     memset(p, 0, sizeof *p);
     p->max_tokens = 16;
     p->logprobs = -1;
+    p->prompt_logprobs = -1;
 }
 
 /* ---- small containers ------------------------------------------------------------ */
@@ -202,6 +205,7 @@ static void seq_free(struct seq *s)
     free(s->seen);
     free(s->out_count);
     free(s->text);
+    free(s->plp);
     free(s);
 }
 
@@ -385,6 +389,9 @@ static enum moe_status check_params(const struct moe_engine *e, const int32_t *p
     }
     if (p->n_stop_strings && !e->tok)
         return moe_error_set(err, MOE_ERR_INVALID, "stop: stop strings need a tokenizer");
+    if (p->prompt_logprobs < -1 || p->prompt_logprobs > MOE_MAX_LOGPROBS)
+        return moe_error_set(err, MOE_ERR_INVALID, "prompt_logprobs: %d is not in [-1, %d]",
+                             p->prompt_logprobs, MOE_MAX_LOGPROBS);
     if (p->logprobs < -1 || p->logprobs > MOE_MAX_LOGPROBS)
         return moe_error_set(err, MOE_ERR_INVALID, "logprobs: %d is not in [-1, %d]", p->logprobs,
                              MOE_MAX_LOGPROBS);
@@ -429,8 +436,11 @@ static enum moe_status submit_seq(struct moe_engine *e, uint64_t req_id, const i
         s->seen = calloc((size_t)e->cfg->vocab_size, 1);
         s->out_count = calloc((size_t)e->cfg->vocab_size, sizeof *s->out_count);
     }
+    if (params->prompt_logprobs >= 0 && n_prompt > 1)
+        s->plp = calloc((size_t)n_prompt, sizeof *s->plp);
     if (!s->tokens || !s->blocks || !s->block_hash ||
-        (moe_sampler_has_penalties(&params->sp) && (!s->seen || !s->out_count))) {
+        (moe_sampler_has_penalties(&params->sp) && (!s->seen || !s->out_count)) ||
+        (params->prompt_logprobs >= 0 && n_prompt > 1 && !s->plp)) {
         seq_free(s);
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
     }
@@ -499,6 +509,7 @@ enum moe_status moe_engine_import(struct moe_engine *e, uint64_t req_id,
                                  im->tokens[i], i, e->cfg->vocab_size);
     struct moe_request_params p = *params;
     p.prefill_only = false;
+    p.prompt_logprobs = -1; /* the prefill side reported them */
     return submit_seq(e, req_id, im->tokens, im->n_tokens, im->n_prompt, &p, cb, user, &im->rng,
                       true, im->reservation, err);
 }
@@ -662,12 +673,59 @@ static void seq_finish_bare(struct moe_engine *e, struct seq *s, enum moe_finish
     seq_finish(e, s, &ev);
 }
 
+/* ---- prompt log-probabilities ------------------------------------------------------ */
+
+/* Prompt positions whose logits rows still wait to be read: all read. */
+static bool plp_complete(const struct seq *s)
+{
+    return s->plp_done >= s->n_prompt - 1;
+}
+
+/* Logits rows of prompt positions [from, to) a chunk [start, end) of `s`
+ * brings for its prompt_logprobs (0 when it brings none); they are the last
+ * rows of the chunk before its sampling row. */
+static int plp_rows(const struct seq *s, int start, int end, int *from)
+{
+    if (!s->plp || plp_complete(s))
+        return 0;
+    int f = start > s->plp_done ? start : s->plp_done;
+    int to = end < s->n_prompt - 1 ? end : s->n_prompt - 1;
+    *from = f;
+    return to > f ? to - f : 0;
+}
+
+/* Prompt chunks of a sequence reading its prompt logits run at most this
+ * many tokens a step: each brings a logits row of the vocabulary's size. */
+#define PLP_MAX_CHUNK 256
+
+static int plp_cap(const struct seq *s, int count)
+{
+    return s->plp && !plp_complete(s) && count > PLP_MAX_CHUNK ? PLP_MAX_CHUNK : count;
+}
+
+/* Reads n logits rows of positions [from, from + n): prompt token p + 1's
+ * log-probability and top alternatives from row p. */
+static void plp_read(struct seq *s, const float *rows, int from, int n, int vocab)
+{
+    for (int i = 0; i < n; i++) {
+        int p = from + i;
+        struct moe_prompt_logprob *lp = &s->plp[p + 1];
+        lp->n_top = s->params.prompt_logprobs;
+        lp->logprob = moe_logprobs(rows + (size_t)i * vocab, vocab, s->tokens[p + 1], lp->n_top,
+                                   lp->top_ids, lp->top_logprobs);
+    }
+    if (n > 0)
+        s->plp_done = from + n;
+}
+
 /* Takes prefix-cache hits for the full blocks of a sequence about to be
  * admitted, leaving at least its last token to compute. */
 static void seq_take_prefix(struct moe_engine *e, struct seq *s)
 {
     int bs = e->opts.block_size;
-    while (!e->opts.no_prefix_cache && (s->n_blocks + 1) * bs <= s->n_tokens - 1) {
+    /* prompt_logprobs need the logits of every prompt position not yet read */
+    int limit = s->plp && !plp_complete(s) ? s->plp_done : s->n_tokens - 1;
+    while (!e->opts.no_prefix_cache && (s->n_blocks + 1) * bs <= limit) {
         int i = s->n_blocks;
         uint64_t parent = i ? s->block_hash[i - 1] : kv_pool_part_seed(s->part);
         const int32_t *t = s->tokens + (size_t)i * bs;
@@ -909,7 +967,7 @@ static int schedule(struct moe_engine *e)
         int *b = &budget[s->part];
         if (*b <= 0)
             continue;
-        int count = s->n_tokens - s->n_computed;
+        int count = plp_cap(s, s->n_tokens - s->n_computed);
         if (count > *b)
             count = *b;
         int need = blocks_for(e, s->n_computed + count) - s->n_blocks;
@@ -941,7 +999,7 @@ static int schedule(struct moe_engine *e)
         s->part = choose_part(e, s, budget);
         seq_take_prefix(e, s);
         int *b = &budget[s->part];
-        int count = s->n_tokens - s->n_computed;
+        int count = plp_cap(s, s->n_tokens - s->n_computed);
         if (count > *b)
             count = *b;
         int need = blocks_for(e, s->n_computed + count) - s->n_blocks;
@@ -1053,7 +1111,8 @@ static bool seq_greedy_only(const struct moe_engine *e, const struct seq *s)
 {
     const struct moe_request_params *p = &s->params;
     return p->sp.temperature <= 0.0f && !moe_sampler_has_penalties(&p->sp) && p->logprobs < 0 &&
-           !e->opts.logits_hook && !seq_below_min(s) && !p->n_logit_bias;
+           !e->opts.logits_hook && !seq_below_min(s) && !p->n_logit_bias &&
+           (!s->plp || plp_complete(s));
 }
 
 /* Samples the next token of `s` from its logits row (or takes `id`, the
@@ -1107,6 +1166,10 @@ static bool seq_emit(struct moe_engine *e, struct seq *s, float *row, int32_t id
     e->counts.generated_tokens++;
     ev.token = t;
     ev.index = s->n_tokens - s->n_prompt - 1;
+    if (ev.index == 0 && s->params.prompt_logprobs >= 0) {
+        ev.prompt_logprobs = s->plp; /* NULL for a one-token prompt */
+        ev.prompt_tokens = s->tokens;
+    }
     if (is_stop_id(e, s, t))
         ev.finish = MOE_FINISH_STOP;
     /* stop strings count from the token after the first min_tokens (vLLM's
@@ -1214,12 +1277,13 @@ static void seq_verify(struct moe_engine *e, struct seq *s, int k, float *rows)
 /* ---- step ---------------------------------------------------------------------------- */
 
 /* Logits rows an entry needs: one per draft plus the row after the last
- * real token; none for a prompt chunk that does not reach the end. */
+ * real token; none for a prompt chunk that does not reach the end; before
+ * them, with prompt_logprobs, one per prompt position not yet read. */
 static int entry_rows(const struct sched_entry *en)
 {
-    if (en->start + en->count - en->n_draft != en->s->n_tokens)
-        return 0;
-    return 1 + en->n_draft;
+    int end = en->start + en->count - en->n_draft, from;
+    int plp = plp_rows(en->s, en->start, end, &from);
+    return plp + (end == en->s->n_tokens ? 1 + en->n_draft : 0);
 }
 
 static int resv_find(const struct moe_engine *e, uint64_t key)
@@ -1474,7 +1538,11 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
     for (int i = 0; i < n_sched; i++) {
         const struct sched_entry *en = &e->sched[i];
         struct seq *s = en->s;
-        int rows = entry_rows(en);
+        int rows = entry_rows(en), from = 0;
+        int plp = plp_rows(s, en->start, en->start + en->count - en->n_draft, &from);
+        plp_read(s, e->logits + (size_t)row * vocab, from, plp, vocab);
+        row += plp;
+        rows -= plp;
         s->n_computed += en->count - en->n_draft;
         seq_publish_blocks(e, s);
         if (en->n_draft)

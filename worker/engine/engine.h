@@ -100,12 +100,14 @@ struct moe_request_params {
     int32_t stop_ids[MOE_MAX_STOP_IDS]; /* finish when one is generated (kept in output) */
     int n_stop_strings;
     char stop_strings[MOE_MAX_STOP_STRINGS][MOE_MAX_STOP_LEN + 1]; /* needs a tokenizer */
-    bool ignore_eos;   /* do not finish at the model's EOS ids */
-    int n_logit_bias;  /* logit_bias[i] is added to token bias_ids[i]'s logit (before penalties) */
+    bool ignore_eos;  /* do not finish at the model's EOS ids */
+    int n_logit_bias; /* logit_bias[i] is added to token bias_ids[i]'s logit (before penalties) */
     int32_t bias_ids[MOE_MAX_LOGIT_BIAS];
     float logit_bias[MOE_MAX_LOGIT_BIAS];
-    int logprobs;      /* -1: none; 0: chosen token; n: plus the top n */
-    bool prefill_only; /* disaggregated prefill: park after the first token */
+    int logprobs;        /* -1: none; 0: chosen token; n: plus the top n */
+    int prompt_logprobs; /* -1: none; else each prompt token's from the second on, plus the top n
+                          * (the first token event carries them; no prefix-cache hits) */
+    bool prefill_only;   /* disaggregated prefill: park after the first token */
 };
 
 enum moe_finish {
@@ -117,6 +119,15 @@ enum moe_finish {
 };
 
 const char *moe_finish_name(enum moe_finish f);
+
+/* Prompt token i's log-probability given tokens [0, i) (prompt_logprobs),
+ * under the raw logits, with the top n_top alternatives. */
+struct moe_prompt_logprob {
+    float logprob;
+    int n_top;
+    int32_t top_ids[MOE_MAX_LOGPROBS];
+    float top_logprobs[MOE_MAX_LOGPROBS];
+};
 
 struct moe_token_event {
     uint64_t req_id;
@@ -133,6 +144,11 @@ struct moe_token_event {
     double t_admitted; /* moe_now() when the request was first scheduled (0: never) */
     int n_prompt;
     int n_cached; /* prompt tokens served from the prefix cache at admission */
+    /* With prompt_logprobs, on the first token only: (n_prompt) entries,
+     * [i] for prompt token i (entry 0 unused: the first token has none).
+     * Valid during the callback. */
+    const struct moe_prompt_logprob *prompt_logprobs;
+    const int32_t *prompt_tokens; /* (n_prompt), with prompt_logprobs */
     /* Non-NULL on the first token of a prefill_only request that did not
      * finish: the sequence is parked for a KV handoff (see below). Valid only
      * during the callback; the callback is never called again for it. */

@@ -82,6 +82,63 @@ static Moe__V1__FinishReason finish_reason(enum moe_finish f)
     }
 }
 
+/* The prompt's ids and log-probabilities (sampling.prompt_logprobs) of a
+ * first token's message, in heap arrays freed once it is packed. */
+struct prompt_lp_msg {
+    uint32_t *ids;
+    Moe__V1__TokenLogprob *lp, **lpp;
+    Moe__V1__TopLogprob *top, **topp;
+};
+
+static void prompt_lp_free(struct prompt_lp_msg *m)
+{
+    free(m->ids);
+    free(m->lp);
+    free(m->lpp);
+    free(m->top);
+    free(m->topp);
+}
+
+static void prompt_lp_fill(struct prompt_lp_msg *m, const struct moe_token_event *ev,
+                           Moe__V1__GenerateResponse *resp)
+{
+    size_t n = (size_t)ev->n_prompt, n_lp = ev->prompt_logprobs && n > 1 ? n - 1 : 0;
+    m->ids = malloc(n * sizeof *m->ids);
+    if (n_lp) {
+        m->lp = calloc(n_lp, sizeof *m->lp);
+        m->lpp = calloc(n_lp, sizeof *m->lpp);
+        m->top = calloc(n_lp * MOE_MAX_LOGPROBS, sizeof *m->top);
+        m->topp = calloc(n_lp * MOE_MAX_LOGPROBS, sizeof *m->topp);
+    }
+    if (!m->ids || (n_lp && (!m->lp || !m->lpp || !m->top || !m->topp))) {
+        fprintf(stderr, "moe-worker: out of memory for %zu prompt log-probabilities\n", n);
+        return;
+    }
+    for (size_t i = 0; i < n; i++)
+        m->ids[i] = (uint32_t)ev->prompt_tokens[i];
+    for (size_t i = 0; i < n_lp; i++) {
+        const struct moe_prompt_logprob *src = &ev->prompt_logprobs[i + 1];
+        Moe__V1__TokenLogprob *d = &m->lp[i];
+        moe__v1__token_logprob__init(d);
+        d->token_id = m->ids[i + 1];
+        d->logprob = src->logprob;
+        d->n_top = (size_t)src->n_top;
+        d->top = m->topp + i * MOE_MAX_LOGPROBS;
+        for (int k = 0; k < src->n_top; k++) {
+            Moe__V1__TopLogprob *t = &m->top[i * MOE_MAX_LOGPROBS + (size_t)k];
+            moe__v1__top_logprob__init(t);
+            t->token_id = (uint32_t)src->top_ids[k];
+            t->logprob = src->top_logprobs[k];
+            d->top[k] = t;
+        }
+        m->lpp[i] = d;
+    }
+    resp->n_prompt_token_ids = n;
+    resp->prompt_token_ids = m->ids;
+    resp->n_prompt_logprobs = n_lp;
+    resp->prompt_logprobs = m->lpp;
+}
+
 /* Engine callback (engine thread): one message per token; the last one
  * carries the finish reason, usage and timings, then the call ends. */
 static void on_token(void *user, const struct moe_token_event *ev)
@@ -117,6 +174,9 @@ static void on_token(void *user, const struct moe_token_event *ev)
             resp.logprobs = lps;
         }
     }
+    struct prompt_lp_msg plm = {0};
+    if (ev->prompt_tokens)
+        prompt_lp_fill(&plm, ev, &resp);
     Moe__V1__Usage usage = MOE__V1__USAGE__INIT;
     Moe__V1__Timings timings = MOE__V1__TIMINGS__INIT;
     char stop_reason[64] = "";
@@ -173,6 +233,7 @@ static void on_token(void *user, const struct moe_token_event *ev)
     }
     size_t len;
     void *bytes = rpc_pack(&resp.base, &len);
+    prompt_lp_free(&plm);
     if (bytes)
         rpc_stream_send(r->stream, bytes, len); /* fails harmlessly if the client left */
     free(bytes);
@@ -287,14 +348,17 @@ static void to_engine_params(const Moe__V1__SamplingParams *sp, int n_prompt, in
     p->ignore_eos = sp->ignore_eos;
     _Static_assert(MOE_REQ_MAX_LOGIT_BIAS <= MOE_MAX_LOGIT_BIAS, "logit_bias limits differ");
     /* at most MOE_REQ_MAX_LOGIT_BIAS entries: check_generate refused more */
-    p->n_logit_bias = sp->n_logit_bias < MOE_MAX_LOGIT_BIAS ? (int)sp->n_logit_bias
-                                                            : MOE_MAX_LOGIT_BIAS;
+    p->n_logit_bias =
+        sp->n_logit_bias < MOE_MAX_LOGIT_BIAS ? (int)sp->n_logit_bias : MOE_MAX_LOGIT_BIAS;
     for (int i = 0; i < p->n_logit_bias; i++) {
         p->bias_ids[i] = (int32_t)sp->logit_bias[i]->key;
         p->logit_bias[i] = sp->logit_bias[i]->value;
     }
     if (sp->logprobs_opt_case == MOE__V1__SAMPLING_PARAMS__LOGPROBS_OPT_LOGPROBS)
         p->logprobs = (int)sp->logprobs;
+    if (sp->prompt_logprobs_opt_case ==
+        MOE__V1__SAMPLING_PARAMS__PROMPT_LOGPROBS_OPT_PROMPT_LOGPROBS)
+        p->prompt_logprobs = (int)sp->prompt_logprobs;
 }
 
 /* Refuses what this worker cannot take, before anything is built: the
