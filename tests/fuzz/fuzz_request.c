@@ -130,6 +130,10 @@ static void check_accepted_sampling(const Moe__V1__SamplingParams *sp)
                    (double)sp->logit_bias[i]->value);
     FUZZ_CHECK(sp->max_tokens == 0 || sp->min_tokens <= sp->max_tokens, "min_tokens %u > %u",
                sp->min_tokens, sp->max_tokens);
+    FUZZ_CHECK(sp->prompt_logprobs_opt_case !=
+                       MOE__V1__SAMPLING_PARAMS__PROMPT_LOGPROBS_OPT_PROMPT_LOGPROBS ||
+                   sp->prompt_logprobs <= MOE_REQ_MAX_LOGPROBS,
+               "prompt_logprobs %u", sp->prompt_logprobs);
 }
 
 /* Both checks, on the sampling parameters and on n_prompt against a few

@@ -340,7 +340,7 @@ REQUESTS = [  # (selector byte, message type, text format)
      'request_id: "coord-2" prompt_token_ids: [5] prefill_only: true handoff_id: "h-1"'),
     (0, "moe.v1.GenerateRequest",
      'text: "Once" sampling { max_tokens: 8 min_tokens: 3 stop_token_ids: 2 '
-     'logit_bias { key: 5 value: 2.5 } logit_bias { key: 9 value: -100 } }'),
+     'logit_bias { key: 5 value: 2.5 } logit_bias { key: 9 value: -100 } prompt_logprobs: 2 }'),
 ]
 
 
