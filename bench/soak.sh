@@ -4,7 +4,7 @@
 # of every process; fails if any of them grows without bound.
 #
 #   bench/soak.sh [--minutes N] [--build DIR] [--interval S] [--out DIR]
-#     --minutes N   how long the load runs (default 60; CI runs 2)
+#     --minutes N   how long the load runs (default 60; CI runs 1)
 #     --build DIR   the build folder with bin/ (default build)
 #     --interval S  seconds between samples (default 5)
 #     --out DIR     where samples.csv and the processes' logs stay (default: a

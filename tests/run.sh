@@ -2,7 +2,7 @@
 # The test command of README.md (and of CI): installs the Debian packages,
 # builds with warnings as errors (the CUDA backend too when nvcc is present,
 # so every .cu file is compiled for sm_80 and sm_90) and runs every CTest
-# test (the soak label too: bench/soak.sh for 2 minutes, this pass only),
+# test (the soak label too: bench/soak.sh for 1 minute, this pass only),
 # then two sanitizer passes, each a CPU-only build of its own:
 #   ASan + UBSan: the unit, golden, cli, integration and mpi labels (memory
 #                 errors, leaks, undefined behaviour in every process);

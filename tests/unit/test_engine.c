@@ -712,7 +712,7 @@ static void test_min_tokens(struct moe_tokenizer *tok)
 
 /* prompt_logprobs: every prompt token's log-probability given the tokens
  * before it, read from the prefill's rows (chunks of 16 here), equal within
- * 1e-4 to the one-token sampling row of the prefix alone (the logits hook,
+ * 1e-4 to the sampling row of the prefix as a request (the logits hook,
  * log_softmax in double); top alternatives descending, the first the row's
  * argmax; the same again with a pool small enough to preempt, and for a
  * second identical prompt (which takes no prefix-cache hits). */
@@ -730,13 +730,12 @@ static void on_plp_token(void *user, const struct moe_token_event *ev)
     }
 }
 
-static float plp_row[4096];
+static float plp_row[PLP_N][4096]; /* request i: the sampling row after prompt[0, i) */
 static void on_plp_row(void *user, uint64_t req_id, int index, const float *logits, int n)
 {
     (void)user;
-    (void)req_id;
-    if (index == 0 && n <= 4096)
-        memcpy(plp_row, logits, (size_t)n * sizeof(float));
+    if (index == 0 && n <= 4096 && req_id < PLP_N)
+        memcpy(plp_row[req_id], logits, (size_t)n * sizeof(float));
 }
 
 static void test_prompt_logprobs(void)
@@ -775,29 +774,33 @@ static void test_prompt_logprobs(void)
     moe_engine_destroy(e);
     CHECKF(plp_seen[0] == 1 && plp_seen[1] == 1 && plp_seen[2] == 1, "events %d %d %d", plp_seen[0],
            plp_seen[1], plp_seen[2]);
-    /* the reference: each prefix alone, its sampling row through the logits hook */
-    struct moe_engine_opts ro = {.n_block = 64, .logits_hook = on_plp_row};
+    /* the reference: each prefix as a request of its own, its sampling row
+     * through the logits hook */
+    struct moe_engine_opts ro = {.n_block = 256, .logits_hook = on_plp_row};
     struct moe_request_params rp;
     moe_request_params_init(&rp);
     rp.max_tokens = 1;
+    static struct capture rc;
+    memset(&rc, 0, sizeof rc);
+    CHECK(moe_engine_create(model, NULL, &ro, &e, &err) == MOE_OK);
+    for (int i = 1; i < PLP_N; i++)
+        CHECK(moe_engine_submit(e, (uint64_t)i, prompt, i, &rp, on_token, &rc, &err) == MOE_OK);
+    run_to_end(e);
+    moe_engine_destroy(e);
     double worst = 0;
     int order_ok = 1;
     for (int i = 1; i < PLP_N; i++) {
-        CHECK(moe_engine_create(model, NULL, &ro, &e, &err) == MOE_OK);
-        CHECK(moe_engine_submit(e, 9, prompt, i, &rp, on_token, &(struct capture){0}, &err) ==
-              MOE_OK);
-        run_to_end(e);
-        moe_engine_destroy(e);
+        const float *plp_row_i = plp_row[i];
         double mx = -INFINITY, sum = 0;
         int best = 0;
         for (int v = 0; v < vocab; v++)
-            if (plp_row[v] > mx) {
-                mx = plp_row[v];
+            if (plp_row_i[v] > mx) {
+                mx = plp_row_i[v];
                 best = v;
             }
         for (int v = 0; v < vocab; v++)
-            sum += exp((double)plp_row[v] - mx);
-        double want = (double)plp_row[prompt[i]] - mx - log(sum);
+            sum += exp((double)plp_row_i[v] - mx);
+        double want = (double)plp_row_i[prompt[i]] - mx - log(sum);
         for (int r = 0; r < 3; r++) {
             if (r == 1 && i >= 20)
                 continue;
@@ -811,7 +814,7 @@ static void test_prompt_logprobs(void)
     CHECKF(worst <= 1e-4, "prompt logprobs differ from the prefix's own row by %.3g", worst);
     CHECK(order_ok);
     printf("prompt_logprobs: %d tokens in chunks of 16, again (no prefix hits) and under "
-           "preemption: max |diff| %.2g against each prefix alone\n",
+           "preemption: max |diff| %.2g against each prefix's own row\n",
            PLP_N, worst);
 }
 
