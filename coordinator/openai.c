@@ -181,6 +181,7 @@ struct oa_params {
     Moe__V1__SamplingParams__LogitBiasEntry *bias_ptrs[MOE_REQ_MAX_LOGIT_BIAS];
     int n;
     bool stream, include_usage, echo, include_stop, want_logprobs;
+    int prompt_lp; /* vLLM's prompt_logprobs: -1 none, else top alternatives */
     struct oa_prompt prompts[OA_MAX_CHOICES];
     int n_prompts;
 };
@@ -273,6 +274,7 @@ static bool parse_common(struct coord_http *h, const cJSON *body, struct oa_para
     struct coord *c = h->c;
     double d;
     moe__v1__sampling_params__init(&p->sp);
+    p->prompt_lp = -1;
     const cJSON *model = field(body, "model");
     if (model && !cJSON_IsString(model))
         return fail(e, 400, "model", "model: expected a string, got %s", type_name(model));
@@ -410,7 +412,14 @@ static bool parse_common(struct coord_http *h, const cJSON *body, struct oa_para
     /* Valid requests this engine cannot honour yet: refused, never ignored. */
     unsupported_if(body, "use_beam_search", is_false, "no beam search", e);
     unsupported_if(body, "length_penalty", is_one, "no beam search", e);
-    unsupported_if(body, "prompt_logprobs", NULL, "no prompt log-probabilities", e);
+    if (get_num(body, "prompt_logprobs", 0, MOE_REQ_MAX_LOGPROBS, true, &d, e)) { /* vLLM's */
+        if (p->stream)
+            return fail(e, 400, "prompt_logprobs", "prompt_logprobs: not supported with stream");
+        p->prompt_lp = (int)d;
+        p->sp.prompt_logprobs_opt_case =
+            MOE__V1__SAMPLING_PARAMS__PROMPT_LOGPROBS_OPT_PROMPT_LOGPROBS;
+        p->sp.prompt_logprobs = (uint32_t)d;
+    }
     unsupported_if(body, "truncate_prompt_tokens", NULL, "prompts are never truncated", e);
     unsupported_if(body, "allowed_token_ids", NULL, "no token masks in the sampler", e);
     unsupported_if(body, "bad_words", is_empty, "no token masks in the sampler", e);
@@ -444,7 +453,8 @@ static bool parse_completions(struct coord_http *h, const cJSON *body, struct oa
     if (p->echo && p->want_logprobs) { /* the prompt's too (lm-evaluation-harness asks so) */
         p->sp.prompt_logprobs_opt_case =
             MOE__V1__SAMPLING_PARAMS__PROMPT_LOGPROBS_OPT_PROMPT_LOGPROBS;
-        p->sp.prompt_logprobs = p->sp.logprobs;
+        if (p->sp.logprobs > p->sp.prompt_logprobs) /* the larger of the two; each sliced */
+            p->sp.prompt_logprobs = p->sp.logprobs;
     }
     const cJSON *best_of = field(body, "best_of");
     if (best_of &&
@@ -574,6 +584,7 @@ struct oa_choice {
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
     cJSON *lp; /* logprobs gathered (non-streaming) */
     size_t lp_offset;
+    cJSON *plp;          /* vLLM's prompt_logprobs list, from the first message */
     uint32_t n_out;      /* tokens received */
     size_t min_text_len; /* text.len once n_out reached call->min_tokens */
 };
@@ -586,6 +597,8 @@ struct oa_call {
     bool chat, stream, include_usage, echo, include_stop, want_logprobs;
     int n; /* samples per prompt */
     uint32_t min_tokens;
+    int prompt_lp;     /* vLLM's prompt_logprobs: -1 none, else top alternatives */
+    uint32_t n_lp_top; /* logprobs' top alternatives (echo slices the prompt's to it) */
     char **stops;
     int n_stops;
     size_t max_stop;
@@ -610,6 +623,7 @@ static void call_free(struct oa_call *call)
         free(call->ch[i].text.s);
         cJSON_Delete(call->ch[i].stop_reason);
         cJSON_Delete(call->ch[i].lp);
+        cJSON_Delete(call->ch[i].plp);
     }
     for (int i = 0; i < call->n_stops; i++)
         free(call->stops[i]);
@@ -696,7 +710,7 @@ static void add_logprobs(struct oa_call *call, struct oa_choice *ch, cJSON **lp,
         cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "token_logprobs"),
                              t ? cJSON_CreateNumber(t->logprob) : cJSON_CreateNull());
         cJSON *tops = t ? cJSON_CreateObject() : cJSON_CreateNull();
-        for (size_t k = 0; t && k < t->n_top; k++) {
+        for (size_t k = 0; t && k < t->n_top && k < call->n_lp_top; k++) {
             char *ts = token_text(c, t->top[k]->token_id);
             if (ts && !cJSON_GetObjectItemCaseSensitive(tops, ts))
                 cJSON_AddNumberToObject(tops, ts, t->top[k]->logprob);
@@ -750,6 +764,51 @@ static void add_logprobs(struct oa_call *call, struct oa_choice *ch, cJSON **lp,
         }
         free(s);
     }
+}
+
+/* One vLLM Logprob: {"logprob", "rank", "decoded_token"}. */
+static cJSON *vllm_logprob(struct coord *c, uint32_t id, float logprob, uint32_t rank)
+{
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "logprob", logprob);
+    cJSON_AddNumberToObject(o, "rank", rank);
+    char *s = token_text(c, id);
+    if (s)
+        cJSON_AddStringToObject(o, "decoded_token", s);
+    else
+        cJSON_AddNullToObject(o, "decoded_token");
+    free(s);
+    return o;
+}
+
+/* vLLM's prompt_logprobs of a first message: one entry per prompt token,
+ * null for the first, else {"<id>": Logprob} for the token and its top
+ * call->prompt_lp alternatives (ranked 1, 2, ...). */
+static cJSON *prompt_lp_json(struct oa_call *call, const Moe__V1__GenerateResponse *m)
+{
+    struct coord *c = call->h->c;
+    cJSON *list = cJSON_CreateArray();
+    for (size_t i = 0; i < m->n_prompt_token_ids; i++) {
+        const Moe__V1__TokenLogprob *t =
+            i && i - 1 < m->n_prompt_logprobs ? m->prompt_logprobs[i - 1] : NULL;
+        if (!t) {
+            cJSON_AddItemToArray(list, cJSON_CreateNull());
+            continue;
+        }
+        cJSON *d = cJSON_CreateObject();
+        char key[16];
+        snprintf(key, sizeof key, "%u", t->token_id);
+        cJSON_AddItemToObject(d, key, vllm_logprob(c, t->token_id, t->logprob, t->rank));
+        for (size_t k = 0; k < t->n_top && (int)k < call->prompt_lp; k++) {
+            snprintf(key, sizeof key, "%u", t->top[k]->token_id);
+            if (!cJSON_GetObjectItemCaseSensitive(d, key))
+                cJSON_AddItemToObject(
+                    d, key,
+                    vllm_logprob(c, t->top[k]->token_id, t->top[k]->logprob, (uint32_t)k + 1));
+        }
+        cJSON_AddItemToArray(list, d);
+    }
+    return list;
 }
 
 /* Cuts the text at the stop string that ended the choice. */
@@ -1011,7 +1070,14 @@ static void call_complete(struct oa_call *call, struct http_request *rq)
         cJSON_AddItemToObject(c, "stop_reason",
                               ch->stop_reason ? cJSON_Duplicate(ch->stop_reason, 1)
                                               : cJSON_CreateNull());
+        if (call->prompt_lp >= 0 && !call->chat) /* vLLM: per choice on completions */
+            cJSON_AddItemToObject(c, "prompt_logprobs",
+                                  ch->plp ? cJSON_Duplicate(ch->plp, 1) : cJSON_CreateNull());
     }
+    if (call->prompt_lp >= 0 && call->chat) /* ... and once, beside the choices, on chat */
+        cJSON_AddItemToObject(j, "prompt_logprobs",
+                              call->ch[0].plp ? cJSON_Duplicate(call->ch[0].plp, 1)
+                                              : cJSON_CreateNull());
     cJSON_AddItemToObject(j, "usage", usage_json(call));
     char *text = cJSON_PrintUnformatted(j);
     cJSON_Delete(j);
@@ -1065,6 +1131,8 @@ static bool oa_send(void *user, const Moe__V1__GenerateResponse *m)
         cJSON *lp = NULL;
         if (call->want_logprobs)
             add_logprobs(call, ch, call->stream ? &lp : &ch->lp, m);
+        if (call->prompt_lp >= 0 && m->n_prompt_token_ids && !ch->plp)
+            ch->plp = prompt_lp_json(call, m);
         if (m->finish_reason) {
             ch->finished = true;
             ch->finish_reason = (int)m->finish_reason;
@@ -1189,6 +1257,8 @@ static struct oa_call *call_create(struct coord_http *h, struct http_request *rq
     call->echo = p->echo;
     call->include_stop = p->include_stop;
     call->min_tokens = p->sp.min_tokens;
+    call->prompt_lp = p->prompt_lp;
+    call->n_lp_top = p->sp.logprobs;
     call->want_logprobs = p->want_logprobs;
     call->n = p->n;
     call->n_prompts = p->n_prompts;

@@ -372,7 +372,8 @@ def check_logit_bias(c):
 
 
 def check_echo_logprobs(c):
-    """echo + logprobs (what lm-evaluation-harness sends for log-likelihoods):
+    """echo + logprobs (what lm-evaluation-harness sends for log-likelihoods)
+    and vLLM's prompt_logprobs field:
     the prompt's tokens come first, the first with null logprob and top, and
     the log-probability given to a prompt token is the one the model gives
     it when it generates that token after the same prefix (gRPC, and its
@@ -408,6 +409,25 @@ def check_echo_logprobs(c):
            len(first.prompt_logprobs[-1].top) == 2,
            "gRPC prompt_logprobs: %d ids, %d entries", len(first.prompt_token_ids),
            len(first.prompt_logprobs))
+    # vLLM's prompt_logprobs field: per choice on completions, {"<id>": Logprob} entries
+    body = {"prompt": ids + [g], "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0,
+            "ignore_eos": True}
+    st, r = http_json(c.http, "POST", "/v1/completions", body)
+    expect(st == 200, "prompt_logprobs: %d %s", st, r)
+    plp = r["choices"][0].get("prompt_logprobs")
+    expect(plp and len(plp) == n and plp[0] is None, "prompt_logprobs %s", plp)
+    for i in range(1, n):
+        e = plp[i].get(str((ids + [g])[i]))
+        expect(e and e["rank"] >= 1 and abs(e["logprob"] - lp["token_logprobs"][i]) <= 1e-5 and
+               1 <= len(plp[i]) <= 3 and e["decoded_token"] == lp["tokens"][i],
+               "entry %d: %s (echo: %s)", i, plp[i], lp["token_logprobs"][i])
+        best = min(plp[i].values(), key=lambda x: x["rank"])
+        expect(best["rank"] == 1, "entry %d has no rank-1 token: %s", i, plp[i])
+    st, r = http_json(c.http, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0})
+    expect(st == 200 and r.get("prompt_logprobs") and r["prompt_logprobs"][0] is None and
+           len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"],
+           "chat prompt_logprobs: %d %s", st, str(r)[:300])
     log("  %d prompt tokens; the last's logprob %.4f, generated %.4f" % (n, got, g_lp))
 
 
@@ -544,6 +564,9 @@ def bad_requests(c):
         ("suffix (not supported)", P, w(suffix="end"), 400, "suffix"),
         ("min_tokens above max_tokens", P, w(min_tokens=3), 400, "min_tokens"),
         ("min_tokens -1", P, w(min_tokens=-1), 400, "min_tokens"),
+        ("prompt_logprobs 21", P, w(prompt_logprobs=21), 400, "prompt_logprobs"),
+        ("prompt_logprobs streamed", P, w(prompt_logprobs=1, stream=True), 400,
+         "prompt_logprobs"),
         ("chat: prompt + min_tokens beyond the context", C, {"messages": [
             {"role": "user", "content": "x"}], "min_tokens": LONG_CONTEXT}, 400, "min_tokens"),
         ("unknown model", P, w(model="gpt-4o"), 404, "model"),
@@ -917,7 +940,8 @@ def main():
             ("openai completions: stop strings (whole, streamed, included)", check_stop),
             ("openai completions: min_tokens holds off a stop string", check_min_tokens),
             ("openai completions and chat: logit_bias", check_logit_bias),
-            ("openai completions: echo + logprobs give the prompt's (gRPC prompt_logprobs)",
+            ("openai completions: echo + logprobs and prompt_logprobs give the prompt's "
+             "(gRPC prompt_logprobs)",
              check_echo_logprobs),
             ("openai chat: text, logprobs, usage, streamed deltas in order", check_chat),
             ("curl -N: SSE events arrive one by one", check_sse_timing),

@@ -711,8 +711,13 @@ static void plp_read(struct seq *s, const float *rows, int from, int n, int voca
         int p = from + i;
         struct moe_prompt_logprob *lp = &s->plp[p + 1];
         lp->n_top = s->params.prompt_logprobs;
-        lp->logprob = moe_logprobs(rows + (size_t)i * vocab, vocab, s->tokens[p + 1], lp->n_top,
-                                   lp->top_ids, lp->top_logprobs);
+        const float *row = rows + (size_t)i * vocab;
+        lp->logprob =
+            moe_logprobs(row, vocab, s->tokens[p + 1], lp->n_top, lp->top_ids, lp->top_logprobs);
+        float x = row[s->tokens[p + 1]];
+        lp->rank = 1;
+        for (int v = 0; v < vocab; v++)
+            lp->rank += row[v] > x;
     }
     if (n > 0)
         s->plp_done = from + n;

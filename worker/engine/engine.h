@@ -124,6 +124,7 @@ const char *moe_finish_name(enum moe_finish f);
  * under the raw logits, with the top n_top alternatives. */
 struct moe_prompt_logprob {
     float logprob;
+    int rank; /* 1 + the ids with a larger logit */
     int n_top;
     int32_t top_ids[MOE_MAX_LOGPROBS];
     float top_logprobs[MOE_MAX_LOGPROBS];

@@ -122,6 +122,7 @@ static void prompt_lp_fill(struct prompt_lp_msg *m, const struct moe_token_event
         moe__v1__token_logprob__init(d);
         d->token_id = m->ids[i + 1];
         d->logprob = src->logprob;
+        d->rank = (uint32_t)src->rank;
         d->n_top = (size_t)src->n_top;
         d->top = m->topp + i * MOE_MAX_LOGPROBS;
         for (int k = 0; k < src->n_top; k++) {
