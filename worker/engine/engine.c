@@ -695,12 +695,15 @@ static int plp_rows(const struct seq *s, int start, int end, int *from)
 }
 
 /* Prompt chunks of a sequence reading its prompt logits run at most this
- * many tokens a step: each brings a logits row of the vocabulary's size. */
-#define PLP_MAX_CHUNK 256
-
-static int plp_cap(const struct seq *s, int count)
+ * many tokens a step: each brings a logits row of the vocabulary's size, so
+ * a chunk's rows stay within 2^22 floats (16 MiB), 16..256 rows. */
+static int plp_cap(const struct moe_engine *e, const struct seq *s, int count)
 {
-    return s->plp && !plp_complete(s) && count > PLP_MAX_CHUNK ? PLP_MAX_CHUNK : count;
+    if (!s->plp || plp_complete(s))
+        return count;
+    int cap = (1 << 22) / e->cfg->vocab_size;
+    cap = cap < 16 ? 16 : cap > 256 ? 256 : cap;
+    return count > cap ? cap : count;
 }
 
 /* Reads n logits rows of positions [from, from + n): prompt token p + 1's
@@ -972,7 +975,7 @@ static int schedule(struct moe_engine *e)
         int *b = &budget[s->part];
         if (*b <= 0)
             continue;
-        int count = plp_cap(s, s->n_tokens - s->n_computed);
+        int count = plp_cap(e, s, s->n_tokens - s->n_computed);
         if (count > *b)
             count = *b;
         int need = blocks_for(e, s->n_computed + count) - s->n_blocks;
@@ -1004,7 +1007,7 @@ static int schedule(struct moe_engine *e)
         s->part = choose_part(e, s, budget);
         seq_take_prefix(e, s);
         int *b = &budget[s->part];
-        int count = plp_cap(s, s->n_tokens - s->n_computed);
+        int count = plp_cap(e, s, s->n_tokens - s->n_computed);
         if (count > *b)
             count = *b;
         int need = blocks_for(e, s->n_computed + count) - s->n_blocks;
