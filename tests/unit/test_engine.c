@@ -724,8 +724,8 @@ static void on_plp_token(void *user, const struct moe_token_event *ev)
 {
     (void)user;
     int r = (int)ev->req_id;
-    if (ev->index == 0 && ev->prompt_logprobs && r < 3) {
-        memcpy(plp_got[r], ev->prompt_logprobs, sizeof plp_got[r]);
+    if (ev->index == 0 && ev->prompt_logprobs && r < 3 && ev->n_prompt <= PLP_N) {
+        memcpy(plp_got[r], ev->prompt_logprobs, (size_t)ev->n_prompt * sizeof *plp_got[r]);
         plp_seen[r]++;
     }
 }
