@@ -681,6 +681,27 @@ static cJSON *bytes_array(const char *s)
 /* Appends the logprobs of message m to `lp` (created on first use): chat's
  * {"content": [...]} or completions' {"tokens", "token_logprobs",
  * "top_logprobs", "text_offset"}. */
+/* One token of a completion's logprobs object (token s): its logprob and
+ * up to max_top alternatives, both null without t (a prompt's first). */
+static void add_completion_lp(struct coord *c, struct oa_choice *ch, cJSON *lp, const char *s,
+                              const Moe__V1__TokenLogprob *t, size_t max_top)
+{
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(lp, "tokens"), cJSON_CreateString(s));
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(lp, "token_logprobs"),
+                         t ? cJSON_CreateNumber(t->logprob) : cJSON_CreateNull());
+    cJSON *tops = t ? cJSON_CreateObject() : cJSON_CreateNull();
+    for (size_t k = 0; t && k < t->n_top && k < max_top; k++) {
+        char *ts = token_text(c, t->top[k]->token_id);
+        if (ts && !cJSON_GetObjectItemCaseSensitive(tops, ts))
+            cJSON_AddNumberToObject(tops, ts, t->top[k]->logprob);
+        free(ts);
+    }
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(lp, "top_logprobs"), tops);
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(lp, "text_offset"),
+                         cJSON_CreateNumber((double)ch->lp_offset));
+    ch->lp_offset += strlen(s);
+}
+
 static void add_logprobs(struct oa_call *call, struct oa_choice *ch, cJSON **lp,
                          const Moe__V1__GenerateResponse *m)
 {
@@ -705,21 +726,7 @@ static void add_logprobs(struct oa_call *call, struct oa_choice *ch, cJSON **lp,
             continue;
         const Moe__V1__TokenLogprob *t =
             i && i - 1 < m->n_prompt_logprobs ? m->prompt_logprobs[i - 1] : NULL;
-        cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "tokens"),
-                             cJSON_CreateString(s));
-        cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "token_logprobs"),
-                             t ? cJSON_CreateNumber(t->logprob) : cJSON_CreateNull());
-        cJSON *tops = t ? cJSON_CreateObject() : cJSON_CreateNull();
-        for (size_t k = 0; t && k < t->n_top && k < call->n_lp_top; k++) {
-            char *ts = token_text(c, t->top[k]->token_id);
-            if (ts && !cJSON_GetObjectItemCaseSensitive(tops, ts))
-                cJSON_AddNumberToObject(tops, ts, t->top[k]->logprob);
-            free(ts);
-        }
-        cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "top_logprobs"), tops);
-        cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "text_offset"),
-                             cJSON_CreateNumber((double)ch->lp_offset));
-        ch->lp_offset += strlen(s);
+        add_completion_lp(c, ch, *lp, s, t, call->n_lp_top);
         free(s);
     }
     for (size_t i = 0; i < m->n_logprobs; i++) {
@@ -746,21 +753,7 @@ static void add_logprobs(struct oa_call *call, struct oa_choice *ch, cJSON **lp,
             }
             cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "content"), e);
         } else {
-            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "tokens"),
-                                 cJSON_CreateString(s));
-            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "token_logprobs"),
-                                 cJSON_CreateNumber(t->logprob));
-            cJSON *tops = cJSON_CreateObject();
-            for (size_t k = 0; k < t->n_top; k++) {
-                char *ts = token_text(c, t->top[k]->token_id);
-                if (ts && !cJSON_GetObjectItemCaseSensitive(tops, ts))
-                    cJSON_AddNumberToObject(tops, ts, t->top[k]->logprob);
-                free(ts);
-            }
-            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "top_logprobs"), tops);
-            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(*lp, "text_offset"),
-                                 cJSON_CreateNumber((double)ch->lp_offset));
-            ch->lp_offset += strlen(s);
+            add_completion_lp(c, ch, *lp, s, t, t->n_top);
         }
         free(s);
     }

@@ -548,6 +548,39 @@ static void test_seeded_sampling(void)
     CHECK(memcmp(c1.tokens[0], c3.tokens[0], sizeof(int32_t) * OUT) != 0);
 }
 
+/* A 2-byte stop string across a token boundary of tokens[0, n): the last
+ * byte of the text of the first k tokens and the first byte token k adds,
+ * both printable ASCII, for the first such k >= 2; with `fresh` also one the
+ * first k tokens' text does not hold already. Returns k and fills stop and
+ * *full (the text of the first k + 1 tokens; the caller frees it), or -1. */
+static int stop_across(struct moe_tokenizer *tok, const int32_t *tokens, int n, bool fresh,
+                       char stop[3], char **full)
+{
+    char *head = NULL;
+    size_t head_len = 0, full_len = 0;
+    int k = -1;
+    *full = NULL;
+    for (int j = 2; j < n - 1 && k < 0; j++) {
+        free(head);
+        free(*full);
+        head = *full = NULL;
+        moe_tokenizer_decode(tok, tokens, (size_t)j, true, &head, &head_len, NULL);
+        moe_tokenizer_decode(tok, tokens, (size_t)j + 1, true, full, &full_len, NULL);
+        if (!head || !*full || head_len < 1 || full_len <= head_len ||
+            memcmp(*full, head, head_len) || head[head_len - 1] <= ' ' ||
+            (unsigned char)head[head_len - 1] >= 0x80 || (*full)[head_len] <= ' ' ||
+            (unsigned char)(*full)[head_len] >= 0x80)
+            continue;
+        stop[0] = head[head_len - 1];
+        stop[1] = (*full)[head_len];
+        stop[2] = 0;
+        if (!fresh || !strstr(head, stop))
+            k = j;
+    }
+    free(head);
+    return k;
+}
+
 static void test_stop_strings(struct moe_tokenizer *tok)
 {
     /* Generate greedily, decode, then ask again with a stop string that spans
@@ -567,27 +600,11 @@ static void test_stop_strings(struct moe_tokenizer *tok)
     CHECK(moe_engine_create(model, tok, &o, &e, &err) == MOE_OK);
     moe_engine_submit(e, 0, prompt, 10, &p, on_token, &c1, &err);
     run_to_end(e);
-    /* find a token boundary k: the text of the first k tokens ends in an ASCII
-     * character and token k adds text that starts with one */
-    char *full = NULL, *head = NULL;
-    size_t full_len = 0, head_len = 0;
-    int k = -1;
-    for (int j = 2; j < c1.n[0] - 1 && k < 0; j++) {
-        free(head);
-        head = NULL;
-        moe_tokenizer_decode(tok, c1.tokens[0], (size_t)j, true, &head, &head_len, NULL);
-        free(full);
-        full = NULL;
-        moe_tokenizer_decode(tok, c1.tokens[0], (size_t)j + 1, true, &full, &full_len, NULL);
-        if (head && full && head_len >= 1 && full_len > head_len && !memcmp(full, head, head_len) &&
-            head[head_len - 1] > ' ' && (unsigned char)head[head_len - 1] < 0x80 &&
-            full[head_len] > ' ' && (unsigned char)full[head_len] < 0x80)
-            k = j;
-    }
+    /* a stop string across the boundary between tokens k - 1 and k */
+    char stop[3], *full = NULL;
+    int k = stop_across(tok, c1.tokens[0], c1.n[0], false, stop, &full);
     CHECKF(k > 0, "no token boundary with ASCII text on both sides in %d tokens", c1.n[0]);
     if (k > 0) {
-        /* the stop string: the last byte of the first k tokens + the first of token k */
-        char stop[3] = {head[head_len - 1], full[head_len], 0};
         char *first = strstr(full, stop);
         p.n_stop_strings = 1;
         strcpy(p.stop_strings[0], stop);
@@ -599,7 +616,6 @@ static void test_stop_strings(struct moe_tokenizer *tok)
         CHECK(!memcmp(c1.tokens[0], c2.tokens[1], sizeof(int32_t) * (size_t)c2.n[1]));
     }
     free(full);
-    free(head);
     moe_engine_destroy(e);
 }
 
@@ -670,27 +686,13 @@ static void test_min_tokens(struct moe_tokenizer *tok)
     run_plain(tok, &so, prompt, 10, &p, &c, 4);
     CHECK(c.n[4] == c.n[2] && !memcmp(c.tokens[4], c.tokens[2], sizeof(int32_t) * (size_t)c.n[2]));
 
-    /* a stop string across tokens k and k+1 of the reference output */
+    /* a stop string across tokens k - 1 and k of the reference output, new there */
     p.n_stop_ids = 0;
     p.min_tokens = 0;
-    char *head = NULL, *full = NULL;
-    size_t head_len = 0, full_len = 0;
-    int k = -1;
-    for (int j = 2; j < ref.n[0] - 1 && k < 0; j++) {
-        free(head);
-        free(full);
-        head = full = NULL;
-        moe_tokenizer_decode(tok, ref.tokens[0], (size_t)j, true, &head, &head_len, NULL);
-        moe_tokenizer_decode(tok, ref.tokens[0], (size_t)j + 1, true, &full, &full_len, NULL);
-        if (head && full && head_len >= 1 && full_len > head_len && !memcmp(full, head, head_len) &&
-            head[head_len - 1] > ' ' && (unsigned char)head[head_len - 1] < 0x80 &&
-            full[head_len] > ' ' && (unsigned char)full[head_len] < 0x80 &&
-            !strstr(head, (char[]){head[head_len - 1], full[head_len], 0}))
-            k = j;
-    }
+    char stop[3], *full = NULL;
+    int k = stop_across(tok, ref.tokens[0], ref.n[0], true, stop, &full);
     CHECKF(k > 0, "no token boundary with ASCII text on both sides in %d tokens", ref.n[0]);
     if (k > 0) {
-        char stop[3] = {head[head_len - 1], full[head_len], 0};
         p.n_stop_strings = 1;
         strcpy(p.stop_strings[0], stop);
         run_plain(tok, &o, prompt, 10, &p, &c, 5);
@@ -705,7 +707,6 @@ static void test_min_tokens(struct moe_tokenizer *tok)
                "token %d, with min_tokens %d: %d tokens, finish %d\n",
                c.n[2], c.finish[2], stop, k + 1, k + 1, c.n[6], c.finish[6]);
     }
-    free(head);
     free(full);
     capture_free(&c);
 }
