@@ -100,6 +100,13 @@ void coord_http_json(struct coord_http *h, struct http_request *rq, const char *
     free(text);
 }
 
+void coord_http_one_line(char *msg)
+{
+    for (unsigned char *q = (unsigned char *)msg; *q; q++)
+        if (*q < 0x20 || *q == 0x7f)
+            *q = ' ';
+}
+
 void coord_http_error(struct coord_http *h, struct http_request *rq, const char *route, int status,
                       const char *param, const char *fmt, ...)
 {
@@ -108,6 +115,7 @@ void coord_http_error(struct coord_http *h, struct http_request *rq, const char 
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    coord_http_one_line(msg);
     coord_metrics_http(h->c->metrics, route_label(route), status);
     http_respond_error(rq, status, coord_http_error_type(status), param, "%s", msg);
 }

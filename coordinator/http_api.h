@@ -35,7 +35,11 @@ const char *coord_http_error_type(int status);
  * if none. `chat` maps "prompt" to "messages". Written into buf. */
 const char *coord_http_param_of(const char *msg, bool chat, char *buf, size_t cap);
 
-/* Answers with an OpenAI-shaped error and counts it under `route`. */
+/* Turns the control characters of msg (a client's string quoted in it: a
+ * model name with a newline) into spaces: error messages are one line. */
+void coord_http_one_line(char *msg);
+
+/* Answers with an OpenAI-shaped error (one line) and counts it under `route`. */
 void coord_http_error(struct coord_http *h, struct http_request *rq, const char *route, int status,
                       const char *param, const char *fmt, ...)
     __attribute__((format(printf, 6, 7)));

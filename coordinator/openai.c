@@ -65,6 +65,7 @@ static bool fail(struct perr *e, int status, const char *param, const char *fmt,
     va_start(ap, fmt);
     vsnprintf(e->msg, sizeof e->msg, fmt, ap);
     va_end(ap);
+    coord_http_one_line(e->msg); /* it may quote the client's strings */
     return false;
 }
 
