@@ -151,16 +151,18 @@ static void check_request(const Moe__V1__SamplingParams *sp, size_t n_prompt)
         unsigned ctx = contexts[i];
         msg[0] = '\0';
         if (moe_check_lengths(n_prompt, sp, ctx, msg, sizeof msg)) {
-            FUZZ_CHECK(fuzz_msg_ok(msg) &&
-                           (!strncmp(msg, "prompt", 6) || !strncmp(msg, "sampling.max_tokens", 19)),
+            FUZZ_CHECK(fuzz_msg_ok(msg) && (!strncmp(msg, "prompt", 6) ||
+                                            !strncmp(msg, "sampling.max_tokens", 19) ||
+                                            !strncmp(msg, "sampling.min_tokens", 19)),
                        "refusal '%s'", msg);
             continue;
         }
-        unsigned max_tokens = sp ? sp->max_tokens : 0;
+        unsigned max_tokens = sp ? sp->max_tokens : 0, min_tokens = sp ? sp->min_tokens : 0;
         FUZZ_CHECK(n_prompt >= 1 && n_prompt < ctx &&
-                       (uint64_t)n_prompt + (max_tokens ? max_tokens : 1) <= ctx,
-                   "%zu prompt tokens + max_tokens %u accepted for a context of %u", n_prompt,
-                   max_tokens, ctx);
+                       (uint64_t)n_prompt + (max_tokens ? max_tokens : 1) <= ctx &&
+                       (uint64_t)n_prompt + min_tokens <= ctx,
+                   "%zu prompt tokens + max_tokens %u / min_tokens %u accepted for a context of %u",
+                   n_prompt, max_tokens, min_tokens, ctx);
     }
 }
 
