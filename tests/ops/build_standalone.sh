@@ -28,7 +28,8 @@ for f in "$ROOT"/kernels/cuda/*.cu; do
 done
 # kernels/cpu must not contract a*b+c (see kernels/CMakeLists.txt)
 for f in "$ROOT"/kernels/backend_select.c "$ROOT"/kernels/cpu/*.c "$ROOT"/kernels/cuda/*.c \
-         "$ROOT"/common/moe_error.c "$ROOT"/common/threadpool.c "$ROOT"/common/clock.c; do
+         "$ROOT"/common/moe_error.c "$ROOT"/common/threadpool.c "$ROOT"/common/clock.c \
+         "$ROOT"/common/dynlib.c; do
   o=$OUT/obj/$(basename "$f").o; objs+=("$o")
   cc "${CFLAGS[@]}" -ffp-contract=off -I"$CUDA_HOME/include" -c "$f" -o "$o" & pids+=($!)
 done
