@@ -11,6 +11,11 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+/* "libX.so.<major>" from a header's major version macro:
+ * MOE_DYNLIB_SONAME("libnccl", NCCL_MAJOR) is "libnccl.so.2". */
+#define MOE_DYNLIB_STR_(x) #x
+#define MOE_DYNLIB_SONAME(base, major) base ".so." MOE_DYNLIB_STR_(major)
+
 /* One function wanted: its name and the address of the caller's pointer to
  * it (cast to void **, the dlsym idiom POSIX blesses). */
 struct moe_dynlib_sym {

@@ -359,7 +359,7 @@ static bool parse_common(struct coord_http *h, const cJSON *body, struct oa_para
     }
     p->sp.stop_token_ids = p->stop_ids;
     const cJSON *lb = field(body, "logit_bias");
-    if (lb && !cJSON_IsNull(lb)) { /* {"token id": bias, ...} */
+    if (lb) { /* {"token id": bias, ...}; field() already takes null for absent */
         if (!cJSON_IsObject(lb))
             return fail(e, 400, "logit_bias", "logit_bias: expected an object, got %s",
                         type_name(lb));

@@ -7,10 +7,8 @@
 
 #include "dynlib.h"
 
-#define MOE_STR_(x) #x
-#define MOE_STR(x) MOE_STR_(x)
 /* The library the headers belong to: libcublas.so.<major> */
-#define CUBLAS_SONAME "libcublas.so." MOE_STR(CUBLAS_VER_MAJOR)
+#define CUBLAS_SONAME MOE_DYNLIB_SONAME("libcublas", CUBLAS_VER_MAJOR)
 
 #define MOE_CUBLAS_DEFINE(name)                                                                    \
     moe_##name##_fn moe_p_##name;                                                                  \

@@ -34,9 +34,7 @@
  * the first moe_comm_nccl_get_id or moe_comm_create_nccl instead (its
  * soname, then the directory the build found it in), and the NCCL names
  * below are pointers to its functions. */
-#define NCCL_STR_(x) #x
-#define NCCL_STR(x) NCCL_STR_(x)
-#define NCCL_SONAME "libnccl.so." NCCL_STR(NCCL_MAJOR)
+#define NCCL_SONAME MOE_DYNLIB_SONAME("libnccl", NCCL_MAJOR)
 
 #define NCCL_FUNCTIONS(X)                                                                          \
     X(ncclAllGather)                                                                               \
