@@ -156,7 +156,7 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
     int n_sets = (have & amx) ? 2 : 1;
     char names[2][64];
     static const enum moe_dtype dts[] = {MOE_DTYPE_BF16, MOE_DTYPE_I8};
-    static const int toks[] = {1, 4, 6, 8, 16, 32, 64, 128, 512};
+    static const int toks[] = {1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 512};
     const size_t cold_bytes = (size_t)256 << 20;
     printf("# fast paths; features %s%s\n", cpu_features_name(have, names[0], sizeof names[0]),
            n_sets == 1 ? " (no AMX: one path per type)" : "");
@@ -173,10 +173,9 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
     printf("%s\n", n_sets == 2 ? "  AMX/AVX512" : "");
     for (size_t d = 0; d < 2; d++) {
         enum moe_dtype dt = dts[d];
-        if (strcmp(cpu_matmul_fast_path(dt), "f32-fma") == 0) {
-            printf("%-5s (no dot-product path on this processor: skipped)\n", moe_dtype_name(dt));
-            continue;
-        }
+        if (strcmp(cpu_matmul_fast_path(dt), "f32-fma") == 0)
+            printf("%-5s (no dot-product path on this processor: the f32-FMA tiles)\n",
+                   moe_dtype_name(dt));
         for (size_t s = 0; s < n_shapes; s++) {
             const struct shape *sh = &shapes[s];
             const size_t w_bytes = weight_bytes(dt, sh);

@@ -67,8 +67,11 @@
 #define PK_TOK_BLOCK 256 /* tokens per task on the packed path (amortises packing) */
 #define PK2_R 16         /* AVX2 prefill: weight rows per packed panel (2 ymm) */
 #define PK2_T 6          /* AVX2 prefill: tokens per register tile (12 accumulators) */
-/* Token blocks at least this wide take the AVX2 packed path. */
-#define PK2_MIN_TOK 8
+/* Token blocks at least this wide take the AVX2 packed path. Below it the
+ * tiles win: bench-kernels --fast, bf16 on a Zen 3, 2 threads, tiles against
+ * panels: 8 tokens 106 vs 59 GFLOP/s, 16 117 vs 98, 32 131 vs 133, 64 131
+ * vs 157 (8 made a decode batch's busy experts the slowest). */
+#define PK2_MIN_TOK 32
 
 /* ---------------------------------------------------------------------------
  * Weight access shared by every path */

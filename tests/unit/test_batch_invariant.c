@@ -4,8 +4,8 @@
  * where present), exact and fast, f32 / bf16 / int8 / int4 weights, with
  * and without accumulate: one call of 130 tokens (the AVX-512 and AVX2
  * packed panels' size when the flag is off, and more than one token block)
- * is held bit for bit to each token alone, to 3-, 7- and 9-token calls
- * (the AVX2 packed path's threshold, the tiles' remainders), through a
+ * is held bit for bit to each token alone, to 3-, 7-, 9- and 33-token calls
+ * (the tiles' remainders, the AVX2 packed path's threshold), through a
  * pool of 3 threads and the calling thread. The exact results are also held
  * to cpu_matmul_ref within 1e-5 of sum |x w| (so a path cannot pass by being
  * wrong the same way every time); the fast ones are tests/unit/
@@ -113,7 +113,7 @@ static int splits_differ(const struct weights *W, const float *x, const float *y
                          float *part, bool fast, bool invariant, bool accumulate)
 {
     run(W, x, 0, N_TOK, y0, all, fast, invariant, accumulate, g_pool);
-    static const int sizes[] = {1, 3, 7, 9};
+    static const int sizes[] = {1, 3, 7, 9, 33};
     int differ = 0;
     for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
         for (int t = 0; t < N_TOK; t += sizes[s]) {
@@ -195,7 +195,7 @@ static void test_path(const char *path)
         free(part);
     }
     printf("%s: %d of %d cases (4 types, exact and fast, accumulate on and off) bit-identical "
-           "in calls of 1, 3, 7, 9 and 130 tokens; without batch_invariant %d token rows "
+           "in calls of 1, 3, 7, 9, 33 and 130 tokens; without batch_invariant %d token rows "
            "differed\n",
            path, cases - bad, cases, default_differ);
 }
