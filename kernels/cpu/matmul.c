@@ -730,9 +730,33 @@ AVX2_TARGET static inline void store_tile_avx2(const struct moe_matmul_params *p
     }
 }
 
+/* The rows of a task's 4-row tile i on the AVX2 tiles: o, o + step, o + 2
+ * step, o + 3 step; the next tile's first row is `next` rows on. A task of
+ * few tokens (decode) reads its rows as four streams a quarter of it apart
+ * (tile i: rows o0 + i + r q, q = no / 4), as the AVX-512 streaming tiles
+ * do: a core keeps more reads in flight over four sequential streams than
+ * over one (bench-kernels --fast, Zen 3, one token, 2 threads: int8
+ * 21 -> 34 GB/s, bf16 25 -> 35). A task of many tokens (prefill) reads
+ * its tiles' rows from L1 again for every token tile, and rows a power of
+ * two apart share L1 sets: there the four rows are consecutive (int8
+ * prefill of 512 was 10% slower on the streams). Either way a row's sums
+ * are the same: the order of the rows does not change a bit. */
+#define STREAM_MAX_TOK 16
+
+struct tile_rows {
+    int o, step, next;
+};
+
+static inline struct tile_rows tile_rows(const struct mm_tile *mt, int i)
+{
+    if (mt->nt <= STREAM_MAX_TOK)
+        return (struct tile_rows){.o = mt->o0 + i, .step = mt->no / MK_R, .next = 1};
+    return (struct tile_rows){.o = mt->o0 + MK_R * i, .step = 1, .next = MK_R};
+}
+
 AVX2_TARGET static inline __attribute__((always_inline)) void
 mk_avx2(const int T, const int R, const enum moe_dtype WT, const float *x, int64_t ldx, int n_in,
-        const void *w, int64_t ldw, bool split, float out[MK_T][MK_R])
+        const void *w, int64_t ldw, int64_t pf_off, bool split, float out[MK_T][MK_R])
 {
     __m256 acc[MK_T_AVX2][MK_R];
 #pragma GCC unroll 4
@@ -752,7 +776,7 @@ mk_avx2(const int T, const int R, const enum moe_dtype WT, const float *x, int64
          * (unless `split` is false, under batch_invariant: then one token
          * sums in the order two do). */
         const int64_t esz = (int64_t)moe_dtype_size(WT), line = 64 / esz;
-        const char *pf = (const char *)w + R * ldw * esz;
+        const char *pf = (const char *)w + pf_off * esz;
         __m256 acc2[MK_T_AVX2][MK_R];
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++)
@@ -818,16 +842,18 @@ mk_avx2(const int T, const int R, const enum moe_dtype WT, const float *x, int64
 }
 
 AVX2_TARGET static void mk_avx2_any(int T, int R, enum moe_dtype wt, const float *x, int64_t ldx,
-                                    int n_in, const void *w, int64_t ldw, bool split,
-                                    float out[MK_T][MK_R])
+                                    int n_in, const void *w, int64_t ldw, int64_t pf_off,
+                                    bool split, float out[MK_T][MK_R])
 {
 #define MK256_CASE(TT, RR)                                                                         \
-    case (TT)*8 + (RR): mk_avx2(TT, RR, MOE_DTYPE_F32, x, ldx, n_in, w, ldw, split, out); return;  \
+    case (TT)*8 + (RR):                                                                            \
+        mk_avx2(TT, RR, MOE_DTYPE_F32, x, ldx, n_in, w, ldw, pf_off, split, out);                  \
+        return;                                                                                    \
     case 64 + (TT)*8 + (RR):                                                                       \
-        mk_avx2(TT, RR, MOE_DTYPE_BF16, x, ldx, n_in, w, ldw, split, out);                         \
+        mk_avx2(TT, RR, MOE_DTYPE_BF16, x, ldx, n_in, w, ldw, pf_off, split, out);                 \
         return;                                                                                    \
     case 128 + (TT)*8 + (RR):                                                                      \
-        mk_avx2(TT, RR, MOE_DTYPE_I8, x, ldx, n_in, w, ldw, split, out);                           \
+        mk_avx2(TT, RR, MOE_DTYPE_I8, x, ldx, n_in, w, ldw, pf_off, split, out);                   \
         return;
     int kind = wt == MOE_DTYPE_BF16 ? 64 : wt == MOE_DTYPE_I8 ? 128 : 0;
     switch (kind + T * 8 + R) {
@@ -1053,6 +1079,27 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
     float out[MK_T][MK_R];
     int o = mt->o0;
     const int o_end = mt->o0 + mt->no;
+    if (!widen) {
+        /* tile_rows' tiles, in store_tile's arithmetic; then the rows left
+         * over (no % 4) one at a time below */
+        const int q = mt->no / MK_R;
+        const int64_t ldw = p->ldw;
+        for (int i = 0; i < q; i++) {
+            const struct tile_rows tr = tile_rows(mt, i);
+            const void *w = w_at(p->w_dtype, p->w, tr.o * ldw);
+            const float *sc = raw_scales(p, tr.o);
+            for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_AVX2) {
+                const int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
+                mk_avx2_any(T, MK_R, p->w_dtype, p->x + (size_t)t * n_in, n_in, n_in, w,
+                            tr.step * ldw, tr.next * ldw, !p->batch_invariant, out);
+                for (int tt = 0; tt < T; tt++)
+                    for (int r = 0; r < MK_R; r++)
+                        store_out(p, t + tt, tr.o + r * tr.step,
+                                  sc ? out[tt][r] * sc[r * tr.step] : out[tt][r]);
+            }
+        }
+        o = mt->o0 + MK_R * q;
+    }
     while (o < o_end) {
         int R = o_end - o >= MK_R ? MK_R : 1;
         enum moe_dtype wt = p->w_dtype;
@@ -1068,8 +1115,8 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
         }
         for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_AVX2) {
             int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
-            mk_avx2_any(T, R, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, !p->batch_invariant,
-                        out);
+            mk_avx2_any(T, R, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, R * ldw,
+                        !p->batch_invariant, out);
             store_tile_avx2(p, t, T, o, R, sc, out);
         }
         o += R;
@@ -1163,12 +1210,12 @@ AVX2_TARGET static inline __attribute__((always_inline)) int32_t hsum256_epi32(_
 }
 
 /* T tokens (quantized rows xq and |xq|, ldq apart) x R rows of int8 weights
- * w (ldw apart): exact int32 sums into out; the next tile's rows (after
- * these R) prefetched into L2 as far ahead as this one has read (as in
- * mk_avx2). */
+ * w (ldw apart): exact int32 sums into out; the next tile's rows (pf bytes
+ * on from these) prefetched into L2 as far ahead as this one has read (as
+ * in mk_avx2). */
 AVX2_TARGET static inline __attribute__((always_inline)) void
 mk_w8a8_avx2(const int T, const int R, const int8_t *xq, const uint8_t *xa, int64_t ldq,
-             const int8_t *w, int64_t ldw, int n_in, int32_t out[MK_T][MK_R])
+             const int8_t *w, int64_t ldw, int64_t pf_off, int n_in, int32_t out[MK_T][MK_R])
 {
     __m256i acc[MK_T_W8][MK_R];
 #pragma GCC unroll 4
@@ -1177,7 +1224,7 @@ mk_w8a8_avx2(const int T, const int R, const int8_t *xq, const uint8_t *xa, int6
         for (int r = 0; r < R; r++)
             acc[t][r] = _mm256_setzero_si256();
     const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t *pf = w + R * ldw;
+    const int8_t *pf = w + pf_off;
     const int n32 = n_in / 32 * 32;
     for (int k = 0; k < n32; k += 32) {
         if (k % 64 == 0) {
@@ -1224,51 +1271,55 @@ mk_w8a8_avx2(const int T, const int R, const int8_t *xq, const uint8_t *xa, int6
 }
 
 AVX2_TARGET static void mk_w8a8_avx2_any(int T, int R, const int8_t *xq, const uint8_t *xa,
-                                         int64_t ldq, const int8_t *w, int64_t ldw, int n_in,
-                                         int32_t out[MK_T][MK_R])
+                                         int64_t ldq, const int8_t *w, int64_t ldw, int64_t pf_off,
+                                         int n_in, int32_t out[MK_T][MK_R])
 {
     if (T == 2 && R == 4)
-        mk_w8a8_avx2(2, 4, xq, xa, ldq, w, ldw, n_in, out);
+        mk_w8a8_avx2(2, 4, xq, xa, ldq, w, ldw, pf_off, n_in, out);
     else if (T == 1 && R == 4)
-        mk_w8a8_avx2(1, 4, xq, xa, ldq, w, ldw, n_in, out);
+        mk_w8a8_avx2(1, 4, xq, xa, ldq, w, ldw, pf_off, n_in, out);
     else if (T == 2 && R == 1)
-        mk_w8a8_avx2(2, 1, xq, xa, ldq, w, ldw, n_in, out);
+        mk_w8a8_avx2(2, 1, xq, xa, ldq, w, ldw, pf_off, n_in, out);
     else if (T == 1 && R == 1)
-        mk_w8a8_avx2(1, 1, xq, xa, ldq, w, ldw, n_in, out);
+        mk_w8a8_avx2(1, 1, xq, xa, ldq, w, ldw, pf_off, n_in, out);
     else
         MOE_ASSERT(0 && "mk_w8a8_avx2_any: unsupported tile");
 }
 
 /* A task of the W8A8 path: y = sum * (sx_t * w_scale_o), the VNNI path's
- * arithmetic (matmul_dot.c, stream_rows). */
+ * arithmetic (matmul_dot.c, stream_rows), on tile_rows' tiles; the rows
+ * left over (no % 4) one at a time. */
 AVX2_TARGET static void tile_avx2_w8a8(const struct mm_tile *mt, const struct w8_act *a)
 {
     const struct moe_matmul_params *p = mt->p;
     int32_t out[MK_T][MK_R];
-    const int o_end = mt->o0 + mt->no;
-    for (int o = mt->o0; o < o_end;) {
-        const int R = o_end - o >= MK_R ? MK_R : 1;
-        const int8_t *w = (const int8_t *)p->w + (int64_t)o * p->ldw;
+    const int q = mt->no / MK_R, o_end = mt->o0 + mt->no;
+    const int64_t ldw = p->ldw;
+    for (int i = 0; i < q; i++) {
+        const struct tile_rows tr = tile_rows(mt, i);
+        const int8_t *w = (const int8_t *)p->w + (int64_t)tr.o * ldw;
+        float ws[MK_R];
+        for (int r = 0; r < MK_R; r++)
+            ws[r] = p->w_scale[tr.o + r * tr.step];
         for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_W8) {
             const int T = mt->t0 + mt->nt - t < MK_T_W8 ? mt->t0 + mt->nt - t : MK_T_W8;
-            mk_w8a8_avx2_any(T, R, a->xq + (size_t)t * a->ldq, a->xa + (size_t)t * a->ldq, a->ldq,
-                             w, p->ldw, p->n_in, out);
-            if (R == MK_R) { /* the scalar loop's arithmetic, four outputs at a time */
-                const __m128 ws = _mm_loadu_ps(p->w_scale + o);
-                for (int tt = 0; tt < T; tt++) {
-                    float *y = p->y + (size_t)(t + tt) * p->n_out + o;
-                    __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(_mm_loadu_si128((__m128i *)out[tt])),
-                                          _mm_mul_ps(_mm_set1_ps(a->sx[t + tt]), ws));
-                    _mm_storeu_ps(y, p->accumulate ? _mm_add_ps(_mm_loadu_ps(y), v) : v);
-                }
-                continue;
-            }
+            mk_w8a8_avx2_any(T, MK_R, a->xq + (size_t)t * a->ldq, a->xa + (size_t)t * a->ldq,
+                             a->ldq, w, tr.step * ldw, tr.next * ldw, p->n_in, out);
             for (int tt = 0; tt < T; tt++)
-                for (int r = 0; r < R; r++)
-                    store_out(p, t + tt, o + r,
-                              (float)out[tt][r] * (a->sx[t + tt] * p->w_scale[o + r]));
+                for (int r = 0; r < MK_R; r++)
+                    store_out(p, t + tt, tr.o + r * tr.step,
+                              (float)out[tt][r] * (a->sx[t + tt] * ws[r]));
         }
-        o += R;
+    }
+    for (int o = mt->o0 + MK_R * q; o < o_end; o++) {
+        const int8_t *w = (const int8_t *)p->w + (int64_t)o * ldw;
+        for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_W8) {
+            const int T = mt->t0 + mt->nt - t < MK_T_W8 ? mt->t0 + mt->nt - t : MK_T_W8;
+            mk_w8a8_avx2_any(T, 1, a->xq + (size_t)t * a->ldq, a->xa + (size_t)t * a->ldq, a->ldq,
+                             w, ldw, ldw, p->n_in, out);
+            for (int tt = 0; tt < T; tt++)
+                store_out(p, t + tt, o, (float)out[tt][0] * (a->sx[t + tt] * p->w_scale[o]));
+        }
     }
     _mm256_zeroupper(); /* see tile_avx2_packed */
 }
