@@ -711,25 +711,6 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m128 hsum256_x4(const
     return _mm_blend_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1), 0xa);
 }
 
-/* store_tile for the AVX2 tiles: a tile of four rows four outputs at a time,
- * in store_tile's arithmetic. */
-AVX2_TARGET static inline void store_tile_avx2(const struct moe_matmul_params *p, int t, int T,
-                                               int o, int R, const float *scale,
-                                               float out[MK_T][MK_R])
-{
-    if (R != MK_R) {
-        store_tile(p, t, T, o, R, scale, out);
-        return;
-    }
-    for (int tt = 0; tt < T; tt++) {
-        float *y = p->y + (size_t)(t + tt) * p->n_out + o;
-        __m128 v = _mm_loadu_ps(out[tt]);
-        if (scale)
-            v = _mm_mul_ps(v, _mm_loadu_ps(scale));
-        _mm_storeu_ps(y, p->accumulate ? _mm_add_ps(_mm_loadu_ps(y), v) : v);
-    }
-}
-
 /* The rows of a task's 4-row tile i on the AVX2 tiles: o, o + step, o + 2
  * step, o + 3 step; the next tile's first row is `next` rows on. A task of
  * few tokens (decode) reads its rows as four streams a quarter of it apart
@@ -747,9 +728,10 @@ struct tile_rows {
     int o, step, next;
 };
 
-static inline struct tile_rows tile_rows(const struct mm_tile *mt, int i)
+/* `streams`: the caller's kind of tile may take the four streams. */
+static inline struct tile_rows tile_rows(const struct mm_tile *mt, int i, bool streams)
 {
-    if (mt->nt <= STREAM_MAX_TOK)
+    if (streams && mt->nt <= STREAM_MAX_TOK)
         return (struct tile_rows){.o = mt->o0 + i, .step = mt->no / MK_R, .next = 1};
     return (struct tile_rows){.o = mt->o0 + MK_R * i, .step = 1, .next = MK_R};
 }
@@ -1079,35 +1061,41 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
     float out[MK_T][MK_R];
     int o = mt->o0;
     const int o_end = mt->o0 + mt->no;
-    if (!widen) {
-        /* tile_rows' tiles, in store_tile's arithmetic; then the rows left
-         * over (no % 4) one at a time below */
-        const int q = mt->no / MK_R;
-        const int64_t ldw = p->ldw;
-        for (int i = 0; i < q; i++) {
-            const struct tile_rows tr = tile_rows(mt, i);
-            const void *w = w_at(p->w_dtype, p->w, tr.o * ldw);
-            const float *sc = raw_scales(p, tr.o);
-            for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_AVX2) {
-                const int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
-                mk_avx2_any(T, MK_R, p->w_dtype, p->x + (size_t)t * n_in, n_in, n_in, w,
-                            tr.step * ldw, tr.next * ldw, !p->batch_invariant, out);
-                for (int tt = 0; tt < T; tt++)
-                    for (int r = 0; r < MK_R; r++)
-                        store_out(p, t + tt, tr.o + r * tr.step,
-                                  sc ? out[tt][r] * sc[r * tr.step] : out[tt][r]);
-            }
+    /* tile_rows' tiles, in store_tile's arithmetic; then the rows left over
+     * (no % 4) one at a time below. int4 tiles, bound by widening rather
+     * than by reading, keep consecutive rows: on the four streams the
+     * benchmark model's decode was slower (one sequence 67 -> 48 tok/s). */
+    const int q = mt->no / MK_R;
+    for (int i = 0; i < q; i++) {
+        const struct tile_rows tr = tile_rows(mt, i, !widen);
+        enum moe_dtype wt = p->w_dtype;
+        const void *w = w_at(wt, p->w, tr.o * p->ldw);
+        int64_t ldw = tr.step * p->ldw, pf_off = tr.next * p->ldw;
+        const float *sc = raw_scales(p, tr.o);
+        if (widen) { /* tr.step is 1 */
+            widen_q4_rows_avx2(p, tr.o, MK_R, mt->scratch);
+            wt = MOE_DTYPE_F32;
+            w = mt->scratch;
+            ldw = pf_off = n_in;
         }
-        o = mt->o0 + MK_R * q;
+        for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_AVX2) {
+            const int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
+            mk_avx2_any(T, MK_R, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, pf_off,
+                        !p->batch_invariant, out);
+            for (int tt = 0; tt < T; tt++)
+                for (int r = 0; r < MK_R; r++)
+                    store_out(p, t + tt, tr.o + r * tr.step,
+                              sc ? out[tt][r] * sc[r * tr.step] : out[tt][r]);
+        }
     }
-    while (o < o_end) {
-        int R = o_end - o >= MK_R ? MK_R : 1;
+    o = mt->o0 + MK_R * q;
+    for (; o < o_end; o++) {
         enum moe_dtype wt = p->w_dtype;
         const void *w = w_at(wt, p->w, o * p->ldw);
         int64_t ldw = p->ldw;
         const float *sc = raw_scales(p, o);
         if (widen) {
-            widen_q4_rows_avx2(p, o, R, mt->scratch);
+            widen_q4_rows_avx2(p, o, 1, mt->scratch);
             wt = MOE_DTYPE_F32;
             w = mt->scratch;
             ldw = n_in;
@@ -1115,11 +1103,10 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
         }
         for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_AVX2) {
             int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
-            mk_avx2_any(T, R, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, R * ldw,
+            mk_avx2_any(T, 1, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, ldw,
                         !p->batch_invariant, out);
-            store_tile_avx2(p, t, T, o, R, sc, out);
+            store_tile(p, t, T, o, 1, sc, out);
         }
-        o += R;
     }
     _mm256_zeroupper(); /* see tile_avx2_packed */
 }
@@ -1296,7 +1283,7 @@ AVX2_TARGET static void tile_avx2_w8a8(const struct mm_tile *mt, const struct w8
     const int q = mt->no / MK_R, o_end = mt->o0 + mt->no;
     const int64_t ldw = p->ldw;
     for (int i = 0; i < q; i++) {
-        const struct tile_rows tr = tile_rows(mt, i);
+        const struct tile_rows tr = tile_rows(mt, i, true);
         const int8_t *w = (const int8_t *)p->w + (int64_t)tr.o * ldw;
         float ws[MK_R];
         for (int r = 0; r < MK_R; r++)
