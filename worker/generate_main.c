@@ -414,6 +414,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
         .forward_ids = group && !group->dp, /* dp_forward gathers logits */
+        .backend_sampling = be->device != MOE_DEVICE_CPU,
     };
     /* a block holds the model's K/V and, with a draft, the draft's */
     size_t block_bytes =

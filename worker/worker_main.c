@@ -451,6 +451,7 @@ static enum moe_status start_engine(struct worker_run *r)
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
         .forward_ids = group && !group->dp, /* dp_forward gathers logits */
+        .backend_sampling = r->be->device != MOE_DEVICE_CPU,
     };
     struct moe_engine_opts *eo = &r->eo;
     const char *name = strrchr(a->model, '/');

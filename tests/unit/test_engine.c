@@ -317,6 +317,69 @@ static void test_greedy_ids(void)
            same, N, ids_steps[0], ids_steps[2], logit_steps[2]);
 }
 
+/* backend_sampling: rows sampled with temperature and top_p alone are drawn
+ * by the backend's sample_top_p (here the CPU's) from the request's own
+ * stream: seeded sequences (several temperatures and top_p values, greedy
+ * ones beside them) give the host sampler's tokens, and every step took
+ * the ids path; a top_k request in the batch (the host's to sample) brings
+ * the logits back for that batch and changes no other sequence's tokens. */
+static void test_backend_sampling(void)
+{
+    enum { N = 8, OUT = 12 };
+    static const float temps[N] = {0.8f, 0.0f, 1.2f, 0.7f, 1.0f, 0.0f, 0.9f, 2.0f};
+    static const float top_ps[N] = {1.0f, 1.0f, 0.9f, 0.5f, 0.95f, 0.3f, 1.0f, 0.8f};
+    int32_t prompts[N][40];
+    for (int i = 0; i < N; i++)
+        make_prompt(70 + i, 4 + 3 * i, prompts[i]);
+    struct moe_error err = {0};
+    static struct capture runs[4]; /* host, backend; with a top_k request: host, backend */
+    int ids_steps[4], logit_steps[4];
+    for (int run = 0; run < 4; run++) {
+        memset(&runs[run], 0, sizeof runs[run]);
+        struct moe_engine_opts o = {.n_block = 128,
+                                    .forward = counting_forward,
+                                    .forward_ids = true,
+                                    .host_sampling = run % 2 == 0,
+                                    .backend_sampling = run % 2 == 1};
+        struct moe_engine *e = NULL;
+        CHECKF(moe_engine_create(model, NULL, &o, &e, &err) == MOE_OK, "%s", err.msg);
+        g_id_steps = g_logit_steps = 0;
+        for (int i = 0; i < N; i++) {
+            struct moe_request_params q;
+            moe_request_params_init(&q);
+            q.max_tokens = OUT;
+            q.ignore_eos = true;
+            q.sp.temperature = temps[i];
+            q.sp.top_p = top_ps[i];
+            q.has_seed = true;
+            q.seed = 1000 + (uint64_t)i;
+            if (run >= 2 && i == 4)
+                q.sp.top_k = 5;
+            CHECK(moe_engine_submit(e, (uint64_t)i, prompts[i], 4 + 3 * i, &q, on_token,
+                                    &runs[run], &err) == MOE_OK);
+        }
+        run_to_end(e);
+        moe_engine_destroy(e);
+        ids_steps[run] = g_id_steps;
+        logit_steps[run] = g_logit_steps;
+    }
+    for (int pair = 0; pair < 4; pair += 2) {
+        int same = 0;
+        for (int i = 0; i < N; i++)
+            same += runs[pair].n[i] == OUT && runs[pair + 1].n[i] == OUT &&
+                    !memcmp(runs[pair].tokens[i], runs[pair + 1].tokens[i], sizeof(int32_t) * OUT);
+        CHECKF(same == N, "%s: backend-sampled tokens equal the host's for %d of %d sequences",
+               pair ? "with a top_k request" : "temperature and top_p", same, N);
+    }
+    CHECKF(ids_steps[1] > 0 && logit_steps[1] == 0,
+           "backend sampling: %d id steps, %d logit steps", ids_steps[1], logit_steps[1]);
+    CHECKF(ids_steps[0] == 0, "host sampling: %d id steps", ids_steps[0]);
+    CHECKF(logit_steps[3] > 0, "a top_k request in the batch: %d logit steps", logit_steps[3]);
+    printf("backend sampling: %d sequences (6 sampled) equal to host sampling, %d id steps; with a "
+           "top_k request %d id / %d logit steps\n",
+           N, ids_steps[1], ids_steps[3], logit_steps[3]);
+}
+
 static void test_preemption(void)
 {
     enum { N = 8, OUT = 24 };
@@ -1011,6 +1074,7 @@ int main(void)
     test_logprobs_and_penalties();
     test_batch_equals_alone();
     test_greedy_ids();
+    test_backend_sampling();
     test_preemption();
     test_prefix_cache();
     test_seeded_sampling();

@@ -111,6 +111,9 @@ struct moe_engine {
     int cap_logits;
     int32_t *ids; /* greedy steps: each logit row's argmax (moe_batch.argmax_out) */
     int cap_ids;
+    float *s_temp, *s_top_p; /* backend_sampling: moe_batch.sample_temp, sample_top_p, */
+    double *s_u;             /* sample_u */
+    int cap_s_temp, cap_s_top_p, cap_s_u;
     void *sample_work;
 
     pthread_mutex_t mu; /* guards everything below */
@@ -306,6 +309,9 @@ void moe_engine_destroy(struct moe_engine *e)
     free(e->b_tables);
     free(e->logits);
     free(e->ids);
+    free(e->s_temp);
+    free(e->s_top_p);
+    free(e->s_u);
     free(e->sample_work);
     moe_kv_cache_free(e->model, e->kv);
     kv_pool_destroy(e->pool);
@@ -1123,6 +1129,16 @@ static bool seq_greedy_only(const struct moe_engine *e, const struct seq *s)
            (!s->plp || plp_complete(s));
 }
 
+/* Drawn by the backend under backend_sampling (moe_engine_opts): temperature
+ * and top_p are all its sampling asks for. */
+static bool seq_backend_sampled(const struct moe_engine *e, const struct seq *s)
+{
+    const struct moe_sampler_params *sp = &s->params.sp;
+    return e->opts.backend_sampling && sp->top_k <= 0 && sp->min_p <= 0.0f &&
+           !moe_sampler_has_penalties(sp) && s->params.logprobs < 0 && !e->opts.logits_hook &&
+           !seq_below_min(s) && !s->params.n_logit_bias && (!s->plp || plp_complete(s));
+}
+
 /* Samples the next token of `s` from its logits row (or takes `id`, the
  * row's argmax computed by the backend, when row is NULL) and reports it.
  * Returns true when the sequence finished (it is then freed). */
@@ -1481,13 +1497,23 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
         decode_only &= e->sched[i].count - e->sched[i].n_draft == 1 &&
                        e->sched[i].start == e->sched[i].s->n_tokens - 1;
     int vocab = e->cfg->vocab_size;
-    /* ids only: every row greedy and nothing else of the logits needed */
+    /* ids only: every row greedy (or drawn by the backend) and nothing else
+     * of the logits needed */
     bool ids = (!e->opts.forward || e->opts.forward_ids) && !e->opts.host_sampling;
-    for (int i = 0; ids && i < n_sched; i++)
-        ids = !e->sched[i].n_draft && seq_greedy_only(e, e->sched[i].s);
+    bool drawn = false; /* some row sampled by the backend */
+    for (int i = 0; ids && i < n_sched; i++) {
+        const struct seq *s = e->sched[i].s;
+        bool greedy = seq_greedy_only(e, s);
+        ids = !e->sched[i].n_draft && (greedy || seq_backend_sampled(e, s));
+        drawn |= !greedy && entry_rows(&e->sched[i]);
+    }
+    drawn &= ids;
     if (!reserve_batch(e, n_tok, n_sched * max_blocks) ||
         !grow((void **)&e->logits, &e->cap_logits, ids ? 0 : n_rows * vocab, sizeof(float)) ||
-        !grow((void **)&e->ids, &e->cap_ids, n_rows, sizeof(int32_t)))
+        !grow((void **)&e->ids, &e->cap_ids, n_rows, sizeof(int32_t)) ||
+        (drawn && (!grow((void **)&e->s_temp, &e->cap_s_temp, n_rows, sizeof(float)) ||
+                   !grow((void **)&e->s_top_p, &e->cap_s_top_p, n_rows, sizeof(float)) ||
+                   !grow((void **)&e->s_u, &e->cap_s_u, n_rows, sizeof(double)))))
         return moe_error_set(err, MOE_ERR_NOMEM, "out of memory for a batch of %d tokens", n_tok);
     int t = 0;
     for (int i = 0; i < n_sched; i++) {
@@ -1504,8 +1530,17 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
             e->b_seq[t] = i;
             e->b_slots[t] = s->blocks[p / bs] * bs + p % bs;
         }
-        for (int r = entry_rows(en); r > 0; r--)
+        for (int r = entry_rows(en); r > 0; r--) {
+            if (drawn) { /* one row: the sequence's next token */
+                const struct moe_sampler_params *sp = &s->params.sp;
+                bool greedy = sp->temperature <= 0.0f;
+                e->s_temp[n_logits] = greedy ? 0.0f : sp->temperature;
+                e->s_top_p[n_logits] = sp->top_p;
+                /* the draw moe_sample would take from the stream */
+                e->s_u[n_logits] = greedy ? 0.0 : moe_rng_uniform(&en->s->rng);
+            }
             e->b_rows[n_logits++] = t - r;
+        }
     }
     struct moe_batch b = {
         .n_tok = n_tok,
@@ -1519,6 +1554,9 @@ enum moe_status moe_engine_step(struct moe_engine *e, int *n_tokens, struct moe_
         .n_logits = n_logits,
         .logit_rows = e->b_rows,
         .argmax_out = ids ? e->ids : NULL,
+        .sample_temp = drawn ? e->s_temp : NULL,
+        .sample_top_p = drawn ? e->s_top_p : NULL,
+        .sample_u = drawn ? e->s_u : NULL,
     };
     enum moe_status rc =
         e->opts.forward ? e->opts.forward(e->opts.forward_ctx, e->model, e->kv, &b, e->logits, err)

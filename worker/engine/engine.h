@@ -85,6 +85,14 @@ struct moe_engine_opts {
      * host_sampling turns that off. */
     bool forward_ids;
     bool host_sampling;
+    /* With the ids path: rows sampled with temperature and top_p alone (no
+     * top_k, min_p, penalties, logit_bias, min_tokens, logprobs) are drawn
+     * by the backend too (moe_batch.sample_u), each with the next uniform
+     * of its request's stream, the one the host sampler would take, so a
+     * seed gives the host's tokens (the backend sums the masses in fixed
+     * point: a boundary moves by at most ~vocab 2^-40 of the top mass).
+     * For a GPU (the mains set it there): the logits stay on the device. */
+    bool backend_sampling;
     moe_logits_hook logits_hook; /* optional */
     void *logits_hook_user;
 };

@@ -91,6 +91,7 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     ALLOC(block_tables, (size_t)(cap_tab > 0 ? cap_tab : 1), int32_t);
     ALLOC(logit_rows, n, int32_t);
     ALLOC(logit_ids, n, int32_t);
+    ALLOC(logit_u, n, double);
     if (c->mla) {
         struct mla_scratch *a = &s->mla;
         size_t H = (size_t)m->n_head_local, L = (size_t)c->kv_lora_rank, R = (size_t)c->d_head;
@@ -550,6 +551,29 @@ static enum moe_status check_batch(const struct moe_model *m, const struct moe_k
 static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
                                const struct moe_batch *b, float *logits, struct moe_error *err);
 
+/* moe_batch.sample_u: each run of rows with the same temperature and top_p
+ * drawn by one sample_top_p (argmax where the temperature is <= 0), into
+ * s->logit_ids. */
+static void sample_rows(struct moe_model *m, const struct moe_batch *b)
+{
+    struct moe_backend *be = m->be;
+    const struct moe_backend_ops *ops = be->ops;
+    struct scratch *s = &m->s;
+    const int V = m->cfg.vocab_size;
+    ops->buf_upload(be, s->logit_u, b->sample_u, (size_t)b->n_logits * sizeof(double));
+    for (int i = 0, j; i < b->n_logits; i = j) {
+        const float temp = b->sample_temp[i], top_p = b->sample_top_p[i];
+        for (j = i + 1; j < b->n_logits; j++)
+            if (b->sample_temp[j] != temp || (temp > 0.0f && b->sample_top_p[j] != top_p))
+                break;
+        if (temp > 0.0f)
+            ops->sample_top_p(be, s->logits + (size_t)i * V, j - i, V, temp, top_p,
+                              s->logit_u + i, s->logit_ids + i);
+        else
+            ops->argmax(be, s->logits + (size_t)i * V, j - i, V, s->logit_ids + i);
+    }
+}
+
 enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
                                   const struct moe_batch *b, float *logits, struct moe_error *err)
 {
@@ -614,8 +638,11 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
         ops->gather_rows(be, s->x, s->logit_rows, b->n_logits, c->d_model, s->h);
         ops->rmsnorm(be, s->h, m->final_norm, s->h, b->n_logits, c->d_model, c->rms_eps);
         matmul(m, s->h, b->n_logits, c->d_model, m->lm_head, c->vocab_size, s->logits, false);
-        if (b->argmax_out) { /* greedy: n ids come back instead of n x vocab floats */
-            ops->argmax(be, s->logits, b->n_logits, c->vocab_size, s->logit_ids);
+        if (b->argmax_out) { /* n ids come back instead of n x vocab floats */
+            if (b->sample_u)
+                sample_rows(m, b);
+            else
+                ops->argmax(be, s->logits, b->n_logits, c->vocab_size, s->logit_ids);
             ops->buf_download(be, b->argmax_out, s->logit_ids,
                               (size_t)b->n_logits * sizeof(int32_t));
         } else {
@@ -669,6 +696,7 @@ void moe_model_scratch_free(struct moe_model *m)
                    s->logit_rows,
                    s->logits,
                    s->logit_ids,
+                   s->logit_u,
                    s->rows_a,
                    s->rows_b,
                    s->rows_r,

@@ -171,6 +171,13 @@ struct moe_batch {
      * lower id) and only these ids come back; the logits are not written
      * (the forward's `logits` may be NULL). */
     int32_t *argmax_out;
+    /* With argmax_out, rows drawn instead of argmaxed, when not NULL (host,
+     * n_logits entries each): row r's id is the backend's sample_top_p of
+     * it with temperature sample_temp[r], top_p sample_top_p[r] and the
+     * caller's uniform draw sample_u[r] in [0, 1) (kernels/backend.h);
+     * rows with temperature <= 0 take the argmax. */
+    const float *sample_temp, *sample_top_p;
+    const double *sample_u;
 };
 
 enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,

@@ -100,6 +100,7 @@ struct scratch {
     int32_t *logit_rows;   /* (n) */
     float *logits;         /* (cap_logits, vocab) */
     int32_t *logit_ids;    /* (n) argmax of each logit row (moe_batch.argmax_out) */
+    double *logit_u;       /* (n) uniform draws of sampled rows (moe_batch.sample_u) */
     /* the MoE layer (moe_layer.c), sized for n * top_k items */
     float *rows_a;      /* (n*k, d_model) rows in send order, then grouped by expert */
     float *rows_b;      /* (n*k, d_model) expert outputs, grouped by expert */
