@@ -72,6 +72,7 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     ALLOC(q, n * m->q_dim, float);
     ALLOC(k, n * m->kv_dim, float);
     ALLOC(v, n * m->kv_dim, float);
+    ALLOC(qkv, n * (m->q_dim + 2 * (size_t)m->kv_dim), float);
     ALLOC(att, n * m->q_dim, float);
     ALLOC(o, n * c->d_model, float);
     ALLOC(ffn_out, (n + MOE_MAX_EP_RANKS) * c->d_model, float); /* + padding for all-gather */
@@ -242,9 +243,11 @@ static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache 
     int n = b->n_tok;
 
     ops->rmsnorm(m->be, s->x, w->attn_norm, s->h, n, c->d_model, c->rms_eps);
-    matmul(m, s->h, n, c->d_model, w->wq, m->q_dim, s->q, false);
-    matmul(m, s->h, n, c->d_model, w->wk, m->kv_dim, s->k, false);
-    matmul(m, s->h, n, c->d_model, w->wv, m->kv_dim, s->v, false);
+    const int qkv_dim = m->q_dim + 2 * m->kv_dim;
+    matmul(m, s->h, n, c->d_model, w->wqkv, qkv_dim, s->qkv, false);
+    ops->copy_cols(m->be, s->q, m->q_dim, s->qkv, qkv_dim, n, m->q_dim);
+    ops->copy_cols(m->be, s->k, m->kv_dim, s->qkv + m->q_dim, qkv_dim, n, m->kv_dim);
+    ops->copy_cols(m->be, s->v, m->kv_dim, s->qkv + m->q_dim + m->kv_dim, qkv_dim, n, m->kv_dim);
     if (w->bq) { /* y += b for every row: ones (n, 1) . b (dim, 1)^T, exact */
         matmul_dtype(m, MOE_DTYPE_F32, false, s->ones, n, 1, w->bq, m->q_dim, s->q, true);
         matmul_dtype(m, MOE_DTYPE_F32, false, s->ones, n, 1, w->bk, m->kv_dim, s->k, true);
@@ -675,6 +678,7 @@ void moe_model_scratch_free(struct moe_model *m)
     void *dev[] = {s->x,
                    s->h,
                    s->q,
+                   s->qkv,
                    s->k,
                    s->v,
                    s->att,

@@ -163,6 +163,48 @@ static enum moe_status load_block(struct loader *ld, const char *name, int64_t r
     return upload_weight(ld, name, host, bytes, out, err);
 }
 
+/* Layer l's q_proj, k_proj and v_proj, this rank's rows of each (from q0
+ * and kv0), stacked into one weight in the model's dtype: the forward pass
+ * reads the three in one matmul (a decode step's small matrices cost their
+ * calls more than their bytes). Rows are quantized one by one, so each
+ * holds what it would alone. */
+static enum moe_status load_qkv(struct loader *ld, int l, int64_t q0, int64_t kv0, void **out,
+                                struct moe_error *err)
+{
+    const struct moe_model *m = ld->m;
+    const struct moe_config *c = &m->cfg;
+    const int64_t d = c->d_model, dh = c->d_head;
+    const char *proj[3] = {"q_proj", "k_proj", "v_proj"};
+    const int64_t full[3] = {(int64_t)c->n_head * dh, (int64_t)c->n_kv_head * dh,
+                             (int64_t)c->n_kv_head * dh};
+    const int64_t row0[3] = {q0, kv0, kv0}, rows[3] = {m->q_dim, m->kv_dim, m->kv_dim};
+    const bool quant = m->opts.dtype == MOE_DTYPE_I8 || m->opts.dtype == MOE_DTYPE_I4;
+    const enum moe_dtype read_dtype = quant ? MOE_DTYPE_F32 : m->opts.dtype;
+    const size_t row_bytes = (size_t)d * moe_dtype_size(read_dtype);
+    const int64_t n_rows = rows[0] + rows[1] + rows[2];
+    char name[256];
+    char *host = malloc((size_t)n_rows * row_bytes);
+    if (!host)
+        return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading layer %d's q/k/v",
+                             ld->dir, l);
+    for (int i = 0, at = 0; i < 3; at += (int)rows[i], i++) {
+        const struct st_tensor *t;
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.%s.weight", l, proj[i]);
+        enum moe_status rc = find_tensor(ld, name, 2, full[i], d, &t, err);
+        if (!rc)
+            rc = st_read_block(t, row0[i], rows[i], 0, d, read_dtype, host + (size_t)at * row_bytes,
+                               err);
+        if (rc) {
+            free(host);
+            return rc;
+        }
+    }
+    snprintf(name, sizeof name, "model.layers.%d.self_attn.{q,k,v}_proj.weight", l);
+    if (quant)
+        return upload_quantized(ld, name, (float *)host, n_rows, d, out, err);
+    return upload_weight(ld, name, host, (size_t)n_rows * row_bytes, out, err);
+}
+
 /* A whole Linear weight (rows, cols), in the model's weight dtype (I8: quantized). */
 static enum moe_status load_matrix(struct loader *ld, const char *name, int64_t rows, int64_t cols,
                                    void **out, struct moe_error *err)
@@ -506,17 +548,7 @@ static enum moe_status load_layer(struct loader *ld, int l, struct moe_error *er
             return rc;
         goto ffn;
     }
-    NAME(name, "model.layers.%d.self_attn.q_proj.weight", l);
-    if ((rc = load_block(ld, name, (int64_t)c->n_head * dh, d, q0, m->q_dim, 0, d, m->opts.dtype,
-                         &w->wq, err)))
-        return rc;
-    NAME(name, "model.layers.%d.self_attn.k_proj.weight", l);
-    if ((rc = load_block(ld, name, (int64_t)c->n_kv_head * dh, d, kv0, m->kv_dim, 0, d,
-                         m->opts.dtype, &w->wk, err)))
-        return rc;
-    NAME(name, "model.layers.%d.self_attn.v_proj.weight", l);
-    if ((rc = load_block(ld, name, (int64_t)c->n_kv_head * dh, d, kv0, m->kv_dim, 0, d,
-                         m->opts.dtype, &w->wv, err)))
+    if ((rc = load_qkv(ld, l, q0, kv0, &w->wqkv, err)))
         return rc;
     NAME(name, "model.layers.%d.self_attn.o_proj.weight", l);
     if ((rc = load_block(ld, name, d, (int64_t)c->n_head * dh, 0, d, q0, m->q_dim, m->opts.dtype,
@@ -721,7 +753,12 @@ enum moe_status moe_model_load(const char *dir, const struct moe_model_opts *opt
         if (rc)
             goto fail;
     }
-    if ((c->mla || c->router_sigmoid) && (!be->ops->copy_cols || !be->ops->router_topk_grouped)) {
+    if (!be->ops->copy_cols) { /* attention splits its stacked q/k/v projection with it */
+        rc = moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: the %s backend has no copy_cols op", dir,
+                           be->name);
+        goto fail;
+    }
+    if ((c->mla || c->router_sigmoid) && !be->ops->router_topk_grouped) {
         rc = moe_error_set(err, MOE_ERR_UNSUPPORTED,
                            "%s: DeepSeek-V3 needs the latent-attention and grouped-routing ops, "
                            "which the %s backend does not have yet (use --device cpu)",
@@ -791,9 +828,7 @@ void moe_model_free(struct moe_model *m)
             struct layer_weights *w = &m->layers[l];
             FREE_BUF(w->attn_norm);
             FREE_BUF(w->ffn_norm);
-            FREE_BUF(w->wq);
-            FREE_BUF(w->wk);
-            FREE_BUF(w->wv);
+            FREE_BUF(w->wqkv);
             FREE_BUF(w->wo);
             FREE_BUF(w->q_norm);
             FREE_BUF(w->k_norm);

@@ -13,9 +13,8 @@
 struct layer_weights {
     float *attn_norm; /* (d_model) */
     float *ffn_norm;  /* (d_model) */
-    void *wq;         /* (n_head_local*d_head, d_model) */
-    void *wk;         /* (n_kv_head_local*d_head, d_model) */
-    void *wv;         /* (n_kv_head_local*d_head, d_model) */
+    void *wqkv;       /* (q_dim + 2 kv_dim, d_model): this rank's q_proj, k_proj and v_proj rows,
+                         stacked (one matmul for the three) */
     void *wo;         /* (d_model, n_head_local*d_head): column slice of o_proj */
     float *q_norm;    /* (d_head), Qwen3; (n_head*d_head), OLMoE */
     float *k_norm;    /* (d_head), Qwen3; (n_kv_head*d_head), OLMoE */
@@ -100,6 +99,7 @@ struct scratch {
     int32_t *logit_rows;   /* (n) */
     float *logits;         /* (cap_logits, vocab) */
     int32_t *logit_ids;    /* (n) argmax of each logit row (moe_batch.argmax_out) */
+    float *qkv;            /* (n, q_dim + 2 kv_dim): the stacked q/k/v projection */
     double *logit_u;       /* (n) uniform draws of sampled rows (moe_batch.sample_u) */
     /* the MoE layer (moe_layer.c), sized for n * top_k items */
     float *rows_a;      /* (n*k, d_model) rows in send order, then grouped by expert */
