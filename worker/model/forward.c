@@ -570,8 +570,8 @@ static void sample_rows(struct moe_model *m, const struct moe_batch *b)
             if (b->sample_temp[j] != temp || (temp > 0.0f && b->sample_top_p[j] != top_p))
                 break;
         if (temp > 0.0f)
-            ops->sample_top_p(be, s->logits + (size_t)i * V, j - i, V, temp, top_p,
-                              s->logit_u + i, s->logit_ids + i);
+            ops->sample_top_p(be, s->logits + (size_t)i * V, j - i, V, temp, top_p, s->logit_u + i,
+                              s->logit_ids + i);
         else
             ops->argmax(be, s->logits + (size_t)i * V, j - i, V, s->logit_ids + i);
     }
