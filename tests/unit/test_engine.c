@@ -355,8 +355,8 @@ static void test_backend_sampling(void)
             q.seed = 1000 + (uint64_t)i;
             if (run >= 2 && i == 4)
                 q.sp.top_k = 5;
-            CHECK(moe_engine_submit(e, (uint64_t)i, prompts[i], 4 + 3 * i, &q, on_token,
-                                    &runs[run], &err) == MOE_OK);
+            CHECK(moe_engine_submit(e, (uint64_t)i, prompts[i], 4 + 3 * i, &q, on_token, &runs[run],
+                                    &err) == MOE_OK);
         }
         run_to_end(e);
         moe_engine_destroy(e);
@@ -371,8 +371,8 @@ static void test_backend_sampling(void)
         CHECKF(same == N, "%s: backend-sampled tokens equal the host's for %d of %d sequences",
                pair ? "with a top_k request" : "temperature and top_p", same, N);
     }
-    CHECKF(ids_steps[1] > 0 && logit_steps[1] == 0,
-           "backend sampling: %d id steps, %d logit steps", ids_steps[1], logit_steps[1]);
+    CHECKF(ids_steps[1] > 0 && logit_steps[1] == 0, "backend sampling: %d id steps, %d logit steps",
+           ids_steps[1], logit_steps[1]);
     CHECKF(ids_steps[0] == 0, "host sampling: %d id steps", ids_steps[0]);
     CHECKF(logit_steps[3] > 0, "a top_k request in the batch: %d logit steps", logit_steps[3]);
     printf("backend sampling: %d sequences (6 sampled) equal to host sampling, %d id steps; with a "
