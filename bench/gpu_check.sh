@@ -17,6 +17,8 @@
 #             permute, grouped_matmul, latent attention, grouped routing, ...)
 #   golden    Mixtral, Qwen3-MoE and DeepSeek-V3 prompts with --device cuda, f32 and
 #             bf16: prompt logits (max rel err <= 1e-4) and 32-token greedy paths
+#   sampling  8 seeded requests (temperatures, top_p values, one greedy) drawn on the
+#             device and with --host-sampling: the same tokens
 #   copy      device copy bandwidth (bench-copy-gpu): the roofline
 #   decode    the benchmark shape (bench-moe-640M: Mixtral layout, bf16) at batch
 #             1, 8, 64 and 128: the steady-state decode step (median after warm-up,
@@ -207,6 +209,36 @@ done
 row "golden ($DEVICE, 3 models x 2 dtypes x 4)" \
   "$([ $g_fail = 0 ] && echo PASS || echo FAIL) ($g_ok ok, $g_fail failed, $g_skip skipped by the deadline)" \
   "{\"ok\": $g_ok, \"failed\": $g_fail, \"skipped\": $g_skip}"
+
+# ---- sampling on the device -------------------------------------------------------------
+# Seeded requests at several temperatures / top_p values (and a greedy one) drawn on the
+# device (the default there: moe_engine_opts.backend_sampling) and on the host
+# (--host-sampling): the same forward, the same per-request streams, so the same tokens.
+phase "sampled decode: device draws vs host draws"
+if fits 30; then
+  dir=$ROOT/tests/golden/fixtures/mixtral
+  : >"$WORK/sampled.jsonl"
+  for i in 0 1 2 3 4 5 6 7; do
+    t=$([ $i = 7 ] && echo 0 || echo "0.$((5 + i % 5))")
+    echo "{\"tokens\": [$((3 + i)), $((9 + i)), $((20 + i))], \"max_tokens\": 24, \"temperature\": $t, \"top_p\": 0.$((7 + i % 3)), \"seed\": $((100 + i))}" >>"$WORK/sampled.jsonl"
+  done
+  for mode in device host; do
+    flag=()
+    [ $mode = host ] && flag=(--host-sampling)
+    timeout "$(cap 30)" "$BIN/moe-generate" --model "$dir" --prompts-file "$WORK/sampled.jsonl" \
+      --device "$DEVICE" --dtype bf16 --ignore-eos --print-outputs "${flag[@]}" >"$WORK/samp_$mode.log" 2>&1
+  done
+  sd=$(grep '^request' "$WORK/samp_device.log"); sh=$(grep '^request' "$WORK/samp_host.log")
+  if [ -n "$sd" ] && [ "$sd" = "$sh" ]; then
+    row "sampled decode (device vs host draws)" "PASS (8 seeded requests, the same tokens)" "{\"pass\": true}"
+  else
+    row "sampled decode (device vs host draws)" "FAIL" "{\"pass\": false}"
+    diff <(echo "$sd") <(echo "$sh") | head -6
+    tail -2 "$WORK/samp_device.log"
+  fi
+else
+  skipped "sampled decode" "deadline"
+fi
 
 # ---- copy bandwidth ------------------------------------------------------------------
 phase "device copy bandwidth"

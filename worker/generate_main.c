@@ -58,6 +58,7 @@ struct args {
     bool spec_cost; /* --spec-policy cost */
     const char *draft_model;
     bool print_outputs;
+    bool host_sampling;
     /* worker group under mpirun */
     int tp;
     bool dp_attention;
@@ -121,6 +122,8 @@ static void usage(FILE *f)
            "                      recent guesses were kept; cost: only the guesses that\n"
            "                      raise throughput at the measured step and draft costs\n"
            "  --print-outputs     print every request's tokens (and text)\n"
+           "  --host-sampling     sample on the host (default on a GPU: greedy and\n"
+           "                      temperature / top_p rows drawn on the device)\n"
            "quality meter (definitions in the README):\n"
            "  --perplexity FILE   perplexity of the text in FILE, in windows of --ctx tokens\n"
            "  --ctx N             window length (default 512, at most max_position_embeddings)\n"
@@ -247,6 +250,7 @@ static int parse_args(int argc, char **argv, struct args *a)
         {"--exact", &a->exact},
         {"--batch-invariant", &a->batch_invariant},
         {"--print-outputs", &a->print_outputs},
+        {"--host-sampling", &a->host_sampling},
         {"--dp-attention", &a->dp_attention},
     };
     const struct str_opt strs[] = {
@@ -415,6 +419,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
         .forward_ctx = group,
         .forward_ids = group && !group->dp, /* dp_forward gathers logits */
         .backend_sampling = be->device != MOE_DEVICE_CPU,
+        .host_sampling = a->host_sampling,
     };
     /* a block holds the model's K/V and, with a draft, the draft's */
     size_t block_bytes =
