@@ -159,14 +159,15 @@ static inline void store_out(const struct moe_matmul_params *p, int t, int o, fl
     *y = p->accumulate ? *y + v : v;
 }
 
-/* Stores a T x R register tile at (t, o). `scale` (R row scales) is non-NULL
- * when the tile was computed on raw int8 values and still needs them. */
+/* Stores a T x R register tile at (t, o) whose rows are o, o + step, ...
+ * `scale` (the row scales from row o on) is non-NULL when the tile was
+ * computed on raw int8 values and still needs them. */
 static inline void store_tile(const struct moe_matmul_params *p, int t, int T, int o, int R,
-                              const float *scale, float out[MK_T][MK_R])
+                              int step, const float *scale, float out[MK_T][MK_R])
 {
     for (int tt = 0; tt < T; tt++)
         for (int r = 0; r < R; r++)
-            store_out(p, t + tt, o + r, scale ? out[tt][r] * scale[r] : out[tt][r]);
+            store_out(p, t + tt, o + r * step, scale ? out[tt][r] * scale[r * step] : out[tt][r]);
 }
 
 /* Row scales a tile computed on raw weights at row o must apply. */
@@ -242,7 +243,7 @@ static void tile_scalar(const struct mm_tile *mt)
         for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T) {
             int T = mt->t0 + mt->nt - t < MK_T ? mt->t0 + mt->nt - t : MK_T;
             mk_scalar_f32(T, R, p->x + (size_t)t * n_in, n_in, w, ldw, acc);
-            store_tile(p, t, T, o, R, NULL, acc);
+            store_tile(p, t, T, o, R, 1, NULL, acc);
         }
     }
 }
@@ -630,7 +631,7 @@ AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
             for (int oo = o; oo < o + R;) {
                 int RR = o + R - oo >= MK_R ? MK_R : 1;
                 mk_tile_avx512(T, RR, p, p->x + (size_t)t * n_in, oo, out);
-                store_tile(p, t, T, oo, RR, raw_scales(p, oo), out);
+                store_tile(p, t, T, oo, RR, 1, raw_scales(p, oo), out);
                 oo += RR;
             }
         }
@@ -659,7 +660,7 @@ AVX512_TARGET static void tile_avx512(const struct mm_tile *mt)
         for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T) {
             int T = mt->t0 + mt->nt - t < MK_T ? mt->t0 + mt->nt - t : MK_T;
             mk_tile_avx512(T, R, p, p->x + (size_t)t * n_in, o, out);
-            store_tile(p, t, T, o, R, sc, out);
+            store_tile(p, t, T, o, R, 1, sc, out);
         }
         o += R;
     }
@@ -1061,7 +1062,7 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
     float out[MK_T][MK_R];
     int o = mt->o0;
     const int o_end = mt->o0 + mt->no;
-    /* tile_rows' tiles, in store_tile's arithmetic; then the rows left over
+    /* tile_rows' tiles; then the rows left over
      * (no % 4) one at a time below. int4 tiles, bound by widening rather
      * than by reading, keep consecutive rows: on the four streams the
      * benchmark model's decode was slower (one sequence 67 -> 48 tok/s). */
@@ -1082,10 +1083,7 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
             const int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
             mk_avx2_any(T, MK_R, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, pf_off,
                         !p->batch_invariant, out);
-            for (int tt = 0; tt < T; tt++)
-                for (int r = 0; r < MK_R; r++)
-                    store_out(p, t + tt, tr.o + r * tr.step,
-                              sc ? out[tt][r] * sc[r * tr.step] : out[tt][r]);
+            store_tile(p, t, T, tr.o, MK_R, tr.step, sc, out);
         }
     }
     o = mt->o0 + MK_R * q;
@@ -1105,7 +1103,7 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
             int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
             mk_avx2_any(T, 1, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, ldw,
                         !p->batch_invariant, out);
-            store_tile(p, t, T, o, 1, sc, out);
+            store_tile(p, t, T, o, 1, 1, sc, out);
         }
     }
     _mm256_zeroupper(); /* see tile_avx2_packed */

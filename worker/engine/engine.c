@@ -1118,15 +1118,20 @@ static void mask_stop_ids(const struct moe_engine *e, const struct seq *s, float
             row[e->cfg->eos_ids[i]] = -INFINITY;
 }
 
-/* True when `s`'s next token is its logits' argmax and nothing else of the
- * row is needed: greedy, no penalties, no logprobs, no logits hook, no ids
- * to mask for min_tokens. */
-static bool seq_greedy_only(const struct moe_engine *e, const struct seq *s)
+/* True when nothing of `s`'s logits row is needed but its next token: no
+ * penalties or logit_bias to apply, no ids to mask for min_tokens, no
+ * logprobs, no logits hook, no prompt logprobs left to read. */
+static bool seq_token_only(const struct moe_engine *e, const struct seq *s)
 {
     const struct moe_request_params *p = &s->params;
-    return p->sp.temperature <= 0.0f && !moe_sampler_has_penalties(&p->sp) && p->logprobs < 0 &&
-           !e->opts.logits_hook && !seq_below_min(s) && !p->n_logit_bias &&
-           (!s->plp || plp_complete(s));
+    return !moe_sampler_has_penalties(&p->sp) && p->logprobs < 0 && !e->opts.logits_hook &&
+           !seq_below_min(s) && !p->n_logit_bias && (!s->plp || plp_complete(s));
+}
+
+/* The next token is the logits' argmax and nothing else of the row is needed. */
+static bool seq_greedy_only(const struct moe_engine *e, const struct seq *s)
+{
+    return s->params.sp.temperature <= 0.0f && seq_token_only(e, s);
 }
 
 /* Drawn by the backend under backend_sampling (moe_engine_opts): temperature
@@ -1134,9 +1139,7 @@ static bool seq_greedy_only(const struct moe_engine *e, const struct seq *s)
 static bool seq_backend_sampled(const struct moe_engine *e, const struct seq *s)
 {
     const struct moe_sampler_params *sp = &s->params.sp;
-    return e->opts.backend_sampling && sp->top_k <= 0 && sp->min_p <= 0.0f &&
-           !moe_sampler_has_penalties(sp) && s->params.logprobs < 0 && !e->opts.logits_hook &&
-           !seq_below_min(s) && !s->params.n_logit_bias && (!s->plp || plp_complete(s));
+    return e->opts.backend_sampling && sp->top_k <= 0 && sp->min_p <= 0.0f && seq_token_only(e, s);
 }
 
 /* Samples the next token of `s` from its logits row (or takes `id`, the
