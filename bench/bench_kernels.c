@@ -15,8 +15,9 @@
  * tiles alone, bf16 reported as skipped), the paths alternated within each
  * cell, best of 5, and their ratio.
  *
- * usage: bench-kernels [--quick | --argmax | --fast]   (--quick: fewer repetitions, no scalar
- *        GEMM; --argmax: only the host argmax cells; --fast: only the fast-path cells) */
+ * usage: bench-kernels [--quick | --argmax | --fast [bf16|int8]]   (--quick: fewer repetitions,
+ *        no scalar GEMM; --argmax: only the host argmax cells; --fast: only the fast-path cells,
+ *        of one type if named) */
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -148,7 +149,8 @@ static void bench_argmax(bool quick)
 
 /* The fast paths side by side: for each cell, every path this machine has,
  * alternated five times, the best time of each. */
-static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_backend **be)
+static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_backend **be,
+                      const char *only)
 {
     unsigned have = cpu_kernels_detect_features();
     const unsigned amx = CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8;
@@ -173,6 +175,8 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
     printf("%s\n", n_sets == 2 ? "  AMX/AVX512" : "");
     for (size_t d = 0; d < 2; d++) {
         enum moe_dtype dt = dts[d];
+        if (only && strcmp(only, dt == MOE_DTYPE_I8 ? "int8" : "bf16") != 0)
+            continue;
         if (strcmp(cpu_matmul_fast_path(dt), "f32-fma") == 0)
             printf("%-5s (no dot-product path on this processor: the f32-FMA tiles)\n",
                    moe_dtype_name(dt));
@@ -249,6 +253,11 @@ int main(int argc, char **argv)
     }
     if (argc > 1 && strcmp(argv[1], "--fast") == 0) {
         cpu_kernels_env();
+        const char *only = argc > 2 ? argv[2] : NULL;
+        if (only && strcmp(only, "bf16") != 0 && strcmp(only, "int8") != 0) {
+            fprintf(stderr, "bench-kernels --fast: type '%s' is not bf16 or int8\n", only);
+            return 2;
+        }
         int rc = 0;
         if (strcmp(cpu_matmul_fast_path(MOE_DTYPE_BF16), "f32-fma") == 0 &&
             strcmp(cpu_matmul_fast_path(MOE_DTYPE_I8), "f32-fma") == 0) {
@@ -256,7 +265,7 @@ int main(int argc, char **argv)
                    "VNNI or AVX2 W8A8)\n");
             rc = 1;
         } else {
-            rc = bench_fast(shapes, sizeof shapes / sizeof shapes[0], be);
+            rc = bench_fast(shapes, sizeof shapes / sizeof shapes[0], be, only);
         }
         moe_backend_destroy(be[1]);
         moe_backend_destroy(be[2]);
