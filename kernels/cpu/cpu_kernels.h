@@ -85,6 +85,13 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt);
  * (and token tiles for large n_tok), SIMD per cpu_kernels_isa(). */
 void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p);
 
+/* cpu_matmul on each of ps[0 .. n), all their tasks in one pool run (a
+ * grouped GEMM's experts: no wait between them, and no core idle at the end
+ * of each); the dot-product paths through cpu_matmul_dot_many. The calls
+ * share p->fast and w_dtype. Each result is exactly what cpu_matmul gives it
+ * alone (the same tiles). */
+void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params *ps, int n);
+
 /* Plain one-thread reference: f32 accumulation, one dot product per output. */
 void cpu_matmul_ref(const struct moe_matmul_params *p);
 

@@ -1377,22 +1377,32 @@ static bool w8a8_avx2_for(const struct moe_matmul_params *p, enum cpu_isa isa)
     return p->fast && p->w_dtype == MOE_DTYPE_I8 && isa == CPU_ISA_AVX2;
 }
 
-void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
+/* One call's job, its W8A8 activations and buffers, between mm_prepare and
+ * mm_release (job.w8 points into it: it does not move meanwhile). */
+struct mm_call {
+    struct mm_job job;
+    struct w8_act w8;
+    int8_t *w8_buf;
+    float *heap_scratch;
+    int n_tasks;
+    double flops;
+};
+
+/* Sets c up for p (p->n_tok, p->n_out > 0; not a dot-product call): task
+ * shapes, scratch (`stack` when its `stack_n` floats suffice), and on the W8A8
+ * path the quantized activations. */
+static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_params *p,
+                       struct mm_call *c, float *stack, size_t stack_n)
 {
-    if (p->n_tok <= 0 || p->n_out <= 0)
-        return;
     MOE_ASSERT(p->ldw >= p->n_in && p->n_in >= 0);
     MOE_ASSERT(p->w_dtype == MOE_DTYPE_F32 || p->w_dtype == MOE_DTYPE_BF16 ||
                (p->w_dtype == MOE_DTYPE_I8 && p->w_scale != NULL) ||
                (p->w_dtype == MOE_DTYPE_I4 && p->w_scale != NULL &&
                 moe_q4_group_valid(p->w_group) && p->n_in % MOE_Q4_BLOCK == 0 &&
                 p->ldw % MOE_Q4_BLOCK == 0));
-    if (p->fast && cpu_matmul_dot_supported(p)) {
-        cpu_matmul_dot(pool, p);
-        return;
-    }
+    *c = (struct mm_call){.job = {.p = p, .isa = cpu_kernels_isa()}};
+    struct mm_job *job = &c->job;
     int n_threads = moe_threadpool_size(pool);
-    struct mm_job job = {.p = p, .isa = cpu_kernels_isa()};
 
     /* Rows per task: about 8 tasks per thread, a multiple of MK_R, 16..256. */
     int rb = (p->n_out + 8 * n_threads - 1) / (8 * n_threads);
@@ -1400,72 +1410,154 @@ void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
     rb = rb < 16 ? 16 : rb > 256 ? 256 : rb;
     if (rb > p->n_out)
         rb = p->n_out;
-    job.row_block = rb;
-    job.n_row_blocks = (p->n_out + rb - 1) / rb;
-    job.tok_block = p->n_tok < TOK_BLOCK ? p->n_tok : TOK_BLOCK;
+    job->row_block = rb;
+    job->n_row_blocks = (p->n_out + rb - 1) / rb;
+    job->tok_block = p->n_tok < TOK_BLOCK ? p->n_tok : TOK_BLOCK;
     size_t scratch_rows = MK_R;
     bool need_scratch =
         p->w_dtype != MOE_DTYPE_F32 &&
-        (job.isa == CPU_ISA_SCALAR || (job.isa == CPU_ISA_AVX2 && p->w_dtype == MOE_DTYPE_I4));
-    const int pk_r = job.isa == CPU_ISA_AVX512 ? PK_R : PK2_R;
-    const int pk_min = job.isa == CPU_ISA_AVX512 ? PK_MIN_TOK : PK2_MIN_TOK;
-    const bool w8a8 = w8a8_avx2_for(p, job.isa);
-    job.packed = job.isa != CPU_ISA_SCALAR && p->n_tok >= pk_min && !p->batch_invariant && !w8a8;
-    if (job.packed) {
+        (job->isa == CPU_ISA_SCALAR || (job->isa == CPU_ISA_AVX2 && p->w_dtype == MOE_DTYPE_I4));
+    const int pk_r = job->isa == CPU_ISA_AVX512 ? PK_R : PK2_R;
+    const int pk_min = job->isa == CPU_ISA_AVX512 ? PK_MIN_TOK : PK2_MIN_TOK;
+    const bool w8a8 = w8a8_avx2_for(p, job->isa);
+    job->packed = job->isa != CPU_ISA_SCALAR && p->n_tok >= pk_min && !p->batch_invariant && !w8a8;
+    if (job->packed) {
         /* Packed path: row blocks of whole panels, wide token blocks, none
          * narrower than pk_min. Its sums run k by k (one accumulator lane
          * per output), the tiles' in vector lanes: a token's last bits
          * depend on whether its call reached pk_min, hence not under
          * batch_invariant. */
-        job.row_block = rb <= pk_r ? pk_r : (rb + pk_r - 1) / pk_r * pk_r;
-        job.row_block = job.row_block > 2 * PK_R ? 2 * PK_R : job.row_block;
-        job.n_row_blocks = (p->n_out + job.row_block - 1) / job.row_block;
-        job.tok_block = p->n_tok < PK_TOK_BLOCK ? p->n_tok : PK_TOK_BLOCK;
-        if (p->n_tok - (p->n_tok / job.tok_block) * job.tok_block > 0 &&
-            p->n_tok % job.tok_block < pk_min)
-            job.tok_block = (p->n_tok + (p->n_tok + PK_TOK_BLOCK - 1) / PK_TOK_BLOCK - 1) /
-                            ((p->n_tok + PK_TOK_BLOCK - 1) / PK_TOK_BLOCK);
+        job->row_block = rb <= pk_r ? pk_r : (rb + pk_r - 1) / pk_r * pk_r;
+        job->row_block = job->row_block > 2 * PK_R ? 2 * PK_R : job->row_block;
+        job->n_row_blocks = (p->n_out + job->row_block - 1) / job->row_block;
+        job->tok_block = p->n_tok < PK_TOK_BLOCK ? p->n_tok : PK_TOK_BLOCK;
+        if (p->n_tok - (p->n_tok / job->tok_block) * job->tok_block > 0 &&
+            p->n_tok % job->tok_block < pk_min)
+            job->tok_block = (p->n_tok + (p->n_tok + PK_TOK_BLOCK - 1) / PK_TOK_BLOCK - 1) /
+                             ((p->n_tok + PK_TOK_BLOCK - 1) / PK_TOK_BLOCK);
         scratch_rows = (size_t)pk_r;
         need_scratch = true;
     }
-    int n_tok_blocks = (p->n_tok + job.tok_block - 1) / job.tok_block;
-    job.scratch_stride = scratch_rows * (size_t)p->n_in;
-
-    float stack_scratch[MK_R * 1024];
-    float *heap_scratch = NULL;
+    int n_tok_blocks = (p->n_tok + job->tok_block - 1) / job->tok_block;
+    job->scratch_stride = scratch_rows * (size_t)p->n_in;
     if (need_scratch) {
-        size_t n = (size_t)n_threads * job.scratch_stride;
-        if (n <= sizeof(stack_scratch) / sizeof(float)) {
-            job.scratch = stack_scratch;
+        size_t n = (size_t)n_threads * job->scratch_stride;
+        if (stack && n <= stack_n) {
+            job->scratch = stack;
         } else {
-            heap_scratch = malloc(n * sizeof(float));
-            MOE_ASSERT(heap_scratch != NULL);
-            job.scratch = heap_scratch;
+            c->heap_scratch = malloc(n * sizeof(float));
+            MOE_ASSERT(c->heap_scratch != NULL);
+            job->scratch = c->heap_scratch;
         }
     }
-    struct w8_act w8 = {0};
-    int8_t *w8_buf = NULL;
 #ifdef MATMUL_X86
     if (w8a8) {
-        w8.ldq = (p->n_in + 31) / 32 * 32;
-        w8_buf = malloc((size_t)p->n_tok * ((size_t)w8.ldq + sizeof(float)));
-        MOE_ASSERT(w8_buf != NULL);
-        w8.sx = (float *)w8_buf;
-        w8.xq = w8_buf + (size_t)p->n_tok * sizeof(float);
+        struct w8_act *w8 = &c->w8;
+        w8->ldq = (p->n_in + 31) / 32 * 32;
+        c->w8_buf = malloc((size_t)p->n_tok * ((size_t)w8->ldq + sizeof(float)));
+        MOE_ASSERT(c->w8_buf != NULL);
+        w8->sx = (float *)c->w8_buf;
+        w8->xq = c->w8_buf + (size_t)p->n_tok * sizeof(float);
         for (int t = 0; t < p->n_tok; t++)
-            w8.sx[t] = w8_quant_row_avx2(p->x + (size_t)t * p->n_in, p->n_in,
-                                         w8.xq + (size_t)t * w8.ldq, w8.ldq);
-        job.w8 = &w8;
+            w8->sx[t] = w8_quant_row_avx2(p->x + (size_t)t * p->n_in, p->n_in,
+                                          w8->xq + (size_t)t * w8->ldq, w8->ldq);
+        job->w8 = w8;
     }
 #endif
-    int n_tasks = job.n_row_blocks * n_tok_blocks;
-    double flops = 2.0 * p->n_tok * (double)p->n_out * p->n_in;
-    if (flops < 65536.0 || n_tasks == 1) {
-        for (int t = 0; t < n_tasks; t++)
-            mm_task(&job, t, 0);
-    } else {
-        moe_threadpool_run(pool, n_tasks, mm_task, &job);
+    c->n_tasks = job->n_row_blocks * n_tok_blocks;
+    c->flops = 2.0 * p->n_tok * (double)p->n_out * p->n_in;
+}
+
+static void mm_release(struct mm_call *c)
+{
+    free(c->heap_scratch);
+    free(c->w8_buf);
+}
+
+/* Too little work to wake the helpers for. */
+static bool mm_serial(double flops, int n_tasks)
+{
+    return flops < 65536.0 || n_tasks == 1;
+}
+
+void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
+{
+    if (p->n_tok <= 0 || p->n_out <= 0)
+        return;
+    if (p->fast && cpu_matmul_dot_supported(p)) {
+        cpu_matmul_dot(pool, p);
+        return;
     }
-    free(heap_scratch);
-    free(w8_buf);
+    float stack_scratch[MK_R * 1024];
+    struct mm_call c;
+    mm_prepare(pool, p, &c, stack_scratch, sizeof stack_scratch / sizeof *stack_scratch);
+    if (mm_serial(c.flops, c.n_tasks)) {
+        for (int t = 0; t < c.n_tasks; t++)
+            mm_task(&c.job, t, 0);
+    } else {
+        moe_threadpool_run(pool, c.n_tasks, mm_task, &c.job);
+    }
+    mm_release(&c);
+}
+
+struct mm_many {
+    struct mm_call *calls;
+    const int *first; /* calls[i]'s tasks are [first[i], first[i + 1]) */
+    int n;
+};
+
+static void mm_many_task(void *arg, int task, int thread)
+{
+    const struct mm_many *mm = arg;
+    int lo = 0, hi = mm->n - 1;
+    while (lo < hi) { /* the last i with first[i] <= task */
+        int mid = (lo + hi + 1) / 2;
+        if (mm->first[mid] <= task)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    mm_task(&mm->calls[lo].job, task - mm->first[lo], thread);
+}
+
+void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params *ps, int n)
+{
+    if (n == 1) {
+        cpu_matmul(pool, &ps[0]);
+        return;
+    }
+    if (n > 1 && ps[0].fast && cpu_matmul_dot_supported(&ps[0])) {
+        cpu_matmul_dot_many(pool, ps, n);
+        return;
+    }
+    struct mm_call *calls = malloc((size_t)(n > 0 ? n : 1) * sizeof *calls);
+    int *first = malloc(((size_t)n + 1) * sizeof *first);
+    MOE_ASSERT(calls != NULL && first != NULL);
+    int k = 0, total = 0;
+    double flops = 0.0;
+    for (int i = 0; i < n; i++) {
+        const struct moe_matmul_params *p = &ps[i];
+        MOE_ASSERT(!(p->fast && cpu_matmul_dot_supported(p))); /* the same path for every call */
+        if (p->n_tok <= 0 || p->n_out <= 0)
+            continue;
+        mm_prepare(pool, p, &calls[k], NULL, 0);
+        first[k] = total;
+        total += calls[k].n_tasks;
+        flops += calls[k].flops;
+        k++;
+    }
+    first[k] = total;
+    struct mm_many mm = {.calls = calls, .first = first, .n = k};
+    if (k > 0) {
+        if (mm_serial(flops, total)) {
+            for (int t = 0; t < total; t++)
+                mm_many_task(&mm, t, 0);
+        } else {
+            moe_threadpool_run(pool, total, mm_many_task, &mm);
+        }
+    }
+    for (int i = 0; i < k; i++)
+        mm_release(&calls[i]);
+    free(calls);
+    free(first);
 }

@@ -95,13 +95,9 @@ enum moe_status cpu_grouped_matmul(struct moe_threadpool *pool,
             .batch_invariant = p->batch_invariant,
         };
     }
-    /* The fast paths take every expert in one pool run; the others one each. */
-    if (n > 1 && p->fast && cpu_matmul_dot_supported(&mps[0])) {
-        cpu_matmul_dot_many(pool, mps, n);
-    } else {
-        for (int i = 0; i < n; i++)
-            cpu_matmul(pool, &mps[i]);
-    }
+    /* every expert's tasks in one pool run */
+    if (n > 0)
+        cpu_matmul_many(pool, mps, n);
     if (mps != stack_mp)
         free(mps);
     return MOE_OK;
