@@ -18,7 +18,11 @@
 # lm_head, per step of 16 tokens). Decode only reads, so %read gives the
 # same against bench-triad's read probes (the better of 1 and 4 streams a
 # thread), which can be below triad. Prefill is compute-bound: GFLOP/s from
-# 2 x active weights per token (+ attention) are printed instead.
+# 2 x active weights per token (+ attention) are printed instead; decode16
+# prints its GFLOP/s too, and the header what it would need at the roofline
+# (16 tokens a step multiply every weight read: on a core without dot-product
+# instructions that, not the bytes, can be the limit; bench-kernels --peak
+# gives the tiles' arithmetic ceiling on this core).
 #
 # On a processor with AMX, mode "noamx" (fast with MOE_CPU_ISA=avx512-dot:
 # the AVX512-BF16 / VNNI paths alone) joins the default modes, so the AMX
@@ -156,6 +160,13 @@ print("# read (the better probe, median over rounds of each round's best): "
 print(f"# bytes read per token, decode1: " + ", ".join(f"{dt} {per_tok[dt]/1e6:.1f} MB" for dt in dtypes)
       + f"; per 16-token step, decode16 ({active16:.2f} of {E} experts): "
       + ", ".join(f"{dt} {per_step16[dt]/1e6:.1f} MB" for dt in dtypes))
+# A batch reads its weights once and multiplies them by every token: at the
+# roofline, decode16 needs this much arithmetic (against bench-kernels --peak,
+# which says what one core's tiles can do)
+if "decode16" in cells:
+    print("# decode16 at the triad roofline would compute: " + ", ".join(
+        f"{dt} {bw[t] / (per_step16[dt] / 16) * (flops_tok + attn_flops(79)) / 1e9:.0f} GFLOP/s"
+        f" ({t} thread(s))" for dt in dtypes for t in sorted(bw)))
 print(f"{'cell':<12} {'dtype':<5} {'mode':<6} {'thr':>3} {'tok/s':>9} {'roofline':>9} {'%roof':>6} {'%read':>6} {'GFLOP/s':>8}  all rounds")
 for cell in cells:
     for th in threads:
@@ -172,6 +183,8 @@ for cell in cells:
                     rf = bw[th] / per; roof, pct = f"{rf:9.1f}", f"{100 * med / rf:5.0f}%"
                     if th in rbw:
                         rpct = f"{100 * med * per / rbw[th]:5.0f}%"
+                    if cell == "decode16":  # 8-token prompts, 64 tokens: ~40 positions attended
+                        gf = f"{med * (flops_tok + attn_flops(79)) / 1e9:8.0f}"
                 else:
                     n = 512 if cell == "prefill512" else 4096
                     gf = f"{med * (flops_tok + attn_flops(n)) / 1e9:8.0f}"

@@ -15,9 +15,9 @@
  * tiles alone, bf16 reported as skipped), the paths alternated within each
  * cell, best of 5, and their ratio.
  *
- * usage: bench-kernels [--quick | --argmax | --fast [bf16|int8]]   (--quick: fewer repetitions,
- *        no scalar GEMM; --argmax: only the host argmax cells; --fast: only the fast-path cells,
- *        of one type if named) */
+ * usage: bench-kernels [--quick | --argmax | --fast [bf16|int8] | --peak]   (--quick: fewer
+ *        repetitions, no scalar GEMM; --argmax: only the host argmax cells; --fast: only the
+ *        fast-path cells, of one type if named; --peak: the AVX2 tiles' arithmetic ceilings) */
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -34,6 +34,141 @@ struct shape {
     const char *name;
     int n_out, n_in;
 };
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+/* ---- --peak: what one core's arithmetic allows the AVX2 tiles ----
+ * The inner loops of the AVX2 tiles, 2 tokens x 4 rows, on operands that
+ * stay in L1 (4 KiB of k per row), so nothing but the arithmetic limits
+ * them: the W8A8 chain (vpsignb, vpmaddubsw, vpmaddwd, vpaddd per 32 MACs
+ * of a token and a row: the fewest exact s8 x s8 ops AVX2 has), the same
+ * chain without vpsignb (not exact: a bound on what dropping it could buy),
+ * and bf16 widened to f32 (vpmovzxwd + vpslld per 8 weights, 8 FMAs per 2 x
+ * 4 tile step), beside plain f32 FMAs. MACs a second on one thread. */
+#define PEAK_K 4096
+#define PEAK_REPS 40000
+
+static int8_t g_pk_w8[4][PEAK_K] __attribute__((aligned(64)));
+static int8_t g_pk_x8[2][PEAK_K] __attribute__((aligned(64)));
+static uint16_t g_pk_wb[4][PEAK_K] __attribute__((aligned(64)));
+static float g_pk_xf[2][PEAK_K] __attribute__((aligned(64)));
+
+__attribute__((target("avx2,fma"), always_inline)) static inline int peak_w8a8(const bool sign)
+{
+    __m256i acc[2][4];
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < 4; r++)
+            acc[t][r] = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int rep = 0; rep < PEAK_REPS; rep++)
+        for (int k = 0; k < PEAK_K; k += 32) {
+            __m256i xs[2], xu[2];
+            for (int t = 0; t < 2; t++) {
+                xs[t] = _mm256_load_si256((const __m256i *)&g_pk_x8[t][k]);
+                xu[t] = _mm256_abs_epi8(xs[t]);
+            }
+            for (int r = 0; r < 4; r++) {
+                const __m256i wv = _mm256_load_si256((const __m256i *)&g_pk_w8[r][k]);
+                for (int t = 0; t < 2; t++) {
+                    __m256i q = sign ? _mm256_sign_epi8(wv, xs[t]) : wv;
+                    __m256i pairs = _mm256_maddubs_epi16(xu[t], q);
+                    acc[t][r] = _mm256_add_epi32(acc[t][r], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        }
+    __m256i s = _mm256_setzero_si256();
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < 4; r++)
+            s = _mm256_add_epi32(s, acc[t][r]);
+    int v = _mm256_extract_epi32(s, 0);
+    _mm256_zeroupper();
+    return v;
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline float peak_fma(const bool bf16)
+{
+    __m256 acc[2][4];
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < 4; r++)
+            acc[t][r] = _mm256_setzero_ps();
+    for (int rep = 0; rep < PEAK_REPS / 4; rep++)
+        for (int k = 0; k < PEAK_K; k += 8) {
+            __m256 xv[2];
+            for (int t = 0; t < 2; t++)
+                xv[t] = _mm256_load_ps(&g_pk_xf[t][k]);
+            for (int r = 0; r < 4; r++) {
+                __m256 wv = bf16 ? _mm256_castsi256_ps(
+                                       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_load_si128(
+                                                             (const __m128i *)&g_pk_wb[r][k])),
+                                                         16))
+                                 : xv[(r + 1) % 2];
+                for (int t = 0; t < 2; t++)
+                    acc[t][r] = _mm256_fmadd_ps(xv[t], wv, acc[t][r]);
+            }
+        }
+    __m256 s = _mm256_setzero_ps();
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < 4; r++)
+            s = _mm256_add_ps(s, acc[t][r]);
+    float v = _mm256_cvtss_f32(s);
+    _mm256_zeroupper();
+    return v;
+}
+
+/* one compiled loop per chain */
+__attribute__((target("avx2,fma"), noinline)) static double peak_chain(int i)
+{
+    switch (i) {
+    case 0: return peak_w8a8(true);
+    case 1: return peak_w8a8(false);
+    case 2: return peak_fma(true);
+    default: return peak_fma(false);
+    }
+}
+
+static int bench_peak(void)
+{
+    if (cpu_kernels_detect_isa() < CPU_ISA_AVX2) {
+        printf("bench-kernels --peak: this processor lacks AVX2\n");
+        return 1;
+    }
+    for (int i = 0; i < PEAK_K; i++) {
+        for (int r = 0; r < 4; r++) {
+            g_pk_w8[r][i] = (int8_t)((i * 7 + r * 3) % 255 - 127);
+            g_pk_wb[r][i] = moe_f32_to_bf16((float)((i + r) % 13) * 0.01f);
+        }
+        for (int t = 0; t < 2; t++) {
+            g_pk_x8[t][i] = (int8_t)((i * 5 + t * 11) % 255 - 127);
+            g_pk_xf[t][i] = (float)((i + t) % 7) * 0.001f;
+        }
+    }
+    volatile double sink = 0;
+    printf("# one thread, operands in L1, 2 tokens x 4 rows a tile step; best of 3\n");
+    printf("%-40s %10s\n", "chain", "GMAC/s");
+    static const char *names[] = {"int8 W8A8 (sign, maddubs, madd, add)",
+                                  "int8 without vpsignb (not exact)", "bf16 widened to f32, FMA",
+                                  "f32 FMA"};
+    for (int i = 0; i < 4; i++) {
+        double best = 1e9;
+        for (int round = 0; round < 3; round++) {
+            double t0 = moe_now();
+            sink += peak_chain(i);
+            best = fmin(best, moe_now() - t0);
+        }
+        double macs = i < 2 ? (double)PEAK_REPS * PEAK_K * 8 : (double)(PEAK_REPS / 4) * PEAK_K * 8;
+        printf("%-40s %10.1f\n", names[i], macs / best * 1e-9);
+    }
+    (void)sink;
+    return 0;
+}
+#else
+static int bench_peak(void)
+{
+    printf("bench-kernels --peak: x86 only\n");
+    return 1;
+}
+#endif
 
 /* Bytes of one weight copy (I8: values, padding, row scales). */
 static size_t weight_bytes(enum moe_dtype dt, const struct shape *sh)
@@ -228,6 +363,8 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
 int main(int argc, char **argv)
 {
     int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+    if (argc > 1 && strcmp(argv[1], "--peak") == 0)
+        return bench_peak();
     if (argc > 1 && strcmp(argv[1], "--argmax") == 0) {
         cpu_kernels_env();
         bench_argmax(false);
