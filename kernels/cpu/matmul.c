@@ -144,11 +144,13 @@ struct mm_tile {
     bool packed; /* the call takes the packed panels (cpu_matmul decides) */
 };
 
-/* The W8A8 path's activations (AVX2, fast int8): each token's row quantized, xq (ldq bytes a
- * row, zero past n_in), and its scale sx. */
+/* The AVX2 integer paths' activations (fast int8 and int4): each token's row quantized, xq (ldq
+ * bytes a row, zero past n_in), and its scale sx; for int4 also base: per 32-column block, -8 x
+ * the sums of xq over its 4-column groups (8 int32 a block, ldq / 4 a row). */
 struct w8_act {
     int8_t *xq;
     float *sx;
+    int32_t *base;
     int ldq;
 };
 
@@ -1312,6 +1314,128 @@ AVX2_TARGET static void tile_avx2_w8a8(const struct mm_tile *mt, const struct w8
     _mm256_zeroupper(); /* see tile_avx2_packed */
 }
 
+/* ---- AVX2 W4A8: fast int4 weights, every call ----
+ * The VNNI path's W4A8 (matmul_dot.c) on AVX2: each token quantized as for
+ * W8A8; a 32-column block's 4-bit codes u in [0, 15] are vpmaddubsw's
+ * unsigned operand and xq its signed one, so no sign trick is needed (a pair
+ * is at most 2 * 15 * 127); vpmaddwd by ones gives 8 int32 lanes of 4
+ * columns each, and adding -8 x the same columns' sum of xq (w8_act.base,
+ * once per token and block) leaves sum (u - 8) xq exactly. Each block's sums
+ * go to f32 times their group's scale (groups are whole blocks) into f32
+ * accumulators; y = sx_t x their sum. Five ops per 32 MACs of a token and a
+ * row (W8A8's four and the scaling) on half W8A8's bytes, where the exact
+ * int4 path dequantizes every weight to f32 first. */
+
+/* The 32 codes of a block (common/quant.h: column j is byte j % 16's low
+ * nibble below 16, its high one above) in column order. */
+AVX2_TARGET static inline __attribute__((always_inline)) __m256i q4_codes32_avx2(const uint8_t *b)
+{
+    const __m128i v = _mm_loadu_si128((const __m128i *)b), m = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* T tokens (xq rows and their base rows) x R rows of codes w (ldb bytes
+ * apart; scales sc, lds apart): sum_g s_g sum (u - 8) xq per (token, row)
+ * into out; the next tile's rows (pf bytes on) prefetched into L2 as in
+ * mk_w8a8_avx2. */
+AVX2_TARGET static inline __attribute__((always_inline)) void
+mk_w4a8_avx2(const int T, const int R, const struct w8_act *a, int t, const uint8_t *w, int64_t ldb,
+             const float *sc, int64_t lds, int group, int64_t pf_off, int n_in,
+             float out[MK_T][MK_R])
+{
+    __m256 acc[MK_T_W8][MK_R];
+#pragma GCC unroll 4
+    for (int tt = 0; tt < T; tt++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[tt][r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *xq = a->xq + (size_t)t * a->ldq;
+    const int32_t *base = a->base + (size_t)t * (a->ldq / 4);
+    const uint8_t *pf = w + pf_off;
+    for (int k = 0; k < n_in; k += MOE_Q4_BLOCK) {
+        if (k % 128 == 0) { /* a cache line holds 128 columns' codes */
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)(pf + r * ldb + k / 2), _MM_HINT_T1);
+        }
+        __m256i xs[MK_T_W8];
+#pragma GCC unroll 4
+        for (int tt = 0; tt < T; tt++)
+            xs[tt] = _mm256_loadu_si256((const __m256i *)(xq + (size_t)tt * a->ldq + k));
+        const int g = k / group;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256i u = q4_codes32_avx2(w + r * ldb + k / 2);
+            const __m256 s = _mm256_broadcast_ss(sc + r * lds + g);
+#pragma GCC unroll 4
+            for (int tt = 0; tt < T; tt++) {
+                const __m256i b =
+                    _mm256_loadu_si256((const __m256i *)(base + (size_t)tt * (a->ldq / 4) + k / 4));
+                const __m256i d =
+                    _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xs[tt]), ones), b);
+                acc[tt][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[tt][r]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int tt = 0; tt < T; tt++) {
+        if (R == MK_R)
+            _mm_storeu_ps(out[tt], hsum256_x4(acc[tt]));
+        else
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                out[tt][r] = hsum256(acc[tt][r]);
+    }
+}
+
+AVX2_TARGET static void mk_w4a8_avx2_any(int T, int R, const struct w8_act *a, int t,
+                                         const uint8_t *w, int64_t ldb, const float *sc,
+                                         int64_t lds, int group, int64_t pf_off, int n_in,
+                                         float out[MK_T][MK_R])
+{
+    if (T == 2 && R == 4)
+        mk_w4a8_avx2(2, 4, a, t, w, ldb, sc, lds, group, pf_off, n_in, out);
+    else if (T == 1 && R == 4)
+        mk_w4a8_avx2(1, 4, a, t, w, ldb, sc, lds, group, pf_off, n_in, out);
+    else if (T == 2 && R == 1)
+        mk_w4a8_avx2(2, 1, a, t, w, ldb, sc, lds, group, pf_off, n_in, out);
+    else if (T == 1 && R == 1)
+        mk_w4a8_avx2(1, 1, a, t, w, ldb, sc, lds, group, pf_off, n_in, out);
+    else
+        MOE_ASSERT(0 && "mk_w4a8_avx2_any: unsupported tile");
+}
+
+/* A task of the W4A8 path, on tile_rows' tiles as tile_avx2_w8a8. */
+AVX2_TARGET static void tile_avx2_w4a8(const struct mm_tile *mt, const struct w8_act *a)
+{
+    const struct moe_matmul_params *p = mt->p;
+    float out[MK_T][MK_R];
+    const int q = mt->no / MK_R, o_end = mt->o0 + mt->no;
+    const int64_t ldb = p->ldw / 2, lds = moe_q4_groups(p->ldw, p->w_group);
+    for (int i = 0; i <= q; i++) {
+        /* the 4-row tiles, then the rows left over (no % 4) one at a time */
+        const bool rest = i == q;
+        const struct tile_rows tr =
+            rest ? (struct tile_rows){.o = mt->o0 + MK_R * q, .step = 1, .next = 1}
+                 : tile_rows(mt, i, true);
+        const int R = rest ? 1 : MK_R, n_tiles = rest ? o_end - tr.o : 1;
+        for (int j = 0; j < n_tiles; j++) {
+            const int o = tr.o + j;
+            const uint8_t *w = (const uint8_t *)p->w + (int64_t)o * ldb;
+            for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_W8) {
+                const int T = mt->t0 + mt->nt - t < MK_T_W8 ? mt->t0 + mt->nt - t : MK_T_W8;
+                mk_w4a8_avx2_any(T, R, a, t, w, tr.step * ldb, p->w_scale + (int64_t)o * lds,
+                                 tr.step * lds, p->w_group, tr.next * ldb, p->n_in, out);
+                for (int tt = 0; tt < T; tt++)
+                    for (int r = 0; r < R; r++)
+                        store_out(p, t + tt, o + r * tr.step, out[tt][r] * a->sx[t + tt]);
+            }
+        }
+    }
+    _mm256_zeroupper(); /* see tile_avx2_packed */
+}
+
 #endif /* MATMUL_X86 */
 
 /* ---------------------------------------------------------------------------
@@ -1325,7 +1449,7 @@ struct mm_job {
     float *scratch; /* (n_threads, scratch_stride) or NULL */
     size_t scratch_stride;
     bool packed;             /* every task takes the packed panels */
-    const struct w8_act *w8; /* the AVX2 W8A8 path, or NULL */
+    const struct w8_act *w8; /* the AVX2 W8A8 / W4A8 paths, or NULL */
 };
 
 static void mm_run_tile(enum cpu_isa isa, const struct mm_tile *mt)
@@ -1359,7 +1483,10 @@ static void mm_task(void *arg, int task, int thread)
     mt.packed = job->packed;
 #ifdef MATMUL_X86
     if (job->w8) {
-        tile_avx2_w8a8(&mt, job->w8);
+        if (p->w_dtype == MOE_DTYPE_I4)
+            tile_avx2_w4a8(&mt, job->w8);
+        else
+            tile_avx2_w8a8(&mt, job->w8);
         return;
     }
 #endif
@@ -1371,10 +1498,13 @@ static void mm_task(void *arg, int task, int thread)
  * is). Prefill too: on a Zen 3 they beat the f32 packed panels on the
  * dequantized rows (2 threads, against the commit before, same rounds:
  * 512-token prefill 488 -> 590 tok/s, 16-sequence decode 277 -> 354): a
- * vpmaddubsw + vpmaddwd pair does 32 multiplies where an FMA does 8. */
+ * vpmaddubsw + vpmaddwd pair does 32 multiplies where an FMA does 8. Fast
+ * int4 likewise takes the W4A8 tiles (its sums per block exact, each
+ * token's own: batch-invariant as well). */
 static bool w8a8_avx2_for(const struct moe_matmul_params *p, enum cpu_isa isa)
 {
-    return p->fast && p->w_dtype == MOE_DTYPE_I8 && isa == CPU_ISA_AVX2;
+    return p->fast && (p->w_dtype == MOE_DTYPE_I8 || p->w_dtype == MOE_DTYPE_I4) &&
+           isa == CPU_ISA_AVX2;
 }
 
 /* One call's job, its W8A8 activations and buffers, between mm_prepare and
@@ -1414,12 +1544,12 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
     job->n_row_blocks = (p->n_out + rb - 1) / rb;
     job->tok_block = p->n_tok < TOK_BLOCK ? p->n_tok : TOK_BLOCK;
     size_t scratch_rows = MK_R;
+    const bool w8a8 = w8a8_avx2_for(p, job->isa);
     bool need_scratch =
-        p->w_dtype != MOE_DTYPE_F32 &&
+        p->w_dtype != MOE_DTYPE_F32 && !w8a8 &&
         (job->isa == CPU_ISA_SCALAR || (job->isa == CPU_ISA_AVX2 && p->w_dtype == MOE_DTYPE_I4));
     const int pk_r = job->isa == CPU_ISA_AVX512 ? PK_R : PK2_R;
     const int pk_min = job->isa == CPU_ISA_AVX512 ? PK_MIN_TOK : PK2_MIN_TOK;
-    const bool w8a8 = w8a8_avx2_for(p, job->isa);
     job->packed = job->isa != CPU_ISA_SCALAR && p->n_tok >= pk_min && !p->batch_invariant && !w8a8;
     if (job->packed) {
         /* Packed path: row blocks of whole panels, wide token blocks, none
@@ -1453,14 +1583,22 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
 #ifdef MATMUL_X86
     if (w8a8) {
         struct w8_act *w8 = &c->w8;
+        const bool i4 = p->w_dtype == MOE_DTYPE_I4;
         w8->ldq = (p->n_in + 31) / 32 * 32;
-        c->w8_buf = malloc((size_t)p->n_tok * ((size_t)w8->ldq + sizeof(float)));
+        /* per token: base (int4; ldq int32: 4-byte aligned first), sx, xq */
+        const size_t per_tok = (i4 ? (size_t)w8->ldq : 0) + sizeof(float) + (size_t)w8->ldq;
+        c->w8_buf = malloc((size_t)p->n_tok * per_tok);
         MOE_ASSERT(c->w8_buf != NULL);
-        w8->sx = (float *)c->w8_buf;
-        w8->xq = c->w8_buf + (size_t)p->n_tok * sizeof(float);
-        for (int t = 0; t < p->n_tok; t++)
-            w8->sx[t] = w8_quant_row_avx2(p->x + (size_t)t * p->n_in, p->n_in,
-                                          w8->xq + (size_t)t * w8->ldq, w8->ldq);
+        w8->base = i4 ? (int32_t *)c->w8_buf : NULL;
+        w8->sx = (float *)(c->w8_buf + (i4 ? (size_t)p->n_tok * w8->ldq : 0));
+        w8->xq = (int8_t *)(w8->sx + p->n_tok);
+        for (int t = 0; t < p->n_tok; t++) {
+            int8_t *xq = w8->xq + (size_t)t * w8->ldq;
+            w8->sx[t] = w8_quant_row_avx2(p->x + (size_t)t * p->n_in, p->n_in, xq, w8->ldq);
+            for (int i = 0; i4 && i < w8->ldq / 4; i++) /* -8 x each 4 columns' sum */
+                w8->base[(size_t)t * (w8->ldq / 4) + i] =
+                    -8 * (xq[4 * i] + xq[4 * i + 1] + xq[4 * i + 2] + xq[4 * i + 3]);
+        }
         job->w8 = w8;
     }
 #endif

@@ -165,7 +165,10 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt)
 {
     struct moe_matmul_params p = {.fast = true, .w_dtype = wt};
     if (!cpu_matmul_dot_supported(&p)) /* AVX2 int8: W8A8 tiles in matmul.c */
-        return wt == MOE_DTYPE_I8 && cpu_kernels_isa() == CPU_ISA_AVX2 ? "avx2-w8a8" : "f32-fma";
+        return cpu_kernels_isa() != CPU_ISA_AVX2 ? "f32-fma"
+               : wt == MOE_DTYPE_I8              ? "avx2-w8a8"
+               : wt == MOE_DTYPE_I4              ? "avx2-w4a8"
+                                                 : "f32-fma";
     if (wt == MOE_DTYPE_I4 && q4_amx_ok())
         return "avx512-vnni+amx-bf16"; /* W4A8 below AMX_MIN_TOK_I4 tokens */
     if (amx_for(wt))

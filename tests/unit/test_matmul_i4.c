@@ -251,28 +251,37 @@ static void test_matmul_i4(const char *isa)
 /* The fast paths against the exact int4 path (f32 x, f32 dequantized
  * weights), and against an emulation of what they compute; each must also
  * differ from exact somewhere (it ran).
- *   amx = false, W4A8 (AVX512-VNNI, AMX forced off): activations quantized
+ *   path "avx512-vnni" (AMX forced off) and "avx2-w4a8" (AVX2 forced), W4A8: activations quantized
  *     per token to int8; every output within half a quantization step of x
  *     per element, (sx_t / 2) sum_k |deq_ok| (sx_t = max|x_t| / 127), plus
  *     1e-5 of sum |x w|; the emulation: xq rounded to nearest even, exact
  *     integer sums per group, to 1e-5 of sum |x w|.
- *   amx = true (AMX-BF16, from 8 tokens): the rows dequantized to bf16 and
+ *   path "amx-bf16" (AMX-BF16, from 8 tokens): the rows dequantized to bf16 and
  *     the activations rounded to bf16; within (2^-7 + 2^-16 + 2 (n_in + 2)
  *     2^-24) sum |x w| (one bf16 rounding of each operand, f32 sums either
  *     side); the emulation: both operands rounded as the kernel does,
  *     products summed in double, to 1e-5 of sum |x w|.
  * SKIPPED by name where the processor lacks the path. */
-static void test_fast_i4(bool amx)
+static void test_fast_i4(const char *name)
 {
     const unsigned have = cpu_kernels_detect_features();
     const unsigned amx_bits = CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8;
-    const char *name = amx ? "amx-bf16" : "avx512-vnni";
-    if (!(have & CPU_FEAT_AVX512_VNNI) ||
-        (amx && !((have & CPU_FEAT_AMX_BF16) && (have & CPU_FEAT_AVX512_BF16)))) {
+    const enum cpu_isa isa = cpu_kernels_detect_isa();
+    const bool amx = !strcmp(name, "amx-bf16"), avx2 = !strcmp(name, "avx2-w4a8");
+    if (avx2 ? isa < CPU_ISA_AVX2
+             : !(have & CPU_FEAT_AVX512_VNNI) ||
+                   (amx && !((have & CPU_FEAT_AMX_BF16) && (have & CPU_FEAT_AVX512_BF16)))) {
         printf("SKIPPED: int4 fast path (%s): this processor lacks it\n", name);
         return;
     }
-    cpu_kernels_force_features(amx ? have : have & ~amx_bits);
+    if (avx2)
+        cpu_kernels_force_isa(CPU_ISA_AVX2);
+    else
+        cpu_kernels_force_features(amx ? have : have & ~amx_bits);
+    CHECKF(!strcmp(cpu_matmul_fast_path(MOE_DTYPE_I4), avx2  ? "avx2-w4a8"
+                                                       : amx ? "avx512-vnni+amx-bf16"
+                                                             : "avx512-vnni"),
+           "%s: int4 fast path is %s", name, cpu_matmul_fast_path(MOE_DTYPE_I4));
     static const int toks_w4a8[] = {1, 3, 4, 9, 40}, toks_amx[] = {8, 9, 17, 31, 32, 40, 100};
     const int *toks = amx ? toks_amx : toks_w4a8;
     const int n_toks = amx ? 7 : 5;
@@ -294,7 +303,7 @@ static void test_fast_i4(bool amx)
             float *ye = malloc((size_t)n_tok * n_out * sizeof *ye);
             struct moe_matmul_params p = i4_params(x, n_tok, n_in, ldw, n_out, &qw, G, yf);
             p.fast = true;
-            CHECK(cpu_matmul_dot_supported(&p));
+            CHECK(cpu_matmul_dot_supported(&p) == !avx2);
             cpu_matmul(g_pool, &p);
             p.fast = false;
             p.y = ye;
@@ -369,19 +378,26 @@ static void test_fast_i4(bool amx)
            "the emulation, %d outputs differ from exact\n",
            name, amx ? "bf16-dequantized rows, bf16 x" : "W4A8", n, worst, emul_worst, differ);
     cpu_kernels_force_features(have);
+    cpu_kernels_force_isa(isa);
 }
 
 /* W4A8 (AMX off) reduces every tile with one add tree, so a token's output
  * does not depend on the other tokens of the call: each token of a 7-token
- * call (a 4-token tile and a 3-token one) alone equals its row, bit for bit. */
-static void test_i4_token_alone(void)
+ * call (a 4-token tile and a 3-token one; on AVX2 three 2-token tiles and a
+ * 1-token one) alone equals its row, bit for bit. */
+static void test_i4_token_alone(const char *name)
 {
     const unsigned have = cpu_kernels_detect_features();
-    if (!(have & CPU_FEAT_AVX512_VNNI)) {
-        printf("SKIPPED: int4 token alone (avx512-vnni): this processor lacks it\n");
+    const enum cpu_isa isa = cpu_kernels_detect_isa();
+    const bool avx2 = !strcmp(name, "avx2-w4a8");
+    if (avx2 ? isa < CPU_ISA_AVX2 : !(have & CPU_FEAT_AVX512_VNNI)) {
+        printf("SKIPPED: int4 token alone (%s): this processor lacks it\n", name);
         return;
     }
-    cpu_kernels_force_features(have & ~(CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8));
+    if (avx2)
+        cpu_kernels_force_isa(CPU_ISA_AVX2);
+    else
+        cpu_kernels_force_features(have & ~(CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8));
     const int n_tok = 7, n_in = 256, n_out = 70, G = 32;
     struct q4_weights qw = make_weights(n_out, n_in, G);
     float *x = malloc((size_t)n_tok * n_in * sizeof *x);
@@ -391,25 +407,26 @@ static void test_i4_token_alone(void)
           *y1 = malloc((size_t)n_out * sizeof *y1);
     struct moe_matmul_params p = i4_params(x, n_tok, n_in, n_in, n_out, &qw, G, ya);
     p.fast = true;
-    cpu_matmul_dot(g_pool, &p);
+    cpu_matmul(g_pool, &p);
     int differ = 0;
     for (int t = 0; t < n_tok; t++) {
         struct moe_matmul_params q = p;
         q.x = x + (size_t)t * n_in;
         q.n_tok = 1;
         q.y = y1;
-        cpu_matmul_dot(g_pool, &q);
+        cpu_matmul(g_pool, &q);
         differ += memcmp(y1, ya + (size_t)t * n_out, (size_t)n_out * sizeof *y1) != 0;
     }
-    CHECKF(differ == 0, "avx512-vnni int4: %d of %d tokens differ alone from in the call", differ,
+    CHECKF(differ == 0, "%s int4: %d of %d tokens differ alone from in the call", name, differ,
            n_tok);
-    printf("avx512-vnni int4: each token alone equals its row of a %d-token call, bit for bit\n",
+    printf("%s int4: each token alone equals its row of a %d-token call, bit for bit\n", name,
            n_tok);
     free(x);
     free(ya);
     free(y1);
     free_weights(&qw);
     cpu_kernels_force_features(have);
+    cpu_kernels_force_isa(isa);
 }
 
 /* The comparison can fail: one dequantized reference weight off by one code. */
@@ -528,9 +545,11 @@ int main(void)
     }
     cpu_kernels_force_isa(best);
     test_detects_error();
-    test_fast_i4(false);
-    test_i4_token_alone();
-    test_fast_i4(true);
+    test_fast_i4("avx2-w4a8");
+    test_fast_i4("avx512-vnni");
+    test_i4_token_alone("avx2-w4a8");
+    test_i4_token_alone("avx512-vnni");
+    test_fast_i4("amx-bf16");
     test_grouped_i4();
     moe_threadpool_destroy(g_pool);
     moe_backend_destroy(g_cpu);
