@@ -74,8 +74,10 @@ const char *cpu_features_name(unsigned features, char *buf, size_t len);
  * AVX-512),
  * "avx512-bf16", "avx512-vnni", "avx2-w8a8" (int8 on AVX2-only processors:
  * every call quantizes the activations and sums bytes exactly, bit for bit
- * avx512-vnni's results), "avx2-w4a8" (int4 on AVX2-only processors: the
- * same quantized activations, exact integer sums per 32-column block),
+ * avx512-vnni's results), "avx2-w4a8" (int4 on AVX2-only processors, calls
+ * of fewer than 32 tokens or batch-invariant ones: the same quantized
+ * activations, exact integer sums per 32-column block; larger calls take
+ * the exact kernels),
  * or "f32-fma" (the exact kernels, used where the processor has no
  * dot-product path for that type). */
 const char *cpu_matmul_fast_path(enum moe_dtype wt);

@@ -1499,12 +1499,18 @@ static void mm_task(void *arg, int task, int thread)
  * dequantized rows (2 threads, against the commit before, same rounds:
  * 512-token prefill 488 -> 590 tok/s, 16-sequence decode 277 -> 354): a
  * vpmaddubsw + vpmaddwd pair does 32 multiplies where an FMA does 8. Fast
- * int4 likewise takes the W4A8 tiles (its sums per block exact, each
- * token's own: batch-invariant as well). */
+ * int4 takes the W4A8 tiles below PK2_MIN_TOK tokens (decode: one sequence
+ * 68 -> 193 tok/s, sixteen 190 -> 291 on a Zen 3, 2 threads), and at every
+ * size under batch_invariant (a token's sums are its own); from there the
+ * f32 packed panels on dequantized rows, as exact, are faster (their
+ * dequantization is shared by the panel's tokens, where a W4A8 tile unpacks
+ * its codes for every 2 tokens: 512-token prefill 487 vs 367 tok/s). */
 static bool w8a8_avx2_for(const struct moe_matmul_params *p, enum cpu_isa isa)
 {
-    return p->fast && (p->w_dtype == MOE_DTYPE_I8 || p->w_dtype == MOE_DTYPE_I4) &&
-           isa == CPU_ISA_AVX2;
+    if (!p->fast || isa != CPU_ISA_AVX2)
+        return false;
+    return p->w_dtype == MOE_DTYPE_I8 ||
+           (p->w_dtype == MOE_DTYPE_I4 && (p->n_tok < PK2_MIN_TOK || p->batch_invariant));
 }
 
 /* One call's job, its W8A8 activations and buffers, between mm_prepare and

@@ -282,8 +282,10 @@ static void test_fast_i4(const char *name)
                                                        : amx ? "avx512-vnni+amx-bf16"
                                                              : "avx512-vnni"),
            "%s: int4 fast path is %s", name, cpu_matmul_fast_path(MOE_DTYPE_I4));
-    static const int toks_w4a8[] = {1, 3, 4, 9, 40}, toks_amx[] = {8, 9, 17, 31, 32, 40, 100};
-    const int *toks = amx ? toks_amx : toks_w4a8;
+    /* avx2-w4a8 takes calls below 32 tokens (larger ones: see below) */
+    static const int toks_w4a8[] = {1, 3, 4, 9, 40}, toks_amx[] = {8, 9, 17, 31, 32, 40, 100},
+                     toks_avx2[] = {1, 3, 4, 9, 31};
+    const int *toks = amx ? toks_amx : avx2 ? toks_avx2 : toks_w4a8;
     const int n_toks = amx ? 7 : 5;
     static const int dims[][3] = {
         {64, 5, 32},    {96, 4, 32},  {256, 33, 64}, {384, 7, 128},
@@ -429,6 +431,60 @@ static void test_i4_token_alone(const char *name)
     cpu_kernels_force_isa(isa);
 }
 
+/* avx2-w4a8 from 32 tokens: a fast call takes the exact kernels (their
+ * packed panels share the dequantization over the tokens), so it equals the
+ * exact call bit for bit; under batch_invariant it stays on W4A8, each token
+ * equal to itself alone. */
+static void test_avx2_w4a8_large(void)
+{
+    const enum cpu_isa isa = cpu_kernels_detect_isa();
+    if (isa < CPU_ISA_AVX2) {
+        printf("SKIPPED: avx2-w4a8 large calls: this processor lacks AVX2\n");
+        return;
+    }
+    cpu_kernels_force_isa(CPU_ISA_AVX2);
+    const int n_tok = 40, n_in = 256, n_out = 37, G = 64;
+    struct q4_weights qw = make_weights(n_out, n_in, G);
+    float *x = malloc((size_t)n_tok * n_in * sizeof *x);
+    for (int i = 0; i < n_tok * n_in; i++)
+        x[i] = test_rng_float(&g_rng);
+    float *yf = malloc((size_t)n_tok * n_out * sizeof *yf),
+          *ye = malloc((size_t)n_tok * n_out * sizeof *ye),
+          *y1 = malloc((size_t)n_out * sizeof *y1);
+    struct moe_matmul_params p = i4_params(x, n_tok, n_in, n_in, n_out, &qw, G, yf);
+    p.fast = true;
+    cpu_matmul(g_pool, &p);
+    p.fast = false;
+    p.y = ye;
+    cpu_matmul(g_pool, &p);
+    CHECKF(memcmp(yf, ye, (size_t)n_tok * n_out * sizeof *yf) == 0,
+           "avx2-w4a8: a %d-token fast call differs from the exact one", n_tok);
+    p.fast = p.batch_invariant = true;
+    p.y = yf;
+    cpu_matmul(g_pool, &p);
+    int differ = 0, quantized = 0;
+    for (int t = 0; t < n_tok; t++) {
+        struct moe_matmul_params q = p;
+        q.x = x + (size_t)t * n_in;
+        q.n_tok = 1;
+        q.y = y1;
+        cpu_matmul(g_pool, &q);
+        differ += memcmp(y1, yf + (size_t)t * n_out, (size_t)n_out * sizeof *y1) != 0;
+        quantized += memcmp(y1, ye + (size_t)t * n_out, (size_t)n_out * sizeof *y1) != 0;
+    }
+    CHECKF(differ == 0, "avx2-w4a8 batch_invariant: %d of %d tokens differ alone", differ, n_tok);
+    CHECKF(quantized > 0, "avx2-w4a8 batch_invariant: every token equals the exact path");
+    printf("avx2-w4a8: a %d-token call equals the exact kernels bit for bit; under "
+           "batch_invariant it stays W4A8, each token equal to itself alone\n",
+           n_tok);
+    free(x);
+    free(yf);
+    free(ye);
+    free(y1);
+    free_weights(&qw);
+    cpu_kernels_force_isa(isa);
+}
+
 /* The comparison can fail: one dequantized reference weight off by one code. */
 static void test_detects_error(void)
 {
@@ -548,6 +604,7 @@ int main(void)
     test_fast_i4("avx2-w4a8");
     test_fast_i4("avx512-vnni");
     test_i4_token_alone("avx2-w4a8");
+    test_avx2_w4a8_large();
     test_i4_token_alone("avx512-vnni");
     test_fast_i4("amx-bf16");
     test_grouped_i4();
