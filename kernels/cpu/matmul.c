@@ -145,8 +145,9 @@ struct mm_tile {
 };
 
 /* The AVX2 integer paths' activations (fast int8 and int4): each token's row quantized, xq (ldq
- * bytes a row, zero past n_in), and its scale sx; for int4 also base: per 32-column block, -8 x
- * the sums of xq over its 4-column groups (8 int32 a block, ldq / 4 a row). */
+ * bytes a row, zero past n_in), and its scale sx; for int4, xq in w8_quant_q4_order's order, and
+ * base: -8 x the sums of xq over the columns each int32 lane of a 64-column step (or of a last,
+ * odd 32-column block) sums (8 int32 a step, at base + k / 8; rows ldq / 4 apart). */
 struct w8_act {
     int8_t *xq;
     float *sx;
@@ -1322,9 +1323,18 @@ AVX2_TARGET static void tile_avx2_w8a8(const struct mm_tile *mt, const struct w8
  * columns each, and adding -8 x the same columns' sum of xq (w8_act.base,
  * once per token and block) leaves sum (u - 8) xq exactly. Each block's sums
  * go to f32 times their group's scale (groups are whole blocks) into f32
- * accumulators; y = sx_t x their sum. Five ops per 32 MACs of a token and a
- * row (W8A8's four and the scaling) on half W8A8's bytes, where the exact
- * int4 path dequantizes every weight to f32 first. */
+ * accumulators; y = sx_t x their sum.
+ * Two blocks at a time: one 32-byte load holds their codes, and its low
+ * nibbles are columns 0-15 of each (one block a 128-bit lane), its high ones
+ * 16-31, so two ANDs and a shift unpack 64 codes, if the activations are
+ * stored in that order (xq's 16-byte chunks 0 2 1 3 in each 64 columns,
+ * w8_quant_q4_order); lane i of both halves' vpmaddwd sums then belongs to
+ * the same block, so they add as integers (with the pair's base) before one
+ * conversion and one FMA: 4 ops per 32 MACs of a token and a row, W8A8's
+ * count, plus 3 unpacking ops per 64 codes shared by the tile's tokens, on
+ * half W8A8's bytes. A row whose length is an odd number of blocks ends with
+ * one block in column order. The exact int4 path dequantizes every weight
+ * to f32 first. */
 
 /* The 32 codes of a block (common/quant.h: column j is byte j % 16's low
  * nibble below 16, its high one above) in column order. */
@@ -1353,12 +1363,46 @@ mk_w4a8_avx2(const int T, const int R, const struct w8_act *a, int t, const uint
     const int8_t *xq = a->xq + (size_t)t * a->ldq;
     const int32_t *base = a->base + (size_t)t * (a->ldq / 4);
     const uint8_t *pf = w + pf_off;
-    for (int k = 0; k < n_in; k += MOE_Q4_BLOCK) {
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    const __m256i two = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    int k = 0;
+    for (; k + 2 * MOE_Q4_BLOCK <= n_in; k += 2 * MOE_Q4_BLOCK) {
         if (k % 128 == 0) { /* a cache line holds 128 columns' codes */
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++)
                 _mm_prefetch((const char *)(pf + r * ldb + k / 2), _MM_HINT_T1);
         }
+        const int g0 = k / group, g1 = (k + MOE_Q4_BLOCK) / group;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(w + r * ldb + k / 2));
+            const __m256i lo = _mm256_and_si256(c, nib);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib);
+            const float *sr = sc + r * lds;
+            /* lanes 0-3 the first block's scale, 4-7 the second's */
+            const __m256 s =
+                g0 == g1 ? _mm256_broadcast_ss(sr + g0)
+                         : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(
+                                                        _mm_load_sd((const double *)(sr + g0)))),
+                                                    two);
+#pragma GCC unroll 4
+            for (int tt = 0; tt < T; tt++) {
+                const int8_t *xr = xq + (size_t)tt * a->ldq + k;
+                const __m256i b =
+                    _mm256_loadu_si256((const __m256i *)(base + (size_t)tt * (a->ldq / 4) + k / 8));
+                const __m256i d0 = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)), ones);
+                const __m256i d1 = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32))), ones);
+                const __m256i d = _mm256_add_epi32(_mm256_add_epi32(d0, d1), b);
+                acc[tt][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[tt][r]);
+            }
+        }
+    }
+    for (; k < n_in; k += MOE_Q4_BLOCK) { /* the last, odd block */
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            _mm_prefetch((const char *)(pf + r * ldb + k / 2), _MM_HINT_T1);
         __m256i xs[MK_T_W8];
 #pragma GCC unroll 4
         for (int tt = 0; tt < T; tt++)
@@ -1371,7 +1415,7 @@ mk_w4a8_avx2(const int T, const int R, const struct w8_act *a, int t, const uint
 #pragma GCC unroll 4
             for (int tt = 0; tt < T; tt++) {
                 const __m256i b =
-                    _mm256_loadu_si256((const __m256i *)(base + (size_t)tt * (a->ldq / 4) + k / 4));
+                    _mm256_loadu_si256((const __m256i *)(base + (size_t)tt * (a->ldq / 4) + k / 8));
                 const __m256i d =
                     _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xs[tt]), ones), b);
                 acc[tt][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[tt][r]);
@@ -1513,6 +1557,33 @@ static bool w8a8_avx2_for(const struct moe_matmul_params *p, enum cpu_isa isa)
            (p->w_dtype == MOE_DTYPE_I4 && (p->n_tok < PK2_MIN_TOK || p->batch_invariant));
 }
 
+#ifdef MATMUL_X86
+/* A quantized token row xq (n_in a multiple of 32) as mk_w4a8_avx2 reads
+ * it: in each whole 64 columns the 16-byte chunks 0 2 1 3 (the order of the
+ * codes' nibbles), and base: for each 64 columns, lane i = -8 x the sum of
+ * chunk-ordered columns 4i..4i+3 and 32+4i..32+4i+3; for a last, odd block,
+ * lane i = -8 x its columns 4i..4i+3. */
+static void w8_quant_q4_order(int8_t *xq, int n_in, int32_t *base)
+{
+    int k = 0;
+    for (; k + 64 <= n_in; k += 64) {
+        int8_t c1[16];
+        memcpy(c1, xq + k + 16, 16);
+        memmove(xq + k + 16, xq + k + 32, 16);
+        memcpy(xq + k + 32, c1, 16);
+        for (int i = 0; i < 8; i++) {
+            const int8_t *a = xq + k + 4 * i, *b = a + 32;
+            base[k / 8 + i] = -8 * (a[0] + a[1] + a[2] + a[3] + b[0] + b[1] + b[2] + b[3]);
+        }
+    }
+    for (; k < n_in; k += 32)
+        for (int i = 0; i < 8; i++) {
+            const int8_t *a = xq + k + 4 * i;
+            base[k / 8 + i] = -8 * (a[0] + a[1] + a[2] + a[3]);
+        }
+}
+#endif
+
 /* One call's job, its W8A8 activations and buffers, between mm_prepare and
  * mm_release (job.w8 points into it: it does not move meanwhile). */
 struct mm_call {
@@ -1601,9 +1672,8 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
         for (int t = 0; t < p->n_tok; t++) {
             int8_t *xq = w8->xq + (size_t)t * w8->ldq;
             w8->sx[t] = w8_quant_row_avx2(p->x + (size_t)t * p->n_in, p->n_in, xq, w8->ldq);
-            for (int i = 0; i4 && i < w8->ldq / 4; i++) /* -8 x each 4 columns' sum */
-                w8->base[(size_t)t * (w8->ldq / 4) + i] =
-                    -8 * (xq[4 * i] + xq[4 * i + 1] + xq[4 * i + 2] + xq[4 * i + 3]);
+            if (i4)
+                w8_quant_q4_order(xq, p->n_in, w8->base + (size_t)t * (w8->ldq / 4));
         }
         job->w8 = w8;
     }
