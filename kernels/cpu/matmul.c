@@ -1381,10 +1381,11 @@ mk_w4a8_avx2(const int T, const int R, const struct w8_act *a, int t, const uint
             const float *sr = sc + r * lds;
             /* lanes 0-3 the first block's scale, 4-7 the second's */
             const __m256 s =
-                g0 == g1 ? _mm256_broadcast_ss(sr + g0)
-                         : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(
-                                                        _mm_load_sd((const double *)(sr + g0)))),
-                                                    two);
+                g0 == g1
+                    ? _mm256_broadcast_ss(sr + g0)
+                    : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(
+                                                   _mm_loadl_epi64((const __m128i *)(sr + g0)))),
+                                               two);
 #pragma GCC unroll 4
             for (int tt = 0; tt < T; tt++) {
                 const int8_t *xr = xq + (size_t)tt * a->ldq + k;
