@@ -1544,12 +1544,12 @@ static void mm_task(void *arg, int task, int thread)
  * dequantized rows (2 threads, against the commit before, same rounds:
  * 512-token prefill 488 -> 590 tok/s, 16-sequence decode 277 -> 354): a
  * vpmaddubsw + vpmaddwd pair does 32 multiplies where an FMA does 8. Fast
- * int4 takes the W4A8 tiles below PK2_MIN_TOK tokens (decode: one sequence
- * 68 -> 193 tok/s, sixteen 190 -> 291 on a Zen 3, 2 threads), and at every
+ * int4 takes the W4A8 tiles below PK2_MIN_TOK tokens (decode on a Zen 3, 2
+ * threads: one sequence 67 -> 251 tok/s, sixteen 191 -> 343), and at every
  * size under batch_invariant (a token's sums are its own); from there the
  * f32 packed panels on dequantized rows, as exact, are faster (their
  * dequantization is shared by the panel's tokens, where a W4A8 tile unpacks
- * its codes for every 2 tokens: 512-token prefill 487 vs 367 tok/s). */
+ * its codes for every 2 tokens: 512-token prefill 483 vs 445 tok/s). */
 static bool w8a8_avx2_for(const struct moe_matmul_params *p, enum cpu_isa isa)
 {
     if (!p->fast || isa != CPU_ISA_AVX2)
