@@ -95,6 +95,22 @@ void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p);
  * alone (the same tiles). */
 void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params *ps, int n);
 
+/* In a pool run of several calls' tasks (call i's are [first[i],
+ * first[i + 1]), first[0] = 0, n calls), the call that task belongs to: the
+ * last i with first[i] <= task. */
+static inline int cpu_task_owner(const int *first, int n, int task)
+{
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= task)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Plain one-thread reference: f32 accumulation, one dot product per output. */
 void cpu_matmul_ref(const struct moe_matmul_params *p);
 

@@ -1724,15 +1724,8 @@ struct mm_many {
 static void mm_many_task(void *arg, int task, int thread)
 {
     const struct mm_many *mm = arg;
-    int lo = 0, hi = mm->n - 1;
-    while (lo < hi) { /* the last i with first[i] <= task */
-        int mid = (lo + hi + 1) / 2;
-        if (mm->first[mid] <= task)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    mm_task(&mm->calls[lo].job, task - mm->first[lo], thread);
+    const int i = cpu_task_owner(mm->first, mm->n, task);
+    mm_task(&mm->calls[i].job, task - mm->first[i], thread);
 }
 
 void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params *ps, int n)

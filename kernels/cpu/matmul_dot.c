@@ -1467,15 +1467,8 @@ struct dot_many {
 static void dot_many_task(void *arg, int task, int thread)
 {
     const struct dot_many *dm = arg;
-    int lo = 0, hi = dm->n - 1;
-    while (lo < hi) { /* the last k with first[k] <= task */
-        int mid = (lo + hi + 1) / 2;
-        if (dm->first[mid] <= task)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    dot_task(&dm->jobs[lo], task - dm->first[lo], thread);
+    const int i = cpu_task_owner(dm->first, dm->n, task);
+    dot_task(&dm->jobs[i], task - dm->first[i], thread);
 }
 
 void cpu_matmul_dot_many(struct moe_threadpool *pool, const struct moe_matmul_params *ps, int n)
