@@ -1315,7 +1315,7 @@ AVX2_TARGET static void tile_avx2_w8a8(const struct mm_tile *mt, const struct w8
     _mm256_zeroupper(); /* see tile_avx2_packed */
 }
 
-/* ---- AVX2 W4A8: fast int4 weights, every call ----
+/* ---- AVX2 W4A8: fast int4 weights, calls below 32 tokens (w8a8_avx2_for) ----
  * The VNNI path's W4A8 (matmul_dot.c) on AVX2: each token quantized as for
  * W8A8; a 32-column block's 4-bit codes u in [0, 15] are vpmaddubsw's
  * unsigned operand and xq its signed one, so no sign trick is needed (a pair
