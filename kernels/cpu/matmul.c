@@ -146,12 +146,12 @@ struct mm_tile {
 
 /* The AVX2 integer paths' activations (fast int8 and int4): each token's row quantized, xq (ldq
  * bytes a row, zero past n_in), and its scale sx; for int4, xq in w8_quant_q4_order's order, and
- * base: -8 x the sums of xq over the columns each int32 lane of a 64-column step (or of a last,
- * odd 32-column block) sums (8 int32 a step, at base + k / 8; rows ldq / 4 apart). */
+ * base: -8 x the sums of xq over the columns each int16 lane of a 64-column step (or of a last,
+ * odd 32-column block) gathers (16 int16 a step, at base + k / 4; rows ldq / 2 apart). */
 struct w8_act {
     int8_t *xq;
     float *sx;
-    int32_t *base;
+    int16_t *base;
     int ldq;
 };
 
@@ -1320,21 +1320,22 @@ AVX2_TARGET static void tile_avx2_w8a8(const struct mm_tile *mt, const struct w8
  * W8A8; a 32-column block's 4-bit codes u in [0, 15] are vpmaddubsw's
  * unsigned operand and xq its signed one, so no sign trick is needed (a pair
  * is at most 2 * 15 * 127); vpmaddwd by ones gives 8 int32 lanes of 4
- * columns each, and adding -8 x the same columns' sum of xq (w8_act.base,
- * once per token and block) leaves sum (u - 8) xq exactly. Each block's sums
+ * columns each; with -8 x the same columns' sum of xq added (w8_act.base,
+ * once per token and block) that leaves sum (u - 8) xq exactly. Each block's sums
  * go to f32 times their group's scale (groups are whole blocks) into f32
  * accumulators; y = sx_t x their sum.
  * Two blocks at a time: one 32-byte load holds their codes, and its low
  * nibbles are columns 0-15 of each (one block a 128-bit lane), its high ones
  * 16-31, so two ANDs and a shift unpack 64 codes, if the activations are
  * stored in that order (xq's 16-byte chunks 0 2 1 3 in each 64 columns,
- * w8_quant_q4_order); lane i of both halves' vpmaddwd sums then belongs to
- * the same block, so they add as integers (with the pair's base) before one
- * conversion and one FMA: 4 ops per 32 MACs of a token and a row, W8A8's
- * count, plus 3 unpacking ops per 64 codes shared by the tile's tokens, on
- * half W8A8's bytes. A row whose length is an odd number of blocks ends with
- * one block in column order. The exact int4 path dequantizes every weight
- * to f32 first. */
+ * w8_quant_q4_order); lane j of both halves' vpmaddubsw pairs then belongs
+ * to the same block, and the pairs are small (|u xq + u' xq'| <= 2 * 15 *
+ * 127), so the two halves and the pair's base (-8 x the same columns' xq)
+ * add exactly in int16, before one vpmaddwd, one conversion and one FMA:
+ * 7 ops per 64 MACs of a token and a row (W8A8 needs 8), plus 3 unpacking
+ * ops per 64 codes shared by the tile's tokens, on half W8A8's bytes. A row whose length is an odd
+ * number of blocks ends with one block in column order. The exact int4 path dequantizes every
+ * weight to f32 first. */
 
 /* The 32 codes of a block (common/quant.h: column j is byte j % 16's low
  * nibble below 16, its high one above) in column order. */
@@ -1361,7 +1362,7 @@ mk_w4a8_avx2(const int T, const int R, const struct w8_act *a, int t, const uint
             acc[tt][r] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *xq = a->xq + (size_t)t * a->ldq;
-    const int32_t *base = a->base + (size_t)t * (a->ldq / 4);
+    const int16_t *base = a->base + (size_t)t * (a->ldq / 2);
     const uint8_t *pf = w + pf_off;
     const __m256i nib = _mm256_set1_epi8(0x0f);
     const __m256i two = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
@@ -1390,12 +1391,14 @@ mk_w4a8_avx2(const int T, const int R, const struct w8_act *a, int t, const uint
             for (int tt = 0; tt < T; tt++) {
                 const int8_t *xr = xq + (size_t)tt * a->ldq + k;
                 const __m256i b =
-                    _mm256_loadu_si256((const __m256i *)(base + (size_t)tt * (a->ldq / 4) + k / 8));
-                const __m256i d0 = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)), ones);
-                const __m256i d1 = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32))), ones);
-                const __m256i d = _mm256_add_epi32(_mm256_add_epi32(d0, d1), b);
+                    _mm256_loadu_si256((const __m256i *)(base + (size_t)tt * (a->ldq / 2) + k / 4));
+                const __m256i p0 =
+                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr));
+                const __m256i p1 =
+                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32)));
+                /* |p0|, |p1| <= 2 * 15 * 127, |b| <= 8 * 4 * 127: exact in int16 */
+                const __m256i d =
+                    _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p0, p1), b), ones);
                 acc[tt][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[tt][r]);
             }
         }
@@ -1416,9 +1419,9 @@ mk_w4a8_avx2(const int T, const int R, const struct w8_act *a, int t, const uint
 #pragma GCC unroll 4
             for (int tt = 0; tt < T; tt++) {
                 const __m256i b =
-                    _mm256_loadu_si256((const __m256i *)(base + (size_t)tt * (a->ldq / 4) + k / 8));
+                    _mm256_loadu_si256((const __m256i *)(base + (size_t)tt * (a->ldq / 2) + k / 4));
                 const __m256i d =
-                    _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xs[tt]), ones), b);
+                    _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u, xs[tt]), b), ones);
                 acc[tt][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[tt][r]);
             }
         }
@@ -1561,10 +1564,11 @@ static bool w8a8_avx2_for(const struct moe_matmul_params *p, enum cpu_isa isa)
 #ifdef MATMUL_X86
 /* A quantized token row xq (n_in a multiple of 32) as mk_w4a8_avx2 reads
  * it: in each whole 64 columns the 16-byte chunks 0 2 1 3 (the order of the
- * codes' nibbles), and base: for each 64 columns, lane i = -8 x the sum of
- * chunk-ordered columns 4i..4i+3 and 32+4i..32+4i+3; for a last, odd block,
- * lane i = -8 x its columns 4i..4i+3. */
-static void w8_quant_q4_order(int8_t *xq, int n_in, int32_t *base)
+ * codes' nibbles), and base: for each 64 columns, int16 lane j = -8 x the sum
+ * of chunk-ordered columns 2j, 2j+1, 32+2j and 32+2j+1 (the columns whose
+ * products vpmaddubsw puts in lane j of either half); for a last, odd block,
+ * lane j = -8 x its columns 2j and 2j+1. 16 lanes at base + k / 4. */
+static void w8_quant_q4_order(int8_t *xq, int n_in, int16_t *base)
 {
     int k = 0;
     for (; k + 64 <= n_in; k += 64) {
@@ -1572,15 +1576,15 @@ static void w8_quant_q4_order(int8_t *xq, int n_in, int32_t *base)
         memcpy(c1, xq + k + 16, 16);
         memmove(xq + k + 16, xq + k + 32, 16);
         memcpy(xq + k + 32, c1, 16);
-        for (int i = 0; i < 8; i++) {
-            const int8_t *a = xq + k + 4 * i, *b = a + 32;
-            base[k / 8 + i] = -8 * (a[0] + a[1] + a[2] + a[3] + b[0] + b[1] + b[2] + b[3]);
+        for (int j = 0; j < 16; j++) {
+            const int8_t *a = xq + k + 2 * j, *b = a + 32;
+            base[k / 4 + j] = (int16_t)(-8 * (a[0] + a[1] + b[0] + b[1]));
         }
     }
     for (; k < n_in; k += 32)
-        for (int i = 0; i < 8; i++) {
-            const int8_t *a = xq + k + 4 * i;
-            base[k / 8 + i] = -8 * (a[0] + a[1] + a[2] + a[3]);
+        for (int j = 0; j < 16; j++) {
+            const int8_t *a = xq + k + 2 * j;
+            base[k / 4 + j] = (int16_t)(-8 * (a[0] + a[1]));
         }
 }
 #endif
@@ -1667,14 +1671,14 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
         const size_t per_tok = (i4 ? (size_t)w8->ldq : 0) + sizeof(float) + (size_t)w8->ldq;
         c->w8_buf = malloc((size_t)p->n_tok * per_tok);
         MOE_ASSERT(c->w8_buf != NULL);
-        w8->base = i4 ? (int32_t *)c->w8_buf : NULL;
+        w8->base = i4 ? (int16_t *)c->w8_buf : NULL;
         w8->sx = (float *)(c->w8_buf + (i4 ? (size_t)p->n_tok * w8->ldq : 0));
         w8->xq = (int8_t *)(w8->sx + p->n_tok);
         for (int t = 0; t < p->n_tok; t++) {
             int8_t *xq = w8->xq + (size_t)t * w8->ldq;
             w8->sx[t] = w8_quant_row_avx2(p->x + (size_t)t * p->n_in, p->n_in, xq, w8->ldq);
             if (i4)
-                w8_quant_q4_order(xq, p->n_in, w8->base + (size_t)t * (w8->ldq / 4));
+                w8_quant_q4_order(xq, p->n_in, w8->base + (size_t)t * (w8->ldq / 2));
         }
         job->w8 = w8;
     }
