@@ -1548,7 +1548,7 @@ static void mm_task(void *arg, int task, int thread)
  * 512-token prefill 488 -> 590 tok/s, 16-sequence decode 277 -> 354): a
  * vpmaddubsw + vpmaddwd pair does 32 multiplies where an FMA does 8. Fast
  * int4 takes the W4A8 tiles below PK2_MIN_TOK tokens (decode on a Zen 3, 2
- * threads, same rounds: one sequence 69 -> 243 tok/s, sixteen 192 -> 349), and at every
+ * threads, same rounds: one sequence 70 -> 251 tok/s, sixteen 193 -> 386), and at every
  * size under batch_invariant (a token's sums are its own); from there the
  * f32 packed panels on dequantized rows, as exact, are faster (their
  * dequantization is shared by the panel's tokens, where a W4A8 tile unpacks
