@@ -142,6 +142,7 @@ per_step16 = {dt: L * (attn(dt) + active16 * expert(dt) + router) + lin(V, d, dt
 flops_tok = 2 * (L * (H * dh + 2 * KV * dh) * d + L * d * H * dh + L * k * 3 * ff * d + V * d)
 def attn_flops(n):  # causal attention per token, averaged over a prompt of n
     return L * H * dh * 4 * (n + 1) / 2
+flops16 = flops_tok + attn_flops(79)  # decode16: 8-token prompts, 64 tokens: ~40 positions attended
 triad, read = {}, {}
 for line in open(os.path.join(tmp, "triad.txt")):
     m = re.match(r"triad threads (\d+): best ([0-9.]+) GB/s, median ([0-9.]+)", line)
@@ -165,7 +166,7 @@ print(f"# bytes read per token, decode1: " + ", ".join(f"{dt} {per_tok[dt]/1e6:.
 # which says what one core's tiles can do)
 if "decode16" in cells:
     print("# decode16 at the triad roofline would compute: " + ", ".join(
-        f"{dt} {bw[t] / (per_step16[dt] / 16) * (flops_tok + attn_flops(79)) / 1e9:.0f} GFLOP/s"
+        f"{dt} {bw[t] / (per_step16[dt] / 16) * flops16 / 1e9:.0f} GFLOP/s"
         f" ({t} thread(s))" for dt in dtypes for t in sorted(bw)))
 print(f"{'cell':<12} {'dtype':<5} {'mode':<6} {'thr':>3} {'tok/s':>9} {'roofline':>9} {'%roof':>6} {'%read':>6} {'GFLOP/s':>8}  all rounds")
 for cell in cells:
@@ -183,8 +184,8 @@ for cell in cells:
                     rf = bw[th] / per; roof, pct = f"{rf:9.1f}", f"{100 * med / rf:5.0f}%"
                     if th in rbw:
                         rpct = f"{100 * med * per / rbw[th]:5.0f}%"
-                    if cell == "decode16":  # 8-token prompts, 64 tokens: ~40 positions attended
-                        gf = f"{med * (flops_tok + attn_flops(79)) / 1e9:8.0f}"
+                    if cell == "decode16":
+                        gf = f"{med * flops16 / 1e9:8.0f}"
                 else:
                     n = 512 if cell == "prefill512" else 4096
                     gf = f"{med * (flops_tok + attn_flops(n)) / 1e9:8.0f}"

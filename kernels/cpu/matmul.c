@@ -1321,9 +1321,9 @@ AVX2_TARGET static void tile_avx2_w8a8(const struct mm_tile *mt, const struct w8
  * unsigned operand and xq its signed one, so no sign trick is needed (a pair
  * is at most 2 * 15 * 127); vpmaddwd by ones gives 8 int32 lanes of 4
  * columns each; with -8 x the same columns' sum of xq added (w8_act.base,
- * once per token and block) that leaves sum (u - 8) xq exactly. Each block's sums
- * go to f32 times their group's scale (groups are whole blocks) into f32
- * accumulators; y = sx_t x their sum.
+ * once per token and block) that leaves sum (u - 8) xq exactly. Each
+ * block's sums go to f32 times their group's scale (groups are whole
+ * blocks) into f32 accumulators; y = sx_t x their sum.
  * Two blocks at a time: one 32-byte load holds their codes, and its low
  * nibbles are columns 0-15 of each (one block a 128-bit lane), its high ones
  * 16-31, so two ANDs and a shift unpack 64 codes, if the activations are
@@ -1333,9 +1333,9 @@ AVX2_TARGET static void tile_avx2_w8a8(const struct mm_tile *mt, const struct w8
  * 127), so the two halves and the pair's base (-8 x the same columns' xq)
  * add exactly in int16, before one vpmaddwd, one conversion and one FMA:
  * 7 ops per 64 MACs of a token and a row (W8A8 needs 8), plus 3 unpacking
- * ops per 64 codes shared by the tile's tokens, on half W8A8's bytes. A row whose length is an odd
- * number of blocks ends with one block in column order. The exact int4 path dequantizes every
- * weight to f32 first. */
+ * ops per 64 codes shared by the tile's tokens, on half W8A8's bytes. A row
+ * whose length is an odd number of blocks ends with one block in column
+ * order. The exact int4 path dequantizes every weight to f32 first. */
 
 /* The 32 codes of a block (common/quant.h: column j is byte j % 16's low
  * nibble below 16, its high one above) in column order. */
@@ -1589,7 +1589,7 @@ static void w8_quant_q4_order(int8_t *xq, int n_in, int16_t *base)
 }
 #endif
 
-/* One call's job, its W8A8 activations and buffers, between mm_prepare and
+/* One call's job, its W8A8 / W4A8 activations and buffers, between mm_prepare and
  * mm_release (job.w8 points into it: it does not move meanwhile). */
 struct mm_call {
     struct mm_job job;
@@ -1601,8 +1601,8 @@ struct mm_call {
 };
 
 /* Sets c up for p (p->n_tok, p->n_out > 0; not a dot-product call): task
- * shapes, scratch (`stack` when its `stack_n` floats suffice), and on the W8A8
- * path the quantized activations. */
+ * shapes, scratch (`stack` when its `stack_n` floats suffice), and on the
+ * W8A8 / W4A8 paths the quantized activations. */
 static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_params *p,
                        struct mm_call *c, float *stack, size_t stack_n)
 {
@@ -1667,7 +1667,7 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
         struct w8_act *w8 = &c->w8;
         const bool i4 = p->w_dtype == MOE_DTYPE_I4;
         w8->ldq = (p->n_in + 31) / 32 * 32;
-        /* per token: base (int4; ldq int32: 4-byte aligned first), sx, xq */
+        /* per token: base (int4: ldq / 2 int16, first for their alignment), sx, xq */
         const size_t per_tok = (i4 ? (size_t)w8->ldq : 0) + sizeof(float) + (size_t)w8->ldq;
         c->w8_buf = malloc((size_t)p->n_tok * per_tok);
         MOE_ASSERT(c->w8_buf != NULL);

@@ -164,7 +164,7 @@ bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
 const char *cpu_matmul_fast_path(enum moe_dtype wt)
 {
     struct moe_matmul_params p = {.fast = true, .w_dtype = wt};
-    if (!cpu_matmul_dot_supported(&p)) /* AVX2 int8: W8A8 tiles in matmul.c */
+    if (!cpu_matmul_dot_supported(&p)) /* AVX2 int8 / int4: W8A8 / W4A8 tiles in matmul.c */
         return cpu_kernels_isa() != CPU_ISA_AVX2 ? "f32-fma"
                : wt == MOE_DTYPE_I8              ? "avx2-w8a8"
                : wt == MOE_DTYPE_I4              ? "avx2-w4a8"
