@@ -35,8 +35,8 @@ struct shape {
     int n_out, n_in;
 };
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
+#if defined(__x86_64__)
+#include "cpu/simd_x86.h" /* bf16x8_to_f32, the tiles' own widening */
 
 /* ---- --peak: what one core's arithmetic allows the AVX2 tiles ----
  * The inner loops of the AVX2 tiles, 2 tokens x 4 rows, on operands that
@@ -54,7 +54,7 @@ static int8_t g_pk_x8[2][PEAK_K] __attribute__((aligned(64)));
 static uint16_t g_pk_wb[4][PEAK_K] __attribute__((aligned(64)));
 static float g_pk_xf[2][PEAK_K] __attribute__((aligned(64)));
 
-__attribute__((target("avx2,fma"), always_inline)) static inline int peak_w8a8(const bool sign)
+MOE_AVX2_TARGET __attribute__((always_inline)) static inline int peak_w8a8(const bool sign)
 {
     __m256i acc[2][4];
     for (int t = 0; t < 2; t++)
@@ -86,7 +86,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline int peak_w8a8(c
     return v;
 }
 
-__attribute__((target("avx2,fma"), always_inline)) static inline float peak_fma(const bool bf16)
+MOE_AVX2_TARGET __attribute__((always_inline)) static inline float peak_fma(const bool bf16)
 {
     __m256 acc[2][4];
     for (int t = 0; t < 2; t++)
@@ -98,10 +98,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float peak_fma(
             for (int t = 0; t < 2; t++)
                 xv[t] = _mm256_load_ps(&g_pk_xf[t][k]);
             for (int r = 0; r < 4; r++) {
-                __m256 wv = bf16 ? _mm256_castsi256_ps(
-                                       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_load_si128(
-                                                             (const __m128i *)&g_pk_wb[r][k])),
-                                                         16))
+                __m256 wv = bf16 ? bf16x8_to_f32(_mm_load_si128((const __m128i *)&g_pk_wb[r][k]))
                                  : xv[(r + 1) % 2];
                 for (int t = 0; t < 2; t++)
                     acc[t][r] = _mm256_fmadd_ps(xv[t], wv, acc[t][r]);
@@ -117,7 +114,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float peak_fma(
 }
 
 /* one compiled loop per chain */
-__attribute__((target("avx2,fma"), noinline)) static double peak_chain(int i)
+MOE_AVX2_TARGET __attribute__((noinline)) static double peak_chain(int i)
 {
     switch (i) {
     case 0: return peak_w8a8(true);
