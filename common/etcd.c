@@ -1007,10 +1007,20 @@ struct moe_etcd_watch {
 
     /* watcher thread only */
     int64_t next_rev;     /* revision to resume from; 0: from now */
+    int at_last_rev;      /* INT64_MAX was seen: no revision can follow it */
     struct etcd_buf line; /* partial line of the stream */
     int end_stream;       /* the line handler asks to reconnect */
     int created_seen;     /* this stream was established */
 };
+
+/* Everything up to rev has been seen: resume after it. INT64_MAX is the
+ * last revision there can be; after it nothing is new (next_rev cannot step
+ * past it, so a flag says so). */
+static void watch_seen_rev(struct moe_etcd_watch *w, int64_t rev)
+{
+    w->at_last_rev = rev == INT64_MAX;
+    w->next_rev = rev == INT64_MAX ? rev : rev + 1;
+}
 
 /* Delivers the events of one watch answer. */
 static void watch_deliver(struct moe_etcd_watch *w, const cJSON *events)
@@ -1035,10 +1045,9 @@ static void watch_deliver(struct moe_etcd_watch *w, const cJSON *events)
             .create_revision = kv.create_revision,
             .lease = kv.lease,
         };
-        if (kv.mod_revision >= w->next_rev) { /* never deliver twice */
+        if (!w->at_last_rev && kv.mod_revision >= w->next_rev) { /* never deliver twice */
             w->fn(w->user, &ev);
-            /* the last revision there can be: nothing after it is new */
-            w->next_rev = kv.mod_revision < INT64_MAX ? kv.mod_revision + 1 : INT64_MAX;
+            watch_seen_rev(w, kv.mod_revision);
         }
         moe_etcd_kv_clear(&kv);
     }
@@ -1061,7 +1070,7 @@ static void watch_line(struct moe_etcd_watch *w, const char *s, size_t n)
             const cJSON *h = cJSON_GetObjectItemCaseSensitive(r, "header");
             int64_t rev;
             if (cJSON_IsObject(h) && json_int64(h, "revision", &rev) && rev > 0)
-                w->next_rev = rev < INT64_MAX ? rev + 1 : INT64_MAX;
+                watch_seen_rev(w, rev);
         }
     }
     const cJSON *events = cJSON_GetObjectItemCaseSensitive(r, "events");
@@ -1069,7 +1078,7 @@ static void watch_line(struct moe_etcd_watch *w, const char *s, size_t n)
         watch_deliver(w, events);
     int64_t compact = 0;
     json_int64(r, "compact_revision", &compact);
-    if (compact > 0 && compact > w->next_rev) {
+    if (!w->at_last_rev && compact > 0 && compact > w->next_rev) {
         struct moe_etcd_event ev = {
             .type = MOE_ETCD_EVENT_RESYNC, .key = "", .value = "", .mod_revision = compact};
         w->fn(w->user, &ev);
