@@ -9,13 +9,13 @@
  * from memory, not from the last-level cache, as in real decode; GB/s is
  * weight bytes streamed per second.
  *
- * --fast: the fast (moe_matmul_params.fast) paths instead: bf16 and int8
- * weights at 8..512 tokens, on every dot-product path this processor has
+ * --fast: the fast (moe_matmul_params.fast) paths instead: bf16, int8 and
+ * int4 (group 32) weights at 1..512 tokens, on every dot-product path this processor has
  * (AMX, then AMX forced off: AVX512-BF16 / VNNI; on AVX2 the int8 W8A8
  * tiles alone, bf16 reported as skipped), the paths alternated within each
  * cell, best of 5, and their ratio.
  *
- * usage: bench-kernels [--quick | --argmax | --fast [bf16|int8] | --peak]   (--quick: fewer
+ * usage: bench-kernels [--quick | --argmax | --fast [bf16|int8|int4] | --peak]   (--quick: fewer
  *        repetitions, no scalar GEMM; --argmax: only the host argmax cells; --fast: only the
  *        fast-path cells, of one type if named; --peak: the AVX2 tiles' arithmetic ceilings) */
 #include <math.h>
@@ -113,13 +113,63 @@ MOE_AVX2_TARGET __attribute__((always_inline)) static inline float peak_fma(cons
     return v;
 }
 
+/* The W4A8 tile step (matmul.c mk_w4a8_avx2): per row and 64 columns one
+ * 32-byte load of codes, AND / shift / AND; per token and row two
+ * vpmaddubsw, the two pair sums and the base added in int16, vpmaddwd,
+ * conversion and an FMA by the groups' scales. `base` false drops the base
+ * add (a bound: the base folded out of the loop). */
+static uint8_t g_pk_w4[4][PEAK_K / 2] __attribute__((aligned(64)));
+static int16_t g_pk_base[2][PEAK_K / 4] __attribute__((aligned(64)));
+static float g_pk_sc[4][PEAK_K / 32] __attribute__((aligned(64)));
+
+MOE_AVX2_TARGET __attribute__((always_inline)) static inline float peak_w4a8(const bool base)
+{
+    __m256 acc[2][4];
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < 4; r++)
+            acc[t][r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(0x0f);
+    for (int rep = 0; rep < PEAK_REPS / 2; rep++)
+        for (int k = 0; k < PEAK_K; k += 64) {
+            for (int r = 0; r < 4; r++) {
+                const __m256i c = _mm256_load_si256((const __m256i *)&g_pk_w4[r][k / 2]);
+                const __m256i lo = _mm256_and_si256(c, nib);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib);
+                const __m256 sv = _mm256_insertf128_ps(
+                    _mm256_castps128_ps256(_mm_broadcast_ss(&g_pk_sc[r][k / 32])),
+                    _mm_broadcast_ss(&g_pk_sc[r][k / 32 + 1]), 1);
+                for (int t = 0; t < 2; t++) {
+                    __m256i p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo,
+                                             _mm256_load_si256((const __m256i *)&g_pk_x8[t][k])),
+                        _mm256_maddubs_epi16(
+                            hi, _mm256_load_si256((const __m256i *)&g_pk_x8[t][k + 32])));
+                    if (base)
+                        p = _mm256_add_epi16(
+                            p, _mm256_load_si256((const __m256i *)&g_pk_base[t][k / 4]));
+                    acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), sv,
+                                                acc[t][r]);
+                }
+            }
+        }
+    __m256 s = _mm256_setzero_ps();
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < 4; r++)
+            s = _mm256_add_ps(s, acc[t][r]);
+    float v = _mm256_cvtss_f32(s);
+    _mm256_zeroupper();
+    return v;
+}
+
 /* one compiled loop per chain */
 MOE_AVX2_TARGET __attribute__((noinline)) static double peak_chain(int i)
 {
     switch (i) {
     case 0: return peak_w8a8(true);
     case 1: return peak_w8a8(false);
-    case 2: return peak_fma(true);
+    case 2: return peak_w4a8(true);
+    case 3: return peak_w4a8(false);
+    case 4: return peak_fma(true);
     default: return peak_fma(false);
     }
 }
@@ -134,26 +184,38 @@ static int bench_peak(void)
         for (int r = 0; r < 4; r++) {
             g_pk_w8[r][i] = (int8_t)((i * 7 + r * 3) % 255 - 127);
             g_pk_wb[r][i] = moe_f32_to_bf16((float)((i + r) % 13) * 0.01f);
+            if (i % 2 == 0)
+                g_pk_w4[r][i / 2] = (uint8_t)((i * 3 + r) % 256);
+            if (i % 32 == 0)
+                g_pk_sc[r][i / 32] = 0.01f;
         }
         for (int t = 0; t < 2; t++) {
             g_pk_x8[t][i] = (int8_t)((i * 5 + t * 11) % 255 - 127);
             g_pk_xf[t][i] = (float)((i + t) % 7) * 0.001f;
+            if (i % 4 == 0)
+                g_pk_base[t][i / 4] = (int16_t)(-8 * (i % 61));
         }
     }
     volatile double sink = 0;
     printf("# one thread, operands in L1, 2 tokens x 4 rows a tile step; best of 3\n");
     printf("%-40s %10s\n", "chain", "GMAC/s");
     static const char *names[] = {"int8 W8A8 (sign, maddubs, madd, add)",
-                                  "int8 without vpsignb (not exact)", "bf16 widened to f32, FMA",
+                                  "int8 without vpsignb (not exact)",
+                                  "int4 W4A8 (2 maddubs, 2 add, madd, cvt, FMA)",
+                                  "int4 W4A8 without the base add",
+                                  "bf16 widened to f32, FMA",
                                   "f32 FMA"};
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 6; i++) {
         double best = 1e9;
         for (int round = 0; round < 3; round++) {
             double t0 = moe_now();
             sink += peak_chain(i);
             best = fmin(best, moe_now() - t0);
         }
-        double macs = i < 2 ? (double)PEAK_REPS * PEAK_K * 8 : (double)(PEAK_REPS / 4) * PEAK_K * 8;
+        double macs = (double)(i < 2   ? PEAK_REPS
+                               : i < 4 ? PEAK_REPS / 2
+                                       : PEAK_REPS / 4) *
+                      PEAK_K * 8;
         printf("%-40s %10.1f\n", names[i], macs / best * 1e-9);
     }
     (void)sink;
@@ -167,17 +229,33 @@ static int bench_peak(void)
 }
 #endif
 
-/* Bytes of one weight copy (I8: values, padding, row scales). */
+/* The int4 cells' group: the bundled models' (llama.cpp Q4_0's) 32 columns. */
+#define Q4_GROUP 32
+
+/* Bytes of one weight copy (I8: values, padding, row scales; I4: codes, group scales). */
 static size_t weight_bytes(enum moe_dtype dt, const struct shape *sh)
 {
     if (dt == MOE_DTYPE_I8)
         return moe_i8_weight_bytes(sh->n_out, sh->n_in);
+    if (dt == MOE_DTYPE_I4)
+        return moe_q4_weight_bytes(sh->n_out, sh->n_in, Q4_GROUP);
     return (size_t)sh->n_out * sh->n_in * moe_dtype_size(dt);
 }
 
 static void fill_weights(void *w, enum moe_dtype dt, const struct shape *sh, unsigned seed)
 {
     size_t n = (size_t)sh->n_out * sh->n_in;
+    if (dt == MOE_DTYPE_I4) { /* random codes, scales that keep W near [-0.5, 0.5) */
+        uint8_t *codes = w;
+        for (size_t i = 0; i < n / 2; i++) {
+            seed = seed * 1664525u + 1013904223u;
+            codes[i] = (uint8_t)(seed >> 24);
+        }
+        float *sc = (float *)((char *)w + moe_q4_scale_offset(sh->n_out, sh->n_in));
+        for (int64_t g = 0; g < sh->n_out * moe_q4_groups(sh->n_in, Q4_GROUP); g++)
+            sc[g] = 0.5f / 8.0f;
+        return;
+    }
     for (size_t i = 0; i < n; i++) {
         seed = seed * 1664525u + 1013904223u;
         float v = (float)(seed >> 8) / 16777216.0f - 0.5f;
@@ -220,6 +298,8 @@ static void set_weights(struct moe_matmul_params *p, void *w)
     p->w = w;
     if (p->w_dtype == MOE_DTYPE_I8)
         p->w_scale = (const float *)((const char *)w + moe_i8_scale_offset(p->n_out, p->n_in));
+    if (p->w_dtype == MOE_DTYPE_I4)
+        p->w_scale = (const float *)((const char *)w + moe_q4_scale_offset(p->n_out, p->n_in));
 }
 
 /* Seconds per call: runs until min_time has passed (at least min_reps). */
@@ -289,7 +369,7 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
     unsigned sets[2] = {have, have & ~amx};
     int n_sets = (have & amx) ? 2 : 1;
     char names[2][64];
-    static const enum moe_dtype dts[] = {MOE_DTYPE_BF16, MOE_DTYPE_I8};
+    static const enum moe_dtype dts[] = {MOE_DTYPE_BF16, MOE_DTYPE_I8, MOE_DTYPE_I4};
     static const int toks[] = {1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 512};
     const size_t cold_bytes = (size_t)256 << 20;
     printf("# fast paths; features %s%s\n", cpu_features_name(have, names[0], sizeof names[0]),
@@ -305,9 +385,10 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
                                                             : "GFLOP/s",
                "W GB/s");
     printf("%s\n", n_sets == 2 ? "  AMX/AVX512" : "");
-    for (size_t d = 0; d < 2; d++) {
+    for (size_t d = 0; d < sizeof dts / sizeof *dts; d++) {
         enum moe_dtype dt = dts[d];
-        if (only && strcmp(only, dt == MOE_DTYPE_I8 ? "int8" : "bf16") != 0)
+        static const char *const flag_names[] = {"bf16", "int8", "int4"};
+        if (only && strcmp(only, flag_names[d]) != 0)
             continue;
         if (strcmp(cpu_matmul_fast_path(dt), "f32-fma") == 0)
             printf("%-5s (no dot-product path on this processor: the f32-FMA tiles)\n",
@@ -327,6 +408,7 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
                                                   .n_tok = toks[k],
                                                   .n_in = sh->n_in,
                                                   .w_dtype = dt,
+                                                  .w_group = Q4_GROUP,
                                                   .ldw = sh->n_in,
                                                   .n_out = sh->n_out,
                                                   .y = y,
@@ -388,8 +470,9 @@ int main(int argc, char **argv)
     if (argc > 1 && strcmp(argv[1], "--fast") == 0) {
         cpu_kernels_env();
         const char *only = argc > 2 ? argv[2] : NULL;
-        if (only && strcmp(only, "bf16") != 0 && strcmp(only, "int8") != 0) {
-            fprintf(stderr, "bench-kernels --fast: type '%s' is not bf16 or int8\n", only);
+        if (only && strcmp(only, "bf16") != 0 && strcmp(only, "int8") != 0 &&
+            strcmp(only, "int4") != 0) {
+            fprintf(stderr, "bench-kernels --fast: type '%s' is not bf16, int8 or int4\n", only);
             return 2;
         }
         int rc = 0;
