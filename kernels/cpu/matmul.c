@@ -1350,8 +1350,8 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m256i q4_codes32_avx2
  * into out; the next tile's rows (pf bytes on) prefetched into L2 as in
  * mk_w8a8_avx2. */
 AVX2_TARGET static inline __attribute__((always_inline)) void
-mk_w4a8_avx2(const int T, const int R, const struct w8_act *a, int t, const uint8_t *w, int64_t ldb,
-             const float *sc, int64_t lds, int group, int64_t pf_off, int n_in,
+mk_w4a8_avx2(const int T, const int R, const int G, const struct w8_act *a, int t, const uint8_t *w,
+             int64_t ldb, const float *sc, int64_t lds, int64_t pf_off, int n_in,
              float out[MK_T][MK_R])
 {
     __m256 acc[MK_T_W8][MK_R];
@@ -1365,7 +1365,6 @@ mk_w4a8_avx2(const int T, const int R, const struct w8_act *a, int t, const uint
     const int16_t *base = a->base + (size_t)t * (a->ldq / 2);
     const uint8_t *pf = w + pf_off;
     const __m256i nib = _mm256_set1_epi8(0x0f);
-    const __m256i two = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     int k = 0;
     for (; k + 2 * MOE_Q4_BLOCK <= n_in; k += 2 * MOE_Q4_BLOCK) {
         if (k % 128 == 0) { /* a cache line holds 128 columns' codes */
@@ -1373,25 +1372,31 @@ mk_w4a8_avx2(const int T, const int R, const struct w8_act *a, int t, const uint
             for (int r = 0; r < R; r++)
                 _mm_prefetch((const char *)(pf + r * ldb + k / 2), _MM_HINT_T1);
         }
-        const int g0 = k / group, g1 = (k + MOE_Q4_BLOCK) / group;
+        const int g0 = k / G; /* a constant G: a shift, not a division */
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(w + r * ldb + k / 2));
             const __m256i lo = _mm256_and_si256(c, nib);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib);
             const float *sr = sc + r * lds;
-            /* lanes 0-3 the first block's scale, 4-7 the second's */
+            /* lanes 0-3 the first block's scale, 4-7 the second's: groups
+             * of 64 or 128 columns hold both blocks (k is a multiple of 64) */
             const __m256 s =
-                g0 == g1
+                G > MOE_Q4_BLOCK
                     ? _mm256_broadcast_ss(sr + g0)
-                    : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(
-                                                   _mm_loadl_epi64((const __m128i *)(sr + g0)))),
-                                               two);
+                    : _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sr + g0)),
+                                           _mm_broadcast_ss(sr + g0 + 1), 1);
+            /* the tokens' operands read from L1 for each row, as memory
+             * operands: kept in registers across rows they would push the
+             * accumulators out of them */
+            const int8_t *xk = xq + k;
+            const int16_t *bk = base + k / 4;
+            __asm__("" : "+r"(xk), "+r"(bk));
 #pragma GCC unroll 4
             for (int tt = 0; tt < T; tt++) {
-                const int8_t *xr = xq + (size_t)tt * a->ldq + k;
+                const int8_t *xr = xk + (size_t)tt * a->ldq;
                 const __m256i b =
-                    _mm256_loadu_si256((const __m256i *)(base + (size_t)tt * (a->ldq / 2) + k / 4));
+                    _mm256_loadu_si256((const __m256i *)(bk + (size_t)tt * (a->ldq / 2)));
                 const __m256i p0 =
                     _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr));
                 const __m256i p1 =
@@ -1411,7 +1416,7 @@ mk_w4a8_avx2(const int T, const int R, const struct w8_act *a, int t, const uint
 #pragma GCC unroll 4
         for (int tt = 0; tt < T; tt++)
             xs[tt] = _mm256_loadu_si256((const __m256i *)(xq + (size_t)tt * a->ldq + k));
-        const int g = k / group;
+        const int g = k / G;
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const __m256i u = q4_codes32_avx2(w + r * ldb + k / 2);
@@ -1437,22 +1442,30 @@ mk_w4a8_avx2(const int T, const int R, const struct w8_act *a, int t, const uint
     }
 }
 
+/* The tiles and groups there are, each its own code (T, R and G constants). */
+#define W4A8_TILE(T, R, G) mk_w4a8_avx2(T, R, G, a, t, w, ldb, sc, lds, pf_off, n_in, out)
+#define W4A8_TILES(T, R)                                                                           \
+    (group == 32 ? W4A8_TILE(T, R, 32) : group == 64 ? W4A8_TILE(T, R, 64) : W4A8_TILE(T, R, 128))
+
 AVX2_TARGET static void mk_w4a8_avx2_any(int T, int R, const struct w8_act *a, int t,
                                          const uint8_t *w, int64_t ldb, const float *sc,
                                          int64_t lds, int group, int64_t pf_off, int n_in,
                                          float out[MK_T][MK_R])
 {
+    MOE_ASSERT(moe_q4_group_valid(group));
     if (T == 2 && R == 4)
-        mk_w4a8_avx2(2, 4, a, t, w, ldb, sc, lds, group, pf_off, n_in, out);
+        W4A8_TILES(2, 4);
     else if (T == 1 && R == 4)
-        mk_w4a8_avx2(1, 4, a, t, w, ldb, sc, lds, group, pf_off, n_in, out);
+        W4A8_TILES(1, 4);
     else if (T == 2 && R == 1)
-        mk_w4a8_avx2(2, 1, a, t, w, ldb, sc, lds, group, pf_off, n_in, out);
+        W4A8_TILES(2, 1);
     else if (T == 1 && R == 1)
-        mk_w4a8_avx2(1, 1, a, t, w, ldb, sc, lds, group, pf_off, n_in, out);
+        W4A8_TILES(1, 1);
     else
         MOE_ASSERT(0 && "mk_w4a8_avx2_any: unsupported tile");
 }
+#undef W4A8_TILES
+#undef W4A8_TILE
 
 /* A task of the W4A8 path, on tile_rows' tiles as tile_avx2_w8a8. */
 AVX2_TARGET static void tile_avx2_w4a8(const struct mm_tile *mt, const struct w8_act *a)
