@@ -1391,7 +1391,7 @@ mk_w4a8_avx2(const int T, const int R, const int G, const struct w8_act *a, int 
              * accumulators out of them */
             const int8_t *xk = xq + k;
             const int16_t *bk = base + k / 4;
-            __asm__("" : "+r"(xk), "+r"(bk));
+            __asm__ volatile("" : "+r"(xk), "+r"(bk));
 #pragma GCC unroll 4
             for (int tt = 0; tt < T; tt++) {
                 const int8_t *xr = xk + (size_t)tt * a->ldq;
