@@ -146,13 +146,12 @@ struct mm_tile {
 
 /* The AVX2 integer paths' activations (fast int8 and int4): each token's row quantized, xq (ldq
  * bytes a row, zero past n_in), and its scale sx; for int4, xq in w8_quant_q4_order's order, and
- * base: -8 x the sums of xq over the columns each int16 lane of a 64-column step (or of a last,
- * odd 32-column block) gathers (16 int16 a step, at base + k / 4; rows ldq / 2 apart). */
+ * xsum: -8 x the sum of xq over each weight group (ldg floats a row, zero past the groups). */
 struct w8_act {
     int8_t *xq;
     float *sx;
-    int16_t *base;
-    int ldq;
+    float *xsum;
+    int ldq, ldg;
 };
 
 static inline void store_out(const struct moe_matmul_params *p, int t, int o, float v)
@@ -1320,19 +1319,25 @@ AVX2_TARGET static void tile_avx2_w8a8(const struct mm_tile *mt, const struct w8
  * W8A8; a 32-column block's 4-bit codes u in [0, 15] are vpmaddubsw's
  * unsigned operand and xq its signed one, so no sign trick is needed (a pair
  * is at most 2 * 15 * 127); vpmaddwd by ones gives 8 int32 lanes of 4
- * columns each; with -8 x the same columns' sum of xq added (w8_act.base,
- * once per token and block) that leaves sum (u - 8) xq exactly. Each
- * block's sums go to f32 times their group's scale (groups are whole
- * blocks) into f32 accumulators; y = sx_t x their sum.
+ * columns each, exact sums of u xq. Each block's sums go to f32 times their
+ * group's scale (groups are whole blocks) into f32 accumulators; the codes'
+ * offset, sum_g s_g x (-8 x the group's sum of xq) (w8_act.xsum, once per
+ * token), is added at the end, 8 groups an FMA; y = sx_t x their sum. (The
+ * offset once folded into each step's int16 pairs, exact per group, took
+ * one more op per token, row and 64 columns: bench-kernels --fast int4, one
+ * core, 4-16 tokens, 91-100 -> 98-108 GFLOP/s without it. Its f32 sums now
+ * round on the two parts' sizes, sum_g |s_g| sum (u + 8) |xq|, not on
+ * sum |x w|: unit/test_matmul_i4 measures 3e-8 of that; the activations'
+ * quantization is ~1e-2.)
  * Two blocks at a time: one 32-byte load holds their codes, and its low
  * nibbles are columns 0-15 of each (one block a 128-bit lane), its high ones
  * 16-31, so two ANDs and a shift unpack 64 codes, if the activations are
  * stored in that order (xq's 16-byte chunks 0 2 1 3 in each 64 columns,
  * w8_quant_q4_order); lane j of both halves' vpmaddubsw pairs then belongs
  * to the same block, and the pairs are small (|u xq + u' xq'| <= 2 * 15 *
- * 127), so the two halves and the pair's base (-8 x the same columns' xq)
- * add exactly in int16, before one vpmaddwd, one conversion and one FMA:
- * 7 ops per 64 MACs of a token and a row (W8A8 needs 8), plus 3 unpacking
+ * 127), so the two halves add exactly in int16, before one vpmaddwd, one
+ * conversion and one FMA: 6 ops per 64 MACs of a token and a row (W8A8
+ * needs 8), plus 3 unpacking
  * ops per 64 codes shared by the tile's tokens, on half W8A8's bytes. A row
  * whose length is an odd number of blocks ends with one block in column
  * order. The exact int4 path dequantizes every weight to f32 first. */
@@ -1345,7 +1350,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m256i q4_codes32_avx2
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
 }
 
-/* T tokens (xq rows and their base rows) x R rows of codes w (ldb bytes
+/* T tokens (xq rows and their xsum rows) x R rows of codes w (ldb bytes
  * apart; scales sc, lds apart): sum_g s_g sum (u - 8) xq per (token, row)
  * into out; the next tile's rows (pf bytes on) prefetched into L2 as in
  * mk_w8a8_avx2. */
@@ -1362,7 +1367,6 @@ mk_w4a8_avx2(const int T, const int R, const int G, const struct w8_act *a, int 
             acc[tt][r] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *xq = a->xq + (size_t)t * a->ldq;
-    const int16_t *base = a->base + (size_t)t * (a->ldq / 2);
     const uint8_t *pf = w + pf_off;
     const __m256i nib = _mm256_set1_epi8(0x0f);
     int k = 0;
@@ -1390,20 +1394,16 @@ mk_w4a8_avx2(const int T, const int R, const int G, const struct w8_act *a, int 
              * operands: kept in registers across rows they would push the
              * accumulators out of them */
             const int8_t *xk = xq + k;
-            const int16_t *bk = base + k / 4;
-            __asm__ volatile("" : "+r"(xk), "+r"(bk));
+            __asm__ volatile("" : "+r"(xk));
 #pragma GCC unroll 4
             for (int tt = 0; tt < T; tt++) {
                 const int8_t *xr = xk + (size_t)tt * a->ldq;
-                const __m256i b =
-                    _mm256_loadu_si256((const __m256i *)(bk + (size_t)tt * (a->ldq / 2)));
                 const __m256i p0 =
                     _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr));
                 const __m256i p1 =
                     _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 32)));
-                /* |p0|, |p1| <= 2 * 15 * 127, |b| <= 8 * 4 * 127: exact in int16 */
-                const __m256i d =
-                    _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p0, p1), b), ones);
+                /* |p0|, |p1| <= 2 * 15 * 127: exact in int16 */
+                const __m256i d = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
                 acc[tt][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[tt][r]);
             }
         }
@@ -1423,12 +1423,25 @@ mk_w4a8_avx2(const int T, const int R, const int G, const struct w8_act *a, int 
             const __m256 s = _mm256_broadcast_ss(sc + r * lds + g);
 #pragma GCC unroll 4
             for (int tt = 0; tt < T; tt++) {
-                const __m256i b =
-                    _mm256_loadu_si256((const __m256i *)(base + (size_t)tt * (a->ldq / 2) + k / 4));
-                const __m256i d =
-                    _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u, xs[tt]), b), ones);
+                const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs[tt]), ones);
                 acc[tt][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[tt][r]);
             }
+        }
+    }
+    /* the codes' offset: sum_g s_g x (-8 x the group's xq), 8 groups a step
+     * (xsum is zero past the row's groups; the scales are masked there) */
+    const int n_g = (n_in + G - 1) / G;
+    const float *xg = a->xsum + (size_t)t * a->ldg;
+    for (int g = 0; g < n_g; g += 8) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n_g - g),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256 s = _mm256_maskload_ps(sc + r * lds + g, m);
+#pragma GCC unroll 4
+            for (int tt = 0; tt < T; tt++)
+                acc[tt][r] =
+                    _mm256_fmadd_ps(s, _mm256_loadu_ps(xg + (size_t)tt * a->ldg + g), acc[tt][r]);
         }
     }
 #pragma GCC unroll 4
@@ -1577,28 +1590,23 @@ static bool w8a8_avx2_for(const struct moe_matmul_params *p, enum cpu_isa isa)
 #ifdef MATMUL_X86
 /* A quantized token row xq (n_in a multiple of 32) as mk_w4a8_avx2 reads
  * it: in each whole 64 columns the 16-byte chunks 0 2 1 3 (the order of the
- * codes' nibbles), and base: for each 64 columns, int16 lane j = -8 x the sum
- * of chunk-ordered columns 2j, 2j+1, 32+2j and 32+2j+1 (the columns whose
- * products vpmaddubsw puts in lane j of either half); for a last, odd block,
- * lane j = -8 x its columns 2j and 2j+1. 16 lanes at base + k / 4. */
-static void w8_quant_q4_order(int8_t *xq, int n_in, int16_t *base)
+ * codes' nibbles; a last, odd block as it is), and xsum: for each group of
+ * `group` columns, -8 x the sum of its xq (exact in f32), zero from there
+ * to ldg. */
+static void w8_quant_q4_order(int8_t *xq, int n_in, int group, float *xsum, int ldg)
 {
-    int k = 0;
-    for (; k + 64 <= n_in; k += 64) {
+    for (int g = 0; g < ldg; g++) {
+        int sum = 0;
+        for (int k = g * group; k < (g + 1) * group && k < n_in; k++)
+            sum += xq[k];
+        xsum[g] = (float)(-8 * sum);
+    }
+    for (int k = 0; k + 64 <= n_in; k += 64) {
         int8_t c1[16];
         memcpy(c1, xq + k + 16, 16);
         memmove(xq + k + 16, xq + k + 32, 16);
         memcpy(xq + k + 32, c1, 16);
-        for (int j = 0; j < 16; j++) {
-            const int8_t *a = xq + k + 2 * j, *b = a + 32;
-            base[k / 4 + j] = (int16_t)(-8 * (a[0] + a[1] + b[0] + b[1]));
-        }
     }
-    for (; k < n_in; k += 32)
-        for (int j = 0; j < 16; j++) {
-            const int8_t *a = xq + k + 2 * j;
-            base[k / 4 + j] = (int16_t)(-8 * (a[0] + a[1]));
-        }
 }
 #endif
 
@@ -1680,18 +1688,19 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
         struct w8_act *w8 = &c->w8;
         const bool i4 = p->w_dtype == MOE_DTYPE_I4;
         w8->ldq = (p->n_in + 31) / 32 * 32;
-        /* per token: base (int4: ldq / 2 int16, first for their alignment), sx, xq */
-        const size_t per_tok = (i4 ? (size_t)w8->ldq : 0) + sizeof(float) + (size_t)w8->ldq;
+        w8->ldg = i4 ? (int)(moe_q4_groups(p->n_in, p->w_group) + 7) / 8 * 8 : 0;
+        /* per token: xsum (int4: ldg floats), sx, xq */
+        const size_t per_tok = ((size_t)w8->ldg + 1) * sizeof(float) + (size_t)w8->ldq;
         c->w8_buf = malloc((size_t)p->n_tok * per_tok);
         MOE_ASSERT(c->w8_buf != NULL);
-        w8->base = i4 ? (int16_t *)c->w8_buf : NULL;
-        w8->sx = (float *)(c->w8_buf + (i4 ? (size_t)p->n_tok * w8->ldq : 0));
+        w8->xsum = i4 ? (float *)c->w8_buf : NULL;
+        w8->sx = (float *)c->w8_buf + (size_t)p->n_tok * w8->ldg;
         w8->xq = (int8_t *)(w8->sx + p->n_tok);
         for (int t = 0; t < p->n_tok; t++) {
             int8_t *xq = w8->xq + (size_t)t * w8->ldq;
             w8->sx[t] = w8_quant_row_avx2(p->x + (size_t)t * p->n_in, p->n_in, xq, w8->ldq);
             if (i4)
-                w8_quant_q4_order(xq, p->n_in, w8->base + (size_t)t * (w8->ldq / 2));
+                w8_quant_q4_order(xq, p->n_in, p->w_group, w8->xsum + (size_t)t * w8->ldg, w8->ldg);
         }
         job->w8 = w8;
     }
