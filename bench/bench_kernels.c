@@ -45,8 +45,8 @@ struct shape {
  * of a token and a row: the fewest exact s8 x s8 ops AVX2 has), the same
  * chain without vpsignb (not exact: a bound on what dropping it could buy),
  * and bf16 widened to f32 (vpmovzxwd + vpslld per 8 weights, 8 FMAs per 2 x
- * 4 tile step), bf16 widened by halves (AND + shift per 16 weights: a bound,
- * the tiles widen as above), beside plain f32 FMAs. MACs a second on one
+ * 4 tile step), bf16 widened by halves (AND + shift per 16 weights, as the
+ * tiles do from 4 tokens), beside plain f32 FMAs. MACs a second on one
  * thread. */
 #define PEAK_K 4096
 #define PEAK_REPS 40000
@@ -169,10 +169,8 @@ MOE_AVX2_TARGET __attribute__((always_inline)) static inline float peak_w4a8(con
 
 /* bf16 rows widened by halves: 16 weights a 32-byte load, the odd ones by
  * an AND (a bf16 in a 32-bit lane's high half is that f32), the even ones by
- * a shift, against activations stored even columns first in each 16. Tried
- * in the tiles (Zen 3): as 2 x 4 tiles 10% more per core from 4 tokens but
- * 10% less at 2-3, 16-sequence decode unchanged; as 3 x 4 or 4 x 2 tiles the
- * tokens' vectors no longer fit the registers and it lost 15-30%. */
+ * a shift, against activations stored even columns first in each 16 (the
+ * AVX2 bf16 tiles from 4 tokens, matmul.c BF16_HALVES_MIN_TOK). */
 MOE_AVX2_TARGET __attribute__((always_inline)) static inline float peak_bf16_halves(void)
 {
     __m256 acc[2][4];
@@ -313,7 +311,8 @@ static void **weight_copies(enum moe_dtype dt, const struct shape *sh, int n, un
 {
     void **copies = calloc((size_t)n, sizeof(void *));
     for (int c = 0; c < n; c++) {
-        copies[c] = malloc(weight_bytes(dt, sh));
+        /* 64-byte aligned, as the engine's weights are (cpu_buf_alloc) */
+        MOE_ASSERT(posix_memalign(&copies[c], 64, weight_bytes(dt, sh)) == 0);
         fill_weights(copies[c], dt, sh, seed + (unsigned)c);
     }
     return copies;

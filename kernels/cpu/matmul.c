@@ -141,7 +141,8 @@ struct mm_tile {
     const struct moe_matmul_params *p;
     int t0, nt, o0, no;
     float *scratch;
-    bool packed; /* the call takes the packed panels (cpu_matmul decides) */
+    bool packed;     /* the call takes the packed panels (cpu_matmul decides) */
+    const float *xh; /* AVX2 bf16 tiles: x in bf16_halves_order (rows n_in apart), else NULL */
 };
 
 /* The AVX2 integer paths' activations (fast int8 and int4): each token's row quantized, xq (ldq
@@ -726,6 +727,13 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m128 hsum256_x4(const
  * are the same: the order of the rows does not change a bit. */
 #define STREAM_MAX_TOK 16
 
+/* bf16 calls of this many tokens on (not under batch_invariant: the sums
+ * run in another order) widen their rows by halves (mk_avx2) in 2-token
+ * tiles; below it the 3-token tiles widening 8 weights at a time are faster
+ * (bench-kernels --fast bf16, Zen 3, 2 threads: 2-3 tokens 5-10% slower by
+ * halves, 4 tokens 15-20% faster, 6-16 5-10%). */
+#define BF16_HALVES_MIN_TOK 4
+
 struct tile_rows {
     int o, step, next;
 };
@@ -739,8 +747,9 @@ static inline struct tile_rows tile_rows(const struct mm_tile *mt, int i, bool s
 }
 
 AVX2_TARGET static inline __attribute__((always_inline)) void
-mk_avx2(const int T, const int R, const enum moe_dtype WT, const float *x, int64_t ldx, int n_in,
-        const void *w, int64_t ldw, int64_t pf_off, bool split, float out[MK_T][MK_R])
+mk_avx2(const int T, const int R, const enum moe_dtype WT, const bool H, const float *x,
+        int64_t ldx, int n_in, const void *w, int64_t ldw, int64_t pf_off, bool split,
+        float out[MK_T][MK_R])
 {
     __m256 acc[MK_T_AVX2][MK_R];
 #pragma GCC unroll 4
@@ -771,6 +780,39 @@ mk_avx2(const int T, const int R, const enum moe_dtype WT, const float *x, int64
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++)
                 _mm_prefetch(pf + (r * ldw + k) * esz, _MM_HINT_T1);
+            if (WT == MOE_DTYPE_BF16 && H) {
+                /* 16 weights a load, widened by halves (x in
+                 * bf16_halves_order): a bf16 in the high half of a 32-bit
+                 * lane is that f32, so an AND gives the odd columns and a
+                 * shift the even ones, one op per 8 weights where
+                 * bf16x8_to_f32 takes two (bench-kernels --peak, Zen 3:
+                 * 33 -> 43 GMAC/s a core) */
+                const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u);
+#pragma GCC unroll 2
+                for (int u = 0; u < 2; u++) {
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const __m256i v = _mm256_loadu_si256(
+                            (const __m256i *)((const uint16_t *)w + r * ldw + k + 16 * u));
+                        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
+                        const float *xk = x + k + 16 * u;
+#pragma GCC unroll 4
+                        for (int t = 0; t < T; t++) {
+                            const __m256 xe = _mm256_loadu_ps(xk + t * ldx);
+                            const __m256 xo = _mm256_loadu_ps(xk + t * ldx + 8);
+                            if (T == 1 && split) {
+                                acc[t][r] = _mm256_fmadd_ps(xe, we, acc[t][r]);
+                                acc2[t][r] = _mm256_fmadd_ps(xo, wo, acc2[t][r]);
+                            } else {
+                                acc[t][r] = _mm256_fmadd_ps(xe, we, acc[t][r]);
+                                acc[t][r] = _mm256_fmadd_ps(xo, wo, acc[t][r]);
+                            }
+                        }
+                    }
+                }
+                continue;
+            }
 #pragma GCC unroll 8
             for (int u = 0; u < line / 8; u++) {
                 __m256 xv[MK_T_AVX2];
@@ -825,21 +867,26 @@ mk_avx2(const int T, const int R, const enum moe_dtype WT, const float *x, int64
                     out[t][r] += x[t * ldx + kk] * w_elem(WT, w, r * ldw + kk);
 }
 
-AVX2_TARGET static void mk_avx2_any(int T, int R, enum moe_dtype wt, const float *x, int64_t ldx,
-                                    int n_in, const void *w, int64_t ldw, int64_t pf_off,
-                                    bool split, float out[MK_T][MK_R])
+/* `halves`: bf16 rows widened by halves, x in bf16_halves_order (2-token tiles at most). */
+AVX2_TARGET static void mk_avx2_any(int T, int R, enum moe_dtype wt, bool halves, const float *x,
+                                    int64_t ldx, int n_in, const void *w, int64_t ldw,
+                                    int64_t pf_off, bool split, float out[MK_T][MK_R])
 {
 #define MK256_CASE(TT, RR)                                                                         \
     case (TT)*8 + (RR):                                                                            \
-        mk_avx2(TT, RR, MOE_DTYPE_F32, x, ldx, n_in, w, ldw, pf_off, split, out);                  \
+        mk_avx2(TT, RR, MOE_DTYPE_F32, false, x, ldx, n_in, w, ldw, pf_off, split, out);           \
         return;                                                                                    \
     case 64 + (TT)*8 + (RR):                                                                       \
-        mk_avx2(TT, RR, MOE_DTYPE_BF16, x, ldx, n_in, w, ldw, pf_off, split, out);                 \
+        mk_avx2(TT, RR, MOE_DTYPE_BF16, false, x, ldx, n_in, w, ldw, pf_off, split, out);          \
         return;                                                                                    \
     case 128 + (TT)*8 + (RR):                                                                      \
-        mk_avx2(TT, RR, MOE_DTYPE_I8, x, ldx, n_in, w, ldw, pf_off, split, out);                   \
+        mk_avx2(TT, RR, MOE_DTYPE_I8, false, x, ldx, n_in, w, ldw, pf_off, split, out);            \
         return;
-    int kind = wt == MOE_DTYPE_BF16 ? 64 : wt == MOE_DTYPE_I8 ? 128 : 0;
+#define MK256_HALVES(TT, RR)                                                                       \
+    case 192 + (TT)*8 + (RR):                                                                      \
+        mk_avx2(TT, RR, MOE_DTYPE_BF16, true, x, ldx, n_in, w, ldw, pf_off, split, out);           \
+        return;
+    int kind = wt == MOE_DTYPE_BF16 ? (halves ? 192 : 64) : wt == MOE_DTYPE_I8 ? 128 : 0;
     switch (kind + T * 8 + R) {
         MK256_CASE(1, 4)
         MK256_CASE(2, 4)
@@ -847,8 +894,13 @@ AVX2_TARGET static void mk_avx2_any(int T, int R, enum moe_dtype wt, const float
         MK256_CASE(1, 1)
         MK256_CASE(2, 1)
         MK256_CASE(3, 1)
+        MK256_HALVES(1, 4)
+        MK256_HALVES(2, 4)
+        MK256_HALVES(1, 1)
+        MK256_HALVES(2, 1)
     default: break;
     }
+#undef MK256_HALVES
 #undef MK256_CASE
     MOE_ASSERT(0 && "mk_avx2_any: unsupported tile");
 }
@@ -1060,6 +1112,10 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
      * widening them to f32 scratch first made 16- and 24-sequence decode
      * 15-40% slower on a Zen 3. int4 codes are dequantized into scratch. */
     const bool widen = p->w_dtype == MOE_DTYPE_I4;
+    /* bf16 calls of BF16_HALVES_MIN_TOK+ tokens: widened by halves, in 2-token tiles */
+    const bool halves = p->w_dtype == MOE_DTYPE_BF16 && mt->xh != NULL;
+    const float *xt = halves ? mt->xh : p->x;
+    const int tstep = halves ? 2 : MK_T_AVX2;
     float out[MK_T][MK_R];
     int o = mt->o0;
     const int o_end = mt->o0 + mt->no;
@@ -1080,9 +1136,9 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
             w = mt->scratch;
             ldw = pf_off = n_in;
         }
-        for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_AVX2) {
-            const int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
-            mk_avx2_any(T, MK_R, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, pf_off,
+        for (int t = mt->t0; t < mt->t0 + mt->nt; t += tstep) {
+            const int T = mt->t0 + mt->nt - t < tstep ? mt->t0 + mt->nt - t : tstep;
+            mk_avx2_any(T, MK_R, wt, halves, xt + (size_t)t * n_in, n_in, n_in, w, ldw, pf_off,
                         !p->batch_invariant, out);
             store_tile(p, t, T, tr.o, MK_R, tr.step, sc, out);
         }
@@ -1100,9 +1156,9 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
             ldw = n_in;
             sc = NULL;
         }
-        for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T_AVX2) {
-            int T = mt->t0 + mt->nt - t < MK_T_AVX2 ? mt->t0 + mt->nt - t : MK_T_AVX2;
-            mk_avx2_any(T, 1, wt, p->x + (size_t)t * n_in, n_in, n_in, w, ldw, ldw,
+        for (int t = mt->t0; t < mt->t0 + mt->nt; t += tstep) {
+            int T = mt->t0 + mt->nt - t < tstep ? mt->t0 + mt->nt - t : tstep;
+            mk_avx2_any(T, 1, wt, halves, xt + (size_t)t * n_in, n_in, n_in, w, ldw, ldw,
                         !p->batch_invariant, out);
             store_tile(p, t, T, o, 1, 1, sc, out);
         }
@@ -1524,6 +1580,7 @@ struct mm_job {
     size_t scratch_stride;
     bool packed;             /* every task takes the packed panels */
     const struct w8_act *w8; /* the AVX2 W8A8 / W4A8 paths, or NULL */
+    const float *xh;         /* the AVX2 bf16 tiles' activations, or NULL */
 };
 
 static void mm_run_tile(enum cpu_isa isa, const struct mm_tile *mt)
@@ -1555,6 +1612,7 @@ static void mm_task(void *arg, int task, int thread)
     mt.nt = p->n_tok - mt.t0 < job->tok_block ? p->n_tok - mt.t0 : job->tok_block;
     mt.scratch = job->scratch ? job->scratch + (size_t)thread * job->scratch_stride : NULL;
     mt.packed = job->packed;
+    mt.xh = job->xh;
 #ifdef MATMUL_X86
     if (job->w8) {
         if (p->w_dtype == MOE_DTYPE_I4)
@@ -1608,6 +1666,20 @@ static void w8_quant_q4_order(int8_t *xq, int n_in, int group, float *xsum, int 
         memcpy(xq + k + 32, c1, 16);
     }
 }
+
+/* A token row x as the AVX2 bf16 tiles read it (mk_avx2): in each whole
+ * 32 columns (a cache line of bf16 weights), each 16 columns' even ones,
+ * then their odd ones; the columns past the last whole 32 as they are. */
+static void bf16_halves_order(const float *x, int n_in, float *xh)
+{
+    const int n_lines = n_in / 32 * 32;
+    for (int k = 0; k < n_lines; k += 16)
+        for (int i = 0; i < 8; i++) {
+            xh[k + i] = x[k + 2 * i];
+            xh[k + 8 + i] = x[k + 2 * i + 1];
+        }
+    memcpy(xh + n_lines, x + n_lines, (size_t)(n_in - n_lines) * sizeof(float));
+}
 #endif
 
 /* One call's job, its W8A8 / W4A8 activations and buffers, between mm_prepare and
@@ -1616,6 +1688,7 @@ struct mm_call {
     struct mm_job job;
     struct w8_act w8;
     int8_t *w8_buf;
+    float *xh_buf;
     float *heap_scratch;
     int n_tasks;
     double flops;
@@ -1684,6 +1757,14 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
         }
     }
 #ifdef MATMUL_X86
+    if (job->isa == CPU_ISA_AVX2 && p->w_dtype == MOE_DTYPE_BF16 && !job->packed &&
+        !p->batch_invariant && p->n_tok >= BF16_HALVES_MIN_TOK) {
+        c->xh_buf = malloc((size_t)p->n_tok * p->n_in * sizeof(float));
+        MOE_ASSERT(c->xh_buf != NULL);
+        for (int t = 0; t < p->n_tok; t++)
+            bf16_halves_order(p->x + (size_t)t * p->n_in, p->n_in, c->xh_buf + (size_t)t * p->n_in);
+        job->xh = c->xh_buf;
+    }
     if (w8a8) {
         struct w8_act *w8 = &c->w8;
         const bool i4 = p->w_dtype == MOE_DTYPE_I4;
@@ -1713,6 +1794,7 @@ static void mm_release(struct mm_call *c)
 {
     free(c->heap_scratch);
     free(c->w8_buf);
+    free(c->xh_buf);
 }
 
 /* Too little work to wake the helpers for. */
