@@ -801,13 +801,11 @@ mk_avx2(const int T, const int R, const enum moe_dtype WT, const bool H, const f
                         for (int t = 0; t < T; t++) {
                             const __m256 xe = _mm256_loadu_ps(xk + t * ldx);
                             const __m256 xo = _mm256_loadu_ps(xk + t * ldx + 8);
-                            if (T == 1 && split) {
-                                acc[t][r] = _mm256_fmadd_ps(xe, we, acc[t][r]);
+                            acc[t][r] = _mm256_fmadd_ps(xe, we, acc[t][r]);
+                            if (T == 1 && split) /* the odd columns' own chain */
                                 acc2[t][r] = _mm256_fmadd_ps(xo, wo, acc2[t][r]);
-                            } else {
-                                acc[t][r] = _mm256_fmadd_ps(xe, we, acc[t][r]);
+                            else
                                 acc[t][r] = _mm256_fmadd_ps(xo, wo, acc[t][r]);
-                            }
                         }
                     }
                 }
@@ -1112,8 +1110,9 @@ AVX2_TARGET static void tile_avx2(const struct mm_tile *mt)
      * widening them to f32 scratch first made 16- and 24-sequence decode
      * 15-40% slower on a Zen 3. int4 codes are dequantized into scratch. */
     const bool widen = p->w_dtype == MOE_DTYPE_I4;
-    /* bf16 calls of BF16_HALVES_MIN_TOK+ tokens: widened by halves, in 2-token tiles */
-    const bool halves = p->w_dtype == MOE_DTYPE_BF16 && mt->xh != NULL;
+    /* bf16 calls of BF16_HALVES_MIN_TOK+ tokens (mm_prepare reordered their
+     * x): widened by halves, in 2-token tiles */
+    const bool halves = mt->xh != NULL;
     const float *xt = halves ? mt->xh : p->x;
     const int tstep = halves ? 2 : MK_T_AVX2;
     float out[MK_T][MK_R];
@@ -1393,10 +1392,10 @@ AVX2_TARGET static void tile_avx2_w8a8(const struct mm_tile *mt, const struct w8
  * to the same block, and the pairs are small (|u xq + u' xq'| <= 2 * 15 *
  * 127), so the two halves add exactly in int16, before one vpmaddwd, one
  * conversion and one FMA: 6 ops per 64 MACs of a token and a row (W8A8
- * needs 8), plus 3 unpacking
- * ops per 64 codes shared by the tile's tokens, on half W8A8's bytes. A row
- * whose length is an odd number of blocks ends with one block in column
- * order. The exact int4 path dequantizes every weight to f32 first. */
+ * needs 8), plus 3 unpacking ops per 64 codes shared by the tile's tokens,
+ * on half W8A8's bytes. A row whose length is an odd number of blocks ends
+ * with one block in column order. The exact int4 path dequantizes every
+ * weight to f32 first. */
 
 /* The 32 codes of a block (common/quant.h: column j is byte j % 16's low
  * nibble below 16, its high one above) in column order. */
@@ -1521,7 +1520,7 @@ AVX2_TARGET static void mk_w4a8_avx2_any(int T, int R, const struct w8_act *a, i
                                          int64_t lds, int group, int64_t pf_off, int n_in,
                                          float out[MK_T][MK_R])
 {
-    MOE_ASSERT(moe_q4_group_valid(group));
+    /* group: 32, 64 or 128 (mm_prepare asserts it once per call) */
     if (T == 2 && R == 4)
         W4A8_TILES(2, 4);
     else if (T == 1 && R == 4)
