@@ -131,7 +131,8 @@ MOE_AVX2_TARGET __attribute__((always_inline)) static inline float peak_fma(cons
  * 32-byte load of codes, AND / shift / AND; per token and row two
  * vpmaddubsw, the two pair sums and the base added in int16, vpmaddwd,
  * conversion and an FMA by the groups' scales. `base` false drops the base
- * add (a bound: the base folded out of the loop). */
+ * add, as the tiles do since the codes' offset is added once per row at the
+ * end (matmul.c). */
 static uint8_t g_pk_w4[4][PEAK_K / 2] __attribute__((aligned(64)));
 static int16_t g_pk_base[2][PEAK_K / 4] __attribute__((aligned(64)));
 static float g_pk_sc[4][PEAK_K / 32] __attribute__((aligned(64)));
@@ -233,7 +234,7 @@ static int bench_peak(void)
     static const char *names[] = {"int8 W8A8 (sign, maddubs, madd, add)",
                                   "int8 without vpsignb (not exact)",
                                   "int4 W4A8 (7 ops a token, row, 64 MACs)",
-                                  "int4 W4A8 without the base add",
+                                  "int4 W4A8, no base add (the tiles now)",
                                   "bf16 widened to f32, FMA",
                                   "bf16 widened by halves (AND, shift), FMA",
                                   "f32 FMA"};
