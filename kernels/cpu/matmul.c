@@ -36,6 +36,9 @@
  * dequantize while packing, and the AVX2 and scalar paths dequantize rows
  * into their widened scratch for every tile (tests/unit/test_matmul_i4.c). */
 #include <math.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1822,17 +1825,63 @@ void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
     mm_release(&c);
 }
 
+/* Several calls' tasks in one pool run, the calls taken in `order`: the
+ * i-th call run is calls[order[i]], its tasks [first[i], first[i + 1]). */
 struct mm_many {
     struct mm_call *calls;
-    const int *first; /* calls[i]'s tasks are [first[i], first[i + 1]) */
+    const int *order;
+    const int *first;
     int n;
+    /* the tasks not yet taken, [front, back): front in the low 32 bits */
+    _Atomic uint64_t ends;
 };
 
 static void mm_many_task(void *arg, int task, int thread)
 {
     const struct mm_many *mm = arg;
     const int i = cpu_task_owner(mm->first, mm->n, task);
-    mm_task(&mm->calls[i].job, task - mm->first[i], thread);
+    mm_task(&mm->calls[mm->order[i]].job, task - mm->first[i], thread);
+}
+
+/* Takes the next task from the front or from the back of [front, back). */
+static bool mm_many_claim(struct mm_many *mm, bool back, int *task)
+{
+    uint64_t e = atomic_load_explicit(&mm->ends, memory_order_relaxed);
+    for (;;) {
+        const uint32_t f = (uint32_t)e, b = (uint32_t)(e >> 32);
+        if (f >= b)
+            return false;
+        const uint64_t next = back ? (uint64_t)(b - 1) << 32 | f : (uint64_t)b << 32 | (f + 1);
+        if (atomic_compare_exchange_weak_explicit(&mm->ends, &e, next, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+            *task = (int)(back ? b - 1 : f);
+            return true;
+        }
+    }
+}
+
+/* One thread's share of a two-ended run: pool task `side` 0, 2, 4, ...
+ * takes tasks from the front, 1, 3, ... from the back, until none is left. */
+static void mm_many_ends(void *arg, int side, int thread)
+{
+    struct mm_many *mm = arg;
+    int task;
+    while (mm_many_claim(mm, side % 2 == 1, &task))
+        mm_many_task(mm, task, thread);
+}
+
+/* A call's place in a two-ended run: by tokens, most first; equal ones in
+ * their given order. */
+struct mm_rank {
+    int n_tok, call;
+};
+
+static int mm_rank_cmp(const void *a, const void *b)
+{
+    const struct mm_rank *x = a, *y = b;
+    if (x->n_tok != y->n_tok)
+        return x->n_tok > y->n_tok ? -1 : 1;
+    return (x->call > y->call) - (x->call < y->call);
 }
 
 void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params *ps, int n)
@@ -1845,10 +1894,13 @@ void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params
         cpu_matmul_dot_many(pool, ps, n);
         return;
     }
-    struct mm_call *calls = malloc((size_t)(n > 0 ? n : 1) * sizeof *calls);
-    int *first = malloc(((size_t)n + 1) * sizeof *first);
-    MOE_ASSERT(calls != NULL && first != NULL);
-    int k = 0, total = 0;
+    const size_t cap = (size_t)(n > 0 ? n : 1);
+    struct mm_call *calls = malloc(cap * sizeof *calls);
+    struct mm_rank *rank = malloc(cap * sizeof *rank);
+    int *order = malloc(cap * sizeof *order);
+    int *first = malloc((cap + 1) * sizeof *first);
+    MOE_ASSERT(calls != NULL && rank != NULL && order != NULL && first != NULL);
+    int k = 0;
     double flops = 0.0;
     for (int i = 0; i < n; i++) {
         const struct moe_matmul_params *p = &ps[i];
@@ -1856,17 +1908,36 @@ void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params
         if (p->n_tok <= 0 || p->n_out <= 0)
             continue;
         mm_prepare(pool, p, &calls[k], NULL, 0);
-        first[k] = total;
-        total += calls[k].n_tasks;
         flops += calls[k].flops;
+        rank[k] = (struct mm_rank){.n_tok = p->n_tok, .call = k};
         k++;
     }
+    /* With more than one thread, the calls (a grouped expert GEMM's
+     * experts) go busiest first and the threads take tasks from both ends:
+     * the experts with many rows are bound by the cores' arithmetic, those
+     * with a row or two by reading their weights, and side by side the two
+     * use the multipliers and the memory at once, where one after the other
+     * each waits on one of them (decode of 16 sequences on a Zen 3, 2
+     * threads: the experts' time -7% bf16, -2% int8). Which task computes
+     * an output does not change it, so the results are the same. */
+    const bool two_ended = moe_threadpool_size(pool) > 1 && k > 1;
+    if (two_ended)
+        qsort(rank, (size_t)k, sizeof *rank, mm_rank_cmp);
+    int total = 0;
+    for (int i = 0; i < k; i++) {
+        order[i] = rank[i].call;
+        first[i] = total;
+        total += calls[order[i]].n_tasks;
+    }
     first[k] = total;
-    struct mm_many mm = {.calls = calls, .first = first, .n = k};
+    struct mm_many mm = {.calls = calls, .order = order, .first = first, .n = k};
+    atomic_init(&mm.ends, (uint64_t)(uint32_t)total << 32);
     if (k > 0) {
         if (mm_serial(flops, total)) {
             for (int t = 0; t < total; t++)
                 mm_many_task(&mm, t, 0);
+        } else if (two_ended) {
+            moe_threadpool_run(pool, moe_threadpool_size(pool), mm_many_ends, &mm);
         } else {
             moe_threadpool_run(pool, total, mm_many_task, &mm);
         }
@@ -1874,5 +1945,7 @@ void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params
     for (int i = 0; i < k; i++)
         mm_release(&calls[i]);
     free(calls);
+    free(rank);
+    free(order);
     free(first);
 }

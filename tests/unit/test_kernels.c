@@ -1334,8 +1334,10 @@ static void test_grouped_matmul(void)
         size_t ny = (size_t)n_rows * n_out;
         float *y = rand_floats(ny), *y_ref = malloc((ny + 1) * sizeof(float));
         float *y_each = malloc((ny + 1) * sizeof(float));
+        float *y_in = malloc((ny + 1) * sizeof(float)); /* y before the call */
         memcpy(y_ref, y, ny * sizeof(float));
         memcpy(y_each, y, ny * sizeof(float));
+        memcpy(y_in, y, ny * sizeof(float));
         bool acc = c % 2;
         struct moe_grouped_matmul_params p = {
             .x = x,
@@ -1378,6 +1380,24 @@ static void test_grouped_matmul(void)
         }
         CHECKF(memcmp(y, y_each, ny * sizeof(float)) == 0,
                "grouped_matmul case %zu: differs from one matmul per expert", c);
+        /* three threads: the two-ended hand-out's front and back, and a
+         * second front taker (cpu_matmul_many) */
+        memcpy(y_each, y_in, ny * sizeof(float));
+        CHECK(cpu_grouped_matmul(g_pool,
+                                 &(struct moe_grouped_matmul_params){.x = x,
+                                                                     .n_rows = n_rows,
+                                                                     .n_in = n_in,
+                                                                     .n_out = n_out,
+                                                                     .n_expert = n_e,
+                                                                     .expert_offsets = off,
+                                                                     .w = w,
+                                                                     .w_dtype = cases[c].dt,
+                                                                     .ldw = ldw,
+                                                                     .y = y_each,
+                                                                     .accumulate = acc},
+                                 &err) == MOE_OK);
+        CHECKF(memcmp(y, y_each, ny * sizeof(float)) == 0,
+               "grouped_matmul case %zu: 3 threads differ from 2", c);
         double num = 0, den = 1e-30;
         for (size_t i = 0; i < ny; i++) {
             num = fmax(num, fabs((double)y[i] - y_ref[i]));
@@ -1413,6 +1433,7 @@ static void test_grouped_matmul(void)
         free(y);
         free(y_ref);
         free(y_each);
+        free(y_in);
     }
     printf("grouped_matmul: worst err %.3g vs the per-expert reference; equals one matmul per "
            "expert bit for bit\n",
