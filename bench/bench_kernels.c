@@ -15,9 +15,10 @@
  * tiles alone, bf16 reported as skipped), the paths alternated within each
  * cell, best of 5, and their ratio.
  *
- * usage: bench-kernels [--quick | --argmax | --fast [bf16|int8|int4] | --peak]   (--quick: fewer
- *        repetitions, no scalar GEMM; --argmax: only the host argmax cells; --fast: only the
- *        fast-path cells, of one type if named; --peak: the AVX2 tiles' arithmetic ceilings) */
+ * usage: bench-kernels [--quick | --argmax | --fast [bf16|int8|int4] | --peak | --attention]
+ *        (--quick: fewer repetitions, no scalar GEMM; --argmax: only the host argmax cells;
+ *        --fast: only the fast-path cells, of one type if named; --peak: the AVX2 tiles'
+ *        arithmetic ceilings; --attention: the tiled attention kernel, prefill and decode) */
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -29,6 +30,7 @@
 #include "cpu/cpu_kernels.h"
 #include "quant.h"
 #include "clock.h"
+#include "threadpool.h"
 
 struct shape {
     const char *name;
@@ -393,6 +395,93 @@ static void bench_argmax(bool quick)
     }
 }
 
+/* --attention: the tiled attention kernel (cpu_attention_tiled) at the
+ * benchmark model's attention shape (16 query heads, 4 KV heads of 64) over
+ * a bf16 paged cache whose blocks are scattered: a 512-token prefill chunk
+ * at the end of a context of 512, 2048 and 4096 positions (causal), and one
+ * decode token per sequence for 16 sequences of those lengths; 1 and 2
+ * threads, best of 5. GFLOP/s counts q k and p v over the visible keys; KV
+ * GB/s the bf16 K and V rows each token's KV heads read (decode is bound by
+ * them: its roofline is the machine's read bandwidth, bench-triad). */
+static void bench_attention(void)
+{
+    enum { H = 16, KV = 4, D = 64, BS = 16 };
+    static const int ctxs[] = {512, 2048, 4096};
+    printf("# cpu isa %s; attention: %d heads, %d KV heads of %d, bf16 cache, blocks of %d\n",
+           cpu_isa_name(cpu_kernels_isa()), H, KV, D, BS);
+    printf("%-8s %6s %6s %3s %10s %10s %9s\n", "cell", "ctx", "n_tok", "thr", "ms/call", "GFLOP/s",
+           "KV GB/s");
+    struct moe_threadpool *pools[3] = {NULL, NULL, NULL};
+    struct moe_error err = {0};
+    for (int th = 1; th <= 2; th++)
+        MOE_ASSERT(moe_threadpool_create(th, &pools[th], &err) == MOE_OK);
+    for (size_t ci = 0; ci < sizeof ctxs / sizeof *ctxs; ci++) {
+        for (int decode = 0; decode < 2; decode++) {
+            const int ctx = ctxs[ci], n_seq = decode ? 16 : 1, n_tok = decode ? 16 : 512;
+            const int max_blocks = (ctx + BS - 1) / BS, n_block = n_seq * max_blocks;
+            const size_t n_kv = (size_t)n_block * BS * KV * D;
+            uint16_t *kc = malloc(n_kv * sizeof *kc), *vc = malloc(n_kv * sizeof *vc);
+            for (size_t i = 0; i < n_kv; i++) {
+                kc[i] = moe_f32_to_bf16((float)((i * 2654435761u) % 1009u) / 1009.0f - 0.5f);
+                vc[i] = moe_f32_to_bf16((float)((i * 40503u) % 1013u) / 1013.0f - 0.5f);
+            }
+            int32_t *bt = malloc((size_t)n_block * sizeof *bt);
+            for (int b = 0; b < n_block; b++)
+                bt[b] = (int32_t)(((int64_t)b * 7919) % n_block); /* scattered */
+            const size_t nq = (size_t)n_tok * H * D;
+            float *q = malloc(nq * sizeof *q), *out = malloc(nq * sizeof *out);
+            for (size_t i = 0; i < nq; i++)
+                q[i] = (float)((i * 97u) % 101u) / 101.0f - 0.5f;
+            int32_t *seq = malloc((size_t)n_tok * sizeof *seq),
+                    *pos = malloc((size_t)n_tok * sizeof *pos);
+            double keys = 0;
+            for (int t = 0; t < n_tok; t++) {
+                seq[t] = decode ? t : 0;
+                pos[t] = decode ? ctx - 1 : ctx - n_tok + t;
+                keys += pos[t] + 1;
+            }
+            struct moe_attn_params ap = {
+                .q = q,
+                .out = out,
+                .k_cache = kc,
+                .v_cache = vc,
+                .kv_dtype = MOE_DTYPE_BF16,
+                .tok_seq = seq,
+                .tok_pos = pos,
+                .block_tables = bt,
+                .max_blocks = max_blocks,
+                .n_tok = n_tok,
+                .n_head = H,
+                .n_kv_head = KV,
+                .d_head = D,
+                .block_size = BS,
+                .scale = 0.125f,
+            };
+            const double flops = keys * H * D * 4.0, kv_bytes = keys * KV * D * 2.0 * 2.0;
+            for (int th = 1; th <= 2; th++) {
+                double best = 1e9;
+                cpu_attention_tiled(pools[th], &ap); /* warm-up */
+                for (int r = 0; r < 5; r++) {
+                    double t0 = moe_now();
+                    cpu_attention_tiled(pools[th], &ap);
+                    best = fmin(best, moe_now() - t0);
+                }
+                printf("%-8s %6d %6d %3d %10.3f %10.1f %9.2f\n", decode ? "decode" : "prefill", ctx,
+                       n_tok, th, best * 1e3, flops / best * 1e-9, kv_bytes / best * 1e-9);
+            }
+            free(kc);
+            free(vc);
+            free(bt);
+            free(q);
+            free(out);
+            free(seq);
+            free(pos);
+        }
+    }
+    moe_threadpool_destroy(pools[1]);
+    moe_threadpool_destroy(pools[2]);
+}
+
 /* The fast paths side by side: for each cell, every path this machine has,
  * alternated five times, the best time of each. */
 static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_backend **be,
@@ -478,6 +567,17 @@ int main(int argc, char **argv)
     int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     if (argc > 1 && strcmp(argv[1], "--peak") == 0)
         return bench_peak();
+    if (argc > 1 && strcmp(argv[1], "--attention") == 0) {
+        cpu_kernels_env();
+        if (!cpu_attention_tiled_supported(
+                &(struct moe_attn_params){.n_head = 16, .n_kv_head = 4, .d_head = 64})) {
+            printf("bench-kernels --attention: no tiled attention on this processor (AVX2 or "
+                   "AVX-512 needed)\n");
+            return 1;
+        }
+        bench_attention();
+        return 0;
+    }
     if (argc > 1 && strcmp(argv[1], "--argmax") == 0) {
         cpu_kernels_env();
         bench_argmax(false);
