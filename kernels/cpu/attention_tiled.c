@@ -782,6 +782,135 @@ FA2_TARGET static void fa2_pv_any(int RT, int ND, int r0, int nk, const float *c
     MOE_ASSERT(0 && "fa2_pv_any: unsupported tile");
 }
 
+/* ---- AVX2, narrow tasks over a BF16 cache: the rows read in place ----
+ * A task of at most 8 rows (one vector: a decode token's query heads of a
+ * KV head) gets little reuse from a chunk's widened K and V rows, and
+ * widening them into scratch cost as much as the products (16-sequence
+ * decode at 4096 positions, one thread: ~12 ms of gather, ~9 ms of
+ * products). These tiles read the cache's bf16 rows themselves and widen
+ * in registers (a bf16 in the high half of a 32-bit lane is that f32), so
+ * every product and sum is the widened tiles', in their order: the same
+ * bits, without the scratch. */
+
+/* fa2_scores for J keys and one vector of rows from bf16 rows kp (d even):
+ * a 32-bit broadcast holds k and k + 1; a shift gives k's value, a mask
+ * k + 1's. */
+FA2_TARGET static inline __attribute__((always_inline)) void
+fa2_scores_b16(const int J, const uint16_t *const *kp, int d, const float *qt, float *st,
+               float scale)
+{
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < J; j++)
+        acc[j] = _mm256_setzero_ps();
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    for (int k = 0; k < d; k += 2) {
+        const __m256 q0 = _mm256_loadu_ps(qt + (size_t)k * FA_ROWS);
+        const __m256 q1 = _mm256_loadu_ps(qt + (size_t)(k + 1) * FA_ROWS);
+#pragma GCC unroll 8
+        for (int j = 0; j < J; j++) {
+            uint32_t pair;
+            memcpy(&pair, kp[j] + k, sizeof pair);
+            const __m256i b = _mm256_set1_epi32((int)pair);
+            acc[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), q0, acc[j]);
+            acc[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b, odd)), q1, acc[j]);
+        }
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+#pragma GCC unroll 8
+    for (int j = 0; j < J; j++)
+        _mm256_storeu_ps(st + (size_t)j * FA_ROWS, _mm256_mul_ps(acc[j], sc));
+}
+
+FA2_TARGET static void fa2_scores_b16_any(int J, const uint16_t *const *kp, int d, const float *qt,
+                                          float *st, float scale)
+{
+    if (J == 8)
+        fa2_scores_b16(8, kp, d, qt, st, scale);
+    else if (J == 1)
+        fa2_scores_b16(1, kp, d, qt, st, scale);
+    else
+        MOE_ASSERT(0 && "fa2_scores_b16_any: unsupported tile");
+}
+
+/* fa2_pv for RT rows and ND vectors of columns from bf16 rows vp (whole
+ * vectors: dv a multiple of 8). */
+FA2_TARGET static inline __attribute__((always_inline)) void
+fa2_pv_b16(const int RT, const int ND, int r0, int nk, const uint16_t *const *vp, int col,
+           const float *pt, const float *alpha, float *o, int ldo)
+{
+    __m256 acc[4][2];
+    o += col;
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; r++) {
+        __m256 a = _mm256_set1_ps(alpha[r0 + r]);
+#pragma GCC unroll 2
+        for (int v = 0; v < ND; v++)
+            acc[r][v] = _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)(r0 + r) * ldo + 8 * v), a);
+    }
+    for (int j = 0; j < nk; j++) {
+        __m256 vv[2];
+#pragma GCC unroll 2
+        for (int v = 0; v < ND; v++)
+            vv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(vp[j] + col + 8 * v))),
+                16));
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; r++) {
+            __m256 pb = _mm256_broadcast_ss(pt + (size_t)j * FA_ROWS + r0 + r);
+#pragma GCC unroll 2
+            for (int v = 0; v < ND; v++)
+                acc[r][v] = _mm256_fmadd_ps(pb, vv[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; r++)
+#pragma GCC unroll 2
+        for (int v = 0; v < ND; v++)
+            _mm256_storeu_ps(o + (size_t)(r0 + r) * ldo + 8 * v, acc[r][v]);
+}
+
+FA2_TARGET static void fa2_pv_b16_any(int RT, int ND, int r0, int nk, const uint16_t *const *vp,
+                                      int col, const float *pt, const float *alpha, float *o,
+                                      int ldo)
+{
+#define PVB_CASE(RR, DD)                                                                           \
+    case (RR)*4 + (DD): fa2_pv_b16(RR, DD, r0, nk, vp, col, pt, alpha, o, ldo); return;
+    switch (RT * 4 + ND) {
+        PVB_CASE(4, 2)
+        PVB_CASE(3, 2)
+        PVB_CASE(2, 2)
+        PVB_CASE(1, 2)
+        PVB_CASE(4, 1)
+        PVB_CASE(3, 1)
+        PVB_CASE(2, 1)
+        PVB_CASE(1, 1)
+    default: break;
+    }
+#undef PVB_CASE
+    MOE_ASSERT(0 && "fa2_pv_b16_any: unsupported tile");
+}
+
+/* The chunk's nk keys at c0 as pointers into the BF16 cache (kp, vp), the
+ * next chunk's rows requested as in fa_gather. */
+static void fa_point_b16(const struct fa_ctx *c, int c0, int nk, const uint16_t **kp,
+                         const uint16_t **vp)
+{
+    const struct moe_attn_params *p = c->p;
+    const int next = c0 + FA_KB, rest = c->g->max_pos + 1 - next;
+    const int n_next = rest < 0 ? 0 : rest < FA_KB ? rest : FA_KB;
+    size_t slot[FA_KB];
+    fa_slots(c, next, n_next, slot);
+    for (int i = 0; i < n_next; i++)
+        fa_prefetch(c, slot[i]);
+    fa_slots(c, c0, nk, slot);
+    for (int i = 0; i < nk; i++) {
+        const size_t off = slot[i] * c->slot_stride + (size_t)c->kvh * c->d;
+        kp[i] = (const uint16_t *)p->k_cache + off;
+        vp[i] = c->same_kv ? kp[i] : (const uint16_t *)p->v_cache + off;
+    }
+}
+
 /* fa_softmax on vectors of 8 rows (mv of them). */
 FA2_TARGET static void fa2_softmax(float *pt, int nk, int c0, int mv, const int32_t *rpos,
                                    float *mrow, float *lrow, float *alpha)
@@ -814,11 +943,41 @@ FA2_TARGET static void fa2_softmax(float *pt, int nk, int c0, int mv, const int3
     }
 }
 
+/* A task of one vector of rows over a BF16 cache (d even, dv a multiple of
+ * 8): fa_task_avx2's chunk loop on the cache's rows in place. */
+FA2_TARGET static void fa_task_avx2_b16(struct fa_ctx *c)
+{
+    const uint16_t *kp[FA_KB], *vp[FA_KB];
+    for (int c0 = 0; c0 <= c->g->max_pos; c0 += FA_KB) {
+        const int nk = c->g->max_pos + 1 - c0 < FA_KB ? c->g->max_pos + 1 - c0 : FA_KB;
+        fa_point_b16(c, c0, nk, kp, vp);
+        int i = 0;
+        for (; i + 8 <= nk; i += 8)
+            fa2_scores_b16_any(8, kp + i, c->d, c->qt, c->pt + (size_t)i * FA_ROWS, c->p->scale);
+        for (; i < nk; i++)
+            fa2_scores_b16_any(1, kp + i, c->d, c->qt, c->pt + (size_t)i * FA_ROWS, c->p->scale);
+        fa2_softmax(c->pt, nk, c0, 1, c->rpos, c->mrow, c->lrow, c->alpha);
+        /* P V: up to 4 rows a tile, 16 columns a pass (then 8) */
+        for (int col = 0; col < c->dv; col += 16) {
+            const int nd = c->dv - col >= 16 ? 2 : 1;
+            for (int r = 0; r < c->n_rows; r += 4)
+                fa2_pv_b16_any(c->n_rows - r < 4 ? c->n_rows - r : 4, nd, r, nk, vp, col, c->pt,
+                               c->alpha, c->o, c->ldv);
+        }
+    }
+    _mm256_zeroupper(); /* fa_end is SSE code (see tile_avx2_packed in matmul.c) */
+    fa_end(c);
+}
+
 FA2_TARGET static void fa_task_avx2(const struct fa_job *j, int task, int thread)
 {
     struct fa_ctx c;
     fa_begin(j, task, thread, &c);
     const int mv = (c.n_rows + 7) / 8, dv = c.dv;
+    if (mv == 1 && c.wide && c.d % 2 == 0 && dv % 8 == 0) {
+        fa_task_avx2_b16(&c);
+        return;
+    }
     const float *kp[FA_KB], *vp[FA_KB];
     for (int c0 = 0; c0 <= c.g->max_pos; c0 += FA_KB) {
         const int nk = c.g->max_pos + 1 - c0 < FA_KB ? c.g->max_pos + 1 - c0 : FA_KB;

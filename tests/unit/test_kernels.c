@@ -515,13 +515,15 @@ static void test_attention(const char *isa)
  * batch bit for bit: its arithmetic does not depend on the group it lands
  * in. Long sequences (several 64-key chunks), GQA ratios up to 64 query
  * heads per KV head, and one beyond (the reference path); heads whose width
- * is not a multiple of a vector (100, 20) over F32 and BF16 caches. */
+ * is not a multiple of a vector (100, 20) over F32 and BF16 caches; tokens
+ * alone of 1-8 rows over a BF16 cache take AVX2's in-place tiles (3 and 6
+ * rows, a last pass of 8 columns: d 40, 24). */
 static const struct {
     int n_kv_head, rep, d_head, block_size, seq_len, n_new;
 } g_tiled_cases[] = {
     {4, 4, 64, 16, 300, 40},  {2, 8, 128, 16, 200, 17}, {1, 64, 32, 5, 70, 3},
     {1, 16, 16, 7, 129, 129}, {2, 1, 100, 3, 65, 64},   {3, 2, 20, 8, 90, 30},
-    {1, 65, 16, 4, 20, 2},
+    {1, 65, 16, 4, 20, 2},    {2, 3, 40, 16, 150, 5},   {1, 6, 24, 16, 100, 1},
 };
 #define N_TILED_CASES (sizeof g_tiled_cases / sizeof g_tiled_cases[0])
 
