@@ -997,7 +997,7 @@ FA2_TARGET static void fa_task_avx2_heads(const struct fa_job *j, int task, int 
                 c.qt[(size_t)k * FA_ROWS + 8 * hk + r] = q[k];
         }
     const uint16_t *kb[FA_KB], *vb[FA_KB], *kp[FA_KB], *vp[FA_KB];
-    size_t slot[FA_KB];
+    size_t slot[FA_KB], next[FA_KB];
     for (int c0 = 0; c0 <= c.g->max_pos; c0 += FA_KB) {
         const int nk = c.g->max_pos + 1 - c0 < FA_KB ? c.g->max_pos + 1 - c0 : FA_KB;
         fa_slots(&c, c0, nk, slot);
@@ -1005,7 +1005,21 @@ FA2_TARGET static void fa_task_avx2_heads(const struct fa_job *j, int task, int 
             kb[i] = (const uint16_t *)p->k_cache + slot[i] * c.slot_stride;
             vb[i] = (const uint16_t *)p->v_cache + slot[i] * c.slot_stride;
         }
+        /* the next chunk's whole slots requested, a KV head's share of them
+         * per head (4096 positions, 2 threads: 9.2 -> 8.2 ms a call) */
+        const int rest = c.g->max_pos + 1 - (c0 + FA_KB);
+        const int n_next = rest < 0 ? 0 : rest < FA_KB ? rest : FA_KB;
+        fa_slots(&c, c0 + FA_KB, n_next, next);
+        const size_t slot_bytes = c.slot_stride * sizeof(uint16_t);
         for (int hk = 0; hk < nkv; hk++) {
+            for (int i = hk * n_next / nkv; i < (hk + 1) * n_next / nkv; i++) {
+                const char *kr = (const char *)p->k_cache + next[i] * slot_bytes;
+                const char *vr = (const char *)p->v_cache + next[i] * slot_bytes;
+                for (size_t b = 0; b < slot_bytes; b += 64) {
+                    _mm_prefetch(kr + b, _MM_HINT_T1);
+                    _mm_prefetch(vr + b, _MM_HINT_T1);
+                }
+            }
             for (int i = 0; i < nk; i++) {
                 kp[i] = kb[i] + (size_t)hk * d;
                 vp[i] = vb[i] + (size_t)hk * d;
