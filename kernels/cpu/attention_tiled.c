@@ -834,6 +834,52 @@ FA2_TARGET static void fa2_scores_b16_any(int J, const uint16_t *const *kp, int 
         MOE_ASSERT(0 && "fa2_scores_b16_any: unsupported tile");
 }
 
+/* fa2_scores_b16 for two KV heads at once, 4 rows each: lanes 0-3 are
+ * head a's rows against its K rows (kb[j] + ka), lanes 4-7 head b's (kb[j]
+ * + kb_off): each 128-bit half gets its own head's pair of elements, so
+ * every lane holds a useful row (a decode token's 4 query heads per KV head
+ * filled half of each vector alone). J keys, kb[j] their cache slots. */
+FA2_TARGET static inline __attribute__((always_inline)) void
+fa2_scores_b16_pair(const int J, const uint16_t *const *kb, size_t ka, size_t kb_off, int d,
+                    const float *qt, float *st, float scale)
+{
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < J; j++)
+        acc[j] = _mm256_setzero_ps();
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    for (int k = 0; k < d; k += 2) {
+        const __m256 q0 = _mm256_loadu_ps(qt + (size_t)k * FA_ROWS);
+        const __m256 q1 = _mm256_loadu_ps(qt + (size_t)(k + 1) * FA_ROWS);
+#pragma GCC unroll 8
+        for (int j = 0; j < J; j++) {
+            uint32_t pa, pb;
+            memcpy(&pa, kb[j] + ka + k, sizeof pa);
+            memcpy(&pb, kb[j] + kb_off + k, sizeof pb);
+            const __m256i b = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_set1_epi32((int)pa)), _mm_set1_epi32((int)pb), 1);
+            acc[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), q0, acc[j]);
+            acc[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b, odd)), q1, acc[j]);
+        }
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+#pragma GCC unroll 8
+    for (int j = 0; j < J; j++)
+        _mm256_storeu_ps(st + (size_t)j * FA_ROWS, _mm256_mul_ps(acc[j], sc));
+}
+
+FA2_TARGET static void fa2_scores_b16_pair_any(int J, const uint16_t *const *kb, size_t ka,
+                                               size_t kb_off, int d, const float *qt, float *st,
+                                               float scale)
+{
+    if (J == 8)
+        fa2_scores_b16_pair(8, kb, ka, kb_off, d, qt, st, scale);
+    else if (J == 1)
+        fa2_scores_b16_pair(1, kb, ka, kb_off, d, qt, st, scale);
+    else
+        MOE_ASSERT(0 && "fa2_scores_b16_pair_any: unsupported tile");
+}
+
 /* fa2_pv for RT rows and ND vectors of columns from bf16 rows vp (whole
  * vectors: dv a multiple of 8). */
 FA2_TARGET static inline __attribute__((always_inline)) void
@@ -982,10 +1028,13 @@ FA2_TARGET static void fa_task_avx2_heads(const struct fa_job *j, int task, int 
     struct fa_ctx c;
     fa_begin(j, task * p->n_kv_head, thread, &c);
     const int nkv = p->n_kv_head, nr = c.n_rows, d = c.d;
+    /* head hk's rows are rows rs * hk .. rs * hk + nr: two heads a vector
+     * when 4 rows hold them (rs 4), else one (rs 8) */
+    const int rs = nr <= 4 ? 4 : 8, n_vec = (rs * nkv + 7) / 8;
     memset(c.qt, 0, (size_t)d * FA_ROWS * sizeof(float));
-    memset(c.o, 0, (size_t)8 * nkv * c.ldv * sizeof(float));
-    for (int r = 0; r < 8 * nkv; r++) {
-        c.rpos[r] = r % 8 < nr ? p->tok_pos[c.g->t0 + r % 8 / c.rep] : c.g->max_pos;
+    memset(c.o, 0, (size_t)8 * n_vec * c.ldv * sizeof(float));
+    for (int r = 0; r < 8 * n_vec; r++) {
+        c.rpos[r] = r % rs < nr ? p->tok_pos[c.g->t0 + r % rs / c.rep] : c.g->max_pos;
         c.mrow[r] = -INFINITY;
         c.lrow[r] = 0.0f;
     }
@@ -994,7 +1043,7 @@ FA2_TARGET static void fa_task_avx2_heads(const struct fa_job *j, int task, int 
             const int t = c.g->t0 + r / c.rep, h = hk * c.rep + r % c.rep;
             const float *q = p->q + ((size_t)t * p->n_head + h) * d;
             for (int k = 0; k < d; k++)
-                c.qt[(size_t)k * FA_ROWS + 8 * hk + r] = q[k];
+                c.qt[(size_t)k * FA_ROWS + rs * hk + r] = q[k];
         }
     const uint16_t *kb[FA_KB], *vb[FA_KB], *kp[FA_KB], *vp[FA_KB];
     size_t slot[FA_KB], next[FA_KB];
@@ -1005,14 +1054,14 @@ FA2_TARGET static void fa_task_avx2_heads(const struct fa_job *j, int task, int 
             kb[i] = (const uint16_t *)p->k_cache + slot[i] * c.slot_stride;
             vb[i] = (const uint16_t *)p->v_cache + slot[i] * c.slot_stride;
         }
-        /* the next chunk's whole slots requested, a KV head's share of them
-         * per head (4096 positions, 2 threads: 9.2 -> 8.2 ms a call) */
+        /* the next chunk's whole slots requested, a vector's share of them
+         * per vector (4096 positions, 2 threads: 9.2 -> 8.2 ms a call) */
         const int rest = c.g->max_pos + 1 - (c0 + FA_KB);
         const int n_next = rest < 0 ? 0 : rest < FA_KB ? rest : FA_KB;
         fa_slots(&c, c0 + FA_KB, n_next, next);
         const size_t slot_bytes = c.slot_stride * sizeof(uint16_t);
-        for (int hk = 0; hk < nkv; hk++) {
-            for (int i = hk * n_next / nkv; i < (hk + 1) * n_next / nkv; i++) {
+        for (int v = 0; v < n_vec; v++) {
+            for (int i = v * n_next / n_vec; i < (v + 1) * n_next / n_vec; i++) {
                 const char *kr = (const char *)p->k_cache + next[i] * slot_bytes;
                 const char *vr = (const char *)p->v_cache + next[i] * slot_bytes;
                 for (size_t b = 0; b < slot_bytes; b += 64) {
@@ -1020,24 +1069,40 @@ FA2_TARGET static void fa_task_avx2_heads(const struct fa_job *j, int task, int 
                     _mm_prefetch(vr + b, _MM_HINT_T1);
                 }
             }
-            for (int i = 0; i < nk; i++) {
-                kp[i] = kb[i] + (size_t)hk * d;
-                vp[i] = vb[i] + (size_t)hk * d;
-            }
-            const float *qt = c.qt + 8 * hk;
-            float *pt = c.pt + 8 * hk;
+            /* scores of the vector's rows: one head, or two (the second is
+             * the first again past the last head: padding rows) */
+            const float *qt = c.qt + 8 * v;
+            float *pt = c.pt + 8 * v;
+            const int h0 = rs == 8 ? v : 2 * v, h1 = rs == 8 || h0 + 1 == nkv ? h0 : h0 + 1;
             int i = 0;
-            for (; i + 8 <= nk; i += 8)
-                fa2_scores_b16_any(8, kp + i, d, qt, pt + (size_t)i * FA_ROWS, p->scale);
-            for (; i < nk; i++)
-                fa2_scores_b16_any(1, kp + i, d, qt, pt + (size_t)i * FA_ROWS, p->scale);
-            fa2_softmax(pt, nk, c0, 1, c.rpos + 8 * hk, c.mrow + 8 * hk, c.lrow + 8 * hk,
-                        c.alpha + 8 * hk);
-            for (int col = 0; col < c.dv; col += 16) {
-                const int nd = c.dv - col >= 16 ? 2 : 1;
-                for (int r = 0; r < nr; r += 4)
-                    fa2_pv_b16_any(nr - r < 4 ? nr - r : 4, nd, 8 * hk + r, nk, vp, col, c.pt,
-                                   c.alpha, c.o, c.ldv);
+            if (rs == 8) {
+                for (int n = 0; n < nk; n++)
+                    kp[n] = kb[n] + (size_t)h0 * d;
+                for (; i + 8 <= nk; i += 8)
+                    fa2_scores_b16_any(8, kp + i, d, qt, pt + (size_t)i * FA_ROWS, p->scale);
+                for (; i < nk; i++)
+                    fa2_scores_b16_any(1, kp + i, d, qt, pt + (size_t)i * FA_ROWS, p->scale);
+            } else {
+                const size_t ka = (size_t)h0 * d, kb2 = (size_t)h1 * d;
+                for (; i + 8 <= nk; i += 8)
+                    fa2_scores_b16_pair_any(8, kb + i, ka, kb2, d, qt, pt + (size_t)i * FA_ROWS,
+                                            p->scale);
+                for (; i < nk; i++)
+                    fa2_scores_b16_pair_any(1, kb + i, ka, kb2, d, qt, pt + (size_t)i * FA_ROWS,
+                                            p->scale);
+            }
+            fa2_softmax(pt, nk, c0, 1, c.rpos + 8 * v, c.mrow + 8 * v, c.lrow + 8 * v,
+                        c.alpha + 8 * v);
+            /* P V, head by head */
+            for (int hk = h0; hk < (rs == 8 ? h0 + 1 : h0 + 2) && hk < nkv; hk++) {
+                for (int n = 0; n < nk; n++)
+                    vp[n] = vb[n] + (size_t)hk * d;
+                for (int col = 0; col < c.dv; col += 16) {
+                    const int nd = c.dv - col >= 16 ? 2 : 1;
+                    for (int r = 0; r < nr; r += 4)
+                        fa2_pv_b16_any(nr - r < 4 ? nr - r : 4, nd, rs * hk + r, nk, vp, col, c.pt,
+                                       c.alpha, c.o, c.ldv);
+                }
             }
         }
     }
@@ -1046,8 +1111,8 @@ FA2_TARGET static void fa_task_avx2_heads(const struct fa_job *j, int task, int 
         for (int r = 0; r < nr; r++) {
             const int t = c.g->t0 + r / c.rep, h = hk * c.rep + r % c.rep;
             float *out = p->out + ((size_t)t * p->n_head + h) * c.dv;
-            const float inv = 1.0f / c.lrow[8 * hk + r];
-            const float *orow = c.o + (size_t)(8 * hk + r) * c.ldv;
+            const float inv = 1.0f / c.lrow[rs * hk + r];
+            const float *orow = c.o + (size_t)(rs * hk + r) * c.ldv;
             for (int k = 0; k < c.dv; k++)
                 out[k] = orow[k] * inv;
         }
