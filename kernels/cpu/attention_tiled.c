@@ -721,8 +721,9 @@ FA2_TARGET static void fa2_scores_any(int J, int MV, const float *const *kp, int
  * vectors of columns from `col`, the last one loaded under `last` (all
  * lanes when it is full); O rows ldo apart. */
 FA2_TARGET static inline __attribute__((always_inline)) void
-fa2_pv(const int RT, const int ND, int r0, int nk, const float *const *vp, int col, const float *pt,
-       const float *alpha, float *o, int ldo, __m256i last, bool partial)
+fa2_pv(const int RT, const int ND, const bool B16, int r0, int nk, const float *const *vp,
+       const uint16_t *const *vb, int col, const float *pt, const float *alpha, float *o, int ldo,
+       __m256i last, bool partial)
 {
     __m256 acc[12][4];
     o += col;
@@ -735,11 +736,16 @@ fa2_pv(const int RT, const int ND, int r0, int nk, const float *const *vp, int c
     }
     for (int j = 0; j < nk; j++) {
         __m256 vv[4];
-        const float *vr = vp[j] + col;
 #pragma GCC unroll 4
-        for (int v = 0; v < ND; v++)
-            vv[v] = v == ND - 1 && partial ? _mm256_maskload_ps(vr + 8 * v, last)
-                                           : _mm256_loadu_ps(vr + 8 * v);
+        for (int v = 0; v < ND; v++) {
+            if (B16) /* whole vectors of a bf16 row, widened */
+                vv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(vb[j] + col + 8 * v))),
+                    16));
+            else
+                vv[v] = v == ND - 1 && partial ? _mm256_maskload_ps(vp[j] + col + 8 * v, last)
+                                               : _mm256_loadu_ps(vp[j] + col + 8 * v);
+        }
 #pragma GCC unroll 12
         for (int r = 0; r < RT; r++) {
             __m256 pb = _mm256_broadcast_ss(pt + (size_t)j * FA_ROWS + r0 + r);
@@ -767,7 +773,9 @@ FA2_TARGET static void fa2_pv_any(int RT, int ND, int r0, int nk, const float *c
                                   __m256i last, bool partial)
 {
 #define PV2_CASE(RR, DD)                                                                           \
-    case (RR)*8 + (DD): fa2_pv(RR, DD, r0, nk, vp, col, pt, alpha, o, ldo, last, partial); return;
+    case (RR)*8 + (DD):                                                                            \
+        fa2_pv(RR, DD, false, r0, nk, vp, NULL, col, pt, alpha, o, ldo, last, partial);            \
+        return;
     switch (RT * 8 + ND) {
         PV2_CASE(12, 1)
         PV2_CASE(5, 2)
@@ -793,55 +801,16 @@ FA2_TARGET static void fa2_pv_any(int RT, int ND, int r0, int nk, const float *c
  * every product and sum is the widened tiles', in their order: the same
  * bits, without the scratch. */
 
-/* fa2_scores for J keys and one vector of rows from bf16 rows kp (d even):
- * a 32-bit broadcast holds k and k + 1; a shift gives k's value, a mask
- * k + 1's. */
+/* fa2_scores for J keys and one vector of rows from bf16 cache rows (d
+ * even): key j's row is kb[j] + ka. A 32-bit broadcast holds k and k + 1; a
+ * shift gives k's value, a mask k + 1's. With PAIR, lanes 0-3 are one KV
+ * head's rows (kb[j] + ka) and lanes 4-7 another's (kb[j] + kb2), each
+ * 128-bit half broadcast from its own head's row: two heads of 4 rows fill
+ * the vector that a decode token's 4 query heads per KV head filled half
+ * of alone. */
 FA2_TARGET static inline __attribute__((always_inline)) void
-fa2_scores_b16(const int J, const uint16_t *const *kp, int d, const float *qt, float *st,
-               float scale)
-{
-    __m256 acc[8];
-#pragma GCC unroll 8
-    for (int j = 0; j < J; j++)
-        acc[j] = _mm256_setzero_ps();
-    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
-    for (int k = 0; k < d; k += 2) {
-        const __m256 q0 = _mm256_loadu_ps(qt + (size_t)k * FA_ROWS);
-        const __m256 q1 = _mm256_loadu_ps(qt + (size_t)(k + 1) * FA_ROWS);
-#pragma GCC unroll 8
-        for (int j = 0; j < J; j++) {
-            uint32_t pair;
-            memcpy(&pair, kp[j] + k, sizeof pair);
-            const __m256i b = _mm256_set1_epi32((int)pair);
-            acc[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), q0, acc[j]);
-            acc[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b, odd)), q1, acc[j]);
-        }
-    }
-    const __m256 sc = _mm256_set1_ps(scale);
-#pragma GCC unroll 8
-    for (int j = 0; j < J; j++)
-        _mm256_storeu_ps(st + (size_t)j * FA_ROWS, _mm256_mul_ps(acc[j], sc));
-}
-
-FA2_TARGET static void fa2_scores_b16_any(int J, const uint16_t *const *kp, int d, const float *qt,
-                                          float *st, float scale)
-{
-    if (J == 8)
-        fa2_scores_b16(8, kp, d, qt, st, scale);
-    else if (J == 1)
-        fa2_scores_b16(1, kp, d, qt, st, scale);
-    else
-        MOE_ASSERT(0 && "fa2_scores_b16_any: unsupported tile");
-}
-
-/* fa2_scores_b16 for two KV heads at once, 4 rows each: lanes 0-3 are
- * head a's rows against its K rows (kb[j] + ka), lanes 4-7 head b's (kb[j]
- * + kb_off): each 128-bit half gets its own head's pair of elements, so
- * every lane holds a useful row (a decode token's 4 query heads per KV head
- * filled half of each vector alone). J keys, kb[j] their cache slots. */
-FA2_TARGET static inline __attribute__((always_inline)) void
-fa2_scores_b16_pair(const int J, const uint16_t *const *kb, size_t ka, size_t kb_off, int d,
-                    const float *qt, float *st, float scale)
+fa2_scores_b16(const int J, const bool PAIR, const uint16_t *const *kb, size_t ka, size_t kb2,
+               int d, const float *qt, float *st, float scale)
 {
     __m256 acc[8];
 #pragma GCC unroll 8
@@ -855,9 +824,12 @@ fa2_scores_b16_pair(const int J, const uint16_t *const *kb, size_t ka, size_t kb
         for (int j = 0; j < J; j++) {
             uint32_t pa, pb;
             memcpy(&pa, kb[j] + ka + k, sizeof pa);
-            memcpy(&pb, kb[j] + kb_off + k, sizeof pb);
-            const __m256i b = _mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_set1_epi32((int)pa)), _mm_set1_epi32((int)pb), 1);
+            __m256i b = _mm256_set1_epi32((int)pa);
+            if (PAIR) {
+                memcpy(&pb, kb[j] + kb2 + k, sizeof pb);
+                b = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32((int)pa)),
+                                            _mm_set1_epi32((int)pb), 1);
+            }
             acc[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), q0, acc[j]);
             acc[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b, odd)), q1, acc[j]);
         }
@@ -868,61 +840,37 @@ fa2_scores_b16_pair(const int J, const uint16_t *const *kb, size_t ka, size_t kb
         _mm256_storeu_ps(st + (size_t)j * FA_ROWS, _mm256_mul_ps(acc[j], sc));
 }
 
-FA2_TARGET static void fa2_scores_b16_pair_any(int J, const uint16_t *const *kb, size_t ka,
-                                               size_t kb_off, int d, const float *qt, float *st,
-                                               float scale)
+/* fa2_scores_b16 over a chunk's nk keys: tiles of 8, then single keys. */
+FA2_TARGET static void fa2_scores_b16_keys(bool pair, int nk, const uint16_t *const *kb, size_t ka,
+                                           size_t kb2, int d, const float *qt, float *st,
+                                           float scale)
 {
-    if (J == 8)
-        fa2_scores_b16_pair(8, kb, ka, kb_off, d, qt, st, scale);
-    else if (J == 1)
-        fa2_scores_b16_pair(1, kb, ka, kb_off, d, qt, st, scale);
-    else
-        MOE_ASSERT(0 && "fa2_scores_b16_pair_any: unsupported tile");
+    int i = 0;
+    for (; i + 8 <= nk; i += 8, st += 8 * FA_ROWS) {
+        if (pair)
+            fa2_scores_b16(8, true, kb + i, ka, kb2, d, qt, st, scale);
+        else
+            fa2_scores_b16(8, false, kb + i, ka, kb2, d, qt, st, scale);
+    }
+    for (; i < nk; i++, st += FA_ROWS) {
+        if (pair)
+            fa2_scores_b16(1, true, kb + i, ka, kb2, d, qt, st, scale);
+        else
+            fa2_scores_b16(1, false, kb + i, ka, kb2, d, qt, st, scale);
+    }
 }
 
-/* fa2_pv for RT rows and ND vectors of columns from bf16 rows vp (whole
- * vectors: dv a multiple of 8). */
-FA2_TARGET static inline __attribute__((always_inline)) void
-fa2_pv_b16(const int RT, const int ND, int r0, int nk, const uint16_t *const *vp, int col,
-           const float *pt, const float *alpha, float *o, int ldo)
-{
-    __m256 acc[4][2];
-    o += col;
-#pragma GCC unroll 4
-    for (int r = 0; r < RT; r++) {
-        __m256 a = _mm256_set1_ps(alpha[r0 + r]);
-#pragma GCC unroll 2
-        for (int v = 0; v < ND; v++)
-            acc[r][v] = _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)(r0 + r) * ldo + 8 * v), a);
-    }
-    for (int j = 0; j < nk; j++) {
-        __m256 vv[2];
-#pragma GCC unroll 2
-        for (int v = 0; v < ND; v++)
-            vv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(vp[j] + col + 8 * v))),
-                16));
-#pragma GCC unroll 4
-        for (int r = 0; r < RT; r++) {
-            __m256 pb = _mm256_broadcast_ss(pt + (size_t)j * FA_ROWS + r0 + r);
-#pragma GCC unroll 2
-            for (int v = 0; v < ND; v++)
-                acc[r][v] = _mm256_fmadd_ps(pb, vv[v], acc[r][v]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < RT; r++)
-#pragma GCC unroll 2
-        for (int v = 0; v < ND; v++)
-            _mm256_storeu_ps(o + (size_t)(r0 + r) * ldo + 8 * v, acc[r][v]);
-}
-
+/* fa2_pv from bf16 rows vp read in place (whole vectors: dv a multiple of
+ * 8), up to 4 rows and 2 vectors a tile. */
 FA2_TARGET static void fa2_pv_b16_any(int RT, int ND, int r0, int nk, const uint16_t *const *vp,
                                       int col, const float *pt, const float *alpha, float *o,
                                       int ldo)
 {
 #define PVB_CASE(RR, DD)                                                                           \
-    case (RR)*4 + (DD): fa2_pv_b16(RR, DD, r0, nk, vp, col, pt, alpha, o, ldo); return;
+    case (RR)*4 + (DD):                                                                            \
+        fa2_pv(RR, DD, true, r0, nk, NULL, vp, col, pt, alpha, o, ldo, none, false);               \
+        return;
+    const __m256i none = _mm256_setzero_si256();
     switch (RT * 4 + ND) {
         PVB_CASE(4, 2)
         PVB_CASE(3, 2)
@@ -998,11 +946,7 @@ FA2_TARGET static void fa_task_avx2_b16(struct fa_ctx *c)
     for (int c0 = 0; c0 <= c->g->max_pos; c0 += FA_KB) {
         const int nk = c->g->max_pos + 1 - c0 < FA_KB ? c->g->max_pos + 1 - c0 : FA_KB;
         fa_point_b16(c, c0, nk, kp, vp);
-        int i = 0;
-        for (; i + 8 <= nk; i += 8)
-            fa2_scores_b16_any(8, kp + i, c->d, c->qt, c->pt + (size_t)i * FA_ROWS, c->p->scale);
-        for (; i < nk; i++)
-            fa2_scores_b16_any(1, kp + i, c->d, c->qt, c->pt + (size_t)i * FA_ROWS, c->p->scale);
+        fa2_scores_b16_keys(false, nk, kp, 0, 0, c->d, c->qt, c->pt, c->p->scale);
         fa2_softmax(c->pt, nk, c0, 1, c->rpos, c->mrow, c->lrow, c->alpha);
         /* P V: up to 4 rows a tile, 16 columns a pass (then 8) */
         for (int col = 0; col < c->dv; col += 16) {
@@ -1045,7 +989,7 @@ FA2_TARGET static void fa_task_avx2_heads(const struct fa_job *j, int task, int 
             for (int k = 0; k < d; k++)
                 c.qt[(size_t)k * FA_ROWS + rs * hk + r] = q[k];
         }
-    const uint16_t *kb[FA_KB], *vb[FA_KB], *kp[FA_KB], *vp[FA_KB];
+    const uint16_t *kb[FA_KB], *vb[FA_KB], *vp[FA_KB];
     size_t slot[FA_KB], next[FA_KB];
     for (int c0 = 0; c0 <= c.g->max_pos; c0 += FA_KB) {
         const int nk = c.g->max_pos + 1 - c0 < FA_KB ? c.g->max_pos + 1 - c0 : FA_KB;
@@ -1074,23 +1018,8 @@ FA2_TARGET static void fa_task_avx2_heads(const struct fa_job *j, int task, int 
             const float *qt = c.qt + 8 * v;
             float *pt = c.pt + 8 * v;
             const int h0 = rs == 8 ? v : 2 * v, h1 = rs == 8 || h0 + 1 == nkv ? h0 : h0 + 1;
-            int i = 0;
-            if (rs == 8) {
-                for (int n = 0; n < nk; n++)
-                    kp[n] = kb[n] + (size_t)h0 * d;
-                for (; i + 8 <= nk; i += 8)
-                    fa2_scores_b16_any(8, kp + i, d, qt, pt + (size_t)i * FA_ROWS, p->scale);
-                for (; i < nk; i++)
-                    fa2_scores_b16_any(1, kp + i, d, qt, pt + (size_t)i * FA_ROWS, p->scale);
-            } else {
-                const size_t ka = (size_t)h0 * d, kb2 = (size_t)h1 * d;
-                for (; i + 8 <= nk; i += 8)
-                    fa2_scores_b16_pair_any(8, kb + i, ka, kb2, d, qt, pt + (size_t)i * FA_ROWS,
-                                            p->scale);
-                for (; i < nk; i++)
-                    fa2_scores_b16_pair_any(1, kb + i, ka, kb2, d, qt, pt + (size_t)i * FA_ROWS,
-                                            p->scale);
-            }
+            fa2_scores_b16_keys(rs == 4, nk, kb, (size_t)h0 * d, (size_t)h1 * d, d, qt, pt,
+                                p->scale);
             fa2_softmax(pt, nk, c0, 1, c.rpos + 8 * v, c.mrow + 8 * v, c.lrow + 8 * v,
                         c.alpha + 8 * v);
             /* P V, head by head */
