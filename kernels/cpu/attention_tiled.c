@@ -557,6 +557,14 @@ static inline void fa_slots(const struct fa_ctx *c, int pos0, int n, size_t *slo
     }
 }
 
+/* How many keys the chunk after the one at c0 holds (0 past the group's
+ * last position). */
+static inline int fa_next_count(const struct fa_ctx *c, int c0)
+{
+    const int rest = c->g->max_pos + 1 - (c0 + FA_KB);
+    return rest < 0 ? 0 : rest < FA_KB ? rest : FA_KB;
+}
+
 /* Requests into L2 the K and V rows of this task's KV head in a slot. */
 static inline __attribute__((always_inline)) void fa_prefetch(const struct fa_ctx *c, size_t slot)
 {
@@ -587,8 +595,7 @@ fa_gather(const struct fa_ctx *c, int c0, int nk, const float **kp, const float 
           void (*widen)(float *, const uint16_t *, int))
 {
     const struct moe_attn_params *p = c->p;
-    const int next = c0 + FA_KB, rest = c->g->max_pos + 1 - next;
-    const int n_next = rest < 0 ? 0 : rest < FA_KB ? rest : FA_KB;
+    const int next = c0 + FA_KB, n_next = fa_next_count(c, c0);
     size_t slot[FA_KB], slot_next[FA_KB];
     fa_slots(c, c0, nk, slot);
     fa_slots(c, next, n_next, slot_next);
@@ -894,10 +901,9 @@ static void fa_point_b16(const struct fa_ctx *c, int c0, int nk, const uint16_t 
                          const uint16_t **vp)
 {
     const struct moe_attn_params *p = c->p;
-    const int next = c0 + FA_KB, rest = c->g->max_pos + 1 - next;
-    const int n_next = rest < 0 ? 0 : rest < FA_KB ? rest : FA_KB;
+    const int n_next = fa_next_count(c, c0);
     size_t slot[FA_KB];
-    fa_slots(c, next, n_next, slot);
+    fa_slots(c, c0 + FA_KB, n_next, slot);
     for (int i = 0; i < n_next; i++)
         fa_prefetch(c, slot[i]);
     fa_slots(c, c0, nk, slot);
@@ -963,8 +969,9 @@ FA2_TARGET static void fa_task_avx2_b16(struct fa_ctx *c)
 }
 
 /* A task of every KV head of one group whose rows per head fit a vector
- * (cpu_attention_tiled's heads mode: decode): head h's rows are rows 8h ..
- * 8h + nr of the scratch, and each chunk reads whole cache slots (every
+ * (cpu_attention_tiled's heads mode: decode): head h's rows are rows rs h ..
+ * rs h + nr of the scratch (rs 4 or 8, below), and each chunk reads whole
+ * cache slots (every
  * head's K, then V, consecutive in a block) instead of a head's 128 bytes
  * in every 512, which the memory delivered at about half the rate. Each
  * head's arithmetic is fa_task_avx2_b16's. */
@@ -1002,8 +1009,7 @@ FA2_TARGET static void fa_task_avx2_heads(const struct fa_job *j, int task, int 
         }
         /* the next chunk's whole slots requested, a vector's share of them
          * per vector (4096 positions, 2 threads: 9.2 -> 8.2 ms a call) */
-        const int rest = c.g->max_pos + 1 - (c0 + FA_KB);
-        const int n_next = rest < 0 ? 0 : rest < FA_KB ? rest : FA_KB;
+        const int n_next = fa_next_count(&c, c0);
         fa_slots(&c, c0 + FA_KB, n_next, next);
         const size_t slot_bytes = c.slot_stride * sizeof(uint16_t);
         for (int v = 0; v < n_vec; v++) {

@@ -1825,11 +1825,17 @@ void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p)
     mm_release(&c);
 }
 
-/* Several calls' tasks in one pool run, the calls taken in `order`: the
- * i-th call run is calls[order[i]], its tasks [first[i], first[i + 1]). */
+/* A call's place in a two-ended run: by tokens, most first; equal ones in
+ * their given order. */
+struct mm_rank {
+    int n_tok, call;
+};
+
+/* Several calls' tasks in one pool run, the calls taken in `rank`'s order:
+ * the i-th call run is calls[rank[i].call], its tasks [first[i], first[i + 1]). */
 struct mm_many {
     struct mm_call *calls;
-    const int *order;
+    const struct mm_rank *rank;
     const int *first;
     int n;
     /* the tasks not yet taken, [front, back): front in the low 32 bits */
@@ -1840,7 +1846,7 @@ static void mm_many_task(void *arg, int task, int thread)
 {
     const struct mm_many *mm = arg;
     const int i = cpu_task_owner(mm->first, mm->n, task);
-    mm_task(&mm->calls[mm->order[i]].job, task - mm->first[i], thread);
+    mm_task(&mm->calls[mm->rank[i].call].job, task - mm->first[i], thread);
 }
 
 /* Takes the next task from the front or from the back of [front, back). */
@@ -1870,12 +1876,6 @@ static void mm_many_ends(void *arg, int side, int thread)
         mm_many_task(mm, task, thread);
 }
 
-/* A call's place in a two-ended run: by tokens, most first; equal ones in
- * their given order. */
-struct mm_rank {
-    int n_tok, call;
-};
-
 static int mm_rank_cmp(const void *a, const void *b)
 {
     const struct mm_rank *x = a, *y = b;
@@ -1897,9 +1897,8 @@ void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params
     const size_t cap = (size_t)(n > 0 ? n : 1);
     struct mm_call *calls = malloc(cap * sizeof *calls);
     struct mm_rank *rank = malloc(cap * sizeof *rank);
-    int *order = malloc(cap * sizeof *order);
     int *first = malloc((cap + 1) * sizeof *first);
-    MOE_ASSERT(calls != NULL && rank != NULL && order != NULL && first != NULL);
+    MOE_ASSERT(calls != NULL && rank != NULL && first != NULL);
     int k = 0;
     double flops = 0.0;
     for (int i = 0; i < n; i++) {
@@ -1925,12 +1924,11 @@ void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params
         qsort(rank, (size_t)k, sizeof *rank, mm_rank_cmp);
     int total = 0;
     for (int i = 0; i < k; i++) {
-        order[i] = rank[i].call;
         first[i] = total;
-        total += calls[order[i]].n_tasks;
+        total += calls[rank[i].call].n_tasks;
     }
     first[k] = total;
-    struct mm_many mm = {.calls = calls, .order = order, .first = first, .n = k};
+    struct mm_many mm = {.calls = calls, .rank = rank, .first = first, .n = k};
     atomic_init(&mm.ends, (uint64_t)(uint32_t)total << 32);
     if (k > 0) {
         if (mm_serial(flops, total)) {
@@ -1946,6 +1944,5 @@ void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params
         mm_release(&calls[i]);
     free(calls);
     free(rank);
-    free(order);
     free(first);
 }
