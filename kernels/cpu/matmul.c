@@ -517,7 +517,7 @@ AVX512_TARGET static void mk_tile_avx512(int T, int R, const struct moe_matmul_p
         mk_q4_avx512_any(T, R, p, x, p->n_in, o, out);
     else
         mk_avx512_any(T, R, p->w_dtype, x, p->n_in, p->n_in, w_at(p->w_dtype, p->w, o * p->ldw),
-                      !p->batch_invariant, p->ldw, out);
+                      p->ldw, !p->batch_invariant, out);
 }
 
 /* Prefill path: W rows [o, o+R) (R <= PK_R) are packed k-major into `panel`
