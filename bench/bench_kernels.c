@@ -489,8 +489,13 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
 {
     unsigned have = cpu_kernels_detect_features();
     const unsigned amx = CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8;
-    unsigned sets[2] = {have, have & ~amx};
-    int n_sets = (have & amx) ? 2 : 1;
+    /* AMX against the AVX-512 paths; without AMX, where vdpbf16ps is slow
+     * (bf16 on the f32 FMA kernels), the default against vdpbf16ps forced */
+    const bool slow = (have & CPU_FEAT_DPBF16_SLOW) && !(have & amx);
+    unsigned sets[2] = {have, slow ? have & ~CPU_FEAT_DPBF16_SLOW : have & ~amx};
+    int n_sets = (have & amx) || slow ? 2 : 1;
+    const char *const labels[2] = {slow ? "dflt GFLOP/s" : "AMX GFLOP/s",
+                                   slow ? "dpbf16 GFLOP/s" : "AVX512 GFLOP/s"};
     char names[2][64];
     static const enum moe_dtype dts[] = {MOE_DTYPE_BF16, MOE_DTYPE_I8, MOE_DTYPE_I4};
     static const int toks[] = {1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 512};
@@ -503,11 +508,11 @@ static int bench_fast(const struct shape *shapes, size_t n_shapes, struct moe_ba
     printf("%-5s %-18s %-3s %6s", "dtype", "shape", "thr", "n_tok");
     for (int i = 0; i < n_sets; i++)
         printf(" %14s %8s",
-               i == 0 && n_sets == 2                        ? "AMX GFLOP/s"
+               n_sets == 2                                  ? labels[i]
                : cpu_kernels_detect_isa() == CPU_ISA_AVX512 ? "AVX512 GFLOP/s"
                                                             : "GFLOP/s",
                "W GB/s");
-    printf("%s\n", n_sets == 2 ? "  AMX/AVX512" : "");
+    printf("%s\n", n_sets == 1 ? "" : slow ? "  dflt/dpbf16" : "  AMX/AVX512");
     for (size_t d = 0; d < sizeof dts / sizeof *dts; d++) {
         enum moe_dtype dt = dts[d];
         static const char *const flag_names[] = {"bf16", "int8", "int4"};

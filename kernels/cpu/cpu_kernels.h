@@ -43,7 +43,17 @@ enum cpu_feature {
     CPU_FEAT_AVX512_VNNI = 1 << 1, /* vpdpbusd: u8 x s8 quads, i32 accumulation */
     CPU_FEAT_AMX_BF16 = 1 << 2,    /* tdpbf16ps: 16 x 16 f32 tiles from bf16 pairs */
     CPU_FEAT_AMX_INT8 = 1 << 3,    /* tdpbssd: 16 x 16 i32 tiles from s8 x s8 quads */
-    CPU_FEAT_ALL = 0xf,
+    /* Not an extension but a property, set on Intel processors with
+     * AVX512-BF16: vdpbf16ps issues at a quarter of the rate of an f32 FMA
+     * there (Emerald Rapids: 1.35 vs 5.5 G instructions/s a core, i.e. 86
+     * against 175 GFLOP/s), so bf16 weights widened to f32 and FMA'd beat it.
+     * Where it is set and AMX-BF16 is not, bf16 fast calls of 32+ tokens
+     * (prefill) take the f32 FMA kernels; smaller ones (decode, where the
+     * streaming vdpbf16ps tiles still win) keep vdpbf16ps
+     * (cpu_matmul_dot_supported). MOE_CPU_ISA=avx512-bf16 / avx512-dot clear
+     * it: vdpbf16ps then runs at every size. */
+    CPU_FEAT_DPBF16_SLOW = 1 << 4,
+    CPU_FEAT_ALL = 0x1f,
 };
 
 /* Features this processor (and OS) supports (cpuid, cached). */

@@ -1884,16 +1884,52 @@ static int mm_rank_cmp(const void *a, const void *b)
     return (x->call > y->call) - (x->call < y->call);
 }
 
+/* The calls of a fast grouped matmul that the dot-product paths take
+ * (cpu_matmul_dot_supported: by weight type, and where vdpbf16ps is slow by
+ * size too) run there, in one pool run; the rest, if any, through
+ * cpu_matmul_many's own. Returns false when the dot paths take none. */
+static bool mm_many_split_dot(struct moe_threadpool *pool, const struct moe_matmul_params *ps,
+                              int n)
+{
+    int n_dot = 0, n_work = 0;
+    for (int i = 0; i < n; i++) {
+        if (ps[i].n_tok <= 0 || ps[i].n_out <= 0)
+            continue;
+        n_work++;
+        n_dot += cpu_matmul_dot_supported(&ps[i]);
+    }
+    if (n_dot == 0)
+        return false;
+    if (n_dot == n_work) {
+        cpu_matmul_dot_many(pool, ps, n);
+        return true;
+    }
+    struct moe_matmul_params *dot = malloc((size_t)n_work * sizeof *dot);
+    MOE_ASSERT(dot != NULL);
+    struct moe_matmul_params *rest = dot + n_dot;
+    int d = 0, r = 0;
+    for (int i = 0; i < n; i++) {
+        if (ps[i].n_tok <= 0 || ps[i].n_out <= 0)
+            continue;
+        if (cpu_matmul_dot_supported(&ps[i]))
+            dot[d++] = ps[i];
+        else
+            rest[r++] = ps[i];
+    }
+    cpu_matmul_dot_many(pool, dot, d);
+    cpu_matmul_many(pool, rest, r);
+    free(dot);
+    return true;
+}
+
 void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params *ps, int n)
 {
     if (n == 1) {
         cpu_matmul(pool, &ps[0]);
         return;
     }
-    if (n > 1 && ps[0].fast && cpu_matmul_dot_supported(&ps[0])) {
-        cpu_matmul_dot_many(pool, ps, n);
+    if (n > 1 && ps[0].fast && mm_many_split_dot(pool, ps, n))
         return;
-    }
     const size_t cap = (size_t)(n > 0 ? n : 1);
     struct mm_call *calls = malloc(cap * sizeof *calls);
     struct mm_rank *rank = malloc(cap * sizeof *rank);
@@ -1903,9 +1939,9 @@ void cpu_matmul_many(struct moe_threadpool *pool, const struct moe_matmul_params
     double flops = 0.0;
     for (int i = 0; i < n; i++) {
         const struct moe_matmul_params *p = &ps[i];
-        MOE_ASSERT(!(p->fast && cpu_matmul_dot_supported(p))); /* the same path for every call */
         if (p->n_tok <= 0 || p->n_out <= 0)
             continue;
+        MOE_ASSERT(!(p->fast && cpu_matmul_dot_supported(p))); /* mm_many_split_dot took those */
         mm_prepare(pool, p, &calls[k], NULL, 0);
         flops += calls[k].flops;
         rank[k] = (struct mm_rank){.n_tok = p->n_tok, .call = k};

@@ -154,8 +154,13 @@ bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
     if (p->batch_invariant && p->w_dtype != MOE_DTYPE_I8)
         return false;
     unsigned f = cpu_kernels_features();
+    /* CPU_FEAT_DPBF16_SLOW without AMX: vdpbf16ps for decode-sized calls,
+     * the f32 FMA kernels from DP_MIN_TOK tokens on (bench-kernels --fast
+     * bf16, Emerald Rapids, 2 threads: the FMA kernels at 0.5-0.95x of
+     * vdpbf16ps for 1-16 tokens, 1.13-1.88x for 32-512) */
     if (p->w_dtype == MOE_DTYPE_BF16)
-        return (f & CPU_FEAT_AVX512_BF16) != 0;
+        return (f & CPU_FEAT_AVX512_BF16) &&
+               (!(f & CPU_FEAT_DPBF16_SLOW) || (f & CPU_FEAT_AMX_BF16) || p->n_tok < DP_MIN_TOK);
     if (p->w_dtype == MOE_DTYPE_I8 || p->w_dtype == MOE_DTYPE_I4)
         return (f & CPU_FEAT_AVX512_VNNI) != 0;
     return false;
@@ -173,6 +178,8 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt)
         return "avx512-vnni+amx-bf16"; /* W4A8 below AMX_MIN_TOK_I4 tokens */
     if (amx_for(wt))
         return wt == MOE_DTYPE_BF16 ? "amx-bf16" : "amx-int8";
+    if (wt == MOE_DTYPE_BF16 && (cpu_kernels_features() & CPU_FEAT_DPBF16_SLOW))
+        return "avx512-bf16/f32-fma"; /* below DP_MIN_TOK tokens / from there */
     return wt == MOE_DTYPE_BF16 ? "avx512-bf16" : "avx512-vnni";
 }
 

@@ -92,8 +92,13 @@ unsigned cpu_kernels_detect_features(void)
                     f |= CPU_FEAT_AMX_INT8;
             }
         }
-        if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)))
+        if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5))) {
             f |= CPU_FEAT_AVX512_BF16;
+            /* vendor "GenuineIntel" (ebx, edx, ecx of leaf 0) */
+            if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547u && d == 0x49656e69u &&
+                c == 0x6c65746eu)
+                f |= CPU_FEAT_DPBF16_SLOW;
+        }
     }
 #endif
     atomic_store_explicit(&g_feat_detected, f, memory_order_relaxed);
@@ -217,7 +222,8 @@ const char *cpu_features_name(unsigned features, char *buf, size_t len)
     } names[] = {{CPU_FEAT_AVX512_BF16, "avx512-bf16"},
                  {CPU_FEAT_AVX512_VNNI, "avx512-vnni"},
                  {CPU_FEAT_AMX_BF16, "amx-bf16"},
-                 {CPU_FEAT_AMX_INT8, "amx-int8"}};
+                 {CPU_FEAT_AMX_INT8, "amx-int8"},
+                 {CPU_FEAT_DPBF16_SLOW, "slow-vdpbf16ps"}};
     size_t at = 0;
     if (len)
         buf[0] = '\0';

@@ -431,6 +431,15 @@ static void check_int4_refused(const char *dir, struct moe_backend *be)
 static bool check_fast(const char *dir, struct moe_backend *be, struct prompt *p, int n_prompt,
                        enum moe_dtype dtype, bool fast)
 {
+    /* Where vdpbf16ps is slower than f32 FMAs (CPU_FEAT_DPBF16_SLOW), the
+     * bf16 fast path is the exact kernels by default: the vdpbf16ps path is
+     * forced here, so it is still held to transformers where it exists. */
+    if (fast && (cpu_kernels_features() & CPU_FEAT_DPBF16_SLOW) &&
+        (cpu_kernels_features() & CPU_FEAT_AVX512_BF16)) {
+        cpu_kernels_force_features(cpu_kernels_features() & ~CPU_FEAT_DPBF16_SLOW);
+        printf("%s: vdpbf16ps forced (slower than f32 FMAs on this processor: not the default)\n",
+               dir);
+    }
     const char *path = fast ? cpu_matmul_fast_path(dtype) : "exact";
     if (!strcmp(path, "f32-fma")) {
         printf("SKIPPED: %s fast path: this processor has no dot-product path for %s\n", dir,

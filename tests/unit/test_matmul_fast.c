@@ -511,8 +511,9 @@ static void test_special_rows(enum moe_dtype dt, const char *name)
     free(w);
 }
 
-/* With the feature forced off, fast = true runs the exact kernels. */
-static void test_forced_off(enum moe_dtype dt, unsigned feat, const char *name)
+/* With the features `off` forced off (and `on` on), fast = true runs the
+ * exact kernels. */
+static void test_forced_off(enum moe_dtype dt, unsigned off, unsigned on, const char *name)
 {
     const int n_tok = 7, n_in = 96, n_out = 20;
     const float *sc;
@@ -533,19 +534,70 @@ static void test_forced_off(enum moe_dtype dt, unsigned feat, const char *name)
                                   .w_scale = sc};
     cpu_matmul(NULL, &p);
     unsigned before = cpu_kernels_features();
-    cpu_kernels_force_features(before & ~feat);
+    cpu_kernels_force_features((before & ~off) | on);
     p.fast = true;
     p.y = yf;
     CHECK(!cpu_matmul_dot_supported(&p));
     CHECK(strcmp(cpu_matmul_fast_path(dt), "f32-fma") == 0);
     cpu_matmul(NULL, &p);
-    CHECKF(memcmp(ye, yf, (size_t)n_tok * n_out * sizeof *ye) == 0,
-           "%s forced off: fast differs from exact", name);
+    CHECKF(memcmp(ye, yf, (size_t)n_tok * n_out * sizeof *ye) == 0, "%s: fast differs from exact",
+           name);
     CHECK(cpu_kernels_force_features(before) == before);
     free(w);
     free(x);
     free(ye);
     free(yf);
+}
+
+/* Where vdpbf16ps is slow (CPU_FEAT_DPBF16_SLOW in `feats`, no AMX), fast
+ * bf16 calls of 32+ tokens are the exact kernels bit for bit, smaller ones
+ * the vdpbf16ps path bit for bit (the same call with the bit cleared), and a
+ * grouped call with experts on both sides equals each expert alone. */
+static void test_slow_dpbf16(unsigned feats)
+{
+    const unsigned dot_feats = feats & ~CPU_FEAT_DPBF16_SLOW;
+    cpu_kernels_force_features(feats);
+    CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_BF16), "avx512-bf16/f32-fma") == 0);
+    const int n_in = 96, n_out = 20, toks[] = {7, 31, 32, 40};
+    const float *sc;
+    void *w = make_weights(MOE_DTYPE_BF16, n_out, n_in, &sc);
+    float *x = malloc((size_t)40 * n_in * sizeof *x);
+    float *ya = malloc((size_t)40 * n_out * sizeof *ya),
+          *yb = malloc((size_t)40 * n_out * sizeof *yb);
+    for (size_t i = 0; i < (size_t)40 * n_in; i++)
+        x[i] = test_rng_float(&g_rng);
+    for (size_t i = 0; i < sizeof toks / sizeof *toks; i++) {
+        struct moe_matmul_params p = {.x = x,
+                                      .n_tok = toks[i],
+                                      .n_in = n_in,
+                                      .w = w,
+                                      .w_dtype = MOE_DTYPE_BF16,
+                                      .ldw = n_in,
+                                      .n_out = n_out,
+                                      .y = ya,
+                                      .fast = true};
+        const bool dot = toks[i] < 32;
+        CHECKF(cpu_matmul_dot_supported(&p) == dot, "%d tokens: dot path %d", toks[i], !dot);
+        cpu_matmul(g_pool, &p);
+        p.y = yb;
+        if (dot)
+            cpu_kernels_force_features(dot_feats); /* vdpbf16ps at every size */
+        else
+            p.fast = false; /* the exact kernels */
+        cpu_matmul(g_pool, &p);
+        cpu_kernels_force_features(feats);
+        CHECKF(memcmp(ya, yb, (size_t)toks[i] * n_out * sizeof *ya) == 0,
+               "slow vdpbf16ps, %d tokens: fast differs from the %s path", toks[i],
+               dot ? "vdpbf16ps" : "exact");
+    }
+    free(w);
+    free(x);
+    free(ya);
+    free(yb);
+    test_grouped_equals_each(MOE_DTYPE_BF16, "avx512-bf16/f32-fma");
+    printf("avx512-bf16 where vdpbf16ps is slow: below 32 tokens vdpbf16ps, from 32 the exact "
+           "kernels, bit for bit\n");
+    cpu_kernels_force_features(dot_feats);
 }
 
 int main(void)
@@ -585,14 +637,20 @@ int main(void)
     } else {
         printf("SKIPPED: amx-int8: this processor (or its OS) lacks AMX-INT8\n");
     }
-    /* The AVX-512 paths, AMX forced off (where there is any). */
-    cpu_kernels_force_features(have & ~amx);
+    /* The AVX-512 paths, AMX forced off (where there is any), vdpbf16ps used
+     * even where it is slower than f32 FMAs (CPU_FEAT_DPBF16_SLOW: then the
+     * bf16 fast path is the exact kernels, checked after). */
+    cpu_kernels_force_features(have & ~(amx | CPU_FEAT_DPBF16_SLOW));
     if (isa == CPU_ISA_AVX512 && (have & CPU_FEAT_AVX512_BF16)) {
         CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_BF16), "avx512-bf16") == 0);
         test_path(MOE_DTYPE_BF16, "avx512-bf16");
         test_special_rows(MOE_DTYPE_BF16, "avx512-bf16");
         test_grouped_equals_each(MOE_DTYPE_BF16, "avx512-bf16");
-        test_forced_off(MOE_DTYPE_BF16, CPU_FEAT_AVX512_BF16, "avx512-bf16");
+        test_forced_off(MOE_DTYPE_BF16, CPU_FEAT_AVX512_BF16, 0, "avx512-bf16 forced off");
+        if (have & CPU_FEAT_DPBF16_SLOW)
+            test_slow_dpbf16(have & ~amx);
+        else
+            printf("SKIPPED: bf16 fast path by f32 FMA: vdpbf16ps is not slow here (not Intel)\n");
         ran++;
     } else {
         printf("SKIPPED: avx512-bf16: this processor lacks AVX512-BF16\n");
@@ -602,7 +660,7 @@ int main(void)
         test_i8_batch_invariance("avx512-vnni");
         test_special_rows(MOE_DTYPE_I8, "avx512-vnni");
         test_grouped_equals_each(MOE_DTYPE_I8, "avx512-vnni");
-        test_forced_off(MOE_DTYPE_I8, CPU_FEAT_AVX512_VNNI, "avx512-vnni");
+        test_forced_off(MOE_DTYPE_I8, CPU_FEAT_AVX512_VNNI, 0, "avx512-vnni forced off");
         test_w8a8_avx2_equals_vnni();
         ran++;
     } else {
