@@ -648,11 +648,17 @@ static void test_attention_tiled(const char *isa, float *keep[N_TILED_CASES])
  * task per KV head) bit for bit the same. Sequences of 1 to 300 positions
  * (inside one chunk, ending mid-chunk, several chunks), blocks scattered;
  * GQA 1 (8 KV heads) to 8; heads of 24 to 128 (a last pass of 8 columns). */
-static void test_attention_decode_batch(const char *isa)
+static const struct {
+    int n_kv_head, rep, d_head, block_size;
+} g_decode_cases[] = {
+    {4, 4, 64, 16}, {2, 8, 128, 16}, {8, 1, 64, 5}, {2, 3, 40, 7}, {3, 2, 24, 16}};
+#define N_DECODE_CASES (sizeof g_decode_cases / sizeof g_decode_cases[0])
+
+/* keep[c]: each case's batch output (malloc'd), for the AVX2 / AVX-512
+ * comparison. */
+static void test_attention_decode_batch(const char *isa, float *keep[N_DECODE_CASES])
 {
-    static const struct {
-        int n_kv_head, rep, d_head, block_size;
-    } cases[] = {{4, 4, 64, 16}, {2, 8, 128, 16}, {8, 1, 64, 5}, {2, 3, 40, 7}, {3, 2, 24, 16}};
+#define cases g_decode_cases
     test_rng_seed(&g_rng, 0xdec0de);
     double worst = 0;
     int differ = 0;
@@ -718,11 +724,11 @@ static void test_attention_decode_batch(const char *isa)
             cpu_attention(g_pool, &a1);
         }
         differ += memcmp(o1, ob, nq * sizeof(float)) != 0;
+        keep[c] = ob;
         free(bt);
         free(kb);
         free(vb);
         free(q);
-        free(ob);
         free(orf);
         free(o1);
     }
@@ -731,12 +737,14 @@ static void test_attention_decode_batch(const char *isa)
     printf("%s attention decode batch: %zu cases, worst rel err vs reference %.3g, tokens alone "
            "bit-identical to the batch\n",
            isa, sizeof cases / sizeof cases[0], worst);
+#undef cases
 }
 
 /* The AVX2 tiles do, lane for lane, the AVX-512 tiles' operations in the
  * same order (exp_avx2 is exp_avx512 bit for bit), so their outputs are
  * identical: checked where the processor has both. */
-static void test_attention_tiled_isas_agree(float *a2[N_TILED_CASES], float *a5[N_TILED_CASES])
+static void test_attention_tiled_isas_agree(float *a2[N_TILED_CASES], float *a5[N_TILED_CASES],
+                                            float *d2[N_DECODE_CASES], float *d5[N_DECODE_CASES])
 {
     int differ = 0;
     for (size_t c = 0; c < N_TILED_CASES; c++) {
@@ -744,8 +752,14 @@ static void test_attention_tiled_isas_agree(float *a2[N_TILED_CASES], float *a5[
         size_t nq = (size_t)2 * g_tiled_cases[c].n_new * n_head * g_tiled_cases[c].d_head;
         differ += memcmp(a2[c], a5[c], nq * sizeof(float)) != 0;
     }
+    for (size_t c = 0; c < N_DECODE_CASES; c++) {
+        const int n_head = g_decode_cases[c].n_kv_head * g_decode_cases[c].rep;
+        size_t nq = (size_t)9 * n_head * g_decode_cases[c].d_head;
+        differ += memcmp(d2[c], d5[c], nq * sizeof(float)) != 0;
+    }
     CHECKF(differ == 0, "tiled attention: %d cases differ between AVX2 and AVX-512", differ);
-    printf("attention tiled: avx2 and avx512 bit-identical in %zu cases\n", N_TILED_CASES);
+    printf("attention tiled: avx2 and avx512 bit-identical in %zu tiled and %zu decode cases\n",
+           N_TILED_CASES, N_DECODE_CASES);
 }
 
 /* Fast-mode attention on AMX (p->fast over a BF16 cache, attention_tiled.c):
@@ -2018,17 +2032,18 @@ int main(void)
         test_swiglu(name);
     }
     float *tiled2[N_TILED_CASES] = {0}, *tiled5[N_TILED_CASES] = {0};
+    float *dec2[N_DECODE_CASES] = {0}, *dec5[N_DECODE_CASES] = {0};
     if (best >= CPU_ISA_AVX2) {
         cpu_kernels_force_isa(CPU_ISA_AVX2);
         test_attention_tiled("avx2", tiled2);
-        test_attention_decode_batch("avx2");
+        test_attention_decode_batch("avx2", dec2);
     } else
         printf("SKIPPED: attention tiled avx2: this processor lacks AVX2\n");
     CHECK(cpu_kernels_force_isa(CPU_ISA_AVX512) == best); /* clamped to what exists */
     if (best == CPU_ISA_AVX512) {
         test_attention_tiled("avx512", tiled5);
-        test_attention_decode_batch("avx512");
-        test_attention_tiled_isas_agree(tiled2, tiled5);
+        test_attention_decode_batch("avx512", dec5);
+        test_attention_tiled_isas_agree(tiled2, tiled5, dec2, dec5);
         test_attention_amx();
     } else
         printf("SKIPPED: attention tiled avx512 (and avx2 == avx512): this processor lacks "
@@ -2036,6 +2051,10 @@ int main(void)
     for (size_t c = 0; c < N_TILED_CASES; c++) {
         free(tiled2[c]);
         free(tiled5[c]);
+    }
+    for (size_t c = 0; c < N_DECODE_CASES; c++) {
+        free(dec2[c]);
+        free(dec5[c]);
     }
     test_matmul_ref();
     test_matmul_detects_error();
