@@ -103,8 +103,9 @@ struct fa_job {
     enum cpu_isa isa;              /* else fa_task_avx512 or fa_task_avx2 */
     const struct fa_group *groups; /* heaviest first */
     int n_group;
-    int rep;    /* query heads per KV head */
-    bool heads; /* a task is a group's every KV head (fa_task_avx2_heads) */
+    int rep;      /* query heads per KV head */
+    bool heads;   /* a task is a group's every KV head (fa_task_avx2_heads) */
+    bool heads16; /* ... on AVX-512, four heads a vector (fa_task_avx512_heads) */
     float *scratch;
     size_t scratch_stride; /* floats per thread */
 };
@@ -1055,6 +1056,228 @@ FA2_TARGET static void fa_task_avx2_heads(const struct fa_job *j, int task, int 
         }
 }
 
+/* ---- AVX-512 decode: four KV heads a vector ----
+ * A decode call's task of every KV head (heads mode, as fa_task_avx2_heads)
+ * on 16 lanes: lane 4 r + h of vector v is row r (<= 4 rows a head) of KV
+ * head 4 v + h. Each key's rows of those four heads are widened and
+ * interleaved element by element (a 4 x 16 transpose per 16 elements), so
+ * the score operand for element k -- the four heads' K[k], one per lane of
+ * a 128-bit group -- is one vbroadcastf32x4 load, with no shuffle or
+ * widening per product as the AVX2 tiles need (two broadcasts, an insert, a
+ * shift and a mask per pair of elements for 8 lanes). Every lane does the
+ * AVX2 tiles' operations in their order (scores: 0, then fma over k
+ * ascending, times the scale; P V: O alpha, then fma over keys ascending),
+ * so the bits are theirs: unit/test_kernels holds the two to each other. */
+
+/* Key row kr's elements of heads h0 .. h0 + nh (nh <= 4; missing heads
+ * zero) as f32 in groups of four: element k of head h0 + i at
+ * tb[(k / 16) 64 + (k % 4) 16 + (k % 16 / 4) 4 + i]. d a multiple of 16. */
+FA_TARGET static void fa5_interleave4(const uint16_t *kr, int nh, int d, float *tb)
+{
+    for (int k0 = 0; k0 < d; k0 += 16, tb += 64) {
+        __m512 a[4];
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++)
+            a[h] = h < nh ? _mm512_castsi512_ps(
+                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                      (const __m256i *)(kr + (size_t)h * d + k0))),
+                                                  16))
+                          : _mm512_setzero_ps();
+        /* per 128-bit group l: t0 = a0, a1 of 4l, 4l+1; t1 of 4l+2, 4l+3 */
+        const __m512d t0 = _mm512_castps_pd(_mm512_unpacklo_ps(a[0], a[1]));
+        const __m512d t1 = _mm512_castps_pd(_mm512_unpackhi_ps(a[0], a[1]));
+        const __m512d t2 = _mm512_castps_pd(_mm512_unpacklo_ps(a[2], a[3]));
+        const __m512d t3 = _mm512_castps_pd(_mm512_unpackhi_ps(a[2], a[3]));
+        _mm512_storeu_ps(tb, _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2)));      /* 4l */
+        _mm512_storeu_ps(tb + 16, _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2))); /* 4l+1 */
+        _mm512_storeu_ps(tb + 32, _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3))); /* 4l+2 */
+        _mm512_storeu_ps(tb + 48, _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3))); /* 4l+3 */
+    }
+}
+
+/* S^T[j][16 lanes] for J keys interleaved by fa5_interleave4 (key j at
+ * tb + 4 d j). */
+FA_TARGET static inline __attribute__((always_inline)) void
+fa5_scores4(const int J, const float *tb, int d, const float *qt, float *st, float scale)
+{
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < J; j++)
+        acc[j] = _mm512_setzero_ps();
+    for (int k0 = 0; k0 < d; k0 += 16) {
+        const float *g = tb + (size_t)k0 * 4;
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) {
+            const __m512 q = _mm512_loadu_ps(qt + (size_t)(k0 + i) * FA_ROWS);
+            const int off = i % 4 * 16 + i / 4 * 4;
+#pragma GCC unroll 8
+            for (int j = 0; j < J; j++)
+                acc[j] = _mm512_fmadd_ps(
+                    _mm512_broadcast_f32x4(_mm_loadu_ps(g + (size_t)j * 4 * d + off)), q, acc[j]);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
+    for (int j = 0; j < J; j++)
+        _mm512_storeu_ps(st + (size_t)j * FA_ROWS, _mm512_mul_ps(acc[j], sc));
+}
+
+FA_TARGET static void fa5_scores4_any(int J, const float *tb, int d, const float *qt, float *st,
+                                      float scale)
+{
+    switch (J) {
+    case 8: fa5_scores4(8, tb, d, qt, st, scale); return;
+    case 1: fa5_scores4(1, tb, d, qt, st, scale); return;
+    default: break;
+    }
+    MOE_ASSERT(0 && "fa5_scores4_any: unsupported tile");
+}
+
+/* O = alpha O + P V for RT rows of one head, lanes lane0, lane0 + 4, ...,
+ * ND vectors of columns from col, V rows vb read as bf16 in place. */
+FA_TARGET static inline __attribute__((always_inline)) void
+fa5_pv_b16(const int RT, const int ND, int lane0, int nk, const uint16_t *const *vb, int col,
+           const float *pt, const float *alpha, float *o, int ldo)
+{
+    __m512 acc[4][4];
+    o += col;
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[lane0 + 4 * r]);
+#pragma GCC unroll 4
+        for (int v = 0; v < ND; v++)
+            acc[r][v] =
+                _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)(lane0 + 4 * r) * ldo + 16 * v), a);
+    }
+    for (int j = 0; j < nk; j++) {
+        __m512 vv[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < ND; v++)
+            vv[v] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb[j] + col + 16 * v))),
+                16));
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; r++) {
+            const __m512 pb = _mm512_set1_ps(pt[(size_t)j * FA_ROWS + lane0 + 4 * r]);
+#pragma GCC unroll 4
+            for (int v = 0; v < ND; v++)
+                acc[r][v] = _mm512_fmadd_ps(pb, vv[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < ND; v++)
+            _mm512_storeu_ps(o + (size_t)(lane0 + 4 * r) * ldo + 16 * v, acc[r][v]);
+}
+
+FA_TARGET static void fa5_pv_b16_any(int RT, int ND, int lane0, int nk, const uint16_t *const *vb,
+                                     int col, const float *pt, const float *alpha, float *o,
+                                     int ldo)
+{
+#define PV5_CASE(RR, DD)                                                                           \
+    case (RR)*8 + (DD): fa5_pv_b16(RR, DD, lane0, nk, vb, col, pt, alpha, o, ldo); return;
+    switch (RT * 8 + ND) {
+        PV5_CASE(1, 1)
+        PV5_CASE(1, 2)
+        PV5_CASE(1, 3)
+        PV5_CASE(1, 4)
+        PV5_CASE(2, 1)
+        PV5_CASE(2, 2)
+        PV5_CASE(2, 3)
+        PV5_CASE(2, 4)
+        PV5_CASE(3, 1)
+        PV5_CASE(3, 2)
+        PV5_CASE(3, 3)
+        PV5_CASE(3, 4)
+        PV5_CASE(4, 1)
+        PV5_CASE(4, 2)
+        PV5_CASE(4, 3)
+        PV5_CASE(4, 4)
+    default: break;
+    }
+#undef PV5_CASE
+    MOE_ASSERT(0 && "fa5_pv_b16_any: unsupported tile");
+}
+
+/* fa_task_avx2_heads on AVX-512 for rows of at most 4 a head, d and d_v
+ * multiples of 16 (cpu_attention_tiled's heads16). */
+FA_TARGET static void fa_task_avx512_heads(const struct fa_job *j, int task, int thread)
+{
+    const struct moe_attn_params *p = j->p;
+    struct fa_ctx c;
+    fa_begin(j, task * p->n_kv_head, thread, &c);
+    const int nkv = p->n_kv_head, nr = c.n_rows, d = c.d, n_vec = (nkv + 3) / 4;
+    memset(c.qt, 0, (size_t)d * FA_ROWS * sizeof(float));
+    memset(c.o, 0, (size_t)16 * n_vec * c.ldv * sizeof(float));
+    for (int lane = 0; lane < 16 * n_vec; lane++) {
+        const int r = lane % 16 / 4, hk = lane / 16 * 4 + lane % 4;
+        c.rpos[lane] = r < nr && hk < nkv ? p->tok_pos[c.g->t0 + r / c.rep] : c.g->max_pos;
+        c.mrow[lane] = -INFINITY;
+        c.lrow[lane] = 0.0f;
+        if (r >= nr || hk >= nkv)
+            continue;
+        const int t = c.g->t0 + r / c.rep, h = hk * c.rep + r % c.rep;
+        const float *q = p->q + ((size_t)t * p->n_head + h) * d;
+        for (int k = 0; k < d; k++)
+            c.qt[(size_t)k * FA_ROWS + lane] = q[k];
+    }
+    float *tb = c.kw; /* 8 keys x 4 heads x d: within the scratch's FA_KB x ldk */
+    const uint16_t *kb[FA_KB], *vb[FA_KB], *vp[FA_KB];
+    size_t slot[FA_KB], next[FA_KB];
+    const size_t slot_bytes = c.slot_stride * sizeof(uint16_t);
+    for (int c0 = 0; c0 <= c.g->max_pos; c0 += FA_KB) {
+        const int nk = c.g->max_pos + 1 - c0 < FA_KB ? c.g->max_pos + 1 - c0 : FA_KB;
+        fa_slots(&c, c0, nk, slot);
+        for (int i = 0; i < nk; i++) {
+            kb[i] = (const uint16_t *)p->k_cache + slot[i] * c.slot_stride;
+            vb[i] = (const uint16_t *)p->v_cache + slot[i] * c.slot_stride;
+        }
+        const int n_next = fa_next_count(&c, c0);
+        fa_slots(&c, c0 + FA_KB, n_next, next);
+        for (int v = 0; v < n_vec; v++) {
+            for (int i = v * n_next / n_vec; i < (v + 1) * n_next / n_vec; i++) {
+                const char *kr = (const char *)p->k_cache + next[i] * slot_bytes;
+                const char *vr = (const char *)p->v_cache + next[i] * slot_bytes;
+                for (size_t b = 0; b < slot_bytes; b += 64) {
+                    _mm_prefetch(kr + b, _MM_HINT_T1);
+                    _mm_prefetch(vr + b, _MM_HINT_T1);
+                }
+            }
+            const int h0 = 4 * v, nh = nkv - h0 < 4 ? nkv - h0 : 4;
+            float *pt = c.pt + 16 * v;
+            /* tiles of 8 keys, then single keys */
+            for (int i = 0, jt = 8; i < nk; i += jt) {
+                jt = nk - i >= 8 ? 8 : 1;
+                for (int jj = 0; jj < jt; jj++)
+                    fa5_interleave4(kb[i + jj] + (size_t)h0 * d, nh, d, tb + (size_t)jj * 4 * d);
+                fa5_scores4_any(jt, tb, d, c.qt + 16 * v, pt + (size_t)i * FA_ROWS, p->scale);
+            }
+            /* the scores came scaled */
+            fa_softmax(pt, nk, c0, 1, c.rpos + 16 * v, c.mrow + 16 * v, c.lrow + 16 * v,
+                       c.alpha + 16 * v, 1.0f);
+            for (int hh = 0; hh < nh; hh++) {
+                for (int n = 0; n < nk; n++)
+                    vp[n] = vb[n] + (size_t)(h0 + hh) * d;
+                for (int col = 0; col < c.dv; col += 64) {
+                    const int nd = (c.dv - col) / 16 < 4 ? (c.dv - col) / 16 : 4;
+                    fa5_pv_b16_any(nr, nd, 16 * v + hh, nk, vp, col, c.pt, c.alpha, c.o, c.ldv);
+                }
+            }
+        }
+    }
+    for (int hk = 0; hk < nkv; hk++)
+        for (int r = 0; r < nr; r++) {
+            const int lane = hk / 4 * 16 + 4 * r + hk % 4;
+            const int t = c.g->t0 + r / c.rep, h = hk * c.rep + r % c.rep;
+            float *out = p->out + ((size_t)t * p->n_head + h) * c.dv;
+            const float inv = 1.0f / c.lrow[lane];
+            const float *orow = c.o + (size_t)lane * c.ldv;
+            for (int k = 0; k < c.dv; k++)
+                out[k] = orow[k] * inv;
+        }
+}
+
 FA2_TARGET static void fa_task_avx2(const struct fa_job *j, int task, int thread)
 {
     struct fa_ctx c;
@@ -1122,7 +1345,9 @@ static bool fa_narrow_b16(const struct fa_job *j, int task)
 static void fa_task(void *arg, int task, int thread)
 {
     const struct fa_job *j = arg;
-    if (j->heads)
+    if (j->heads16)
+        fa_task_avx512_heads(j, task, thread);
+    else if (j->heads)
         fa_task_avx2_heads(j, task, thread);
     else if (j->amx)
         fa_task_amx_scoped(j, task, thread);
@@ -1185,12 +1410,20 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
      * every KV head when each head's rows fit a vector and there are groups enough for the threads
      * (fa_task_avx2_heads; with fewer, a task per KV head keeps the threads busy). 16 sequences,
      * bench-kernels --attention, Zen 3, 2 threads, medians of 7 alternated runs: 4096
-     * positions 10.8 -> 9.0 ms, 1024 1.62 -> 1.27 ms, 512 0.73 -> 0.59 ms a call. */
+     * positions 10.8 -> 9.0 ms, 1024 1.62 -> 1.27 ms, 512 0.73 -> 0.59 ms a call. On AVX-512,
+     * rows of at most 4 a head, d and d_v multiples of 16: four heads a vector
+     * (fa_task_avx512_heads; Emerald Rapids, 2 threads, medians of 5 alternated runs against
+     * the AVX2 heads task: 4096 positions 4.31 -> 3.57 ms, 2048 2.09 -> 1.68, 512 0.53 ->
+     * 0.44). */
     j.heads = !amx && p->kv_dtype == MOE_DTYPE_BF16 && p->v_cache != p->k_cache &&
               p->n_kv_head > 1 && 8 * p->n_kv_head <= FA_ROWS && p->d_head % 2 == 0 &&
               dv % 8 == 0 && n_group >= 2 * n_threads;
     for (int g = 0; g < n_group && j.heads; g++)
         j.heads = groups[g].nt * rep <= 8;
+    j.heads16 = j.heads && j.isa == CPU_ISA_AVX512 && p->d_head % 16 == 0 && dv % 16 == 0 &&
+                p->n_kv_head <= 16;
+    for (int g = 0; g < n_group && j.heads16; g++)
+        j.heads16 = groups[g].nt * rep <= 4;
     int n_tasks = j.heads ? n_group : n_group * p->n_kv_head;
     if (n_tasks == 1 || n_threads == 1) {
         for (int t = 0; t < n_tasks; t++)

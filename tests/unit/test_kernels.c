@@ -643,15 +643,18 @@ static void test_attention_tiled(const char *isa, float *keep[N_TILED_CASES])
 }
 
 /* A decode step's attention (one token per sequence, many sequences, a
- * BF16 cache; on AVX2 a task per sequence with every KV head when each
- * head's rows fit a vector) against the reference, and each token alone (a
- * task per KV head) bit for bit the same. Sequences of 1 to 300 positions
- * (inside one chunk, ending mid-chunk, several chunks), blocks scattered;
- * GQA 1 (8 KV heads) to 8; heads of 24 to 128 (a last pass of 8 columns). */
+ * BF16 cache; a task per sequence with every KV head when each head's
+ * rows fit an AVX2 vector, on AVX-512 four heads a vector when they fit 4
+ * lanes) against the reference, and each token alone (a task per KV head)
+ * bit for bit the same. Sequences of 1 to 300 positions (inside one chunk,
+ * ending mid-chunk, several chunks), blocks scattered; GQA 1 (8 KV heads)
+ * to 8; heads of 24 to 128 (a last pass of 8 columns; on AVX-512 two passes
+ * of 64, three vectors of 16); 3 KV heads (a padding head in the vector),
+ * 3 rows a head (padding rows). */
 static const struct {
     int n_kv_head, rep, d_head, block_size;
-} g_decode_cases[] = {
-    {4, 4, 64, 16}, {2, 8, 128, 16}, {8, 1, 64, 5}, {2, 3, 40, 7}, {3, 2, 24, 16}};
+} g_decode_cases[] = {{4, 4, 64, 16}, {2, 8, 128, 16}, {8, 1, 64, 5},  {2, 3, 40, 7},
+                      {3, 2, 24, 16}, {3, 3, 48, 7},   {2, 2, 128, 16}};
 #define N_DECODE_CASES (sizeof g_decode_cases / sizeof g_decode_cases[0])
 
 /* keep[c]: each case's batch output (malloc'd), for the AVX2 / AVX-512
