@@ -167,6 +167,10 @@ FA_TARGET static void fa_scores_any(int J, int MV, const float *const *kp, int d
         FS_CASE(8, 3)
         FS_CASE(12, 2)
         FS_CASE(16, 1)
+        FS_CASE(4, 4)
+        FS_CASE(4, 3)
+        FS_CASE(4, 2)
+        FS_CASE(4, 1)
         FS_CASE(1, 4)
         FS_CASE(1, 3)
         FS_CASE(1, 2)
@@ -236,6 +240,18 @@ FA_TARGET static void fa_pv_any(int RT, int ND, int r0, int nk, const float *con
         PV_CASE(4, 6)
         PV_CASE(3, 7)
         PV_CASE(3, 8)
+        PV_CASE(4, 1)
+        PV_CASE(4, 2)
+        PV_CASE(4, 3)
+        PV_CASE(4, 4)
+        PV_CASE(2, 1)
+        PV_CASE(2, 2)
+        PV_CASE(2, 3)
+        PV_CASE(2, 4)
+        PV_CASE(2, 5)
+        PV_CASE(2, 6)
+        PV_CASE(2, 7)
+        PV_CASE(2, 8)
         PV_CASE(1, 1)
         PV_CASE(1, 2)
         PV_CASE(1, 3)
@@ -643,9 +659,14 @@ FA_TARGET static void fa_task_avx512(const struct fa_job *j, int task, int threa
     for (int c0 = 0; c0 <= c.g->max_pos; c0 += FA_KB) {
         const int nk = c.g->max_pos + 1 - c0 < FA_KB ? c.g->max_pos + 1 - c0 : FA_KB;
         fa_gather(&c, c0, nk, kp, vp, bf16_to_f32_avx512);
+        /* tiles of jt keys, then of 4 (a full chunk of 64 leaves 4 after
+         * tiles of 6 or 12: single keys there cost ~5% of a prefill), then
+         * single keys */
         int i = 0;
         for (; i + jt <= nk; i += jt)
             fa_scores_any(jt, mv, kp + i, c.d, c.qt, c.pt + (size_t)i * FA_ROWS, c.p->scale);
+        for (; i + 4 <= nk; i += 4)
+            fa_scores_any(4, mv, kp + i, c.d, c.qt, c.pt + (size_t)i * FA_ROWS, c.p->scale);
         for (; i < nk; i++)
             fa_scores_any(1, mv, kp + i, c.d, c.qt, c.pt + (size_t)i * FA_ROWS, c.p->scale);
         /* the scores came scaled */
@@ -655,10 +676,17 @@ FA_TARGET static void fa_task_avx512(const struct fa_job *j, int task, int threa
             const int nd = (dv - col > FA_PV_D ? FA_PV_D : dv - col + 15) / 16;
             const int left = dv - col - 16 * (nd - 1); /* columns in the last vector */
             const __mmask16 dm = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+            /* tiles of rt rows, then of 4 (where rt > 4) and 2, then single
+             * rows (64 rows in tiles of 6 left 4 single rows: ~5% of a
+             * prefill) */
             const int rt = fa_pv_rows(nd);
             int r = 0;
             for (; r + rt <= c.n_rows; r += rt)
                 fa_pv_any(rt, nd, r, nk, vp, col, c.pt, c.alpha, c.o, c.ldv, dm);
+            for (; rt > 4 && r + 4 <= c.n_rows; r += 4)
+                fa_pv_any(4, nd, r, nk, vp, col, c.pt, c.alpha, c.o, c.ldv, dm);
+            for (; r + 2 <= c.n_rows; r += 2)
+                fa_pv_any(2, nd, r, nk, vp, col, c.pt, c.alpha, c.o, c.ldv, dm);
             for (; r < c.n_rows; r++)
                 fa_pv_any(1, nd, r, nk, vp, col, c.pt, c.alpha, c.o, c.ldv, dm);
         }
