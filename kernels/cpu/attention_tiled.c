@@ -181,31 +181,40 @@ FA_TARGET static void fa_scores_any(int J, int MV, const float *const *kp, int d
     MOE_ASSERT(0 && "fa_scores_any: unsupported tile");
 }
 
-/* O[rows r0 .. r0+RT) = alpha O + sum_j P^T[j][r] V[j] over nk keys, ND
- * vectors of columns from `col` (the last masked by dm); O rows ldo apart. */
+/* O[rows r0, r0 + RS, ... (RT of them)] = alpha O + sum_j P^T[j][r] V[j] over
+ * nk keys, ND vectors of columns from `col` (the last masked by dm); O rows
+ * ldo apart. V rows are f32 (vp) or, with B16, bf16 read in place (vb,
+ * whole vectors), widened exactly. */
 FA_TARGET static inline __attribute__((always_inline)) void
-fa_pv(const int RT, const int ND, int r0, int nk, const float *const *vp, int col, const float *pt,
+fa_pv(const int RT, const int ND, const bool B16, const int RS, int r0, int nk,
+      const float *const *vp, const uint16_t *const *vb, int col, const float *pt,
       const float *alpha, float *o, int ldo, __mmask16 dm)
 {
     __m512 acc[8][8];
     o += col;
 #pragma GCC unroll 8
     for (int r = 0; r < RT; r++) {
-        __m512 a = _mm512_set1_ps(alpha[r0 + r]);
+        __m512 a = _mm512_set1_ps(alpha[r0 + RS * r]);
 #pragma GCC unroll 8
         for (int v = 0; v < ND; v++)
-            acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)(r0 + r) * ldo + 16 * v), a);
+            acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)(r0 + RS * r) * ldo + 16 * v), a);
     }
     for (int j = 0; j < nk; j++) {
         __m512 vv[8];
-        const float *vr = vp[j] + col;
 #pragma GCC unroll 8
-        for (int v = 0; v < ND; v++)
-            vv[v] =
-                v == ND - 1 ? _mm512_maskz_loadu_ps(dm, vr + 16 * v) : _mm512_loadu_ps(vr + 16 * v);
+        for (int v = 0; v < ND; v++) {
+            if (B16)
+                vv[v] = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                          (const __m256i *)(vb[j] + col + 16 * v))),
+                                      16));
+            else
+                vv[v] = v == ND - 1 ? _mm512_maskz_loadu_ps(dm, vp[j] + col + 16 * v)
+                                    : _mm512_loadu_ps(vp[j] + col + 16 * v);
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < RT; r++) {
-            __m512 pb = _mm512_set1_ps(pt[(size_t)j * FA_ROWS + r0 + r]);
+            __m512 pb = _mm512_set1_ps(pt[(size_t)j * FA_ROWS + r0 + RS * r]);
 #pragma GCC unroll 8
             for (int v = 0; v < ND; v++)
                 acc[r][v] = _mm512_fmadd_ps(pb, vv[v], acc[r][v]);
@@ -215,7 +224,7 @@ fa_pv(const int RT, const int ND, int r0, int nk, const float *const *vp, int co
     for (int r = 0; r < RT; r++)
 #pragma GCC unroll 8
         for (int v = 0; v < ND; v++)
-            _mm512_storeu_ps(o + (size_t)(r0 + r) * ldo + 16 * v, acc[r][v]);
+            _mm512_storeu_ps(o + (size_t)(r0 + RS * r) * ldo + 16 * v, acc[r][v]);
 }
 
 /* Rows per PV tile for ND vectors of d: about 24 accumulators. */
@@ -230,7 +239,9 @@ FA_TARGET static void fa_pv_any(int RT, int ND, int r0, int nk, const float *con
                                 __mmask16 dm)
 {
 #define PV_CASE(RR, DD)                                                                            \
-    case (RR)*16 + (DD): fa_pv(RR, DD, r0, nk, vp, col, pt, alpha, o, ldo, dm); return;
+    case (RR)*16 + (DD):                                                                           \
+        fa_pv(RR, DD, false, 1, r0, nk, vp, NULL, col, pt, alpha, o, ldo, dm);                     \
+        return;
     switch (RT * 16 + ND) {
         PV_CASE(8, 1)
         PV_CASE(8, 2)
@@ -1161,50 +1172,16 @@ FA_TARGET static void fa5_scores4_any(int J, const float *tb, int d, const float
     MOE_ASSERT(0 && "fa5_scores4_any: unsupported tile");
 }
 
-/* O = alpha O + P V for RT rows of one head, lanes lane0, lane0 + 4, ...,
- * ND vectors of columns from col, V rows vb read as bf16 in place. */
-FA_TARGET static inline __attribute__((always_inline)) void
-fa5_pv_b16(const int RT, const int ND, int lane0, int nk, const uint16_t *const *vb, int col,
-           const float *pt, const float *alpha, float *o, int ldo)
-{
-    __m512 acc[4][4];
-    o += col;
-#pragma GCC unroll 4
-    for (int r = 0; r < RT; r++) {
-        const __m512 a = _mm512_set1_ps(alpha[lane0 + 4 * r]);
-#pragma GCC unroll 4
-        for (int v = 0; v < ND; v++)
-            acc[r][v] =
-                _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)(lane0 + 4 * r) * ldo + 16 * v), a);
-    }
-    for (int j = 0; j < nk; j++) {
-        __m512 vv[4];
-#pragma GCC unroll 4
-        for (int v = 0; v < ND; v++)
-            vv[v] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb[j] + col + 16 * v))),
-                16));
-#pragma GCC unroll 4
-        for (int r = 0; r < RT; r++) {
-            const __m512 pb = _mm512_set1_ps(pt[(size_t)j * FA_ROWS + lane0 + 4 * r]);
-#pragma GCC unroll 4
-            for (int v = 0; v < ND; v++)
-                acc[r][v] = _mm512_fmadd_ps(pb, vv[v], acc[r][v]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < RT; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < ND; v++)
-            _mm512_storeu_ps(o + (size_t)(lane0 + 4 * r) * ldo + 16 * v, acc[r][v]);
-}
-
+/* fa_pv for RT rows of one head (lanes lane0, lane0 + 4, ...) from bf16 V
+ * rows vb. */
 FA_TARGET static void fa5_pv_b16_any(int RT, int ND, int lane0, int nk, const uint16_t *const *vb,
                                      int col, const float *pt, const float *alpha, float *o,
                                      int ldo)
 {
 #define PV5_CASE(RR, DD)                                                                           \
-    case (RR)*8 + (DD): fa5_pv_b16(RR, DD, lane0, nk, vb, col, pt, alpha, o, ldo); return;
+    case (RR)*8 + (DD):                                                                            \
+        fa_pv(RR, DD, true, 4, lane0, nk, NULL, vb, col, pt, alpha, o, ldo, 0xffff);               \
+        return;
     switch (RT * 8 + ND) {
         PV5_CASE(1, 1)
         PV5_CASE(1, 2)
