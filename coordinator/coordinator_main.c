@@ -25,6 +25,7 @@
  * get --grace-ms to finish (then they are cancelled), exit 0. */
 #include <errno.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,11 +42,20 @@
 #include "tls_opts.h"
 #include "request_check.h"
 
-static volatile sig_atomic_t g_signal;
+/* The signal that asked us to stop. An atomic, not a volatile sig_atomic_t:
+ * the handler runs on whichever thread the signal lands on (a gRPC or pool
+ * thread as often as main), and a lock-free atomic is both signal-safe and a
+ * synchronised access (ThreadSanitizer reported the volatile as a race). */
+static atomic_int g_signal;
 
 static void on_signal(int sig)
 {
-    g_signal = sig;
+    atomic_store_explicit(&g_signal, sig, memory_order_relaxed);
+}
+
+static int stop_signal(void)
+{
+    return atomic_load_explicit(&g_signal, memory_order_relaxed);
 }
 
 static void usage(FILE *f)
@@ -290,7 +300,7 @@ static void begin_shutdown(struct coord *c)
     int running = c->n_running;
     pthread_mutex_unlock(&c->mu);
     fprintf(stderr, "moe-coordinator: %s: shutting down (%d requests in flight, grace %d ms)\n",
-            g_signal == SIGTERM ? "SIGTERM" : "SIGINT", running, c->opts.grace_ms);
+            stop_signal() == SIGTERM ? "SIGTERM" : "SIGINT", running, c->opts.grace_ms);
     coord_http_quiesce(c);
     rpc_health_set(c->server, "", RPC_HEALTH_NOT_SERVING);
     rpc_health_set(c->server, "moe.v1.Inference", RPC_HEALTH_NOT_SERVING);
@@ -357,7 +367,7 @@ int main(int argc, char **argv)
         moe_sighup_start("moe-coordinator", c.opts.tls, reloadable, 2, &sighup, &err))
         goto fail;
     announce(&c);
-    while (!g_signal)
+    while (!stop_signal())
         usleep(100 * 1000);
     begin_shutdown(&c);
     rc = 0;

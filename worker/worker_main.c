@@ -20,6 +20,7 @@
  */
 #include <errno.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -87,11 +88,20 @@ struct args {
     struct moe_etcd_tls etcd_tls;
 };
 
-static volatile sig_atomic_t g_signal;
+/* The signal that asked us to stop. An atomic, not a volatile sig_atomic_t:
+ * the handler runs on whichever thread the signal lands on (a gRPC or pool
+ * thread as often as main), and a lock-free atomic is both signal-safe and a
+ * synchronised access (ThreadSanitizer reported the volatile as a race). */
+static atomic_int g_signal;
 
 static void on_signal(int sig)
 {
-    g_signal = sig;
+    atomic_store_explicit(&g_signal, sig, memory_order_relaxed);
+}
+
+static int stop_signal(void)
+{
+    return atomic_load_explicit(&g_signal, memory_order_relaxed);
 }
 
 static void usage(FILE *f)
@@ -582,7 +592,7 @@ static void announce(const struct worker_run *r)
 /* Serves, keeping the registration alive, until SIGTERM or SIGINT. */
 static void serve_until_signal(struct worker_run *r)
 {
-    while (!g_signal) {
+    while (!stop_signal()) {
         usleep(100 * 1000);
         worker_registration_tick(r->reg);
     }
@@ -593,7 +603,7 @@ static void serve_until_signal(struct worker_run *r)
 static void drain(struct worker_run *r)
 {
     fprintf(stderr, "moe-worker: %s: draining (%d requests in flight)\n",
-            g_signal == SIGTERM ? "SIGTERM" : "SIGINT", worker_service_in_flight(r->ws));
+            stop_signal() == SIGTERM ? "SIGTERM" : "SIGINT", worker_service_in_flight(r->ws));
     worker_service_drain(r->ws);
     worker_registration_leave(r->reg);
     double t0 = moe_now();
