@@ -30,7 +30,10 @@
  *
  * A BF16 cache's rows of a chunk are widened (exactly, inline) into per-thread
  * scratch first, so the arithmetic is that of an F32 cache holding the same
- * rounded values, bit for bit; only half the bytes come from memory.
+ * rounded values, bit for bit; only half the bytes come from memory. A
+ * sequence with more tokens in the call than one task's group (a prefill
+ * chunk) has its rows widened once for the call instead (fa_plan_wide): each
+ * of its groups would otherwise widen every key before it again.
  *
  * Wide heads (multi-head latent attention: one row of kv_lora_rank +
  * qk_rope_dim, 320 .. 576) go through the same tiles: scores run over any d,
@@ -58,6 +61,7 @@
  * Shapes: d_head <= FA_MAX_D and n_head / n_kv_head <= FA_ROWS; others take
  * the reference path. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -95,6 +99,17 @@ static inline size_t fa_slot(const struct moe_attn_params *p, const int32_t *blo
 struct fa_group {
     int t0, nt; /* batch rows [t0, t0 + nt), one sequence */
     int max_pos;
+    int wide; /* its sequence's entry in fa_job.wide, or -1 */
+};
+
+/* A sequence's K and V rows at positions [0, n_pos) widened from a BF16
+ * cache once for the call, [KV head][position][ldk or ldv] (no V rows when
+ * V is K). Tasks take their rows from here instead of widening every chunk
+ * themselves. */
+struct fa_wide {
+    int seq, n_pos;
+    int task0;         /* its first task in fa_widen_task's numbering */
+    size_t k_at, v_at; /* floats into fa_job.wide_buf */
 };
 
 struct fa_job {
@@ -106,6 +121,9 @@ struct fa_job {
     int rep;      /* query heads per KV head */
     bool heads;   /* a task is a group's every KV head (fa_task_avx2_heads) */
     bool heads16; /* ... on AVX-512, four heads a vector (fa_task_avx512_heads) */
+    struct fa_wide *wide;
+    int n_wide, n_widen_tasks;
+    float *wide_buf;
     float *scratch;
     size_t scratch_stride; /* floats per thread */
 };
@@ -518,8 +536,9 @@ struct fa_ctx {
     const struct fa_group *g;
     int kvh, d, dv, n_rows, ldk, ldv, rep;
     size_t slot_stride;
-    bool wide;    /* BF16 cache: rows widened into kw / vw */
-    bool same_kv; /* a latent row: V is K's first dv */
+    bool wide;            /* BF16 cache: rows widened into kw / vw */
+    bool same_kv;         /* a latent row: V is K's first dv */
+    const float *kf, *vf; /* the group's KV head in its fa_wide copy, or NULL */
     const int32_t *blocks;
     float *qt, *o, *pt, *kw, *vw, *mrow, *lrow, *alpha;
     int32_t rpos[FA_ROWS];
@@ -545,6 +564,12 @@ static void fa_begin(const struct fa_job *j, int task, int thread, struct fa_ctx
     c->wide = p->kv_dtype == MOE_DTYPE_BF16;
     c->same_kv = p->v_cache == p->k_cache;
     c->blocks = p->block_tables + (size_t)p->tok_seq[g->t0] * p->max_blocks;
+    c->kf = c->vf = NULL;
+    if (g->wide >= 0) {
+        const struct fa_wide *w = &j->wide[g->wide];
+        c->kf = j->wide_buf + w->k_at + (size_t)c->kvh * w->n_pos * c->ldk;
+        c->vf = c->same_kv ? NULL : j->wide_buf + w->v_at + (size_t)c->kvh * w->n_pos * c->ldv;
+    }
     c->qt = j->scratch + (size_t)thread * j->scratch_stride;
     c->o = c->qt + (size_t)c->ldk * FA_ROWS;
     c->pt = c->o + (size_t)FA_ROWS * c->ldv;
@@ -623,6 +648,13 @@ fa_gather(const struct fa_ctx *c, int c0, int nk, const float **kp, const float 
           void (*widen)(float *, const uint16_t *, int))
 {
     const struct moe_attn_params *p = c->p;
+    if (c->kf) {
+        for (int i = 0; i < nk; i++) {
+            kp[i] = c->kf + (size_t)(c0 + i) * c->ldk;
+            vp[i] = c->same_kv ? kp[i] : c->vf + (size_t)(c0 + i) * c->ldv;
+        }
+        return;
+    }
     const int next = c0 + FA_KB, n_next = fa_next_count(c, c0);
     size_t slot[FA_KB], slot_next[FA_KB];
     fa_slots(c, c0, nk, slot);
@@ -1365,6 +1397,94 @@ static void fa_task(void *arg, int task, int thread)
         fa_task_avx2(j, task, thread);
 }
 
+/* Positions a widening task covers. */
+#define FA_WIDEN_POS 256
+
+/* Widens FA_WIDEN_POS positions of one fa_wide sequence, every KV head. */
+static void fa_widen_task(void *arg, int task, int thread)
+{
+    (void)thread;
+    const struct fa_job *j = arg;
+    const struct moe_attn_params *p = j->p;
+    int w = 0;
+    while (w + 1 < j->n_wide && j->wide[w + 1].task0 <= task)
+        w++;
+    const struct fa_wide *s = &j->wide[w];
+    const bool same_kv = p->v_cache == p->k_cache;
+    float *kf = j->wide_buf + s->k_at, *vf = j->wide_buf + s->v_at;
+    const int d = p->d_head, dv = p->d_v ? p->d_v : p->d_head;
+    const int ldk = (d + 15) / 16 * 16, ldv = (dv + 15) / 16 * 16;
+    const int32_t *blocks = p->block_tables + (size_t)s->seq * p->max_blocks;
+    const int pos0 = (task - s->task0) * FA_WIDEN_POS;
+    const int pos1 = pos0 + FA_WIDEN_POS < s->n_pos ? pos0 + FA_WIDEN_POS : s->n_pos;
+    for (int pos = pos0; pos < pos1; pos++) {
+        const size_t row = fa_slot(p, blocks, pos) * p->n_kv_head;
+        for (int h = 0; h < p->n_kv_head; h++) {
+            const size_t off = (row + (size_t)h) * d, at = (size_t)h * s->n_pos + (size_t)pos;
+            cpu_vec_from_bf16(kf + at * ldk, (const uint16_t *)p->k_cache + off, d);
+            if (!same_kv)
+                cpu_vec_from_bf16(vf + at * ldv, (const uint16_t *)p->v_cache + off, dv);
+        }
+    }
+}
+
+/* Floats of widened K and V a call may hold (fa_plan_wide): by default
+ * 64 MiB: K and V of 32768 positions of the benchmark shape (4 KV heads
+ * of 64). */
+static _Atomic size_t g_fa_wide_max = (size_t)16 << 20;
+
+size_t cpu_attention_tiled_wide_limit(size_t floats)
+{
+    return atomic_exchange(&g_fa_wide_max, floats);
+}
+
+/* Over a BF16 cache, every sequence with more tokens in the call than a
+ * group holds (a prefill chunk) gets its rows widened once (fa_wide):
+ * otherwise each of its groups widens every key before it again, chunk by
+ * chunk -- 32 times over for a 512-token chunk of 4 query heads a KV head
+ * (Emerald Rapids, a 512-token chunk at 4096 positions of the benchmark
+ * shape: 39.6 -> 35.0 ms on 2 threads, 85.7 -> 69.4 ms on 1; the copy is
+ * 8 MB, read from L2/L3 where the widening took ~20% of the tiles' time).
+ * Sequences past the limit (cpu_attention_tiled_wide_limit) keep widening
+ * per chunk. Returns the floats wide_buf needs; fills j->wide (n_wide
+ * entries), n_widen_tasks and each group's wide. */
+static size_t fa_plan_wide(struct fa_job *j, struct fa_group *groups, int n_group,
+                           int tok_per_group)
+{
+    const struct moe_attn_params *p = j->p;
+    const int d = p->d_head, dv = p->d_v ? p->d_v : p->d_head;
+    const size_t ldk = (size_t)(d + 15) / 16 * 16, ldv = (size_t)(dv + 15) / 16 * 16;
+    const bool same_kv = p->v_cache == p->k_cache;
+    const size_t limit = atomic_load(&g_fa_wide_max);
+    size_t total = 0;
+    j->n_wide = j->n_widen_tasks = 0;
+    for (int g = 0; g < n_group; g++)
+        groups[g].wide = -1;
+    if (p->kv_dtype != MOE_DTYPE_BF16 || j->amx || j->heads)
+        return 0;
+    /* groups are in batch order here: a sequence's groups are adjacent */
+    for (int g = 0; g < n_group;) {
+        const int seq = p->tok_seq[groups[g].t0];
+        int end = g, max_pos = -1;
+        for (; end < n_group && p->tok_seq[groups[end].t0] == seq; end++)
+            max_pos = groups[end].max_pos > max_pos ? groups[end].max_pos : max_pos;
+        const size_t need = (size_t)(max_pos + 1) * p->n_kv_head * (ldk + (same_kv ? 0 : ldv));
+        if (end - g >= 2 && groups[g].nt == tok_per_group && total + need <= limit) {
+            struct fa_wide *w = &j->wide[j->n_wide];
+            *w = (struct fa_wide){.seq = seq, .n_pos = max_pos + 1, .task0 = j->n_widen_tasks};
+            w->k_at = total;
+            w->v_at = total + (size_t)w->n_pos * p->n_kv_head * ldk;
+            total += need;
+            j->n_widen_tasks += (w->n_pos + FA_WIDEN_POS - 1) / FA_WIDEN_POS;
+            for (int k = g; k < end; k++)
+                groups[k].wide = j->n_wide;
+            j->n_wide++;
+        }
+        g = end;
+    }
+    return total;
+}
+
 static int fa_group_cmp(const void *a, const void *b)
 {
     const struct fa_group *x = a, *y = b;
@@ -1384,7 +1504,7 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
     MOE_ASSERT(groups != NULL);
     int n_group = 0;
     for (int t = 0; t < p->n_tok;) {
-        struct fa_group g = {.t0 = t, .nt = 0, .max_pos = -1};
+        struct fa_group g = {.t0 = t, .nt = 0, .max_pos = -1, .wide = -1};
         while (t < p->n_tok && g.nt < tok_per_group && p->tok_seq[t] == p->tok_seq[g.t0]) {
             g.max_pos = p->tok_pos[t] > g.max_pos ? p->tok_pos[t] : g.max_pos;
             g.nt++;
@@ -1392,7 +1512,6 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
         }
         groups[n_group++] = g;
     }
-    qsort(groups, (size_t)n_group, sizeof *groups, fa_group_cmp);
     int n_threads = moe_threadpool_size(pool);
     const int dv = p->d_v ? p->d_v : p->d_head;
     const bool amx = p->fast && p->kv_dtype == MOE_DTYPE_BF16 &&
@@ -1432,6 +1551,22 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
                 p->n_kv_head <= 16;
     for (int g = 0; g < n_group && j.heads16; g++)
         j.heads16 = groups[g].nt * rep <= 4;
+    j.wide = malloc((size_t)n_group * sizeof *j.wide);
+    MOE_ASSERT(j.wide != NULL);
+    const size_t wide_floats = fa_plan_wide(&j, groups, n_group, tok_per_group);
+    if (wide_floats)
+        j.wide_buf = malloc(wide_floats * sizeof(float));
+    if (wide_floats && !j.wide_buf) { /* no memory for the copies: widen chunk by chunk */
+        for (int g = 0; g < n_group; g++)
+            groups[g].wide = -1;
+    } else if (wide_floats) {
+        if (n_threads == 1)
+            for (int t = 0; t < j.n_widen_tasks; t++)
+                fa_widen_task(&j, t, 0);
+        else
+            moe_threadpool_run(pool, j.n_widen_tasks, fa_widen_task, &j);
+    }
+    qsort(groups, (size_t)n_group, sizeof *groups, fa_group_cmp);
     int n_tasks = j.heads ? n_group : n_group * p->n_kv_head;
     if (n_tasks == 1 || n_threads == 1) {
         for (int t = 0; t < n_tasks; t++)
@@ -1439,6 +1574,8 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
     } else {
         moe_threadpool_run(pool, n_tasks, fa_task, &j);
     }
+    free(j.wide_buf);
+    free(j.wide);
     free(j.scratch);
     free(groups);
 }

@@ -183,6 +183,10 @@ void cpu_attention_ref(struct moe_threadpool *pool, const struct moe_attn_params
  * d_head <= 128, at most 64 query heads per KV head). */
 bool cpu_attention_tiled_supported(const struct moe_attn_params *p);
 void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_params *p);
+/* How many floats of widened BF16 K and V rows one call may hold (the
+ * prefill chunks' copies, attention_tiled.c); returns the previous limit.
+ * 0 turns the copies off (tests compare both ways). */
+size_t cpu_attention_tiled_wide_limit(size_t floats);
 
 /* ---- router.c ---- */
 

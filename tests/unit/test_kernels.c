@@ -608,6 +608,20 @@ static void test_attention_tiled(const char *isa, float *keep[N_TILED_CASES])
                "%s case %zu: tiled attention over BF16 caches differs from F32 caches of the "
                "same values",
                isa, c);
+        /* a sequence with more tokens than a task's group has its rows widened once for the
+         * call; the same bits with no copies, and with a copy for the first sequence only (the
+         * second, one position shorter, is over the limit) */
+        const size_t ld = (size_t)(d + 15) / 16 * 16, first = (size_t)len * nkv * 2 * ld;
+        const size_t limits[2] = {0, first};
+        for (int l = 0; l < 2; l++) {
+            const size_t was = cpu_attention_tiled_wide_limit(limits[l]);
+            ab.out = ot;
+            cpu_attention(g_pool, &ab);
+            cpu_attention_tiled_wide_limit(was);
+            CHECKF(memcmp(obf, ot, nq * sizeof(float)) == 0,
+                   "%s case %zu: BF16 attention with %zu floats of widened rows differs", isa, c,
+                   limits[l]);
+        }
         keep[c] = obf;
         free(kb);
         free(vb);
