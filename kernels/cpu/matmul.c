@@ -145,7 +145,7 @@ struct mm_tile {
     int t0, nt, o0, no;
     float *scratch;
     bool packed;     /* the call takes the packed panels (cpu_matmul decides) */
-    const float *xh; /* AVX2 bf16 tiles: x in bf16_halves_order (rows n_in apart), else NULL */
+    const float *xh; /* bf16 tiles: x in bf16_halves_order (rows n_in apart), else NULL */
 };
 
 /* The AVX2 integer paths' activations (fast int8 and int4): each token's row quantized, xq (ldq
@@ -297,8 +297,8 @@ AVX512_TARGET static inline float hsum512(__m512 v)
  * n_in, one accumulator per (token, row), each weight vector converted once
  * and used by all T tokens. */
 AVX512_TARGET static inline __attribute__((always_inline)) void
-mk_avx512(const int T, const int R, const enum moe_dtype WT, const float *x, int64_t ldx, int n_in,
-          const void *w, int64_t ldw, bool split, float out[MK_T][MK_R])
+mk_avx512(const int T, const int R, const enum moe_dtype WT, const bool H, const float *x,
+          int64_t ldx, int n_in, const void *w, int64_t ldw, bool split, float out[MK_T][MK_R])
 {
     __m512 acc[MK_T][MK_R];
 #pragma GCC unroll 4
@@ -313,6 +313,40 @@ mk_avx512(const int T, const int R, const enum moe_dtype WT, const float *x, int
     const int64_t esz = (int64_t)moe_dtype_size(WT);
     const char *pf = (const char *)w + R * ldw * esz;
     const int64_t pf_ld = ldw * esz;
+    if (WT == MOE_DTYPE_BF16 && H) {
+        /* 32 weights (a cache line) of every row a step, widened by halves
+         * (x in bf16_halves_order, blocks of 32): a bf16 in the high half of
+         * a 32-bit lane is that f32, so an AND gives the odd columns and a
+         * shift the even ones, one op per 16 weights where bf16x16_to_f32
+         * takes two, and those ops compete with the FMAs for the same two
+         * ports. The next tile's rows are prefetched as far ahead as this
+         * one has read, whatever T: the first token tile of a row group
+         * reads it from memory. */
+        const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
+        for (; k + 32 <= n_in; k += 32) {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                _mm_prefetch(pf + r * pf_ld + (int64_t)k * esz, _MM_HINT_T1);
+            __m512 xe[MK_T], xo[MK_T];
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                xe[t] = _mm512_loadu_ps(x + t * ldx + k);
+                xo[t] = _mm512_loadu_ps(x + t * ldx + k + 16);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m512i v =
+                    _mm512_loadu_si512((const void *)((const uint16_t *)w + r * ldw + k));
+                const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) {
+                    acc[t][r] = _mm512_fmadd_ps(xe[t], we, acc[t][r]);
+                    acc[t][r] = _mm512_fmadd_ps(xo[t], wo, acc[t][r]);
+                }
+            }
+        }
+    }
     if (WT == MOE_DTYPE_I8 && T <= 2 && split) {
         /* int8 decode: a whole cache line (64 weights) of every row per step,
          * into two accumulator sets. At 16 int8 weights per step too few
@@ -394,21 +428,25 @@ mk_avx512(const int T, const int R, const enum moe_dtype WT, const float *x, int
 }
 
 /* Dispatches to a register tile with compile-time T, R (MK_R or 1) and
- * weight type; `split` as in mk_avx512. */
-AVX512_TARGET static void mk_avx512_any(int T, int R, enum moe_dtype wt, const float *x,
-                                        int64_t ldx, int n_in, const void *w, int64_t ldw,
-                                        bool split, float out[MK_T][MK_R])
+ * weight type; `halves` and `split` as in mk_avx512 (H, split). */
+AVX512_TARGET static void mk_avx512_any(int T, int R, enum moe_dtype wt, bool halves,
+                                        const float *x, int64_t ldx, int n_in, const void *w,
+                                        int64_t ldw, bool split, float out[MK_T][MK_R])
 {
 #define MK512_CASE(TT, RR)                                                                         \
-    case (TT)*8 + (RR): mk_avx512(TT, RR, MOE_DTYPE_F32, x, ldx, n_in, w, ldw, split, out);        \
+    case (TT)*8 + (RR):                                                                            \
+        mk_avx512(TT, RR, MOE_DTYPE_F32, false, x, ldx, n_in, w, ldw, split, out);                 \
         return;                                                                                    \
     case 64 + (TT)*8 + (RR):                                                                       \
-        mk_avx512(TT, RR, MOE_DTYPE_BF16, x, ldx, n_in, w, ldw, split, out);                       \
+        mk_avx512(TT, RR, MOE_DTYPE_BF16, false, x, ldx, n_in, w, ldw, split, out);                \
         return;                                                                                    \
     case 128 + (TT)*8 + (RR):                                                                      \
-        mk_avx512(TT, RR, MOE_DTYPE_I8, x, ldx, n_in, w, ldw, split, out);                         \
+        mk_avx512(TT, RR, MOE_DTYPE_I8, false, x, ldx, n_in, w, ldw, split, out);                  \
+        return;                                                                                    \
+    case 192 + (TT)*8 + (RR):                                                                      \
+        mk_avx512(TT, RR, MOE_DTYPE_BF16, true, x, ldx, n_in, w, ldw, split, out);                 \
         return;
-    int kind = wt == MOE_DTYPE_BF16 ? 64 : wt == MOE_DTYPE_I8 ? 128 : 0;
+    int kind = wt == MOE_DTYPE_BF16 ? (halves ? 192 : 64) : wt == MOE_DTYPE_I8 ? 128 : 0;
     switch (kind + T * 8 + R) {
         MK512_CASE(1, 4)
         MK512_CASE(2, 4)
@@ -510,14 +548,17 @@ AVX512_TARGET static void mk_q4_avx512_any(int T, int R, const struct moe_matmul
 }
 
 /* A T x R tile at rows [o, o + R) of any weight type. */
+/* T tokens from token t, R rows from o: x is the call's own, or with xh
+ * (bf16 weights, mm_prepare) the same rows in bf16_halves_order. */
 AVX512_TARGET static void mk_tile_avx512(int T, int R, const struct moe_matmul_params *p,
-                                         const float *x, int o, float out[MK_T][MK_R])
+                                         const float *xh, int t, int o, float out[MK_T][MK_R])
 {
+    const float *x = (xh ? xh : p->x) + (size_t)t * p->n_in;
     if (p->w_dtype == MOE_DTYPE_I4)
         mk_q4_avx512_any(T, R, p, x, p->n_in, o, out);
     else
-        mk_avx512_any(T, R, p->w_dtype, x, p->n_in, p->n_in, w_at(p->w_dtype, p->w, o * p->ldw),
-                      p->ldw, !p->batch_invariant, out);
+        mk_avx512_any(T, R, p->w_dtype, xh != NULL, x, p->n_in, p->n_in,
+                      w_at(p->w_dtype, p->w, o * p->ldw), p->ldw, !p->batch_invariant, out);
 }
 
 /* Prefill path: W rows [o, o+R) (R <= PK_R) are packed k-major into `panel`
@@ -635,7 +676,7 @@ AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
             int T = t_end - t < MK_T ? t_end - t : MK_T;
             for (int oo = o; oo < o + R;) {
                 int RR = o + R - oo >= MK_R ? MK_R : 1;
-                mk_tile_avx512(T, RR, p, p->x + (size_t)t * n_in, oo, out);
+                mk_tile_avx512(T, RR, p, NULL, t, oo, out);
                 store_tile(p, t, T, oo, RR, 1, raw_scales(p, oo), out);
                 oo += RR;
             }
@@ -650,7 +691,6 @@ AVX512_TARGET static void tile_avx512(const struct mm_tile *mt)
         return;
     }
     const struct moe_matmul_params *p = mt->p;
-    const int n_in = p->n_in;
     /* Narrow rows are read as they are by every 4-token tile: a 4-row tile
      * of bf16 / int8 stays in L1, and converting it again per tile is cheaper
      * than widening it to f32 scratch first (measured: widening made
@@ -664,7 +704,7 @@ AVX512_TARGET static void tile_avx512(const struct mm_tile *mt)
         const float *sc = raw_scales(p, o);
         for (int t = mt->t0; t < mt->t0 + mt->nt; t += MK_T) {
             int T = mt->t0 + mt->nt - t < MK_T ? mt->t0 + mt->nt - t : MK_T;
-            mk_tile_avx512(T, R, p, p->x + (size_t)t * n_in, o, out);
+            mk_tile_avx512(T, R, p, mt->xh, t, o, out);
             store_tile(p, t, T, o, R, 1, sc, out);
         }
         o += R;
@@ -731,10 +771,14 @@ AVX2_TARGET static inline __attribute__((always_inline)) __m128 hsum256_x4(const
 #define STREAM_MAX_TOK 16
 
 /* bf16 calls of this many tokens on (not under batch_invariant: the sums
- * run in another order) widen their rows by halves (mk_avx2) in 2-token
- * tiles; below it the 3-token tiles widening 8 weights at a time are faster
- * (bench-kernels --fast bf16, Zen 3, 2 threads: 2-3 tokens 5-10% slower by
- * halves, 4 tokens 15-20% faster, 6-16 5-10%). */
+ * run in another order) widen their rows by halves below the packed path:
+ * on AVX2 (mk_avx2) in 2-token tiles, where below it the 3-token tiles
+ * widening 8 weights at a time are faster (bench-kernels --fast bf16, Zen 3,
+ * 2 threads: 2-3 tokens 5-10% slower by halves, 4 tokens 15-20% faster, 6-16
+ * 5-10%); on AVX-512 (mk_avx512) in the same 4-token tiles (Emerald Rapids,
+ * exact calls, alternated in one process, weights from memory: 4-16 tokens
+ * 1.1-1.7x; bench-kernels --fast bf16, weights in cache: 32-64 tokens 90 ->
+ * 106-109 GFLOP/s a core). */
 #define BF16_HALVES_MIN_TOK 4
 
 struct tile_rows {
@@ -1582,7 +1626,7 @@ struct mm_job {
     size_t scratch_stride;
     bool packed;             /* every task takes the packed panels */
     const struct w8_act *w8; /* the AVX2 W8A8 / W4A8 paths, or NULL */
-    const float *xh;         /* the AVX2 bf16 tiles' activations, or NULL */
+    const float *xh;         /* the bf16 tiles' activations by halves, or NULL */
 };
 
 static void mm_run_tile(enum cpu_isa isa, const struct mm_tile *mt)
@@ -1669,16 +1713,17 @@ static void w8_quant_q4_order(int8_t *xq, int n_in, int group, float *xsum, int 
     }
 }
 
-/* A token row x as the AVX2 bf16 tiles read it (mk_avx2): in each whole
- * 32 columns (a cache line of bf16 weights), each 16 columns' even ones,
- * then their odd ones; the columns past the last whole 32 as they are. */
-static void bf16_halves_order(const float *x, int n_in, float *xh)
+/* A token row x as the bf16 tiles widening by halves read it: in each whole
+ * 32 columns (a cache line of bf16 weights), each `block` columns' even
+ * ones, then their odd ones (block 16: an AVX2 load, mk_avx2; 32: an AVX-512
+ * load, mk_avx512); the columns past the last whole 32 as they are. */
+static void bf16_halves_order(const float *x, int n_in, int block, float *xh)
 {
-    const int n_lines = n_in / 32 * 32;
-    for (int k = 0; k < n_lines; k += 16)
-        for (int i = 0; i < 8; i++) {
+    const int n_lines = n_in / 32 * 32, half = block / 2;
+    for (int k = 0; k < n_lines; k += block)
+        for (int i = 0; i < half; i++) {
             xh[k + i] = x[k + 2 * i];
-            xh[k + 8 + i] = x[k + 2 * i + 1];
+            xh[k + half + i] = x[k + 2 * i + 1];
         }
     memcpy(xh + n_lines, x + n_lines, (size_t)(n_in - n_lines) * sizeof(float));
 }
@@ -1759,12 +1804,14 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
         }
     }
 #ifdef MATMUL_X86
-    if (job->isa == CPU_ISA_AVX2 && p->w_dtype == MOE_DTYPE_BF16 && !job->packed &&
-        !p->batch_invariant && p->n_tok >= BF16_HALVES_MIN_TOK) {
+    if ((job->isa == CPU_ISA_AVX2 || job->isa == CPU_ISA_AVX512) && p->w_dtype == MOE_DTYPE_BF16 &&
+        !job->packed && !p->batch_invariant && p->n_tok >= BF16_HALVES_MIN_TOK) {
         c->xh_buf = malloc((size_t)p->n_tok * p->n_in * sizeof(float));
         MOE_ASSERT(c->xh_buf != NULL);
+        const int block = job->isa == CPU_ISA_AVX512 ? 32 : 16;
         for (int t = 0; t < p->n_tok; t++)
-            bf16_halves_order(p->x + (size_t)t * p->n_in, p->n_in, c->xh_buf + (size_t)t * p->n_in);
+            bf16_halves_order(p->x + (size_t)t * p->n_in, p->n_in, block,
+                              c->xh_buf + (size_t)t * p->n_in);
         job->xh = c->xh_buf;
     }
     if (w8a8) {
