@@ -2,28 +2,52 @@
 #include "quant.h"
 
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 
+/* roundf(x) as an integer, for |x| < 2^31, inline (a libm call per weight
+ * kept the loops below scalar): the truncation t and x - t are exact, and
+ * x - t decides the halves, away from zero. */
+static inline int32_t round_half_away(float x)
+{
+    const int32_t t = (int32_t)x;
+    const float f = x - (float)t;
+    return t + (int32_t)(f >= 0.5f) - (int32_t)(f <= -0.5f);
+}
+
+/* One row's scale (max |w| / 127) and codes q = round(w / s) (halves away
+ * from zero, as roundf) clamped to [-127, 127]; false for an infinite or NaN
+ * weight. Branch-free integer passes the compiler vectorises: loading the
+ * benchmark-shape model as int8 spent ~2.5 of its 4.7 s in the roundf calls
+ * of the loop this replaced (perf, Emerald Rapids). */
 static bool quant_row(const float *w, int64_t n, int8_t *q, float *scale)
 {
-    float amax = 0.0f;
+    /* max |w| on the bits: |w|'s bits order as its values do, and an
+     * infinity or a NaN is the exponent all ones */
+    int32_t amax_bits = 0;
     for (int64_t k = 0; k < n; k++) {
-        if (!isfinite(w[k]))
-            return false;
-        float a = fabsf(w[k]);
-        amax = a > amax ? a : amax;
+        int32_t b;
+        memcpy(&b, w + k, sizeof b);
+        b &= 0x7fffffff;
+        amax_bits = b > amax_bits ? b : amax_bits;
     }
-    float s = amax / 127.0f;
+    if (amax_bits >= 0x7f800000)
+        return false;
+    float amax;
+    memcpy(&amax, &amax_bits, sizeof amax);
+    const float s = amax / 127.0f;
     *scale = s;
+    if (s == 0.0f) {
+        memset(q, 0, (size_t)n);
+        return true;
+    }
     for (int64_t k = 0; k < n; k++) {
-        if (s == 0.0f) {
-            q[k] = 0;
-            continue;
-        }
         /* Dividing (not multiplying by 127 / amax) keeps |w - q s| <= s / 2
          * up to one rounding of the quotient. */
-        float v = roundf(w[k] / s);
-        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-        q[k] = (int8_t)v;
+        int32_t t = round_half_away(w[k] / s);
+        t = t > 127 ? 127 : t;
+        t = t < -127 ? -127 : t;
+        q[k] = (int8_t)t;
     }
     return true;
 }
@@ -56,9 +80,9 @@ static bool quant_group_q4(const float *w, int n, uint8_t *u, float *scale)
     float d = m / -8.0f;
     *scale = d;
     for (int k = 0; k < n; k++) {
-        float v = d == 0.0f ? 0.0f : roundf(w[k] / d);
-        v = v > 7.0f ? 7.0f : v < -8.0f ? -8.0f : v;
-        u[k] = (uint8_t)((int)v + 8);
+        int32_t v = d == 0.0f ? 0 : round_half_away(w[k] / d);
+        v = v > 7 ? 7 : v < -8 ? -8 : v;
+        u[k] = (uint8_t)(v + 8);
     }
     return true;
 }

@@ -53,7 +53,7 @@ static void test_quant(void)
         CHECK(moe_quant_q4_rows(w, n_rows, n_cols, G, q, sc));
         moe_dequant_q4_rows(q, sc, n_rows, n_cols, G, d);
         double worst = 0; /* max |w - deq| / (|scale| / 2), the clamped +8 end aside */
-        int bad_scale = 0, bad_code = 0, zero_ok = 1;
+        int bad_scale = 0, bad_code = 0, bad_round = 0, zero_ok = 1;
         for (int r = 0; r < n_rows; r++)
             for (int g = 0; g < ng; g++) {
                 float m = 0;
@@ -70,6 +70,9 @@ static void test_quant(void)
                     size_t i = (size_t)r * n_cols + k;
                     int u = moe_q4_code(q + (size_t)r * n_cols / 2, k);
                     bad_code += u < 0 || u > 15;
+                    /* as libm rounds w / s: halves away from zero, then clamped */
+                    const float v = fminf(fmaxf(roundf(w[i] / s), -8.0f), 7.0f);
+                    bad_round += u != (int)v + 8;
                     if (w[i] == m) /* the extreme is exact */
                         bad_code += u != 0 || d[i] != w[i];
                     if (u == 15 && w[i] / s > 7.5f) /* clamped: |w - deq| <= |s| */
@@ -81,6 +84,8 @@ static void test_quant(void)
         CHECKF(bad_scale == 0, "group %d: %d scales are not m / -8", G, bad_scale);
         CHECKF(bad_code == 0, "group %d: %d codes out of range or the extreme not exact", G,
                bad_code);
+        CHECKF(bad_round == 0, "group %d: %d codes are not roundf(w / scale) clamped", G,
+               bad_round);
         CHECKF(zero_ok, "group %d: an all-zero group does not dequantize to zeros", G);
         CHECKF(worst <= 1.0 + 1e-4, "group %d: max |w - deq| is %.6f x |scale|/2", G, worst);
         printf("quant int4 group %d: max |w - deq| = %.4f x |scale|/2\n", G, worst);

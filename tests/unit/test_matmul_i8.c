@@ -74,6 +74,25 @@ static void test_quant_roundtrip(void)
     /* |w - q s| <= s/2, up to the rounding of w / s and of q * s */
     CHECKF(worst <= 1.0 + 1e-4, "max |w - deq| is %.6f x scale/2", worst);
     printf("quant: %d x %d, max |w - deq| = %.4f x scale/2\n", n_rows, n_cols, worst);
+    /* every code is roundf(w / s) clamped, as libm rounds: halves away from zero */
+    int off = 0;
+    for (int i = 0; i < n_rows * n_cols; i++) {
+        const float s = sc[i / n_cols];
+        float v = s == 0.0f ? 0.0f : roundf(w[i] / s);
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        off += q[i] != (int8_t)v;
+    }
+    CHECKF(off == 0, "quant: %d codes differ from roundf(w / scale)", off);
+    /* a row whose scale is exactly 1: its quotients are its values, ties included */
+    static const float ties[] = {127.0f, 0.5f,    -0.5f, 1.5f,        -1.5f,       2.5f,
+                                 126.5f, -126.5f, 0.0f,  0.49999997f, -0.4999997f, 3.49999976f};
+    static const int8_t want[] = {127, 1, -1, 2, -2, 3, 127, -127, 0, 0, 0, 3};
+    int8_t tq[sizeof ties / sizeof ties[0]];
+    float ts;
+    CHECK(moe_quant_i8_rows(ties, 1, (int64_t)(sizeof ties / sizeof ties[0]), tq, &ts));
+    CHECKF(ts == 1.0f, "quant: scale of the ties row %g, not 1", ts);
+    for (size_t i = 0; i < sizeof ties / sizeof ties[0]; i++)
+        CHECKF(tq[i] == want[i], "quant: %.8g -> %d, roundf gives %d", ties[i], tq[i], want[i]);
 
     w[5 * n_cols + 3] = NAN; /* no int8 image of a NaN */
     CHECK(!moe_quant_i8_rows(w, n_rows, n_cols, q, sc));
