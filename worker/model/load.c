@@ -62,12 +62,29 @@ size_t moe_model_linear_bytes(const struct moe_model *m, int64_t n_rows, int64_t
     return (size_t)n_rows * (size_t)n_cols * moe_dtype_size(m->lin_dtype);
 }
 
-/* Copies `bytes` of host memory into a new backend buffer (*out), counted in
- * the model's weight bytes. Frees `host` in every case. */
+/* Host memory for a weight's bytes (NULL when out of memory): 64-byte
+ * aligned, as the CPU backend's buffers are, so that upload_weight can hand
+ * it to that backend as it is. */
+static void *weight_host_alloc(size_t bytes)
+{
+    void *p = NULL;
+    return posix_memalign(&p, 64, bytes ? bytes : 64) == 0 ? p : NULL;
+}
+
+/* Makes `bytes` of host memory (weight_host_alloc'd, wholly written) a
+ * backend buffer (*out), counted in the model's weight bytes. The CPU
+ * backend's buffers are host memory from posix_memalign, freed with free():
+ * it takes `host` as it is (no second copy, no zeroing pass); another
+ * backend gets a copy, and `host` is freed. */
 static enum moe_status upload_weight(struct loader *ld, const char *name, void *host, size_t bytes,
                                      void **out, struct moe_error *err)
 {
     struct moe_backend *be = ld->m->be;
+    if (be->device == MOE_DEVICE_CPU && ((uintptr_t)host & 63) == 0) {
+        ld->m->weight_bytes += bytes;
+        *out = host;
+        return MOE_OK;
+    }
     void *buf = be->ops->buf_alloc(be, bytes);
     if (!buf) {
         free(host);
@@ -100,7 +117,9 @@ static enum moe_status upload_quantized(struct loader *ld, const char *name, flo
     }
     size_t img_bytes =
         q4 ? moe_q4_weight_bytes(n_rows, n_cols, group) : moe_i8_weight_bytes(n_rows, n_cols);
-    char *img = calloc(1, img_bytes);
+    char *img = weight_host_alloc(img_bytes);
+    if (img)
+        memset(img, 0, img_bytes); /* the padding before the scales */
     if (!img) {
         free(f32);
         return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory quantizing '%s'", ld->dir,
@@ -150,7 +169,7 @@ static enum moe_status load_block(struct loader *ld, const char *name, int64_t r
     const bool quant = dtype == MOE_DTYPE_I8 || dtype == MOE_DTYPE_I4;
     enum moe_dtype read_dtype = quant ? MOE_DTYPE_F32 : dtype;
     size_t bytes = (size_t)n_rows * (size_t)n_cols * moe_dtype_size(read_dtype);
-    void *host = malloc(bytes ? bytes : 1);
+    void *host = weight_host_alloc(bytes);
     if (!host)
         return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir, name);
     rc = st_read_block(t, row0, n_rows, col0, n_cols, read_dtype, host, err);
@@ -183,7 +202,7 @@ static enum moe_status load_qkv(struct loader *ld, int l, int64_t q0, int64_t kv
     const size_t row_bytes = (size_t)d * moe_dtype_size(read_dtype);
     const int64_t n_rows = rows[0] + rows[1] + rows[2];
     char name[256];
-    char *host = malloc((size_t)n_rows * row_bytes);
+    char *host = weight_host_alloc((size_t)n_rows * row_bytes);
     if (!host)
         return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading layer %d's q/k/v",
                              ld->dir, l);
@@ -283,7 +302,7 @@ static enum moe_status load_gate_up(struct loader *ld, const char *gate_name, co
     const bool quant = ld->m->opts.dtype == MOE_DTYPE_I8 || ld->m->opts.dtype == MOE_DTYPE_I4;
     enum moe_dtype dt = quant ? MOE_DTYPE_F32 : ld->m->opts.dtype;
     size_t half = (size_t)d_ff * (size_t)d_model * moe_dtype_size(dt);
-    char *host = malloc(2 * half);
+    char *host = weight_host_alloc(2 * half);
     if (!host)
         return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir,
                              gate_name);
@@ -312,7 +331,7 @@ static enum moe_status upload_linear_f32(struct loader *ld, const char *name, fl
     if (dt == MOE_DTYPE_I8 || dt == MOE_DTYPE_I4)
         return upload_quantized(ld, name, f32, n_rows, n_cols, out, err);
     if (dt == MOE_DTYPE_BF16) {
-        uint16_t *b = malloc(n * sizeof *b + 1);
+        uint16_t *b = weight_host_alloc(n * sizeof *b);
         if (!b) {
             free(f32);
             return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory loading '%s'", ld->dir,
