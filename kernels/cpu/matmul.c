@@ -287,6 +287,17 @@ load_w16_mask(const enum moe_dtype WT, const void *w, int64_t i, __mmask16 m)
     return _mm512_maskz_loadu_ps(m, (const float *)w + i);
 }
 
+/* The T token rows of x (ldx apart) at columns [k, k + 32): two vectors each. */
+AVX512_TARGET static inline __attribute__((always_inline)) void
+load_x32(const int T, const float *x, int64_t ldx, int64_t k, __m512 lo[MK_T], __m512 hi[MK_T])
+{
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+        lo[t] = _mm512_loadu_ps(x + t * ldx + k);
+        hi[t] = _mm512_loadu_ps(x + t * ldx + k + 16);
+    }
+}
+
 /* Sum of each of the R x T accumulators. */
 AVX512_TARGET static inline float hsum512(__m512 v)
 {
@@ -328,11 +339,7 @@ mk_avx512(const int T, const int R, const enum moe_dtype WT, const bool H, const
             for (int r = 0; r < R; r++)
                 _mm_prefetch(pf + r * pf_ld + (int64_t)k * esz, _MM_HINT_T1);
             __m512 xe[MK_T], xo[MK_T];
-#pragma GCC unroll 4
-            for (int t = 0; t < T; t++) {
-                xe[t] = _mm512_loadu_ps(x + t * ldx + k);
-                xo[t] = _mm512_loadu_ps(x + t * ldx + k + 16);
-            }
+            load_x32(T, x, ldx, k, xe, xo);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const __m512i v =
@@ -503,11 +510,7 @@ mk_q4_avx512(const int T, const int R, const struct moe_matmul_params *p, const 
                 _mm_prefetch((const char *)pf + r * ldb + k / 2, _MM_HINT_T0);
         }
         __m512 x0[MK_T], x1[MK_T];
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) {
-            x0[t] = _mm512_loadu_ps(x + t * ldx + k);
-            x1[t] = _mm512_loadu_ps(x + t * ldx + k + 16);
-        }
+        load_x32(T, x, ldx, k, x0, x1);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const __m512 s = _mm512_set1_ps(sc[r][k / group]);
