@@ -71,16 +71,33 @@ void moe_dequant_i8_rows(const int8_t *q, const float *scale, int64_t n_rows, in
 /* One group of n values: its scale, and its codes into u (n). */
 static bool quant_group_q4(const float *w, int n, uint8_t *u, float *scale)
 {
-    float m = 0.0f;
+    /* the largest magnitude on the bits, as in quant_row, then the first
+     * weight that has it (its sign sets the scale's) */
+    int32_t amax_bits = 0;
     for (int k = 0; k < n; k++) {
-        if (!isfinite(w[k]))
-            return false;
-        m = fabsf(w[k]) > fabsf(m) ? w[k] : m;
+        int32_t b;
+        memcpy(&b, w + k, sizeof b);
+        b &= 0x7fffffff;
+        amax_bits = b > amax_bits ? b : amax_bits;
     }
-    float d = m / -8.0f;
+    if (amax_bits >= 0x7f800000)
+        return false;
+    float amax, m = 0.0f;
+    memcpy(&amax, &amax_bits, sizeof amax);
+    for (int k = 0; amax_bits && k < n; k++)
+        if (fabsf(w[k]) == amax) {
+            m = w[k];
+            break;
+        }
+    const float d = m / -8.0f;
     *scale = d;
+    if (d == 0.0f) {
+        for (int k = 0; k < n; k++)
+            u[k] = 8; /* code 0 */
+        return true;
+    }
     for (int k = 0; k < n; k++) {
-        int32_t v = d == 0.0f ? 0 : round_half_away(w[k] / d);
+        int32_t v = round_half_away(w[k] / d);
         v = v > 7 ? 7 : v < -8 ? -8 : v;
         u[k] = (uint8_t)(v + 8);
     }

@@ -100,6 +100,16 @@ static void test_quant(void)
     CHECK(moe_quant_q4_rows(one, 1, 64, 64, q1, s1));
     CHECKF(s1[0] == -1.0f && q1[0] == 0x80 && q1[1] == 0xf8 && q1[17] == 0x85,
            "layout: scale %g, bytes %02x %02x %02x", s1[0], q1[0], q1[1], q1[17]);
+    /* equal magnitudes of both signs: the first sets the scale's sign */
+    float tie[32] = {0};
+    tie[3] = -5.0f;
+    tie[9] = 5.0f;
+    CHECK(moe_quant_q4_rows(tie, 1, 32, 32, q1, s1));
+    CHECKF(s1[0] == 0.625f, "tie -5 then 5: scale %g, not 0.625", s1[0]);
+    tie[3] = 5.0f;
+    tie[9] = -5.0f;
+    CHECK(moe_quant_q4_rows(tie, 1, 32, 32, q1, s1));
+    CHECKF(s1[0] == -0.625f, "tie 5 then -5: scale %g, not -0.625", s1[0]);
     w[5] = NAN;
     CHECK(!moe_quant_q4_rows(w, n_rows, n_cols, 32, q, sc));
     CHECK(moe_q4_scale_offset(3, 64) == 128 && moe_q4_weight_bytes(3, 64, 32) == 128 + 24);
