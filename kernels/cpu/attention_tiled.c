@@ -96,11 +96,30 @@ static inline size_t fa_slot(const struct moe_attn_params *p, const int32_t *blo
     return (size_t)blocks[pos / p->block_size] * p->block_size + pos % p->block_size;
 }
 
+/* The width of V's rows: d_v, or the whole head. */
+static inline int fa_dv(const struct moe_attn_params *p)
+{
+    return p->d_v ? p->d_v : p->d_head;
+}
+
+/* Floats a widened row of d elements takes: whole vectors of 16. */
+static inline int fa_ld(int d)
+{
+    return (d + 15) / 16 * 16;
+}
+
 struct fa_group {
     int t0, nt; /* batch rows [t0, t0 + nt), one sequence */
     int max_pos;
     int wide; /* its sequence's entry in fa_job.wide, or -1 */
 };
+
+/* How many keys the group's chunk at c0 holds (0 past its last position). */
+static inline int fa_chunk_keys(const struct fa_group *g, int c0)
+{
+    const int rest = g->max_pos + 1 - c0;
+    return rest < 0 ? 0 : rest < FA_KB ? rest : FA_KB;
+}
 
 /* A sequence's K and V rows at positions [0, n_pos) widened from a BF16
  * cache once for the call, [KV head][position][ldk or ldv] (no V rows when
@@ -456,7 +475,7 @@ FA_AMX_TARGET static void fa_task_amx(const struct fa_job *j, int task, int thre
         ihi = _mm512_loadu_si512((const void *)hi);
     }
     for (int c0 = 0; c0 <= g->max_pos; c0 += FA_KB) {
-        const int nk = g->max_pos + 1 - c0 < FA_KB ? g->max_pos + 1 - c0 : FA_KB;
+        const int nk = fa_chunk_keys(g, c0);
         const int n_kg = (nk + 15) / 16, n_s = (nk + 31) / 32;
         /* S^T, 16 keys at a time: their rows are 16 consecutive slots */
         for (int kg = 0; kg < n_kg; kg++) {
@@ -556,10 +575,10 @@ static void fa_begin(const struct fa_job *j, int task, int thread, struct fa_ctx
     c->kvh = task % p->n_kv_head;
     c->rep = j->rep;
     c->d = p->d_head;
-    c->dv = p->d_v ? p->d_v : p->d_head;
+    c->dv = fa_dv(p);
     c->n_rows = g->nt * j->rep;
-    c->ldk = (c->d + 15) / 16 * 16;
-    c->ldv = (c->dv + 15) / 16 * 16;
+    c->ldk = fa_ld(c->d);
+    c->ldv = fa_ld(c->dv);
     c->slot_stride = (size_t)p->n_kv_head * c->d;
     c->wide = p->kv_dtype == MOE_DTYPE_BF16;
     c->same_kv = p->v_cache == p->k_cache;
@@ -610,14 +629,6 @@ static inline void fa_slots(const struct fa_ctx *c, int pos0, int n, size_t *slo
     }
 }
 
-/* How many keys the chunk after the one at c0 holds (0 past the group's
- * last position). */
-static inline int fa_next_count(const struct fa_ctx *c, int c0)
-{
-    const int rest = c->g->max_pos + 1 - (c0 + FA_KB);
-    return rest < 0 ? 0 : rest < FA_KB ? rest : FA_KB;
-}
-
 /* Requests into L2 the K and V rows of this task's KV head in a slot. */
 static inline __attribute__((always_inline)) void fa_prefetch(const struct fa_ctx *c, size_t slot)
 {
@@ -655,7 +666,7 @@ fa_gather(const struct fa_ctx *c, int c0, int nk, const float **kp, const float 
         }
         return;
     }
-    const int next = c0 + FA_KB, n_next = fa_next_count(c, c0);
+    const int next = c0 + FA_KB, n_next = fa_chunk_keys(c->g, c0 + FA_KB);
     size_t slot[FA_KB], slot_next[FA_KB];
     fa_slots(c, c0, nk, slot);
     fa_slots(c, next, n_next, slot_next);
@@ -700,7 +711,7 @@ FA_TARGET static void fa_task_avx512(const struct fa_job *j, int task, int threa
     const float *kp[FA_KB], *vp[FA_KB];
     const int jt = mv == 4 ? 6 : mv == 3 ? 8 : mv == 2 ? 12 : 16;
     for (int c0 = 0; c0 <= c.g->max_pos; c0 += FA_KB) {
-        const int nk = c.g->max_pos + 1 - c0 < FA_KB ? c.g->max_pos + 1 - c0 : FA_KB;
+        const int nk = fa_chunk_keys(c.g, c0);
         fa_gather(&c, c0, nk, kp, vp, bf16_to_f32_avx512);
         /* tiles of jt keys, then of 4 (a full chunk of 64 leaves 4 after
          * tiles of 6 or 12: single keys there cost ~5% of a prefill), then
@@ -973,7 +984,7 @@ static void fa_point_b16(const struct fa_ctx *c, int c0, int nk, const uint16_t 
                          const uint16_t **vp)
 {
     const struct moe_attn_params *p = c->p;
-    const int n_next = fa_next_count(c, c0);
+    const int n_next = fa_chunk_keys(c->g, c0 + FA_KB);
     size_t slot[FA_KB];
     fa_slots(c, c0 + FA_KB, n_next, slot);
     for (int i = 0; i < n_next; i++)
@@ -1024,7 +1035,7 @@ FA2_TARGET static void fa_task_avx2_b16(struct fa_ctx *c)
 {
     const uint16_t *kp[FA_KB], *vp[FA_KB];
     for (int c0 = 0; c0 <= c->g->max_pos; c0 += FA_KB) {
-        const int nk = c->g->max_pos + 1 - c0 < FA_KB ? c->g->max_pos + 1 - c0 : FA_KB;
+        const int nk = fa_chunk_keys(c->g, c0);
         fa_point_b16(c, c0, nk, kp, vp);
         fa2_scores_b16_keys(false, nk, kp, 0, 0, c->d, c->qt, c->pt, c->p->scale);
         fa2_softmax(c->pt, nk, c0, 1, c->rpos, c->mrow, c->lrow, c->alpha);
@@ -1052,7 +1063,7 @@ static int fa_heads_point(const struct fa_ctx *c, int c0, int nk, const uint16_t
         kb[i] = (const uint16_t *)c->p->k_cache + slot[i] * c->slot_stride;
         vb[i] = (const uint16_t *)c->p->v_cache + slot[i] * c->slot_stride;
     }
-    const int n_next = fa_next_count(c, c0);
+    const int n_next = fa_chunk_keys(c->g, c0 + FA_KB);
     fa_slots(c, c0 + FA_KB, n_next, next);
     return n_next;
 }
@@ -1106,7 +1117,7 @@ FA2_TARGET static void fa_task_avx2_heads(const struct fa_job *j, int task, int 
     const uint16_t *kb[FA_KB], *vb[FA_KB], *vp[FA_KB];
     size_t next[FA_KB];
     for (int c0 = 0; c0 <= c.g->max_pos; c0 += FA_KB) {
-        const int nk = c.g->max_pos + 1 - c0 < FA_KB ? c.g->max_pos + 1 - c0 : FA_KB;
+        const int nk = fa_chunk_keys(c.g, c0);
         const int n_next = fa_heads_point(&c, c0, nk, kb, vb, next);
         for (int v = 0; v < n_vec; v++) {
             fa_heads_prefetch(&c, next, n_next, v, n_vec);
@@ -1280,7 +1291,7 @@ FA_TARGET static void fa_task_avx512_heads(const struct fa_job *j, int task, int
     const uint16_t *kb[FA_KB], *vb[FA_KB], *vp[FA_KB];
     size_t next[FA_KB];
     for (int c0 = 0; c0 <= c.g->max_pos; c0 += FA_KB) {
-        const int nk = c.g->max_pos + 1 - c0 < FA_KB ? c.g->max_pos + 1 - c0 : FA_KB;
+        const int nk = fa_chunk_keys(c.g, c0);
         const int n_next = fa_heads_point(&c, c0, nk, kb, vb, next);
         for (int v = 0; v < n_vec; v++) {
             fa_heads_prefetch(&c, next, n_next, v, n_vec);
@@ -1329,7 +1340,7 @@ FA2_TARGET static void fa_task_avx2(const struct fa_job *j, int task, int thread
     }
     const float *kp[FA_KB], *vp[FA_KB];
     for (int c0 = 0; c0 <= c.g->max_pos; c0 += FA_KB) {
-        const int nk = c.g->max_pos + 1 - c0 < FA_KB ? c.g->max_pos + 1 - c0 : FA_KB;
+        const int nk = fa_chunk_keys(c.g, c0);
         fa_gather(&c, c0, nk, kp, vp, bf16_to_f32_avx2);
         /* scores: row vectors in pairs (6 keys a tile), an odd one alone (12) */
         for (int v0 = 0; v0 < mv; v0 += 2) {
@@ -1377,7 +1388,7 @@ FA_AMX_TARGET static void fa_task_amx_scoped(const struct fa_job *j, int task, i
 static bool fa_narrow_b16(const struct fa_job *j, int task)
 {
     const struct moe_attn_params *p = j->p;
-    const int dv = p->d_v ? p->d_v : p->d_head;
+    const int dv = fa_dv(p);
     return j->groups[task / p->n_kv_head].nt * j->rep <= 8 && p->kv_dtype == MOE_DTYPE_BF16 &&
            p->d_head % 2 == 0 && dv % 8 == 0;
 }
@@ -1412,8 +1423,8 @@ static void fa_widen_task(void *arg, int task, int thread)
     const struct fa_wide *s = &j->wide[w];
     const bool same_kv = p->v_cache == p->k_cache;
     float *kf = j->wide_buf + s->k_at, *vf = j->wide_buf + s->v_at;
-    const int d = p->d_head, dv = p->d_v ? p->d_v : p->d_head;
-    const int ldk = (d + 15) / 16 * 16, ldv = (dv + 15) / 16 * 16;
+    const int d = p->d_head, dv = fa_dv(p);
+    const int ldk = fa_ld(d), ldv = fa_ld(dv);
     const int32_t *blocks = p->block_tables + (size_t)s->seq * p->max_blocks;
     const int pos0 = (task - s->task0) * FA_WIDEN_POS;
     const int pos1 = pos0 + FA_WIDEN_POS < s->n_pos ? pos0 + FA_WIDEN_POS : s->n_pos;
@@ -1452,8 +1463,7 @@ static size_t fa_plan_wide(struct fa_job *j, struct fa_group *groups, int n_grou
                            int tok_per_group)
 {
     const struct moe_attn_params *p = j->p;
-    const int d = p->d_head, dv = p->d_v ? p->d_v : p->d_head;
-    const size_t ldk = (size_t)(d + 15) / 16 * 16, ldv = (size_t)(dv + 15) / 16 * 16;
+    const size_t ldk = (size_t)fa_ld(p->d_head), ldv = (size_t)fa_ld(fa_dv(p));
     const bool same_kv = p->v_cache == p->k_cache;
     const size_t limit = atomic_load(&g_fa_wide_max);
     size_t total = 0;
@@ -1513,7 +1523,7 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
         groups[n_group++] = g;
     }
     int n_threads = moe_threadpool_size(pool);
-    const int dv = p->d_v ? p->d_v : p->d_head;
+    const int dv = fa_dv(p);
     const bool amx = p->fast && p->kv_dtype == MOE_DTYPE_BF16 &&
                      (cpu_kernels_features() & CPU_FEAT_AMX_BF16) && p->d_head % 32 == 0 &&
                      p->d_head <= FA_AMX_MAX_D && dv == p->d_head && p->v_cache != p->k_cache &&
@@ -1525,8 +1535,7 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
         .groups = groups,
         .n_group = n_group,
         .rep = rep,
-        .scratch_stride = fa_scratch_floats((p->d_head + 15) / 16 * 16,
-                                            ((p->d_v ? p->d_v : p->d_head) + 15) / 16 * 16),
+        .scratch_stride = fa_scratch_floats(fa_ld(p->d_head), fa_ld(dv)),
     };
     if (amx)
         j.scratch_stride = (size_t)FA_ROWS * p->d_head + (size_t)FA_KB * FA_ROWS + 3 * FA_ROWS +
