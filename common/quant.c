@@ -15,6 +15,21 @@ static inline int32_t round_half_away(float x)
     return t + (int32_t)(f >= 0.5f) - (int32_t)(f <= -0.5f);
 }
 
+/* The bits of max |w| over n values, a loop the compiler vectorises: |w|'s
+ * bits order as its values do, and an infinity or a NaN has them at
+ * 0x7f800000 or above. */
+static int32_t max_abs_bits(const float *w, int64_t n)
+{
+    int32_t m = 0;
+    for (int64_t k = 0; k < n; k++) {
+        int32_t b;
+        memcpy(&b, w + k, sizeof b);
+        b &= 0x7fffffff;
+        m = b > m ? b : m;
+    }
+    return m;
+}
+
 /* One row's scale (max |w| / 127) and codes q = round(w / s) (halves away
  * from zero, as roundf) clamped to [-127, 127]; false for an infinite or NaN
  * weight. Branch-free integer passes the compiler vectorises: loading the
@@ -22,15 +37,7 @@ static inline int32_t round_half_away(float x)
  * of the loop this replaced (perf, Emerald Rapids). */
 static bool quant_row(const float *w, int64_t n, int8_t *q, float *scale)
 {
-    /* max |w| on the bits: |w|'s bits order as its values do, and an
-     * infinity or a NaN is the exponent all ones */
-    int32_t amax_bits = 0;
-    for (int64_t k = 0; k < n; k++) {
-        int32_t b;
-        memcpy(&b, w + k, sizeof b);
-        b &= 0x7fffffff;
-        amax_bits = b > amax_bits ? b : amax_bits;
-    }
+    const int32_t amax_bits = max_abs_bits(w, n);
     if (amax_bits >= 0x7f800000)
         return false;
     float amax;
@@ -71,15 +78,9 @@ void moe_dequant_i8_rows(const int8_t *q, const float *scale, int64_t n_rows, in
 /* One group of n values: its scale, and its codes into u (n). */
 static bool quant_group_q4(const float *w, int n, uint8_t *u, float *scale)
 {
-    /* the largest magnitude on the bits, as in quant_row, then the first
-     * weight that has it (its sign sets the scale's) */
-    int32_t amax_bits = 0;
-    for (int k = 0; k < n; k++) {
-        int32_t b;
-        memcpy(&b, w + k, sizeof b);
-        b &= 0x7fffffff;
-        amax_bits = b > amax_bits ? b : amax_bits;
-    }
+    /* the largest magnitude, then the first weight that has it (its sign
+     * sets the scale's) */
+    const int32_t amax_bits = max_abs_bits(w, n);
     if (amax_bits >= 0x7f800000)
         return false;
     float amax, m = 0.0f;
