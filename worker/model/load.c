@@ -118,13 +118,12 @@ static enum moe_status upload_quantized(struct loader *ld, const char *name, flo
     size_t img_bytes =
         q4 ? moe_q4_weight_bytes(n_rows, n_cols, group) : moe_i8_weight_bytes(n_rows, n_cols);
     char *img = weight_host_alloc(img_bytes);
-    if (img)
-        memset(img, 0, img_bytes); /* the padding before the scales */
     if (!img) {
         free(f32);
         return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory quantizing '%s'", ld->dir,
                              name);
     }
+    memset(img, 0, img_bytes); /* the padding before the scales */
     float *scale = (float *)(img + (q4 ? moe_q4_scale_offset(n_rows, n_cols)
                                        : moe_i8_scale_offset(n_rows, n_cols)));
     bool ok = q4 ? moe_quant_q4_rows(f32, n_rows, n_cols, group, (uint8_t *)img, scale)
