@@ -37,6 +37,11 @@ void rpc_server_set_drain_exempt(struct rpc_server *server, const char *path);
 void rpc_channel_args_fill(grpc_arg *args, int *n, size_t max_message_bytes, int keepalive_time_ms,
                            int keepalive_timeout_ms, int server);
 
+/* Adds "-posix_event_engine_enable_polling" to GRPC_EXPERIMENTS for gRPC
+ * core 29 (1.51) unless the variable names that experiment already; run
+ * before main by a constructor (see rpc_server.c), exposed for the tests. */
+void rpc_experiments_default(void);
+
 /* A monotonic gRPC deadline timeout_ms from now (<= 0: infinite). */
 gpr_timespec rpc_deadline_from_ms(int64_t timeout_ms);
 

@@ -168,6 +168,38 @@ struct unimpl_call {
 
 /* ---- shared helpers -------------------------------------------------------------- */
 
+/* gRPC 1.51 (core 29) as Debian builds it (without NDEBUG) runs a debug-build
+ * experiment, posix_event_engine_enable_polling: each default EventEngine
+ * gets an epoll poller thread of its own. With that version's EventEngine
+ * client and listener experiments off, no socket is ever registered with
+ * it, so it only costs a thread and an epoll set per process, and it is the
+ * thread that aborted a ThreadSanitizer run of the coordinator at start
+ * (its epoll_wait failed with EBADF and gRPC asserts). It is switched off
+ * before gRPC reads GRPC_EXPERIMENTS (at its first use, after main starts);
+ * a GRPC_EXPERIMENTS that names the experiment itself is left as given.
+ * Other gRPC versions are left alone: they may not know the name and
+ * would log an error for it. */
+#define RPC_EE_POLLING "posix_event_engine_enable_polling"
+
+void rpc_experiments_default(void)
+{
+    if (strncmp(grpc_version_string(), "29.", 3) != 0)
+        return;
+    const char *old = getenv("GRPC_EXPERIMENTS");
+    if (old && strstr(old, RPC_EE_POLLING))
+        return;
+    char v[1024];
+    if (snprintf(v, sizeof v, "%s%s-" RPC_EE_POLLING, old ? old : "", old && old[0] ? "," : "") <
+        (int)sizeof v)
+        setenv("GRPC_EXPERIMENTS", v, 1);
+}
+
+/* Before main: no other thread reads the environment yet. */
+__attribute__((constructor)) static void rpc_experiments_at_load(void)
+{
+    rpc_experiments_default();
+}
+
 void rpc_channel_args_fill(grpc_arg *args, int *n, size_t max_message_bytes, int keepalive_time_ms,
                            int keepalive_timeout_ms, int server)
 {

@@ -2,9 +2,11 @@
  * streams carrying real moe.v1 messages, 10 MiB messages, client cancel and
  * deadline seen by the server, health Check/Watch, shutdown during a stream,
  * concurrent streams. Bounded in time: every wait has a limit. */
+#include <dirent.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -14,6 +16,7 @@
 #include "moe/v1/health.pb-c.h"
 #include "moe/v1/inference.pb-c.h"
 #include "rpc.h"
+#include "rpc_internal.h"
 #include "testlib.h"
 
 #define BIG_BYTES ((size_t)10 << 20)
@@ -578,6 +581,62 @@ static void test_shutdown_during_stream(void)
     rpc_client_destroy(c);
 }
 
+/* Epoll sets this process holds (anon_inode:[eventpoll] descriptors). */
+static int count_epoll_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    if (!d)
+        return -1;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        char path[300], target[64];
+        snprintf(path, sizeof path, "/proc/self/fd/%s", e->d_name);
+        ssize_t k = readlink(path, target, sizeof target - 1);
+        if (k > 0) {
+            target[k] = 0;
+            n += strcmp(target, "anon_inode:[eventpoll]") == 0;
+        }
+    }
+    closedir(d);
+    return n;
+}
+
+/* gRPC core 29's debug-build EventEngine poller is off (rpc_experiments_default,
+ * run before main), and a GRPC_EXPERIMENTS of the user's is kept. Runs
+ * before any thread starts (setenv). */
+static void test_experiments_default(void)
+{
+    const char *v = getenv("GRPC_EXPERIMENTS");
+    char start[1024];
+    snprintf(start, sizeof start, "%s", v ? v : "");
+    bool core29 = strncmp(grpc_version_string(), "29.", 3) == 0;
+    if (!core29) {
+        fprintf(stderr, "test_rpc: gRPC core %s: GRPC_EXPERIMENTS left alone\n",
+                grpc_version_string());
+        return;
+    }
+    CHECKF(strstr(start, "posix_event_engine_enable_polling") != NULL,
+           "GRPC_EXPERIMENTS at main: '%s'", start);
+    setenv("GRPC_EXPERIMENTS", "tcp_rcv_lowat", 1);
+    rpc_experiments_default();
+    CHECKF(!strcmp(getenv("GRPC_EXPERIMENTS"), "tcp_rcv_lowat,-posix_event_engine_enable_polling"),
+           "appended: '%s'", getenv("GRPC_EXPERIMENTS"));
+    setenv("GRPC_EXPERIMENTS", "posix_event_engine_enable_polling", 1);
+    rpc_experiments_default();
+    CHECKF(!strcmp(getenv("GRPC_EXPERIMENTS"), "posix_event_engine_enable_polling"),
+           "the user's choice kept: '%s'", getenv("GRPC_EXPERIMENTS"));
+    setenv("GRPC_EXPERIMENTS", start, 1);
+    /* gRPC reads the variable once, at its first use: with the server up,
+     * only iomgr's own epoll set exists (two with the poller running). */
+    struct moe_error err = {0};
+    struct rpc_server *s = rpc_server_create("127.0.0.1:0", 1, NULL, &err);
+    CHECKF(s != NULL, "%s", err.msg);
+    int n = count_epoll_fds();
+    CHECKF(n >= 0 && n <= 1, "%d epoll sets with a gRPC server created", n);
+    rpc_server_destroy(s, 0);
+}
+
 static void test_bad_inputs(void)
 {
     struct moe_error err = {0};
@@ -598,6 +657,7 @@ static void test_bad_inputs(void)
 int main(void)
 {
     double t0 = moe_now();
+    test_experiments_default();
     test_bad_inputs();
     struct rpc_server *srv = server_start(2);
     if (!srv) {
