@@ -47,14 +47,22 @@ enum cpu_feature {
      * AVX512-BF16: vdpbf16ps issues at a quarter of the rate of an f32 FMA
      * there (Emerald Rapids: 1.35 vs 5.5 G instructions/s a core, i.e. 86
      * against 175 GFLOP/s), so bf16 weights widened to f32 and FMA'd beat it.
-     * Where it is set and AMX-BF16 is not, bf16 fast calls of 32+ tokens
-     * (prefill) take the f32 FMA kernels; smaller ones (decode, where the
-     * streaming vdpbf16ps tiles still win) keep vdpbf16ps
-     * (cpu_matmul_dot_supported). MOE_CPU_ISA=avx512-bf16 / avx512-dot clear
-     * it: vdpbf16ps then runs at every size. */
+     * Where it is set and AMX-BF16 is not, bf16 fast calls of
+     * CPU_SLOW_DP_FMA_MIN_TOK+ tokens take the f32 FMA kernels; smaller ones
+     * (a few rows, where the streaming vdpbf16ps tiles still win) keep
+     * vdpbf16ps (cpu_matmul_dot_supported). MOE_CPU_ISA=avx512-bf16 /
+     * avx512-dot clear it: vdpbf16ps then runs at every size. */
     CPU_FEAT_DPBF16_SLOW = 1 << 4,
     CPU_FEAT_ALL = 0x1f,
 };
+
+/* With CPU_FEAT_DPBF16_SLOW (and no AMX-BF16), bf16 fast calls of this many
+ * tokens on take the f32 FMA kernels. 8: the 16-row calls of a 16-sequence
+ * decode step (lm_head, attention projections) and its busier experts run
+ * faster there than on vdpbf16ps (Emerald Rapids, 2 threads, moe-generate
+ * bf16 16 sequences, 5 alternated rounds: TPOT median 61.9 ms at 32, 60.3
+ * at 8); 1-7 rows keep vdpbf16ps (4: no gain). */
+#define CPU_SLOW_DP_FMA_MIN_TOK 8
 
 /* Features this processor (and OS) supports (cpuid, cached). */
 unsigned cpu_kernels_detect_features(void);

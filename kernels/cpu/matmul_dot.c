@@ -111,9 +111,6 @@
  * dword transpose per 64 weight bytes, paid once per token block). */
 #define DP_MIN_TOK 32
 #define DP_TOK_BLOCK 256 /* packed: tokens per task */
-/* Where vdpbf16ps is slow (CPU_FEAT_DPBF16_SLOW, no AMX), bf16 calls of
- * this many tokens on take the f32 FMA kernels (see cpu_matmul_dot_supported). */
-#define SLOW_DP_FMA_MIN_TOK 32
 #define DOT_MAX_N_IN 65536
 
 enum dot_kind { DOT_BF16 = 0, DOT_I8 = 1, DOT_I4 = 2 };
@@ -157,15 +154,16 @@ bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
     if (p->batch_invariant && p->w_dtype != MOE_DTYPE_I8)
         return false;
     unsigned f = cpu_kernels_features();
-    /* CPU_FEAT_DPBF16_SLOW without AMX: vdpbf16ps for decode-sized calls,
-     * the f32 FMA kernels from SLOW_DP_FMA_MIN_TOK tokens on (bench-kernels
+    /* CPU_FEAT_DPBF16_SLOW without AMX: vdpbf16ps for calls of a few rows,
+     * the f32 FMA kernels from CPU_SLOW_DP_FMA_MIN_TOK tokens on (bench-kernels
      * --fast bf16, Emerald Rapids, 2 threads: the FMA kernels at 0.5-0.95x
      * of vdpbf16ps for 1-16 tokens, 1.13-1.88x for 32-512; with the tiles
-     * widening by halves (matmul.c), 1.4x at 32-64 and level at 6-16) */
+     * widening by halves (matmul.c), 1.4x at 32-64 and level at 6-16 alone,
+     * ahead from 8 in a whole decode step: see cpu_kernels.h) */
     if (p->w_dtype == MOE_DTYPE_BF16)
         return (f & CPU_FEAT_AVX512_BF16) &&
                (!(f & CPU_FEAT_DPBF16_SLOW) || (f & CPU_FEAT_AMX_BF16) ||
-                p->n_tok < SLOW_DP_FMA_MIN_TOK);
+                p->n_tok < CPU_SLOW_DP_FMA_MIN_TOK);
     if (p->w_dtype == MOE_DTYPE_I8 || p->w_dtype == MOE_DTYPE_I4)
         return (f & CPU_FEAT_AVX512_VNNI) != 0;
     return false;
@@ -184,7 +182,7 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt)
     if (amx_for(wt))
         return wt == MOE_DTYPE_BF16 ? "amx-bf16" : "amx-int8";
     if (wt == MOE_DTYPE_BF16 && (cpu_kernels_features() & CPU_FEAT_DPBF16_SLOW))
-        return "avx512-bf16/f32-fma"; /* below SLOW_DP_FMA_MIN_TOK tokens / from there */
+        return "avx512-bf16/f32-fma"; /* below CPU_SLOW_DP_FMA_MIN_TOK tokens / from there */
     return wt == MOE_DTYPE_BF16 ? "avx512-bf16" : "avx512-vnni";
 }
 

@@ -550,7 +550,8 @@ static void test_forced_off(enum moe_dtype dt, unsigned off, unsigned on, const 
 }
 
 /* Where vdpbf16ps is slow (CPU_FEAT_DPBF16_SLOW in `feats`, no AMX), fast
- * bf16 calls of 32+ tokens are the exact kernels bit for bit, smaller ones
+ * bf16 calls of CPU_SLOW_DP_FMA_MIN_TOK+ tokens are the exact kernels bit for
+ * bit, smaller ones
  * the vdpbf16ps path bit for bit (the same call with the bit cleared), and a
  * grouped call with experts on both sides equals each expert alone. */
 static void test_slow_dpbf16(unsigned feats)
@@ -558,7 +559,8 @@ static void test_slow_dpbf16(unsigned feats)
     const unsigned dot_feats = feats & ~CPU_FEAT_DPBF16_SLOW;
     cpu_kernels_force_features(feats);
     CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_BF16), "avx512-bf16/f32-fma") == 0);
-    const int n_in = 96, n_out = 20, toks[] = {7, 31, 32, 40};
+    const int T = CPU_SLOW_DP_FMA_MIN_TOK;
+    const int n_in = 96, n_out = 20, toks[] = {1, T - 1, T, 31, 32, 40};
     const float *sc;
     void *w = make_weights(MOE_DTYPE_BF16, n_out, n_in, &sc);
     float *x = malloc((size_t)40 * n_in * sizeof *x);
@@ -576,7 +578,7 @@ static void test_slow_dpbf16(unsigned feats)
                                       .n_out = n_out,
                                       .y = ya,
                                       .fast = true};
-        const bool dot = toks[i] < 32;
+        const bool dot = toks[i] < T;
         CHECKF(cpu_matmul_dot_supported(&p) == dot, "%d tokens: dot path %d", toks[i], !dot);
         cpu_matmul(g_pool, &p);
         p.y = yb;
@@ -595,8 +597,9 @@ static void test_slow_dpbf16(unsigned feats)
     free(ya);
     free(yb);
     test_grouped_equals_each(MOE_DTYPE_BF16, "avx512-bf16/f32-fma");
-    printf("avx512-bf16 where vdpbf16ps is slow: below 32 tokens vdpbf16ps, from 32 the exact "
-           "kernels, bit for bit\n");
+    printf("avx512-bf16 where vdpbf16ps is slow: below %d tokens vdpbf16ps, from %d the exact "
+           "kernels, bit for bit\n",
+           T, T);
     cpu_kernels_force_features(dot_feats);
 }
 
