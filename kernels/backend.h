@@ -105,8 +105,14 @@ struct moe_attn_params {
     int d_v;
     /* The model's fast mode (moe_model_opts.fast): the backend may round q
      * and the softmax probabilities to bf16 for its matrix units (the CPU
-     * backend does, on AMX, over a BF16 cache); false: f32 arithmetic. */
+     * backend does, on AMX, over a BF16 cache) or sum P V in fp16 a chunk
+     * of keys at a time (AVX512-FP16 without AMX, calls that take the
+     * generic AVX-512 tiles: prefill); false: f32 arithmetic. */
     bool fast;
+    /* As in struct moe_matmul_params: true keeps a token's result
+     * independent of the batch it is in, so the CPU backend does not take
+     * its fp16 P V (chosen by call shape) and computes in f32. */
+    bool batch_invariant;
 };
 
 /* Grouped expert GEMM: for every expert e with rows,

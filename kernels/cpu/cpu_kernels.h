@@ -53,7 +53,8 @@ enum cpu_feature {
      * vdpbf16ps (cpu_matmul_dot_supported). MOE_CPU_ISA=avx512-bf16 /
      * avx512-dot clear it: vdpbf16ps then runs at every size. */
     CPU_FEAT_DPBF16_SLOW = 1 << 4,
-    CPU_FEAT_ALL = 0x1f,
+    CPU_FEAT_AVX512_FP16 = 1 << 5, /* vfmadd231ph: 32 fp16 lanes at the f32 FMA's rate */
+    CPU_FEAT_ALL = 0x3f,
 };
 
 /* With CPU_FEAT_DPBF16_SLOW (and no AMX-BF16), bf16 fast calls of this many
@@ -77,8 +78,9 @@ unsigned cpu_kernels_features(void);
 unsigned cpu_kernels_force_features(unsigned features);
 
 /* MOE_CPU_ISA=auto|scalar|avx2|avx512|avx512-bf16|avx512-vnni|avx512-dot|amx
- * (avx512 alone: no dot-product extensions; the -bf16 / -vnni forms: that one
- * only; avx512-dot: both, without AMX; amx: everything), read
+ * (avx512 alone: no dot-product extensions nor AVX512-FP16; the -bf16 / -vnni
+ * forms: that one only; avx512-dot: both and AVX512-FP16, without AMX; amx:
+ * everything), read
  * once by the first cpu_kernels_isa() / cpu_kernels_features() call and
  * clamped to what the processor has (a note on stderr says so). Unknown
  * values are reported on stderr and ignored. */

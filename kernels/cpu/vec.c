@@ -78,6 +78,8 @@ unsigned cpu_kernels_detect_features(void)
         if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
             if (c & (1u << 11))
                 f |= CPU_FEAT_AVX512_VNNI;
+            if (d & (1u << 23))
+                f |= CPU_FEAT_AVX512_FP16;
             /* AMX: tile + bf16 / int8, the OS enabling the tile state
              * (XCR0 bits 17, 18), and this process allowed to use it
              * (amx_permission). */
@@ -123,7 +125,8 @@ static void apply_env(void)
             {"avx512", CPU_ISA_AVX512, 0},
             {"avx512-bf16", CPU_ISA_AVX512, CPU_FEAT_AVX512_BF16},
             {"avx512-vnni", CPU_ISA_AVX512, CPU_FEAT_AVX512_VNNI},
-            {"avx512-dot", CPU_ISA_AVX512, CPU_FEAT_AVX512_BF16 | CPU_FEAT_AVX512_VNNI},
+            {"avx512-dot", CPU_ISA_AVX512,
+             CPU_FEAT_AVX512_BF16 | CPU_FEAT_AVX512_VNNI | CPU_FEAT_AVX512_FP16},
             {"amx", CPU_ISA_AVX512, CPU_FEAT_ALL},
         };
         size_t i = 0;
@@ -219,11 +222,9 @@ const char *cpu_features_name(unsigned features, char *buf, size_t len)
     static const struct {
         unsigned bit;
         const char *name;
-    } names[] = {{CPU_FEAT_AVX512_BF16, "avx512-bf16"},
-                 {CPU_FEAT_AVX512_VNNI, "avx512-vnni"},
-                 {CPU_FEAT_AMX_BF16, "amx-bf16"},
-                 {CPU_FEAT_AMX_INT8, "amx-int8"},
-                 {CPU_FEAT_DPBF16_SLOW, "slow-vdpbf16ps"}};
+    } names[] = {{CPU_FEAT_AVX512_BF16, "avx512-bf16"},    {CPU_FEAT_AVX512_VNNI, "avx512-vnni"},
+                 {CPU_FEAT_AMX_BF16, "amx-bf16"},          {CPU_FEAT_AMX_INT8, "amx-int8"},
+                 {CPU_FEAT_DPBF16_SLOW, "slow-vdpbf16ps"}, {CPU_FEAT_AVX512_FP16, "avx512-fp16"}};
     size_t at = 0;
     if (len)
         buf[0] = '\0';

@@ -86,7 +86,8 @@ static void test_env_forms(const char *self)
         {"avx512", CPU_ISA_AVX512, 0},
         {"avx512-bf16", CPU_ISA_AVX512, CPU_FEAT_AVX512_BF16},
         {"avx512-vnni", CPU_ISA_AVX512, CPU_FEAT_AVX512_VNNI},
-        {"avx512-dot", CPU_ISA_AVX512, CPU_FEAT_AVX512_BF16 | CPU_FEAT_AVX512_VNNI},
+        {"avx512-dot", CPU_ISA_AVX512,
+         CPU_FEAT_AVX512_BF16 | CPU_FEAT_AVX512_VNNI | CPU_FEAT_AVX512_FP16},
         {"amx", CPU_ISA_AVX512, CPU_FEAT_ALL},
         {"no-such-isa", CPU_ISA_AVX512, CPU_FEAT_ALL}, /* ignored: as auto */
     };

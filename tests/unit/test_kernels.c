@@ -779,6 +779,130 @@ static void test_attention_tiled_isas_agree(float *a2[N_TILED_CASES], float *a5[
            N_TILED_CASES, N_DECODE_CASES);
 }
 
+/* Fast-mode attention with fp16 P V (AVX512-FP16 without AMX, attention_tiled.c):
+ * prefill-sized calls over BF16 and F32 caches held to the f32 reference
+ * within 1e-2 of max |ref| (random data reach ~2e-3) and not equal to the
+ * f32 tiles (the path ran); d_v not a multiple of 32, --batch-invariant, and
+ * chunks whose V holds values beyond FA_PH_MAX_V give the f32 tiles bit for
+ * bit. AMX is masked off for the test where the processor has it. */
+static void test_attention_fp16_pv(void)
+{
+    const unsigned have = cpu_kernels_features();
+    if (!(have & CPU_FEAT_AVX512_FP16)) {
+        printf("SKIPPED: attention fp16 P V: this processor lacks AVX512-FP16\n");
+        return;
+    }
+    cpu_kernels_force_features(have & ~(unsigned)(CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8));
+    static const struct {
+        int n_kv_head, rep, d_head, block_size, seq_len, n_new, kv_bf16;
+        float v_scale;
+        int fp16; /* the path applies */
+    } cases[] = {
+        {4, 4, 64, 16, 300, 40, 1, 1.0f, 1},    {2, 8, 128, 16, 200, 70, 1, 1.0f, 1},
+        {1, 16, 32, 32, 129, 128, 0, 1.0f, 1},  {2, 2, 96, 16, 90, 64, 1, 1.0f, 1},
+        {2, 4, 48, 16, 100, 33, 1, 1.0f, 0},    /* d_v 48: not a multiple of 32 */
+        {4, 4, 64, 16, 150, 40, 1, 2048.0f, 0}, /* |v| up to 2048: the f32 P V */
+    }; /* n_new < seq_len: sequence 1 (one shorter) starts at position 0 */
+    double worst = 0;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int nkv = cases[c].n_kv_head, n_head = nkv * cases[c].rep, d = cases[c].d_head;
+        const int bs = cases[c].block_size, len = cases[c].seq_len, n_new = cases[c].n_new;
+        const int kv_dim = nkv * d, n_seq = 2;
+        const int max_blocks = (len + bs - 1) / bs, n_block = n_seq * max_blocks;
+        int32_t *bt = malloc((size_t)n_block * sizeof *bt);
+        for (int b = 0; b < n_block; b++)
+            bt[b] = (b * 7) % n_block;
+        size_t n_cache = (size_t)n_block * bs * kv_dim;
+        float *kf = rand_floats(n_cache), *vf = rand_floats(n_cache);
+        uint16_t *kb = malloc(n_cache * 2), *vb = malloc(n_cache * 2);
+        for (size_t i = 0; i < n_cache; i++) {
+            vf[i] *= cases[c].v_scale;
+            kb[i] = moe_f32_to_bf16(kf[i]);
+            vb[i] = moe_f32_to_bf16(vf[i]);
+        }
+        const int n_tok = n_seq * n_new;
+        int32_t *seq = malloc((size_t)n_tok * sizeof *seq),
+                *pos = malloc((size_t)n_tok * sizeof *pos);
+        for (int t = 0; t < n_tok; t++) {
+            seq[t] = t / n_new;
+            pos[t] = len - n_new + t % n_new - (seq[t] ? 1 : 0);
+        }
+        size_t nq = (size_t)n_tok * n_head * d;
+        float *q = rand_floats(nq), *of = malloc(nq * sizeof(float)),
+              *orf = malloc(nq * sizeof(float)), *oe = malloc(nq * sizeof(float)),
+              *oi = malloc(nq * sizeof(float));
+        for (size_t i = 0; i < nq; i++)
+            q[i] *= 3.0f;
+        const bool b16 = cases[c].kv_bf16;
+        struct moe_attn_params ap = {
+            .q = q,
+            .out = of,
+            .k_cache = b16 ? (const void *)kb : (const void *)kf,
+            .v_cache = b16 ? (const void *)vb : (const void *)vf,
+            .kv_dtype = b16 ? MOE_DTYPE_BF16 : MOE_DTYPE_F32,
+            .tok_seq = seq,
+            .tok_pos = pos,
+            .block_tables = bt,
+            .max_blocks = max_blocks,
+            .n_tok = n_tok,
+            .n_head = n_head,
+            .n_kv_head = nkv,
+            .d_head = d,
+            .block_size = bs,
+            .scale = 1.0f / sqrtf((float)d),
+            .fast = true,
+        };
+        cpu_attention_tiled(g_pool, &ap);
+        struct moe_attn_params ar = ap;
+        ar.out = orf;
+        ar.fast = false;
+        cpu_attention_ref(g_pool, &ar);
+        ar.out = oe;
+        cpu_attention_tiled(g_pool, &ar); /* fast = false: the f32 tiles */
+        struct moe_attn_params ai = ap;
+        ai.out = oi;
+        ai.batch_invariant = true;
+        cpu_attention_tiled(g_pool, &ai);
+        CHECKF(memcmp(oi, oe, nq * sizeof(float)) == 0,
+               "fp16 P V case %zu: batch_invariant differs from the f32 tiles", c);
+        const bool same = memcmp(of, oe, nq * sizeof(float)) == 0;
+        if (cases[c].fp16) {
+            CHECKF(!same, "fp16 P V case %zu: fast gave the f32 tiles' bits (path not taken)", c);
+            double num = 0, den = 1e-30;
+            for (size_t i = 0; i < nq; i++) {
+                double di = fabs((double)of[i] - orf[i]);
+                if (!(di <= num)) /* NaN propagates */
+                    num = di;
+                den = fmax(den, fabs((double)orf[i]));
+            }
+            double e = num / den;
+            CHECKF(e <= 1e-2, "fp16 P V case %zu: max err %.3g of max |ref|", c, e);
+            worst = fmax(worst, e);
+        } else {
+            CHECKF(same,
+                   "fp16 P V case %zu: fast differs from the f32 tiles where it must not "
+                   "apply",
+                   c);
+        }
+        free(bt);
+        free(kf);
+        free(vf);
+        free(kb);
+        free(vb);
+        free(seq);
+        free(pos);
+        free(q);
+        free(of);
+        free(orf);
+        free(oe);
+        free(oi);
+    }
+    cpu_kernels_force_features(have);
+    printf("attention fp16 P V: %zu cases, worst err %.3g of max |ref| (tolerance 1e-2); d_v 48, "
+           "batch-invariant and |v| > 512 take the f32 tiles bit for bit\n",
+           sizeof cases / sizeof cases[0], worst);
+}
+
 /* Fast-mode attention on AMX (p->fast over a BF16 cache, attention_tiled.c):
  * held to the f32 reference over the same cache within the tolerance of
  * rounding q and the probabilities to bf16 (max |out - ref| <= 2e-2 of
@@ -2062,6 +2186,7 @@ int main(void)
         test_attention_decode_batch("avx512", dec5);
         test_attention_tiled_isas_agree(tiled2, tiled5, dec2, dec5);
         test_attention_amx();
+        test_attention_fp16_pv();
     } else
         printf("SKIPPED: attention tiled avx512 (and avx2 == avx512): this processor lacks "
                "AVX-512\n");

@@ -283,6 +283,7 @@ static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache 
         .block_size = kv->block_size,
         .scale = 1.0f / sqrtf((float)c->d_head),
         .fast = m->opts.fast,
+        .batch_invariant = m->opts.batch_invariant,
     };
     ops->attention(m->be, &ap);
     /* Row-parallel o_proj: with tp_size > 1 the partial sums are all-reduced here. */
