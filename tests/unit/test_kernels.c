@@ -779,9 +779,111 @@ static void test_attention_tiled_isas_agree(float *a2[N_TILED_CASES], float *a5[
            N_TILED_CASES, N_DECODE_CASES);
 }
 
+/* A two-sequence case for the fast-mode attention tests: random K and V (V
+ * times v_scale) in f32 and bf16 caches whose blocks are in reverse order,
+ * the last n_new tokens of each sequence (sequence 1 one shorter), q times
+ * 3; p over the bf16 (or f32) cache, fast on, out unset. */
+struct fast_attn_case {
+    struct moe_attn_params p;
+    int32_t *bt, *seq, *pos;
+    float *kf, *vf, *q;
+    uint16_t *kb, *vb;
+    size_t nq; /* floats of q and of an output */
+};
+
+static void fast_attn_case_make(struct fast_attn_case *fc, int nkv, int rep, int d, int bs, int len,
+                                int n_new, bool bf16, float v_scale)
+{
+    const int n_head = nkv * rep, kv_dim = nkv * d, n_seq = 2;
+    const int max_blocks = (len + bs - 1) / bs, n_block = n_seq * max_blocks;
+    fc->bt = malloc((size_t)n_block * sizeof *fc->bt);
+    for (int b = 0; b < n_block; b++)
+        fc->bt[b] = n_block - 1 - b;
+    const size_t n_cache = (size_t)n_block * bs * kv_dim;
+    fc->kf = rand_floats(n_cache);
+    fc->vf = rand_floats(n_cache);
+    fc->kb = malloc(n_cache * 2);
+    fc->vb = malloc(n_cache * 2);
+    for (size_t i = 0; i < n_cache; i++) {
+        fc->vf[i] *= v_scale;
+        fc->kb[i] = moe_f32_to_bf16(fc->kf[i]);
+        fc->vb[i] = moe_f32_to_bf16(fc->vf[i]);
+    }
+    const int n_tok = n_seq * n_new;
+    fc->seq = malloc((size_t)n_tok * sizeof *fc->seq);
+    fc->pos = malloc((size_t)n_tok * sizeof *fc->pos);
+    for (int t = 0; t < n_tok; t++) {
+        fc->seq[t] = t / n_new;
+        fc->pos[t] = len - n_new + t % n_new - (fc->seq[t] ? 1 : 0);
+    }
+    fc->nq = (size_t)n_tok * n_head * d;
+    fc->q = rand_floats(fc->nq);
+    for (size_t i = 0; i < fc->nq; i++)
+        fc->q[i] *= 3.0f;
+    fc->p = (struct moe_attn_params){
+        .q = fc->q,
+        .k_cache = bf16 ? (const void *)fc->kb : (const void *)fc->kf,
+        .v_cache = bf16 ? (const void *)fc->vb : (const void *)fc->vf,
+        .kv_dtype = bf16 ? MOE_DTYPE_BF16 : MOE_DTYPE_F32,
+        .tok_seq = fc->seq,
+        .tok_pos = fc->pos,
+        .block_tables = fc->bt,
+        .max_blocks = max_blocks,
+        .n_tok = n_tok,
+        .n_head = n_head,
+        .n_kv_head = nkv,
+        .d_head = d,
+        .block_size = bs,
+        .scale = 1.0f / sqrtf((float)d),
+        .fast = true,
+    };
+}
+
+static void fast_attn_case_free(struct fast_attn_case *fc)
+{
+    free(fc->bt);
+    free(fc->seq);
+    free(fc->pos);
+    free(fc->kf);
+    free(fc->vf);
+    free(fc->q);
+    free(fc->kb);
+    free(fc->vb);
+}
+
+/* The case's fast output, the f32 reference and the f32 tiles' output
+ * (fast off), through cpu_attention (dispatch) or cpu_attention_tiled. */
+static void fast_attn_case_run(const struct fast_attn_case *fc, bool dispatch, float *fast,
+                               float *ref, float *exact)
+{
+    void (*attn)(struct moe_threadpool *, const struct moe_attn_params *) =
+        dispatch ? cpu_attention : cpu_attention_tiled;
+    struct moe_attn_params a = fc->p;
+    a.out = fast;
+    attn(g_pool, &a);
+    a.fast = false;
+    a.out = ref;
+    cpu_attention_ref(g_pool, &a);
+    a.out = exact;
+    attn(g_pool, &a);
+}
+
+/* max |a - b| / max |b| over n floats (NaN propagates) */
+static double max_rel_err_f(const float *a, const float *b, size_t n)
+{
+    double num = 0, den = 1e-30;
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - b[i]);
+        if (!(e <= num))
+            num = e;
+        den = fmax(den, fabs((double)b[i]));
+    }
+    return num / den;
+}
+
 /* Fast-mode attention with fp16 P V (AVX512-FP16 without AMX, attention_tiled.c):
  * prefill-sized calls over BF16 and F32 caches held to the f32 reference
- * within 1e-2 of max |ref| (random data reach ~2e-3) and not equal to the
+ * within 1e-2 of max |ref| (random data reach ~3e-3) and not equal to the
  * f32 tiles (the path ran); d_v not a multiple of 32, --batch-invariant, and
  * chunks whose V holds values beyond FA_PH_MAX_V give the f32 tiles bit for
  * bit. AMX is masked off for the test where the processor has it. */
@@ -802,64 +904,18 @@ static void test_attention_fp16_pv(void)
         {1, 16, 32, 32, 129, 128, 0, 1.0f, 1},  {2, 2, 96, 16, 90, 64, 1, 1.0f, 1},
         {2, 4, 48, 16, 100, 33, 1, 1.0f, 0},    /* d_v 48: not a multiple of 32 */
         {4, 4, 64, 16, 150, 40, 1, 2048.0f, 0}, /* |v| up to 2048: the f32 P V */
-    }; /* n_new < seq_len: sequence 1 (one shorter) starts at position 0 */
+    };
     double worst = 0;
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        const int nkv = cases[c].n_kv_head, n_head = nkv * cases[c].rep, d = cases[c].d_head;
-        const int bs = cases[c].block_size, len = cases[c].seq_len, n_new = cases[c].n_new;
-        const int kv_dim = nkv * d, n_seq = 2;
-        const int max_blocks = (len + bs - 1) / bs, n_block = n_seq * max_blocks;
-        int32_t *bt = malloc((size_t)n_block * sizeof *bt);
-        for (int b = 0; b < n_block; b++)
-            bt[b] = (b * 7) % n_block;
-        size_t n_cache = (size_t)n_block * bs * kv_dim;
-        float *kf = rand_floats(n_cache), *vf = rand_floats(n_cache);
-        uint16_t *kb = malloc(n_cache * 2), *vb = malloc(n_cache * 2);
-        for (size_t i = 0; i < n_cache; i++) {
-            vf[i] *= cases[c].v_scale;
-            kb[i] = moe_f32_to_bf16(kf[i]);
-            vb[i] = moe_f32_to_bf16(vf[i]);
-        }
-        const int n_tok = n_seq * n_new;
-        int32_t *seq = malloc((size_t)n_tok * sizeof *seq),
-                *pos = malloc((size_t)n_tok * sizeof *pos);
-        for (int t = 0; t < n_tok; t++) {
-            seq[t] = t / n_new;
-            pos[t] = len - n_new + t % n_new - (seq[t] ? 1 : 0);
-        }
-        size_t nq = (size_t)n_tok * n_head * d;
-        float *q = rand_floats(nq), *of = malloc(nq * sizeof(float)),
-              *orf = malloc(nq * sizeof(float)), *oe = malloc(nq * sizeof(float)),
-              *oi = malloc(nq * sizeof(float));
-        for (size_t i = 0; i < nq; i++)
-            q[i] *= 3.0f;
-        const bool b16 = cases[c].kv_bf16;
-        struct moe_attn_params ap = {
-            .q = q,
-            .out = of,
-            .k_cache = b16 ? (const void *)kb : (const void *)kf,
-            .v_cache = b16 ? (const void *)vb : (const void *)vf,
-            .kv_dtype = b16 ? MOE_DTYPE_BF16 : MOE_DTYPE_F32,
-            .tok_seq = seq,
-            .tok_pos = pos,
-            .block_tables = bt,
-            .max_blocks = max_blocks,
-            .n_tok = n_tok,
-            .n_head = n_head,
-            .n_kv_head = nkv,
-            .d_head = d,
-            .block_size = bs,
-            .scale = 1.0f / sqrtf((float)d),
-            .fast = true,
-        };
-        cpu_attention_tiled(g_pool, &ap);
-        struct moe_attn_params ar = ap;
-        ar.out = orf;
-        ar.fast = false;
-        cpu_attention_ref(g_pool, &ar);
-        ar.out = oe;
-        cpu_attention_tiled(g_pool, &ar); /* fast = false: the f32 tiles */
-        struct moe_attn_params ai = ap;
+        struct fast_attn_case fc;
+        fast_attn_case_make(&fc, cases[c].n_kv_head, cases[c].rep, cases[c].d_head,
+                            cases[c].block_size, cases[c].seq_len, cases[c].n_new, cases[c].kv_bf16,
+                            cases[c].v_scale);
+        const size_t nq = fc.nq;
+        float *of = malloc(nq * sizeof(float)), *orf = malloc(nq * sizeof(float)),
+              *oe = malloc(nq * sizeof(float)), *oi = malloc(nq * sizeof(float));
+        fast_attn_case_run(&fc, false, of, orf, oe);
+        struct moe_attn_params ai = fc.p;
         ai.out = oi;
         ai.batch_invariant = true;
         cpu_attention_tiled(g_pool, &ai);
@@ -868,30 +924,14 @@ static void test_attention_fp16_pv(void)
         const bool same = memcmp(of, oe, nq * sizeof(float)) == 0;
         if (cases[c].fp16) {
             CHECKF(!same, "fp16 P V case %zu: fast gave the f32 tiles' bits (path not taken)", c);
-            double num = 0, den = 1e-30;
-            for (size_t i = 0; i < nq; i++) {
-                double di = fabs((double)of[i] - orf[i]);
-                if (!(di <= num)) /* NaN propagates */
-                    num = di;
-                den = fmax(den, fabs((double)orf[i]));
-            }
-            double e = num / den;
+            double e = max_rel_err_f(of, orf, nq);
             CHECKF(e <= 1e-2, "fp16 P V case %zu: max err %.3g of max |ref|", c, e);
             worst = fmax(worst, e);
         } else {
             CHECKF(same,
-                   "fp16 P V case %zu: fast differs from the f32 tiles where it must not "
-                   "apply",
-                   c);
+                   "fp16 P V case %zu: fast differs from the f32 tiles where it must not apply", c);
         }
-        free(bt);
-        free(kf);
-        free(vf);
-        free(kb);
-        free(vb);
-        free(seq);
-        free(pos);
-        free(q);
+        fast_attn_case_free(&fc);
         free(of);
         free(orf);
         free(oe);
@@ -925,90 +965,36 @@ static void test_attention_amx(void)
     double worst = 0;
     int differ = 0, exact_differ = 0;
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        const int nkv = cases[c].n_kv_head, n_head = nkv * cases[c].rep, d = cases[c].d_head;
-        const int bs = cases[c].block_size, len = cases[c].seq_len, n_new = cases[c].n_new;
-        const int kv_dim = nkv * d, n_seq = 2;
-        const int max_blocks = (len + bs - 1) / bs, n_block = n_seq * max_blocks;
-        int32_t *bt = malloc((size_t)n_block * sizeof *bt);
-        for (int b = 0; b < n_block; b++)
-            bt[b] = n_block - 1 - b;
-        size_t n_cache = (size_t)n_block * bs * kv_dim;
-        float *kf = rand_floats(n_cache), *vf = rand_floats(n_cache);
-        uint16_t *kb = malloc(n_cache * 2), *vb = malloc(n_cache * 2);
-        for (size_t i = 0; i < n_cache; i++) {
-            kb[i] = moe_f32_to_bf16(kf[i]);
-            vb[i] = moe_f32_to_bf16(vf[i]);
-        }
-        const int n_tok = n_seq * n_new;
-        int32_t *seq = malloc((size_t)n_tok * sizeof *seq),
-                *pos = malloc((size_t)n_tok * sizeof *pos);
-        for (int t = 0; t < n_tok; t++) {
-            seq[t] = t / n_new;
-            pos[t] = len - n_new + t % n_new - (seq[t] ? 1 : 0);
-        }
-        size_t nq = (size_t)n_tok * n_head * d;
-        float *q = rand_floats(nq), *oa = malloc(nq * sizeof(float)),
-              *orf = malloc(nq * sizeof(float)), *oe = malloc(nq * sizeof(float)),
-              *ot = malloc(nq * sizeof(float));
-        for (size_t i = 0; i < nq; i++)
-            q[i] *= 3.0f;
-        struct moe_attn_params ap = {
-            .q = q,
-            .out = oa,
-            .k_cache = kb,
-            .v_cache = vb,
-            .kv_dtype = MOE_DTYPE_BF16,
-            .tok_seq = seq,
-            .tok_pos = pos,
-            .block_tables = bt,
-            .max_blocks = max_blocks,
-            .n_tok = n_tok,
-            .n_head = n_head,
-            .n_kv_head = nkv,
-            .d_head = d,
-            .block_size = bs,
-            .scale = 1.0f / sqrtf((float)d),
-            .fast = true,
-        };
-        cpu_attention(g_pool, &ap);
-        struct moe_attn_params ar = ap;
-        ar.out = orf;
+        struct fast_attn_case fc;
+        fast_attn_case_make(&fc, cases[c].n_kv_head, cases[c].rep, cases[c].d_head,
+                            cases[c].block_size, cases[c].seq_len, cases[c].n_new, true, 1.0f);
+        const size_t nq = fc.nq;
+        const int n_head = fc.p.n_head, d = fc.p.d_head, n_tok = fc.p.n_tok;
+        float *oa = malloc(nq * sizeof(float)), *orf = malloc(nq * sizeof(float)),
+              *oe = malloc(nq * sizeof(float)), *ot = malloc(nq * sizeof(float));
+        fast_attn_case_run(&fc, true, oa, orf, oe); /* oe: fast = false, the f32 tiles */
+        struct moe_attn_params ar = fc.p;
         ar.fast = false;
-        cpu_attention_ref(g_pool, &ar);
-        ar.out = oe;
-        cpu_attention(g_pool, &ar); /* fast = false: the f32 tiles */
         ar.out = ot;
         cpu_attention_tiled(NULL, &ar);
         exact_differ += memcmp(oe, ot, nq * sizeof(float)) != 0;
-        double num = 0, den = 1e-30;
-        for (size_t i = 0; i < nq; i++) {
-            num = fmax(num, fabs((double)oa[i] - orf[i]));
-            den = fmax(den, fabs((double)orf[i]));
-        }
-        double e = num / den;
+        double e = max_rel_err_f(oa, orf, nq);
         CHECKF(e <= 2e-2, "amx attention case %zu: max err %.3g of max |ref|", c, e);
         worst = fmax(worst, e);
         float *o1 = malloc((size_t)n_head * d * sizeof(float));
         for (int t = 0; t < n_tok; t += 3) {
-            struct moe_attn_params a1 = ap;
-            a1.q = q + (size_t)t * n_head * d;
+            struct moe_attn_params a1 = fc.p;
+            a1.q = fc.q + (size_t)t * n_head * d;
             a1.out = o1;
-            a1.tok_seq = seq + t;
-            a1.tok_pos = pos + t;
+            a1.tok_seq = fc.seq + t;
+            a1.tok_pos = fc.pos + t;
             a1.n_tok = 1;
             cpu_attention(g_pool, &a1);
             differ +=
                 memcmp(o1, oa + (size_t)t * n_head * d, (size_t)n_head * d * sizeof(float)) != 0;
         }
         free(o1);
-        free(bt);
-        free(kf);
-        free(vf);
-        free(kb);
-        free(vb);
-        free(seq);
-        free(pos);
-        free(q);
+        fast_attn_case_free(&fc);
         free(oa);
         free(orf);
         free(oe);
