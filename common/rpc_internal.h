@@ -37,9 +37,11 @@ void rpc_server_set_drain_exempt(struct rpc_server *server, const char *path);
 void rpc_channel_args_fill(grpc_arg *args, int *n, size_t max_message_bytes, int keepalive_time_ms,
                            int keepalive_timeout_ms, int server);
 
-/* Adds "-posix_event_engine_enable_polling" to GRPC_EXPERIMENTS for gRPC
- * core 29 (1.51) unless the variable names that experiment already; run
- * before main by a constructor (see rpc_server.c), exposed for the tests. */
+/* Adds "-" RPC_EE_POLLING to GRPC_EXPERIMENTS for gRPC core RPC_EE_POLLING_CORE
+ * (1.51) unless the variable names that experiment already; run before main
+ * by a constructor (see rpc_server.c), exposed for the tests. */
+#define RPC_EE_POLLING "posix_event_engine_enable_polling"
+#define RPC_EE_POLLING_CORE "29." /* grpc_version_string()'s prefix */
 void rpc_experiments_default(void);
 
 /* A monotonic gRPC deadline timeout_ms from now (<= 0: infinite). */

@@ -179,11 +179,9 @@ struct unimpl_call {
  * a GRPC_EXPERIMENTS that names the experiment itself is left as given.
  * Other gRPC versions are left alone: they may not know the name and
  * would log an error for it. */
-#define RPC_EE_POLLING "posix_event_engine_enable_polling"
-
 void rpc_experiments_default(void)
 {
-    if (strncmp(grpc_version_string(), "29.", 3) != 0)
+    if (strncmp(grpc_version_string(), RPC_EE_POLLING_CORE, strlen(RPC_EE_POLLING_CORE)) != 0)
         return;
     const char *old = getenv("GRPC_EXPERIMENTS");
     if (old && strstr(old, RPC_EE_POLLING))

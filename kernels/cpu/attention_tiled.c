@@ -66,11 +66,11 @@
  * to 64) keys stays in fp16 and is then added to O in f32. Where the f32
  * FMAs do 16 multiply-adds an instruction these do 32 at the same rate
  * (Emerald Rapids: P V 14.6 -> 10.7 ms of a 512-token chunk at 4096
- * positions, 2 threads; the whole call 33.7 -> 29.9); P is stored as its
+ * positions, 2 threads; the whole call 34.8 -> 32.0); P is stored as its
  * fp16 value twice in a dword, so its broadcast is a load, not a shuffle
  * that would take an FMA port. A chunk whose V rows hold a value beyond
  * FA_PH_MAX_V (its fp16 sums could then overflow) takes the f32 P V.
- * Against the f32 reference ~1.5e-3 of max |out| on random data (llama.cpp
+ * Against the f32 reference ~3e-3 of max |out| on random data (llama.cpp
  * sums a whole row's P V in fp16); unit/test_kernels holds it to 1e-2.
  *
  * Shapes: d_head <= FA_MAX_D and n_head / n_kv_head <= FA_ROWS; others take
@@ -421,7 +421,7 @@ FA_PH_TARGET static void fa_pv_ph_any(int RT, int NDH, int r0, int nk, const uin
 /* The chunk's P V in fp16 for rows [0, n_rows): V rows (vp, f32) and P^T (pt)
  * rounded into v16 and p16 first. Returns false, having changed nothing in
  * O, when a V value exceeds FA_PH_MAX_V: the caller runs the f32 P V. */
-FA_PH_TARGET static bool fa_chunk_pv_ph(int nk, int mv, int n_rows, int dv, const float *const *vp,
+FA_PH_TARGET static bool fa_chunk_pv_ph(int nk, int n_rows, int dv, const float *const *vp,
                                         const float *pt, const float *alpha, float *o, int ldo,
                                         uint32_t *p16, uint16_t *v16)
 {
@@ -435,6 +435,7 @@ FA_PH_TARGET static bool fa_chunk_pv_ph(int nk, int mv, int n_rows, int dv, cons
         }
     if (!(_mm512_reduce_max_ps(vmax) <= FA_PH_MAX_V))
         return false;
+    const int mv = (n_rows + 15) / 16;
     for (int j = 0; j < nk; j++)
         for (int v = 0; v < mv; v++) {
             const __m256i h = _mm256_castph_si256(
@@ -875,7 +876,7 @@ FA_TARGET static void fa_task_avx512(const struct fa_job *j, int task, int threa
         fa_softmax(c.pt, nk, c0, mv, c.rpos, c.mrow, c.lrow, c.alpha, 1.0f);
 #if FA_PH
         if (j->pv_ph &&
-            fa_chunk_pv_ph(nk, mv, c.n_rows, dv, vp, c.pt, c.alpha, c.o, c.ldv, c.p16, c.v16))
+            fa_chunk_pv_ph(nk, c.n_rows, dv, vp, c.pt, c.alpha, c.o, c.ldv, c.p16, c.v16))
             continue;
 #endif
         /* O's columns in passes of up to FA_PV_D (8 vectors) */

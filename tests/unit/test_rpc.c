@@ -610,22 +610,22 @@ static void test_experiments_default(void)
     const char *v = getenv("GRPC_EXPERIMENTS");
     char start[1024];
     snprintf(start, sizeof start, "%s", v ? v : "");
-    bool core29 = strncmp(grpc_version_string(), "29.", 3) == 0;
+    bool core29 =
+        strncmp(grpc_version_string(), RPC_EE_POLLING_CORE, strlen(RPC_EE_POLLING_CORE)) == 0;
     if (!core29) {
         fprintf(stderr, "test_rpc: gRPC core %s: GRPC_EXPERIMENTS left alone\n",
                 grpc_version_string());
         return;
     }
-    CHECKF(strstr(start, "posix_event_engine_enable_polling") != NULL,
-           "GRPC_EXPERIMENTS at main: '%s'", start);
+    CHECKF(strstr(start, RPC_EE_POLLING) != NULL, "GRPC_EXPERIMENTS at main: '%s'", start);
     setenv("GRPC_EXPERIMENTS", "tcp_rcv_lowat", 1);
     rpc_experiments_default();
-    CHECKF(!strcmp(getenv("GRPC_EXPERIMENTS"), "tcp_rcv_lowat,-posix_event_engine_enable_polling"),
-           "appended: '%s'", getenv("GRPC_EXPERIMENTS"));
-    setenv("GRPC_EXPERIMENTS", "posix_event_engine_enable_polling", 1);
+    CHECKF(!strcmp(getenv("GRPC_EXPERIMENTS"), "tcp_rcv_lowat,-" RPC_EE_POLLING), "appended: '%s'",
+           getenv("GRPC_EXPERIMENTS"));
+    setenv("GRPC_EXPERIMENTS", RPC_EE_POLLING, 1);
     rpc_experiments_default();
-    CHECKF(!strcmp(getenv("GRPC_EXPERIMENTS"), "posix_event_engine_enable_polling"),
-           "the user's choice kept: '%s'", getenv("GRPC_EXPERIMENTS"));
+    CHECKF(!strcmp(getenv("GRPC_EXPERIMENTS"), RPC_EE_POLLING), "the user's choice kept: '%s'",
+           getenv("GRPC_EXPERIMENTS"));
     setenv("GRPC_EXPERIMENTS", start, 1);
     /* gRPC reads the variable once, at its first use: with the server up,
      * only iomgr's own epoll set exists (two with the poller running). */
