@@ -73,6 +73,25 @@
  * Against the f32 reference ~3e-3 of max |out| on random data (llama.cpp
  * sums a whole row's P V in fp16); unit/test_kernels holds it to 1e-2.
  *
+ * fp16 scores (the same calls, over a BF16 cache, for the sequences widened
+ * once for the call, fa_plan_wide): the wide copy is made in fp16 instead
+ * of f32 -- K rows as fp16 pairs (each value twice in a dword: a broadcast
+ * is a load), V rows as fp16 -- with each 256 positions' largest K row norm
+ * and |v|. Q^T is scaled and rounded to fp16 once per task. S^T = K Q^T
+ * runs on vfmadd231ph, 32 rows a vector, summed in fp16 (in segments of
+ * FA_PH_SEG elements for wider heads), and stays fp16; the online softmax
+ * runs on those 32 lanes (exp in fp16 arithmetic to ~1e-3, m kept as an
+ * fp16 value so s - m is exact near the max, l summed in f32 over the very
+ * fp16 p that P V uses) and writes P in the pair form the fp16 P V reads.
+ * A chunk where a score could exceed FA_PH_MAX_S (the largest |q scale|
+ * times the largest |k| of its 256 positions: Cauchy-Schwarz) or |v| could
+ * exceed FA_PH_MAX_V takes the f32 scores and softmax on rows widened from
+ * the cache as above. fp16 holds a score to ~1e-3 of its size (a sum of up
+ * to 64 rounded products): about what rounding q to bf16 costs the AMX path
+ * and GPU kernels. Emerald Rapids, 2 threads, a 512-token chunk at 4096
+ * positions of the benchmark shape: 31.9 -> 18.0 ms; ~6e-3 of max |out|
+ * against the f32 reference on random data (unit/test_kernels: 1e-2).
+ *
  * Shapes: d_head <= FA_MAX_D and n_head / n_kv_head <= FA_ROWS; others take
  * the reference path. */
 #include <math.h>
@@ -90,6 +109,14 @@
 #define FA_PV_D 128   /* O columns per PV pass: 8 vectors */
 #define FA_AMX_MAX_D 256
 #define FA_PH_MAX_V 512.0f /* |v| above it: f32 P V (64 x 512 < 65504) */
+/* fp16 scores: a chunk whose max |q scale| max |k| (norms of rows: by
+ * Cauchy-Schwarz a bound on every score and partial sum) exceeds it takes
+ * the f32 scores: fp16 holds a score to ~1e-3 of its size, so beyond this
+ * its rounding could reach a sizeable fraction of a unit (and p's error
+ * e^that), and far below fp16's overflow */
+#define FA_PH_MAX_S 1024.0f
+#define FA_PH_SEG 64     /* fp16 score sums over at most this many elements */
+#define FA_WIDEN_POS 256 /* positions a widening task covers: whole chunks */
 
 bool cpu_attention_tiled_supported(const struct moe_attn_params *p)
 {
@@ -157,9 +184,11 @@ struct fa_job {
     bool heads;   /* a task is a group's every KV head (fa_task_avx2_heads) */
     bool heads16; /* ... on AVX-512, four heads a vector (fa_task_avx512_heads) */
     bool pv_ph;   /* fa_task_avx512 sums P V in fp16 (see the top) */
+    bool ph;      /* ... and the scores too, from fp16 wide copies (see the top) */
     struct fa_wide *wide;
     int n_wide, n_widen_tasks;
     float *wide_buf;
+    float *wide_max; /* ph: max |k| (row norm), max |v| (element) per widening task and KV head */
     float *scratch;
     size_t scratch_stride; /* floats per thread */
 };
@@ -173,7 +202,7 @@ static size_t fa_scratch_floats(int ldk, int ldv)
 {
     return (size_t)ldk * FA_ROWS + (size_t)FA_ROWS * ldv + (size_t)FA_KB * FA_ROWS +
            (size_t)FA_KB * ldk + (size_t)FA_KB * ldv + 3 * FA_ROWS + (size_t)FA_KB * FA_ROWS +
-           (size_t)FA_KB * ldv / 2;
+           (size_t)FA_KB * ldv / 2 + (size_t)ldk * FA_ROWS / 2;
 }
 
 /* n bf16 values widened (exactly) to f32: inline, since a decode step widens
@@ -418,6 +447,200 @@ FA_PH_TARGET static void fa_pv_ph_any(int RT, int NDH, int r0, int nk, const uin
     MOE_ASSERT(0 && "fa_pv_ph_any: unsupported tile");
 }
 
+/* fp16 scores: S^T[j][rows] = sum_k K[j][k] Q^T[k][rows] for J keys (K rows
+ * as fp16 pairs, ldk apart) and MH vectors of 32 rows of qh (Q^T times
+ * scale, fp16), summed in fp16, into sh as fp16 (FA_ROWS apart). Heads wider
+ * than FA_PH_SEG are summed in segments of it, added in fp16 (each a sum of
+ * fewer and smaller terms). */
+FA_PH_TARGET static inline __attribute__((always_inline)) void
+fa_scores_ph(const int J, const int MH, const uint32_t *k2, int ldk, int d, const uint16_t *qh,
+             uint16_t *sh)
+{
+    for (int k0 = 0; k0 < d; k0 += FA_PH_SEG) {
+        const int k1 = d - k0 > FA_PH_SEG ? k0 + FA_PH_SEG : d;
+        __m512h acc[12][2];
+#pragma GCC unroll 12
+        for (int j = 0; j < J; j++)
+#pragma GCC unroll 2
+            for (int v = 0; v < MH; v++)
+                acc[j][v] = _mm512_setzero_ph();
+        for (int k = k0; k < k1; k++) {
+            __m512h q[2];
+#pragma GCC unroll 2
+            for (int v = 0; v < MH; v++)
+                q[v] = _mm512_castsi512_ph(
+                    _mm512_loadu_si512((const void *)(qh + (size_t)k * FA_ROWS + 32 * v)));
+#pragma GCC unroll 12
+            for (int j = 0; j < J; j++) {
+                const __m512h kb =
+                    _mm512_castsi512_ph(_mm512_set1_epi32((int)k2[(size_t)j * ldk + k]));
+#pragma GCC unroll 2
+                for (int v = 0; v < MH; v++)
+                    acc[j][v] = _mm512_fmadd_ph(kb, q[v], acc[j][v]);
+            }
+        }
+#pragma GCC unroll 12
+        for (int j = 0; j < J; j++)
+#pragma GCC unroll 2
+            for (int v = 0; v < MH; v++) {
+                uint16_t *out = sh + (size_t)j * FA_ROWS + 32 * v;
+                __m512h x = acc[j][v];
+                if (k0)
+                    x = _mm512_add_ph(x, _mm512_castsi512_ph(_mm512_loadu_si512((void *)out)));
+                _mm512_storeu_si512((void *)out, _mm512_castph_si512(x));
+            }
+    }
+}
+
+FA_PH_TARGET static void fa_scores_ph_any(int J, int MH, const uint32_t *k2, int ldk, int d,
+                                          const uint16_t *qh, uint16_t *sh)
+{
+#define SH_CASE(JJ, VV)                                                                            \
+    case (JJ)*4 + (VV): fa_scores_ph(JJ, VV, k2, ldk, d, qh, sh); return;
+    switch (J * 4 + MH) {
+        SH_CASE(12, 2)
+        SH_CASE(12, 1)
+        SH_CASE(4, 2)
+        SH_CASE(4, 1)
+        SH_CASE(1, 2)
+        SH_CASE(1, 1)
+    default: break;
+    }
+#undef SH_CASE
+    MOE_ASSERT(0 && "fa_scores_ph_any: unsupported tile");
+}
+
+/* O = alpha O + P V in fp16 tiles for rows [0, n_rows) from P^T in fp16
+ * pairs (p16) and nk V rows in fp16 (v16, ldh apart). */
+FA_PH_TARGET static void fa_pv_ph_rows(int nk, int n_rows, int dv, const uint16_t *v16, int ldh,
+                                       const uint32_t *p16, const float *alpha, float *o, int ldo)
+{
+    /* about 24 accumulators a tile, as the f32 P V */
+    const int ndh = dv / 32, rt = ndh == 1 ? 16 : ndh == 2 ? 12 : ndh == 3 ? 8 : 6;
+    int r = 0;
+    for (; r + rt <= n_rows; r += rt)
+        fa_pv_ph_any(rt, ndh, r, nk, v16, ldh, p16, alpha, o, ldo);
+    for (; r + 4 <= n_rows; r += 4)
+        fa_pv_ph_any(4, ndh, r, nk, v16, ldh, p16, alpha, o, ldo);
+    for (; r + 2 <= n_rows; r += 2)
+        fa_pv_ph_any(2, ndh, r, nk, v16, ldh, p16, alpha, o, ldo);
+    for (; r < n_rows; r++)
+        fa_pv_ph_any(1, ndh, r, nk, v16, ldh, p16, alpha, o, ldo);
+}
+
+/* exp(x) in fp16 for x <= 0 (or -inf), 32 lanes: x clamped at -24 (exp
+ * of it is below fp16's least subnormal: exactly 0), n = round(x log2 e),
+ * r = x - n ln 2 with ln 2 in two parts, the Taylor polynomial of degree 4
+ * (|r| <= ln 2 / 2: relative error < 5e-5), scaled by 2^n. Within ~1e-3
+ * relative of expf (the fp16 roundings of r, the polynomial's steps and the
+ * result). */
+FA_PH_TARGET static inline __attribute__((always_inline)) __m512h exp_ph(__m512h x)
+{
+    x = _mm512_max_ph(x, _mm512_set1_ph((_Float16)-24.0f));
+    const __m512h n = _mm512_roundscale_ph(_mm512_mul_ph(x, _mm512_set1_ph((_Float16)1.44269504f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512h r = _mm512_fnmadd_ph(n, _mm512_set1_ph((_Float16)0.693359375f), x);
+    r = _mm512_fnmadd_ph(n, _mm512_set1_ph((_Float16)-2.12194440e-4f), r);
+    __m512h pl = _mm512_fmadd_ph(_mm512_set1_ph((_Float16)(1.0f / 24)), r,
+                                 _mm512_set1_ph((_Float16)(1.0f / 6)));
+    pl = _mm512_fmadd_ph(pl, r, _mm512_set1_ph((_Float16)0.5f));
+    pl = _mm512_fmadd_ph(pl, r, _mm512_set1_ph((_Float16)1.0f));
+    pl = _mm512_fmadd_ph(pl, r, _mm512_set1_ph((_Float16)1.0f));
+    return _mm512_scalef_ph(pl, n);
+}
+
+/* 32 fp16 lanes as two vectors of 16 f32 (exact). */
+FA_PH_TARGET static inline __attribute__((always_inline)) void ph_to_ps(__m512h x, __m512 *lo,
+                                                                        __m512 *hi)
+{
+    const __m512i b = _mm512_castph_si512(x);
+    *lo = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(b)));
+    *hi = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(b, 1)));
+}
+
+/* The online softmax of fa_softmax for the ph path, 32 rows a vector, in
+ * fp16: the chunk's scores sh (fp16, scaled) become P^T in p16 as fp16
+ * pairs (each value twice in a dword, for fa_pv_ph's broadcasts). m stays an
+ * fp16 value (the largest score seen), so s - m is exact where s is within
+ * a factor 2 of m and one fp16 rounding otherwise; p = exp_ph(s - m); l sums
+ * in f32 the fp16 p that P V uses; alpha = exp(m_old - m_new) in f32. Keys
+ * after a row's position give p = 0 exactly; masks only in chunks that
+ * reach past a row's position. */
+FA_PH_TARGET static void fa_softmax_ph(uint16_t *sh, uint32_t *p16, int nk, int c0, int mh,
+                                       const int32_t *rpos, float *mrow, float *lrow, float *alpha)
+{
+    /* word i of a 32-word vector from word i / 2 (rows 0..15) or 16 + i / 2 */
+    const __m512i pair_lo = _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9,
+                                             8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
+    const __m512h neg_inf = _mm512_castsi512_ph(_mm512_set1_epi16((short)0xfc00));
+    for (int v = 0; v < mh; v++) {
+        const __m512i pos_lo = _mm512_loadu_si512((const void *)(rpos + 32 * v));
+        const __m512i pos_hi = _mm512_loadu_si512((const void *)(rpos + 32 * v + 16));
+        __m512h cmax = neg_inf;
+        if (c0 + nk - 1 > _mm512_reduce_min_epi32(_mm512_min_epi32(pos_lo, pos_hi))) {
+            for (int kk = 0; kk < nk; kk++) {
+                uint16_t *s = sh + (size_t)kk * FA_ROWS + 32 * v;
+                const __m512i key = _mm512_set1_epi32(c0 + kk);
+                const __mmask32 masked = (__mmask32)_mm512_cmpgt_epi32_mask(key, pos_lo) |
+                                         (__mmask32)_mm512_cmpgt_epi32_mask(key, pos_hi) << 16;
+                const __m512h sv = _mm512_castsi512_ph(_mm512_mask_mov_epi16(
+                    _mm512_loadu_si512((void *)s), masked, _mm512_castph_si512(neg_inf)));
+                _mm512_storeu_si512((void *)s, _mm512_castph_si512(sv));
+                cmax = _mm512_max_ph(cmax, sv);
+            }
+        } else {
+            for (int kk = 0; kk < nk; kk++)
+                cmax = _mm512_max_ph(cmax, _mm512_castsi512_ph(_mm512_loadu_si512((
+                                               const void *)(sh + (size_t)kk * FA_ROWS + 32 * v))));
+        }
+        __m512 cm_lo, cm_hi;
+        ph_to_ps(cmax, &cm_lo, &cm_hi);
+        const __m512 mold_lo = _mm512_loadu_ps(mrow + 32 * v);
+        const __m512 mold_hi = _mm512_loadu_ps(mrow + 32 * v + 16);
+        /* every row sees key 0 in chunk 0, so m is finite from then on. m is
+         * rounded up to fp16 (exact where every chunk was fp16; after a chunk
+         * of f32 scores it may not be) and kept as that value, so p <= 1 and
+         * alpha scale to the same m; an m beyond fp16 stays f32 (its p are
+         * exp(s - inf) = 0, which exp(s - m) is for the scores allowed here) */
+        __m512 mnew_lo = _mm512_max_ps(mold_lo, cm_lo);
+        __m512 mnew_hi = _mm512_max_ps(mold_hi, cm_hi);
+        const __m256i up_lo = _mm512_cvtps_ph(mnew_lo, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+        const __m256i up_hi = _mm512_cvtps_ph(mnew_hi, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+        const __m512h mnew =
+            _mm512_castsi512_ph(_mm512_inserti64x4(_mm512_castsi256_si512(up_lo), up_hi, 1));
+        const __m512 inf = _mm512_set1_ps(INFINITY);
+        ph_to_ps(mnew, &cm_lo, &cm_hi);
+        mnew_lo = _mm512_mask_mov_ps(cm_lo, _mm512_cmp_ps_mask(cm_lo, inf, _CMP_EQ_OQ), mnew_lo);
+        mnew_hi = _mm512_mask_mov_ps(cm_hi, _mm512_cmp_ps_mask(cm_hi, inf, _CMP_EQ_OQ), mnew_hi);
+        __m512 sum_lo = _mm512_setzero_ps(), sum_hi = _mm512_setzero_ps();
+        for (int kk = 0; kk < nk; kk++) {
+            const __m512h e =
+                exp_ph(_mm512_sub_ph(_mm512_castsi512_ph(_mm512_loadu_si512(
+                                         (const void *)(sh + (size_t)kk * FA_ROWS + 32 * v))),
+                                     mnew));
+            const __m512i eb = _mm512_castph_si512(e);
+            uint32_t *pp = p16 + (size_t)kk * FA_ROWS + 32 * v;
+            _mm512_storeu_si512((void *)pp, _mm512_permutexvar_epi16(pair_lo, eb));
+            _mm512_storeu_si512((void *)(pp + 16), _mm512_permutexvar_epi16(pair_hi, eb));
+            __m512 e_lo, e_hi;
+            ph_to_ps(e, &e_lo, &e_hi);
+            sum_lo = _mm512_add_ps(sum_lo, e_lo);
+            sum_hi = _mm512_add_ps(sum_hi, e_hi);
+        }
+        const __m512 a_lo = exp_avx512(_mm512_sub_ps(mold_lo, mnew_lo));
+        const __m512 a_hi = exp_avx512(_mm512_sub_ps(mold_hi, mnew_hi));
+        _mm512_storeu_ps(lrow + 32 * v,
+                         _mm512_fmadd_ps(_mm512_loadu_ps(lrow + 32 * v), a_lo, sum_lo));
+        _mm512_storeu_ps(lrow + 32 * v + 16,
+                         _mm512_fmadd_ps(_mm512_loadu_ps(lrow + 32 * v + 16), a_hi, sum_hi));
+        _mm512_storeu_ps(mrow + 32 * v, mnew_lo);
+        _mm512_storeu_ps(mrow + 32 * v + 16, mnew_hi);
+        _mm512_storeu_ps(alpha + 32 * v, a_lo);
+        _mm512_storeu_ps(alpha + 32 * v + 16, a_hi);
+    }
+}
+
 /* The chunk's P V in fp16 for rows [0, n_rows): V rows (vp, f32) and P^T (pt)
  * rounded into v16 and p16 first. Returns false, having changed nothing in
  * O, when a V value exceeds FA_PH_MAX_V: the caller runs the f32 P V. */
@@ -444,17 +667,7 @@ FA_PH_TARGET static bool fa_chunk_pv_ph(int nk, int n_rows, int dv, const float 
             _mm512_storeu_si512((void *)(p16 + (size_t)j * FA_ROWS + 16 * v),
                                 _mm512_or_si512(w, _mm512_slli_epi32(w, 16)));
         }
-    /* about 24 accumulators a tile, as the f32 P V */
-    const int ndh = dv / 32, rt = ndh == 1 ? 16 : ndh == 2 ? 12 : ndh == 3 ? 8 : 6;
-    int r = 0;
-    for (; r + rt <= n_rows; r += rt)
-        fa_pv_ph_any(rt, ndh, r, nk, v16, dv, p16, alpha, o, ldo);
-    for (; r + 4 <= n_rows; r += 4)
-        fa_pv_ph_any(4, ndh, r, nk, v16, dv, p16, alpha, o, ldo);
-    for (; r + 2 <= n_rows; r += 2)
-        fa_pv_ph_any(2, ndh, r, nk, v16, dv, p16, alpha, o, ldo);
-    for (; r < n_rows; r++)
-        fa_pv_ph_any(1, ndh, r, nk, v16, dv, p16, alpha, o, ldo);
+    fa_pv_ph_rows(nk, n_rows, dv, v16, dv, p16, alpha, o, ldo);
     return true;
 }
 #endif /* FA_PH */
@@ -705,8 +918,13 @@ struct fa_ctx {
     const float *kf, *vf; /* the group's KV head in its fa_wide copy, or NULL */
     const int32_t *blocks;
     float *qt, *o, *pt, *kw, *vw, *mrow, *lrow, *alpha;
-    uint32_t *p16; /* fp16 P V: P^T, each fp16 twice in a dword */
-    uint16_t *v16; /* fp16 P V: the chunk's V rows */
+    uint32_t *p16;      /* fp16 P V: P^T, each fp16 twice in a dword */
+    uint16_t *v16;      /* fp16 P V: the chunk's V rows */
+    const uint32_t *kh; /* ph: the KV head's K rows in the wide copy, fp16 pairs (ldk apart) */
+    const uint16_t *vh; /* ph: its V rows, fp16 (dv apart) */
+    const float *wmax;  /* ph: the sequence's widening tasks' maxima (fa_job.wide_max) */
+    uint16_t *qh;       /* ph: Q^T times scale in fp16 (d, FA_ROWS) */
+    float qnorm;        /* ph: max |q scale| over the rows (norms) */
     int32_t rpos[FA_ROWS];
 };
 
@@ -731,7 +949,14 @@ static void fa_begin(const struct fa_job *j, int task, int thread, struct fa_ctx
     c->same_kv = p->v_cache == p->k_cache;
     c->blocks = p->block_tables + (size_t)p->tok_seq[g->t0] * p->max_blocks;
     c->kf = c->vf = NULL;
-    if (g->wide >= 0) {
+    c->kh = NULL;
+    c->vh = NULL;
+    if (g->wide >= 0 && j->ph) {
+        const struct fa_wide *w = &j->wide[g->wide];
+        c->kh = (const uint32_t *)(j->wide_buf + w->k_at) + (size_t)c->kvh * w->n_pos * c->ldk;
+        c->vh = (const uint16_t *)(j->wide_buf + w->v_at) + (size_t)c->kvh * w->n_pos * c->dv;
+        c->wmax = j->wide_max + (size_t)w->task0 * p->n_kv_head * 2;
+    } else if (g->wide >= 0) {
         const struct fa_wide *w = &j->wide[g->wide];
         c->kf = j->wide_buf + w->k_at + (size_t)c->kvh * w->n_pos * c->ldk;
         c->vf = c->same_kv ? NULL : j->wide_buf + w->v_at + (size_t)c->kvh * w->n_pos * c->ldv;
@@ -746,9 +971,10 @@ static void fa_begin(const struct fa_job *j, int task, int thread, struct fa_ctx
     c->alpha = c->lrow + FA_ROWS;
     c->p16 = (uint32_t *)(c->alpha + FA_ROWS);
     c->v16 = (uint16_t *)(c->p16 + (size_t)FA_KB * FA_ROWS);
+    c->qh = c->v16 + (size_t)FA_KB * c->ldv;
     const int padded = (c->n_rows + 15) / 16 * 16;
     memset(c->qt, 0, (size_t)c->d * FA_ROWS * sizeof(float));
-    for (int r = 0; r < padded; r++) {
+    for (int r = 0; r < FA_ROWS; r++) { /* every row: the ph softmax takes 32 a vector */
         c->rpos[r] = r < c->n_rows ? p->tok_pos[g->t0 + r / c->rep] : g->max_pos;
         c->mrow[r] = -INFINITY;
         c->lrow[r] = 0.0f;
@@ -852,15 +1078,71 @@ static void fa_end(const struct fa_ctx *c)
     }
 }
 
+#if FA_PH
+/* ph: Q^T times scale in fp16 (qh) and the largest norm of its rows. */
+FA_TARGET static void fa_begin_ph(struct fa_ctx *c)
+{
+    const __m512 sc = _mm512_set1_ps(c->p->scale);
+    __m512 ss[FA_ROWS / 16];
+    for (int v = 0; v < FA_ROWS / 16; v++)
+        ss[v] = _mm512_setzero_ps();
+    for (int k = 0; k < c->d; k++)
+        for (int v = 0; v < FA_ROWS / 16; v++) {
+            const __m512 x =
+                _mm512_mul_ps(_mm512_loadu_ps(c->qt + (size_t)k * FA_ROWS + 16 * v), sc);
+            ss[v] = _mm512_fmadd_ps(x, x, ss[v]);
+            _mm256_storeu_si256((__m256i *)(c->qh + (size_t)k * FA_ROWS + 16 * v),
+                                _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+    __m512 mx = ss[0];
+    for (int v = 1; v < FA_ROWS / 16; v++)
+        mx = _mm512_max_ps(mx, ss[v]);
+    c->qnorm = sqrtf(_mm512_reduce_max_ps(mx));
+}
+
+/* ph: the chunk at c0 of a wide sequence with fp16 scores, its softmax into
+ * fp16 P and fp16 P V. Returns false, having changed nothing, where the
+ * chunk's maxima would let an fp16 sum overflow: the caller runs the f32
+ * tiles on rows widened from the cache. */
+FA_PH_TARGET static bool fa_chunk_ph(struct fa_ctx *c, int c0, int nk)
+{
+    const float *mx = c->wmax + ((size_t)(c0 / FA_WIDEN_POS) * c->p->n_kv_head + c->kvh) * 2;
+    if (!(c->qnorm * mx[0] <= FA_PH_MAX_S && mx[1] <= FA_PH_MAX_V))
+        return false;
+    const int mh = (c->n_rows + 31) / 32, ldk = c->ldk;
+    const uint32_t *k2 = c->kh + (size_t)c0 * ldk;
+    uint16_t *sh = (uint16_t *)c->pt; /* S^T in fp16 */
+    int i = 0;
+    for (; i + 12 <= nk; i += 12)
+        fa_scores_ph_any(12, mh, k2 + (size_t)i * ldk, ldk, c->d, c->qh, sh + (size_t)i * FA_ROWS);
+    for (; i + 4 <= nk; i += 4)
+        fa_scores_ph_any(4, mh, k2 + (size_t)i * ldk, ldk, c->d, c->qh, sh + (size_t)i * FA_ROWS);
+    for (; i < nk; i++)
+        fa_scores_ph_any(1, mh, k2 + (size_t)i * ldk, ldk, c->d, c->qh, sh + (size_t)i * FA_ROWS);
+    fa_softmax_ph(sh, c->p16, nk, c0, mh, c->rpos, c->mrow, c->lrow, c->alpha);
+    fa_pv_ph_rows(nk, c->n_rows, c->dv, c->vh + (size_t)c0 * c->dv, c->dv, c->p16, c->alpha, c->o,
+                  c->ldv);
+    return true;
+}
+#endif
+
 FA_TARGET static void fa_task_avx512(const struct fa_job *j, int task, int thread)
 {
     struct fa_ctx c;
     fa_begin(j, task, thread, &c);
+#if FA_PH
+    if (c.kh)
+        fa_begin_ph(&c);
+#endif
     const int mv = (c.n_rows + 15) / 16, dv = c.dv;
     const float *kp[FA_KB], *vp[FA_KB];
     const int jt = mv == 4 ? 6 : mv == 3 ? 8 : mv == 2 ? 12 : 16;
     for (int c0 = 0; c0 <= c.g->max_pos; c0 += FA_KB) {
         const int nk = fa_chunk_keys(c.g, c0);
+#if FA_PH
+        if (c.kh && fa_chunk_ph(&c, c0, nk))
+            continue;
+#endif
         fa_gather(&c, c0, nk, kp, vp, bf16_to_f32_avx512);
         /* tiles of jt keys, then of 4 (a full chunk of 64 leaves 4 after
          * tiles of 6 or 12: single keys there cost ~5% of a prefill), then
@@ -1556,14 +1838,56 @@ static void fa_task(void *arg, int task, int thread)
         fa_task_avx2_heads(j, task, thread);
     else if (j->amx)
         fa_task_amx_scoped(j, task, thread);
-    else if (j->isa == CPU_ISA_AVX512 && !fa_narrow_b16(j, task))
-        fa_task_avx512(j, task, thread);
+    else if (j->isa == CPU_ISA_AVX512 &&
+             (!fa_narrow_b16(j, task) || (j->ph && j->groups[task / j->p->n_kv_head].wide >= 0)))
+        fa_task_avx512(j, task, thread); /* a ph wide copy is fp16: the AVX2 tiles cannot read it */
     else
         fa_task_avx2(j, task, thread);
 }
 
-/* Positions a widening task covers. */
-#define FA_WIDEN_POS 256
+/* ph: positions [pos0, pos1) of the wide sequence s as fp16: K rows as
+ * pairs (ldk dwords), V rows (dv halves); the largest norm of a K row and
+ * the largest |v| of every KV head into the widening task's maxima. */
+FA_TARGET static void fa_widen_ph(const struct fa_job *j, const struct fa_wide *s, int task,
+                                  int pos0, int pos1)
+{
+    const struct moe_attn_params *p = j->p;
+    const int d = p->d_head, dv = fa_dv(p), ldk = fa_ld(d);
+    uint32_t *kh = (uint32_t *)(j->wide_buf + s->k_at);
+    uint16_t *vh = (uint16_t *)(j->wide_buf + s->v_at);
+    const int32_t *blocks = p->block_tables + (size_t)s->seq * p->max_blocks;
+    for (int h = 0; h < p->n_kv_head; h++) {
+        float kmax = 0.0f;
+        __m512 vmax = _mm512_setzero_ps();
+        for (int pos = pos0; pos < pos1; pos++) {
+            const size_t off = (fa_slot(p, blocks, pos) * p->n_kv_head + (size_t)h) * d;
+            const size_t at = (size_t)h * s->n_pos + (size_t)pos;
+            const uint16_t *kb = (const uint16_t *)p->k_cache + off;
+            const uint16_t *vb = (const uint16_t *)p->v_cache + off;
+            __m512 ss = _mm512_setzero_ps();
+            for (int k = 0; k < d; k += 16) {
+                const __m512 x = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(kb + k)));
+                ss = _mm512_fmadd_ps(x, x, ss);
+                const __m512i w = _mm512_cvtepu16_epi32(
+                    _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                _mm512_storeu_si512((void *)(kh + at * ldk + k),
+                                    _mm512_or_si512(w, _mm512_slli_epi32(w, 16)));
+            }
+            const float norm2 = _mm512_reduce_add_ps(ss);
+            kmax = norm2 > kmax ? norm2 : kmax;
+            for (int k = 0; k < dv; k += 16) {
+                const __m512 x = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(vb + k)));
+                vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x));
+                _mm256_storeu_si256(
+                    (__m256i *)(vh + at * dv + k),
+                    _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            }
+        }
+        float *mx = j->wide_max + ((size_t)task * p->n_kv_head + h) * 2;
+        mx[0] = sqrtf(kmax);
+        mx[1] = _mm512_reduce_max_ps(vmax);
+    }
+}
 
 /* Widens FA_WIDEN_POS positions of one fa_wide sequence, every KV head. */
 static void fa_widen_task(void *arg, int task, int thread)
@@ -1582,6 +1906,10 @@ static void fa_widen_task(void *arg, int task, int thread)
     const int32_t *blocks = p->block_tables + (size_t)s->seq * p->max_blocks;
     const int pos0 = (task - s->task0) * FA_WIDEN_POS;
     const int pos1 = pos0 + FA_WIDEN_POS < s->n_pos ? pos0 + FA_WIDEN_POS : s->n_pos;
+    if (j->ph) {
+        fa_widen_ph(j, s, task, pos0, pos1);
+        return;
+    }
     for (int pos = pos0; pos < pos1; pos++) {
         const size_t row = fa_slot(p, blocks, pos) * p->n_kv_head;
         for (int h = 0; h < p->n_kv_head; h++) {
@@ -1632,7 +1960,8 @@ static size_t fa_plan_wide(struct fa_job *j, struct fa_group *groups, int n_grou
         int end = g, max_pos = -1;
         for (; end < n_group && p->tok_seq[groups[end].t0] == seq; end++)
             max_pos = groups[end].max_pos > max_pos ? groups[end].max_pos : max_pos;
-        const size_t need = (size_t)(max_pos + 1) * p->n_kv_head * (ldk + (same_kv ? 0 : ldv));
+        const size_t v_floats = j->ph ? ldv / 2 : same_kv ? 0 : ldv;
+        const size_t need = (size_t)(max_pos + 1) * p->n_kv_head * (ldk + v_floats);
         if (end - g >= 2 && groups[g].nt == tok_per_group && total + need <= limit) {
             struct fa_wide *w = &j->wide[j->n_wide];
             *w = (struct fa_wide){.seq = seq, .n_pos = max_pos + 1, .task0 = j->n_widen_tasks};
@@ -1712,6 +2041,9 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
         j.heads = groups[g].nt * rep <= 8;
     j.pv_ph = FA_PH && !amx && p->fast && !p->batch_invariant && j.isa == CPU_ISA_AVX512 &&
               (cpu_kernels_features() & CPU_FEAT_AVX512_FP16) && dv % 32 == 0 && dv <= FA_PV_D;
+    /* ph: BF16 cache sequences widened for the call (fa_plan_wide) get fp16 copies */
+    j.ph =
+        j.pv_ph && p->kv_dtype == MOE_DTYPE_BF16 && p->v_cache != p->k_cache && p->d_head % 16 == 0;
     j.heads16 = j.heads && j.isa == CPU_ISA_AVX512 && p->d_head % 16 == 0 && dv % 16 == 0 &&
                 p->n_kv_head <= 16;
     for (int g = 0; g < n_group && j.heads16; g++)
@@ -1719,9 +2051,14 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
     j.wide = malloc((size_t)n_group * sizeof *j.wide);
     MOE_ASSERT(j.wide != NULL);
     const size_t wide_floats = fa_plan_wide(&j, groups, n_group, tok_per_group);
-    if (wide_floats)
+    if (wide_floats) {
         j.wide_buf = malloc(wide_floats * sizeof(float));
-    if (wide_floats && !j.wide_buf) { /* no memory for the copies: widen chunk by chunk */
+        if (j.ph)
+            j.wide_max = malloc((size_t)j.n_widen_tasks * p->n_kv_head * 2 * sizeof(float));
+    }
+    if (wide_floats &&
+        (!j.wide_buf ||
+         (j.ph && !j.wide_max))) { /* no memory for the copies: widen chunk by chunk */
         for (int g = 0; g < n_group; g++)
             groups[g].wide = -1;
     } else if (wide_floats) {
@@ -1740,6 +2077,7 @@ void cpu_attention_tiled(struct moe_threadpool *pool, const struct moe_attn_para
         moe_threadpool_run(pool, n_tasks, fa_task, &j);
     }
     free(j.wide_buf);
+    free(j.wide_max);
     free(j.wide);
     free(j.scratch);
     free(groups);

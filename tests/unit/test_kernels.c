@@ -839,6 +839,26 @@ static void fast_attn_case_make(struct fast_attn_case *fc, int nkv, int rep, int
     };
 }
 
+/* K rows at positions [0, pos_end) of both sequences (every position past
+ * the last) times k_scale, in the f32 and the bf16 cache. */
+static void fast_attn_case_scale_k(struct fast_attn_case *fc, int pos_end, float k_scale)
+{
+    const struct moe_attn_params *p = &fc->p;
+    const size_t kv_dim = (size_t)p->n_kv_head * p->d_head;
+    if (pos_end > p->max_blocks * p->block_size)
+        pos_end = p->max_blocks * p->block_size;
+    for (int s = 0; s < 2; s++)
+        for (int pos = 0; pos < pos_end; pos++) {
+            const size_t slot =
+                (size_t)fc->bt[s * p->max_blocks + pos / p->block_size] * p->block_size +
+                pos % p->block_size;
+            for (size_t i = slot * kv_dim; i < (slot + 1) * kv_dim; i++) {
+                fc->kf[i] *= k_scale;
+                fc->kb[i] = moe_f32_to_bf16(fc->kf[i]);
+            }
+        }
+}
+
 static void fast_attn_case_free(struct fast_attn_case *fc)
 {
     free(fc->bt);
@@ -883,10 +903,16 @@ static double max_rel_err_f(const float *a, const float *b, size_t n)
 
 /* Fast-mode attention with fp16 P V (AVX512-FP16 without AMX, attention_tiled.c):
  * prefill-sized calls over BF16 and F32 caches held to the f32 reference
- * within 1e-2 of max |ref| (random data reach ~3e-3) and not equal to the
+ * within 1e-2 of max |ref| (random data reach ~6e-3) and not equal to the
  * f32 tiles (the path ran); d_v not a multiple of 32, --batch-invariant, and
  * chunks whose V holds values beyond FA_PH_MAX_V give the f32 tiles bit for
- * bit. AMX is masked off for the test where the processor has it. */
+ * bit. Over a BF16 cache, sequences widened for the call (more tokens than
+ * a task's rows) also take fp16 scores and softmax: their output differs
+ * from the same call without the wide copies (f32 scores, fp16 P V only);
+ * where every chunk's score bound trips (K times 40000) the two are equal
+ * bit for bit, and where only the first 256 positions' chunks trip (their
+ * m beyond fp16, later chunks fp16) they agree to 1e-6. AMX is masked off
+ * for the test where the processor has it. */
 static void test_attention_fp16_pv(void)
 {
     const unsigned have = cpu_kernels_features();
@@ -895,15 +921,22 @@ static void test_attention_fp16_pv(void)
         return;
     }
     cpu_kernels_force_features(have & ~(unsigned)(CPU_FEAT_AMX_BF16 | CPU_FEAT_AMX_INT8));
+    enum { F32_TILES, FP16, FP16_SCORES, SCORES_TRIP, FIRST_TRIP };
     static const struct {
         int n_kv_head, rep, d_head, block_size, seq_len, n_new, kv_bf16;
         float v_scale;
-        int fp16; /* the path applies */
+        int path;  /* what the fast call takes */
+        int k_big; /* K of positions below it times 40000 */
     } cases[] = {
-        {4, 4, 64, 16, 300, 40, 1, 1.0f, 1},    {2, 8, 128, 16, 200, 70, 1, 1.0f, 1},
-        {1, 16, 32, 32, 129, 128, 0, 1.0f, 1},  {2, 2, 96, 16, 90, 64, 1, 1.0f, 1},
-        {2, 4, 48, 16, 100, 33, 1, 1.0f, 0},    /* d_v 48: not a multiple of 32 */
-        {4, 4, 64, 16, 150, 40, 1, 2048.0f, 0}, /* |v| up to 2048: the f32 P V */
+        {4, 4, 64, 16, 300, 40, 1, 1.0f, FP16_SCORES, 0},
+        {2, 8, 128, 16, 200, 70, 1, 1.0f, FP16_SCORES, 0}, /* two score segments */
+        {1, 16, 32, 32, 129, 128, 0, 1.0f, FP16, 0},       /* F32 cache: fp16 P V only */
+        {2, 2, 96, 16, 90, 64, 1, 1.0f, FP16_SCORES, 0},
+        {2, 3, 64, 16, 200, 50, 1, 1.0f, FP16_SCORES, 0},  /* 63 rows a task */
+        {2, 4, 48, 16, 100, 33, 1, 1.0f, F32_TILES, 0},    /* d_v 48: not a multiple of 32 */
+        {4, 4, 64, 16, 150, 40, 1, 2048.0f, F32_TILES, 0}, /* |v| up to 2048: the f32 P V */
+        {4, 4, 64, 16, 300, 40, 1, 1.0f, SCORES_TRIP, 1 << 20},
+        {2, 4, 64, 16, 600, 64, 1, 1.0f, FIRST_TRIP, 256},
     };
     double worst = 0;
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
@@ -911,9 +944,12 @@ static void test_attention_fp16_pv(void)
         fast_attn_case_make(&fc, cases[c].n_kv_head, cases[c].rep, cases[c].d_head,
                             cases[c].block_size, cases[c].seq_len, cases[c].n_new, cases[c].kv_bf16,
                             cases[c].v_scale);
+        if (cases[c].k_big)
+            fast_attn_case_scale_k(&fc, cases[c].k_big, 40000.0f);
         const size_t nq = fc.nq;
         float *of = malloc(nq * sizeof(float)), *orf = malloc(nq * sizeof(float)),
-              *oe = malloc(nq * sizeof(float)), *oi = malloc(nq * sizeof(float));
+              *oe = malloc(nq * sizeof(float)), *oi = malloc(nq * sizeof(float)),
+              *on = malloc(nq * sizeof(float));
         fast_attn_case_run(&fc, false, of, orf, oe);
         struct moe_attn_params ai = fc.p;
         ai.out = oi;
@@ -921,26 +957,56 @@ static void test_attention_fp16_pv(void)
         cpu_attention_tiled(g_pool, &ai);
         CHECKF(memcmp(oi, oe, nq * sizeof(float)) == 0,
                "fp16 P V case %zu: batch_invariant differs from the f32 tiles", c);
+        struct moe_attn_params an = fc.p; /* no wide copies: f32 scores, fp16 P V */
+        an.out = on;
+        const size_t was = cpu_attention_tiled_wide_limit(0);
+        cpu_attention_tiled(g_pool, &an);
+        cpu_attention_tiled_wide_limit(was);
         const bool same = memcmp(of, oe, nq * sizeof(float)) == 0;
-        if (cases[c].fp16) {
-            CHECKF(!same, "fp16 P V case %zu: fast gave the f32 tiles' bits (path not taken)", c);
-            double e = max_rel_err_f(of, orf, nq);
-            CHECKF(e <= 1e-2, "fp16 P V case %zu: max err %.3g of max |ref|", c, e);
-            worst = fmax(worst, e);
-        } else {
+        const bool same_nowide = memcmp(of, on, nq * sizeof(float)) == 0;
+        double e = max_rel_err_f(of, orf, nq);
+        switch (cases[c].path) {
+        case F32_TILES:
             CHECKF(same,
                    "fp16 P V case %zu: fast differs from the f32 tiles where it must not apply", c);
+            break;
+        case FP16:
+        case FP16_SCORES:
+            CHECKF(!same, "fp16 P V case %zu: fast gave the f32 tiles' bits (path not taken)", c);
+            CHECKF(e <= 1e-2, "fp16 P V case %zu: max err %.3g of max |ref|", c, e);
+            CHECKF(same_nowide == (cases[c].path == FP16), "fp16 P V case %zu: fp16 scores %s", c,
+                   same_nowide ? "not taken (same bits as without wide copies)"
+                               : "taken where they must not be");
+            worst = fmax(worst, e);
+            break;
+        case SCORES_TRIP:
+            CHECKF(same_nowide,
+                   "fp16 P V case %zu: every chunk's bound trips, yet the output differs from the "
+                   "f32 scores' (err %.3g of max |ref|)",
+                   c, e);
+            break;
+        case FIRST_TRIP: {
+            const double d = max_rel_err_f(of, on, nq);
+            CHECKF(d <= 1e-6,
+                   "fp16 P V case %zu: f32-score chunks then fp16 ones: %.3g of max |out| from the "
+                   "f32 scores' output",
+                   c, d);
+            break;
+        }
         }
         fast_attn_case_free(&fc);
         free(of);
         free(orf);
         free(oe);
         free(oi);
+        free(on);
     }
     cpu_kernels_force_features(have);
-    printf("attention fp16 P V: %zu cases, worst err %.3g of max |ref| (tolerance 1e-2); d_v 48, "
-           "batch-invariant and |v| > 512 take the f32 tiles bit for bit\n",
-           sizeof cases / sizeof cases[0], worst);
+    printf(
+        "attention fp16 P V and scores: %zu cases, worst err %.3g of max |ref| (tolerance 1e-2); "
+        "d_v 48, batch-invariant and |v| > 512 take the f32 tiles bit for bit; score bounds "
+        "beyond %s take the f32 scores\n",
+        sizeof cases / sizeof cases[0], worst, "FA_PH_MAX_S");
 }
 
 /* Fast-mode attention on AMX (p->fast over a BF16 cache, attention_tiled.c):
