@@ -375,6 +375,35 @@ FA_TARGET static void fa_pv_any(int RT, int ND, int r0, int nk, const float *con
 #if FA_PH
 #define FA_PH_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512fp16,fma,avx2")))
 
+/* The outer-product tile both fp16 products use: acc[i][v] = the fp16 sum
+ * over k < nk of A[i][k] B[k][32 v .. 32 v + 32), for I rows of A held as
+ * fp16 pairs (dwords; element (i, k) at a[i ai + k ak]: its broadcast is a
+ * load) and NV vectors of B's rows (row k at b + k ldb halves). */
+FA_PH_TARGET static inline __attribute__((always_inline)) void
+fa_tile_ph(const int I, const int NV, int nk, const uint32_t *a, size_t ai, size_t ak,
+           const uint16_t *b, size_t ldb, __m512h acc[16][4])
+{
+#pragma GCC unroll 16
+    for (int i = 0; i < I; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++)
+            acc[i][v] = _mm512_setzero_ph();
+    for (int k = 0; k < nk; k++) {
+        __m512h bv[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++)
+            bv[v] = _mm512_castsi512_ph(
+                _mm512_loadu_si512((const void *)(b + (size_t)k * ldb + 32 * v)));
+#pragma GCC unroll 16
+        for (int i = 0; i < I; i++) {
+            const __m512h ab = _mm512_castsi512_ph(_mm512_set1_epi32((int)a[i * ai + k * ak]));
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++)
+                acc[i][v] = _mm512_fmadd_ph(ab, bv[v], acc[i][v]);
+        }
+    }
+}
+
 /* O[rows r0 .. r0 + RT) (cols 0 .. 32 NDH) = alpha O + the fp16 sum over nk
  * keys of P^T[j][r] V16[j] (P as dwords p16, V rows ldh halves apart). */
 FA_PH_TARGET static inline __attribute__((always_inline)) void
@@ -382,26 +411,7 @@ fa_pv_ph(const int RT, const int NDH, int r0, int nk, const uint16_t *v16, int l
          const uint32_t *p16, const float *alpha, float *o, int ldo)
 {
     __m512h acc[16][4];
-#pragma GCC unroll 16
-    for (int r = 0; r < RT; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < NDH; v++)
-            acc[r][v] = _mm512_setzero_ph();
-    for (int j = 0; j < nk; j++) {
-        __m512h vv[4];
-#pragma GCC unroll 4
-        for (int v = 0; v < NDH; v++)
-            vv[v] = _mm512_castsi512_ph(
-                _mm512_loadu_si512((const void *)(v16 + (size_t)j * ldh + 32 * v)));
-#pragma GCC unroll 16
-        for (int r = 0; r < RT; r++) {
-            const __m512h pb =
-                _mm512_castsi512_ph(_mm512_set1_epi32((int)p16[(size_t)j * FA_ROWS + r0 + r]));
-#pragma GCC unroll 4
-            for (int v = 0; v < NDH; v++)
-                acc[r][v] = _mm512_fmadd_ph(pb, vv[v], acc[r][v]);
-        }
-    }
+    fa_tile_ph(RT, NDH, nk, p16 + r0, 1, FA_ROWS, v16, (size_t)ldh, acc);
 #pragma GCC unroll 16
     for (int r = 0; r < RT; r++) {
         const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
@@ -458,27 +468,9 @@ fa_scores_ph(const int J, const int MH, const uint32_t *k2, int ldk, int d, cons
 {
     for (int k0 = 0; k0 < d; k0 += FA_PH_SEG) {
         const int k1 = d - k0 > FA_PH_SEG ? k0 + FA_PH_SEG : d;
-        __m512h acc[12][2];
-#pragma GCC unroll 12
-        for (int j = 0; j < J; j++)
-#pragma GCC unroll 2
-            for (int v = 0; v < MH; v++)
-                acc[j][v] = _mm512_setzero_ph();
-        for (int k = k0; k < k1; k++) {
-            __m512h q[2];
-#pragma GCC unroll 2
-            for (int v = 0; v < MH; v++)
-                q[v] = _mm512_castsi512_ph(
-                    _mm512_loadu_si512((const void *)(qh + (size_t)k * FA_ROWS + 32 * v)));
-#pragma GCC unroll 12
-            for (int j = 0; j < J; j++) {
-                const __m512h kb =
-                    _mm512_castsi512_ph(_mm512_set1_epi32((int)k2[(size_t)j * ldk + k]));
-#pragma GCC unroll 2
-                for (int v = 0; v < MH; v++)
-                    acc[j][v] = _mm512_fmadd_ph(kb, q[v], acc[j][v]);
-            }
-        }
+        __m512h acc[16][4];
+        fa_tile_ph(J, MH, k1 - k0, k2 + k0, (size_t)ldk, 1, qh + (size_t)k0 * FA_ROWS, FA_ROWS,
+                   acc);
 #pragma GCC unroll 12
         for (int j = 0; j < J; j++)
 #pragma GCC unroll 2
