@@ -65,6 +65,18 @@ enum cpu_feature {
  * at 8); 1-7 rows keep vdpbf16ps (4: no gain). */
 #define CPU_SLOW_DP_FMA_MIN_TOK 8
 
+/* ... and where the processor also has AVX512-FP16 (Sapphire / Emerald
+ * Rapids with AMX hidden), bf16 fast calls of CPU_PH_MIN_TOK tokens on take
+ * fp16 panels (matmul.c): weights and each token's activations (scaled by a
+ * power of two to |x| <= 1) rounded to fp16, vfmadd231ph sums over
+ * CPU_PH_SEG columns at a time in fp16, added in f32; a panel of weights
+ * reaching CPU_PH_MAX_W takes the f32 panels. 32 tokens: 512-token prefill
+ * (experts of ~128 rows) 921 tok/s against 909 at 16 and 869 at 48; a
+ * 16-sequence decode step (16-row calls) is slower at 16. */
+#define CPU_PH_MIN_TOK 32
+#define CPU_PH_SEG 32
+#define CPU_PH_MAX_W 1024.0f
+
 /* Features this processor (and OS) supports (cpuid, cached). */
 unsigned cpu_kernels_detect_features(void);
 
@@ -107,6 +119,10 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt);
 /* Fast matmul (see struct moe_matmul_params): threads over output-row tiles
  * (and token tiles for large n_tok), SIMD per cpu_kernels_isa(). */
 void cpu_matmul(struct moe_threadpool *pool, const struct moe_matmul_params *p);
+
+/* Whether bf16 fast calls the dot-product paths decline (cpu_matmul_dot_supported) of
+ * CPU_PH_MIN_TOK+ tokens take the fp16 panels: AVX512-FP16 on AVX-512, gcc builds. */
+bool cpu_matmul_fp16_panels(void);
 
 /* cpu_matmul on each of ps[0 .. n), all their tasks in one pool run (a
  * grouped GEMM's experts: no wait between them, and no core idle at the end

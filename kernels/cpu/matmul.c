@@ -144,8 +144,10 @@ struct mm_tile {
     const struct moe_matmul_params *p;
     int t0, nt, o0, no;
     float *scratch;
-    bool packed;     /* the call takes the packed panels (cpu_matmul decides) */
-    const float *xh; /* bf16 tiles: x in bf16_halves_order (rows n_in apart), else NULL */
+    bool packed;         /* the call takes the packed panels (cpu_matmul decides) */
+    const float *xh;     /* bf16 tiles: x in bf16_halves_order (rows n_in apart), else NULL */
+    const uint32_t *xph; /* fp16 panels: x / xs as fp16 pairs (rows n_in apart), else NULL */
+    const float *xs;     /* ... and each token's power-of-two scale */
 };
 
 /* The AVX2 integer paths' activations (fast int8 and int4): each token's row quantized, xq (ldq
@@ -657,39 +659,237 @@ AVX512_TARGET static void mk_packed_avx512(const float *x, int n_in, const float
     }
 }
 
-AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
+/* The task's tokens against rows [o, o + R) (R <= PK_R) in one f32 panel. */
+AVX512_TARGET static void tile_packed_rows_avx512(const struct mm_tile *mt, int o, int R)
 {
     const struct moe_matmul_params *p = mt->p;
     const int n_in = p->n_in;
-    const int o_end = mt->o0 + mt->no, t_end = mt->t0 + mt->nt;
+    const int t_end = mt->t0 + mt->nt;
     float out[MK_T][MK_R];
-    for (int o = mt->o0; o < o_end; o += PK_R) {
-        int R = o_end - o < PK_R ? o_end - o : PK_R;
-        pack_panel_avx512(p, o, R, mt->scratch);
-        __mmask16 m0 = R >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << R) - 1u);
-        __mmask16 m1 = R >= 32  ? (__mmask16)0xffff
-                       : R > 16 ? (__mmask16)((1u << (R - 16)) - 1u)
-                                : (__mmask16)0;
-        int t = mt->t0;
-        for (; t + PK_T <= t_end; t += PK_T)
-            mk_packed_avx512(p->x + (size_t)t * n_in, n_in, mt->scratch,
-                             p->y + (size_t)t * p->n_out + o, p->n_out, m0, m1, p->accumulate);
-        /* Leftover tokens (< PK_T): dot-product tiles on the original rows. */
-        for (; t < t_end; t += MK_T) {
-            int T = t_end - t < MK_T ? t_end - t : MK_T;
-            for (int oo = o; oo < o + R;) {
-                int RR = o + R - oo >= MK_R ? MK_R : 1;
-                mk_tile_avx512(T, RR, p, NULL, t, oo, out);
-                store_tile(p, t, T, oo, RR, 1, raw_scales(p, oo), out);
-                oo += RR;
-            }
+    pack_panel_avx512(p, o, R, mt->scratch);
+    __mmask16 m0 = R >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << R) - 1u);
+    __mmask16 m1 = R >= 32  ? (__mmask16)0xffff
+                   : R > 16 ? (__mmask16)((1u << (R - 16)) - 1u)
+                            : (__mmask16)0;
+    int t = mt->t0;
+    for (; t + PK_T <= t_end; t += PK_T)
+        mk_packed_avx512(p->x + (size_t)t * n_in, n_in, mt->scratch,
+                         p->y + (size_t)t * p->n_out + o, p->n_out, m0, m1, p->accumulate);
+    /* Leftover tokens (< PK_T): dot-product tiles on the original rows. */
+    for (; t < t_end; t += MK_T) {
+        int T = t_end - t < MK_T ? t_end - t : MK_T;
+        for (int oo = o; oo < o + R;) {
+            int RR = o + R - oo >= MK_R ? MK_R : 1;
+            mk_tile_avx512(T, RR, p, NULL, t, oo, out);
+            store_tile(p, t, T, oo, RR, 1, raw_scales(p, oo), out);
+            oo += RR;
         }
     }
 }
 
+AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
+{
+    const int o_end = mt->o0 + mt->no;
+    for (int o = mt->o0; o < o_end; o += PK_R)
+        tile_packed_rows_avx512(mt, o, o_end - o < PK_R ? o_end - o : PK_R);
+}
+
+/* ---- fp16 packed panels (bf16 weights, fast mode, AVX512-FP16) ----
+ * Where the processor has AVX512-FP16 but no fast bf16 dot product (Intel
+ * without AMX: vdpbf16ps issues at a quarter of an FMA's rate there),
+ * fast-mode bf16 calls of PK_MIN_TOK tokens and more take these panels
+ * instead of the f32 ones: PH_R weight rows per panel rounded to fp16
+ * (exact for bf16 values of fp16's normal range: 8 significant bits fit in
+ * 11), each token's row scaled by a power of two to |x| <= 1 and rounded
+ * to fp16 (11 significant bits, where the dot-product paths keep 8), and
+ * register tiles of vfmadd231ph: 32 multiply-adds an instruction at the f32
+ * FMA's rate. Sums run in fp16 over PH_SEG columns and are then added in
+ * f32; the scale is applied once at the end. A panel whose weights reach
+ * PH_MAX_W (a segment's sum could then near fp16's range) takes the f32
+ * panels. gcc only: clang 14 does not take the intrinsics under a target
+ * attribute (as attention_tiled.c). */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define MM_PH 1
+#else
+#define MM_PH 0
+#endif
+
+#if MM_PH
+#define PH_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512fp16,fma,avx2")))
+#define PH_R 64 /* weight rows per fp16 panel (2 vectors of 32) */
+#define PH_T 12 /* tokens per register tile: 24 accumulators */
+#define PH_SEG CPU_PH_SEG
+#define PH_MAX_W CPU_PH_MAX_W /* PH_SEG x 1024 < 65504: a segment's sum stays finite */
+#define PH_MIN_TOK CPU_PH_MIN_TOK
+
+/* Token row x (n_in) as fp16 pairs (each value twice in a dword: its
+ * broadcast is a load) of x / 2^e with 2^e the least power of two above
+ * max |x|; returns 2^e (1 for a zero row). */
+PH_TARGET static float ph_act_row(const float *x, int n_in, uint32_t *xp)
+{
+    __m512 mx = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= n_in; k += 16)
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    float m = _mm512_reduce_max_ps(mx);
+    for (; k < n_in; k++)
+        m = fabsf(x[k]) > m ? fabsf(x[k]) : m;
+    int e = 0;
+    if (m > 0.0f && isfinite(m))
+        (void)frexpf(m, &e); /* m = f 2^e, f in [0.5, 1) */
+    const float s = ldexpf(1.0f, e);
+    const __m512 inv = _mm512_set1_ps(ldexpf(1.0f, -e)); /* exact */
+    for (k = 0; k < n_in; k += 16) {
+        const int kk = n_in - k < 16 ? n_in - k : 16;
+        const __mmask16 m16 = (__mmask16)((1u << kk) - 1u);
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m16, x + k), inv);
+        const __m512i w = _mm512_cvtepu16_epi32(
+            _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm512_mask_storeu_epi32(xp + k, m16, _mm512_or_si512(w, _mm512_slli_epi32(w, 16)));
+    }
+    return s;
+}
+
+/* Rows [o, o + R) (R <= PH_R) of bf16 W as fp16, k-major: panel[k * PH_R +
+ * r], rows past R zero. False (panel unusable) where a weight's magnitude
+ * reaches PH_MAX_W. */
+PH_TARGET static bool pack_panel_ph(const struct moe_matmul_params *p, int o, int R,
+                                    uint16_t *panel)
+{
+    const int n_in = p->n_in;
+    if (R < PH_R)
+        memset(panel, 0, (size_t)n_in * PH_R * sizeof *panel);
+    __m512 mx = _mm512_setzero_ps();
+    for (int r0 = 0; r0 < R; r0 += 16) {
+        const int rr = R - r0 < 16 ? R - r0 : 16;
+        for (int k = 0; k < n_in; k += 16) {
+            const int kk = n_in - k < 16 ? n_in - k : 16;
+            const __mmask16 m = (__mmask16)((1u << kk) - 1u);
+            __m512 v[16];
+            for (int i = 0; i < 16; i++) {
+                if (i >= rr) {
+                    v[i] = _mm512_setzero_ps();
+                    continue;
+                }
+                const int64_t at = (int64_t)(o + r0 + i) * p->ldw + k;
+                v[i] = kk == 16 ? load_w16(MOE_DTYPE_BF16, p->w, at)
+                                : load_w16_mask(MOE_DTYPE_BF16, p->w, at, m);
+                mx = _mm512_max_ps(mx, _mm512_abs_ps(v[i]));
+            }
+            transpose16_avx512(v);
+            for (int j = 0; j < kk; j++)
+                _mm256_storeu_si256(
+                    (__m256i *)(panel + (size_t)(k + j) * PH_R + r0),
+                    _mm512_cvtps_ph(v[j], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+    }
+    return _mm512_reduce_max_ps(mx) < PH_MAX_W;
+}
+
+/* acc (f32, T x PH_R, in `sum`) = x' W^T over the panel for T tokens (xp,
+ * ldx dwords apart): fp16 register tiles, PH_SEG columns at a time. */
+PH_TARGET static inline __attribute__((always_inline)) void
+mk_packed_ph(const int T, const uint32_t *xp, size_t ldx, int n_in, const uint16_t *panel,
+             float sum[PH_T][PH_R])
+{
+    for (int k0 = 0; k0 < n_in; k0 += PH_SEG) {
+        const int k1 = n_in - k0 > PH_SEG ? k0 + PH_SEG : n_in;
+        __m512h acc[PH_T][2];
+#pragma GCC unroll 12
+        for (int t = 0; t < T; t++)
+            acc[t][0] = acc[t][1] = _mm512_setzero_ph();
+        for (int k = k0; k < k1; k++) {
+            const __m512h w0 =
+                _mm512_castsi512_ph(_mm512_loadu_si512((const void *)(panel + (size_t)k * PH_R)));
+            const __m512h w1 = _mm512_castsi512_ph(
+                _mm512_loadu_si512((const void *)(panel + (size_t)k * PH_R + 32)));
+#pragma GCC unroll 12
+            for (int t = 0; t < T; t++) {
+                const __m512h xb = _mm512_castsi512_ph(_mm512_set1_epi32((int)xp[t * ldx + k]));
+                acc[t][0] = _mm512_fmadd_ph(xb, w0, acc[t][0]);
+                acc[t][1] = _mm512_fmadd_ph(xb, w1, acc[t][1]);
+            }
+        }
+#pragma GCC unroll 12
+        for (int t = 0; t < T; t++)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m512i b = _mm512_castph_si512(acc[t][h]);
+                __m512 lo = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(b)));
+                __m512 hi = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(b, 1)));
+                float *s = sum[t] + 32 * h;
+                if (k0) {
+                    lo = _mm512_add_ps(lo, _mm512_loadu_ps(s));
+                    hi = _mm512_add_ps(hi, _mm512_loadu_ps(s + 16));
+                }
+                _mm512_storeu_ps(s, lo);
+                _mm512_storeu_ps(s + 16, hi);
+            }
+    }
+}
+
+PH_TARGET static void mk_packed_ph_any(int T, const uint32_t *xp, size_t ldx, int n_in,
+                                       const uint16_t *panel, float sum[PH_T][PH_R])
+{
+    switch (T) {
+    case 12: mk_packed_ph(12, xp, ldx, n_in, panel, sum); return;
+    case 8: mk_packed_ph(8, xp, ldx, n_in, panel, sum); return;
+    case 4: mk_packed_ph(4, xp, ldx, n_in, panel, sum); return;
+    case 1: mk_packed_ph(1, xp, ldx, n_in, panel, sum); return;
+    default: break;
+    }
+    MOE_ASSERT(0 && "mk_packed_ph_any: unsupported tile");
+}
+
+/* The task's rows in fp16 panels of PH_R; a panel pack_panel_ph refuses
+ * takes the f32 panels (tile_packed_rows_avx512). */
+PH_TARGET static void tile_avx512_packed_ph(const struct mm_tile *mt)
+{
+    const struct moe_matmul_params *p = mt->p;
+    const int n_in = p->n_in, o_end = mt->o0 + mt->no, t_end = mt->t0 + mt->nt;
+    uint16_t *panel = (uint16_t *)mt->scratch;
+    float sum[PH_T][PH_R];
+    for (int o = mt->o0; o < o_end; o += PH_R) {
+        const int R = o_end - o < PH_R ? o_end - o : PH_R;
+        if (!pack_panel_ph(p, o, R, panel)) {
+            for (int oo = o; oo < o + R; oo += PK_R)
+                tile_packed_rows_avx512(mt, oo, o + R - oo < PK_R ? o + R - oo : PK_R);
+            continue;
+        }
+        for (int t = mt->t0; t < t_end;) {
+            const int left = t_end - t;
+            const int T = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4 : 1;
+            mk_packed_ph_any(T, mt->xph + (size_t)t * n_in, (size_t)n_in, n_in, panel, sum);
+            for (int tt = 0; tt < T; tt++) {
+                const __m512 s = _mm512_set1_ps(mt->xs[t + tt]);
+                float *y = p->y + (size_t)(t + tt) * p->n_out + o;
+                for (int r = 0; r < R; r += 16) {
+                    const __mmask16 m =
+                        R - r >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (R - r)) - 1u);
+                    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sum[tt] + r), s);
+                    if (p->accumulate)
+                        v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + r), v);
+                    _mm512_mask_storeu_ps(y + r, m, v);
+                }
+            }
+            t += T;
+        }
+    }
+}
+#else
+#define PH_R PK_R
+#define PH_MIN_TOK PK_MIN_TOK
+#endif /* MM_PH */
+
 AVX512_TARGET static void tile_avx512(const struct mm_tile *mt)
 {
     if (mt->packed) {
+#if MM_PH
+        if (mt->xph) {
+            tile_avx512_packed_ph(mt);
+            return;
+        }
+#endif
         tile_avx512_packed(mt);
         return;
     }
@@ -1630,6 +1830,8 @@ struct mm_job {
     bool packed;             /* every task takes the packed panels */
     const struct w8_act *w8; /* the AVX2 W8A8 / W4A8 paths, or NULL */
     const float *xh;         /* the bf16 tiles' activations by halves, or NULL */
+    const uint32_t *xph;     /* the fp16 panels' activations (mm_tile), or NULL */
+    const float *xs;
 };
 
 static void mm_run_tile(enum cpu_isa isa, const struct mm_tile *mt)
@@ -1662,6 +1864,8 @@ static void mm_task(void *arg, int task, int thread)
     mt.scratch = job->scratch ? job->scratch + (size_t)thread * job->scratch_stride : NULL;
     mt.packed = job->packed;
     mt.xh = job->xh;
+    mt.xph = job->xph;
+    mt.xs = job->xs;
 #ifdef MATMUL_X86
     if (job->w8) {
         if (p->w_dtype == MOE_DTYPE_I4)
@@ -1739,6 +1943,7 @@ struct mm_call {
     struct w8_act w8;
     int8_t *w8_buf;
     float *xh_buf;
+    float *ph_buf; /* the fp16 panels' scales, then activations */
     float *heap_scratch;
     int n_tasks;
     double flops;
@@ -1774,9 +1979,13 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
     bool need_scratch =
         p->w_dtype != MOE_DTYPE_F32 && !w8a8 &&
         (job->isa == CPU_ISA_SCALAR || (job->isa == CPU_ISA_AVX2 && p->w_dtype == MOE_DTYPE_I4));
-    const int pk_r = job->isa == CPU_ISA_AVX512 ? PK_R : PK2_R;
-    const int pk_min = job->isa == CPU_ISA_AVX512 ? PK_MIN_TOK : PK2_MIN_TOK;
+    /* fp16 panels (see there): fast bf16 on AVX512-FP16, where the dot
+     * product paths declined the call */
+    const bool ph_ok = p->fast && p->w_dtype == MOE_DTYPE_BF16 && cpu_matmul_fp16_panels();
+    const int pk_min = ph_ok ? PH_MIN_TOK : job->isa == CPU_ISA_AVX512 ? PK_MIN_TOK : PK2_MIN_TOK;
     job->packed = job->isa != CPU_ISA_SCALAR && p->n_tok >= pk_min && !p->batch_invariant && !w8a8;
+    const bool ph = ph_ok && job->packed;
+    const int pk_r = ph ? PH_R : job->isa == CPU_ISA_AVX512 ? PK_R : PK2_R;
     if (job->packed) {
         /* Packed path: row blocks of whole panels, wide token blocks, none
          * narrower than pk_min. Its sums run k by k (one accumulator lane
@@ -1784,14 +1993,14 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
          * depend on whether its call reached pk_min, hence not under
          * batch_invariant. */
         job->row_block = rb <= pk_r ? pk_r : (rb + pk_r - 1) / pk_r * pk_r;
-        job->row_block = job->row_block > 2 * PK_R ? 2 * PK_R : job->row_block;
+        job->row_block = job->row_block > 2 * PK_R ? 2 * PK_R : job->row_block; /* >= PH_R */
         job->n_row_blocks = (p->n_out + job->row_block - 1) / job->row_block;
         job->tok_block = p->n_tok < PK_TOK_BLOCK ? p->n_tok : PK_TOK_BLOCK;
         if (p->n_tok - (p->n_tok / job->tok_block) * job->tok_block > 0 &&
             p->n_tok % job->tok_block < pk_min)
             job->tok_block = (p->n_tok + (p->n_tok + PK_TOK_BLOCK - 1) / PK_TOK_BLOCK - 1) /
                              ((p->n_tok + PK_TOK_BLOCK - 1) / PK_TOK_BLOCK);
-        scratch_rows = (size_t)pk_r;
+        scratch_rows = (size_t)(job->isa == CPU_ISA_AVX512 ? PK_R : PK2_R); /* PH_R halves */
         need_scratch = true;
     }
     int n_tok_blocks = (p->n_tok + job->tok_block - 1) / job->tok_block;
@@ -1817,6 +2026,18 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
                               c->xh_buf + (size_t)t * p->n_in);
         job->xh = c->xh_buf;
     }
+#if MM_PH
+    if (ph) {
+        c->ph_buf = malloc((size_t)p->n_tok * ((size_t)p->n_in + 1) * sizeof(float));
+        MOE_ASSERT(c->ph_buf != NULL);
+        uint32_t *xph = (uint32_t *)(c->ph_buf + p->n_tok);
+        for (int t = 0; t < p->n_tok; t++)
+            c->ph_buf[t] =
+                ph_act_row(p->x + (size_t)t * p->n_in, p->n_in, xph + (size_t)t * p->n_in);
+        job->xs = c->ph_buf;
+        job->xph = xph;
+    }
+#endif
     if (w8a8) {
         struct w8_act *w8 = &c->w8;
         const bool i4 = p->w_dtype == MOE_DTYPE_I4;
@@ -1842,11 +2063,18 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
     c->flops = 2.0 * p->n_tok * (double)p->n_out * p->n_in;
 }
 
+bool cpu_matmul_fp16_panels(void)
+{
+    return MM_PH && cpu_kernels_isa() == CPU_ISA_AVX512 &&
+           (cpu_kernels_features() & CPU_FEAT_AVX512_FP16);
+}
+
 static void mm_release(struct mm_call *c)
 {
     free(c->heap_scratch);
     free(c->w8_buf);
     free(c->xh_buf);
+    free(c->ph_buf);
 }
 
 /* Too little work to wake the helpers for. */

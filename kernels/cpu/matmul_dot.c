@@ -182,7 +182,9 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt)
     if (amx_for(wt))
         return wt == MOE_DTYPE_BF16 ? "amx-bf16" : "amx-int8";
     if (wt == MOE_DTYPE_BF16 && (cpu_kernels_features() & CPU_FEAT_DPBF16_SLOW))
-        return "avx512-bf16/f32-fma"; /* below CPU_SLOW_DP_FMA_MIN_TOK tokens / from there */
+        /* below CPU_SLOW_DP_FMA_MIN_TOK tokens / from there; with AVX512-FP16,
+         * the fp16 panels from CPU_PH_MIN_TOK (matmul.c; gcc builds) */
+        return cpu_matmul_fp16_panels() ? "avx512-bf16/f32-fma/fp16-fma" : "avx512-bf16/f32-fma";
     return wt == MOE_DTYPE_BF16 ? "avx512-bf16" : "avx512-vnni";
 }
 

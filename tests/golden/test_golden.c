@@ -33,7 +33,10 @@
  * "bf16fast" / "int8fast" load the model as the binaries do by default:
  * moe_model_opts.fast, so the Linear layers run on the CPU's dot-product
  * paths (activations rounded to bf16, or quantized per token to int8:
- * kernels/cpu/matmul_dot.c), and a BF16 KV cache; they hold
+ * kernels/cpu/matmul_dot.c; on Intel without AMX, bf16 calls of 8+ tokens
+ * run the exact kernels and, with AVX512-FP16, calls of 32+ the fp16 panels
+ * of kernels/cpu/matmul.c: there bf16fast runs twice, the default paths and
+ * vdpbf16ps forced), and a BF16 KV cache; they hold
  * the prompt logits, in one pass and one token per pass, to transformers
  * (bf16: logits_bf16.bin) or to the exact int8 model (int8: no transformers
  * reference exists for quantized weights). Each matmul is within 2^-8 of
@@ -161,10 +164,9 @@ static int read_logits(const char *path, struct prompt *p, int n_prompt, int voc
         float *dst = malloc(bytes);
         memcpy(dst, buf + off, bytes);
         off += bytes;
-        if (f32_slot)
-            p[i].ref_f32 = dst;
-        else
-            p[i].ref = dst;
+        float **slot = f32_slot ? &p[i].ref_f32 : &p[i].ref;
+        free(*slot); /* read before (check_fast runs twice on some processors) */
+        *slot = dst;
     }
     free(buf);
     return 0;
@@ -429,13 +431,14 @@ static void check_int4_refused(const char *dir, struct moe_backend *be)
  * comment at the top. Returns false when this processor has no fast path
  * for the type (SKIPPED). */
 static bool check_fast(const char *dir, struct moe_backend *be, struct prompt *p, int n_prompt,
-                       enum moe_dtype dtype, bool fast)
+                       enum moe_dtype dtype, bool fast, bool force_dot)
 {
     /* Where vdpbf16ps is slower than f32 FMAs (CPU_FEAT_DPBF16_SLOW), the
-     * bf16 fast path is the exact kernels by default: the vdpbf16ps path is
-     * forced here, so it is still held to transformers where it exists. */
-    if (fast && (cpu_kernels_features() & CPU_FEAT_DPBF16_SLOW) &&
-        (cpu_kernels_features() & CPU_FEAT_AVX512_BF16)) {
+     * bf16 fast path is the exact kernels by default from 8 tokens (fp16
+     * panels from CPU_PH_MIN_TOK where the processor has AVX512-FP16): the
+     * vdpbf16ps path is forced in a run of its own (force_dot), so it is
+     * still held to transformers where it exists. */
+    if (force_dot) {
         cpu_kernels_force_features(cpu_kernels_features() & ~CPU_FEAT_DPBF16_SLOW);
         printf("%s: vdpbf16ps forced (slower than f32 FMAs on this processor: not the default)\n",
                dir);
@@ -583,13 +586,19 @@ int main(int argc, char **argv)
     CHECKF(moe_backend_create("cpu", 0, &be, &err) == MOE_OK, "%s", err.msg);
     if (fast || kv_bf16) {
         bool ran = false;
+        const enum moe_dtype dt = kv_bf16                        ? MOE_DTYPE_F32
+                                  : bf16                         ? MOE_DTYPE_BF16
+                                  : !strcmp(argv[2], "int4fast") ? MOE_DTYPE_I4
+                                                                 : MOE_DTYPE_I8;
+        const unsigned feats = cpu_kernels_features();
+        const bool slow_dot = fast && dt == MOE_DTYPE_BF16 && (feats & CPU_FEAT_DPBF16_SLOW) &&
+                              (feats & CPU_FEAT_AVX512_BF16) && !(feats & CPU_FEAT_AMX_BF16);
+        /* there, the default path too where it has fp16 panels (its prompt
+         * of 60+ tokens takes them in the attention projections) */
+        if (be && slow_dot && cpu_matmul_fp16_panels())
+            ran = check_fast(dir, be, p, n_prompt, dt, fast, false);
         if (be)
-            ran = check_fast(dir, be, p, n_prompt,
-                             kv_bf16                        ? MOE_DTYPE_F32
-                             : bf16                         ? MOE_DTYPE_BF16
-                             : !strcmp(argv[2], "int4fast") ? MOE_DTYPE_I4
-                                                            : MOE_DTYPE_I8,
-                             fast);
+            ran = check_fast(dir, be, p, n_prompt, dt, fast, slow_dot) || ran;
         for (int i = 0; i < n_prompt; i++) {
             free(p[i].text);
             free(p[i].ids);

@@ -603,6 +603,208 @@ static void test_slow_dpbf16(unsigned feats)
     cpu_kernels_force_features(dot_feats);
 }
 
+/* v rounded to fp16 (nearest even; 11 significant bits, subnormals in steps
+ * of 2^-24, beyond 65504 infinite). */
+static double fp16_round(double v)
+{
+    if (v == 0.0 || !isfinite(v))
+        return v;
+    int e;
+    (void)frexp(v, &e); /* v = f 2^e, f in [0.5, 1) */
+    const int q = e - 11 < -24 ? -24 : e - 11;
+    const double r = ldexp(nearbyint(ldexp(v, -q)), q);
+    return fabs(r) > 65504.0 ? copysign(INFINITY, v) : r;
+}
+
+/* One fp16-panel call against (a) its arithmetic emulated here, bit for bit:
+ * x scaled by 2^-e (e from max |x|) and rounded to fp16, the weights rounded
+ * to fp16, each CPU_PH_SEG columns summed by fp16 FMAs (product exact, one
+ * rounding: done in double, where it is exact), the segments added in f32,
+ * times 2^e; (b) the exact product in double, within the bound
+ *   (2^-11 + g + (n_in / CPU_PH_SEG + 3) 2^-24) sum|x w| + 2^-25 2^e (sum|w| + n_in) +
+ *   2^-25 sum|x|,  g = CPU_PH_SEG 2^-11 / (1 - CPU_PH_SEG 2^-11)
+ * (x's rounding, the fp16 sums', the f32 adds', subnormal steps). Adds the
+ * squared errors of the path and of bf16-rounded activations (what the
+ * dot-product paths compute) to err2 and err2_bf16; returns the worst
+ * error / bound. */
+static double ph_case(const struct fcase *c, const uint16_t *w, double *err2, double *err2_bf16)
+{
+    float *x = malloc((size_t)c->n_tok * c->n_in * sizeof *x);
+    for (size_t i = 0; i < (size_t)c->n_tok * c->n_in; i++)
+        x[i] = test_rng_float(&g_rng) * (i % 97 == 0 ? 8.0f : 1.0f);
+    const size_t ny = (size_t)c->n_tok * c->n_out;
+    float *y = malloc(ny * sizeof *y), *y0 = malloc(ny * sizeof *y0);
+    for (size_t i = 0; i < ny; i++)
+        y0[i] = y[i] = test_rng_float(&g_rng);
+    struct moe_matmul_params p = {.x = x,
+                                  .n_tok = c->n_tok,
+                                  .n_in = c->n_in,
+                                  .w = w,
+                                  .w_dtype = MOE_DTYPE_BF16,
+                                  .ldw = c->ldw,
+                                  .n_out = c->n_out,
+                                  .y = y,
+                                  .accumulate = c->accumulate,
+                                  .fast = true};
+    CHECK(!cpu_matmul_dot_supported(&p));
+    if (c->via == 0)
+        g_cpu->ops->matmul(g_cpu, &p);
+    else
+        cpu_matmul(c->via == 1 ? g_pool : NULL, &p);
+    const double u = ldexp(1.0, -11), g = CPU_PH_SEG * u / (1 - CPU_PH_SEG * u);
+    double worst = 0;
+    int mismatches = 0;
+    for (int t = 0; t < c->n_tok; t++) {
+        const float *xt = x + (size_t)t * c->n_in;
+        float m = 0.0f;
+        for (int k = 0; k < c->n_in; k++)
+            m = fmaxf(m, fabsf(xt[k]));
+        int e = 0;
+        if (m > 0.0f)
+            (void)frexpf(m, &e);
+        for (int o = 0; o < c->n_out; o++) {
+            const uint16_t *wr = w + (size_t)o * c->ldw;
+            double ref = 0, mag = 0, wsum = 0, xsum = 0, ref_bf16 = 0;
+            float sum = 0.0f;
+            for (int k0 = 0; k0 < c->n_in; k0 += CPU_PH_SEG) {
+                double acc = 0;
+                for (int k = k0; k < c->n_in && k < k0 + CPU_PH_SEG; k++) {
+                    const double wv = moe_bf16_to_f32(wr[k]);
+                    acc = fp16_round(fp16_round(ldexpf(xt[k], -e)) * fp16_round(wv) + acc);
+                    ref += (double)xt[k] * wv;
+                    ref_bf16 += (double)moe_bf16_to_f32(moe_f32_to_bf16(xt[k])) * wv;
+                    mag += fabs((double)xt[k] * wv);
+                    wsum += fabs(wv);
+                    xsum += fabs((double)xt[k]);
+                }
+                sum = k0 ? sum + (float)acc : (float)acc;
+            }
+            const size_t i = (size_t)t * c->n_out + o;
+            const float v = sum * ldexpf(1.0f, e);
+            const float want = c->accumulate ? y0[i] + v : v;
+            if (memcmp(&want, &y[i], sizeof want) != 0 && mismatches++ < 3)
+                printf("  fp16 panels %dx%dx%d: y[%d][%d] = %.9g, emulated %.9g\n", c->n_tok,
+                       c->n_in, c->n_out, t, o, (double)y[i], (double)want);
+            const double got = (double)y[i] - (c->accumulate ? y0[i] : 0.0);
+            const double bound = (u + g + (c->n_in / CPU_PH_SEG + 3) * ldexp(1.0, -24)) * mag +
+                                 ldexp(1.0, e - 25) * (wsum + c->n_in) + ldexp(xsum, -25) +
+                                 1e-6 * fabs((double)y0[i]) * c->accumulate;
+            const double eb = fabs(got - ref) / (bound + 1e-30);
+            if (!(eb <= worst))
+                worst = isnan(eb) ? INFINITY : eb;
+            *err2 += (got - ref) * (got - ref);
+            *err2_bf16 += (ref_bf16 - ref) * (ref_bf16 - ref);
+        }
+    }
+    CHECKF(mismatches == 0, "fp16 panels %dx%dx%d: %d outputs differ from the emulation", c->n_tok,
+           c->n_in, c->n_out, mismatches);
+    free(x);
+    free(y);
+    free(y0);
+    return worst;
+}
+
+/* The fp16 panels (matmul.c): where the processor has AVX512-FP16 and
+ * vdpbf16ps is slow (no AMX), bf16 fast calls of CPU_PH_MIN_TOK+ tokens
+ * equal their emulation bit for bit and stay within the documented bound of
+ * the exact product; one token fewer is the exact kernels bit for bit; a
+ * panel holding a weight of CPU_PH_MAX_W or more takes the f32 panels (its
+ * rows equal the exact call's, the other panels' do not); a grouped call
+ * equals each expert alone. The error against the exact product is printed
+ * next to that of rounding the activations to bf16 (the dot-product paths'). */
+static void test_fp16_panels(unsigned feats)
+{
+    cpu_kernels_force_features(feats);
+    CHECK(cpu_matmul_fp16_panels());
+    CHECK(strcmp(cpu_matmul_fast_path(MOE_DTYPE_BF16), "avx512-bf16/f32-fma/fp16-fma") == 0);
+    static const struct fcase fixed[] = {
+        {CPU_PH_MIN_TOK, 64, 64, 64, false, 0},
+        {40, 96, 20, 96, true, 1},
+        {100, 1024, 96, 1024, false, 2},
+        {33, 129, 47, 130, true, 1},
+        {300, 200, 70, 256, true, 2}, /* several token blocks */
+        {257, 65, 31, 65, false, 1},  /* leftover tiles of 8, 4, 1 */
+        {64, 1000, 130, 1000, false, 0},
+        {45, 31, 200, 33, true, 0},
+    };
+    double worst = 0, err2 = 0, err2_bf16 = 0;
+    int n = 0;
+    for (int i = 0; i < (int)(sizeof fixed / sizeof *fixed) + 12; i++, n++) {
+        struct fcase c;
+        if (i < (int)(sizeof fixed / sizeof *fixed)) {
+            c = fixed[i];
+        } else {
+            c = (struct fcase){.n_tok = CPU_PH_MIN_TOK + (int)(test_rng_u32(&g_rng) % 120),
+                               .n_in = 1 + (int)(test_rng_u32(&g_rng) % 300),
+                               .n_out = 1 + (int)(test_rng_u32(&g_rng) % 150),
+                               .accumulate = test_rng_u32(&g_rng) % 2,
+                               .via = (int)(test_rng_u32(&g_rng) % 3)};
+            c.ldw = c.n_in + (int)(test_rng_u32(&g_rng) % 5);
+        }
+        const float *sc;
+        uint16_t *w = make_weights(MOE_DTYPE_BF16, c.n_out, c.ldw, &sc);
+        worst = fmax(worst, ph_case(&c, w, &err2, &err2_bf16));
+        free(w);
+    }
+    CHECKF(worst <= 1.0, "fp16 panels: error %.3g x the documented bound", worst);
+
+    /* one token below the threshold: the exact kernels; a panel with a
+     * weight of CPU_PH_MAX_W: the f32 panels for its rows */
+    const int n_in = 96, n_out = 130, n_tok = 100, big_row = 70;
+    const float *sc;
+    uint16_t *w = make_weights(MOE_DTYPE_BF16, n_out, n_in, &sc);
+    w[(size_t)big_row * n_in + 5] = moe_f32_to_bf16(CPU_PH_MAX_W);
+    float *x = malloc((size_t)n_tok * n_in * sizeof *x);
+    float *ya = malloc((size_t)n_tok * n_out * sizeof *ya),
+          *yb = malloc((size_t)n_tok * n_out * sizeof *yb);
+    for (size_t i = 0; i < (size_t)n_tok * n_in; i++)
+        x[i] = test_rng_float(&g_rng);
+    struct moe_matmul_params p = {.x = x,
+                                  .n_tok = CPU_PH_MIN_TOK - 1,
+                                  .n_in = n_in,
+                                  .w = w,
+                                  .w_dtype = MOE_DTYPE_BF16,
+                                  .ldw = n_in,
+                                  .n_out = n_out,
+                                  .y = ya,
+                                  .fast = true};
+    cpu_matmul(g_pool, &p);
+    p.fast = false;
+    p.y = yb;
+    cpu_matmul(g_pool, &p);
+    CHECKF(memcmp(ya, yb, (size_t)p.n_tok * n_out * sizeof *ya) == 0,
+           "fp16 panels: %d tokens differ from the exact kernels", p.n_tok);
+    p.n_tok = n_tok;
+    cpu_matmul(g_pool, &p); /* exact, packed f32 panels */
+    p.fast = true;
+    p.y = ya;
+    cpu_matmul(g_pool, &p);
+    int same_big = 0, same_other = 0;
+    for (int t = 0; t < n_tok; t++)
+        for (int o = 0; o < n_out; o++) {
+            const size_t i = (size_t)t * n_out + o;
+            const bool same = memcmp(&ya[i], &yb[i], sizeof *ya) == 0;
+            if (o / 64 == big_row / 64)
+                same_big += same;
+            else
+                same_other += same;
+        }
+    CHECKF(same_big == n_tok * 64, "fp16 panels: a panel with |w| = %g: %d of %d outputs as exact",
+           (double)CPU_PH_MAX_W, same_big, n_tok * 64);
+    CHECKF(same_other < n_tok * (n_out - 64) / 2,
+           "fp16 panels: panels without a large weight gave the exact bits (%d of %d)", same_other,
+           n_tok * (n_out - 64));
+    free(w);
+    free(x);
+    free(ya);
+    free(yb);
+    test_grouped_equals_each(MOE_DTYPE_BF16, "avx512-bf16/f32-fma/fp16-fma");
+    printf("fp16 panels: %d cases equal their emulation bit for bit, worst error %.3g of the "
+           "documented bound; rms error %.3g x that of bf16-rounded activations; %d tokens the "
+           "exact kernels, a panel with |w| >= %g the f32 panels\n",
+           n, worst, sqrt(err2 / (err2_bf16 + 1e-300)), CPU_PH_MIN_TOK - 1, (double)CPU_PH_MAX_W);
+}
+
 int main(void)
 {
     struct moe_error err = {0};
@@ -650,9 +852,16 @@ int main(void)
         test_special_rows(MOE_DTYPE_BF16, "avx512-bf16");
         test_grouped_equals_each(MOE_DTYPE_BF16, "avx512-bf16");
         test_forced_off(MOE_DTYPE_BF16, CPU_FEAT_AVX512_BF16, 0, "avx512-bf16 forced off");
-        if (have & CPU_FEAT_DPBF16_SLOW)
-            test_slow_dpbf16(have & ~amx);
-        else
+        if (have & CPU_FEAT_DPBF16_SLOW) {
+            test_slow_dpbf16(have & ~(amx | CPU_FEAT_AVX512_FP16));
+            cpu_kernels_force_features(have & ~amx);
+            if (cpu_matmul_fp16_panels())
+                test_fp16_panels(have & ~amx);
+            else
+                printf("SKIPPED: fp16 panels: this processor lacks AVX512-FP16 (or the build "
+                       "is not gcc)\n");
+            cpu_kernels_force_features(have & ~(amx | CPU_FEAT_DPBF16_SLOW));
+        } else
             printf("SKIPPED: bf16 fast path by f32 FMA: vdpbf16ps is not slow here (not Intel)\n");
         ran++;
     } else {
