@@ -72,7 +72,13 @@ enum cpu_feature {
  * CPU_PH_SEG columns at a time in fp16, added in f32; a panel of weights
  * reaching CPU_PH_MAX_W takes the f32 panels. 32 tokens: 512-token prefill
  * (experts of ~128 rows) 921 tok/s against 909 at 16 and 869 at 48; a
- * 16-sequence decode step (16-row calls) is slower at 16. */
+ * 16-sequence decode step (16-row calls) is slower at 16 on the panels.
+ * Calls of CPU_SLOW_DP_FMA_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens take fp16
+ * streaming tiles there (matmul_dot.c: the same arithmetic, lanes over k,
+ * each weight vector widened to fp16 once per 16 tokens; a row with a
+ * weight of CPU_PH_MAX_W or more redone on vdpbf16ps): 16 tokens 1.4-1.5x
+ * the f32 tiles (bench-kernels --fast, n_in 1024); 16-sequence bf16 decode
+ * 244 -> 253 tok/s on 2 threads, 131 -> 139 on 1. */
 #define CPU_PH_MIN_TOK 32
 #define CPU_PH_SEG 32
 #define CPU_PH_MAX_W 1024.0f

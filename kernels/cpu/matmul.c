@@ -566,6 +566,29 @@ AVX512_TARGET static void mk_tile_avx512(int T, int R, const struct moe_matmul_p
                       w_at(p->w_dtype, p->w, o * p->ldw), p->ldw, !p->batch_invariant, out);
 }
 
+/* Columns [k, k + kk) (kk <= 16) of rows [o, o + rr) (rr <= 16) widened to
+ * f32 (int8 unscaled), v[i] for row o + i; zero past kk and for i >= rr.
+ * The packers' load, before their transposes. */
+AVX512_TARGET static inline __attribute__((always_inline)) void
+load_rows16(const struct moe_matmul_params *p, int o, int rr, int k, int kk, __m512 v[16])
+{
+    const enum moe_dtype wt = p->w_dtype;
+    const __mmask16 m = (__mmask16)((1u << kk) - 1u);
+    for (int i = 0; i < 16; i++) {
+        if (i >= rr) {
+            v[i] = _mm512_setzero_ps();
+            continue;
+        }
+        const int64_t at = (int64_t)(o + i) * p->ldw + k;
+        v[i] = wt == MOE_DTYPE_BF16 ? (kk == 16 ? load_w16(MOE_DTYPE_BF16, p->w, at)
+                                                : load_w16_mask(MOE_DTYPE_BF16, p->w, at, m))
+               : wt == MOE_DTYPE_I8 ? (kk == 16 ? load_w16(MOE_DTYPE_I8, p->w, at)
+                                                : load_w16_mask(MOE_DTYPE_I8, p->w, at, m))
+                                    : (kk == 16 ? load_w16(MOE_DTYPE_F32, p->w, at)
+                                                : load_w16_mask(MOE_DTYPE_F32, p->w, at, m));
+    }
+}
+
 /* Prefill path: W rows [o, o+R) (R <= PK_R) are packed k-major into `panel`
  * (n_in, PK_R), widened to f32 (int8 dequantized), zero-padded; then each
  * register tile of PK_T tokens x PK_R outputs broadcasts one x element per
@@ -604,23 +627,10 @@ AVX512_TARGET static void pack_panel_avx512(const struct moe_matmul_params *p, i
         }
         for (int k = 0; k < n_in; k += 16) {
             const int kk = n_in - k < 16 ? n_in - k : 16;
-            const __mmask16 m = (__mmask16)((1u << kk) - 1u);
             __m512 v[16];
-            for (int i = 0; i < 16; i++) {
-                if (i >= rr) {
-                    v[i] = _mm512_setzero_ps();
-                    continue;
-                }
-                const int64_t at = (int64_t)(o + r0 + i) * p->ldw + k;
-                __m512 x =
-                    wt == MOE_DTYPE_BF16 ? (kk == 16 ? load_w16(MOE_DTYPE_BF16, p->w, at)
-                                                     : load_w16_mask(MOE_DTYPE_BF16, p->w, at, m))
-                    : wt == MOE_DTYPE_I8 ? (kk == 16 ? load_w16(MOE_DTYPE_I8, p->w, at)
-                                                     : load_w16_mask(MOE_DTYPE_I8, p->w, at, m))
-                                         : (kk == 16 ? load_w16(MOE_DTYPE_F32, p->w, at)
-                                                     : load_w16_mask(MOE_DTYPE_F32, p->w, at, m));
-                v[i] = _mm512_mul_ps(x, _mm512_set1_ps(sc[i]));
-            }
+            load_rows16(p, o + r0, rr, k, kk, v);
+            for (int i = 0; i < rr; i++)
+                v[i] = _mm512_mul_ps(v[i], _mm512_set1_ps(sc[i]));
             transpose16_avx512(v);
             for (int j = 0; j < kk; j++)
                 _mm512_storeu_ps(panel + (size_t)(k + j) * PK_R + r0, v[j]);
@@ -764,18 +774,10 @@ PH_TARGET static bool pack_panel_ph(const struct moe_matmul_params *p, int o, in
         const int rr = R - r0 < 16 ? R - r0 : 16;
         for (int k = 0; k < n_in; k += 16) {
             const int kk = n_in - k < 16 ? n_in - k : 16;
-            const __mmask16 m = (__mmask16)((1u << kk) - 1u);
             __m512 v[16];
-            for (int i = 0; i < 16; i++) {
-                if (i >= rr) {
-                    v[i] = _mm512_setzero_ps();
-                    continue;
-                }
-                const int64_t at = (int64_t)(o + r0 + i) * p->ldw + k;
-                v[i] = kk == 16 ? load_w16(MOE_DTYPE_BF16, p->w, at)
-                                : load_w16_mask(MOE_DTYPE_BF16, p->w, at, m);
+            load_rows16(p, o + r0, rr, k, kk, v);
+            for (int i = 0; i < rr; i++)
                 mx = _mm512_max_ps(mx, _mm512_abs_ps(v[i]));
-            }
             transpose16_avx512(v);
             for (int j = 0; j < kk; j++)
                 _mm256_storeu_si256(

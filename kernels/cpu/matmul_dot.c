@@ -12,6 +12,11 @@
  *   (denormal inputs and outputs are flushed to zero by the instruction: an
  *   absolute error below 2^-126 per product). tests/unit/test_matmul_fast.c
  *   holds every output to this bound; random data reach ~0.65 of it.
+ *   Where vdpbf16ps is slow (Intel without AMX) and AVX512-FP16 exists, calls
+ *   of CPU_SLOW_DP_FMA_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens take fp16 streaming
+ *   tiles instead (x scaled to |x| <= 1 and rounded to fp16, the weights
+ *   widened to fp16 per tile, fp16 sums over 32 columns a lane, then f32:
+ *   the arithmetic and bound of matmul.c's fp16 panels, see there).
  *
  *   I8 weights (W8A8), AVX512-VNNI: each token row x_t is quantized with its
  *   own scale sx_t = max_k |x_tk| / 127 to xq_tk = round(x_tk / sx_t) in
@@ -115,6 +120,26 @@
 
 enum dot_kind { DOT_BF16 = 0, DOT_I8 = 1, DOT_I4 = 2 };
 
+/* fp16 streaming (below): gcc only, as the fp16 panels of matmul.c */
+#if defined(DOT_X86) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define DOT_PH 1
+#else
+#define DOT_PH 0
+#endif
+
+/* Whether p, a fast bf16 call, takes the fp16 streaming tiles: where
+ * vdpbf16ps is slow (Intel without AMX) and the fp16 panels exist, calls of
+ * CPU_SLOW_DP_FMA_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens (below: vdpbf16ps;
+ * from there: the fp16 panels). */
+static bool ph_stream_for(const struct moe_matmul_params *p)
+{
+    const unsigned f = cpu_kernels_features();
+    return DOT_PH && p->fast && p->w_dtype == MOE_DTYPE_BF16 && !p->batch_invariant &&
+           (f & CPU_FEAT_DPBF16_SLOW) && !(f & CPU_FEAT_AMX_BF16) && (f & CPU_FEAT_AVX512_BF16) &&
+           p->n_tok >= CPU_SLOW_DP_FMA_MIN_TOK && p->n_tok < CPU_PH_MIN_TOK &&
+           cpu_matmul_fp16_panels();
+}
+
 static enum dot_kind kind_of(enum moe_dtype wt)
 {
     return wt == MOE_DTYPE_I8 ? DOT_I8 : wt == MOE_DTYPE_I4 ? DOT_I4 : DOT_BF16;
@@ -163,7 +188,7 @@ bool cpu_matmul_dot_supported(const struct moe_matmul_params *p)
     if (p->w_dtype == MOE_DTYPE_BF16)
         return (f & CPU_FEAT_AVX512_BF16) &&
                (!(f & CPU_FEAT_DPBF16_SLOW) || (f & CPU_FEAT_AMX_BF16) ||
-                p->n_tok < CPU_SLOW_DP_FMA_MIN_TOK);
+                p->n_tok < CPU_SLOW_DP_FMA_MIN_TOK || ph_stream_for(p));
     if (p->w_dtype == MOE_DTYPE_I8 || p->w_dtype == MOE_DTYPE_I4)
         return (f & CPU_FEAT_AVX512_VNNI) != 0;
     return false;
@@ -182,9 +207,10 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt)
     if (amx_for(wt))
         return wt == MOE_DTYPE_BF16 ? "amx-bf16" : "amx-int8";
     if (wt == MOE_DTYPE_BF16 && (cpu_kernels_features() & CPU_FEAT_DPBF16_SLOW))
-        /* below CPU_SLOW_DP_FMA_MIN_TOK tokens / from there; with AVX512-FP16,
-         * the fp16 panels from CPU_PH_MIN_TOK (matmul.c; gcc builds) */
-        return cpu_matmul_fp16_panels() ? "avx512-bf16/f32-fma/fp16-fma" : "avx512-bf16/f32-fma";
+        /* below CPU_SLOW_DP_FMA_MIN_TOK tokens / from there; with AVX512-FP16
+         * (gcc builds), fp16 streaming tiles from there and the fp16 panels of
+         * matmul.c from CPU_PH_MIN_TOK */
+        return cpu_matmul_fp16_panels() && DOT_PH ? "avx512-bf16/fp16-fma" : "avx512-bf16/f32-fma";
     return wt == MOE_DTYPE_BF16 ? "avx512-bf16" : "avx512-vnni";
 }
 
@@ -1004,6 +1030,126 @@ DOT_TARGET static void q4_rows_bf16(const struct moe_matmul_params *p, int o, in
 }
 
 /* ---------------------------------------------------------------------------
+ * fp16 streaming (bf16 weights, 8..31 tokens, where vdpbf16ps is slow and the
+ * processor has AVX512-FP16: see cpu_kernels.h). Each token's activations
+ * are scaled by a power of two to |x| <= 1 and rounded to fp16 once per
+ * call (xph, sph); a tile is one weight row against up to PHS_T tokens,
+ * lanes over k: each 32 weights are widened bf16 -> f32 -> fp16 once (exact
+ * for bf16 values of fp16's normal range) and feed one vfmadd231ph per
+ * token. A lane's fp16 sum covers PHS_FLUSH of its columns (the fp16
+ * panels' CPU_PH_SEG) before it is added in f32. A row holding a weight of
+ * CPU_PH_MAX_W or more (its fp16 sums could overflow) is redone on the
+ * vdpbf16ps tiles from the bf16 activations the job also holds. */
+#define PHS_T 16     /* tokens per fp16 streaming tile: 16 accumulators */
+#define PHS_FLUSH 32 /* k-vectors a lane sums in fp16 (32 columns of its own) */
+#if DOT_PH
+#define PH_TARGET                                                                                  \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx512fp16,fma,avx2")))
+
+/* Token row x as fp16 (ldx halves, zero past n_in) of x / 2^e, 2^e the least
+ * power of two above max |x| (1 for a zero row); returns 2^e. */
+PH_TARGET static float act_ph_row(const float *x, int n_in, uint16_t *d, int ldx)
+{
+    __m512 mx = _mm512_setzero_ps();
+    for (int k = 0; k < n_in; k += 16) {
+        const int rem = n_in - k;
+        const __mmask16 m = rem >= 16 ? 0xffff : (__mmask16)((1u << rem) - 1u);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)));
+    }
+    const float a = _mm512_reduce_max_ps(mx);
+    int e = 0;
+    if (a > 0.0f && isfinite(a))
+        (void)frexpf(a, &e);
+    const __m512 inv = _mm512_set1_ps(ldexpf(1.0f, -e));
+    for (int k = 0; k < ldx; k += 16) {
+        const int rem = n_in - k;
+        const __mmask16 m = rem >= 16 ? 0xffff : rem > 0 ? (__mmask16)((1u << rem) - 1u) : 0;
+        _mm256_storeu_si256((__m256i *)(d + k),
+                            _mm512_cvtps_ph(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    return ldexpf(1.0f, e);
+}
+
+/* sum[t] = x'_t . w over the row w (bf16, n_in) for T tokens (xph rows ldx
+ * halves apart); pf: the next row, prefetched. Returns false where the row
+ * holds a weight of magnitude CPU_PH_MAX_W or more (sum unusable). */
+PH_TARGET static inline __attribute__((always_inline)) bool
+mk_stream_ph(const int T, const uint16_t *xph, int64_t ldx, const uint16_t *w, const char *pf,
+             int n_in, float sum[PHS_T])
+{
+    __m512h acc[PHS_T];
+    __m512 fs[PHS_T];
+    const __m512i abs_bits = _mm512_set1_epi16(0x7fff);
+    /* bf16 bits of CPU_PH_MAX_W (1024 = 2^10: exponent field 137) */
+    const __m512i big = _mm512_set1_epi16((short)(137 << 7));
+    _Static_assert(CPU_PH_MAX_W == 1024.0f, "mk_stream_ph's guard is 2^10");
+    __mmask32 bad = 0;
+#pragma GCC unroll 16
+    for (int t = 0; t < T; t++)
+        acc[t] = _mm512_setzero_ph();
+    int in_lane = 0;
+    bool first = true;
+    for (int k = 0; k < n_in; k += 32) {
+        _mm_prefetch(pf + (int64_t)k * 2, _MM_HINT_T1);
+        const int rem = n_in - k;
+        const __m512i wv = rem >= 32
+                               ? _mm512_loadu_si512((const void *)(w + k))
+                               : _mm512_maskz_loadu_epi16((__mmask32)((1ull << rem) - 1u), w + k);
+        bad |= _mm512_cmpge_epu16_mask(_mm512_and_si512(wv, abs_bits), big);
+        const __m256i lo = _mm512_cvtps_ph(bf16x16_to_f32(_mm512_castsi512_si256(wv)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i hi = _mm512_cvtps_ph(bf16x16_to_f32(_mm512_extracti64x4_epi64(wv, 1)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512h wh =
+            _mm512_castsi512_ph(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+#pragma GCC unroll 16
+        for (int t = 0; t < T; t++)
+            acc[t] = _mm512_fmadd_ph(
+                _mm512_castsi512_ph(_mm512_loadu_si512((const void *)(xph + t * ldx + k))), wh,
+                acc[t]);
+        if (++in_lane == PHS_FLUSH || k + 32 >= n_in) {
+#pragma GCC unroll 16
+            for (int t = 0; t < T; t++) {
+                const __m512i b = _mm512_castph_si512(acc[t]);
+                const __m512 s = _mm512_add_ps(
+                    _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(b))),
+                    _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(b, 1))));
+                fs[t] = first ? s : _mm512_add_ps(fs[t], s);
+                acc[t] = _mm512_setzero_ph();
+            }
+            in_lane = 0;
+            first = false;
+        }
+    }
+    if (first) /* n_in == 0 */
+        for (int t = 0; t < T; t++)
+            fs[t] = _mm512_setzero_ps();
+    if (T == PHS_T) {
+        _mm512_storeu_ps(sum, hsum16(false, fs));
+    } else {
+        for (int t = 0; t < T; t++)
+            sum[t] = _mm512_reduce_add_ps(fs[t]);
+    }
+    return bad == 0;
+}
+
+PH_TARGET static bool mk_stream_ph_any(int T, const uint16_t *xph, int64_t ldx, const uint16_t *w,
+                                       const char *pf, int n_in, float sum[PHS_T])
+{
+    switch (T) {
+    case 16: return mk_stream_ph(16, xph, ldx, w, pf, n_in, sum);
+    case 8: return mk_stream_ph(8, xph, ldx, w, pf, n_in, sum);
+    case 4: return mk_stream_ph(4, xph, ldx, w, pf, n_in, sum);
+    case 1: return mk_stream_ph(1, xph, ldx, w, pf, n_in, sum);
+    default: break;
+    }
+    MOE_ASSERT(0 && "mk_stream_ph_any: unsupported tile");
+    return false;
+}
+#endif /* DOT_PH */
+
+/* ---------------------------------------------------------------------------
  * Tasks */
 
 struct dot_job {
@@ -1019,6 +1165,9 @@ struct dot_job {
     bool amx_stream; /* ... weight-stationary (amx_stream_block), xb below */
     bool q4_bf16;    /* I4 weights through the BF16 tiles (kind DOT_BF16), see the top */
     char *xb;        /* amx_stream: the activations as B tiles */
+    bool ph;         /* BF16: the fp16 streaming tiles (ph_stream_for); xa stays their fallback */
+    uint16_t *xph;   /* ... the activations scaled to fp16 (n_tok, ldx) */
+    float *sph;      /* ... and each token's power-of-two scale */
     int row_block, n_row_blocks, tok_block;
     char *scratch; /* packed: (n_threads, scratch_stride) panels */
     size_t scratch_stride;
@@ -1205,6 +1354,40 @@ DOT_TARGET static void task_stream_tok1(const struct dot_job *j, int t0, int o0,
         j->kind == DOT_I4 ? stream_rows_q4(j, t0, 1, o, 1, 1) : stream_rows(j, t0, 1, o, 1, 1);
 }
 
+#if DOT_PH
+/* The fp16 streaming task: rows [o0, o0 + no) one at a time (each row's
+ * 32-weight vectors converted once per tile) against tokens [t0, t0 + nt)
+ * in tiles of 16, 8, 4 and 1. */
+PH_TARGET static void task_stream_ph(const struct dot_job *j, int t0, int nt, int o0, int no)
+{
+    const struct moe_matmul_params *p = j->p;
+    const int64_t ldwb = p->ldw * 2;
+    float sum[PHS_T];
+    union dot_out out;
+    for (int o = o0; o < o0 + no; o++) {
+        const uint16_t *w = (const uint16_t *)p->w + (size_t)o * p->ldw;
+        const char *pf = (const char *)(w + p->ldw);
+        for (int t = t0; t < t0 + nt;) {
+            const int left = t0 + nt - t;
+            const int T = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : 1;
+            if (mk_stream_ph_any(T, j->xph + (size_t)t * j->ldx, j->ldx, w, pf, p->n_in, sum)) {
+                for (int tt = 0; tt < T; tt++)
+                    store_out(p, t + tt, o, sum[tt] * j->sph[t + tt]);
+            } else { /* a weight of CPU_PH_MAX_W or more: the row on vdpbf16ps */
+                for (int tt = 0; tt < T; tt += DT_T) {
+                    const int TT = T - tt < DT_T ? T - tt : DT_T;
+                    mk_stream_any(DOT_BF16, TT, 1, j->xa + (t + tt) * j->ldxb, j->ldxb, NULL,
+                                  (const char *)w, ldwb, pf, p->n_in, &out);
+                    for (int u = 0; u < TT; u++)
+                        store_out(p, t + tt + u, o, out.f[u][0]);
+                }
+            }
+            t += T;
+        }
+    }
+}
+#endif
+
 DOT_TARGET static void task_packed(const struct dot_job *j, int thread, int t0, int nt, int o0,
                                    int no)
 {
@@ -1322,6 +1505,10 @@ static void dot_task(void *arg, int task, int thread)
         amx_end();
     } else if (j->packed)
         task_packed(j, thread, t0, nt, o0, no);
+#if DOT_PH
+    else if (j->ph)
+        task_stream_ph(j, t0, nt, o0, no);
+#endif
     else if (nt == 1)
         task_stream_tok1(j, t0, o0, no);
     else
@@ -1339,6 +1526,11 @@ static void cvt_task(void *arg, int task, int thread)
     int r0 = task * CVT_ROWS, r1 = r0 + CVT_ROWS < p->n_tok ? r0 + CVT_ROWS : p->n_tok;
     if (j->kind == DOT_BF16) {
         act_bf16_rows(p->x, p->n_in, r0, r1, (uint16_t *)j->xa, j->ldx);
+#if DOT_PH
+        for (int t = r0; t < r1 && j->ph; t++)
+            j->sph[t] = act_ph_row(p->x + (size_t)t * p->n_in, p->n_in, j->xph + (size_t)t * j->ldx,
+                                   j->ldx);
+#endif
         return;
     }
     const bool u8 = j->kind == DOT_I8 && j->packed && !j->amx; /* VNNI panels: xq + 128 */
@@ -1393,8 +1585,12 @@ static void dot_prepare(struct moe_threadpool *pool, const struct moe_matmul_par
     if (j.q4_bf16 && j.packed)
         j.scratch_stride *= 2;
     size_t xb_bytes = j.amx_stream ? (size_t)(p->n_tok + 15) / 16 * (size_t)j.ldxb * 16 : 0;
-    size_t total =
-        act_bytes + sx_bytes + xs_bytes + (size_t)n_threads * j.scratch_stride + xb_bytes;
+    j.ph = j.kind == DOT_BF16 && !j.q4_bf16 && !j.packed && !j.amx && ph_stream_for(p);
+    size_t ph_bytes =
+        j.ph ? (size_t)p->n_tok * (size_t)j.ldxb + ((size_t)p->n_tok * sizeof(float) + 63) / 64 * 64
+             : 0;
+    size_t total = act_bytes + sx_bytes + xs_bytes + (size_t)n_threads * j.scratch_stride +
+                   xb_bytes + ph_bytes;
     char *buf = NULL;
     MOE_ASSERT(posix_memalign((void **)&buf, 64, total) == 0);
     j.xa = buf;
@@ -1403,6 +1599,10 @@ static void dot_prepare(struct moe_threadpool *pool, const struct moe_matmul_par
     char *after = buf + act_bytes + sx_bytes + xs_bytes;
     j.scratch = j.packed || j.amx_stream ? after : NULL;
     j.xb = j.amx_stream ? after + (size_t)n_threads * j.scratch_stride : NULL;
+    if (j.ph) {
+        j.xph = (uint16_t *)(after + (size_t)n_threads * j.scratch_stride + xb_bytes);
+        j.sph = (float *)((char *)j.xph + (size_t)p->n_tok * (size_t)j.ldxb);
+    }
     if (act_rows > (size_t)p->n_tok)
         memset(buf + (size_t)p->n_tok * j.ldxb, 0, (act_rows - (size_t)p->n_tok) * j.ldxb);
 

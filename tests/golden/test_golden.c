@@ -34,9 +34,9 @@
  * moe_model_opts.fast, so the Linear layers run on the CPU's dot-product
  * paths (activations rounded to bf16, or quantized per token to int8:
  * kernels/cpu/matmul_dot.c; on Intel without AMX, bf16 calls of 8+ tokens
- * run the exact kernels and, with AVX512-FP16, calls of 32+ the fp16 panels
- * of kernels/cpu/matmul.c: there bf16fast runs twice, the default paths and
- * vdpbf16ps forced), and a BF16 KV cache; they hold
+ * run the exact kernels or, with AVX512-FP16, fp16 streaming tiles (8-31)
+ * and the fp16 panels of kernels/cpu/matmul.c (32+): there bf16fast runs
+ * twice, the default paths and vdpbf16ps forced), and a BF16 KV cache; they hold
  * the prompt logits, in one pass and one token per pass, to transformers
  * (bf16: logits_bf16.bin) or to the exact int8 model (int8: no transformers
  * reference exists for quantized weights). Each matmul is within 2^-8 of
@@ -435,7 +435,7 @@ static bool check_fast(const char *dir, struct moe_backend *be, struct prompt *p
 {
     /* Where vdpbf16ps is slower than f32 FMAs (CPU_FEAT_DPBF16_SLOW), the
      * bf16 fast path is the exact kernels by default from 8 tokens (fp16
-     * panels from CPU_PH_MIN_TOK where the processor has AVX512-FP16): the
+     * streaming tiles and panels where the processor has AVX512-FP16): the
      * vdpbf16ps path is forced in a run of its own (force_dot), so it is
      * still held to transformers where it exists. */
     if (force_dot) {
@@ -593,8 +593,8 @@ int main(int argc, char **argv)
         const unsigned feats = cpu_kernels_features();
         const bool slow_dot = fast && dt == MOE_DTYPE_BF16 && (feats & CPU_FEAT_DPBF16_SLOW) &&
                               (feats & CPU_FEAT_AVX512_BF16) && !(feats & CPU_FEAT_AMX_BF16);
-        /* there, the default path too where it has fp16 panels (its prompt
-         * of 60+ tokens takes them in the attention projections) */
+        /* there, the default path too where it has the fp16 tiles (every
+         * prompt of 8+ tokens takes them in its dense projections) */
         if (be && slow_dot && cpu_matmul_fp16_panels())
             ran = check_fast(dir, be, p, n_prompt, dt, fast, false);
         if (be)
