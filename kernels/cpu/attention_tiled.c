@@ -363,26 +363,12 @@ FA_TARGET static void fa_pv_any(int RT, int ND, int r0, int nk, const float *con
 }
 
 /* ---- fp16 P V (see the top) ----
- * gcc 12 compiles AVX512-FP16 intrinsics under a target attribute; clang 14
- * (Debian 12's, the fuzz build's) does not, so there it is left out and
- * pv_ph stays false. */
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define FA_PH 1
-#else
-#define FA_PH 0
-#endif
+ * Compiled where MOE_HAVE_FP16 (simd_x86.h: gcc 12+); elsewhere pv_ph stays
+ * false. */
+#define FA_PH MOE_HAVE_FP16
 
 #if FA_PH
-#define FA_PH_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512fp16,fma,avx2")))
-
-/* 32 fp16 lanes as two vectors of 16 f32 (exact). */
-FA_PH_TARGET static inline __attribute__((always_inline)) void ph_to_ps(__m512h x, __m512 *lo,
-                                                                        __m512 *hi)
-{
-    const __m512i b = _mm512_castph_si512(x);
-    *lo = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(b)));
-    *hi = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(b, 1)));
-}
+#define FA_PH_TARGET MOE_FP16_TARGET
 
 /* The outer-product tile both fp16 products use: acc[i][v] = the fp16 sum
  * over k < nk of A[i][k] B[k][32 v .. 32 v + 32), for I rows of A held as
@@ -428,7 +414,7 @@ fa_pv_ph(const int RT, const int NDH, int r0, int nk, const uint16_t *v16, int l
 #pragma GCC unroll 4
         for (int v = 0; v < NDH; v++) {
             __m512 lo, hi;
-            ph_to_ps(acc[r][v], &lo, &hi);
+            fp16_to_f32x2(acc[r][v], &lo, &hi);
             _mm512_storeu_ps(orow + 32 * v, _mm512_fmadd_ps(_mm512_loadu_ps(orow + 32 * v), a, lo));
             _mm512_storeu_ps(orow + 32 * v + 16,
                              _mm512_fmadd_ps(_mm512_loadu_ps(orow + 32 * v + 16), a, hi));
@@ -585,7 +571,7 @@ FA_PH_TARGET static void fa_softmax_ph(uint16_t *sh, uint32_t *p16, int nk, int 
                                                const void *)(sh + (size_t)kk * FA_ROWS + 32 * v))));
         }
         __m512 cm_lo, cm_hi;
-        ph_to_ps(cmax, &cm_lo, &cm_hi);
+        fp16_to_f32x2(cmax, &cm_lo, &cm_hi);
         const __m512 mold_lo = _mm512_loadu_ps(mrow + 32 * v);
         const __m512 mold_hi = _mm512_loadu_ps(mrow + 32 * v + 16);
         /* every row sees key 0 in chunk 0, so m is finite from then on. m is
@@ -600,7 +586,7 @@ FA_PH_TARGET static void fa_softmax_ph(uint16_t *sh, uint32_t *p16, int nk, int 
         const __m512h mnew =
             _mm512_castsi512_ph(_mm512_inserti64x4(_mm512_castsi256_si512(up_lo), up_hi, 1));
         const __m512 inf = _mm512_set1_ps(INFINITY);
-        ph_to_ps(mnew, &cm_lo, &cm_hi);
+        fp16_to_f32x2(mnew, &cm_lo, &cm_hi);
         mnew_lo = _mm512_mask_mov_ps(cm_lo, _mm512_cmp_ps_mask(cm_lo, inf, _CMP_EQ_OQ), mnew_lo);
         mnew_hi = _mm512_mask_mov_ps(cm_hi, _mm512_cmp_ps_mask(cm_hi, inf, _CMP_EQ_OQ), mnew_hi);
         __m512 sum_lo = _mm512_setzero_ps(), sum_hi = _mm512_setzero_ps();
@@ -614,7 +600,7 @@ FA_PH_TARGET static void fa_softmax_ph(uint16_t *sh, uint32_t *p16, int nk, int 
             _mm512_storeu_si512((void *)pp, _mm512_permutexvar_epi16(pair_lo, eb));
             _mm512_storeu_si512((void *)(pp + 16), _mm512_permutexvar_epi16(pair_hi, eb));
             __m512 e_lo, e_hi;
-            ph_to_ps(e, &e_lo, &e_hi);
+            fp16_to_f32x2(e, &e_lo, &e_hi);
             sum_lo = _mm512_add_ps(sum_lo, e_lo);
             sum_hi = _mm512_add_ps(sum_hi, e_hi);
         }
@@ -651,11 +637,8 @@ FA_PH_TARGET static bool fa_chunk_pv_ph(int nk, int n_rows, int dv, const float 
     const int mv = (n_rows + 15) / 16;
     for (int j = 0; j < nk; j++)
         for (int v = 0; v < mv; v++) {
-            const __m256i h = _mm256_castph_si256(
-                _mm512_cvtxps_ph(_mm512_loadu_ps(pt + (size_t)j * FA_ROWS + 16 * v)));
-            const __m512i w = _mm512_cvtepu16_epi32(h);
             _mm512_storeu_si512((void *)(p16 + (size_t)j * FA_ROWS + 16 * v),
-                                _mm512_or_si512(w, _mm512_slli_epi32(w, 16)));
+                                fp16_pairs16(_mm512_loadu_ps(pt + (size_t)j * FA_ROWS + 16 * v)));
         }
     fa_pv_ph_rows(nk, n_rows, dv, v16, dv, p16, alpha, o, ldo);
     return true;
@@ -1858,10 +1841,7 @@ FA_TARGET static void fa_widen_ph(const struct fa_job *j, const struct fa_wide *
             for (int k = 0; k < d; k += 16) {
                 const __m512 x = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(kb + k)));
                 ss = _mm512_fmadd_ps(x, x, ss);
-                const __m512i w = _mm512_cvtepu16_epi32(
-                    _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                _mm512_storeu_si512((void *)(kh + at * ldk + k),
-                                    _mm512_or_si512(w, _mm512_slli_epi32(w, 16)));
+                _mm512_storeu_si512((void *)(kh + at * ldk + k), fp16_pairs16(x));
             }
             const float norm2 = _mm512_reduce_add_ps(ss);
             kmax = norm2 > kmax ? norm2 : kmax;

@@ -718,14 +718,10 @@ AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
  * PH_MAX_W (a segment's sum could then near fp16's range) takes the f32
  * panels. gcc only: clang 14 does not take the intrinsics under a target
  * attribute (as attention_tiled.c). */
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define MM_PH 1
-#else
-#define MM_PH 0
-#endif
+#define MM_PH MOE_HAVE_FP16
 
 #if MM_PH
-#define PH_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512fp16,fma,avx2")))
+#define PH_TARGET MOE_FP16_TARGET
 #define PH_R 64 /* weight rows per fp16 panel (2 vectors of 32) */
 #define PH_T 12 /* tokens per register tile: 24 accumulators */
 #define PH_SEG CPU_PH_SEG
@@ -737,27 +733,15 @@ AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
  * max |x|; returns 2^e (1 for a zero row). */
 PH_TARGET static float ph_act_row(const float *x, int n_in, uint32_t *xp)
 {
-    __m512 mx = _mm512_setzero_ps();
-    int k = 0;
-    for (; k + 16 <= n_in; k += 16)
-        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-    float m = _mm512_reduce_max_ps(mx);
-    for (; k < n_in; k++)
-        m = fabsf(x[k]) > m ? fabsf(x[k]) : m;
-    int e = 0;
-    if (m > 0.0f && isfinite(m))
-        (void)frexpf(m, &e); /* m = f 2^e, f in [0.5, 1) */
-    const float s = ldexpf(1.0f, e);
+    const int e = fp16_row_exp(x, n_in);
     const __m512 inv = _mm512_set1_ps(ldexpf(1.0f, -e)); /* exact */
-    for (k = 0; k < n_in; k += 16) {
+    for (int k = 0; k < n_in; k += 16) {
         const int kk = n_in - k < 16 ? n_in - k : 16;
         const __mmask16 m16 = (__mmask16)((1u << kk) - 1u);
-        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m16, x + k), inv);
-        const __m512i w = _mm512_cvtepu16_epi32(
-            _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        _mm512_mask_storeu_epi32(xp + k, m16, _mm512_or_si512(w, _mm512_slli_epi32(w, 16)));
+        _mm512_mask_storeu_epi32(
+            xp + k, m16, fp16_pairs16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m16, x + k), inv)));
     }
-    return s;
+    return ldexpf(1.0f, e);
 }
 
 /* Rows [o, o + R) (R <= PH_R) of bf16 W as fp16, k-major: panel[k * PH_R +
@@ -816,9 +800,8 @@ mk_packed_ph(const int T, const uint32_t *xp, size_t ldx, int n_in, const uint16
         for (int t = 0; t < T; t++)
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
-                const __m512i b = _mm512_castph_si512(acc[t][h]);
-                __m512 lo = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(b)));
-                __m512 hi = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(b, 1)));
+                __m512 lo, hi;
+                fp16_to_f32x2(acc[t][h], &lo, &hi);
                 float *s = sum[t] + 32 * h;
                 if (k0) {
                     lo = _mm512_add_ps(lo, _mm512_loadu_ps(s));

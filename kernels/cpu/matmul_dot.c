@@ -121,8 +121,8 @@
 enum dot_kind { DOT_BF16 = 0, DOT_I8 = 1, DOT_I4 = 2 };
 
 /* fp16 streaming (below): gcc only, as the fp16 panels of matmul.c */
-#if defined(DOT_X86) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define DOT_PH 1
+#if defined(DOT_X86)
+#define DOT_PH MOE_HAVE_FP16
 #else
 #define DOT_PH 0
 #endif
@@ -1050,16 +1050,7 @@ DOT_TARGET static void q4_rows_bf16(const struct moe_matmul_params *p, int o, in
  * power of two above max |x| (1 for a zero row); returns 2^e. */
 PH_TARGET static float act_ph_row(const float *x, int n_in, uint16_t *d, int ldx)
 {
-    __m512 mx = _mm512_setzero_ps();
-    for (int k = 0; k < n_in; k += 16) {
-        const int rem = n_in - k;
-        const __mmask16 m = rem >= 16 ? 0xffff : (__mmask16)((1u << rem) - 1u);
-        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)));
-    }
-    const float a = _mm512_reduce_max_ps(mx);
-    int e = 0;
-    if (a > 0.0f && isfinite(a))
-        (void)frexpf(a, &e);
+    const int e = fp16_row_exp(x, n_in);
     const __m512 inv = _mm512_set1_ps(ldexpf(1.0f, -e));
     for (int k = 0; k < ldx; k += 16) {
         const int rem = n_in - k;
@@ -1111,10 +1102,9 @@ mk_stream_ph(const int T, const uint16_t *xph, int64_t ldx, const uint16_t *w, c
         if (++in_lane == PHS_FLUSH || k + 32 >= n_in) {
 #pragma GCC unroll 16
             for (int t = 0; t < T; t++) {
-                const __m512i b = _mm512_castph_si512(acc[t]);
-                const __m512 s = _mm512_add_ps(
-                    _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(b))),
-                    _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(b, 1))));
+                __m512 flo, fhi;
+                fp16_to_f32x2(acc[t], &flo, &fhi);
+                const __m512 s = _mm512_add_ps(flo, fhi);
                 fs[t] = first ? s : _mm512_add_ps(fs[t], s);
                 acc[t] = _mm512_setzero_ph();
             }

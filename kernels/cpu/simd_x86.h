@@ -135,5 +135,55 @@ MOE_AVX512_TARGET static inline __attribute__((always_inline)) void transpose16_
     }
 }
 
+/* ---- fp16 (the AVX512-FP16 paths of attention_tiled.c, matmul.c and
+ * matmul_dot.c) ----
+ * x rounded to fp16 (nearest even), each value twice in a dword: the form a
+ * dword broadcast (a load) turns into 32 equal fp16 lanes. AVX512F only. */
+MOE_AVX512_TARGET static inline __attribute__((always_inline)) __m512i fp16_pairs16(__m512 x)
+{
+    const __m512i w =
+        _mm512_cvtepu16_epi32(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return _mm512_or_si512(w, _mm512_slli_epi32(w, 16));
+}
+
+/* e with max |x| < 2^e over n floats (0 for a zero or non-finite maximum):
+ * the fp16 matmul paths scale a token's row by 2^-e (exact) so |x| <= 1. */
+MOE_AVX512_TARGET static inline int fp16_row_exp(const float *x, int n)
+{
+    __m512 mx = _mm512_setzero_ps();
+    for (int k = 0; k < n; k += 16) {
+        const int rem = n - k;
+        const __mmask16 m = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1u);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)));
+    }
+    const float a = _mm512_reduce_max_ps(mx);
+    int e = 0;
+    if (a > 0.0f && a <= 3.4028235e38f)
+        (void)__builtin_frexpf(a, &e); /* a = f 2^e, f in [0.5, 1) */
+    return e;
+}
+
+/* AVX512-FP16 arithmetic intrinsics under a target attribute: gcc 12 and
+ * later; clang 14 (the fuzz build's) lacks them, so there the fp16 paths are
+ * compiled out and their users report them absent. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define MOE_HAVE_FP16 1
+#define MOE_FP16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512fp16,fma,avx2")))
+
+/* 32 fp16 lanes as two vectors of 16 f32 (exact): lanes 0..15, 16..31. */
+MOE_FP16_TARGET static inline __attribute__((always_inline)) void
+fp16_to_f32x2(__m512h x, __m512 *lo, __m512 *hi)
+{
+    const __m512i b = _mm512_castph_si512(x);
+    *lo = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(b)));
+    *hi = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(b, 1)));
+}
+#else
+#define MOE_HAVE_FP16 0
+#endif
+
 #endif /* __x86_64__ */
+#ifndef MOE_HAVE_FP16
+#define MOE_HAVE_FP16 0 /* not x86-64 */
+#endif
 #endif
