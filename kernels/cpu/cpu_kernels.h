@@ -82,6 +82,16 @@ enum cpu_feature {
 #define CPU_PH_MIN_TOK 32
 #define CPU_PH_SEG 32
 #define CPU_PH_MAX_W 1024.0f
+/* The fp16 streaming tiles take their weights to fp16 by an integer
+ * re-bias of the exponent that also scales them by 2^CPU_PH_STREAM_W_SHIFT
+ * (4 instructions a vector where widening through f32 took 9): a weight
+ * below 2^-(14 + shift) in magnitude is flushed (an error under that per
+ * weight), and a row holding one of CPU_PH_MAX_W / 2^shift or more is
+ * redone on vdpbf16ps. With tiles of several rows sharing the end-of-row
+ * sums (2 x 8, 4 x 2..4), 8-16-token calls 1.1-1.3x the widening tiles
+ * (bench-kernels --fast bf16, 2 threads). 2-7 tokens stay on vdpbf16ps:
+ * the same tiles were level there (0.87-1.16x by shape). */
+#define CPU_PH_STREAM_W_SHIFT 4
 
 /* Features this processor (and OS) supports (cpuid, cached). */
 unsigned cpu_kernels_detect_features(void);

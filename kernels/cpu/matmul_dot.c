@@ -1034,20 +1034,24 @@ DOT_TARGET static void q4_rows_bf16(const struct moe_matmul_params *p, int o, in
  * processor has AVX512-FP16: see cpu_kernels.h). Each token's activations
  * are scaled by a power of two to |x| <= 1 and rounded to fp16 once per
  * call (xph, sph); a tile is one weight row against up to PHS_T tokens,
- * lanes over k: each 32 weights are widened bf16 -> f32 -> fp16 once (exact
- * for bf16 values of fp16's normal range) and feed one vfmadd231ph per
- * token. A lane's fp16 sum covers PHS_FLUSH of its columns (the fp16
- * panels' CPU_PH_SEG) before it is added in f32. A row holding a weight of
- * CPU_PH_MAX_W or more (its fp16 sums could overflow) is redone on the
- * vdpbf16ps tiles from the bf16 activations the job also holds. */
-#define PHS_T 16     /* tokens per fp16 streaming tile: 16 accumulators */
-#define PHS_FLUSH 32 /* k-vectors a lane sums in fp16 (32 columns of its own) */
+ * lanes over k: each 32 weights are taken to fp16 once, scaled by
+ * 2^CPU_PH_STREAM_W_SHIFT, by an integer re-bias (stream_w_ph: 4
+ * instructions where widening through f32 took 9; exact from 2^-18 up)
+ * and feed one vfmadd231ph per token. A lane's fp16 sum covers PHS_FLUSH of
+ * its columns (the fp16 panels' CPU_PH_SEG) before it is added in f32. A
+ * row holding a weight of CPU_PH_MAX_W / 2^shift or more (its fp16 sums
+ * could overflow) is redone on the vdpbf16ps tiles from the bf16
+ * activations the job also holds. */
+#define PHS_T 16         /* tokens per fp16 streaming tile: 16 accumulators */
+#define PHS_FLUSH 32     /* k-vectors a lane sums in fp16 (32 columns of its own) */
+#define PHS_L1_COLS 1024 /* widest n_in for the 1 x 16 tile (task_stream_ph) */
 #if DOT_PH
 #define PH_TARGET                                                                                  \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx512fp16,fma,avx2")))
 
 /* Token row x as fp16 (ldx halves, zero past n_in) of x / 2^e, 2^e the least
- * power of two above max |x| (1 for a zero row); returns 2^e. */
+ * power of two above max |x| (1 for a zero row); returns the factor that
+ * takes its sums against stream_w_ph's weights back: 2^(e - shift). */
 PH_TARGET static float act_ph_row(const float *x, int n_in, uint16_t *d, int ldx)
 {
     const int e = fp16_row_exp(x, n_in);
@@ -1059,83 +1063,129 @@ PH_TARGET static float act_ph_row(const float *x, int n_in, uint16_t *d, int ldx
                             _mm512_cvtps_ph(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv),
                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
-    return ldexpf(1.0f, e);
+    return ldexpf(1.0f, e - CPU_PH_STREAM_W_SHIFT);
 }
 
-/* sum[t] = x'_t . w over the row w (bf16, n_in) for T tokens (xph rows ldx
- * halves apart); pf: the next row, prefetched. Returns false where the row
- * holds a weight of magnitude CPU_PH_MAX_W or more (sum unusable). */
-PH_TARGET static inline __attribute__((always_inline)) bool
-mk_stream_ph(const int T, const uint16_t *xph, int64_t ldx, const uint16_t *w, const char *pf,
-             int n_in, float sum[PHS_T])
+/* Weights wv (32 bf16) x 2^CPU_PH_STREAM_W_SHIFT as fp16 by a re-bias of
+ * their exponent: exact from 2^-(14 + shift) up to fp16's range; below,
+ * zero (or, an exponent exactly at the bias, a value under 2^-(14 + shift)
+ * in the scaled units' subnormals: an error below that threshold). Where
+ * a weight reaches CPU_PH_MAX_W / 2^shift the result is unusable, which
+ * mk_stream_ph's guard reports. Mirrored in tests/unit/test_matmul_fast.c. */
+PH_TARGET static inline __attribute__((always_inline)) __m512h stream_w_ph(__m512i wv)
+{
+    /* fp16 exponent = bf16 exponent - 127 + 15 + shift */
+    const __m512i bias = _mm512_set1_epi16((short)((127 - 15 - CPU_PH_STREAM_W_SHIFT) << 7));
+    const __m512i mag = _mm512_and_si512(wv, _mm512_set1_epi16(0x7fff));
+    const __m512i h = _mm512_slli_epi16(_mm512_subs_epu16(mag, bias), 3);
+    /* h | (wv & 0x8000): the sign back */
+    return _mm512_castsi512_ph(
+        _mm512_ternarylogic_epi32(h, wv, _mm512_set1_epi16((short)0x8000), 0xf8));
+}
+
+/* sum[r * T + t] = x'_t . w'_r for R rows of bf16 W (ldw apart) and T tokens
+ * (xph rows ldx halves apart; R x T <= PHS_T), w' = w x
+ * 2^CPU_PH_STREAM_W_SHIFT (stream_w_ph); pf: the rows after, prefetched.
+ * Returns a bit set of the rows holding a weight of magnitude CPU_PH_MAX_W /
+ * 2^shift or more (their sums unusable). */
+PH_TARGET static inline __attribute__((always_inline)) unsigned
+mk_stream_ph(const int R, const int T, const uint16_t *xph, int64_t ldx, const uint16_t *w,
+             int64_t ldw, const char *pf, int n_in, float sum[PHS_T])
 {
     __m512h acc[PHS_T];
     __m512 fs[PHS_T];
     const __m512i abs_bits = _mm512_set1_epi16(0x7fff);
-    /* bf16 bits of CPU_PH_MAX_W (1024 = 2^10: exponent field 137) */
-    const __m512i big = _mm512_set1_epi16((short)(137 << 7));
+    /* bf16 bits of CPU_PH_MAX_W / 2^shift (2^(10 - shift): exponent field 137 - shift) */
+    const __m512i big = _mm512_set1_epi16((short)((137 - CPU_PH_STREAM_W_SHIFT) << 7));
     _Static_assert(CPU_PH_MAX_W == 1024.0f, "mk_stream_ph's guard is 2^10");
-    __mmask32 bad = 0;
+    __mmask32 bad[4] = {0, 0, 0, 0};
 #pragma GCC unroll 16
-    for (int t = 0; t < T; t++)
-        acc[t] = _mm512_setzero_ph();
+    for (int i = 0; i < R * T; i++)
+        acc[i] = _mm512_setzero_ph();
     int in_lane = 0;
     bool first = true;
     for (int k = 0; k < n_in; k += 32) {
-        _mm_prefetch(pf + (int64_t)k * 2, _MM_HINT_T1);
         const int rem = n_in - k;
-        const __m512i wv = rem >= 32
-                               ? _mm512_loadu_si512((const void *)(w + k))
-                               : _mm512_maskz_loadu_epi16((__mmask32)((1ull << rem) - 1u), w + k);
-        bad |= _mm512_cmpge_epu16_mask(_mm512_and_si512(wv, abs_bits), big);
-        const __m256i lo = _mm512_cvtps_ph(bf16x16_to_f32(_mm512_castsi512_si256(wv)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i hi = _mm512_cvtps_ph(bf16x16_to_f32(_mm512_extracti64x4_epi64(wv, 1)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512h wh =
-            _mm512_castsi512_ph(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+        const __mmask32 m = rem >= 32 ? ~(__mmask32)0 : (__mmask32)((1ull << rem) - 1u);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch(pf + (r * ldw + k) * 2, _MM_HINT_T1);
+            const __m512i wv = _mm512_maskz_loadu_epi16(m, w + r * ldw + k);
+            bad[r] |= _mm512_cmpge_epu16_mask(_mm512_and_si512(wv, abs_bits), big);
+            const __m512h wh = stream_w_ph(wv);
 #pragma GCC unroll 16
-        for (int t = 0; t < T; t++)
-            acc[t] = _mm512_fmadd_ph(
-                _mm512_castsi512_ph(_mm512_loadu_si512((const void *)(xph + t * ldx + k))), wh,
-                acc[t]);
+            for (int t = 0; t < T; t++)
+                acc[r * T + t] = _mm512_fmadd_ph(
+                    _mm512_castsi512_ph(_mm512_loadu_si512((const void *)(xph + t * ldx + k))), wh,
+                    acc[r * T + t]);
+        }
         if (++in_lane == PHS_FLUSH || k + 32 >= n_in) {
 #pragma GCC unroll 16
-            for (int t = 0; t < T; t++) {
+            for (int i = 0; i < R * T; i++) {
                 __m512 flo, fhi;
-                fp16_to_f32x2(acc[t], &flo, &fhi);
+                fp16_to_f32x2(acc[i], &flo, &fhi);
                 const __m512 s = _mm512_add_ps(flo, fhi);
-                fs[t] = first ? s : _mm512_add_ps(fs[t], s);
-                acc[t] = _mm512_setzero_ph();
+                fs[i] = first ? s : _mm512_add_ps(fs[i], s);
+                acc[i] = _mm512_setzero_ph();
             }
             in_lane = 0;
             first = false;
         }
     }
     if (first) /* n_in == 0 */
-        for (int t = 0; t < T; t++)
-            fs[t] = _mm512_setzero_ps();
-    if (T == PHS_T) {
+        for (int i = 0; i < R * T; i++)
+            fs[i] = _mm512_setzero_ps();
+    if (R * T > 8) { /* one transpose-add for all the tile's sums */
+        for (int i = R * T; i < PHS_T; i++)
+            fs[i] = _mm512_setzero_ps();
         _mm512_storeu_ps(sum, hsum16(false, fs));
     } else {
-        for (int t = 0; t < T; t++)
-            sum[t] = _mm512_reduce_add_ps(fs[t]);
+        for (int i = 0; i < R * T; i++)
+            sum[i] = _mm512_reduce_add_ps(fs[i]);
     }
-    return bad == 0;
+    unsigned rows_bad = 0;
+    for (int r = 0; r < R; r++)
+        rows_bad |= (bad[r] != 0) << r;
+    return rows_bad;
 }
 
-PH_TARGET static bool mk_stream_ph_any(int T, const uint16_t *xph, int64_t ldx, const uint16_t *w,
-                                       const char *pf, int n_in, float sum[PHS_T])
+/* The tiles (rows x tokens): 1 x 16, 2 x 8, and for what is left of a
+ * call's tokens past its 8s (1-7) 2 x 5..7 and 4 x 1..4, several rows
+ * sharing the end-of-row sums; single rows of every width for a task's
+ * leftover rows. */
+PH_TARGET static unsigned mk_stream_ph_any(int R, int T, const uint16_t *xph, int64_t ldx,
+                                           const uint16_t *w, int64_t ldw, const char *pf, int n_in,
+                                           float sum[PHS_T])
 {
-    switch (T) {
-    case 16: return mk_stream_ph(16, xph, ldx, w, pf, n_in, sum);
-    case 8: return mk_stream_ph(8, xph, ldx, w, pf, n_in, sum);
-    case 4: return mk_stream_ph(4, xph, ldx, w, pf, n_in, sum);
-    case 1: return mk_stream_ph(1, xph, ldx, w, pf, n_in, sum);
-    default: break;
-    }
+#define PHS_CASE(RR, TT)                                                                           \
+    if (R == RR && T == TT)                                                                        \
+        return mk_stream_ph(RR, TT, xph, ldx, w, ldw, pf, n_in, sum);
+    PHS_CASE(1, 16)
+    PHS_CASE(2, 8)
+    PHS_CASE(2, 7)
+    PHS_CASE(2, 6)
+    PHS_CASE(2, 5)
+    PHS_CASE(4, 4)
+    PHS_CASE(4, 3)
+    PHS_CASE(4, 2)
+    PHS_CASE(4, 1)
+    PHS_CASE(1, 8)
+    PHS_CASE(1, 7)
+    PHS_CASE(1, 6)
+    PHS_CASE(1, 5)
+    PHS_CASE(1, 4)
+    PHS_CASE(1, 3)
+    PHS_CASE(1, 2)
+    PHS_CASE(1, 1)
+#undef PHS_CASE
     MOE_ASSERT(0 && "mk_stream_ph_any: unsupported tile");
-    return false;
+    return ~0u;
+}
+
+/* Rows per tile for a tile of T tokens. */
+static inline int phs_rows(int T)
+{
+    return T >= 16 ? 1 : T >= 5 ? 2 : 4;
 }
 #endif /* DOT_PH */
 
@@ -1345,32 +1395,49 @@ DOT_TARGET static void task_stream_tok1(const struct dot_job *j, int t0, int o0,
 }
 
 #if DOT_PH
-/* The fp16 streaming task: rows [o0, o0 + no) one at a time (each row's
- * 32-weight vectors converted once per tile) against tokens [t0, t0 + nt)
- * in tiles of 16, 8, 4 and 1. */
+/* The fp16 streaming task: rows [o0, o0 + no) in blocks of 4 (their
+ * weights from memory once, from L1 for the block's later token tiles)
+ * against tokens [t0, t0 + nt) in tiles of 16, 8 and what is left (1-7),
+ * each tile on phs_rows(T) rows at a time. */
 PH_TARGET static void task_stream_ph(const struct dot_job *j, int t0, int nt, int o0, int no)
 {
     const struct moe_matmul_params *p = j->p;
     const int64_t ldwb = p->ldw * 2;
     float sum[PHS_T];
     union dot_out out;
-    for (int o = o0; o < o0 + no; o++) {
-        const uint16_t *w = (const uint16_t *)p->w + (size_t)o * p->ldw;
-        const char *pf = (const char *)(w + p->ldw);
+    /* 16 tokens on one row while their activations fit L1 beside the
+     * weights (n_in <= 1024: 32 KiB); wider, on two rows of 8, which halves
+     * the activation loads from L2 (bench-kernels --fast bf16, 2 threads:
+     * n_in 2816 1.1x, n_in 1024 0.8x) */
+    const bool wide16 = j->ldx <= PHS_L1_COLS;
+    for (int ob = o0; ob < o0 + no; ob += 4) {
+        const int nr = o0 + no - ob < 4 ? o0 + no - ob : 4;
         for (int t = t0; t < t0 + nt;) {
             const int left = t0 + nt - t;
-            const int T = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : 1;
-            if (mk_stream_ph_any(T, j->xph + (size_t)t * j->ldx, j->ldx, w, pf, p->n_in, sum)) {
-                for (int tt = 0; tt < T; tt++)
-                    store_out(p, t + tt, o, sum[tt] * j->sph[t + tt]);
-            } else { /* a weight of CPU_PH_MAX_W or more: the row on vdpbf16ps */
-                for (int tt = 0; tt < T; tt += DT_T) {
-                    const int TT = T - tt < DT_T ? T - tt : DT_T;
-                    mk_stream_any(DOT_BF16, TT, 1, j->xa + (t + tt) * j->ldxb, j->ldxb, NULL,
-                                  (const char *)w, ldwb, pf, p->n_in, &out);
-                    for (int u = 0; u < TT; u++)
-                        store_out(p, t + tt + u, o, out.f[u][0]);
+            const int T = left >= 16 && wide16 ? 16 : left >= 8 ? 8 : left;
+            for (int o = ob; o < ob + nr;) {
+                const int R = ob + nr - o >= phs_rows(T) ? phs_rows(T) : 1;
+                const uint16_t *w = (const uint16_t *)p->w + (size_t)o * p->ldw;
+                const char *pf = (const char *)(w + R * p->ldw);
+                const unsigned bad = mk_stream_ph_any(R, T, j->xph + (size_t)t * j->ldx, j->ldx, w,
+                                                      p->ldw, pf, p->n_in, sum);
+                for (int r = 0; r < R; r++) {
+                    if (!(bad >> r & 1u)) {
+                        for (int tt = 0; tt < T; tt++)
+                            store_out(p, t + tt, o + r, sum[r * T + tt] * j->sph[t + tt]);
+                        continue;
+                    }
+                    /* a weight of CPU_PH_MAX_W / 2^shift or more: the row on vdpbf16ps */
+                    const char *wr = (const char *)(w + (size_t)r * p->ldw);
+                    for (int tt = 0; tt < T; tt += DT_T) {
+                        const int TT = T - tt < DT_T ? T - tt : DT_T;
+                        mk_stream_any(DOT_BF16, TT, 1, j->xa + (t + tt) * j->ldxb, j->ldxb, NULL,
+                                      wr, ldwb, pf, p->n_in, &out);
+                        for (int u = 0; u < TT; u++)
+                            store_out(p, t + tt + u, o + r, out.f[u][0]);
+                    }
                 }
+                o += R;
             }
             t += T;
         }

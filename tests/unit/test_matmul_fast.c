@@ -807,18 +807,33 @@ static void test_fp16_panels(unsigned feats)
            n, worst, sqrt(err2 / (err2_bf16 + 1e-300)), CPU_PH_MIN_TOK, (double)CPU_PH_MAX_W);
 }
 
+/* A bf16 weight as the fp16 streaming tiles take it (matmul_dot.c,
+ * stream_w_ph), times 2^CPU_PH_STREAM_W_SHIFT: the exponent re-biased in
+ * 16-bit integer lanes (saturating at zero, shifted, the sign put back). */
+static double stream_w_emu(uint16_t b)
+{
+    const unsigned mag = b & 0x7fffu, bias = (127u - 15u - CPU_PH_STREAM_W_SHIFT) << 7;
+    const unsigned h = ((mag > bias ? mag - bias : 0u) << 3) & 0xffffu;
+    const unsigned ex = h >> 10, mt = h & 0x3ffu;
+    const double v = ex == 0 ? ldexp(mt, -24) : ldexp(1024.0 + mt, (int)ex - 25);
+    return (b & 0x8000u) ? -v : v;
+}
+
 /* The fp16 streaming tiles (matmul_dot.c): where the fp16 panels exist,
  * fast bf16 calls of CPU_SLOW_DP_FMA_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens.
  * Each output is held to its arithmetic emulated here: x scaled by 2^-e and
- * rounded to fp16, the weights rounded to fp16, each of the 32 lanes (the
+ * rounded to fp16, the weights as stream_w_emu takes them (tiny ones
+ * planted: flushed below 2^-(14 + shift)), each of the 32 lanes (the
  * columns k = j mod 32) summed by fp16 FMAs (exact in double, then one
  * rounding) over 32 of its columns at a time, those lane sums (exact fp16
  * values) added in f32 in an order of the kernel's own: to 1e-5 of
- * 2^e sum|x' w'|. Also to the exact product within the panels' bound, its
- * rms error reported against bf16-rounded activations'; a row holding a
- * weight past fp16's range (2^17) comes out finite, within the
- * vdpbf16ps bound (it is redone there); a grouped call equals each expert
- * alone. */
+ * 2^e sum|x' w'|. Also to the exact product within the panels' bound
+ * (plus the flushed weights' share), its rms error reported against
+ * bf16-rounded activations'; a row holding a weight past fp16's range
+ * (2^17), or at the guard (CPU_PH_MAX_W / 2^shift), comes out within the
+ * vdpbf16ps bound (it is redone there), one just below the guard matches
+ * its emulation; the tiles (1 x 16, 2 x 8, 2 x 5..7, 4 x 1..4, single
+ * leftover rows) all run; a grouped call equals each expert alone. */
 static void test_fp16_stream(unsigned feats)
 {
     cpu_kernels_force_features(feats);
@@ -829,11 +844,17 @@ static void test_fp16_stream(unsigned feats)
         {CPU_PH_MIN_TOK - 1, 129, 47, 130, true, 1},
         {23, 31, 200, 33, false, 0}, /* tiles of 16, 4, 1 x 3 */
         {12, 1000, 20, 1000, true, 2},
+        {12, 2816, 41, 2816, false, 1}, /* 2 x 8 + 4 x 4 tiles, a leftover row */
+        {16, 1500, 18, 1504, true, 2},  /* 16 tokens on two rows of 8 (n_in > 1024) */
+        {13, 200, 30, 200, false, 0},   /* 2 x 8 + 2 x 5 */
+        {15, 64, 9, 64, true, 1},       /* 2 x 8 + 2 x 7 */
+        {9, 100, 7, 100, false, 2},     /* 2 x 8 + 4 x 1 */
     };
+    const float guard_w = CPU_PH_MAX_W / (float)(1 << CPU_PH_STREAM_W_SHIFT);
     const int n_fixed = (int)(sizeof fixed / sizeof *fixed);
     const double u = ldexp(1.0, -11), g = 32 * u / (1 - 32 * u);
     double worst_emu = 0, worst_bound = 0, err2 = 0, err2_bf16 = 0;
-    int n = 0;
+    int n = 0, n_redone = 0;
     for (int i = 0; i < n_fixed + 10; i++, n++) {
         struct fcase c;
         if (i < n_fixed) {
@@ -853,6 +874,13 @@ static void test_fp16_stream(unsigned feats)
         const int big_row = i == 1 ? 7 : -1;
         if (big_row >= 0)
             w[(size_t)big_row * c.ldw + 3] = moe_f32_to_bf16(131072.0f);
+        if (i == 6) { /* at the guard (redone) and just below it (fp16) */
+            w[(size_t)5 * c.ldw + 100] = moe_f32_to_bf16(-guard_w);
+            w[(size_t)9 * c.ldw + 2000] = moe_f32_to_bf16(guard_w - 0.5f);
+        }
+        for (size_t k = 0; k < (size_t)c.n_out * c.ldw; k += 53) /* 2^-17 .. 2^-22 */
+            w[k] = moe_f32_to_bf16((k % 2 ? -1.0f : 1.0f) *
+                                   ldexpf(1.0f + (float)(k % 7) / 8.0f, -17 - (int)(k % 6)));
         float *x = malloc((size_t)c.n_tok * c.n_in * sizeof *x);
         for (size_t k = 0; k < (size_t)c.n_tok * c.n_in; k++)
             x[k] = test_rng_float(&g_rng) * (k % 89 == 0 ? 8.0f : 1.0f);
@@ -886,6 +914,7 @@ static void test_fp16_stream(unsigned feats)
             for (int o = 0; o < c.n_out; o++) {
                 const uint16_t *wr = w + (size_t)o * c.ldw;
                 double ref = 0, mag = 0, wsum = 0, xsum = 0, ref_bf16 = 0, emu = 0, emu_mag = 0;
+                double flushed = 0, wmax = 0;
                 double lane[32] = {0};
                 const int n_vec = (c.n_in + 31) / 32;
                 for (int v = 0; v < n_vec; v++) {
@@ -894,7 +923,10 @@ static void test_fp16_stream(unsigned feats)
                         if (k >= c.n_in)
                             continue;
                         const double wv = moe_bf16_to_f32(wr[k]);
-                        const double xh = fp16_round(ldexpf(xt[k], -e)), wh = fp16_round(wv);
+                        const double xh = fp16_round(ldexpf(xt[k], -e)), wh = stream_w_emu(wr[k]);
+                        if (fabs(wv) < ldexp(1.0, -14 - CPU_PH_STREAM_W_SHIFT))
+                            flushed += ldexp(fabs((double)xt[k]), -14 - CPU_PH_STREAM_W_SHIFT);
+                        wmax = fmax(wmax, fabs(wv));
                         lane[j] = fp16_round(xh * wh + lane[j]);
                         emu_mag += fabs(xh * wh);
                         ref += (double)xt[k] * wv;
@@ -909,26 +941,29 @@ static void test_fp16_stream(unsigned feats)
                             lane[j] = 0;
                         }
                 }
-                emu = ldexp(emu, e);
+                emu = ldexp(emu, e - CPU_PH_STREAM_W_SHIFT);
                 const size_t yi = (size_t)t * c.n_out + o;
                 const double base = c.accumulate ? y0[yi] : 0.0;
                 const double got = (double)y[yi] - base;
                 const double slack = 1e-6 * fabs(base);
-                if (o == big_row) { /* redone on vdpbf16ps */
+                if (wmax >= guard_w) { /* redone on vdpbf16ps */
+                    n_redone += t == 0;
                     const double bound = ldexp(mag, -8) + (c.n_in + 2) * ldexp(mag, -24);
                     const double eb = fabs(got - ref) / (bound + slack + 1e-30);
                     CHECKF(eb <= 1.0,
-                           "fp16 streaming: a row with |w| = 2^17 is %.3g x the "
+                           "fp16 streaming: a row with |w| = %g is %.3g x the "
                            "vdpbf16ps bound from exact (t %d)",
-                           eb, t);
+                           wmax, eb, t);
                     continue;
                 }
-                const double ee = fabs(got - emu) / (1e-5 * ldexp(emu_mag, e) + slack + 1e-30);
+                const double ee =
+                    fabs(got - emu) /
+                    (1e-5 * ldexp(emu_mag, e - CPU_PH_STREAM_W_SHIFT) + slack + 1e-30);
                 if (!(ee <= worst_emu))
                     worst_emu = isnan(ee) ? INFINITY : ee;
                 const double bound = (u + g + (c.n_in / 32 + 3) * ldexp(1.0, -24)) * mag +
                                      ldexp(1.0, e - 25) * (wsum + c.n_in) + ldexp(xsum, -25) +
-                                     slack;
+                                     flushed + slack;
                 const double eb = fabs(got - ref) / (bound + 1e-30);
                 if (!(eb <= worst_bound))
                     worst_bound = isnan(eb) ? INFINITY : eb;
@@ -944,12 +979,13 @@ static void test_fp16_stream(unsigned feats)
     CHECKF(worst_emu <= 1.0, "fp16 streaming: %.3g x 1e-5 of sum|x' w'| from its emulation",
            worst_emu);
     CHECKF(worst_bound <= 1.0, "fp16 streaming: error %.3g x the documented bound", worst_bound);
+    CHECKF(n_redone == 2, "fp16 streaming: %d rows at or past the guard, expected 2", n_redone);
     test_grouped_equals_each(MOE_DTYPE_BF16, "avx512-bf16/fp16-fma streaming");
     printf("fp16 streaming (%d..%d tokens): %d cases within %.3g of 1e-5 sum|x'w'| of their "
            "emulation, worst error %.3g of the documented bound; rms error %.3g x that of "
-           "bf16-rounded activations; a row with |w| = 2^17 redone on vdpbf16ps\n",
+           "bf16-rounded activations; rows with |w| = 2^17 and %g redone on vdpbf16ps\n",
            CPU_SLOW_DP_FMA_MIN_TOK, CPU_PH_MIN_TOK - 1, n, worst_emu, worst_bound,
-           sqrt(err2 / (err2_bf16 + 1e-300)));
+           sqrt(err2 / (err2_bf16 + 1e-300)), (double)guard_w);
 }
 
 int main(void)
