@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "host_mem.h"
 #include "placement.h"
 #include "quant.h"
 #include "safetensors.h"
@@ -64,16 +65,15 @@ size_t moe_model_linear_bytes(const struct moe_model *m, int64_t n_rows, int64_t
 
 /* Host memory for a weight's bytes (NULL when out of memory): 64-byte
  * aligned, as the CPU backend's buffers are, so that upload_weight can hand
- * it to that backend as it is. */
+ * it to that backend as it is; large ones on huge pages (host_mem.h). */
 static void *weight_host_alloc(size_t bytes)
 {
-    void *p = NULL;
-    return posix_memalign(&p, 64, bytes ? bytes : 64) == 0 ? p : NULL;
+    return moe_host_alloc(bytes);
 }
 
 /* Makes `bytes` of host memory (weight_host_alloc'd, wholly written) a
  * backend buffer (*out), counted in the model's weight bytes. The CPU
- * backend's buffers are host memory from posix_memalign, freed with free():
+ * backend's buffers are 64-byte aligned host memory, freed with free():
  * it takes `host` as it is (no second copy, no zeroing pass); another
  * backend gets a copy, and `host` is freed. */
 static enum moe_status upload_weight(struct loader *ld, const char *name, void *host, size_t bytes,
