@@ -360,6 +360,13 @@ struct moe_backend_ops {
     /* struct moe_backend_counters (CUDA; NULL on the CPU, where a copy is a
      * memcpy and nothing waits). Read from the thread that calls the ops. */
     void (*counters)(struct moe_backend *be, struct moe_backend_counters *out);
+
+    /* Host memory that buf_upload / buf_download move fastest (CUDA:
+     * page-locked, cudaMallocHost, so a copy is one DMA with no bounce
+     * through a driver buffer); NULL on the CPU, where callers use malloc
+     * and free. host_alloc returns NULL on failure. */
+    void *(*host_alloc)(struct moe_backend *be, size_t bytes);
+    void (*host_free)(struct moe_backend *be, void *p);
 };
 
 struct moe_backend {

@@ -169,6 +169,24 @@ static void cuda_buf_free(struct moe_backend *be, void *p)
     cuda_check(be, cudaFree(p), "cudaFree");
 }
 
+/* Page-locked host memory: an upload from it is one DMA, no staging copy in
+ * the driver. cudaFreeHost waits for copies that use it. */
+static void *cuda_host_alloc(struct moe_backend *be, size_t bytes)
+{
+    void *p = NULL;
+    if (cudaMallocHost(&p, bytes ? bytes : 1) != cudaSuccess) {
+        (void)cudaGetLastError(); /* not sticky: the caller reports it */
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_host_free(struct moe_backend *be, void *p)
+{
+    if (p)
+        cuda_check(be, cudaFreeHost(p), "cudaFreeHost");
+}
+
 static void cuda_buf_upload(struct moe_backend *be, void *dst, const void *src_host, size_t bytes)
 {
     if (!bytes)
@@ -578,6 +596,8 @@ static const struct moe_backend_ops cuda_ops = {
     .grouped_matmul = cuda_op_grouped_matmul,
     .permute = cuda_op_permute,
     .counters = cuda_counters,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
     .unpermute_combine = cuda_op_unpermute_combine,
     .argmax = cuda_op_argmax,
     .sample_top_p = cuda_op_sample_top_p,

@@ -1055,6 +1055,105 @@ static void test_bad_params(void)
     moe_engine_destroy(e);
 }
 
+/* A step's inputs go up in one copy (forward.c, step_inputs_upload), into
+ * host staging from the backend's host_alloc where it has one: the CPU
+ * backend's ops wrapped to count uploads and to provide host_alloc, a
+ * greedy and a seeded sampled request (whose draws travel in the same copy)
+ * run twice; the second run, its scratch already grown, makes exactly one
+ * upload per forward, and both runs give the same tokens. */
+static const struct moe_backend_ops *g_real_ops;
+static int g_uploads, g_forwards, g_host_live;
+
+static void upload_counted(struct moe_backend *be, void *dst, const void *src, size_t bytes)
+{
+    g_uploads++;
+    g_real_ops->buf_upload(be, dst, src, bytes);
+}
+
+static void *host_alloc_counted(struct moe_backend *be, size_t bytes)
+{
+    (void)be;
+    g_host_live++;
+    return malloc(bytes);
+}
+
+static void host_free_counted(struct moe_backend *be, void *p)
+{
+    (void)be;
+    g_host_live -= p != NULL;
+    free(p);
+}
+
+static enum moe_status forward_counted(void *ctx, struct moe_model *m, struct moe_kv_cache *kv,
+                                       const struct moe_batch *b, float *logits,
+                                       struct moe_error *err)
+{
+    (void)ctx;
+    g_forwards++;
+    return moe_model_forward(m, kv, b, logits, err);
+}
+
+static void test_step_uploads(struct moe_backend *be)
+{
+    enum { N = 3, OUT = 6 };
+    struct moe_backend_ops wrapped = *be->ops;
+    g_real_ops = be->ops;
+    wrapped.buf_upload = upload_counted;
+    wrapped.host_alloc = host_alloc_counted;
+    wrapped.host_free = host_free_counted;
+    /* a fresh model, so its scratch (and staging) comes from the wrapped ops */
+    struct moe_model *m = NULL;
+    struct moe_error err = {0};
+    struct moe_model_opts mo = {.dtype = MOE_DTYPE_F32, .tp_size = 1};
+    be->ops = &wrapped;
+    CHECKF(moe_model_load(test_src_path("tests/golden/fixtures/qwen3_moe"), &mo, be, &m, &err) ==
+               MOE_OK,
+           "%s", err.msg);
+    int32_t prompts[N][40];
+    static struct capture runs[2];
+    int uploads[2] = {0, 0}, forwards[2] = {0, 0};
+    for (int run = 0; m && run < 2; run++) {
+        memset(&runs[run], 0, sizeof runs[run]);
+        struct moe_engine_opts o = {.n_block = 64, .forward = forward_counted, .forward_ids = true};
+        struct moe_engine *e = NULL;
+        CHECKF(moe_engine_create(m, NULL, &o, &e, &err) == MOE_OK, "%s", err.msg);
+        if (!e)
+            break;
+        g_uploads = g_forwards = 0;
+        for (int i = 0; i < N; i++) {
+            make_prompt(70 + i, 6 + 5 * i, prompts[i]);
+            struct moe_request_params q;
+            moe_request_params_init(&q);
+            q.max_tokens = OUT;
+            q.ignore_eos = true;
+            if (i == 1) {
+                q.sp.temperature = 0.7f;
+                q.has_seed = true;
+                q.seed = 11;
+            }
+            CHECK(moe_engine_submit(e, (uint64_t)i, prompts[i], 6 + 5 * i, &q, on_token, &runs[run],
+                                    &err) == MOE_OK);
+        }
+        run_to_end(e);
+        moe_engine_destroy(e);
+        uploads[run] = g_uploads;
+        forwards[run] = g_forwards;
+    }
+    CHECKF(forwards[1] > 0 && uploads[1] == forwards[1],
+           "step inputs: %d uploads in %d forwards (want one each)", uploads[1], forwards[1]);
+    int same = 0;
+    for (int i = 0; i < N; i++)
+        same += runs[0].n[i] == OUT && runs[1].n[i] == OUT &&
+                !memcmp(runs[0].tokens[i], runs[1].tokens[i], sizeof(int32_t) * OUT);
+    CHECKF(same == N, "step inputs: %d of %d requests the same tokens in both runs", same, N);
+    moe_model_free(m);
+    CHECKF(g_host_live == 0, "step inputs: %d host staging buffers not freed", g_host_live);
+    be->ops = g_real_ops;
+    printf("step inputs: %d forwards, %d uploads (the first run %d in %d, scratch growing); "
+           "staging from host_alloc, all freed\n",
+           forwards[1], uploads[1], uploads[0], forwards[0]);
+}
+
 int main(void)
 {
     struct moe_error err = {0};
@@ -1085,6 +1184,7 @@ int main(void)
     test_logit_bias();
     test_prompt_logprobs();
     test_random_workload();
+    test_step_uploads(be);
     moe_model_free(model);
     /* DeepSeek-V3's latent cache (one row per token, K = V) through the same
      * scheduling: batches, preemption, prefix sharing */

@@ -33,6 +33,97 @@
 
 /* ---- forward ------------------------------------------------------------------------ */
 
+/* Host memory for staging copies: the backend's (pinned) where it has it. */
+static void *stage_alloc(struct moe_backend *be, size_t bytes)
+{
+    return be->ops->host_alloc ? be->ops->host_alloc(be, bytes) : malloc(bytes);
+}
+
+static void stage_free(struct moe_backend *be, void *p)
+{
+    if (p && be->ops->host_free)
+        be->ops->host_free(be, p);
+    else
+        free(p);
+}
+
+enum { SI_U, SI_TOKENS, SI_POS, SI_SEQ, SI_SLOTS, SI_LOGIT_ROWS, SI_TABLES, SI_N };
+
+/* Byte offsets of the step inputs' slices for cap rows and cap_tab block
+ * table entries (each 256-byte aligned; the tables last), and the size. */
+static size_t step_in_layout(size_t cap, size_t cap_tab, size_t off[SI_N])
+{
+    const size_t bytes[SI_N] = {cap * sizeof(double), cap * 4, cap * 4, cap * 4, cap * 4, cap * 4,
+                                cap_tab * 4};
+    size_t at = 0;
+    for (int i = 0; i < SI_N; i++) {
+        off[i] = at;
+        at += (bytes[i] + 255) / 256 * 256;
+    }
+    return at;
+}
+
+/* (Re)makes step_in and its host twin for cap rows and cap_tab table
+ * entries and points the scratch's input slices into it. */
+static enum moe_status step_in_alloc(struct moe_model *m, int cap, int cap_tab,
+                                     struct moe_error *err)
+{
+    struct scratch *s = &m->s;
+    struct moe_backend *be = m->be;
+    size_t off[SI_N];
+    const size_t bytes = step_in_layout((size_t)cap, (size_t)(cap_tab > 0 ? cap_tab : 1), off);
+    void *dev = be->ops->buf_alloc(be, bytes);
+    char *host = stage_alloc(be, bytes);
+    if (!dev || !host) {
+        if (dev)
+            be->ops->buf_free(be, dev);
+        stage_free(be, host);
+        return moe_error_set(err, MOE_ERR_NOMEM,
+                             "cannot allocate step inputs for %d tokens and %d block table entries",
+                             cap, cap_tab);
+    }
+    if (s->step_in)
+        be->ops->buf_free(be, s->step_in);
+    stage_free(be, s->h_step_in);
+    s->step_in = dev;
+    s->h_step_in = host;
+    char *d = dev;
+    s->logit_u = (double *)(d + off[SI_U]);
+    s->tokens = (int32_t *)(d + off[SI_TOKENS]);
+    s->pos = (int32_t *)(d + off[SI_POS]);
+    s->seq = (int32_t *)(d + off[SI_SEQ]);
+    s->slots = (int32_t *)(d + off[SI_SLOTS]);
+    s->logit_rows = (int32_t *)(d + off[SI_LOGIT_ROWS]);
+    s->block_tables = (int32_t *)(d + off[SI_TABLES]);
+    return MOE_OK;
+}
+
+/* A step's inputs (tokens, positions, sequences, KV slots, logit rows, the
+ * sampled rows' draws, block tables) packed into the host twin and moved
+ * in one upload, up to the last table entry used: one copy and one wait
+ * per step on CUDA where there were up to seven. */
+static void step_inputs_upload(struct moe_model *m, const struct moe_batch *b, int n_table)
+{
+    struct scratch *s = &m->s;
+    size_t off[SI_N];
+    step_in_layout((size_t)s->cap_tok, (size_t)(s->cap_seq_blocks > 0 ? s->cap_seq_blocks : 1),
+                   off);
+    char *h = s->h_step_in;
+    const size_t ib = (size_t)b->n_tok * sizeof(int32_t);
+    memcpy(h + off[SI_TOKENS], b->tokens, ib);
+    memcpy(h + off[SI_POS], b->pos, ib);
+    memcpy(h + off[SI_SEQ], b->seq, ib);
+    memcpy(h + off[SI_SLOTS], b->slots, ib);
+    if (b->n_logits > 0)
+        memcpy(h + off[SI_LOGIT_ROWS], b->logit_rows, (size_t)b->n_logits * sizeof(int32_t));
+    if (b->n_logits > 0 && b->argmax_out && b->sample_u)
+        memcpy(h + off[SI_U], b->sample_u, (size_t)b->n_logits * sizeof(double));
+    if (n_table > 0)
+        memcpy(h + off[SI_TABLES], b->block_tables, (size_t)n_table * sizeof(int32_t));
+    m->be->ops->buf_upload(m->be, s->step_in, h,
+                           off[SI_TABLES] + (size_t)n_table * sizeof(int32_t));
+}
+
 static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_table,
                                        struct moe_error *err)
 {
@@ -42,12 +133,9 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
          * alone, geometrically, so long decodes do not reallocate every
          * activation buffer each time a sequence takes another block. */
         int cap_tab = s->cap_seq_blocks * 2 > n_table ? s->cap_seq_blocks * 2 : n_table;
-        int32_t *t = m->be->ops->buf_alloc(m->be, (size_t)cap_tab * sizeof(int32_t));
-        if (!t)
-            return moe_error_set(err, MOE_ERR_NOMEM, "cannot allocate block tables for %d entries",
-                                 cap_tab);
-        m->be->ops->buf_free(m->be, s->block_tables);
-        s->block_tables = t;
+        enum moe_status rc = step_in_alloc(m, s->cap_tok, cap_tab, err);
+        if (rc)
+            return rc;
         s->cap_seq_blocks = cap_tab;
     }
     if (n_tok <= s->cap_tok && n_table <= s->cap_seq_blocks)
@@ -85,14 +173,8 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     ALLOC(ye, n * c->d_model, float);
     ALLOC(ones, n, float);
     ALLOC(iota, n, int32_t);
-    ALLOC(tokens, n, int32_t);
-    ALLOC(pos, n, int32_t);
-    ALLOC(seq, n, int32_t);
-    ALLOC(slots, n, int32_t);
-    ALLOC(block_tables, (size_t)(cap_tab > 0 ? cap_tab : 1), int32_t);
-    ALLOC(logit_rows, n, int32_t);
     ALLOC(logit_ids, n, int32_t);
-    ALLOC(logit_u, n, double);
+    ok = ok && step_in_alloc(m, cap, cap_tab, err) == MOE_OK;
     if (c->mla) {
         struct mla_scratch *a = &s->mla;
         size_t H = (size_t)m->n_head_local, L = (size_t)c->kv_lora_rank, R = (size_t)c->d_head;
@@ -555,16 +637,15 @@ static enum moe_status check_batch(const struct moe_model *m, const struct moe_k
 static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
                                const struct moe_batch *b, float *logits, struct moe_error *err);
 
-/* moe_batch.sample_u: each run of rows with the same temperature and top_p
- * drawn by one sample_top_p (argmax where the temperature is <= 0), into
- * s->logit_ids. */
+/* moe_batch.sample_u (uploaded with the step's inputs): each run of rows
+ * with the same temperature and top_p drawn by one sample_top_p (argmax
+ * where the temperature is <= 0), into s->logit_ids. */
 static void sample_rows(struct moe_model *m, const struct moe_batch *b)
 {
     struct moe_backend *be = m->be;
     const struct moe_backend_ops *ops = be->ops;
     struct scratch *s = &m->s;
     const int V = m->cfg.vocab_size;
-    ops->buf_upload(be, s->logit_u, b->sample_u, (size_t)b->n_logits * sizeof(double));
     for (int i = 0, j; i < b->n_logits; i = j) {
         const float temp = b->sample_temp[i], top_p = b->sample_top_p[i];
         for (j = i + 1; j < b->n_logits; j++)
@@ -620,12 +701,7 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
     struct scratch *s = &m->s;
     struct moe_backend *be = m->be;
     const struct moe_backend_ops *ops = be->ops;
-    size_t ib = (size_t)n * sizeof(int32_t);
-    ops->buf_upload(be, s->tokens, b->tokens, ib);
-    ops->buf_upload(be, s->pos, b->pos, ib);
-    ops->buf_upload(be, s->seq, b->seq, ib);
-    ops->buf_upload(be, s->slots, b->slots, ib);
-    ops->buf_upload(be, s->block_tables, b->block_tables, (size_t)n_table * sizeof(int32_t));
+    step_inputs_upload(m, b, n_table);
 
     double t_start = moe_now();
     struct moe_model_profile before = m->prof;
@@ -638,7 +714,6 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
             return rc;
     }
     if (b->n_logits > 0) {
-        ops->buf_upload(be, s->logit_rows, b->logit_rows, (size_t)b->n_logits * sizeof(int32_t));
         ops->gather_rows(be, s->x, s->logit_rows, b->n_logits, c->d_model, s->h);
         ops->rmsnorm(be, s->h, m->final_norm, s->h, b->n_logits, c->d_model, c->rms_eps);
         matmul(m, s->h, b->n_logits, c->d_model, m->lm_head, c->vocab_size, s->logits, false);
@@ -693,15 +768,9 @@ void moe_model_scratch_free(struct moe_model *m)
                    s->ye,
                    s->ones,
                    s->iota,
-                   s->tokens,
-                   s->pos,
-                   s->seq,
-                   s->slots,
-                   s->block_tables,
-                   s->logit_rows,
+                   s->step_in,
                    s->logits,
                    s->logit_ids,
-                   s->logit_u,
                    s->rows_a,
                    s->rows_b,
                    s->rows_r,
@@ -741,6 +810,7 @@ void moe_model_scratch_free(struct moe_model *m)
     free(s->h_s_dn);
     free(s->mla.h_idx);
     free(s->mla.h_off);
+    stage_free(be, s->h_step_in);
     memset(s, 0, sizeof *s);
 }
 

@@ -72,35 +72,40 @@ struct mla_scratch {
 struct scratch {
     int cap_tok;
     int cap_seq_blocks;
-    int cap_logits;        /* rows of logits: grown to the most n_logits seen, not cap_tok */
-    float *x;              /* (n, d_model) residual stream */
-    float *h;              /* (n, d_model) normalised */
-    float *q;              /* (n, q_dim) */
-    float *k;              /* (n, kv_dim) */
-    float *v;              /* (n, kv_dim) */
-    float *att;            /* (n, q_dim) */
-    float *o;              /* (n, d_model) */
-    float *ffn_out;        /* (n + MOE_MAX_EP_RANKS, d_model): + the all-gather's padding */
-    float *shared_g;       /* (n) the shared expert's gate: logits, then sigmoids */
-    float *h_shared_g;     /* host mirror of shared_g */
-    float *router_logits;  /* (n, n_expert) */
-    int32_t *topk_ids;     /* (n, top_k) */
-    float *topk_w;         /* (n, top_k): a view right after the n*top_k ids in topk_ids */
-    float *gate_up;        /* (n, 2*d_ff_max) */
-    float *act;            /* (n, d_ff_max) */
-    float *ye;             /* (n, d_model) */
-    float *ones;           /* (n) all 1: dense FFN weights */
-    int32_t *iota;         /* (n) 0..n-1 */
+    int cap_logits;       /* rows of logits: grown to the most n_logits seen, not cap_tok */
+    float *x;             /* (n, d_model) residual stream */
+    float *h;             /* (n, d_model) normalised */
+    float *q;             /* (n, q_dim) */
+    float *k;             /* (n, kv_dim) */
+    float *v;             /* (n, kv_dim) */
+    float *att;           /* (n, q_dim) */
+    float *o;             /* (n, d_model) */
+    float *ffn_out;       /* (n + MOE_MAX_EP_RANKS, d_model): + the all-gather's padding */
+    float *shared_g;      /* (n) the shared expert's gate: logits, then sigmoids */
+    float *h_shared_g;    /* host mirror of shared_g */
+    float *router_logits; /* (n, n_expert) */
+    int32_t *topk_ids;    /* (n, top_k) */
+    float *topk_w;        /* (n, top_k): a view right after the n*top_k ids in topk_ids */
+    float *gate_up;       /* (n, 2*d_ff_max) */
+    float *act;           /* (n, d_ff_max) */
+    float *ye;            /* (n, d_model) */
+    float *ones;          /* (n) all 1: dense FFN weights */
+    int32_t *iota;        /* (n) 0..n-1 */
+    /* A step's inputs, slices of one backend buffer (step_in) that one
+     * upload fills from its host twin (h_step_in: pinned where the backend
+     * has host_alloc): see step_inputs_upload in forward.c. */
+    void *step_in;
+    char *h_step_in;
     int32_t *tokens;       /* (n) */
     int32_t *pos;          /* (n) */
     int32_t *seq;          /* (n) */
     int32_t *slots;        /* (n) */
-    int32_t *block_tables; /* (cap_seq_blocks) */
     int32_t *logit_rows;   /* (n) */
+    int32_t *block_tables; /* (cap_seq_blocks): last, so an upload stops at the used entries */
     float *logits;         /* (cap_logits, vocab) */
     int32_t *logit_ids;    /* (n) argmax of each logit row (moe_batch.argmax_out) */
     float *qkv;            /* (n, q_dim + 2 kv_dim): the stacked q/k/v projection */
-    double *logit_u;       /* (n) uniform draws of sampled rows (moe_batch.sample_u) */
+    double *logit_u;       /* (n) uniform draws of sampled rows (moe_batch.sample_u), in step_in */
     /* the MoE layer (moe_layer.c), sized for n * top_k items */
     float *rows_a;      /* (n*k, d_model) rows in send order, then grouped by expert */
     float *rows_b;      /* (n*k, d_model) expert outputs, grouped by expert */
