@@ -1049,17 +1049,29 @@ DOT_TARGET static void q4_rows_bf16(const struct moe_matmul_params *p, int o, in
 #define PH_TARGET                                                                                  \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx512fp16,fma,avx2")))
 
-/* Token row x as fp16 (ldx halves, zero past n_in) of x / 2^e, 2^e the least
- * power of two above max |x| (1 for a zero row); returns the factor that
- * takes its sums against stream_w_ph's weights back: 2^(e - shift). */
-PH_TARGET static float act_ph_row(const float *x, int n_in, uint16_t *d, int ldx)
+/* The activations' fp16 layout: groups of PHS_T tokens, each group k-block
+ * major (32 columns of its PHS_T tokens, 1 KiB, then the next 32), so a
+ * tile's loads are one pointer and constant offsets (token t of the group
+ * at t x 64 bytes) instead of a register per token. Token t, column k of a
+ * call whose rows are ldx halves (a multiple of 32): */
+static inline size_t phs_at(int t, int k, int ldx)
+{
+    return ((size_t)(t / PHS_T) * (size_t)(ldx / 32) + (size_t)(k / 32)) * (PHS_T * 32) +
+           (size_t)(t % PHS_T) * 32 + (size_t)(k % 32);
+}
+
+/* Token row t of x as fp16 of x / 2^e into the layout above (zero past
+ * n_in, up to ldx), 2^e the least power of two above max |x| (1 for a zero
+ * row); returns the factor that takes its sums against stream_w_ph's
+ * weights back: 2^(e - shift). */
+PH_TARGET static float act_ph_row(const float *x, int n_in, uint16_t *xph, int t, int ldx)
 {
     const int e = fp16_row_exp(x, n_in);
     const __m512 inv = _mm512_set1_ps(ldexpf(1.0f, -e));
     for (int k = 0; k < ldx; k += 16) {
         const int rem = n_in - k;
         const __mmask16 m = rem >= 16 ? 0xffff : rem > 0 ? (__mmask16)((1u << rem) - 1u) : 0;
-        _mm256_storeu_si256((__m256i *)(d + k),
+        _mm256_storeu_si256((__m256i *)(xph + phs_at(t, k, ldx)),
                             _mm512_cvtps_ph(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv),
                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
@@ -1072,11 +1084,10 @@ PH_TARGET static float act_ph_row(const float *x, int n_in, uint16_t *d, int ldx
  * in the scaled units' subnormals: an error below that threshold). Where
  * a weight reaches CPU_PH_MAX_W / 2^shift the result is unusable, which
  * mk_stream_ph's guard reports. Mirrored in tests/unit/test_matmul_fast.c. */
-PH_TARGET static inline __attribute__((always_inline)) __m512h stream_w_ph(__m512i wv)
+PH_TARGET static inline __attribute__((always_inline)) __m512h stream_w_ph(__m512i wv, __m512i mag)
 {
-    /* fp16 exponent = bf16 exponent - 127 + 15 + shift */
+    /* fp16 exponent = bf16 exponent - 127 + 15 + shift; mag = wv & 0x7fff */
     const __m512i bias = _mm512_set1_epi16((short)((127 - 15 - CPU_PH_STREAM_W_SHIFT) << 7));
-    const __m512i mag = _mm512_and_si512(wv, _mm512_set1_epi16(0x7fff));
     const __m512i h = _mm512_slli_epi16(_mm512_subs_epu16(mag, bias), 3);
     /* h | (wv & 0x8000): the sign back */
     return _mm512_castsi512_ph(
@@ -1084,13 +1095,13 @@ PH_TARGET static inline __attribute__((always_inline)) __m512h stream_w_ph(__m51
 }
 
 /* sum[r * T + t] = x'_t . w'_r for R rows of bf16 W (ldw apart) and T tokens
- * (xph rows ldx halves apart; R x T <= PHS_T), w' = w x
+ * (xph: the first one's columns in phs_at's layout; R x T <= PHS_T), w' = w x
  * 2^CPU_PH_STREAM_W_SHIFT (stream_w_ph); pf: the rows after, prefetched.
  * Returns a bit set of the rows holding a weight of magnitude CPU_PH_MAX_W /
  * 2^shift or more (their sums unusable). */
 PH_TARGET static inline __attribute__((always_inline)) unsigned
-mk_stream_ph(const int R, const int T, const uint16_t *xph, int64_t ldx, const uint16_t *w,
-             int64_t ldw, const char *pf, int n_in, float sum[PHS_T])
+mk_stream_ph(const int R, const int T, const uint16_t *xph, const uint16_t *w, int64_t ldw,
+             const char *pf, int n_in, float sum[PHS_T])
 {
     __m512h acc[PHS_T];
     __m512 fs[PHS_T];
@@ -1098,7 +1109,9 @@ mk_stream_ph(const int R, const int T, const uint16_t *xph, int64_t ldx, const u
     /* bf16 bits of CPU_PH_MAX_W / 2^shift (2^(10 - shift): exponent field 137 - shift) */
     const __m512i big = _mm512_set1_epi16((short)((137 - CPU_PH_STREAM_W_SHIFT) << 7));
     _Static_assert(CPU_PH_MAX_W == 1024.0f, "mk_stream_ph's guard is 2^10");
-    __mmask32 bad[4] = {0, 0, 0, 0};
+    /* each row's largest |w| bits so far (one vpmaxuw a vector; compared once at the end) */
+    __m512i wmax[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                       _mm512_setzero_si512()};
 #pragma GCC unroll 16
     for (int i = 0; i < R * T; i++)
         acc[i] = _mm512_setzero_ph();
@@ -1106,18 +1119,21 @@ mk_stream_ph(const int R, const int T, const uint16_t *xph, int64_t ldx, const u
     bool first = true;
     for (int k = 0; k < n_in; k += 32) {
         const int rem = n_in - k;
-        const __mmask32 m = rem >= 32 ? ~(__mmask32)0 : (__mmask32)((1ull << rem) - 1u);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             _mm_prefetch(pf + (r * ldw + k) * 2, _MM_HINT_T1);
-            const __m512i wv = _mm512_maskz_loadu_epi16(m, w + r * ldw + k);
-            bad[r] |= _mm512_cmpge_epu16_mask(_mm512_and_si512(wv, abs_bits), big);
-            const __m512h wh = stream_w_ph(wv);
+            const __m512i wv = rem >= 32 ? _mm512_loadu_si512((const void *)(w + r * ldw + k))
+                                         : _mm512_maskz_loadu_epi16((__mmask32)((1ull << rem) - 1u),
+                                                                    w + r * ldw + k);
+            const __m512i mag = _mm512_and_si512(wv, abs_bits);
+            wmax[r] = _mm512_max_epu16(wmax[r], mag);
+            const __m512h wh = stream_w_ph(wv, mag);
 #pragma GCC unroll 16
             for (int t = 0; t < T; t++)
-                acc[r * T + t] = _mm512_fmadd_ph(
-                    _mm512_castsi512_ph(_mm512_loadu_si512((const void *)(xph + t * ldx + k))), wh,
-                    acc[r * T + t]);
+                acc[r * T + t] =
+                    _mm512_fmadd_ph(_mm512_castsi512_ph(_mm512_loadu_si512(
+                                        (const void *)(xph + (k / 32) * (PHS_T * 32) + t * 32))),
+                                    wh, acc[r * T + t]);
         }
         if (++in_lane == PHS_FLUSH || k + 32 >= n_in) {
 #pragma GCC unroll 16
@@ -1145,7 +1161,7 @@ mk_stream_ph(const int R, const int T, const uint16_t *xph, int64_t ldx, const u
     }
     unsigned rows_bad = 0;
     for (int r = 0; r < R; r++)
-        rows_bad |= (bad[r] != 0) << r;
+        rows_bad |= (_mm512_cmpge_epu16_mask(wmax[r], big) != 0) << r;
     return rows_bad;
 }
 
@@ -1153,13 +1169,12 @@ mk_stream_ph(const int R, const int T, const uint16_t *xph, int64_t ldx, const u
  * call's tokens past its 8s (1-7) 2 x 5..7 and 4 x 1..4, several rows
  * sharing the end-of-row sums; single rows of every width for a task's
  * leftover rows. */
-PH_TARGET static unsigned mk_stream_ph_any(int R, int T, const uint16_t *xph, int64_t ldx,
-                                           const uint16_t *w, int64_t ldw, const char *pf, int n_in,
-                                           float sum[PHS_T])
+PH_TARGET static unsigned mk_stream_ph_any(int R, int T, const uint16_t *xph, const uint16_t *w,
+                                           int64_t ldw, const char *pf, int n_in, float sum[PHS_T])
 {
 #define PHS_CASE(RR, TT)                                                                           \
     if (R == RR && T == TT)                                                                        \
-        return mk_stream_ph(RR, TT, xph, ldx, w, ldw, pf, n_in, sum);
+        return mk_stream_ph(RR, TT, xph, w, ldw, pf, n_in, sum);
     PHS_CASE(1, 16)
     PHS_CASE(2, 8)
     PHS_CASE(2, 7)
@@ -1206,7 +1221,7 @@ struct dot_job {
     bool q4_bf16;    /* I4 weights through the BF16 tiles (kind DOT_BF16), see the top */
     char *xb;        /* amx_stream: the activations as B tiles */
     bool ph;         /* BF16: the fp16 streaming tiles (ph_stream_for); xa stays their fallback */
-    uint16_t *xph;   /* ... the activations scaled to fp16 (n_tok, ldx) */
+    uint16_t *xph;   /* ... the activations scaled to fp16 (n_tok, ldx; phs_at's layout) */
     float *sph;      /* ... and each token's power-of-two scale */
     int row_block, n_row_blocks, tok_block;
     char *scratch; /* packed: (n_threads, scratch_stride) panels */
@@ -1427,7 +1442,7 @@ PH_TARGET static void task_stream_ph(const struct dot_job *j, int t0, int nt, in
                 const int o = ob + (int)(r0 * step);
                 const uint16_t *w = (const uint16_t *)p->w + (size_t)o * p->ldw;
                 const char *pf = (const char *)(w + p->ldw);
-                const unsigned bad = mk_stream_ph_any(R, T, j->xph + (size_t)t * j->ldx, j->ldx, w,
+                const unsigned bad = mk_stream_ph_any(R, T, j->xph + phs_at(t, 0, j->ldx), w,
                                                       step * p->ldw, pf, p->n_in, sum);
                 for (int r = 0; r < R; r++) {
                     const int row = o + (int)(r * step);
@@ -1594,8 +1609,7 @@ static void cvt_task(void *arg, int task, int thread)
         act_bf16_rows(p->x, p->n_in, r0, r1, (uint16_t *)j->xa, j->ldx);
 #if DOT_PH
         for (int t = r0; t < r1 && j->ph; t++)
-            j->sph[t] = act_ph_row(p->x + (size_t)t * p->n_in, p->n_in, j->xph + (size_t)t * j->ldx,
-                                   j->ldx);
+            j->sph[t] = act_ph_row(p->x + (size_t)t * p->n_in, p->n_in, j->xph, t, j->ldx);
 #endif
         return;
     }
@@ -1652,9 +1666,9 @@ static void dot_prepare(struct moe_threadpool *pool, const struct moe_matmul_par
         j.scratch_stride *= 2;
     size_t xb_bytes = j.amx_stream ? (size_t)(p->n_tok + 15) / 16 * (size_t)j.ldxb * 16 : 0;
     j.ph = j.kind == DOT_BF16 && !j.q4_bf16 && !j.packed && !j.amx && ph_stream_for(p);
+    const size_t ph_rows = ((size_t)p->n_tok + PHS_T - 1) / PHS_T * PHS_T; /* whole groups */
     size_t ph_bytes =
-        j.ph ? (size_t)p->n_tok * (size_t)j.ldxb + ((size_t)p->n_tok * sizeof(float) + 63) / 64 * 64
-             : 0;
+        j.ph ? ph_rows * (size_t)j.ldxb + ((size_t)p->n_tok * sizeof(float) + 63) / 64 * 64 : 0;
     size_t total = act_bytes + sx_bytes + xs_bytes + (size_t)n_threads * j.scratch_stride +
                    xb_bytes + ph_bytes;
     char *buf = NULL;
@@ -1667,7 +1681,7 @@ static void dot_prepare(struct moe_threadpool *pool, const struct moe_matmul_par
     j.xb = j.amx_stream ? after + (size_t)n_threads * j.scratch_stride : NULL;
     if (j.ph) {
         j.xph = (uint16_t *)(after + (size_t)n_threads * j.scratch_stride + xb_bytes);
-        j.sph = (float *)((char *)j.xph + (size_t)p->n_tok * (size_t)j.ldxb);
+        j.sph = (float *)((char *)j.xph + ph_rows * (size_t)j.ldxb);
     }
     if (act_rows > (size_t)p->n_tok)
         memset(buf + (size_t)p->n_tok * j.ldxb, 0, (act_rows - (size_t)p->n_tok) * j.ldxb);
