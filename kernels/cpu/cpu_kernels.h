@@ -89,7 +89,7 @@ enum cpu_feature {
  * weight), and a row holding one of CPU_PH_MAX_W / 2^shift or more is
  * redone on vdpbf16ps. With tiles of several rows sharing the end-of-row
  * sums (2 x 8, 4 x 2..4), 8-16-token calls 1.1-1.3x the widening tiles
- * (bench-kernels --fast bf16, 2 threads). 2-7 tokens stay on vdpbf16ps:
+ * (cpu_matmul alone, 2 threads, weights from memory). 2-7 tokens stay on vdpbf16ps:
  * the same tiles were level there (0.87-1.16x by shape). */
 #define CPU_PH_STREAM_W_SHIFT 4
 

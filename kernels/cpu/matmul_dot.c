@@ -1424,7 +1424,7 @@ PH_TARGET static void task_stream_ph(const struct dot_job *j, int t0, int nt, in
     union dot_out out;
     /* 16 tokens on one row while their activations fit L1 beside the
      * weights (n_in <= 1024: 32 KiB); wider, on two rows of 8, which halves
-     * the activation loads from L2 (bench-kernels --fast bf16, 2 threads:
+     * the activation loads from L2 (cpu_matmul alone, 2 threads, weights from memory:
      * n_in 2816 1.1x, n_in 1024 0.8x) */
     const bool wide16 = j->ldx <= PHS_L1_COLS;
     const int q = no / 4;
