@@ -1410,13 +1410,12 @@ DOT_TARGET static void task_stream_tok1(const struct dot_job *j, int t0, int o0,
 }
 
 #if DOT_PH
-/* The fp16 streaming task: rows [o0, o0 + no) in blocks of 4 taken from 4
- * equal parts of the task (o0 + i + r q, as task_stream's tiles: each
- * thread reads 4 sequential streams; a block's weights come from memory
- * once and from L1 for its later token tiles), the leftover rows one at a
- * time, against tokens [t0, t0 + nt) in tiles of 16, 8 and what is left
- * (1-7), each tile on phs_rows(T) of the block's rows at a time. */
-PH_TARGET static void task_stream_ph(const struct dot_job *j, int t0, int nt, int o0, int no)
+/* One block of nr rows (ob, ob + step, ...; nr 4 or 1) of the fp16 streaming
+ * task against tokens [t0, t0 + nt) in tiles of 16, 8 and what is left
+ * (1-7), each tile on phs_rows(T) of the block's rows at a time: the
+ * block's weights come from memory once, from L1 for its later tiles. */
+PH_TARGET static void stream_ph_block(const struct dot_job *j, int t0, int nt, int ob, int nr,
+                                      int64_t step)
 {
     const struct moe_matmul_params *p = j->p;
     const int64_t ldwb = p->ldw * 2;
@@ -1427,45 +1426,49 @@ PH_TARGET static void task_stream_ph(const struct dot_job *j, int t0, int nt, in
      * the activation loads from L2 (cpu_matmul alone, 2 threads, weights from memory:
      * n_in 2816 1.1x, n_in 1024 0.8x) */
     const bool wide16 = j->ldx <= PHS_L1_COLS;
-    const int q = no / 4;
-    for (int ob = o0; ob < o0 + no; ob++) {
-        const bool block = ob < o0 + q; /* rows ob + r q, r < 4 */
-        if (!block && ob < o0 + 4 * q)
-            continue;
-        const int nr = block ? 4 : 1;
-        const int64_t step = block ? q : 1; /* rows between a block's rows */
-        for (int t = t0; t < t0 + nt;) {
-            const int left = t0 + nt - t;
-            const int T = left >= 16 && wide16 ? 16 : left >= 8 ? 8 : left;
-            for (int r0 = 0; r0 < nr;) {
-                const int R = nr - r0 >= phs_rows(T) ? phs_rows(T) : 1;
-                const int o = ob + (int)(r0 * step);
-                const uint16_t *w = (const uint16_t *)p->w + (size_t)o * p->ldw;
-                const char *pf = (const char *)(w + p->ldw);
-                const unsigned bad = mk_stream_ph_any(R, T, j->xph + phs_at(t, 0, j->ldx), w,
-                                                      step * p->ldw, pf, p->n_in, sum);
-                for (int r = 0; r < R; r++) {
-                    const int row = o + (int)(r * step);
-                    if (!(bad >> r & 1u)) {
-                        for (int tt = 0; tt < T; tt++)
-                            store_out(p, t + tt, row, sum[r * T + tt] * j->sph[t + tt]);
-                        continue;
-                    }
-                    /* a weight of CPU_PH_MAX_W / 2^shift or more: the row on vdpbf16ps */
-                    const char *wr = (const char *)((const uint16_t *)p->w + (size_t)row * p->ldw);
-                    for (int tt = 0; tt < T; tt += DT_T) {
-                        const int TT = T - tt < DT_T ? T - tt : DT_T;
-                        mk_stream_any(DOT_BF16, TT, 1, j->xa + (t + tt) * j->ldxb, j->ldxb, NULL,
-                                      wr, ldwb, wr + ldwb, p->n_in, &out);
-                        for (int u = 0; u < TT; u++)
-                            store_out(p, t + tt + u, row, out.f[u][0]);
-                    }
+    for (int t = t0; t < t0 + nt;) {
+        const int left = t0 + nt - t;
+        const int T = left >= 16 && wide16 ? 16 : left >= 8 ? 8 : left;
+        for (int r0 = 0; r0 < nr;) {
+            const int R = nr - r0 >= phs_rows(T) ? phs_rows(T) : 1;
+            const int o = ob + (int)(r0 * step);
+            const uint16_t *w = (const uint16_t *)p->w + (size_t)o * p->ldw;
+            const char *pf = (const char *)(w + p->ldw);
+            const unsigned bad = mk_stream_ph_any(R, T, j->xph + phs_at(t, 0, j->ldx), w,
+                                                  step * p->ldw, pf, p->n_in, sum);
+            for (int r = 0; r < R; r++) {
+                const int row = o + (int)(r * step);
+                if (!(bad >> r & 1u)) {
+                    for (int tt = 0; tt < T; tt++)
+                        store_out(p, t + tt, row, sum[r * T + tt] * j->sph[t + tt]);
+                    continue;
                 }
-                r0 += R;
+                /* a weight of CPU_PH_MAX_W / 2^shift or more: the row on vdpbf16ps */
+                const char *wr = (const char *)((const uint16_t *)p->w + (size_t)row * p->ldw);
+                for (int tt = 0; tt < T; tt += DT_T) {
+                    const int TT = T - tt < DT_T ? T - tt : DT_T;
+                    mk_stream_any(DOT_BF16, TT, 1, j->xa + (t + tt) * j->ldxb, j->ldxb, NULL, wr,
+                                  ldwb, wr + ldwb, p->n_in, &out);
+                    for (int u = 0; u < TT; u++)
+                        store_out(p, t + tt + u, row, out.f[u][0]);
+                }
             }
-            t += T;
+            r0 += R;
         }
+        t += T;
     }
+}
+
+/* The fp16 streaming task: rows [o0, o0 + no) in blocks of 4 taken from 4
+ * equal parts of the task (o0 + i + r q, as task_stream's tiles: each
+ * thread reads 4 sequential streams), the leftover rows one at a time. */
+PH_TARGET static void task_stream_ph(const struct dot_job *j, int t0, int nt, int o0, int no)
+{
+    const int q = no / 4;
+    for (int i = 0; i < q; i++)
+        stream_ph_block(j, t0, nt, o0 + i, 4, q);
+    for (int o = o0 + 4 * q; o < o0 + no; o++)
+        stream_ph_block(j, t0, nt, o, 1, 1);
 }
 #endif
 

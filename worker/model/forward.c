@@ -105,23 +105,23 @@ static enum moe_status step_in_alloc(struct moe_model *m, int cap, int cap_tab,
 static void step_inputs_upload(struct moe_model *m, const struct moe_batch *b, int n_table)
 {
     struct scratch *s = &m->s;
-    size_t off[SI_N];
-    step_in_layout((size_t)s->cap_tok, (size_t)(s->cap_seq_blocks > 0 ? s->cap_seq_blocks : 1),
-                   off);
-    char *h = s->h_step_in;
+    /* a slice's place in the host twin: its offset in step_in */
+#define HOST_OF(slice) (s->h_step_in + ((const char *)(slice) - (const char *)s->step_in))
     const size_t ib = (size_t)b->n_tok * sizeof(int32_t);
-    memcpy(h + off[SI_TOKENS], b->tokens, ib);
-    memcpy(h + off[SI_POS], b->pos, ib);
-    memcpy(h + off[SI_SEQ], b->seq, ib);
-    memcpy(h + off[SI_SLOTS], b->slots, ib);
+    memcpy(HOST_OF(s->tokens), b->tokens, ib);
+    memcpy(HOST_OF(s->pos), b->pos, ib);
+    memcpy(HOST_OF(s->seq), b->seq, ib);
+    memcpy(HOST_OF(s->slots), b->slots, ib);
     if (b->n_logits > 0)
-        memcpy(h + off[SI_LOGIT_ROWS], b->logit_rows, (size_t)b->n_logits * sizeof(int32_t));
+        memcpy(HOST_OF(s->logit_rows), b->logit_rows, (size_t)b->n_logits * sizeof(int32_t));
     if (b->n_logits > 0 && b->argmax_out && b->sample_u)
-        memcpy(h + off[SI_U], b->sample_u, (size_t)b->n_logits * sizeof(double));
+        memcpy(HOST_OF(s->logit_u), b->sample_u, (size_t)b->n_logits * sizeof(double));
     if (n_table > 0)
-        memcpy(h + off[SI_TABLES], b->block_tables, (size_t)n_table * sizeof(int32_t));
-    m->be->ops->buf_upload(m->be, s->step_in, h,
-                           off[SI_TABLES] + (size_t)n_table * sizeof(int32_t));
+        memcpy(HOST_OF(s->block_tables), b->block_tables, (size_t)n_table * sizeof(int32_t));
+    const size_t used =
+        (size_t)(HOST_OF(s->block_tables) - s->h_step_in) + (size_t)n_table * sizeof(int32_t);
+#undef HOST_OF
+    m->be->ops->buf_upload(m->be, s->step_in, s->h_step_in, used);
 }
 
 static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_table,
