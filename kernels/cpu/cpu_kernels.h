@@ -62,7 +62,8 @@ enum cpu_feature {
  * decode step (lm_head, attention projections) and its busier experts run
  * faster there than on vdpbf16ps (Emerald Rapids, 2 threads, moe-generate
  * bf16 16 sequences, 5 alternated rounds: TPOT median 61.9 ms at 32, 60.3
- * at 8); 1-7 rows keep vdpbf16ps (4: no gain). */
+ * at 8); 1-7 rows keep vdpbf16ps (4: no gain), or, with AVX512-FP16, 2-7
+ * take the fp16 streaming tiles (CPU_PH_STREAM_MIN_TOK). */
 #define CPU_SLOW_DP_FMA_MIN_TOK 8
 
 /* ... and where the processor also has AVX512-FP16 (Sapphire / Emerald
@@ -73,7 +74,7 @@ enum cpu_feature {
  * reaching CPU_PH_MAX_W takes the f32 panels. 32 tokens: 512-token prefill
  * (experts of ~128 rows) 921 tok/s against 909 at 16 and 869 at 48; a
  * 16-sequence decode step (16-row calls) is slower at 16 on the panels.
- * Calls of CPU_SLOW_DP_FMA_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens take fp16
+ * Calls of CPU_PH_STREAM_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens take fp16
  * streaming tiles there (matmul_dot.c: the same arithmetic, lanes over k,
  * each weight vector widened to fp16 once per 16 tokens; a row with a
  * weight of CPU_PH_MAX_W or more redone on vdpbf16ps): 16 tokens 1.4-1.5x
@@ -89,9 +90,16 @@ enum cpu_feature {
  * weight), and a row holding one of CPU_PH_MAX_W / 2^shift or more is
  * redone on vdpbf16ps. With tiles of several rows sharing the end-of-row
  * sums (2 x 8, 4 x 2..4), 8-16-token calls 1.1-1.3x the widening tiles
- * (cpu_matmul alone, 2 threads, weights from memory). 2-7 tokens stay on vdpbf16ps:
- * the same tiles were level there (0.87-1.16x by shape). */
+ * (cpu_matmul alone, 2 threads, weights from memory). */
 #define CPU_PH_STREAM_W_SHIFT 4
+/* The fp16 streaming tiles also take calls of CPU_PH_STREAM_MIN_TOK ..
+ * CPU_SLOW_DP_FMA_MIN_TOK - 1 tokens there (the 2-7 rows of a decode step's
+ * experts), where vdpbf16ps's quarter rate binds from ~5 rows: cpu_matmul
+ * alone, 2 threads, 3-7 tokens 1.0-1.5x vdpbf16ps by shape; moe-generate
+ * bf16, 2 threads, 3 alternated rounds: 16 sequences 292.6 -> 323.9 tok/s,
+ * 8 sequences 185.6 -> 192.3 (at 3: level with 2). One token keeps
+ * vdpbf16ps (its own tile, 1.1x the fp16 one). */
+#define CPU_PH_STREAM_MIN_TOK 2
 
 /* Features this processor (and OS) supports (cpuid, cached). */
 unsigned cpu_kernels_detect_features(void);

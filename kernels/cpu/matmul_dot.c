@@ -13,7 +13,7 @@
  *   absolute error below 2^-126 per product). tests/unit/test_matmul_fast.c
  *   holds every output to this bound; random data reach ~0.65 of it.
  *   Where vdpbf16ps is slow (Intel without AMX) and AVX512-FP16 exists, calls
- *   of CPU_SLOW_DP_FMA_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens take fp16 streaming
+ *   of CPU_PH_STREAM_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens take fp16 streaming
  *   tiles instead (x scaled to |x| <= 1 and rounded to fp16, the weights
  *   widened to fp16 per tile, fp16 sums over 32 columns a lane, then f32:
  *   the arithmetic and bound of matmul.c's fp16 panels, see there).
@@ -129,14 +129,14 @@ enum dot_kind { DOT_BF16 = 0, DOT_I8 = 1, DOT_I4 = 2 };
 
 /* Whether p, a fast bf16 call, takes the fp16 streaming tiles: where
  * vdpbf16ps is slow (Intel without AMX) and the fp16 panels exist, calls of
- * CPU_SLOW_DP_FMA_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens (below: vdpbf16ps;
+ * CPU_PH_STREAM_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens (below: vdpbf16ps;
  * from there: the fp16 panels). */
 static bool ph_stream_for(const struct moe_matmul_params *p)
 {
     const unsigned f = cpu_kernels_features();
     return DOT_PH && p->fast && p->w_dtype == MOE_DTYPE_BF16 && !p->batch_invariant &&
            (f & CPU_FEAT_DPBF16_SLOW) && !(f & CPU_FEAT_AMX_BF16) && (f & CPU_FEAT_AVX512_BF16) &&
-           p->n_tok >= CPU_SLOW_DP_FMA_MIN_TOK && p->n_tok < CPU_PH_MIN_TOK &&
+           p->n_tok >= CPU_PH_STREAM_MIN_TOK && p->n_tok < CPU_PH_MIN_TOK &&
            cpu_matmul_fp16_panels();
 }
 
@@ -208,8 +208,8 @@ const char *cpu_matmul_fast_path(enum moe_dtype wt)
         return wt == MOE_DTYPE_BF16 ? "amx-bf16" : "amx-int8";
     if (wt == MOE_DTYPE_BF16 && (cpu_kernels_features() & CPU_FEAT_DPBF16_SLOW))
         /* below CPU_SLOW_DP_FMA_MIN_TOK tokens / from there; with AVX512-FP16
-         * (gcc builds), fp16 streaming tiles from there and the fp16 panels of
-         * matmul.c from CPU_PH_MIN_TOK */
+         * (gcc builds), fp16 streaming tiles from CPU_PH_STREAM_MIN_TOK and
+         * the fp16 panels of matmul.c from CPU_PH_MIN_TOK */
         return cpu_matmul_fp16_panels() && DOT_PH ? "avx512-bf16/fp16-fma" : "avx512-bf16/f32-fma";
     return wt == MOE_DTYPE_BF16 ? "avx512-bf16" : "avx512-vnni";
 }

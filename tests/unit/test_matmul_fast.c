@@ -820,7 +820,7 @@ static double stream_w_emu(uint16_t b)
 }
 
 /* The fp16 streaming tiles (matmul_dot.c): where the fp16 panels exist,
- * fast bf16 calls of CPU_SLOW_DP_FMA_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens.
+ * fast bf16 calls of CPU_PH_STREAM_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens.
  * Each output is held to its arithmetic emulated here: x scaled by 2^-e and
  * rounded to fp16, the weights as stream_w_emu takes them (tiny ones
  * planted: flushed below 2^-(14 + shift)), each of the 32 lanes (the
@@ -849,6 +849,10 @@ static void test_fp16_stream(unsigned feats)
         {13, 200, 30, 200, false, 0},   /* 2 x 8 + 2 x 5 */
         {15, 64, 9, 64, true, 1},       /* 2 x 8 + 2 x 7 */
         {9, 100, 7, 100, false, 2},     /* 2 x 8 + 4 x 1 */
+        {CPU_PH_STREAM_MIN_TOK, 1024, 37, 1024, true, 1}, /* 4 x 2 tiles, a leftover row */
+        {3, 2816, 12, 2816, false, 2},                    /* 4 x 3 */
+        {5, 300, 9, 301, true, 0},                        /* 2 x 5, a leftover row */
+        {7, 1500, 8, 1500, false, 1},                     /* 2 x 7 */
     };
     const float guard_w = CPU_PH_MAX_W / (float)(1 << CPU_PH_STREAM_W_SHIFT);
     const int n_fixed = (int)(sizeof fixed / sizeof *fixed);
@@ -861,8 +865,8 @@ static void test_fp16_stream(unsigned feats)
             c = fixed[i];
         } else {
             c = (struct fcase){
-                .n_tok = CPU_SLOW_DP_FMA_MIN_TOK +
-                         (int)(test_rng_u32(&g_rng) % (CPU_PH_MIN_TOK - CPU_SLOW_DP_FMA_MIN_TOK)),
+                .n_tok = CPU_PH_STREAM_MIN_TOK +
+                         (int)(test_rng_u32(&g_rng) % (CPU_PH_MIN_TOK - CPU_PH_STREAM_MIN_TOK)),
                 .n_in = 1 + (int)(test_rng_u32(&g_rng) % 400),
                 .n_out = 1 + (int)(test_rng_u32(&g_rng) % 70),
                 .accumulate = test_rng_u32(&g_rng) % 2,
@@ -980,11 +984,46 @@ static void test_fp16_stream(unsigned feats)
            worst_emu);
     CHECKF(worst_bound <= 1.0, "fp16 streaming: error %.3g x the documented bound", worst_bound);
     CHECKF(n_redone == 2, "fp16 streaming: %d rows at or past the guard, expected 2", n_redone);
+    /* The lower edge: one token stays on vdpbf16ps (bit for bit the call
+     * without AVX512-FP16), CPU_PH_STREAM_MIN_TOK tokens do not. */
+    {
+        const int n_in = 512, n_out = 24, T = CPU_PH_STREAM_MIN_TOK;
+        const float *sc;
+        void *w = make_weights(MOE_DTYPE_BF16, n_out, n_in, &sc);
+        float *x = malloc((size_t)T * n_in * sizeof *x);
+        float *ya = malloc((size_t)T * n_out * sizeof *ya),
+              *yb = malloc((size_t)T * n_out * sizeof *yb);
+        for (size_t k = 0; k < (size_t)T * n_in; k++)
+            x[k] = test_rng_float(&g_rng);
+        for (int nt = 1; nt <= T; nt += T - 1) {
+            struct moe_matmul_params p = {.x = x,
+                                          .n_tok = nt,
+                                          .n_in = n_in,
+                                          .w = w,
+                                          .w_dtype = MOE_DTYPE_BF16,
+                                          .ldw = n_in,
+                                          .n_out = n_out,
+                                          .y = ya,
+                                          .fast = true};
+            cpu_matmul(g_pool, &p);
+            cpu_kernels_force_features(feats & ~CPU_FEAT_AVX512_FP16);
+            p.y = yb;
+            cpu_matmul(g_pool, &p);
+            cpu_kernels_force_features(feats);
+            const bool same = memcmp(ya, yb, (size_t)nt * n_out * sizeof *ya) == 0;
+            CHECKF(same == (nt == 1), "fp16 streaming, %d tokens: %s the vdpbf16ps call", nt,
+                   same ? "equals" : "differs from");
+        }
+        free(w);
+        free(x);
+        free(ya);
+        free(yb);
+    }
     test_grouped_equals_each(MOE_DTYPE_BF16, "avx512-bf16/fp16-fma streaming");
     printf("fp16 streaming (%d..%d tokens): %d cases within %.3g of 1e-5 sum|x'w'| of their "
            "emulation, worst error %.3g of the documented bound; rms error %.3g x that of "
            "bf16-rounded activations; rows with |w| = 2^17 and %g redone on vdpbf16ps\n",
-           CPU_SLOW_DP_FMA_MIN_TOK, CPU_PH_MIN_TOK - 1, n, worst_emu, worst_bound,
+           CPU_PH_STREAM_MIN_TOK, CPU_PH_MIN_TOK - 1, n, worst_emu, worst_bound,
            sqrt(err2 / (err2_bf16 + 1e-300)), (double)guard_w);
 }
 
