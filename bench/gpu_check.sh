@@ -17,6 +17,7 @@
 #             permute, grouped_matmul, latent attention, grouped routing, ...)
 #   golden    Mixtral, Qwen3-MoE and DeepSeek-V3 prompts with --device cuda, f32 and
 #             bf16: prompt logits (max rel err <= 1e-4) and 32-token greedy paths
+#   kv bf16   --kv-dtype bf16 on the device: greedy paths equal to the CPU backend's
 #   sampling  8 seeded requests (temperatures, top_p values, one greedy) drawn on the
 #             device and with --host-sampling: the same tokens
 #   copy      device copy bandwidth (bench-copy-gpu): the roofline
@@ -210,6 +211,35 @@ row "golden ($DEVICE, 3 models x 2 dtypes x 4)" \
   "$([ $g_fail = 0 ] && echo PASS || echo FAIL) ($g_ok ok, $g_fail failed, $g_skip skipped by the deadline)" \
   "{\"ok\": $g_ok, \"failed\": $g_fail, \"skipped\": $g_skip}"
 
+# ---- a bf16 KV cache on the device ----------------------------------------------------------
+# --kv-dtype bf16 on CUDA (opt-in until this passes): the f32 model's greedy paths over a
+# bf16 cache, on the device and on the CPU backend (whose default that cache is): the
+# same tokens. The op tests hold kv_write_bf16 (bit for bit) and attention_bf16 to the CPU.
+phase "bf16 KV cache: --device $DEVICE against the CPU"
+kb_ok=0 kb_fail=0 kb_skip=0
+for model in mixtral qwen3_moe; do
+  dir=$ROOT/tests/golden/fixtures/$model
+  for p in 0 1; do
+    if ! fits 30; then kb_skip=$((kb_skip + 1)); continue; fi
+    ids=$("$BIN/compare-logits" --ids "$dir" "$p")
+    for dev in "$DEVICE" cpu; do
+      timeout "$(cap 30)" "$BIN/moe-generate" --model "$dir" --tokens "$ids" -n 32 --dtype f32 --exact \
+        --kv-dtype bf16 --device "$dev" --temperature 0 --ignore-eos >"$WORK/kvb_$dev.log" 2>&1
+    done
+    a=$(sed -n 's/^tokens: //p' "$WORK/kvb_$DEVICE.log"); b=$(sed -n 's/^tokens: //p' "$WORK/kvb_cpu.log")
+    if [ -n "$a" ] && [ "$a" = "$b" ]; then
+      kb_ok=$((kb_ok + 1))
+    else
+      kb_fail=$((kb_fail + 1))
+      echo "FAIL $model prompt $p: $DEVICE [$a] cpu [$b]"
+      tail -2 "$WORK/kvb_$DEVICE.log"
+    fi
+  done
+done
+row "bf16 KV ($DEVICE vs cpu, 2 models x 2)" \
+  "$([ $kb_fail = 0 ] && [ $kb_ok -gt 0 ] && echo PASS || echo FAIL) ($kb_ok ok, $kb_fail failed, $kb_skip skipped by the deadline)" \
+  "{\"ok\": $kb_ok, \"failed\": $kb_fail, \"skipped\": $kb_skip}"
+
 # ---- sampling on the device -------------------------------------------------------------
 # Seeded requests at several temperatures / top_p values (and a greedy one) drawn on the
 # device (the default there: moe_engine_opts.backend_sampling) and on the host
@@ -348,7 +378,9 @@ fi
 
 # ---- NCCL: two processes on the one GPU -----------------------------------------------------
 phase "NCCL: two processes sharing the GPU"
-if [ "$SERVING" != ON ]; then
+if [ "$DEVICE" != cuda ]; then
+  skipped "nccl (2 processes)" "a dry run on --device $DEVICE (NCCL needs the GPU)"
+elif [ "$SERVING" != ON ]; then
   skipped "nccl (2 processes)" "no serving build here (needs mpirun, gRPC, protobuf-c, libcurl)"
 elif ! fits 40; then
   skipped "nccl (2 processes)" "deadline"

@@ -9,6 +9,10 @@
 // FlashDecoding idea: a decode step of a few tokens still fills the GPU.
 // Blocks whose split starts at or past n_pos leave at once.
 //
+// The cache holds f32 or bf16 (moe_attn_params.kv_dtype: a template
+// parameter of the kernel); bf16 rows are widened to f32 as they are
+// gathered, so everything after is the same arithmetic.
+//
 // Inside a block, tiles of kTile = 32 positions: the K and V rows of the tile
 // are gathered into shared memory through the block table
 //   slot = block_tables[seq][p / block_size] * block_size + p % block_size,
@@ -45,7 +49,8 @@ constexpr long long kTargetBlocks = 2048;
 constexpr int kMaxGridTok = 65535; // gridDim.y / gridDim.z limit
 
 struct attn_args {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache; // float, or bf16 bits (uint16_t): the kernel's KV
     float *out;
     const int32_t *tok_seq, *tok_pos, *block_tables;
     int max_blocks, n_head, n_kv_head, d_head, block_size;
@@ -56,6 +61,20 @@ struct attn_args {
     float *part_ml;  // (n_tok, n_head, n_split, 2): m, l
 };
 
+// Four consecutive cache elements as floats: one 16-byte load of f32, or
+// one 8-byte load of bf16 widened exactly (bf16 bits are an f32's top half).
+__device__ __forceinline__ float4 load4(const float *p)
+{
+    return __ldg((const float4 *)p);
+}
+
+__device__ __forceinline__ float4 load4(const uint16_t *p)
+{
+    const uint2 u = __ldg((const uint2 *)p);
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                       __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+}
+
 size_t smem_bytes(int d_head, int group)
 {
     const size_t ld = (size_t)d_head + 1;
@@ -63,7 +82,7 @@ size_t smem_bytes(int d_head, int group)
                             2 * (size_t)group);
 }
 
-__global__ void __launch_bounds__(kThreads) attn_kernel(const attn_args a)
+template <typename KV> __global__ void __launch_bounds__(kThreads) attn_kernel(const attn_args a)
 {
     extern __shared__ float smem[];
     const int D = a.d_head, G = a.n_head / a.n_kv_head, ld = D + 1;
@@ -105,8 +124,8 @@ __global__ void __launch_bounds__(kThreads) attn_kernel(const attn_args a)
             const int p = p0 + j;
             const size_t slot = (size_t)blocks[p / a.block_size] * a.block_size + p % a.block_size;
             const size_t off = slot * kv_dim + (size_t)kvh * D + c;
-            const float4 k4 = __ldg((const float4 *)(a.k_cache + off));
-            const float4 v4 = __ldg((const float4 *)(a.v_cache + off));
+            const float4 k4 = load4((const KV *)a.k_cache + off);
+            const float4 v4 = load4((const KV *)a.v_cache + off);
             float *kd = ks + j * ld + c, *vd = vs + j * ld + c;
             kd[0] = k4.x;
             kd[1] = k4.y;
@@ -214,8 +233,8 @@ extern "C" const char *moe_cuda_attention_unsupported(const moe_attn_params *p, 
         snprintf(why, cap, "d_v %d != d_head %d not supported (latent attention)", p->d_v, d);
         return why;
     }
-    if (p->kv_dtype != MOE_DTYPE_F32) {
-        snprintf(why, cap, "KV cache dtype %s not supported (F32 only)",
+    if (p->kv_dtype != MOE_DTYPE_F32 && p->kv_dtype != MOE_DTYPE_BF16) {
+        snprintf(why, cap, "KV cache dtype %s not supported (F32 or BF16)",
                  moe_dtype_name(p->kv_dtype));
         return why;
     }
@@ -271,8 +290,8 @@ extern "C" cudaError_t moe_cuda_attention(const moe_attn_params *p, void *scratc
         return cudaSuccess;
     attn_args a;
     a.q = p->q;
-    a.k_cache = (const float *)p->k_cache;
-    a.v_cache = (const float *)p->v_cache;
+    a.k_cache = p->k_cache;
+    a.v_cache = p->v_cache;
     a.out = p->out;
     a.tok_seq = p->tok_seq;
     a.tok_pos = p->tok_pos;
@@ -293,10 +312,14 @@ extern "C" cudaError_t moe_cuda_attention(const moe_attn_params *p, void *scratc
         a.part_acc = (float *)scratch;
         a.part_ml = a.part_acc + (size_t)p->n_tok * p->n_head * a.n_split * p->d_head;
     }
+    const bool bf16 = p->kv_dtype == MOE_DTYPE_BF16;
     const size_t smem = smem_bytes(p->d_head, p->n_head / p->n_kv_head);
     if (smem > 48 * 1024) {
-        cudaError_t e = cudaFuncSetAttribute(
-            attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        cudaError_t e =
+            bf16 ? cudaFuncSetAttribute(attn_kernel<uint16_t>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)
+                 : cudaFuncSetAttribute(attn_kernel<float>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess)
             return e;
     }
@@ -304,7 +327,10 @@ extern "C" cudaError_t moe_cuda_attention(const moe_attn_params *p, void *scratc
         const int nt = min(kMaxGridTok, p->n_tok - t0);
         a.t0 = t0;
         const dim3 grid((unsigned)a.n_split, (unsigned)p->n_kv_head, (unsigned)nt);
-        attn_kernel<<<grid, kThreads, smem, stream>>>(a);
+        if (bf16)
+            attn_kernel<uint16_t><<<grid, kThreads, smem, stream>>>(a);
+        else
+            attn_kernel<float><<<grid, kThreads, smem, stream>>>(a);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess)
             return e;

@@ -281,9 +281,17 @@ static void cuda_op_kv_write(struct moe_backend *be, const float *k, const float
                              void *v_cache, enum moe_dtype kv_dtype)
 {
     cuda_of(be)->cnt.ops++;
+    if (kv_dtype == MOE_DTYPE_BF16) {
+        cuda_check(be,
+                   moe_cuda_kv_write_bf16(k, v, slots, n_tok, kv_dim, k_cache, v_cache,
+                                          cuda_of(be)->stream),
+                   "kv_write");
+        return;
+    }
     if (kv_dtype != MOE_DTYPE_F32) {
         cuda_fail(be, (int)cudaErrorNotSupported,
-                  "kv_write: KV cache dtype %s not supported (F32 only)", moe_dtype_name(kv_dtype));
+                  "kv_write: KV cache dtype %s not supported (F32 or BF16)",
+                  moe_dtype_name(kv_dtype));
         return;
     }
     cuda_check(be,

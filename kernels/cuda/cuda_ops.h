@@ -67,6 +67,10 @@ cudaError_t moe_cuda_rope(float *x, const int32_t *pos, int n_tok, int n_heads, 
 
 cudaError_t moe_cuda_kv_write(const float *k, const float *v, const int32_t *slots, int n_tok,
                               int kv_dim, float *k_cache, float *v_cache, cudaStream_t stream);
+/* The same into bf16 caches (bits, rounded as common/dtype.h's moe_f32_to_bf16). */
+cudaError_t moe_cuda_kv_write_bf16(const float *k, const float *v, const int32_t *slots, int n_tok,
+                                   int kv_dim, uint16_t *k_cache, uint16_t *v_cache,
+                                   cudaStream_t stream);
 
 /* ---- attention.cu ---- */
 

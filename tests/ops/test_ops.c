@@ -80,6 +80,19 @@ static void run_get_floats(struct run *r, const float *dev, size_t n)
     r->be->ops->buf_download(r->be, r->out, dev, n * sizeof(float));
 }
 
+/* n bf16 values from the device, widened (exactly) to r->out. */
+static void run_get_bf16(struct run *r, const uint16_t *dev, size_t n)
+{
+    uint16_t *h = calloc(1, (n ? n : 1) * sizeof *h);
+    r->out = calloc(1, (n ? n : 1) * sizeof(float));
+    r->n_out = n;
+    r->be->ops->synchronize(r->be);
+    r->be->ops->buf_download(r->be, h, dev, n * sizeof *h);
+    for (size_t i = 0; i < n; i++)
+        r->out[i] = moe_bf16_to_f32(h[i]);
+    free(h);
+}
+
 static void run_get_ids(struct run *r, const int32_t *dev, size_t n)
 {
     r->ids = calloc(1, (n ? n : 1) * sizeof(int32_t));
@@ -181,29 +194,48 @@ static void run_rope(struct run *r, const struct op_case *c)
     free(pos);
 }
 
-/* kv_write: a = {n_tok, kv_dim, n_slot}; both whole caches are compared. */
-/* kv_write: a = {n_tok, kv_dim, n_slot, latent}; latent: K only (v and
- * v_cache NULL), the V half of the cache buffer must stay as it was */
-static void run_kv_write(struct run *r, const struct op_case *c)
+/* kv_write: a = {n_tok, kv_dim, n_slot, latent}; both whole caches are
+ * compared; latent: K only (v and v_cache NULL), the V half of the cache
+ * buffer must stay as it was. kv_write_bf16: the same into bf16 caches
+ * (rounded alike: bit for bit). */
+static void kv_write_case(struct run *r, const struct op_case *c, enum moe_dtype dt)
 {
     int n_tok = c->a[0], kv_dim = c->a[1], n_slot = c->a[2], latent = c->a[3];
     size_t nt = (size_t)n_tok * kv_dim, nc = (size_t)n_slot * kv_dim;
+    const size_t esz = dt == MOE_DTYPE_BF16 ? 2 : 4;
     float *k = calloc(1, (nt + 1) * 4), *v = calloc(1, (nt + 1) * 4),
           *cache = calloc(1, (2 * nc + 1) * 4);
+    uint16_t *cache16 = calloc(1, (2 * nc + 1) * 2);
     int32_t *perm = calloc(1, ((size_t)n_slot + 1) * sizeof(int32_t));
     fill_floats(k, nt, 1.0f);
     fill_floats(v, nt, 1.0f);
     fill_floats(cache, 2 * nc, 1.0f);
+    for (size_t i = 0; i < 2 * nc; i++)
+        cache16[i] = moe_f32_to_bf16(cache[i]);
     shuffle_ids(perm, n_slot); /* distinct, scattered slots */
-    float *dc = run_buf(r, cache, 2 * nc * 4);
+    char *dc = run_buf(r, dt == MOE_DTYPE_BF16 ? (void *)cache16 : (void *)cache, 2 * nc * esz);
     r->be->ops->kv_write(r->be, run_buf(r, k, nt * 4), latent ? NULL : run_buf(r, v, nt * 4),
                          run_buf(r, perm, (size_t)n_tok * 4), n_tok, kv_dim, dc,
-                         latent ? NULL : dc + nc, MOE_DTYPE_F32);
-    run_get_floats(r, dc, 2 * nc);
+                         latent ? NULL : dc + nc * esz, dt);
+    if (dt == MOE_DTYPE_BF16)
+        run_get_bf16(r, (const uint16_t *)dc, 2 * nc);
+    else
+        run_get_floats(r, (const float *)dc, 2 * nc);
     free(k);
     free(v);
     free(cache);
+    free(cache16);
     free(perm);
+}
+
+static void run_kv_write(struct run *r, const struct op_case *c)
+{
+    kv_write_case(r, c, MOE_DTYPE_F32);
+}
+
+static void run_kv_write_bf16(struct run *r, const struct op_case *c)
+{
+    kv_write_case(r, c, MOE_DTYPE_BF16);
 }
 
 /* The sequences of an attention case: n_seq sequences of random lengths in
@@ -255,8 +287,9 @@ static void paged_batch_free(struct paged_batch *pb)
 }
 
 /* attention: a = {n_seq, max_len, n_head, n_kv_head, d_head, block_size, mode}
- * (modes: paged_batch_make) */
-static void run_attention(struct run *r, const struct op_case *c)
+ * (modes: paged_batch_make); attention_bf16: over bf16 caches (the same
+ * random values rounded to bf16 on both backends). */
+static void attention_case(struct run *r, const struct op_case *c, enum moe_dtype dt)
 {
     int n_seq = c->a[0], n_head = c->a[2], n_kv = c->a[3], d = c->a[4], bs = c->a[5];
     struct paged_batch pb;
@@ -267,11 +300,26 @@ static void run_attention(struct run *r, const struct op_case *c)
     fill_floats(q, nq, 1.0f);
     fill_floats(kc, nc, 1.0f);
     fill_floats(vc, nc, 1.0f);
+    const void *kh = kc, *vh = vc;
+    size_t esz = 4;
+    uint16_t *k16 = NULL, *v16 = NULL;
+    if (dt == MOE_DTYPE_BF16) {
+        k16 = calloc(1, (nc + 1) * 2);
+        v16 = calloc(1, (nc + 1) * 2);
+        for (size_t i = 0; i < nc; i++) {
+            k16[i] = moe_f32_to_bf16(kc[i]);
+            v16[i] = moe_f32_to_bf16(vc[i]);
+        }
+        kh = k16;
+        vh = v16;
+        esz = 2;
+    }
     struct moe_attn_params p = {
         .q = run_buf(r, q, nq * 4),
         .out = run_buf(r, NULL, nq * 4),
-        .k_cache = run_buf(r, kc, nc * 4),
-        .v_cache = run_buf(r, vc, nc * 4),
+        .k_cache = run_buf(r, kh, nc * esz),
+        .v_cache = run_buf(r, vh, nc * esz),
+        .kv_dtype = dt,
         .tok_seq = run_buf(r, pb.seq, (size_t)pb.n_tok * 4),
         .tok_pos = run_buf(r, pb.pos, (size_t)pb.n_tok * 4),
         .block_tables = run_buf(r, pb.table, (size_t)n_seq * pb.max_blocks * 4),
@@ -289,6 +337,18 @@ static void run_attention(struct run *r, const struct op_case *c)
     free(q);
     free(kc);
     free(vc);
+    free(k16);
+    free(v16);
+}
+
+static void run_attention(struct run *r, const struct op_case *c)
+{
+    attention_case(r, c, MOE_DTYPE_F32);
+}
+
+static void run_attention_bf16(struct run *r, const struct op_case *c)
+{
+    attention_case(r, c, MOE_DTYPE_BF16);
 }
 
 /* latent attention: a = {n_seq, max_len, n_head, d_head, d_v, block_size,
@@ -829,6 +889,11 @@ static const struct op_case g_cases[] = {
     {"kv_write", run_kv_write, {0, 64, 4}, 0},
     {"kv_write", run_kv_write, {9, 48, 20, 1}, 0},  /* latent: K only */
     {"kv_write", run_kv_write, {7, 576, 12, 1}, 0}, /* DeepSeek-V3's latent row */
+    /* kv_write into bf16 caches {n_tok, kv_dim, n_slot, latent} */
+    {"kv_write_bf16", run_kv_write_bf16, {37, 256, 100}, 0},
+    {"kv_write_bf16", run_kv_write_bf16, {5, 31, 9}, 0}, /* odd kv_dim: element stores */
+    {"kv_write_bf16", run_kv_write_bf16, {0, 64, 4}, 0},
+    {"kv_write_bf16", run_kv_write_bf16, {9, 48, 20, 1}, 0}, /* K only */
     /* attention {n_seq, max_len, n_head, n_kv_head, d_head, block_size, mode} */
     {"attention", run_attention, {1, 1, 1, 1, 16, 1, 0}, 1e-10},
     {"attention", run_attention, {3, 40, 4, 2, 16, 4, 1}, 1e-10},     /* mixtral fixture shape */
@@ -839,6 +904,12 @@ static const struct op_case g_cases[] = {
     {"attention", run_attention, {3, 500, 32, 2, 128, 32, 2}, 1e-10}, /* G 16 */
     {"attention", run_attention, {2, 90, 6, 6, 256, 7, 2}, 1e-10},    /* MHA, odd block size */
     {"attention", run_attention, {64, 33, 32, 8, 128, 16, 0}, 1e-10}, /* batch-64 decode */
+    /* attention over bf16 caches {as attention} */
+    {"attention_bf16", run_attention_bf16, {3, 40, 4, 2, 16, 4, 1}, 1e-10},
+    {"attention_bf16", run_attention_bf16, {8, 300, 16, 4, 64, 16, 0}, 1e-10},  /* decode */
+    {"attention_bf16", run_attention_bf16, {2, 200, 16, 4, 64, 16, 1}, 1e-10},  /* prefill */
+    {"attention_bf16", run_attention_bf16, {1, 3000, 8, 1, 128, 16, 0}, 1e-10}, /* splits */
+    {"attention_bf16", run_attention_bf16, {2, 90, 6, 6, 256, 7, 2}, 1e-10},    /* odd blocks */
     /* latent attention {n_seq, max_len, n_head, d_head, d_v, block_size, mode} */
     {"attention_mla", run_attention_mla, {1, 1, 1, 48, 32, 1, 0}, 1e-10},
     {"attention_mla", run_attention_mla, {3, 40, 4, 48, 32, 4, 1}, 1e-10},      /* fixture shape */

@@ -579,6 +579,28 @@ static void test_dtype_mismatch(void)
     side_close(&dst);
 }
 
+/* Which caches a GPU backend takes (moe_kv_cache_alloc's rule, checked here
+ * through a CPU backend that says it is CUDA): bf16 for standard attention,
+ * f32 only for latent (MLA) attention, refused by name. */
+static void test_gpu_kv_dtypes(void)
+{
+    struct moe_backend gpu = *be;
+    gpu.name = "cuda";
+    gpu.device = MOE_DEVICE_CUDA;
+    struct moe_kv_cache *kv = NULL;
+    struct moe_error err = {0};
+    CHECK(moe_kv_cache_alloc(&gpu, 1, 2, 4, 64, false, MOE_DTYPE_BF16, &kv, &err) == MOE_OK);
+    CHECK(kv && kv->dtype == MOE_DTYPE_BF16);
+    moe_kv_cache_release(&gpu, kv);
+    kv = NULL;
+    CHECK(moe_kv_cache_alloc(&gpu, 1, 2, 4, 64, true, MOE_DTYPE_BF16, &kv, &err) ==
+          MOE_ERR_UNSUPPORTED);
+    CHECKF(kv == NULL && strstr(err.msg, "latent") && strstr(err.msg, "--kv-dtype f32"),
+           "latent bf16 on a GPU backend: %s", err.msg);
+    CHECK(moe_kv_cache_alloc(&gpu, 1, 2, 4, 64, true, MOE_DTYPE_F32, &kv, &err) == MOE_OK);
+    moe_kv_cache_release(&gpu, kv);
+}
+
 static void run_all(void)
 {
     test_reslice(1, 4, 1, 4);
@@ -594,13 +616,14 @@ static void run_all(void)
     test_reslice(4, 1, 2, 7);  /* senders 2 and 3 send nothing */
     g_latent = false;
     test_refusals();
-    if (be->device == MOE_DEVICE_CPU) { /* BF16 caches: the CPU backend only */
-        g_dt = MOE_DTYPE_BF16;
-        test_reslice(1, 4, 1, 4);
-        test_reslice(2, 5, 4, 2);
-        g_dt = MOE_DTYPE_F32;
-        test_dtype_mismatch();
-    }
+    /* BF16 caches (standard attention; CUDA too since its kernels read them) */
+    g_dt = MOE_DTYPE_BF16;
+    test_reslice(1, 4, 1, 4);
+    test_reslice(2, 5, 4, 2);
+    g_dt = MOE_DTYPE_F32;
+    test_dtype_mismatch();
+    if (be->device == MOE_DEVICE_CPU)
+        test_gpu_kv_dtypes();
 }
 
 int main(void)

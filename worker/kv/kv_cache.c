@@ -38,10 +38,13 @@ enum moe_status moe_kv_cache_alloc(struct moe_backend *be, int n_layer, int n_bl
     if (!moe_kv_dtype_valid(dtype))
         return moe_error_set(err, MOE_ERR_INVALID, "KV cache dtype %s: only F32 and BF16",
                              moe_dtype_name(dtype));
-    if (dtype != MOE_DTYPE_F32 && be->device != MOE_DEVICE_CPU)
+    /* CUDA reads bf16 caches in its standard attention kernel (opt-in there:
+     * F32 stays its default, moe_backend_default_kv_dtype); its latent
+     * (MLA) kernel reads f32 only. */
+    if (dtype != MOE_DTYPE_F32 && be->device != MOE_DEVICE_CPU && latent)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                             "--kv-dtype bf16: the %s backend holds f32 KV caches only "
-                             "(use --kv-dtype f32)",
+                             "--kv-dtype bf16: latent attention (MLA) on the %s backend reads "
+                             "f32 KV caches only (use --kv-dtype f32)",
                              be->name);
     struct moe_kv_cache *kv = calloc(1, sizeof *kv);
     if (!kv)
