@@ -62,7 +62,7 @@ struct attn_args {
 };
 
 // Four consecutive cache elements as floats: one 16-byte load of f32, or
-// one 8-byte load of bf16 widened exactly (bf16 bits are an f32's top half).
+// one 8-byte load of bf16 widened exactly (common.cuh's bf16_lo / bf16_hi).
 __device__ __forceinline__ float4 load4(const float *p)
 {
     return __ldg((const float4 *)p);
@@ -71,8 +71,7 @@ __device__ __forceinline__ float4 load4(const float *p)
 __device__ __forceinline__ float4 load4(const uint16_t *p)
 {
     const uint2 u = __ldg((const uint2 *)p);
-    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
-                       __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+    return make_float4(bf16_lo(u.x), bf16_hi(u.x), bf16_lo(u.y), bf16_hi(u.y));
 }
 
 size_t smem_bytes(int d_head, int group)
