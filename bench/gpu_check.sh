@@ -270,6 +270,46 @@ else
   skipped "sampled decode" "deadline"
 fi
 
+# ---- MoE layers routed on the device -------------------------------------------------
+# MOE_CUDA_DEVICE_ROUTING=1 (opt-in until this passes): decode steps of <= 8 tokens keep the
+# routing offsets on the device (one grouped GEMV per matmul, no download per layer; the
+# graph-ready layer). 8 greedy requests on bf16 weights, routed on the device and on the
+# host: the same tokens and the same expert statistics; --profile's host waits per forward.
+phase "MoE layers routed on the device vs the host"
+if fits 40; then
+  dr_ok=0 dr_fail=0 waits=""
+  for model in mixtral qwen3_moe; do
+    dir=$ROOT/tests/golden/fixtures/$model
+    : >"$WORK/route.jsonl"
+    for i in 0 1 2 3 4 5 6 7; do
+      echo "{\"tokens\": [$((5 + i)), $((11 + 2 * i)), $((30 + i))], \"max_tokens\": 20}" >>"$WORK/route.jsonl"
+    done
+    for mode in 1 0; do
+      MOE_CUDA_DEVICE_ROUTING=$mode timeout "$(cap 30)" "$BIN/moe-generate" --model "$dir" \
+        --prompts-file "$WORK/route.jsonl" --device "$DEVICE" --dtype bf16 --temperature 0 \
+        --ignore-eos --print-outputs --profile --expert-stats "$WORK/route_$mode.json" \
+        >"$WORK/route_$mode.log" 2>&1
+    done
+    a=$(grep '^request' "$WORK/route_1.log"); b=$(grep '^request' "$WORK/route_0.log")
+    w1=$(sed -n 's/.*per forward (after the load): [0-9.]* ops, \([0-9.]*\) host waits.*/\1/p' "$WORK/route_1.log")
+    w0=$(sed -n 's/.*per forward (after the load): [0-9.]* ops, \([0-9.]*\) host waits.*/\1/p' "$WORK/route_0.log")
+    waits="$waits $model ${w1:-?} vs ${w0:-?};"
+    if [ -n "$a" ] && [ "$a" = "$b" ] && cmp -s "$WORK/route_1.json" "$WORK/route_0.json"; then
+      dr_ok=$((dr_ok + 1))
+    else
+      dr_fail=$((dr_fail + 1))
+      echo "FAIL $model: tokens or expert statistics differ"
+      diff <(echo "$a") <(echo "$b") | head -4
+      tail -2 "$WORK/route_1.log"
+    fi
+  done
+  row "device routing (device vs host, 2 models)" \
+    "$([ $dr_fail = 0 ] && [ $dr_ok -gt 0 ] && echo PASS || echo FAIL) ($dr_ok ok, $dr_fail failed; host waits a forward, device vs host routing:$waits)" \
+    "{\"ok\": $dr_ok, \"failed\": $dr_fail}"
+else
+  skipped "device routing" "deadline"
+fi
+
 # ---- copy bandwidth ------------------------------------------------------------------
 phase "device copy bandwidth"
 copy=$(timeout "$(cap 30)" "$BIN/bench-copy-gpu" 2048 2>/dev/null | sed -n 's/^copy_gbps \([0-9.]*\).*/\1/p')
@@ -408,7 +448,42 @@ SH
   done
 fi
 
-row "cuda graphs" "not built yet (issue 18 step 4): no on/off comparison"
+# ---- CUDA graphs for decode steps ------------------------------------------------------------
+# Opt-in until this passes: MOE_CUDA_DEVICE_ROUTING=1 (MoE layers routed on the device, steps of
+# <= 8 tokens) and MOE_CUDA_GRAPHS=1 (such greedy steps recorded once per shape, then replayed).
+# The benchmark model at batch 1 and 8, greedy: the same tokens in the three modes, and the
+# decode step's median time in each.
+if [ $have_model = 1 ]; then
+  for B in 1 8; do
+    phase "cuda graphs at batch $B: off / routed on the device / graphs"
+    if ! fits 60; then skipped "cuda graphs batch $B" "deadline"; continue; fi
+    prompts "$B" 16 64
+    gtxt="" gjson="" gtok=""
+    gpass=1
+    for mode in off route graphs; do
+      r=0 gr=0
+      [ $mode != off ] && r=1
+      [ $mode = graphs ] && gr=1
+      MOE_CUDA_DEVICE_ROUTING=$r MOE_CUDA_GRAPHS=$gr timeout "$(cap 60)" "$BIN/moe-generate" \
+        --model "$WORK/bench" --prompts-file "$WORK/prompts.jsonl" --device "$DEVICE" --dtype bf16 \
+        --temperature 0 --ignore-eos --no-prefix-cache --max-running "$B" --print-outputs \
+        >"$WORK/graph_$mode.log" 2>&1
+      ms=$(sed -n 's/^decode step at batch [0-9]*: median \([0-9.]*\) ms.*/\1/p' "$WORK/graph_$mode.log")
+      tok=$(grep '^request' "$WORK/graph_$mode.log" | md5sum | cut -c1-12)
+      grep -m2 'graph' "$WORK/graph_$mode.log"
+      if [ $mode = graphs ] && [ "$DEVICE" != cpu ] && ! grep -q '^graphs: .* [1-9][0-9]* replayed' "$WORK/graph_$mode.log"; then
+        gpass=0; echo "FAIL: no step replayed from a graph"
+      fi
+      [ -z "$ms" ] && { gpass=0; ms=0; tail -2 "$WORK/graph_$mode.log"; }
+      [ -n "$gtok" ] && [ "$tok" != "$gtok" ] && { gpass=0; echo "FAIL: $mode tokens differ from off"; }
+      gtok=${gtok:-$tok}
+      gtxt="$gtxt $mode $ms ms;"
+      gjson="$gjson\"${mode}_ms\": $ms, "
+    done
+    row "cuda graphs batch $B" "$([ $gpass = 1 ] && echo PASS || echo FAIL) (same tokens; decode step median:$gtxt)" \
+      "{${gjson}\"pass\": $([ $gpass = 1 ] && echo true || echo false)}"
+  done
+fi
 echo
 echo "notes: decode step = median of the steps in which every sequence runs one token, after"
 echo "2 warm-up steps; weight bytes per step estimated for uniform routing; copy bandwidth"

@@ -121,18 +121,25 @@ struct moe_attn_params {
  * W_e (n_out, n_in) with row stride ldw, y (n_rows, n_out); f32 accumulation.
  * Experts with no rows are skipped (their weight pointer may be NULL); an
  * expert with rows and a NULL weight pointer is an error: the op records it
- * (see `status`) and computes nothing. The host arrays are required (the
- * backend checks them and sizes the launch from them); the device copies
- * are optional: NULL makes the backend copy the host arrays itself on every
- * call (which a CUDA graph capture cannot contain). */
+ * (see `status`) and computes nothing. The host arrays normally come with
+ * the call (the backend checks them and sizes the launch from them); the
+ * device copies are optional: NULL makes the backend copy the host arrays
+ * itself on every call (which a CUDA graph capture cannot contain).
+ * Device-only offsets: expert_offsets NULL, expert_offsets_dev and w_dev
+ * given, every expert's weights given, and max_expert_rows bounding every
+ * expert's rows (the host never reads the offsets, so routing needs no
+ * download and a graph can capture the call); a backend takes bounds up to
+ * its grouped_device_rows op and records an error for a larger one. */
 struct moe_grouped_matmul_params {
     const float *x; /* (n_rows, n_in), rows grouped by expert */
     int n_rows;
     int n_in;
     int n_out;
     int n_expert;
-    const int32_t *expert_offsets;     /* host (n_expert + 1): off[0] = 0, off[n_expert] = n_rows */
+    const int32_t *expert_offsets;     /* host (n_expert + 1): off[0] = 0, off[n_expert] = n_rows;
+                                        * NULL: device-only offsets (above) */
     const int32_t *expert_offsets_dev; /* backend memory copy of expert_offsets, or NULL */
+    int max_expert_rows;               /* device-only offsets: rows of any one expert, at most */
     const void *const *w;     /* host (n_expert): backend pointers to W_e, NULL if not held */
     const void *const *w_dev; /* backend memory copy of the pointer array `w`, or NULL */
     enum moe_dtype w_dtype;   /* F32, BF16, I8 or I4 (I8, I4: the CPU backend only) */
@@ -367,6 +374,28 @@ struct moe_backend_ops {
      * and free. host_alloc returns NULL on failure. */
     void *(*host_alloc)(struct moe_backend *be, size_t bytes);
     void (*host_free)(struct moe_backend *be, void *p);
+
+    /* The largest max_expert_rows grouped_matmul takes with device-only
+     * offsets (struct moe_grouped_matmul_params) for weights of w_dtype;
+     * 0 (or the op NULL): host offsets only. */
+    int (*grouped_device_rows)(struct moe_backend *be, enum moe_dtype w_dtype);
+
+    /* Graphs: a step's ops recorded once and replayed with one launch
+     * (CUDA graphs; the CUDA backend's stay off unless MOE_CUDA_GRAPHS=1,
+     * as they have not run on a GPU yet). For a step whose ops have fixed
+     * shapes and addresses under `key`, read every input from backend memory
+     * and neither copy to or from the host nor wait: graph_launch(key) true
+     * means the graph recorded for key was launched in place of the ops;
+     * else graph_begin(key) true means the ops that follow are recorded, not
+     * run (a key is recorded the second time it is seen, so its first run
+     * has grown every scratch buffer), until graph_end, which launches them
+     * (MOE_OK) or says why the recording failed (an op waited, copied or
+     * needed more scratch): then nothing ran, and the caller issues the ops
+     * again. graph_reset forgets every graph (the caller's buffers moved). */
+    bool (*graph_launch)(struct moe_backend *be, uint64_t key);
+    bool (*graph_begin)(struct moe_backend *be, uint64_t key);
+    enum moe_status (*graph_end)(struct moe_backend *be, struct moe_error *err);
+    void (*graph_reset)(struct moe_backend *be);
 };
 
 struct moe_backend {

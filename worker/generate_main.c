@@ -607,7 +607,8 @@ static enum moe_status start_group(struct gen_run *g, int *argc, char ***argv)
                                  .exact = a->exact,
                                  .batch_invariant = a->batch_invariant,
                                  .kv_dtype = a->kv_dtype,
-                                 .kv_dtype_set = a->kv_dtype_set};
+                                 .kv_dtype_set = a->kv_dtype_set,
+                                 .profile = a->profile};
     enum moe_status rc = moe_launch_start(argc, argv, &la, &g->launch, &g->err);
     if (rc)
         return rc;
@@ -825,6 +826,14 @@ static void print_group_report(const struct gen_run *g)
     struct moe_group *group = g->group;
     if (a->profile && g->model)
         print_profile(g->model, group, g->be, &g->at_load);
+    if (g->model) { /* CUDA graphs (opt-in): whether they ran */
+        struct moe_model_profile p;
+        moe_model_profile(g->model, &p);
+        if (p.graphs_recorded || p.graphs_replayed)
+            printf("graphs: %llu steps recorded, %llu replayed, of %llu forwards\n",
+                   (unsigned long long)p.graphs_recorded, (unsigned long long)p.graphs_replayed,
+                   (unsigned long long)p.forwards);
+    }
     if (a->profile && group && group->rank == 0 && group->size > 1) {
         uint64_t rows[MOE_MAX_EP_RANKS_PRINT], steps, max = 0, sum = 0;
         int n = group->size < MOE_MAX_EP_RANKS_PRINT ? group->size : MOE_MAX_EP_RANKS_PRINT;

@@ -1,6 +1,7 @@
 /* The CPU backend: host memory and the kernels of kernels/cpu, run on a
  * thread pool that the backend owns. */
 #include <stdio.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -155,6 +156,15 @@ static void cpu_op_grouped_matmul(struct moe_backend *be, const struct moe_group
     cpu_record(be, cpu_grouped_matmul(be_pool(be), p, &e), &e);
 }
 
+/* Any bound: the backend's buffers are host memory, the offsets read where
+ * they are. */
+static int cpu_grouped_device_rows(struct moe_backend *be, enum moe_dtype w_dtype)
+{
+    (void)be;
+    (void)w_dtype;
+    return INT_MAX;
+}
+
 static void cpu_op_permute(struct moe_backend *be, const struct moe_permute_params *p)
 {
     struct cpu_backend *cb = (struct cpu_backend *)be;
@@ -247,6 +257,7 @@ static const struct moe_backend_ops cpu_ops = {
     .kv_scatter_blocks = cpu_op_kv_scatter_blocks,
     .copy_cols = cpu_op_copy_cols,
     .router_topk_grouped = cpu_op_router_topk_grouped,
+    .grouped_device_rows = cpu_grouped_device_rows,
 };
 
 enum moe_status moe_backend_cpu_create(int n_threads, struct moe_backend **out,

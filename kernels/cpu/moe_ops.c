@@ -38,9 +38,24 @@ enum moe_status moe_grouped_matmul_check(const struct moe_grouped_matmul_params 
     if (p->ldw < p->n_in || p->ldw < 1)
         return moe_error_set(err, MOE_ERR_INVALID, "grouped_matmul: ldw %lld smaller than n_in %d",
                              (long long)p->ldw, p->n_in);
-    if (!p->expert_offsets || !p->w)
-        return moe_error_set(err, MOE_ERR_INVALID,
-                             "grouped_matmul: host expert_offsets and w arrays are required");
+    if (!p->w)
+        return moe_error_set(err, MOE_ERR_INVALID, "grouped_matmul: the host w array is required");
+    if (!p->expert_offsets) { /* device-only offsets: what the host can check */
+        if (!p->expert_offsets_dev || !p->w_dev)
+            return moe_error_set(err, MOE_ERR_INVALID,
+                                 "grouped_matmul: without host expert_offsets, expert_offsets_dev "
+                                 "and w_dev are required");
+        if (p->max_expert_rows < 0)
+            return moe_error_set(err, MOE_ERR_INVALID, "grouped_matmul: max_expert_rows %d < 0",
+                                 p->max_expert_rows);
+        for (int e = 0; e < p->n_expert; e++)
+            if (!p->w[e] || (quant && !p->w_scale[e]))
+                return moe_error_set(err, MOE_ERR_INVALID,
+                                     "grouped_matmul: device-only offsets need every expert's "
+                                     "weights%s (expert %d has none)",
+                                     quant ? " and scales" : "", e);
+        return MOE_OK;
+    }
     const int32_t *off = p->expert_offsets;
     if (off[0] != 0 || off[p->n_expert] != p->n_rows)
         return moe_error_set(err, MOE_ERR_INVALID,
@@ -69,6 +84,21 @@ enum moe_status cpu_grouped_matmul(struct moe_threadpool *pool,
     enum moe_status st = moe_grouped_matmul_check(p, err);
     if (st != MOE_OK)
         return st;
+    struct moe_grouped_matmul_params hp;
+    if (!p->expert_offsets) { /* device-only offsets: backend memory is host memory here */
+        hp = *p;
+        hp.expert_offsets = p->expert_offsets_dev;
+        if ((st = moe_grouped_matmul_check(&hp, err)) != MOE_OK)
+            return st;
+        for (int e = 0; e < p->n_expert; e++)
+            if (hp.expert_offsets[e + 1] - hp.expert_offsets[e] > p->max_expert_rows)
+                return moe_error_set(err, MOE_ERR_INVALID,
+                                     "grouped_matmul: expert %d has %d rows, more than "
+                                     "max_expert_rows %d",
+                                     e, hp.expert_offsets[e + 1] - hp.expert_offsets[e],
+                                     p->max_expert_rows);
+        p = &hp;
+    }
     struct moe_matmul_params stack_mp[16], *mps = stack_mp;
     if (p->n_expert > 16) {
         mps = malloc((size_t)p->n_expert * sizeof *mps);

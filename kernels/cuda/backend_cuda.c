@@ -33,6 +33,17 @@
 #include "cuda_ops.h"
 #include "cublas_lazy.h"
 
+/* A step's graph, by its key: seen once (exec NULL), recorded, or found
+ * not recordable (failed: the step runs eagerly each time). */
+#define CUDA_GRAPH_SLOTS 32
+struct cuda_graph {
+    uint64_t key;
+    cudaGraphExec_t exec;
+    uint64_t mem_gen; /* cuda_backend.mem_gen when recorded */
+    uint64_t used;    /* tick of the last use; 0: slot free */
+    bool failed;
+};
+
 struct cuda_backend {
     struct moe_backend base; /* first */
     int ordinal;
@@ -44,6 +55,14 @@ struct cuda_backend {
     size_t meta_cap;
     int *bad; /* device flag: permute met an expert id or rank out of range */
     struct moe_backend_counters cnt; /* the engine thread's calls (plain counters) */
+    /* graphs (graph_* ops): MOE_CUDA_GRAPHS=1 turns them on */
+    bool graphs_on;
+    bool capturing;      /* between a graph_begin that said true and graph_end */
+    bool capture_broken; /* an op needed more scratch while capturing */
+    struct cuda_graph *capture_slot;
+    uint64_t mem_gen; /* bumped when scratch or meta moves: graphs hold their addresses */
+    uint64_t tick;
+    struct cuda_graph graphs[CUDA_GRAPH_SLOTS];
     _Atomic int first_error; /* 0 while none; else the cudaError_t (or -1 for non-CUDA errors) */
     char first_msg[256];
 };
@@ -103,6 +122,11 @@ static void *scratch_reserve(struct moe_backend *be, size_t bytes, const char *w
     struct cuda_backend *cb = cuda_of(be);
     if (bytes <= cb->scratch_cap)
         return cb->scratch;
+    if (cb->capturing) { /* a graph cannot free and allocate: the step reruns eagerly */
+        cb->capture_broken = true;
+        return NULL;
+    }
+    cb->mem_gen++;
     size_t cap = cb->scratch_cap * 2 > bytes ? cb->scratch_cap * 2 : bytes;
     if (cb->scratch) {
         cb->cnt.syncs++;
@@ -128,6 +152,11 @@ static void *meta_reserve(struct moe_backend *be, size_t bytes, const char *what
     struct cuda_backend *cb = cuda_of(be);
     if (bytes <= cb->meta_cap)
         return cb->meta;
+    if (cb->capturing) {
+        cb->capture_broken = true;
+        return NULL;
+    }
+    cb->mem_gen++;
     size_t cap = bytes < 4096 ? 4096 : bytes;
     if (cb->meta) {
         cb->cnt.syncs++;
@@ -451,6 +480,13 @@ static void cuda_op_grouped_matmul(struct moe_backend *be,
                   "grouped_matmul: I8 weights (the CUDA backend has no int8 kernels yet)");
         return;
     }
+    if (!p->expert_offsets && !moe_cuda_grouped_gemv_fits(p)) {
+        cuda_fail(be, (int)cudaErrorNotSupported,
+                  "grouped_matmul: device-only offsets take bf16 weights and at most %d rows an "
+                  "expert (%s, max_expert_rows %d)",
+                  MOE_CUDA_GEMV_MAX_TOK, moe_dtype_name(p->w_dtype), p->max_expert_rows);
+        return;
+    }
     if (!moe_cuda_grouped_gemv_fits(p)) { /* prefill or f32: cuBLAS per expert */
         for (int ex = 0; ex < p->n_expert; ex++) {
             int r0 = p->expert_offsets[ex], cnt = p->expert_offsets[ex + 1] - r0;
@@ -501,6 +537,139 @@ static void cuda_op_grouped_matmul(struct moe_backend *be,
                   p->n_out);
     else
         cuda_check(be, ce, "grouped_matmul");
+}
+
+/* ---- graphs (kernels/backend.h: graph_launch, graph_begin, graph_end) ---- */
+
+static struct cuda_graph *graph_find(struct cuda_backend *cb, uint64_t key)
+{
+    for (int i = 0; i < CUDA_GRAPH_SLOTS; i++) {
+        struct cuda_graph *g = &cb->graphs[i];
+        if (g->used && g->key == key)
+            return g;
+    }
+    return NULL;
+}
+
+static void graph_drop(struct cuda_graph *g)
+{
+    if (g->exec)
+        cudaGraphExecDestroy(g->exec);
+    memset(g, 0, sizeof *g);
+}
+
+static bool cuda_graph_launch(struct moe_backend *be, uint64_t key)
+{
+    struct cuda_backend *cb = cuda_of(be);
+    struct cuda_graph *g = cb->graphs_on && !cb->capturing ? graph_find(cb, key) : NULL;
+    if (!g || !g->exec)
+        return false;
+    if (g->mem_gen != cb->mem_gen) { /* recorded over scratch that has moved since */
+        graph_drop(g);
+        return false;
+    }
+    cudaError_t e = cudaGraphLaunch(g->exec, cb->stream);
+    if (e != cudaSuccess) { /* nothing queued: the caller runs the ops */
+        (void)cudaGetLastError();
+        fprintf(stderr, "moe: cuda backend: cudaGraphLaunch: %s; running the step's ops\n",
+                cudaGetErrorString(e));
+        g->failed = true;
+        cudaGraphExecDestroy(g->exec);
+        g->exec = NULL;
+        return false;
+    }
+    cb->cnt.ops++;
+    g->used = ++cb->tick;
+    return true;
+}
+
+static bool cuda_graph_begin(struct moe_backend *be, uint64_t key)
+{
+    struct cuda_backend *cb = cuda_of(be);
+    if (!cb->graphs_on || cb->capturing || atomic_load(&cb->first_error))
+        return false;
+    struct cuda_graph *g = graph_find(cb, key);
+    if (!g) { /* first sight: remember the key, run eagerly (sizing the scratch) */
+        g = &cb->graphs[0];
+        for (int i = 1; i < CUDA_GRAPH_SLOTS; i++)
+            if (cb->graphs[i].used < g->used)
+                g = &cb->graphs[i];
+        graph_drop(g);
+        g->key = key;
+        g->used = ++cb->tick;
+        return false;
+    }
+    if (g->exec || g->failed)
+        return false;
+    cudaError_t e = cudaStreamBeginCapture(cb->stream, cudaStreamCaptureModeThreadLocal);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        g->failed = true;
+        return false;
+    }
+    cb->capturing = true;
+    cb->capture_broken = false;
+    cb->capture_slot = g;
+    return true;
+}
+
+static enum moe_status cuda_graph_end(struct moe_backend *be, struct moe_error *err)
+{
+    struct cuda_backend *cb = cuda_of(be);
+    if (!cb->capturing)
+        return moe_error_set(err, MOE_ERR_INVALID, "graph_end without graph_begin");
+    struct cuda_graph *g = cb->capture_slot;
+    cudaGraph_t graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(cb->stream, &graph);
+    cb->capturing = false;
+    cb->capture_slot = NULL;
+    const char *why = e != cudaSuccess                ? cudaGetErrorString(e)
+                      : cb->capture_broken            ? "an op needed more scratch"
+                      : atomic_load(&cb->first_error) ? cb->first_msg
+                                                      : NULL;
+    cudaGraphExec_t exec = NULL;
+    if (!why && (e = cudaGraphInstantiate(&exec, graph, 0)) != cudaSuccess)
+        why = cudaGetErrorString(e);
+    if (graph)
+        cudaGraphDestroy(graph);
+    if (!why && (e = cudaGraphLaunch(exec, cb->stream)) != cudaSuccess)
+        why = cudaGetErrorString(e);
+    if (why) {
+        /* the recording's own failures (an op that waited or copied inside
+         * it) are not the step's: nothing ran, the caller reruns it */
+        moe_error_set(err, MOE_ERR_UNSUPPORTED, "cuda graph of step %016llx not recorded: %s",
+                      (unsigned long long)g->key, why);
+        (void)cudaGetLastError();
+        atomic_store(&cb->first_error, 0);
+        if (exec)
+            cudaGraphExecDestroy(exec);
+        g->failed = true;
+        return MOE_ERR_UNSUPPORTED;
+    }
+    cb->cnt.ops++;
+    g->exec = exec;
+    g->mem_gen = cb->mem_gen;
+    g->used = ++cb->tick;
+    return MOE_OK;
+}
+
+static void cuda_graph_reset(struct moe_backend *be)
+{
+    struct cuda_backend *cb = cuda_of(be);
+    for (int i = 0; i < CUDA_GRAPH_SLOTS; i++)
+        graph_drop(&cb->graphs[i]);
+}
+
+/* Device-only offsets go to the grouped GEMV: bf16 weights, at most
+ * MOE_CUDA_GEMV_MAX_TOK rows an expert. Device-routed MoE layers have not run
+ * on a GPU yet, so they are opt-in (MOE_CUDA_DEVICE_ROUTING=1) until
+ * bench/gpu_check.sh's `device routing` row passes; the op itself takes the
+ * calls either way (tests/ops). */
+static int cuda_grouped_device_rows(struct moe_backend *be, enum moe_dtype w_dtype)
+{
+    (void)be;
+    const char *on = getenv("MOE_CUDA_DEVICE_ROUTING");
+    return on && !strcmp(on, "1") && w_dtype == MOE_DTYPE_BF16 ? MOE_CUDA_GEMV_MAX_TOK : 0;
 }
 
 static void cuda_op_permute(struct moe_backend *be, const struct moe_permute_params *p)
@@ -613,6 +782,11 @@ static const struct moe_backend_ops cuda_ops = {
     .kv_scatter_blocks = cuda_op_kv_scatter_blocks,
     .copy_cols = cuda_op_copy_cols,
     .router_topk_grouped = cuda_op_router_topk_grouped,
+    .grouped_device_rows = cuda_grouped_device_rows,
+    .graph_launch = cuda_graph_launch,
+    .graph_begin = cuda_graph_begin,
+    .graph_end = cuda_graph_end,
+    .graph_reset = cuda_graph_reset,
 };
 
 /* Writes the names of the NULL ops of `ops` into buf ("matmul, rope");
@@ -748,6 +922,8 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
     }
     cb->ordinal = ordinal;
     atomic_init(&cb->first_error, 0);
+    const char *graphs = getenv("MOE_CUDA_GRAPHS");
+    cb->graphs_on = graphs && !strcmp(graphs, "1");
     cb->base.name = "cuda";
     cb->base.device = MOE_DEVICE_CUDA;
     cb->base.ops = &cuda_ops;
@@ -779,6 +955,7 @@ void cuda_backend_destroy(struct moe_backend *be)
         return;
     struct cuda_backend *cb = cuda_of(be);
     cudaStreamSynchronize(cb->stream);
+    cuda_graph_reset(be);
     cublasDestroy(cb->blas);
     cudaFree(cb->scratch);
     cudaFree(cb->meta);

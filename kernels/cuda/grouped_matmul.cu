@@ -95,6 +95,8 @@ extern "C" bool moe_cuda_grouped_gemv_fits(const moe_grouped_matmul_params *p)
 {
     if (p->w_dtype != MOE_DTYPE_BF16 || p->n_in == 0)
         return false;
+    if (!p->expert_offsets) // device-only offsets: the caller's bound
+        return p->max_expert_rows <= kMaxRows;
     for (int e = 0; e < p->n_expert; e++)
         if (p->expert_offsets[e + 1] - p->expert_offsets[e] > kMaxRows)
             return false;
@@ -112,11 +114,16 @@ extern "C" cudaError_t moe_cuda_grouped_gemv(const moe_grouped_matmul_params *p,
     int active = 0;
     bool vec = p->n_in % 8 == 0 && p->ldw % 8 == 0 && aligned16(p->x);
     for (int e = 0; e < p->n_expert; e++) {
-        if (p->expert_offsets[e + 1] == p->expert_offsets[e])
+        if (p->expert_offsets && p->expert_offsets[e + 1] == p->expert_offsets[e])
             continue;
         active++;
         vec = vec && aligned16(p->w[e]);
     }
+    // Device-only offsets: a block per possible active expert (each has a
+    // row, so at most n_rows of them); the blocks past the last active one
+    // find no expert and exit.
+    if (!p->expert_offsets && active > p->n_rows)
+        active = p->n_rows;
     const int bpe = (p->n_out + kRowsPerBlock - 1) / kRowsPerBlock;
     const size_t blocks = (size_t)active * (size_t)bpe;
     if (blocks > 0x7fffffffu)

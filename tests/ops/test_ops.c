@@ -567,7 +567,11 @@ static void run_add(struct run *r, const struct op_case *c)
  * mode 0: random expert sizes; 1: one expert takes every row; 2: every odd
  * expert empty and without weights (NULL), ldw = n_in + 3; 3: random, and
  * the device copies of the offsets and pointers left NULL (the backend
- * copies the host arrays); 4: an expert with rows and NULL weights (refused). */
+ * copies the host arrays); 4: an expert with rows and NULL weights (refused);
+ * 5: random, device-only offsets (expert_offsets NULL, max_expert_rows the
+ * largest expert's rows: the launch sized without reading the offsets, as
+ * a device-routed MoE layer calls it); 6: as 5 with an expert without
+ * weights (refused: device-only offsets need them all). */
 static void run_grouped(struct run *r, const struct op_case *c)
 {
     int n_rows = c->a[0], n_e = c->a[1], n_in = c->a[2], n_out = c->a[3], mode = c->a[6];
@@ -600,6 +604,11 @@ static void run_grouped(struct run *r, const struct op_case *c)
             w[e] = NULL;
             break;
         }
+    int max_rows = 0;
+    for (int e = 0; e < n_e; e++)
+        max_rows = cnt[e] > max_rows ? cnt[e] : max_rows;
+    if (mode == 6)
+        w[n_e - 1] = NULL;
     struct moe_grouped_matmul_params p = {
         .x = run_buf(r, x, nx * 4),
         .n_rows = n_rows,
@@ -615,6 +624,10 @@ static void run_grouped(struct run *r, const struct op_case *c)
         .y = run_buf(r, y, ny * 4),
         .accumulate = acc,
     };
+    if (mode >= 5) {
+        p.expert_offsets = NULL;
+        p.max_expert_rows = max_rows;
+    }
     r->be->ops->grouped_matmul(r->be, &p);
     run_get_floats(r, p.y, ny);
     free(x);
@@ -979,6 +992,11 @@ static const struct op_case g_cases[] = {
     {"grouped_matmul", run_grouped, {12, 4, 64, 40, BF16, 0, 2}, 1e-10},
     {"grouped_matmul", run_grouped, {8, 8, 256, 520, BF16, 1, 1}, 1e-10},
     {"grouped_matmul", run_grouped, {9, 8, 64, 64, BF16, 0, 1}, 1e-9}, /* tensor-core split */
+    /* device-only offsets (the GEMV, <= 8 rows an expert): more experts than rows, vector and
+     * scalar, exactly 8 rows on one expert */
+    {"grouped_matmul", run_grouped, {8, 8, 1024, 520, BF16, 0, 5}, 1e-10},
+    {"grouped_matmul", run_grouped, {5, 16, 129, 67, BF16, 1, 5}, 1e-10},
+    {"grouped_matmul", run_grouped, {16, 64, 256, 96, BF16, 0, 5}, 1e-10},
     /* permute {n_tok, top_k, n_expert, n_dest, replicated, token_base}: integers, exact */
     {"permute", run_permute, {1, 1, 1, 1, 0, 0}, 0},
     {"permute", run_permute, {0, 2, 8, 1, 0, 0}, 0},
@@ -1035,6 +1053,7 @@ static const struct op_case g_refused[] = {
 /* first index of the refusals every backend makes (the CPU too: run in --cpu-vs-cpu) */
 #define REFUSED_ALL_FROM 6
     {"grouped_matmul", run_grouped, {20, 4, 32, 16, F32, 0, 4}, 0}, /* rows, NULL weights */
+    {"grouped_matmul", run_grouped, {6, 4, 32, 16, BF16, 0, 6}, 0}, /* device-only, NULL w */
     {"permute", run_permute, {40, 2, 8, 2, 0, 0, 1}, 0},            /* expert id 11 of 8 */
     {"sample_top_p", run_sample, {2, 0, 100, 90, 1, 0}, 0},         /* vocab 0 */
 };

@@ -22,6 +22,7 @@
 #include "engine/engine.h"
 #include "engine/generate.h"
 #include "group/dp_batch.h"
+#include "model/model_internal.h" /* MOE_ROUTE_DEVICE_MAX_TOK, the layers' kinds */
 #include "testlib.h"
 
 #define MAX_REQ 64
@@ -1154,6 +1155,526 @@ static void test_step_uploads(struct moe_backend *be)
            forwards[1], uploads[1], uploads[0], forwards[0]);
 }
 
+/* The MoE layer routed on the device (moe_layer.c): on one rank, for steps
+ * of at most MOE_ROUTE_DEVICE_MAX_TOK tokens, the offsets stay on the
+ * backend and the step's only downloads are its ids and one copy of every
+ * layer's offsets for the expert statistics; longer steps take the host
+ * path (a download per MoE layer). The CPU backend's ops wrapped to count
+ * downloads; the same requests run routed on the device (twice, the first
+ * growing the scratch), then without the backend's grouped_device_rows op
+ * (host path only): the same tokens, the same expert statistics, and the
+ * downloads of each forward those of its path. */
+static bool be_ops_device_rows; /* the wrapped ops have grouped_device_rows */
+static int g_downloads, g_dl_wrong, g_dl_device_steps, g_dl_host_steps, g_moe_layers;
+
+static void download_counted(struct moe_backend *be, void *dst, const void *src, size_t bytes)
+{
+    g_downloads++;
+    g_real_ops->buf_download(be, dst, src, bytes);
+}
+
+static enum moe_status forward_downloads(void *ctx, struct moe_model *m, struct moe_kv_cache *kv,
+                                         const struct moe_batch *b, float *logits,
+                                         struct moe_error *err)
+{
+    int before = g_downloads;
+    enum moe_status rc = moe_model_forward(m, kv, b, logits, err);
+    (void)ctx;
+    bool device = be_ops_device_rows && b->n_tok <= MOE_ROUTE_DEVICE_MAX_TOK;
+    int want = device ? 2 : 1 + g_moe_layers; /* ids + statistics, or ids + one per layer */
+    if (!rc && g_downloads - before != want && g_dl_wrong++ < 3)
+        printf("  forward of %d tokens (%s path): %d downloads, want %d\n", b->n_tok,
+               device ? "device" : "host", g_downloads - before, want);
+    *(device ? &g_dl_device_steps : &g_dl_host_steps) += 1;
+    return rc;
+}
+
+static void test_device_routing(struct moe_backend *be)
+{
+    enum { N = 3, OUT = 8 };
+    struct moe_backend_ops wrapped = *be->ops;
+    g_real_ops = be->ops;
+    wrapped.buf_download = download_counted;
+    struct moe_model *m = NULL;
+    struct moe_error err = {0};
+    struct moe_model_opts mo = {.dtype = MOE_DTYPE_BF16, .fast = true, .tp_size = 1};
+    be->ops = &wrapped;
+    CHECKF(moe_model_load(test_src_path("tests/golden/fixtures/qwen3_moe"), &mo, be, &m, &err) ==
+               MOE_OK,
+           "%s", err.msg);
+    const struct moe_config *c = m ? moe_model_config(m) : NULL;
+    g_moe_layers = 0;
+    for (int l = 0; c && l < c->n_layer; l++)
+        g_moe_layers += m->layers[l].is_moe;
+    int32_t prompts[N][48];
+    const int lens[N] = {6, 31, 40}; /* 77 tokens: the first step takes the host path */
+    static struct capture runs[3];
+    uint64_t stats[3][64] = {{0}};
+    int n_stats = c ? c->n_layer * c->n_expert : 0;
+    CHECK(n_stats <= 64);
+    g_dl_wrong = 0;
+    for (int run = 0; m && run < 3; run++) {
+        wrapped.grouped_device_rows = run < 2 ? g_real_ops->grouped_device_rows : NULL;
+        be_ops_device_rows = wrapped.grouped_device_rows != NULL;
+        memset(&runs[run], 0, sizeof runs[run]);
+        struct moe_engine_opts o = {
+            .n_block = 64, .forward = forward_downloads, .forward_ctx = be, .forward_ids = true};
+        struct moe_engine *e = NULL;
+        CHECKF(moe_engine_create(m, NULL, &o, &e, &err) == MOE_OK, "%s", err.msg);
+        if (!e)
+            break;
+        uint64_t before[64];
+        memcpy(before, moe_model_expert_tokens(m), (size_t)n_stats * sizeof *before);
+        g_dl_device_steps = g_dl_host_steps = 0;
+        for (int i = 0; i < N; i++) {
+            make_prompt(90 + i, lens[i], prompts[i]);
+            struct moe_request_params q;
+            moe_request_params_init(&q);
+            q.max_tokens = OUT;
+            q.ignore_eos = true;
+            CHECK(moe_engine_submit(e, (uint64_t)i, prompts[i], lens[i], &q, on_token, &runs[run],
+                                    &err) == MOE_OK);
+        }
+        run_to_end(e);
+        moe_engine_destroy(e);
+        for (int i = 0; i < n_stats; i++)
+            stats[run][i] = moe_model_expert_tokens(m)[i] - before[i];
+        printf("device routing: run %d (%s): %d forwards routed on the device, %d on the host\n",
+               run, run < 2 ? "grouped_device_rows" : "host offsets only", g_dl_device_steps,
+               g_dl_host_steps);
+        CHECKF(run < 2 ? g_dl_device_steps >= OUT - 1 && g_dl_host_steps >= 1
+                       : g_dl_device_steps == 0 && g_dl_host_steps >= OUT,
+               "run %d: %d device, %d host forwards", run, g_dl_device_steps, g_dl_host_steps);
+    }
+    CHECKF(g_dl_wrong == 0, "device routing: %d forwards with unexpected downloads", g_dl_wrong);
+    for (int run = 1; run < 3; run++) {
+        int same = 0;
+        for (int i = 0; i < N; i++)
+            same += runs[0].n[i] == OUT && runs[run].n[i] == OUT &&
+                    !memcmp(runs[0].tokens[i], runs[run].tokens[i], sizeof(int32_t) * OUT);
+        CHECKF(same == N, "device routing: run %d, %d of %d requests the same tokens as run 0", run,
+               same, N);
+        CHECKF(!memcmp(stats[0], stats[run], (size_t)n_stats * sizeof stats[0][0]),
+               "device routing: run %d's expert statistics differ from run 0's", run);
+    }
+    uint64_t total = 0;
+    for (int i = 0; i < n_stats; i++)
+        total += stats[0][i];
+    CHECKF(c && total == (uint64_t)(6 + 31 + 40 + N * (OUT - 1)) * g_moe_layers * c->top_k,
+           "device routing: %llu routed pairs counted", (unsigned long long)total);
+    be->ops = g_real_ops;
+    moe_model_free(m);
+}
+
+/* Decode steps as graphs (forward.c, step_graphable; kernels/backend.h graph
+ * ops), checked on the CPU with a recording stand-in for CUDA graphs: the
+ * CPU backend's ops wrapped so that between graph_begin and graph_end each
+ * op is recorded (its arguments by value, as a capture freezes them) instead
+ * of run, and graph_launch replays the record; a host copy, wait,
+ * allocation or free while recording fails it, as it would a capture. The
+ * same greedy requests run with and without graphs: the same tokens and
+ * the same expert statistics, with steps recorded and replayed. A step that
+ * read anything a graph cannot see (a host value that changes between
+ * steps, a buffer that moved) would decode differently on replay. */
+enum rec_op {
+    R_EMBED,
+    R_RMSNORM,
+    R_MATMUL,
+    R_ROPE,
+    R_KV_WRITE,
+    R_ATTENTION,
+    R_ADD,
+    R_ROUTER,
+    R_PERMUTE,
+    R_GATHER,
+    R_GROUPED,
+    R_SWIGLU,
+    R_ZERO,
+    R_COMBINE,
+    R_ARGMAX,
+    R_COPY_COLS,
+    R_SCATTER_ADD
+};
+
+struct rec {
+    enum rec_op op;
+    const void *p[6];
+    void *out[2];
+    int i[6];
+    float f[2];
+    size_t bytes;
+    union {
+        struct moe_matmul_params mm;
+        struct moe_attn_params at;
+        struct moe_grouped_matmul_params gm;
+        struct moe_permute_params pm;
+    } u;
+};
+
+#define GRAPH_SLOTS 64
+static struct {
+    const struct moe_backend_ops *real;
+    bool recording, broken;
+    struct rec *buf; /* the record being made */
+    int n, cap;
+    struct {
+        uint64_t key;
+        struct rec *recs;
+        int n;
+        bool failed;
+    } g[GRAPH_SLOTS];
+    int n_graphs, cur;
+    int launches, records, failures;
+} G;
+
+static bool rec_push(struct rec r)
+{
+    if (!G.recording)
+        return false;
+    if (G.n == G.cap) {
+        G.cap = G.cap ? 2 * G.cap : 256;
+        G.buf = realloc(G.buf, (size_t)G.cap * sizeof *G.buf);
+        MOE_ASSERT(G.buf != NULL);
+    }
+    G.buf[G.n++] = r;
+    return true;
+}
+
+static void rec_run(struct moe_backend *be, const struct rec *r)
+{
+    const struct moe_backend_ops *o = G.real;
+    switch (r->op) {
+    case R_EMBED:
+        o->embed(be, r->p[0], (enum moe_dtype)r->i[0], r->p[1], r->i[1], r->i[2], r->out[0]);
+        break;
+    case R_RMSNORM: o->rmsnorm(be, r->p[0], r->p[1], r->out[0], r->i[0], r->i[1], r->f[0]); break;
+    case R_MATMUL: o->matmul(be, &r->u.mm); break;
+    case R_ROPE:
+        o->rope(be, r->out[0], r->p[0], r->i[0], r->i[1], r->i[2], r->p[1], r->f[0]);
+        break;
+    case R_KV_WRITE:
+        o->kv_write(be, r->p[0], r->p[1], r->p[2], r->i[0], r->i[1], r->out[0], r->out[1],
+                    (enum moe_dtype)r->i[2]);
+        break;
+    case R_ATTENTION: o->attention(be, &r->u.at); break;
+    case R_ADD: o->add(be, r->out[0], r->p[0], r->bytes); break;
+    case R_ROUTER:
+        o->router_topk(be, r->p[0], r->i[0], r->i[1], r->i[2], r->i[3], r->out[0], r->out[1]);
+        break;
+    case R_PERMUTE: o->permute(be, &r->u.pm); break;
+    case R_GATHER: o->gather_rows(be, r->p[0], r->p[1], r->i[0], r->i[1], r->out[0]); break;
+    case R_GROUPED: o->grouped_matmul(be, &r->u.gm); break;
+    case R_SWIGLU: o->swiglu(be, r->p[0], r->out[0], r->i[0], r->i[1]); break;
+    case R_ZERO: o->buf_zero(be, r->out[0], r->bytes); break;
+    case R_COMBINE:
+        o->unpermute_combine(be, r->p[0], r->p[1], r->p[2], r->i[0], r->i[1], r->i[2], r->out[0]);
+        break;
+    case R_ARGMAX: o->argmax(be, r->p[0], r->i[0], r->i[1], r->out[0]); break;
+    case R_COPY_COLS:
+        o->copy_cols(be, r->out[0], r->i[0], r->p[0], r->i[1], r->i[2], r->i[3]);
+        break;
+    case R_SCATTER_ADD:
+        o->scatter_add_rows(be, r->p[0], r->p[1], r->p[2], r->i[0], r->i[1], r->out[0]);
+        break;
+    }
+}
+
+/* Each op: recorded while recording, else run. */
+#define REC_OR_RUN(...)                                                                            \
+    do {                                                                                           \
+        struct rec r_ = {__VA_ARGS__};                                                             \
+        if (!rec_push(r_))                                                                         \
+            rec_run(be, &r_);                                                                      \
+    } while (0)
+
+static void g_embed(struct moe_backend *be, const void *table, enum moe_dtype dt,
+                    const int32_t *ids, int n, int dim, float *dst)
+{
+    REC_OR_RUN(.op = R_EMBED, .p = {table, ids}, .i = {dt, n, dim}, .out = {dst});
+}
+static void g_rmsnorm(struct moe_backend *be, const float *x, const float *w, float *y, int n,
+                      int dim, float eps)
+{
+    REC_OR_RUN(.op = R_RMSNORM, .p = {x, w}, .out = {y}, .i = {n, dim}, .f = {eps});
+}
+static void g_matmul(struct moe_backend *be, const struct moe_matmul_params *p)
+{
+    REC_OR_RUN(.op = R_MATMUL, .u.mm = *p);
+}
+static void g_rope(struct moe_backend *be, float *x, const int32_t *pos, int n, int h, int d,
+                   const float *inv_freq, float scale)
+{
+    REC_OR_RUN(.op = R_ROPE, .out = {x}, .p = {pos, inv_freq}, .i = {n, h, d}, .f = {scale});
+}
+static void g_kv_write(struct moe_backend *be, const float *k, const float *v, const int32_t *slots,
+                       int n, int kv_dim, void *kc, void *vc, enum moe_dtype dt)
+{
+    REC_OR_RUN(.op = R_KV_WRITE, .p = {k, v, slots}, .i = {n, kv_dim, dt}, .out = {kc, vc});
+}
+static void g_attention(struct moe_backend *be, const struct moe_attn_params *p)
+{
+    REC_OR_RUN(.op = R_ATTENTION, .u.at = *p);
+}
+static void g_add(struct moe_backend *be, float *y, const float *x, size_t n)
+{
+    REC_OR_RUN(.op = R_ADD, .out = {y}, .p = {x}, .bytes = n);
+}
+static void g_router(struct moe_backend *be, const float *logits, int n, int n_e, int k,
+                     bool renorm, int32_t *ids, float *w)
+{
+    REC_OR_RUN(.op = R_ROUTER, .p = {logits}, .i = {n, n_e, k, renorm}, .out = {ids, w});
+}
+static void g_permute(struct moe_backend *be, const struct moe_permute_params *p)
+{
+    REC_OR_RUN(.op = R_PERMUTE, .u.pm = *p);
+}
+static void g_gather(struct moe_backend *be, const float *src, const int32_t *idx, int n, int dim,
+                     float *dst)
+{
+    REC_OR_RUN(.op = R_GATHER, .p = {src, idx}, .i = {n, dim}, .out = {dst});
+}
+static void g_grouped(struct moe_backend *be, const struct moe_grouped_matmul_params *p)
+{
+    REC_OR_RUN(.op = R_GROUPED, .u.gm = *p);
+}
+static void g_swiglu(struct moe_backend *be, const float *gu, float *out, int n, int dim)
+{
+    REC_OR_RUN(.op = R_SWIGLU, .p = {gu}, .out = {out}, .i = {n, dim});
+}
+static void g_zero(struct moe_backend *be, void *p, size_t bytes)
+{
+    REC_OR_RUN(.op = R_ZERO, .out = {p}, .bytes = bytes);
+}
+static void g_combine(struct moe_backend *be, const float *rows, const float *w,
+                      const int32_t *tok_rows, int n, int k, int dim, float *y)
+{
+    REC_OR_RUN(.op = R_COMBINE, .p = {rows, w, tok_rows}, .i = {n, k, dim}, .out = {y});
+}
+static void g_argmax(struct moe_backend *be, const float *logits, int n, int n_vocab, int32_t *ids)
+{
+    REC_OR_RUN(.op = R_ARGMAX, .p = {logits}, .i = {n, n_vocab}, .out = {ids});
+}
+static void g_copy_cols(struct moe_backend *be, float *dst, int ld_dst, const float *src,
+                        int ld_src, int rows, int cols)
+{
+    REC_OR_RUN(.op = R_COPY_COLS, .out = {dst}, .p = {src}, .i = {ld_dst, ld_src, rows, cols});
+}
+static void g_scatter_add(struct moe_backend *be, const float *src, const int32_t *idx,
+                          const float *scale, int n, int dim, float *dst)
+{
+    REC_OR_RUN(.op = R_SCATTER_ADD, .p = {src, idx, scale}, .i = {n, dim}, .out = {dst});
+}
+#undef REC_OR_RUN
+
+/* What a capture cannot contain: recording fails, the op does nothing. */
+static void g_upload(struct moe_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (G.recording)
+        G.broken = true;
+    else
+        G.real->buf_upload(be, dst, src, bytes);
+}
+static void g_download(struct moe_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (G.recording)
+        G.broken = true;
+    else
+        G.real->buf_download(be, dst, src, bytes);
+}
+static void g_sync(struct moe_backend *be)
+{
+    if (G.recording)
+        G.broken = true;
+    else
+        G.real->synchronize(be);
+}
+static void *g_alloc(struct moe_backend *be, size_t bytes)
+{
+    if (G.recording) {
+        G.broken = true;
+        return NULL;
+    }
+    return G.real->buf_alloc(be, bytes);
+}
+static void g_free(struct moe_backend *be, void *p)
+{
+    if (G.recording)
+        G.broken = true;
+    else
+        G.real->buf_free(be, p);
+}
+
+static int graph_find(uint64_t key)
+{
+    for (int i = 0; i < G.n_graphs; i++)
+        if (G.g[i].key == key)
+            return i;
+    return -1;
+}
+
+static bool g_graph_launch(struct moe_backend *be, uint64_t key)
+{
+    int i = graph_find(key);
+    if (i < 0 || !G.g[i].recs)
+        return false;
+    for (int j = 0; j < G.g[i].n; j++)
+        rec_run(be, &G.g[i].recs[j]);
+    G.launches++;
+    return true;
+}
+
+static bool g_graph_begin(struct moe_backend *be, uint64_t key)
+{
+    (void)be;
+    int i = graph_find(key);
+    if (i < 0) { /* first sight */
+        CHECK(G.n_graphs < GRAPH_SLOTS);
+        if (G.n_graphs < GRAPH_SLOTS)
+            G.g[G.n_graphs++].key = key;
+        return false;
+    }
+    if (G.g[i].recs || G.g[i].failed)
+        return false;
+    G.recording = true;
+    G.broken = false;
+    G.n = 0;
+    G.cur = i;
+    return true;
+}
+
+static enum moe_status g_graph_end(struct moe_backend *be, struct moe_error *err)
+{
+    G.recording = false;
+    if (G.broken) {
+        G.g[G.cur].failed = true;
+        G.failures++;
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "recording failed");
+    }
+    G.g[G.cur].recs = malloc((size_t)(G.n ? G.n : 1) * sizeof *G.buf);
+    MOE_ASSERT(G.g[G.cur].recs != NULL);
+    memcpy(G.g[G.cur].recs, G.buf, (size_t)G.n * sizeof *G.buf);
+    G.g[G.cur].n = G.n;
+    G.records++;
+    return g_graph_launch(be, G.g[G.cur].key) ? MOE_OK : MOE_ERR_INTERNAL;
+}
+
+static void g_graph_reset(struct moe_backend *be)
+{
+    (void)be;
+    for (int i = 0; i < G.n_graphs; i++)
+        free(G.g[i].recs);
+    memset(G.g, 0, sizeof G.g);
+    G.n_graphs = 0;
+}
+
+static void test_graphs(struct moe_backend *be, const char *fixture)
+{
+    enum { N = 6, OUT = 24 };
+    struct moe_backend_ops wrapped = *be->ops;
+    memset(&G, 0, sizeof G);
+    G.real = be->ops;
+    wrapped.embed = g_embed;
+    wrapped.rmsnorm = g_rmsnorm;
+    wrapped.matmul = g_matmul;
+    wrapped.rope = g_rope;
+    wrapped.kv_write = g_kv_write;
+    wrapped.attention = g_attention;
+    wrapped.add = g_add;
+    wrapped.router_topk = g_router;
+    wrapped.permute = g_permute;
+    wrapped.gather_rows = g_gather;
+    wrapped.grouped_matmul = g_grouped;
+    wrapped.swiglu = g_swiglu;
+    wrapped.buf_zero = g_zero;
+    wrapped.unpermute_combine = g_combine;
+    wrapped.argmax = g_argmax;
+    wrapped.copy_cols = g_copy_cols;
+    wrapped.scatter_add_rows = g_scatter_add;
+    wrapped.buf_upload = g_upload;
+    wrapped.buf_download = g_download;
+    wrapped.synchronize = g_sync;
+    wrapped.buf_alloc = g_alloc;
+    wrapped.buf_free = g_free;
+    wrapped.graph_launch = g_graph_launch;
+    wrapped.graph_begin = g_graph_begin;
+    wrapped.graph_end = g_graph_end;
+    wrapped.graph_reset = g_graph_reset;
+    struct moe_model *m = NULL;
+    struct moe_error err = {0};
+    struct moe_model_opts mo = {.dtype = MOE_DTYPE_BF16, .fast = true, .tp_size = 1};
+    CHECKF(moe_model_load(test_src_path(fixture), &mo, be, &m, &err) == MOE_OK, "%s", err.msg);
+    if (!m)
+        return;
+    const struct moe_config *c = moe_model_config(m);
+    int n_stats = c->n_layer * c->n_expert;
+    static struct capture runs[2];
+    uint64_t *stats[2] = {calloc((size_t)n_stats, 8), calloc((size_t)n_stats, 8)};
+    int32_t prompts[N][40];
+    const int lens[N] = {5, 9, 3, 17, 7, 12};
+    struct moe_model_profile prof[2];
+    for (int run = 0; run < 2; run++) {
+        be->ops = run ? &wrapped : G.real;
+        memset(&runs[run], 0, sizeof runs[run]);
+        /* a budget of 24 tokens a step: prompts in chunks, then decode at
+         * batch 1..6 as requests join and finish */
+        struct moe_engine_opts o = {.n_block = 64, .max_batch_tokens = 24, .forward_ids = true};
+        struct moe_engine *e = NULL;
+        CHECKF(moe_engine_create(m, NULL, &o, &e, &err) == MOE_OK, "%s", err.msg);
+        if (!e)
+            break;
+        uint64_t before[512];
+        MOE_ASSERT(n_stats <= 512);
+        memcpy(before, moe_model_expert_tokens(m), (size_t)n_stats * 8);
+        struct moe_model_profile p0;
+        moe_model_profile(m, &p0);
+        for (int i = 0; i < N; i++) {
+            make_prompt(120 + i, lens[i], prompts[i]);
+            struct moe_request_params q;
+            moe_request_params_init(&q);
+            q.max_tokens = OUT - 2 * (i % 3); /* finishing at different steps */
+            q.ignore_eos = true;
+            CHECK(moe_engine_submit(e, (uint64_t)i, prompts[i], lens[i], &q, on_token, &runs[run],
+                                    &err) == MOE_OK);
+        }
+        run_to_end(e);
+        moe_engine_destroy(e);
+        for (int i = 0; i < n_stats; i++)
+            stats[run][i] = moe_model_expert_tokens(m)[i] - before[i];
+        moe_model_profile(m, &prof[run]);
+        prof[run].graphs_recorded -= p0.graphs_recorded;
+        prof[run].graphs_replayed -= p0.graphs_replayed;
+        prof[run].forwards -= p0.forwards;
+    }
+    be->ops = G.real;
+    int same = 0;
+    for (int i = 0; i < N; i++)
+        same += runs[0].n[i] == OUT - 2 * (i % 3) && runs[1].n[i] == runs[0].n[i] &&
+                !memcmp(runs[0].tokens[i], runs[1].tokens[i], sizeof(int32_t) * runs[0].n[i]);
+    CHECKF(same == N, "graphs (%s): %d of %d requests the same tokens with graphs", fixture, same,
+           N);
+    CHECKF(!memcmp(stats[0], stats[1], (size_t)n_stats * 8),
+           "graphs (%s): the expert statistics differ with graphs", fixture);
+    CHECKF(prof[0].graphs_recorded == 0 && prof[0].graphs_replayed == 0,
+           "graphs (%s): the plain backend recorded %llu", fixture,
+           (unsigned long long)prof[0].graphs_recorded);
+    CHECKF(prof[1].graphs_recorded >= 2 && prof[1].graphs_replayed >= 8 &&
+               G.records == (int)prof[1].graphs_recorded && G.launches >= G.records &&
+               G.failures == 0,
+           "graphs (%s): %llu recorded, %llu replayed (fake: %d recorded, %d launches, %d failed)",
+           fixture, (unsigned long long)prof[1].graphs_recorded,
+           (unsigned long long)prof[1].graphs_replayed, G.records, G.launches, G.failures);
+    printf("graphs (%s): %llu forwards, %llu recorded, %llu replayed, %d keys; tokens and expert "
+           "statistics as without graphs\n",
+           fixture, (unsigned long long)prof[1].forwards,
+           (unsigned long long)prof[1].graphs_recorded, (unsigned long long)prof[1].graphs_replayed,
+           G.n_graphs);
+    g_graph_reset(be);
+    free(G.buf);
+    free(stats[0]);
+    free(stats[1]);
+    moe_model_free(m);
+}
+
 int main(void)
 {
     struct moe_error err = {0};
@@ -1185,6 +1706,9 @@ int main(void)
     test_prompt_logprobs();
     test_random_workload();
     test_step_uploads(be);
+    test_device_routing(be);
+    test_graphs(be, "tests/golden/fixtures/qwen3_moe");
+    test_graphs(be, "tests/golden/fixtures/mixtral");
     moe_model_free(model);
     /* DeepSeek-V3's latent cache (one row per token, K = V) through the same
      * scheduling: batches, preemption, prefix sharing */

@@ -29,6 +29,7 @@ struct moe_launch_args {
      * (moe_backend_default_kv_dtype), F32 under --exact. */
     enum moe_dtype kv_dtype;
     bool kv_dtype_set;
+    bool profile; /* --profile (moe_model_opts.profile) */
 };
 
 struct moe_launch {

@@ -85,6 +85,7 @@ static enum moe_status step_in_alloc(struct moe_model *m, int cap, int cap_tab,
     if (s->step_in)
         be->ops->buf_free(be, s->step_in);
     stage_free(be, s->h_step_in);
+    s->graph_gen++; /* graphs hold the old addresses */
     s->step_in = dev;
     s->h_step_in = host;
     char *d = dev;
@@ -167,9 +168,13 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     ALLOC(router_logits, n * (size_t)(c->n_expert > 0 ? c->n_expert : 1), float);
     /* ids then weights in one buffer, so one copy moves both (see ffn_block) */
     ALLOC(topk_ids, 2 * n_route, int32_t);
-    ALLOC(gate_up, n * 2 * (size_t)d_ff_max, float);
+    /* a device-routed MoE layer runs all top_k rows of its tokens at once */
+    size_t ffn_rows = n < MOE_ROUTE_DEVICE_MAX_TOK ? n : MOE_ROUTE_DEVICE_MAX_TOK;
+    ffn_rows *= (size_t)(c->top_k > 1 ? c->top_k : 1);
+    ffn_rows = ffn_rows > n ? ffn_rows : n;
+    ALLOC(gate_up, ffn_rows * 2 * (size_t)d_ff_max, float);
     ALLOC(shared_g, n, float);
-    ALLOC(act, n * (size_t)d_ff_max, float);
+    ALLOC(act, ffn_rows * (size_t)d_ff_max, float);
     ALLOC(ye, n * c->d_model, float);
     ALLOC(ones, n, float);
     ALLOC(iota, n, int32_t);
@@ -205,6 +210,12 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
         ALLOC(item_w, n_route, float);
         ALLOC(tok_rows, n_route, int32_t);
         ALLOC(offsets, n_ep * n_e + 1, int32_t);
+        ALLOC(route_off, (size_t)c->n_layer * (n_e + 1), int32_t);
+        s->h_route_off = malloc((size_t)c->n_layer * (n_e + 1) * sizeof *s->h_route_off);
+        s->route_pending = calloc((size_t)c->n_layer, sizeof *s->route_pending);
+        ALLOC(w_tab, (size_t)c->n_layer * 2 * n_e, void *);
+        s->w_tab_version = -1;
+        ok = ok && s->h_route_off && s->route_pending;
         s->h_offsets = malloc((n_ep * n_e + 1) * sizeof *s->h_offsets);
         s->h_win = malloc((n_e + 1) * sizeof *s->h_win);
         s->h_w_gu = malloc(n_e * sizeof *s->h_w_gu);
@@ -245,6 +256,7 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
     free(h_ones);
     free(h_iota);
     s->cap_tok = cap;
+    s->cap_ffn_rows = (int)ffn_rows;
     s->cap_seq_blocks = cap_tab;
     return MOE_OK;
 }
@@ -263,6 +275,7 @@ static enum moe_status logits_reserve(struct moe_model *m, int n_logits, struct 
         return moe_error_set(err, MOE_ERR_NOMEM, "cannot allocate logits for %d rows", n_logits);
     if (s->logits)
         m->be->ops->buf_free(m->be, s->logits);
+    s->graph_gen++;
     s->logits = l;
     s->cap_logits = n_logits;
     return MOE_OK;
@@ -401,19 +414,19 @@ static void mla_indexes(struct moe_model *m, int n)
     a->n_built = n;
 }
 
-void moe_model_grouped_matmul(struct moe_model *m, const float *x, int n_rows, int n_in, int n_out,
-                              int n_groups, const int32_t *offsets, const void **w,
-                              const float **w_scale, float *y)
+static struct moe_grouped_matmul_params grouped_params(const struct moe_model *m, const float *x,
+                                                       int n_rows, int n_in, int n_out,
+                                                       int n_groups, const void *const *w,
+                                                       const float **w_scale, float *y)
 {
     bool quant = m->lin_dtype == MOE_DTYPE_I8 || m->lin_dtype == MOE_DTYPE_I4;
-    struct moe_grouped_matmul_params p = {
+    return (struct moe_grouped_matmul_params){
         .x = x,
         .n_rows = n_rows,
         .n_in = n_in,
         .n_out = n_out,
         .n_expert = n_groups,
-        .expert_offsets = offsets,
-        .w = (const void *const *)w,
+        .w = w,
         .w_dtype = m->lin_dtype,
         .ldw = n_in,
         .y = y,
@@ -422,6 +435,28 @@ void moe_model_grouped_matmul(struct moe_model *m, const float *x, int n_rows, i
         .fast = m->opts.fast,
         .batch_invariant = m->opts.batch_invariant,
     };
+}
+
+void moe_model_grouped_matmul(struct moe_model *m, const float *x, int n_rows, int n_in, int n_out,
+                              int n_groups, const int32_t *offsets, const void **w,
+                              const float **w_scale, float *y)
+{
+    struct moe_grouped_matmul_params p =
+        grouped_params(m, x, n_rows, n_in, n_out, n_groups, (const void *const *)w, w_scale, y);
+    p.expert_offsets = offsets;
+    m->be->ops->grouped_matmul(m->be, &p);
+}
+
+void moe_model_grouped_matmul_dev(struct moe_model *m, const float *x, int n_rows, int n_in,
+                                  int n_out, int n_groups, const int32_t *off_dev, int max_rows,
+                                  const void *const *w, const void *const *w_dev,
+                                  const float **w_scale, float *y)
+{
+    struct moe_grouped_matmul_params p =
+        grouped_params(m, x, n_rows, n_in, n_out, n_groups, w, w_scale, y);
+    p.expert_offsets_dev = off_dev;
+    p.w_dev = w_dev;
+    p.max_expert_rows = max_rows;
     m->be->ops->grouped_matmul(m->be, &p);
 }
 
@@ -684,6 +719,94 @@ static enum moe_status forward_idle(struct moe_model *m, const struct moe_batch 
     return rc;
 }
 
+/* A step's ops, from the embedding to the logits (or the ids, argmax or
+ * sampled, with argmax_out): everything but the copies to the host. */
+static enum moe_status forward_ops(struct moe_model *m, struct moe_kv_cache *kv,
+                                   const struct moe_batch *b, struct moe_error *err)
+{
+    const struct moe_config *c = &m->cfg;
+    struct scratch *s = &m->s;
+    struct moe_backend *be = m->be;
+    const struct moe_backend_ops *ops = be->ops;
+    const int n = b->n_tok;
+    ops->embed(be, m->embed, m->base_dtype, s->tokens, n, c->d_model, s->x);
+    for (int l = 0; l < c->n_layer; l++) {
+        double t = moe_now();
+        enum moe_status rc =
+            c->mla ? mla_block(m, kv, l, b, err) : attention_block(m, kv, l, b, err);
+        m->prof.attention_s += moe_now() - t;
+        if (rc || (rc = ffn_block(m, l, n, err)))
+            return rc;
+    }
+    if (b->n_logits > 0) {
+        ops->gather_rows(be, s->x, s->logit_rows, b->n_logits, c->d_model, s->h);
+        ops->rmsnorm(be, s->h, m->final_norm, s->h, b->n_logits, c->d_model, c->rms_eps);
+        matmul(m, s->h, b->n_logits, c->d_model, m->lm_head, c->vocab_size, s->logits, false);
+        if (b->argmax_out && b->sample_u)
+            sample_rows(m, b);
+        else if (b->argmax_out)
+            ops->argmax(be, s->logits, b->n_logits, c->vocab_size, s->logit_ids);
+    }
+    return MOE_OK;
+}
+
+/* Decode steps as graphs (kernels/backend.h, graph_launch): a greedy step
+ * on one rank whose MoE layers all route on the device (moe_layer.c, so at
+ * most a few tokens: the backend's grouped GEMV) and whose ops read only
+ * backend memory: not with sampling (its rows are grouped by temperature on
+ * the host), latent attention (its head indexes are uploaded), a shared
+ * expert gate (its sigmoid is taken on the host), tensor or expert parallel
+ * (their collectives), or --profile (its waits). The inputs are in step_in
+ * already (step_inputs_upload), the scratch at fixed addresses. */
+static bool step_graphable(const struct moe_model *m, const struct moe_batch *b)
+{
+    const struct moe_config *c = &m->cfg;
+    const struct moe_backend_ops *ops = m->be->ops;
+    if (!ops->graph_launch || !b->argmax_out || b->sample_u || m->tp_comm || c->mla ||
+        m->opts.profile || b->n_logits < 1 || !ops->grouped_device_rows ||
+        b->n_tok > ops->grouped_device_rows(m->be, m->lin_dtype))
+        return false;
+    for (int l = 0; l < c->n_layer; l++)
+        if (m->layers[l].shared_gate)
+            return false;
+    return moe_model_routes_on_device(m, b->n_tok);
+}
+
+/* What identifies a step's graph: the model and cache, the shapes its ops
+ * were launched with, and the scratch generation (its addresses), hashed
+ * to the 64 bits the backend keeps (two live keys colliding: ~2^-54). */
+static uint64_t step_key(const struct moe_model *m, const struct moe_kv_cache *kv,
+                         const struct moe_batch *b)
+{
+    const uint64_t f[] = {
+        (uint64_t)(uintptr_t)m, (uint64_t)(uintptr_t)kv, (uint64_t)(uintptr_t)kv->k[0],
+        (uint64_t)b->n_tok,     (uint64_t)b->n_seq,      (uint64_t)b->max_blocks,
+        (uint64_t)b->n_logits,  m->s.graph_gen};
+    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a over the fields' bytes */
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
+        for (int k = 0; k < 8; k++) {
+            h ^= (f[i] >> (8 * k)) & 0xff;
+            h *= 0x100000001b3ull;
+        }
+    return h;
+}
+
+/* A replayed step did on the backend what forward_ops does; this is its
+ * host-side bookkeeping: the routing statistics and the profile's counts. */
+static void graph_replayed(struct moe_model *m, int n)
+{
+    const struct moe_config *c = &m->cfg;
+    for (int l = 0; l < c->n_layer; l++) {
+        if (!m->layers[l].is_moe)
+            continue;
+        m->s.route_pending[l] = true;
+        m->s.route_any = true;
+        m->prof.moe_layer_tokens += (uint64_t)n;
+        m->ep_rows_computed += (uint64_t)n * (uint64_t)c->top_k;
+    }
+    m->prof.graphs_replayed++;
+}
+
 static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
                                const struct moe_batch *b, float *logits, struct moe_error *err)
 {
@@ -702,26 +825,37 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
     struct moe_backend *be = m->be;
     const struct moe_backend_ops *ops = be->ops;
     step_inputs_upload(m, b, n_table);
+    bool graph = step_graphable(m, b);
+    uint64_t key = graph ? step_key(m, kv, b) : 0;
 
     double t_start = moe_now();
     struct moe_model_profile before = m->prof;
-    ops->embed(be, m->embed, m->base_dtype, s->tokens, n, c->d_model, s->x);
-    for (int l = 0; l < c->n_layer; l++) {
-        double t = moe_now();
-        rc = c->mla ? mla_block(m, kv, l, b, err) : attention_block(m, kv, l, b, err);
-        m->prof.attention_s += moe_now() - t;
-        if (rc || (rc = ffn_block(m, l, n, err)))
+    if (!graph || !ops->graph_launch(be, key)) {
+        bool record = graph && ops->graph_begin(be, key);
+        rc = forward_ops(m, kv, b, err);
+        if (record && rc) { /* a host-side failure mid-way: keep no graph of it */
+            struct moe_error gerr = {0};
+            if (ops->graph_end(be, &gerr) == MOE_OK && ops->graph_reset)
+                ops->graph_reset(be);
+        } else if (record) {
+            struct moe_error gerr = {0};
+            if (ops->graph_end(be, &gerr) != MOE_OK) { /* nothing ran: run the ops */
+                if (!m->graph_warned) {
+                    fprintf(stderr, "moe: %s; such steps run without a graph\n", gerr.msg);
+                    m->graph_warned = true;
+                }
+                rc = rc ? rc : forward_ops(m, kv, b, err);
+            } else if (!rc) {
+                m->prof.graphs_recorded++;
+            }
+        }
+        if (rc)
             return rc;
+    } else {
+        graph_replayed(m, n);
     }
     if (b->n_logits > 0) {
-        ops->gather_rows(be, s->x, s->logit_rows, b->n_logits, c->d_model, s->h);
-        ops->rmsnorm(be, s->h, m->final_norm, s->h, b->n_logits, c->d_model, c->rms_eps);
-        matmul(m, s->h, b->n_logits, c->d_model, m->lm_head, c->vocab_size, s->logits, false);
         if (b->argmax_out) { /* n ids come back instead of n x vocab floats */
-            if (b->sample_u)
-                sample_rows(m, b);
-            else
-                ops->argmax(be, s->logits, b->n_logits, c->vocab_size, s->logit_ids);
             ops->buf_download(be, b->argmax_out, s->logit_ids,
                               (size_t)b->n_logits * sizeof(int32_t));
         } else {
@@ -734,6 +868,7 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
      * reported here instead of returning wrong logits. */
     if (ops->status && (rc = ops->status(be, err)))
         return moe_error_prefix(err, "forward pass");
+    moe_model_route_stats(m);
     double total = moe_now() - t_start;
     double phases = (m->prof.attention_s - before.attention_s) +
                     (m->prof.router_s - before.router_s) +
@@ -785,6 +920,8 @@ void moe_model_scratch_free(struct moe_model *m)
                    s->r_offsets,
                    s->route_ranks,
                    s->route_n,
+                   s->route_off,
+                   (void *)s->w_tab,
                    s->mla.qa,
                    s->mla.q_nope,
                    s->mla.q_rope,
@@ -808,10 +945,14 @@ void moe_model_scratch_free(struct moe_model *m)
     free(s->h_w_dn);
     free(s->h_s_gu);
     free(s->h_s_dn);
+    free(s->h_route_off);
+    free(s->route_pending);
     free(s->mla.h_idx);
     free(s->mla.h_off);
     stage_free(be, s->h_step_in);
+    uint64_t gen = s->graph_gen;
     memset(s, 0, sizeof *s);
+    s->graph_gen = gen + 1; /* the next scratch is at other addresses */
 }
 
 void moe_model_zero(struct moe_model *m, void *p, size_t bytes)

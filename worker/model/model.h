@@ -54,6 +54,11 @@ struct moe_model_opts {
      * norms and routing are row by row already). Costs the packed prefill
      * panels (CPU). The binaries take --batch-invariant. */
     bool batch_invariant;
+    /* true: synchronise the backend at the MoE layer's phase boundaries, so
+     * the profile's split (moe_model_profile) is true on a GPU, whose ops
+     * are queued; otherwise a one-rank step waits only at its end. The
+     * binaries' --profile sets it. */
+    bool profile;
     /* Element type of this model's KV caches (moe_kv_cache_create): F32 (0,
      * the default here) or BF16 (CPU backend only). The binaries take
      * --kv-dtype and default to the backend's moe_backend_default_kv_dtype,
@@ -105,6 +110,8 @@ struct moe_model_profile {
     double other_s;     /* embedding, dense layers, final norm, lm_head */
     uint64_t forwards;
     uint64_t tokens;
+    uint64_t graphs_recorded;  /* steps recorded as a graph (kernels/backend.h graph ops) */
+    uint64_t graphs_replayed;  /* steps run by replaying one */
     uint64_t moe_layer_tokens; /* tokens x MoE layers */
 };
 

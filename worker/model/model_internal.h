@@ -9,6 +9,9 @@
 #include "clock.h"
 
 #define MOE_MAX_EP_RANKS 64
+/* The MoE layer routes on the device (no host copy of the offsets; see
+ * moe_layer.c) for steps of up to this many tokens on one rank. */
+#define MOE_ROUTE_DEVICE_MAX_TOK 64
 
 struct layer_weights {
     float *attn_norm; /* (d_model) */
@@ -86,8 +89,9 @@ struct scratch {
     float *router_logits; /* (n, n_expert) */
     int32_t *topk_ids;    /* (n, top_k) */
     float *topk_w;        /* (n, top_k): a view right after the n*top_k ids in topk_ids */
-    float *gate_up;       /* (n, 2*d_ff_max) */
-    float *act;           /* (n, d_ff_max) */
+    float *gate_up;       /* (cap_ffn_rows, 2*d_ff_max) */
+    float *act;           /* (cap_ffn_rows, d_ff_max) */
+    int cap_ffn_rows;     /* n, or top_k rows a token up to MOE_ROUTE_DEVICE_MAX_TOK tokens */
     float *ye;            /* (n, d_model) */
     float *ones;          /* (n) all 1: dense FFN weights */
     int32_t *iota;        /* (n) 0..n-1 */
@@ -129,7 +133,17 @@ struct scratch {
     int32_t *h_win; /* (n_expert + 1) */
     const void **h_w_gu, **h_w_dn;
     const float **h_s_gu, **h_s_dn;
-    float *h_zero; /* (n, d_model) zeros, to clear device buffers */
+    /* routed on the device (moe_layer.c): each layer's offsets, kept for
+     * the expert statistics, which the step's end reads in one copy
+     * (moe_model_route_stats); the experts' weight pointers on the backend */
+    int32_t *route_off;    /* (n_layer, n_expert + 1) */
+    int32_t *h_route_off;  /* host mirror */
+    bool *route_pending;   /* host (n_layer): routed on the device since the last read */
+    bool route_any;        /* some route_pending set */
+    const void **w_tab;    /* (n_layer, 2, n_expert): gate_up then down pointers */
+    int64_t w_tab_version; /* placement_version it was copied at */
+    uint64_t graph_gen;    /* bumped whenever a buffer above moves (graph keys) */
+    float *h_zero;         /* (n, d_model) zeros, to clear device buffers */
     struct mla_scratch mla;
 };
 
@@ -170,6 +184,7 @@ struct moe_model {
     uint64_t ep_bytes_sent;
     uint64_t ep_rows_routed;
     int64_t placement_version; /* bumped by every committed placement change */
+    bool graph_warned;         /* a step's graph failed to record (said once) */
     struct scratch s;
 };
 
@@ -177,6 +192,15 @@ struct moe_model {
  * expert parallel over ep_comm, see there), routed and shared experts.
  * Reads s->h, s->topk_ids, s->topk_w; writes s->ffn_out (n rows). */
 enum moe_status moe_moe_layer(struct moe_model *m, int l, int n, struct moe_error *err);
+
+/* Counts the experts of the layers routed on the device since the last
+ * call into expert_tokens (one copy of their offsets; the backend must be
+ * synchronised first). */
+void moe_model_route_stats(struct moe_model *m);
+
+/* True when every MoE layer of a step of n tokens routes on the device
+ * (and the experts' weight table on the backend is current). */
+bool moe_model_routes_on_device(const struct moe_model *m, int n);
 
 /* ---- forward.c ---- */
 
@@ -194,6 +218,14 @@ void moe_model_shared_add(struct moe_model *m, const struct layer_weights *w, in
 void moe_model_grouped_matmul(struct moe_model *m, const float *x, int n_rows, int n_in, int n_out,
                               int n_groups, const int32_t *offsets, const void **w,
                               const float **w_scale, float *y);
+
+/* The same with device-only offsets (struct moe_grouped_matmul_params):
+ * off_dev and w_dev on the backend, no group over max_rows rows; w and
+ * w_scale are host arrays with every group's weights. */
+void moe_model_grouped_matmul_dev(struct moe_model *m, const float *x, int n_rows, int n_in,
+                                  int n_out, int n_groups, const int32_t *off_dev, int max_rows,
+                                  const void *const *w, const void *const *w_dev,
+                                  const float **w_scale, float *y);
 
 /* SwiGLU FFN on n rows. */
 void moe_model_ffn(struct moe_model *m, const float *xe, int n, const void *w_gate_up, int d_ff,

@@ -24,6 +24,15 @@
  *   + shared  added after the routed sum (transformers' order)
  *
  * With one rank the bracketed steps are skipped and the shard is every row.
+ * Routed on the device: with one rank, every expert held and a step of at
+ * most MOE_ROUTE_DEVICE_MAX_TOK tokens (and what the backend's grouped GEMM
+ * takes, its grouped_device_rows op), the offsets never come to the host:
+ * one grouped GEMM per matmul over all experts reads them on the backend
+ * (no expert has more rows than the step has tokens), the layer's offsets
+ * stay in a per-layer slot for the step-end statistics
+ * (moe_model_route_stats), and nothing waits: a decode step's MoE layers
+ * queue without a host round trip, as a CUDA graph needs. The same rows and
+ * the same per-expert matmuls as the host path, so the same bits.
  * In expert parallel every rank holds the same n rows (lock-step) and owns
  * the shard [t0, t1) = [r*c, min(n, (r+1)*c)), c = ceil(n / R), of its row
  * group: every rank, or with data-parallel attention (moe_model_opts.
@@ -256,6 +265,139 @@ static enum moe_status dispatch_finish(struct moe_step *st, struct moe_error *er
     return MOE_OK;
 }
 
+/* Whether a step of n tokens on one rank may route layer l on the device
+ * (the file's comment). */
+static bool layer_routes_on_device(const struct moe_model *m, int l, int n)
+{
+    const struct layer_weights *w = &m->layers[l];
+    const struct moe_backend_ops *ops = m->be->ops;
+    if ((m->ep_comm && m->ep_comm->size > 1) || n < 1 || n > MOE_ROUTE_DEVICE_MAX_TOK ||
+        (int64_t)n * m->cfg.top_k > m->s.cap_ffn_rows || !ops->grouped_device_rows ||
+        n > ops->grouped_device_rows(m->be, m->lin_dtype))
+        return false;
+    for (int e = 0; e < m->cfg.n_expert; e++)
+        if (!w->w_gate_up[e] || !w->w_down[e])
+            return false;
+    return true;
+}
+
+bool moe_model_routes_on_device(const struct moe_model *m, int n)
+{
+    if (m->cfg.n_expert > 0 && m->s.w_tab_version != m->placement_version)
+        return false; /* the weight table would be copied during the step */
+    for (int l = 0; l < m->cfg.n_layer; l++)
+        if (m->layers[l].is_moe && !layer_routes_on_device(m, l, n))
+            return false;
+    return m->s.cap_tok >= n;
+}
+
+/* The experts' weight pointers of every layer on the backend (w_tab),
+ * copied again after a placement change. */
+static enum moe_status weight_table(struct moe_model *m, struct moe_error *err)
+{
+    struct scratch *s = &m->s;
+    if (s->w_tab_version == m->placement_version)
+        return MOE_OK;
+    const int E = m->cfg.n_expert;
+    size_t n = (size_t)m->cfg.n_layer * 2 * (size_t)E;
+    const void **h = malloc(n * sizeof *h);
+    if (!h)
+        return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+    for (int l = 0; l < m->cfg.n_layer; l++)
+        for (int e = 0; e < E; e++) {
+            const struct layer_weights *w = &m->layers[l];
+            h[((size_t)l * 2) * E + e] = w->is_moe ? w->w_gate_up[e] : NULL;
+            h[((size_t)l * 2 + 1) * E + e] = w->is_moe ? w->w_down[e] : NULL;
+        }
+    m->be->ops->buf_upload(m->be, (void *)s->w_tab, h, n * sizeof *h);
+    free(h);
+    s->w_tab_version = m->placement_version;
+    return MOE_OK;
+}
+
+/* The quantized experts' scales of layer l (NULL for F32 and BF16). */
+static void expert_scales(struct moe_model *m, int l, int e, const float **gu, const float **dn)
+{
+    const struct layer_weights *w = &m->layers[l];
+    const int d = m->cfg.d_model, ff = m->cfg.d_ff_expert;
+    *gu = *dn = NULL;
+    if (!w->w_gate_up[e])
+        return;
+    if (m->lin_dtype == MOE_DTYPE_I8) {
+        *gu = (const float *)((const char *)w->w_gate_up[e] + moe_i8_scale_offset(2 * ff, d));
+        *dn = (const float *)((const char *)w->w_down[e] + moe_i8_scale_offset(d, ff));
+    } else if (m->lin_dtype == MOE_DTYPE_I4) {
+        *gu = (const float *)((const char *)w->w_gate_up[e] + moe_q4_scale_offset(2 * ff, d));
+        *dn = (const float *)((const char *)w->w_down[e] + moe_q4_scale_offset(d, ff));
+    }
+}
+
+/* Routed on the device: the shard's items sorted by expert into this
+ * layer's slot of route_off, their rows gathered, then every expert's
+ * SwiGLU FFN in one grouped GEMM per matmul (rows_a -> rows_b). */
+static enum moe_status experts_on_device(struct moe_step *st, struct moe_error *err)
+{
+    struct moe_model *m = st->m;
+    const struct moe_config *c = &m->cfg;
+    const struct layer_weights *w = &m->layers[st->l];
+    struct scratch *s = &m->s;
+    struct moe_backend *be = m->be;
+    const struct moe_backend_ops *ops = be->ops;
+    const int E = c->n_expert, d = st->d, ff = c->d_ff_expert, n = st->n_items;
+    enum moe_status rc = weight_table(m, err);
+    if (rc)
+        return rc;
+    int32_t *off = s->route_off + (size_t)st->l * (E + 1);
+    struct moe_permute_params p = {
+        .ids = s->topk_ids,
+        .weights = s->topk_w,
+        .n_tok = st->n,
+        .top_k = st->k,
+        .n_expert = E,
+        .n_dest = 1,
+        .item_tok = s->item_tok,
+        .item_exp = s->item_exp,
+        .item_w = s->item_w,
+        .tok_rows = s->tok_rows,
+        .offsets = off,
+    };
+    ops->permute(be, &p);
+    s->route_pending[st->l] = true;
+    s->route_any = true;
+    ops->gather_rows(be, s->h, s->item_tok, n, d, s->rows_a);
+    for (int e = 0; e < E; e++)
+        expert_scales(m, st->l, e, &s->h_s_gu[e], &s->h_s_dn[e]);
+    const void *const *tab = s->w_tab + (size_t)st->l * 2 * E;
+    moe_model_grouped_matmul_dev(m, s->rows_a, n, d, 2 * ff, E, off, st->n,
+                                 (const void *const *)w->w_gate_up, tab, s->h_s_gu, s->gate_up);
+    ops->swiglu(be, s->gate_up, s->act, n, ff);
+    moe_model_grouped_matmul_dev(m, s->act, n, ff, d, E, off, st->n, (const void *const *)w->w_down,
+                                 tab + E, s->h_s_dn, s->rows_b);
+    m->ep_rows_computed += (uint64_t)n;
+    return MOE_OK;
+}
+
+void moe_model_route_stats(struct moe_model *m)
+{
+    struct scratch *s = &m->s;
+    if (!s->route_any)
+        return;
+    const int E = m->cfg.n_expert;
+    m->be->ops->buf_download(m->be, s->h_route_off, s->route_off,
+                             (size_t)m->cfg.n_layer * (E + 1) * sizeof(int32_t));
+    for (int l = 0; l < m->cfg.n_layer; l++) {
+        if (!s->route_pending[l])
+            continue;
+        const int32_t *off = s->h_route_off + (size_t)l * (E + 1);
+        for (int e = 0; e < E; e++)
+            if (off[e + 1] > off[e])
+                __atomic_fetch_add(&m->expert_tokens[(size_t)l * E + e],
+                                   (uint64_t)(off[e + 1] - off[e]), __ATOMIC_RELAXED);
+        s->route_pending[l] = false;
+    }
+    s->route_any = false;
+}
+
 /* One grouped GEMM over rows [r0, r1) of x (their experts' offsets `off`,
  * absolute), weights `w` / scales `sc` per expert. */
 static void grouped(struct moe_model *m, const float *x, int r0, int r1, const int32_t *off,
@@ -272,7 +414,7 @@ static void grouped(struct moe_model *m, const float *x, int r0, int r1, const i
 
 /* The experts: `n_rows` rows of rows_a grouped by expert (offsets `off` on
  * the host) through their SwiGLU FFNs into rows_b, in windows of at most
- * cap_tok rows (the gate/up scratch) that end at an expert's last row where
+ * cap_ffn_rows rows (the gate/up scratch) that end at an expert's last row where
  * they can. Fails on rows for an expert this rank does not hold. */
 static enum moe_status experts(struct moe_step *st, const int32_t *off, int n_rows,
                                struct moe_error *err)
@@ -293,17 +435,10 @@ static enum moe_status experts(struct moe_step *st, const int32_t *off, int n_ro
         s->h_w_gu[e] = rows ? w->w_gate_up[e] : NULL;
         s->h_w_dn[e] = rows ? w->w_down[e] : NULL;
         s->h_s_gu[e] = s->h_s_dn[e] = NULL;
-        if (rows && m->lin_dtype == MOE_DTYPE_I8) {
-            s->h_s_gu[e] =
-                (const float *)((const char *)w->w_gate_up[e] + moe_i8_scale_offset(2 * ff, d));
-            s->h_s_dn[e] = (const float *)((const char *)w->w_down[e] + moe_i8_scale_offset(d, ff));
-        } else if (rows && m->lin_dtype == MOE_DTYPE_I4) {
-            s->h_s_gu[e] =
-                (const float *)((const char *)w->w_gate_up[e] + moe_q4_scale_offset(2 * ff, d));
-            s->h_s_dn[e] = (const float *)((const char *)w->w_down[e] + moe_q4_scale_offset(d, ff));
-        }
+        if (rows)
+            expert_scales(m, st->l, e, &s->h_s_gu[e], &s->h_s_dn[e]);
     }
-    const int cap = s->cap_tok;
+    const int cap = s->cap_ffn_rows;
     for (int r0 = 0, e = 0; r0 < n_rows;) {
         /* the window: whole experts while they fit, else cap rows of one */
         while (off[e + 1] <= r0)
@@ -358,6 +493,22 @@ enum moe_status moe_moe_layer(struct moe_model *m, int l, int n, struct moe_erro
     double t_begin = moe_now();
 
     const struct layer_weights *w = &m->layers[l];
+    if (st.W == 1 && layer_routes_on_device(m, l, n)) {
+        if (w->shared_gate_up && n)
+            moe_model_shared_compute(m, w, n);
+        if ((rc = experts_on_device(&st, err)))
+            return rc;
+        if (m->opts.profile)
+            ops->synchronize(be);
+        double t_computed = moe_now(); /* routing counted with the experts */
+        m->prof.experts_s += t_computed - t_begin;
+        moe_model_zero(m, s->ffn_out, st.row_bytes * (size_t)n);
+        ops->unpermute_combine(be, s->rows_b, s->item_w, s->tok_rows, n, st.k, st.d, s->ffn_out);
+        if (w->shared_gate_up)
+            moe_model_shared_add(m, w, n);
+        m->prof.combine_s += moe_now() - t_computed;
+        return MOE_OK;
+    }
     if ((rc = permute_shard(&st, err)))
         return rc;
     const int32_t *off = s->h_offsets; /* one rank: grouped by expert already */
