@@ -364,6 +364,10 @@ struct moe_backend_ops {
     /* struct moe_router_grouped_params. */
     void (*router_topk_grouped)(struct moe_backend *be, const struct moe_router_grouped_params *p);
 
+    /* x[i] = 1 / (1 + exp(-x[i])) for n floats, in place (Qwen2-MoE's shared
+     * expert gate; without it the model takes the sigmoid on the host). */
+    void (*sigmoid)(struct moe_backend *be, float *x, size_t n);
+
     /* struct moe_backend_counters (CUDA; NULL on the CPU, where a copy is a
      * memcpy and nothing waits). Read from the thread that calls the ops. */
     void (*counters)(struct moe_backend *be, struct moe_backend_counters *out);

@@ -1,7 +1,8 @@
 /* The CPU backend: host memory and the kernels of kernels/cpu, run on a
  * thread pool that the backend owns. */
-#include <stdio.h>
 #include <limits.h>
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -121,6 +122,13 @@ static void cpu_op_embed(struct moe_backend *be, const void *table, enum moe_dty
 static void cpu_op_add(struct moe_backend *be, float *y, const float *x, size_t n)
 {
     cpu_add(be_pool(be), y, x, n);
+}
+
+static void cpu_op_sigmoid(struct moe_backend *be, float *x, size_t n)
+{
+    (void)be;
+    for (size_t i = 0; i < n; i++)
+        x[i] = 1.0f / (1.0f + expf(-x[i]));
 }
 
 /* Keeps the first error of an op until `status` takes it. */
@@ -257,6 +265,7 @@ static const struct moe_backend_ops cpu_ops = {
     .kv_scatter_blocks = cpu_op_kv_scatter_blocks,
     .copy_cols = cpu_op_copy_cols,
     .router_topk_grouped = cpu_op_router_topk_grouped,
+    .sigmoid = cpu_op_sigmoid,
     .grouped_device_rows = cpu_grouped_device_rows,
 };
 

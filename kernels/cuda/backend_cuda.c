@@ -55,7 +55,9 @@ struct cuda_backend {
     size_t meta_cap;
     int *bad; /* device flag: permute met an expert id or rank out of range */
     struct moe_backend_counters cnt; /* the engine thread's calls (plain counters) */
-    /* graphs (graph_* ops): MOE_CUDA_GRAPHS=1 turns them on */
+    /* graphs (graph_* ops): MOE_CUDA_GRAPHS=1 turns them on; without it the
+     * backend's op table (a copy of cuda_ops) has none */
+    struct moe_backend_ops ops;
     bool graphs_on;
     bool capturing;      /* between a graph_begin that said true and graph_end */
     bool capture_broken; /* an op needed more scratch while capturing */
@@ -431,6 +433,12 @@ static void cuda_op_add(struct moe_backend *be, float *y, const float *x, size_t
     cuda_check(be, moe_cuda_add(y, x, n, cuda_of(be)->stream), "add");
 }
 
+static void cuda_op_sigmoid(struct moe_backend *be, float *x, size_t n)
+{
+    cuda_of(be)->cnt.ops++;
+    cuda_check(be, moe_cuda_sigmoid(x, n, cuda_of(be)->stream), "sigmoid");
+}
+
 static enum moe_status status_of(int code)
 {
     if (code == (int)cudaErrorNotSupported)
@@ -782,6 +790,7 @@ static const struct moe_backend_ops cuda_ops = {
     .kv_scatter_blocks = cuda_op_kv_scatter_blocks,
     .copy_cols = cuda_op_copy_cols,
     .router_topk_grouped = cuda_op_router_topk_grouped,
+    .sigmoid = cuda_op_sigmoid,
     .grouped_device_rows = cuda_grouped_device_rows,
     .graph_launch = cuda_graph_launch,
     .graph_begin = cuda_graph_begin,
@@ -926,7 +935,14 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
     cb->graphs_on = graphs && !strcmp(graphs, "1");
     cb->base.name = "cuda";
     cb->base.device = MOE_DEVICE_CUDA;
-    cb->base.ops = &cuda_ops;
+    cb->ops = cuda_ops;
+    if (!cb->graphs_on) {
+        cb->ops.graph_launch = NULL;
+        cb->ops.graph_begin = NULL;
+        cb->ops.graph_end = NULL;
+        cb->ops.graph_reset = NULL;
+    }
+    cb->base.ops = &cb->ops;
     cb->base.ctx = cb;
     cb->base.ordinal = ordinal;
     struct cudaDeviceProp prop;

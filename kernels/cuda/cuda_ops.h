@@ -129,6 +129,9 @@ cudaError_t moe_cuda_embed(const void *table, enum moe_dtype dtype, const int32_
 
 cudaError_t moe_cuda_add(float *y, const float *x, size_t n, cudaStream_t stream);
 
+/* x[i] = 1 / (1 + expf(-x[i])) in place. */
+cudaError_t moe_cuda_sigmoid(float *x, size_t n, cudaStream_t stream);
+
 /* ---- grouped_matmul.cu ---- */
 
 /* True when p takes the grouped GEMV (bf16 W, n_in > 0, at most

@@ -563,6 +563,18 @@ static void run_add(struct run *r, const struct op_case *c)
     free(y);
 }
 
+/* sigmoid: a = {n}, values in [-12, 12] (both tails) */
+static void run_sigmoid(struct run *r, const struct op_case *c)
+{
+    size_t n = (size_t)c->a[0];
+    float *x = calloc(1, (n + 1) * 4);
+    fill_floats(x, n, 12.0f);
+    float *dx = run_buf(r, x, (n + 1) * 4);
+    r->be->ops->sigmoid(r->be, dx, n);
+    run_get_floats(r, dx, n);
+    free(x);
+}
+
 /* grouped_matmul: a = {n_rows, n_expert, n_in, n_out, bf16, accumulate, mode}
  * mode 0: random expert sizes; 1: one expert takes every row; 2: every odd
  * expert empty and without weights (NULL), ldw = n_in + 3; 3: random, and
@@ -973,6 +985,10 @@ static const struct op_case g_cases[] = {
     {"add", run_add, {1}, 0},
     {"add", run_add, {1000003}, 0},
     {"add", run_add, {0}, 0},
+    /* sigmoid {n}: expf may differ in the last bit between libm and CUDA */
+    {"sigmoid", run_sigmoid, {1}, 1e-12},
+    {"sigmoid", run_sigmoid, {100003}, 1e-12},
+    {"sigmoid", run_sigmoid, {0}, 0},
     /* grouped_matmul {n_rows, n_expert, n_in, n_out, bf16, accumulate, mode}; thresholds as
      * matmul: 1e-9 where CUDA may take cuBLAS's bf16 split (> 8 rows on an expert) */
     {"grouped_matmul", run_grouped, {1, 1, 1, 1, F32, 0, 0}, 1e-10},

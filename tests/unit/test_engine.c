@@ -1293,7 +1293,8 @@ enum rec_op {
     R_COMBINE,
     R_ARGMAX,
     R_COPY_COLS,
-    R_SCATTER_ADD
+    R_SCATTER_ADD,
+    R_SIGMOID
 };
 
 struct rec {
@@ -1376,6 +1377,7 @@ static void rec_run(struct moe_backend *be, const struct rec *r)
     case R_SCATTER_ADD:
         o->scatter_add_rows(be, r->p[0], r->p[1], r->p[2], r->i[0], r->i[1], r->out[0]);
         break;
+    case R_SIGMOID: o->sigmoid(be, r->out[0], r->bytes); break;
     }
 }
 
@@ -1463,6 +1465,10 @@ static void g_scatter_add(struct moe_backend *be, const float *src, const int32_
                           const float *scale, int n, int dim, float *dst)
 {
     REC_OR_RUN(.op = R_SCATTER_ADD, .p = {src, idx, scale}, .i = {n, dim}, .out = {dst});
+}
+static void g_sigmoid(struct moe_backend *be, float *x, size_t n)
+{
+    REC_OR_RUN(.op = R_SIGMOID, .out = {x}, .bytes = n);
 }
 #undef REC_OR_RUN
 
@@ -1590,6 +1596,7 @@ static void test_graphs(struct moe_backend *be, const char *fixture)
     wrapped.argmax = g_argmax;
     wrapped.copy_cols = g_copy_cols;
     wrapped.scatter_add_rows = g_scatter_add;
+    wrapped.sigmoid = g_sigmoid;
     wrapped.buf_upload = g_upload;
     wrapped.buf_download = g_download;
     wrapped.synchronize = g_sync;
@@ -1709,6 +1716,7 @@ int main(void)
     test_device_routing(be);
     test_graphs(be, "tests/golden/fixtures/qwen3_moe");
     test_graphs(be, "tests/golden/fixtures/mixtral");
+    test_graphs(be, "tests/golden/fixtures/qwen2_moe"); /* the shared gate's sigmoid */
     moe_model_free(model);
     /* DeepSeek-V3's latent cache (one row per token, K = V) through the same
      * scheduling: batches, preemption, prefix sharing */

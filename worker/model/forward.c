@@ -103,8 +103,9 @@ static enum moe_status step_in_alloc(struct moe_model *m, int cap, int cap_tab,
  * sampled rows' draws, block tables) packed into the host twin and moved
  * in one upload, up to the last table entry used: one copy and one wait
  * per step on CUDA where there were up to seven. */
-static void step_inputs_upload(struct moe_model *m, const struct moe_batch *b, int n_table)
+static void step_inputs_upload(struct moe_model *m, const struct moe_batch *b, int table_width)
 {
+    const int n_table = b->n_seq * table_width;
     struct scratch *s = &m->s;
     /* a slice's place in the host twin: its offset in step_in */
 #define HOST_OF(slice) (s->h_step_in + ((const char *)(slice) - (const char *)s->step_in))
@@ -117,8 +118,17 @@ static void step_inputs_upload(struct moe_model *m, const struct moe_batch *b, i
         memcpy(HOST_OF(s->logit_rows), b->logit_rows, (size_t)b->n_logits * sizeof(int32_t));
     if (b->n_logits > 0 && b->argmax_out && b->sample_u)
         memcpy(HOST_OF(s->logit_u), b->sample_u, (size_t)b->n_logits * sizeof(double));
-    if (n_table > 0)
+    if (table_width == b->max_blocks) {
         memcpy(HOST_OF(s->block_tables), b->block_tables, (size_t)n_table * sizeof(int32_t));
+    } else { /* rows widened to table_width (graph keys, below); the rest unread */
+        int32_t *t = (int32_t *)HOST_OF(s->block_tables);
+        for (int q = 0; q < b->n_seq; q++) {
+            int32_t *row = t + (size_t)q * table_width;
+            memcpy(row, b->block_tables + (size_t)q * b->max_blocks,
+                   (size_t)b->max_blocks * sizeof(int32_t));
+            memset(row + b->max_blocks, 0, (size_t)(table_width - b->max_blocks) * sizeof(int32_t));
+        }
+    }
     const size_t used =
         (size_t)(HOST_OF(s->block_tables) - s->h_step_in) + (size_t)n_table * sizeof(int32_t);
 #undef HOST_OF
@@ -572,6 +582,10 @@ void moe_model_shared_compute(struct moe_model *m, const struct layer_weights *w
         return;
     matmul_dtype(m, m->base_dtype, false, s->h, n, c->d_model, w->shared_gate, 1, s->shared_g,
                  false);
+    if (ops->sigmoid) {
+        ops->sigmoid(m->be, s->shared_g, (size_t)n);
+        return;
+    }
     ops->buf_download(m->be, s->h_shared_g, s->shared_g, (size_t)n * sizeof(float));
     for (int t = 0; t < n; t++)
         s->h_shared_g[t] = 1.0f / (1.0f + expf(-s->h_shared_g[t]));
@@ -755,7 +769,7 @@ static enum moe_status forward_ops(struct moe_model *m, struct moe_kv_cache *kv,
  * most a few tokens: the backend's grouped GEMV) and whose ops read only
  * backend memory: not with sampling (its rows are grouped by temperature on
  * the host), latent attention (its head indexes are uploaded), a shared
- * expert gate (its sigmoid is taken on the host), tensor or expert parallel
+ * expert gate on a backend without `sigmoid`, tensor or expert parallel
  * (their collectives), or --profile (its waits). The inputs are in step_in
  * already (step_inputs_upload), the scratch at fixed addresses. */
 static bool step_graphable(const struct moe_model *m, const struct moe_batch *b)
@@ -767,7 +781,7 @@ static bool step_graphable(const struct moe_model *m, const struct moe_batch *b)
         b->n_tok > ops->grouped_device_rows(m->be, m->lin_dtype))
         return false;
     for (int l = 0; l < c->n_layer; l++)
-        if (m->layers[l].shared_gate)
+        if (m->layers[l].shared_gate && !ops->sigmoid)
             return false;
     return moe_model_routes_on_device(m, b->n_tok);
 }
@@ -816,6 +830,16 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
     enum moe_status rc = check_batch(m, kv, b, err);
     if (rc)
         return rc;
+    /* Where graphs may replay the step, its block table rows are widened to
+     * a multiple of MOE_GRAPH_TABLE_QUANTUM blocks: the width is part of a
+     * graph's key, and a sequence's table grows a block every block_size
+     * tokens. Attention reads a row only up to the token's position. */
+    const struct moe_batch *orig = b;
+    struct moe_batch wb = *b;
+    if (m->be->ops->graph_launch)
+        wb.max_blocks = (b->max_blocks + MOE_GRAPH_TABLE_QUANTUM - 1) / MOE_GRAPH_TABLE_QUANTUM *
+                        MOE_GRAPH_TABLE_QUANTUM;
+    b = &wb;
     int n = b->n_tok, n_table = b->n_seq * b->max_blocks;
     if ((rc = scratch_reserve(m, dp && b->n_tok_group > n ? b->n_tok_group : n, n_table, err)) ||
         (rc = logits_reserve(m, b->n_logits, err)))
@@ -824,7 +848,7 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
     struct scratch *s = &m->s;
     struct moe_backend *be = m->be;
     const struct moe_backend_ops *ops = be->ops;
-    step_inputs_upload(m, b, n_table);
+    step_inputs_upload(m, orig, b->max_blocks);
     bool graph = step_graphable(m, b);
     uint64_t key = graph ? step_key(m, kv, b) : 0;
 

@@ -12,6 +12,9 @@
 /* The MoE layer routes on the device (no host copy of the offsets; see
  * moe_layer.c) for steps of up to this many tokens on one rank. */
 #define MOE_ROUTE_DEVICE_MAX_TOK 64
+/* Block tables are widened to a multiple of this many blocks where steps
+ * may be graphs (forward.c), so a graph serves while sequences grow. */
+#define MOE_GRAPH_TABLE_QUANTUM 8
 
 struct layer_weights {
     float *attn_norm; /* (d_model) */
