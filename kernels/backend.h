@@ -379,6 +379,11 @@ struct moe_backend_ops {
     void *(*host_alloc)(struct moe_backend *be, size_t bytes);
     void (*host_free)(struct moe_backend *be, void *p);
 
+    /* buf_upload without the wait (CUDA: queued on the stream, one DMA):
+     * src_host must come from host_alloc and stay unchanged until the next
+     * wait (synchronize, a download). NULL: callers use buf_upload. */
+    void (*buf_upload_async)(struct moe_backend *be, void *dst, const void *src_host, size_t bytes);
+
     /* The largest max_expert_rows grouped_matmul takes with device-only
      * offsets (struct moe_grouped_matmul_params) for weights of w_dtype;
      * 0 (or the op NULL): host offsets only. */

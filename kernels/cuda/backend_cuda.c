@@ -232,6 +232,19 @@ static void cuda_buf_upload(struct moe_backend *be, void *dst, const void *src_h
     cuda_check(be, cudaStreamSynchronize(s), "buf_upload: cudaStreamSynchronize");
 }
 
+static void cuda_buf_upload_async(struct moe_backend *be, void *dst, const void *src_host,
+                                  size_t bytes)
+{
+    if (!bytes)
+        return;
+    struct moe_backend_counters *k = &cuda_of(be)->cnt;
+    k->uploads++;
+    k->upload_bytes += bytes;
+    cuda_check(be,
+               cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, cuda_of(be)->stream),
+               "buf_upload_async: cudaMemcpyAsync");
+}
+
 static void cuda_buf_download(struct moe_backend *be, void *dst_host, const void *src, size_t bytes)
 {
     if (!bytes)
@@ -783,6 +796,7 @@ static const struct moe_backend_ops cuda_ops = {
     .counters = cuda_counters,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
+    .buf_upload_async = cuda_buf_upload_async,
     .unpermute_combine = cuda_op_unpermute_combine,
     .argmax = cuda_op_argmax,
     .sample_top_p = cuda_op_sample_top_p,

@@ -1061,13 +1061,24 @@ static void test_bad_params(void)
  * backend's ops wrapped to count uploads and to provide host_alloc, a
  * greedy and a seeded sampled request (whose draws travel in the same copy)
  * run twice; the second run, its scratch already grown, makes exactly one
- * upload per forward, and both runs give the same tokens. */
+ * upload per forward, and both runs give the same tokens. The wrapped ops
+ * also offer buf_upload_async (as CUDA does), which the step inputs take
+ * from pinned staging: that one upload is a no-wait one. */
 static const struct moe_backend_ops *g_real_ops;
 static int g_uploads, g_forwards, g_host_live;
 
 static void upload_counted(struct moe_backend *be, void *dst, const void *src, size_t bytes)
 {
     g_uploads++;
+    g_real_ops->buf_upload(be, dst, src, bytes);
+}
+
+/* the no-wait upload a backend with pinned staging offers (CUDA) */
+static int g_uploads_async;
+
+static void upload_async_counted(struct moe_backend *be, void *dst, const void *src, size_t bytes)
+{
+    g_uploads_async++;
     g_real_ops->buf_upload(be, dst, src, bytes);
 }
 
@@ -1100,6 +1111,7 @@ static void test_step_uploads(struct moe_backend *be)
     struct moe_backend_ops wrapped = *be->ops;
     g_real_ops = be->ops;
     wrapped.buf_upload = upload_counted;
+    wrapped.buf_upload_async = upload_async_counted;
     wrapped.host_alloc = host_alloc_counted;
     wrapped.host_free = host_free_counted;
     /* a fresh model, so its scratch (and staging) comes from the wrapped ops */
@@ -1112,7 +1124,7 @@ static void test_step_uploads(struct moe_backend *be)
            "%s", err.msg);
     int32_t prompts[N][40];
     static struct capture runs[2];
-    int uploads[2] = {0, 0}, forwards[2] = {0, 0};
+    int uploads[2] = {0, 0}, forwards[2] = {0, 0}, async[2] = {0, 0};
     for (int run = 0; m && run < 2; run++) {
         memset(&runs[run], 0, sizeof runs[run]);
         struct moe_engine_opts o = {.n_block = 64, .forward = forward_counted, .forward_ids = true};
@@ -1120,7 +1132,7 @@ static void test_step_uploads(struct moe_backend *be)
         CHECKF(moe_engine_create(m, NULL, &o, &e, &err) == MOE_OK, "%s", err.msg);
         if (!e)
             break;
-        g_uploads = g_forwards = 0;
+        g_uploads = g_uploads_async = g_forwards = 0;
         for (int i = 0; i < N; i++) {
             make_prompt(70 + i, 6 + 5 * i, prompts[i]);
             struct moe_request_params q;
@@ -1137,11 +1149,13 @@ static void test_step_uploads(struct moe_backend *be)
         }
         run_to_end(e);
         moe_engine_destroy(e);
-        uploads[run] = g_uploads;
+        uploads[run] = g_uploads + g_uploads_async;
+        async[run] = g_uploads_async;
         forwards[run] = g_forwards;
     }
-    CHECKF(forwards[1] > 0 && uploads[1] == forwards[1],
-           "step inputs: %d uploads in %d forwards (want one each)", uploads[1], forwards[1]);
+    CHECKF(forwards[1] > 0 && uploads[1] == forwards[1] && async[1] == forwards[1],
+           "step inputs: %d uploads (%d without a wait) in %d forwards (want one each, without)",
+           uploads[1], async[1], forwards[1]);
     int same = 0;
     for (int i = 0; i < N; i++)
         same += runs[0].n[i] == OUT && runs[1].n[i] == OUT &&

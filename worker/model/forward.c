@@ -132,7 +132,13 @@ static void step_inputs_upload(struct moe_model *m, const struct moe_batch *b, i
     const size_t used =
         (size_t)(HOST_OF(s->block_tables) - s->h_step_in) + (size_t)n_table * sizeof(int32_t);
 #undef HOST_OF
-    m->be->ops->buf_upload(m->be, s->step_in, s->h_step_in, used);
+    /* pinned staging (host_alloc): no wait, the step's end waits anyway and
+     * the next step writes the staging after it */
+    const struct moe_backend_ops *ops = m->be->ops;
+    if (ops->host_alloc && ops->buf_upload_async)
+        ops->buf_upload_async(m->be, s->step_in, s->h_step_in, used);
+    else
+        ops->buf_upload(m->be, s->step_in, s->h_step_in, used);
 }
 
 static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_table,
@@ -873,8 +879,10 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
                 m->prof.graphs_recorded++;
             }
         }
-        if (rc)
+        if (rc) { /* wait for what was queued: the staging may be rewritten next */
+            ops->synchronize(be);
             return rc;
+        }
     } else {
         graph_replayed(m, n);
     }
