@@ -1287,9 +1287,12 @@ static void test_device_routing(struct moe_backend *be)
  * of run, and graph_launch replays the record; a host copy, wait,
  * allocation or free while recording fails it, as it would a capture. The
  * same greedy requests run with and without graphs: the same tokens and
- * the same expert statistics, with steps recorded and replayed. A step that
- * read anything a graph cannot see (a host value that changes between
- * steps, a buffer that moved) would decode differently on replay. */
+ * the same expert statistics, with steps recorded and replayed (decode
+ * steps padded to a power-of-two batch, so one graph serves 6, 5 and 4
+ * sequences: the padding rows' ids dropped and their experts taken out of
+ * the statistics). A step that read anything a graph cannot see (a host
+ * value that changes between steps, a buffer that moved) would decode
+ * differently on replay. */
 enum rec_op {
     R_EMBED,
     R_RMSNORM,
@@ -1308,7 +1311,8 @@ enum rec_op {
     R_ARGMAX,
     R_COPY_COLS,
     R_SCATTER_ADD,
-    R_SIGMOID
+    R_SIGMOID,
+    R_COPY
 };
 
 struct rec {
@@ -1392,6 +1396,7 @@ static void rec_run(struct moe_backend *be, const struct rec *r)
         o->scatter_add_rows(be, r->p[0], r->p[1], r->p[2], r->i[0], r->i[1], r->out[0]);
         break;
     case R_SIGMOID: o->sigmoid(be, r->out[0], r->bytes); break;
+    case R_COPY: o->buf_copy(be, r->out[0], r->p[0], r->bytes); break;
     }
 }
 
@@ -1483,6 +1488,10 @@ static void g_scatter_add(struct moe_backend *be, const float *src, const int32_
 static void g_sigmoid(struct moe_backend *be, float *x, size_t n)
 {
     REC_OR_RUN(.op = R_SIGMOID, .out = {x}, .bytes = n);
+}
+static void g_copy(struct moe_backend *be, void *dst, const void *src, size_t bytes)
+{
+    REC_OR_RUN(.op = R_COPY, .out = {dst}, .p = {src}, .bytes = bytes);
 }
 #undef REC_OR_RUN
 
@@ -1611,6 +1620,7 @@ static void test_graphs(struct moe_backend *be, const char *fixture)
     wrapped.copy_cols = g_copy_cols;
     wrapped.scatter_add_rows = g_scatter_add;
     wrapped.sigmoid = g_sigmoid;
+    wrapped.buf_copy = g_copy;
     wrapped.buf_upload = g_upload;
     wrapped.buf_download = g_download;
     wrapped.synchronize = g_sync;
@@ -1622,7 +1632,11 @@ static void test_graphs(struct moe_backend *be, const char *fixture)
     wrapped.graph_reset = g_graph_reset;
     struct moe_model *m = NULL;
     struct moe_error err = {0};
-    struct moe_model_opts mo = {.dtype = MOE_DTYPE_BF16, .fast = true, .tp_size = 1};
+    /* batch-invariant: a padding row must not move a real row's bits (as on
+     * CUDA, whose decode GEMVs compute each row alone); the CPU's fast tiles
+     * are otherwise chosen by row count */
+    struct moe_model_opts mo = {
+        .dtype = MOE_DTYPE_BF16, .fast = true, .batch_invariant = true, .tp_size = 1};
     CHECKF(moe_model_load(test_src_path(fixture), &mo, be, &m, &err) == MOE_OK, "%s", err.msg);
     if (!m)
         return;
@@ -1678,7 +1692,7 @@ static void test_graphs(struct moe_backend *be, const char *fixture)
     CHECKF(prof[0].graphs_recorded == 0 && prof[0].graphs_replayed == 0,
            "graphs (%s): the plain backend recorded %llu", fixture,
            (unsigned long long)prof[0].graphs_recorded);
-    CHECKF(prof[1].graphs_recorded >= 2 && prof[1].graphs_replayed >= 8 &&
+    CHECKF(prof[1].graphs_recorded >= 1 && prof[1].graphs_replayed >= 12 &&
                G.records == (int)prof[1].graphs_recorded && G.launches >= G.records &&
                G.failures == 0,
            "graphs (%s): %llu recorded, %llu replayed (fake: %d recorded, %d launches, %d failed)",

@@ -226,8 +226,11 @@ static enum moe_status scratch_reserve(struct moe_model *m, int n_tok, int n_tab
         ALLOC(item_w, n_route, float);
         ALLOC(tok_rows, n_route, int32_t);
         ALLOC(offsets, n_ep * n_e + 1, int32_t);
-        ALLOC(route_off, (size_t)c->n_layer * (n_e + 1), int32_t);
-        s->h_route_off = malloc((size_t)c->n_layer * (n_e + 1) * sizeof *s->h_route_off);
+        /* the offsets, then each layer's last row's experts (route_last) */
+        size_t n_route_off = (size_t)c->n_layer * (n_e + 1 + (size_t)c->top_k);
+        ALLOC(route_off, n_route_off, int32_t);
+        s->route_last = s->route_off ? s->route_off + (size_t)c->n_layer * (n_e + 1) : NULL;
+        s->h_route_off = malloc(n_route_off * sizeof *s->h_route_off);
         s->route_pending = calloc((size_t)c->n_layer, sizeof *s->route_pending);
         ALLOC(w_tab, (size_t)c->n_layer * 2 * n_e, void *);
         s->w_tab_version = -1;
@@ -770,6 +773,68 @@ static enum moe_status forward_ops(struct moe_model *m, struct moe_kv_cache *kv,
     return MOE_OK;
 }
 
+/* The step-independent part of step_graphable (below). */
+static bool graph_candidate(const struct moe_model *m, const struct moe_batch *b)
+{
+    const struct moe_backend_ops *ops = m->be->ops;
+    return ops->graph_launch && b->argmax_out && !b->sample_u && !m->tp_comm && !m->cfg.mla &&
+           !m->opts.profile && b->n_logits >= 1 && ops->grouped_device_rows &&
+           b->n_tok <= ops->grouped_device_rows(m->be, m->lin_dtype);
+}
+
+/* Pure-decode greedy steps that may be graphs are padded to a power-of-two
+ * batch (up to what the backend routes on the device), so one graph serves
+ * while requests join and leave. A padding row repeats the last sequence's
+ * row: its token, position, sequence and KV slot (the same K/V written
+ * again to the same slot), so the same experts; its id is dropped, and the
+ * expert statistics take it out again (moe_model_route_stats, from each
+ * layer's last-row experts). Returns b or the padded step in *pb. */
+static const struct moe_batch *pad_for_graph(struct moe_model *m, const struct moe_batch *b,
+                                             struct moe_batch *pb)
+{
+    const int n = b->n_tok;
+    if (!graph_candidate(m, b) || n != b->n_seq || n != b->n_logits)
+        return b;
+    int np = 1;
+    while (np < n)
+        np *= 2;
+    if (np == n || np > MOE_ROUTE_DEVICE_MAX_TOK ||
+        np > m->be->ops->grouped_device_rows(m->be, m->lin_dtype))
+        return b;
+    for (int i = 0; i < n; i++)
+        if (b->seq[i] != i || b->logit_rows[i] != i)
+            return b;
+    const size_t W = (size_t)b->max_blocks, need = 6 * (size_t)np + (size_t)np * W;
+    if (need > m->h_pad_cap) {
+        int32_t *p = realloc(m->h_pad, need * sizeof *p);
+        if (!p)
+            return b; /* unpadded: the step runs without a graph */
+        m->h_pad = p;
+        m->h_pad_cap = need;
+    }
+    int32_t *tok = m->h_pad, *pos = tok + np, *seq = pos + np, *slots = seq + np;
+    int32_t *rows = slots + np, *ids = rows + np, *tab = ids + np;
+    for (int i = 0; i < np; i++) {
+        int r = i < n ? i : n - 1;
+        tok[i] = b->tokens[r];
+        pos[i] = b->pos[r];
+        seq[i] = r;
+        slots[i] = b->slots[r];
+        rows[i] = i;
+        memcpy(tab + (size_t)i * W, b->block_tables + (size_t)r * W, W * sizeof *tab);
+    }
+    *pb = *b;
+    pb->n_tok = pb->n_seq = pb->n_logits = np;
+    pb->tokens = tok;
+    pb->pos = pos;
+    pb->seq = seq;
+    pb->slots = slots;
+    pb->logit_rows = rows;
+    pb->block_tables = tab;
+    pb->argmax_out = ids;
+    return pb;
+}
+
 /* Decode steps as graphs (kernels/backend.h, graph_launch): a greedy step
  * on one rank whose MoE layers all route on the device (moe_layer.c, so at
  * most a few tokens: the backend's grouped GEMV) and whose ops read only
@@ -782,9 +847,7 @@ static bool step_graphable(const struct moe_model *m, const struct moe_batch *b)
 {
     const struct moe_config *c = &m->cfg;
     const struct moe_backend_ops *ops = m->be->ops;
-    if (!ops->graph_launch || !b->argmax_out || b->sample_u || m->tp_comm || c->mla ||
-        m->opts.profile || b->n_logits < 1 || !ops->grouped_device_rows ||
-        b->n_tok > ops->grouped_device_rows(m->be, m->lin_dtype))
+    if (!graph_candidate(m, b))
         return false;
     for (int l = 0; l < c->n_layer; l++)
         if (m->layers[l].shared_gate && !ops->sigmoid)
@@ -836,6 +899,9 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
     enum moe_status rc = check_batch(m, kv, b, err);
     if (rc)
         return rc;
+    const struct moe_batch *user = b;
+    struct moe_batch pb;
+    b = pad_for_graph(m, b, &pb);
     /* Where graphs may replay the step, its block table rows are widened to
      * a multiple of MOE_GRAPH_TABLE_QUANTUM blocks: the width is part of a
      * graph's key, and a sequence's table grows a block every block_size
@@ -854,6 +920,7 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
     struct scratch *s = &m->s;
     struct moe_backend *be = m->be;
     const struct moe_backend_ops *ops = be->ops;
+    s->route_pad = b->n_tok - user->n_tok;
     step_inputs_upload(m, orig, b->max_blocks);
     bool graph = step_graphable(m, b);
     uint64_t key = graph ? step_key(m, kv, b) : 0;
@@ -884,7 +951,7 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
             return rc;
         }
     } else {
-        graph_replayed(m, n);
+        graph_replayed(m, user->n_tok);
     }
     if (b->n_logits > 0) {
         if (b->argmax_out) { /* n ids come back instead of n x vocab floats */
@@ -901,6 +968,8 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
     if (ops->status && (rc = ops->status(be, err)))
         return moe_error_prefix(err, "forward pass");
     moe_model_route_stats(m);
+    if (b->n_tok != user->n_tok) /* the padding rows' ids dropped */
+        memcpy(user->argmax_out, b->argmax_out, (size_t)user->n_logits * sizeof(int32_t));
     double total = moe_now() - t_start;
     double phases = (m->prof.attention_s - before.attention_s) +
                     (m->prof.router_s - before.router_s) +
@@ -908,7 +977,7 @@ static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
                     (m->prof.experts_s - before.experts_s) + (m->prof.combine_s - before.combine_s);
     m->prof.other_s += total > phases ? total - phases : 0;
     m->prof.forwards++;
-    m->prof.tokens += (uint64_t)n;
+    m->prof.tokens += (uint64_t)user->n_tok;
     return MOE_OK;
 }
 

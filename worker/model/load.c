@@ -890,6 +890,7 @@ void moe_model_free(struct moe_model *m)
     FREE_BUF(m->final_norm);
 #undef FREE_BUF
     moe_model_scratch_free(m);
+    free(m->h_pad);
     moe_model_drop_placement(m); /* a prepared, uncommitted placement */
     moe_placement_free(&m->placement);
     free(m->expert_tokens);

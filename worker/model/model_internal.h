@@ -139,8 +139,10 @@ struct scratch {
     /* routed on the device (moe_layer.c): each layer's offsets, kept for
      * the expert statistics, which the step's end reads in one copy
      * (moe_model_route_stats); the experts' weight pointers on the backend */
-    int32_t *route_off;    /* (n_layer, n_expert + 1) */
-    int32_t *h_route_off;  /* host mirror */
+    int32_t *route_off;    /* (n_layer, n_expert + 1), then route_last */
+    int32_t *route_last;   /* (n_layer, top_k): the step's last row's experts (graph padding) */
+    int32_t *h_route_off;  /* host mirror of both */
+    int route_pad;         /* padding rows of the step (forward.c, pad_for_graph) */
     bool *route_pending;   /* host (n_layer): routed on the device since the last read */
     bool route_any;        /* some route_pending set */
     const void **w_tab;    /* (n_layer, 2, n_expert): gate_up then down pointers */
@@ -188,6 +190,10 @@ struct moe_model {
     uint64_t ep_rows_routed;
     int64_t placement_version; /* bumped by every committed placement change */
     bool graph_warned;         /* a step's graph failed to record (said once) */
+    /* pad_for_graph's host arrays (the padded step's inputs and ids); not in
+     * the scratch, which a step may reallocate after padding */
+    int32_t *h_pad;
+    size_t h_pad_cap; /* int32 entries */
     struct scratch s;
 };
 

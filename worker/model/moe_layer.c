@@ -364,6 +364,9 @@ static enum moe_status experts_on_device(struct moe_step *st, struct moe_error *
     ops->permute(be, &p);
     s->route_pending[st->l] = true;
     s->route_any = true;
+    if (ops->graph_launch) /* a padded step's padding repeats its last row (forward.c) */
+        ops->buf_copy(be, s->route_last + (size_t)st->l * st->k,
+                      s->topk_ids + (size_t)(st->n - 1) * st->k, (size_t)st->k * sizeof(int32_t));
     ops->gather_rows(be, s->h, s->item_tok, n, d, s->rows_a);
     for (int e = 0; e < E; e++)
         expert_scales(m, st->l, e, &s->h_s_gu[e], &s->h_s_dn[e]);
@@ -382,17 +385,24 @@ void moe_model_route_stats(struct moe_model *m)
     struct scratch *s = &m->s;
     if (!s->route_any)
         return;
-    const int E = m->cfg.n_expert;
+    const int E = m->cfg.n_expert, k = m->cfg.top_k, L = m->cfg.n_layer;
+    const size_t n_off = (size_t)L * (E + 1);
+    /* the padding rows' experts (the last row's) come along when there are any */
     m->be->ops->buf_download(m->be, s->h_route_off, s->route_off,
-                             (size_t)m->cfg.n_layer * (E + 1) * sizeof(int32_t));
-    for (int l = 0; l < m->cfg.n_layer; l++) {
+                             (n_off + (s->route_pad ? (size_t)L * k : 0)) * sizeof(int32_t));
+    for (int l = 0; l < L; l++) {
         if (!s->route_pending[l])
             continue;
         const int32_t *off = s->h_route_off + (size_t)l * (E + 1);
-        for (int e = 0; e < E; e++)
-            if (off[e + 1] > off[e])
-                __atomic_fetch_add(&m->expert_tokens[(size_t)l * E + e],
-                                   (uint64_t)(off[e + 1] - off[e]), __ATOMIC_RELAXED);
+        const int32_t *last = s->h_route_off + n_off + (size_t)l * k;
+        for (int e = 0; e < E; e++) {
+            int64_t cnt = off[e + 1] - off[e];
+            for (int j = 0; j < k && s->route_pad; j++)
+                cnt -= last[j] == e ? s->route_pad : 0;
+            if (cnt > 0)
+                __atomic_fetch_add(&m->expert_tokens[(size_t)l * E + e], (uint64_t)cnt,
+                                   __ATOMIC_RELAXED);
+        }
         s->route_pending[l] = false;
     }
     s->route_any = false;
