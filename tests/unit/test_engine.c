@@ -1169,6 +1169,34 @@ static void test_step_uploads(struct moe_backend *be)
            forwards[1], uploads[1], uploads[0], forwards[0]);
 }
 
+/* n greedy requests (prompts make_prompt(seed + i, lens[i] <= 48), at most
+ * max_tokens[i] tokens each, EOS ignored) run to the end on e into cap;
+ * stats gets what they added to the model's expert statistics. */
+static void run_greedy(struct moe_engine *e, struct moe_model *m, int n, const int *lens,
+                       const int *max_tokens, int seed, struct capture *cap, uint64_t *stats)
+{
+    const struct moe_config *c = moe_model_config(m);
+    const size_t n_stats = (size_t)c->n_layer * c->n_expert;
+    uint64_t *before = malloc(n_stats * sizeof *before);
+    MOE_ASSERT(before != NULL && n <= 8);
+    memcpy(before, moe_model_expert_tokens(m), n_stats * sizeof *before);
+    int32_t prompts[8][48];
+    struct moe_error err = {0};
+    for (int i = 0; i < n; i++) {
+        make_prompt(seed + i, lens[i], prompts[i]);
+        struct moe_request_params q;
+        moe_request_params_init(&q);
+        q.max_tokens = max_tokens[i];
+        q.ignore_eos = true;
+        CHECK(moe_engine_submit(e, (uint64_t)i, prompts[i], lens[i], &q, on_token, cap, &err) ==
+              MOE_OK);
+    }
+    run_to_end(e);
+    for (size_t i = 0; i < n_stats; i++)
+        stats[i] = moe_model_expert_tokens(m)[i] - before[i];
+    free(before);
+}
+
 /* The MoE layer routed on the device (moe_layer.c): on one rank, for steps
  * of at most MOE_ROUTE_DEVICE_MAX_TOK tokens, the offsets stay on the
  * backend and the step's only downloads are its ids and one copy of every
@@ -1220,8 +1248,8 @@ static void test_device_routing(struct moe_backend *be)
     g_moe_layers = 0;
     for (int l = 0; c && l < c->n_layer; l++)
         g_moe_layers += m->layers[l].is_moe;
-    int32_t prompts[N][48];
     const int lens[N] = {6, 31, 40}; /* 77 tokens: the first step takes the host path */
+    const int outs[N] = {OUT, OUT, OUT};
     static struct capture runs[3];
     uint64_t stats[3][64] = {{0}};
     int n_stats = c ? c->n_layer * c->n_expert : 0;
@@ -1237,22 +1265,9 @@ static void test_device_routing(struct moe_backend *be)
         CHECKF(moe_engine_create(m, NULL, &o, &e, &err) == MOE_OK, "%s", err.msg);
         if (!e)
             break;
-        uint64_t before[64];
-        memcpy(before, moe_model_expert_tokens(m), (size_t)n_stats * sizeof *before);
         g_dl_device_steps = g_dl_host_steps = 0;
-        for (int i = 0; i < N; i++) {
-            make_prompt(90 + i, lens[i], prompts[i]);
-            struct moe_request_params q;
-            moe_request_params_init(&q);
-            q.max_tokens = OUT;
-            q.ignore_eos = true;
-            CHECK(moe_engine_submit(e, (uint64_t)i, prompts[i], lens[i], &q, on_token, &runs[run],
-                                    &err) == MOE_OK);
-        }
-        run_to_end(e);
+        run_greedy(e, m, N, lens, outs, 90, &runs[run], stats[run]);
         moe_engine_destroy(e);
-        for (int i = 0; i < n_stats; i++)
-            stats[run][i] = moe_model_expert_tokens(m)[i] - before[i];
         printf("device routing: run %d (%s): %d forwards routed on the device, %d on the host\n",
                run, run < 2 ? "grouped_device_rows" : "host offsets only", g_dl_device_steps,
                g_dl_host_steps);
@@ -1644,8 +1659,8 @@ static void test_graphs(struct moe_backend *be, const char *fixture)
     int n_stats = c->n_layer * c->n_expert;
     static struct capture runs[2];
     uint64_t *stats[2] = {calloc((size_t)n_stats, 8), calloc((size_t)n_stats, 8)};
-    int32_t prompts[N][40];
     const int lens[N] = {5, 9, 3, 17, 7, 12};
+    const int outs[N] = {OUT, OUT - 2, OUT - 4, OUT, OUT - 2, OUT - 4}; /* finishing apart */
     struct moe_model_profile prof[2];
     for (int run = 0; run < 2; run++) {
         be->ops = run ? &wrapped : G.real;
@@ -1657,24 +1672,10 @@ static void test_graphs(struct moe_backend *be, const char *fixture)
         CHECKF(moe_engine_create(m, NULL, &o, &e, &err) == MOE_OK, "%s", err.msg);
         if (!e)
             break;
-        uint64_t before[512];
-        MOE_ASSERT(n_stats <= 512);
-        memcpy(before, moe_model_expert_tokens(m), (size_t)n_stats * 8);
         struct moe_model_profile p0;
         moe_model_profile(m, &p0);
-        for (int i = 0; i < N; i++) {
-            make_prompt(120 + i, lens[i], prompts[i]);
-            struct moe_request_params q;
-            moe_request_params_init(&q);
-            q.max_tokens = OUT - 2 * (i % 3); /* finishing at different steps */
-            q.ignore_eos = true;
-            CHECK(moe_engine_submit(e, (uint64_t)i, prompts[i], lens[i], &q, on_token, &runs[run],
-                                    &err) == MOE_OK);
-        }
-        run_to_end(e);
+        run_greedy(e, m, N, lens, outs, 120, &runs[run], stats[run]);
         moe_engine_destroy(e);
-        for (int i = 0; i < n_stats; i++)
-            stats[run][i] = moe_model_expert_tokens(m)[i] - before[i];
         moe_model_profile(m, &prof[run]);
         prof[run].graphs_recorded -= p0.graphs_recorded;
         prof[run].graphs_replayed -= p0.graphs_replayed;
@@ -1683,7 +1684,7 @@ static void test_graphs(struct moe_backend *be, const char *fixture)
     be->ops = G.real;
     int same = 0;
     for (int i = 0; i < N; i++)
-        same += runs[0].n[i] == OUT - 2 * (i % 3) && runs[1].n[i] == runs[0].n[i] &&
+        same += runs[0].n[i] == outs[i] && runs[1].n[i] == runs[0].n[i] &&
                 !memcmp(runs[0].tokens[i], runs[1].tokens[i], sizeof(int32_t) * runs[0].n[i]);
     CHECKF(same == N, "graphs (%s): %d of %d requests the same tokens with graphs", fixture, same,
            N);
