@@ -341,6 +341,13 @@ struct moe_backend_ops {
     void (*sample_top_p)(struct moe_backend *be, const float *logits, int n, int vocab,
                          float temperature, float top_p, const double *uniform, int32_t *out_ids);
 
+    /* sample_top_p with each row's own temperature[r] and top_p[r] (backend
+     * arrays of n; temperature <= 0: the argmax), so one launch serves rows
+     * of any mix of settings and its shape does not depend on them. */
+    void (*sample_rows)(struct moe_backend *be, const float *logits, int n, int vocab,
+                        const float *temperature, const float *top_p, const double *uniform,
+                        int32_t *out_ids);
+
     /* KV handoff, one layer per call: out[i][0] = the block_size rows of
      * k_cache starting at slot block_ids[i] * block_size, out[i][1] = those
      * of v_cache. k_cache, v_cache (n_slot, kv_dim); block_ids (n);

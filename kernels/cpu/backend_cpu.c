@@ -222,6 +222,18 @@ static void cpu_op_sample_top_p(struct moe_backend *be, const float *logits, int
                &e);
 }
 
+static void cpu_op_sample_rows(struct moe_backend *be, const float *logits, int n, int vocab,
+                               const float *temperature, const float *top_p, const double *uniform,
+                               int32_t *out_ids)
+{
+    struct moe_error e = {0};
+    enum moe_status st = MOE_OK;
+    for (int r = 0; r < n && st == MOE_OK; r++)
+        st = cpu_sample_top_p(logits + (size_t)r * (size_t)vocab, 1, vocab, temperature[r],
+                              top_p[r], uniform + r, out_ids + r, &e);
+    cpu_record(be, st, &e);
+}
+
 static void cpu_op_kv_gather_blocks(struct moe_backend *be, const float *k_cache,
                                     const float *v_cache, const int32_t *block_ids, int n,
                                     int block_size, int kv_dim, float *out)
@@ -261,6 +273,7 @@ static const struct moe_backend_ops cpu_ops = {
     .unpermute_combine = cpu_op_unpermute_combine,
     .argmax = cpu_op_argmax,
     .sample_top_p = cpu_op_sample_top_p,
+    .sample_rows = cpu_op_sample_rows,
     .kv_gather_blocks = cpu_op_kv_gather_blocks,
     .kv_scatter_blocks = cpu_op_kv_scatter_blocks,
     .copy_cols = cpu_op_copy_cols,

@@ -744,6 +744,22 @@ static void cuda_op_sample_top_p(struct moe_backend *be, const float *logits, in
                "sample_top_p");
 }
 
+static void cuda_op_sample_rows(struct moe_backend *be, const float *logits, int n, int vocab,
+                                const float *temperature, const float *top_p, const double *uniform,
+                                int32_t *out_ids)
+{
+    cuda_of(be)->cnt.ops++;
+    if (vocab < 1 || vocab > MOE_CUDA_SAMPLE_MAX_VOCAB) {
+        cuda_fail(be, (int)cudaErrorNotSupported, "sample_rows: vocab %d not supported (1 .. %d)",
+                  vocab, MOE_CUDA_SAMPLE_MAX_VOCAB);
+        return;
+    }
+    cuda_check(be,
+               moe_cuda_sample_rows(logits, n, vocab, temperature, top_p, uniform, out_ids,
+                                    cuda_of(be)->stream),
+               "sample_rows");
+}
+
 static void cuda_op_kv_gather_blocks(struct moe_backend *be, const float *k_cache,
                                      const float *v_cache, const int32_t *block_ids, int n,
                                      int block_size, int kv_dim, float *out)
@@ -800,6 +816,7 @@ static const struct moe_backend_ops cuda_ops = {
     .unpermute_combine = cuda_op_unpermute_combine,
     .argmax = cuda_op_argmax,
     .sample_top_p = cuda_op_sample_top_p,
+    .sample_rows = cuda_op_sample_rows,
     .kv_gather_blocks = cuda_op_kv_gather_blocks,
     .kv_scatter_blocks = cuda_op_kv_scatter_blocks,
     .copy_cols = cuda_op_copy_cols,

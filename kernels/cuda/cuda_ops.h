@@ -171,6 +171,11 @@ cudaError_t moe_cuda_sample_top_p(const float *logits, int n, int vocab, float t
                                   float top_p, const double *uniform, int32_t *out_ids,
                                   cudaStream_t stream);
 
+/* The same with each row's own temperature and top_p (device arrays of n). */
+cudaError_t moe_cuda_sample_rows(const float *logits, int n, int vocab, const float *temperature,
+                                 const float *top_p, const double *uniform, int32_t *out_ids,
+                                 cudaStream_t stream);
+
 /* ---- kv_blocks.cu ---- */
 
 cudaError_t moe_cuda_kv_gather_blocks(const float *k_cache, const float *v_cache,

@@ -242,8 +242,13 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kThreads)
     sample_kernel(const float *__restrict__ logits, int vocab, float temperature, float top_p,
+                  const float *__restrict__ temps, const float *__restrict__ top_ps,
                   const double *__restrict__ uniform, int32_t *__restrict__ out_ids)
 {
+    if (temps) { // sample_rows: the row's own settings
+        temperature = temps[blockIdx.x];
+        top_p = top_ps[blockIdx.x];
+    }
     row_ctx c;
     c.row = logits + (size_t)blockIdx.x * (size_t)vocab;
     c.vocab = vocab;
@@ -294,7 +299,21 @@ extern "C" cudaError_t moe_cuda_sample_top_p(const float *logits, int n, int voc
         return cudaErrorNotSupported;
     if (n <= 0)
         return cudaSuccess;
-    sample_kernel<<<(unsigned)n, kThreads, 0, stream>>>(logits, vocab, temperature, top_p, uniform,
-                                                        out_ids);
+    sample_kernel<<<(unsigned)n, kThreads, 0, stream>>>(logits, vocab, temperature, top_p, nullptr,
+                                                        nullptr, uniform, out_ids);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t moe_cuda_sample_rows(const float *logits, int n, int vocab,
+                                            const float *temperature, const float *top_p,
+                                            const double *uniform, int32_t *out_ids,
+                                            cudaStream_t stream)
+{
+    if (vocab < 1 || vocab > MOE_CUDA_SAMPLE_MAX_VOCAB)
+        return cudaErrorNotSupported;
+    if (n <= 0)
+        return cudaSuccess;
+    sample_kernel<<<(unsigned)n, kThreads, 0, stream>>>(logits, vocab, 0.0f, 1.0f, temperature,
+                                                        top_p, uniform, out_ids);
     return cudaGetLastError();
 }

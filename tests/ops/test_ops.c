@@ -816,6 +816,33 @@ static void run_sample(struct run *r, const struct op_case *c)
     free(u);
 }
 
+/* sample_rows: a = {n, vocab, scale, ties}: as run_sample, each row its own
+ * settings (temperature 0, 0.3 .. 1.2; top_p 0 (off), 0.5 .. 1), read from
+ * backend arrays */
+static void run_sample_rows(struct run *r, const struct op_case *c)
+{
+    int n = c->a[0], vocab = c->a[1];
+    size_t nl = (size_t)n * vocab;
+    float *l = sample_logits(nl, (float)c->a[2], c->a[3]);
+    double *u = calloc((size_t)n + 1, sizeof *u);
+    float *temp = calloc((size_t)n + 1, 4), *top_p = calloc((size_t)n + 1, 4);
+    for (int i = 0; i < n; i++) {
+        u[i] = (double)test_rng_u32(&g_rng) / 4294967296.0;
+        temp[i] = i % 4 == 0 ? 0.0f : 0.3f * (float)(i % 5);
+        top_p[i] = i % 3 == 0 ? 0.0f : 0.5f + 0.25f * (float)(i % 3);
+    }
+    int32_t *ids = run_buf(r, NULL, ((size_t)n + 1) * 4);
+    r->be->ops->sample_rows(
+        r->be, run_buf(r, l, nl * 4), n, vocab, run_buf(r, temp, ((size_t)n + 1) * 4),
+        run_buf(r, top_p, ((size_t)n + 1) * 4), run_buf(r, u, ((size_t)n + 1) * 8), ids);
+    r->be->ops->synchronize(r->be);
+    run_get_ids(r, ids, (size_t)n);
+    free(l);
+    free(u);
+    free(temp);
+    free(top_p);
+}
+
 /* kv_gather_blocks / kv_scatter_blocks: a = {n, block_size, kv_dim, n_block,
  * scatter}; distinct random block ids. Gather compares the packed buffer,
  * scatter both whole caches (prefilled, so untouched blocks are checked). */
@@ -1041,6 +1068,10 @@ static const struct op_case g_cases[] = {
     {"sample_top_p", run_sample, {16, 1000, 100, 50, 3, 1}, 0},   /* tied p */
     {"sample_top_p", run_sample, {4, 151936, 120, 95, 10, 0}, 0}, /* qwen3 vocab */
     {"sample_top_p", run_sample, {9, 777, 30, 99, 20, 0}, 0},
+    /* sample_rows {n, vocab, scale, ties}: each row its own settings; ids exact */
+    {"sample_rows", run_sample_rows, {24, 32000, 5, 0}, 0},
+    {"sample_rows", run_sample_rows, {13, 1000, 3, 1}, 0},
+    {"sample_rows", run_sample_rows, {0, 1000, 3, 0}, 0},
     /* kv_gather_blocks / kv_scatter_blocks {n, block_size, kv_dim, n_block, scatter} */
     {"kv_gather_blocks", run_kv_blocks, {1, 1, 1, 1, 0}, 0},
     {"kv_gather_blocks", run_kv_blocks, {13, 16, 256, 40, 0}, 0},

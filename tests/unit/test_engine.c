@@ -1169,11 +1169,13 @@ static void test_step_uploads(struct moe_backend *be)
            forwards[1], uploads[1], uploads[0], forwards[0]);
 }
 
-/* n greedy requests (prompts make_prompt(seed + i, lens[i] <= 48), at most
- * max_tokens[i] tokens each, EOS ignored) run to the end on e into cap;
- * stats gets what they added to the model's expert statistics. */
-static void run_greedy(struct moe_engine *e, struct moe_model *m, int n, const int *lens,
-                       const int *max_tokens, int seed, struct capture *cap, uint64_t *stats)
+/* n requests (prompts make_prompt(seed + i, lens[i] <= 48), at most
+ * max_tokens[i] tokens each, EOS ignored; greedy, or with `sampled` every
+ * odd one drawn with its own seed, temperature and top_p) run to the end
+ * on e into cap; stats gets what they added to the expert statistics. */
+static void run_requests(struct moe_engine *e, struct moe_model *m, int n, const int *lens,
+                         const int *max_tokens, int seed, bool sampled, struct capture *cap,
+                         uint64_t *stats)
 {
     const struct moe_config *c = moe_model_config(m);
     const size_t n_stats = (size_t)c->n_layer * c->n_expert;
@@ -1188,6 +1190,12 @@ static void run_greedy(struct moe_engine *e, struct moe_model *m, int n, const i
         moe_request_params_init(&q);
         q.max_tokens = max_tokens[i];
         q.ignore_eos = true;
+        if (sampled && i % 2) {
+            q.sp.temperature = 0.6f + 0.2f * (float)(i % 3);
+            q.sp.top_p = i % 3 ? 0.9f : 1.0f;
+            q.has_seed = true;
+            q.seed = (uint64_t)(seed + 7 * i);
+        }
         CHECK(moe_engine_submit(e, (uint64_t)i, prompts[i], lens[i], &q, on_token, cap, &err) ==
               MOE_OK);
     }
@@ -1266,7 +1274,7 @@ static void test_device_routing(struct moe_backend *be)
         if (!e)
             break;
         g_dl_device_steps = g_dl_host_steps = 0;
-        run_greedy(e, m, N, lens, outs, 90, &runs[run], stats[run]);
+        run_requests(e, m, N, lens, outs, 90, false, &runs[run], stats[run]);
         moe_engine_destroy(e);
         printf("device routing: run %d (%s): %d forwards routed on the device, %d on the host\n",
                run, run < 2 ? "grouped_device_rows" : "host offsets only", g_dl_device_steps,
@@ -1327,7 +1335,8 @@ enum rec_op {
     R_COPY_COLS,
     R_SCATTER_ADD,
     R_SIGMOID,
-    R_COPY
+    R_COPY,
+    R_SAMPLE_ROWS
 };
 
 struct rec {
@@ -1412,6 +1421,9 @@ static void rec_run(struct moe_backend *be, const struct rec *r)
         break;
     case R_SIGMOID: o->sigmoid(be, r->out[0], r->bytes); break;
     case R_COPY: o->buf_copy(be, r->out[0], r->p[0], r->bytes); break;
+    case R_SAMPLE_ROWS:
+        o->sample_rows(be, r->p[0], r->i[0], r->i[1], r->p[1], r->p[2], r->p[3], r->out[0]);
+        break;
     }
 }
 
@@ -1507,6 +1519,11 @@ static void g_sigmoid(struct moe_backend *be, float *x, size_t n)
 static void g_copy(struct moe_backend *be, void *dst, const void *src, size_t bytes)
 {
     REC_OR_RUN(.op = R_COPY, .out = {dst}, .p = {src}, .bytes = bytes);
+}
+static void g_sample_rows(struct moe_backend *be, const float *logits, int n, int n_vocab,
+                          const float *temp, const float *top_p, const double *u, int32_t *ids)
+{
+    REC_OR_RUN(.op = R_SAMPLE_ROWS, .p = {logits, temp, top_p, u}, .i = {n, n_vocab}, .out = {ids});
 }
 #undef REC_OR_RUN
 
@@ -1611,7 +1628,7 @@ static void g_graph_reset(struct moe_backend *be)
     G.n_graphs = 0;
 }
 
-static void test_graphs(struct moe_backend *be, const char *fixture)
+static void test_graphs(struct moe_backend *be, const char *fixture, bool sampled)
 {
     enum { N = 6, OUT = 24 };
     struct moe_backend_ops wrapped = *be->ops;
@@ -1636,6 +1653,7 @@ static void test_graphs(struct moe_backend *be, const char *fixture)
     wrapped.scatter_add_rows = g_scatter_add;
     wrapped.sigmoid = g_sigmoid;
     wrapped.buf_copy = g_copy;
+    wrapped.sample_rows = g_sample_rows;
     wrapped.buf_upload = g_upload;
     wrapped.buf_download = g_download;
     wrapped.synchronize = g_sync;
@@ -1667,14 +1685,17 @@ static void test_graphs(struct moe_backend *be, const char *fixture)
         memset(&runs[run], 0, sizeof runs[run]);
         /* a budget of 24 tokens a step: prompts in chunks, then decode at
          * batch 1..6 as requests join and finish */
-        struct moe_engine_opts o = {.n_block = 64, .max_batch_tokens = 24, .forward_ids = true};
+        struct moe_engine_opts o = {.n_block = 64,
+                                    .max_batch_tokens = 24,
+                                    .forward_ids = true,
+                                    .backend_sampling = sampled};
         struct moe_engine *e = NULL;
         CHECKF(moe_engine_create(m, NULL, &o, &e, &err) == MOE_OK, "%s", err.msg);
         if (!e)
             break;
         struct moe_model_profile p0;
         moe_model_profile(m, &p0);
-        run_greedy(e, m, N, lens, outs, 120, &runs[run], stats[run]);
+        run_requests(e, m, N, lens, outs, 120, sampled, &runs[run], stats[run]);
         moe_engine_destroy(e);
         moe_model_profile(m, &prof[run]);
         prof[run].graphs_recorded -= p0.graphs_recorded;
@@ -1699,11 +1720,11 @@ static void test_graphs(struct moe_backend *be, const char *fixture)
            "graphs (%s): %llu recorded, %llu replayed (fake: %d recorded, %d launches, %d failed)",
            fixture, (unsigned long long)prof[1].graphs_recorded,
            (unsigned long long)prof[1].graphs_replayed, G.records, G.launches, G.failures);
-    printf("graphs (%s): %llu forwards, %llu recorded, %llu replayed, %d keys; tokens and expert "
-           "statistics as without graphs\n",
-           fixture, (unsigned long long)prof[1].forwards,
-           (unsigned long long)prof[1].graphs_recorded, (unsigned long long)prof[1].graphs_replayed,
-           G.n_graphs);
+    printf("graphs (%s%s): %llu forwards, %llu recorded, %llu replayed, %d keys; tokens and "
+           "expert statistics as without graphs\n",
+           fixture, sampled ? ", half the requests sampled" : "",
+           (unsigned long long)prof[1].forwards, (unsigned long long)prof[1].graphs_recorded,
+           (unsigned long long)prof[1].graphs_replayed, G.n_graphs);
     g_graph_reset(be);
     free(G.buf);
     free(stats[0]);
@@ -1743,9 +1764,10 @@ int main(void)
     test_random_workload();
     test_step_uploads(be);
     test_device_routing(be);
-    test_graphs(be, "tests/golden/fixtures/qwen3_moe");
-    test_graphs(be, "tests/golden/fixtures/mixtral");
-    test_graphs(be, "tests/golden/fixtures/qwen2_moe"); /* the shared gate's sigmoid */
+    test_graphs(be, "tests/golden/fixtures/qwen3_moe", false);
+    test_graphs(be, "tests/golden/fixtures/mixtral", false);
+    test_graphs(be, "tests/golden/fixtures/qwen2_moe", false); /* the shared gate's sigmoid */
+    test_graphs(be, "tests/golden/fixtures/mixtral", true);    /* sampled rows (sample_rows) */
     moe_model_free(model);
     /* DeepSeek-V3's latent cache (one row per token, K = V) through the same
      * scheduling: batches, preemption, prefix sharing */

@@ -47,14 +47,26 @@ static void stage_free(struct moe_backend *be, void *p)
         free(p);
 }
 
-enum { SI_U, SI_TOKENS, SI_POS, SI_SEQ, SI_SLOTS, SI_LOGIT_ROWS, SI_TABLES, SI_N };
+enum {
+    SI_U,
+    SI_TEMP,
+    SI_TOP_P,
+    SI_TOKENS,
+    SI_POS,
+    SI_SEQ,
+    SI_SLOTS,
+    SI_LOGIT_ROWS,
+    SI_TABLES,
+    SI_N
+};
 
 /* Byte offsets of the step inputs' slices for cap rows and cap_tab block
  * table entries (each 256-byte aligned; the tables last), and the size. */
 static size_t step_in_layout(size_t cap, size_t cap_tab, size_t off[SI_N])
 {
-    const size_t bytes[SI_N] = {cap * sizeof(double), cap * 4, cap * 4, cap * 4, cap * 4, cap * 4,
-                                cap_tab * 4};
+    const size_t bytes[SI_N] = {
+        cap * sizeof(double), cap * 4, cap * 4, cap * 4, cap * 4, cap * 4, cap * 4, cap * 4,
+        cap_tab * 4};
     size_t at = 0;
     for (int i = 0; i < SI_N; i++) {
         off[i] = at;
@@ -90,6 +102,8 @@ static enum moe_status step_in_alloc(struct moe_model *m, int cap, int cap_tab,
     s->h_step_in = host;
     char *d = dev;
     s->logit_u = (double *)(d + off[SI_U]);
+    s->logit_temp = (float *)(d + off[SI_TEMP]);
+    s->logit_top_p = (float *)(d + off[SI_TOP_P]);
     s->tokens = (int32_t *)(d + off[SI_TOKENS]);
     s->pos = (int32_t *)(d + off[SI_POS]);
     s->seq = (int32_t *)(d + off[SI_SEQ]);
@@ -116,8 +130,11 @@ static void step_inputs_upload(struct moe_model *m, const struct moe_batch *b, i
     memcpy(HOST_OF(s->slots), b->slots, ib);
     if (b->n_logits > 0)
         memcpy(HOST_OF(s->logit_rows), b->logit_rows, (size_t)b->n_logits * sizeof(int32_t));
-    if (b->n_logits > 0 && b->argmax_out && b->sample_u)
+    if (b->n_logits > 0 && b->argmax_out && b->sample_u) {
         memcpy(HOST_OF(s->logit_u), b->sample_u, (size_t)b->n_logits * sizeof(double));
+        memcpy(HOST_OF(s->logit_temp), b->sample_temp, (size_t)b->n_logits * sizeof(float));
+        memcpy(HOST_OF(s->logit_top_p), b->sample_top_p, (size_t)b->n_logits * sizeof(float));
+    }
     if (table_width == b->max_blocks) {
         memcpy(HOST_OF(s->block_tables), b->block_tables, (size_t)n_table * sizeof(int32_t));
     } else { /* rows widened to table_width (graph keys, below); the rest unread */
@@ -695,15 +712,22 @@ static enum moe_status check_batch(const struct moe_model *m, const struct moe_k
 static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
                                const struct moe_batch *b, float *logits, struct moe_error *err);
 
-/* moe_batch.sample_u (uploaded with the step's inputs): each run of rows
- * with the same temperature and top_p drawn by one sample_top_p (argmax
- * where the temperature is <= 0), into s->logit_ids. */
+/* moe_batch.sample_u (uploaded with the step's inputs, with each row's
+ * temperature and top_p) into s->logit_ids: the backend's sample_rows, one
+ * launch reading each row's settings; without it, each run of rows with
+ * the same settings drawn by one sample_top_p (argmax where the temperature
+ * is <= 0). */
 static void sample_rows(struct moe_model *m, const struct moe_batch *b)
 {
     struct moe_backend *be = m->be;
     const struct moe_backend_ops *ops = be->ops;
     struct scratch *s = &m->s;
     const int V = m->cfg.vocab_size;
+    if (ops->sample_rows) { /* one launch, each row's settings read on the backend */
+        ops->sample_rows(be, s->logits, b->n_logits, V, s->logit_temp, s->logit_top_p, s->logit_u,
+                         s->logit_ids);
+        return;
+    }
     for (int i = 0, j; i < b->n_logits; i = j) {
         const float temp = b->sample_temp[i], top_p = b->sample_top_p[i];
         for (j = i + 1; j < b->n_logits; j++)
@@ -777,9 +801,9 @@ static enum moe_status forward_ops(struct moe_model *m, struct moe_kv_cache *kv,
 static bool graph_candidate(const struct moe_model *m, const struct moe_batch *b)
 {
     const struct moe_backend_ops *ops = m->be->ops;
-    return ops->graph_launch && b->argmax_out && !b->sample_u && !m->tp_comm && !m->cfg.mla &&
-           !m->opts.profile && b->n_logits >= 1 && ops->grouped_device_rows &&
-           b->n_tok <= ops->grouped_device_rows(m->be, m->lin_dtype);
+    return ops->graph_launch && b->argmax_out && (!b->sample_u || ops->sample_rows) &&
+           !m->tp_comm && !m->cfg.mla && !m->opts.profile && b->n_logits >= 1 &&
+           ops->grouped_device_rows && b->n_tok <= ops->grouped_device_rows(m->be, m->lin_dtype);
 }
 
 /* Pure-decode greedy steps that may be graphs are padded to a power-of-two
@@ -804,15 +828,19 @@ static const struct moe_batch *pad_for_graph(struct moe_model *m, const struct m
     for (int i = 0; i < n; i++)
         if (b->seq[i] != i || b->logit_rows[i] != i)
             return b;
-    const size_t W = (size_t)b->max_blocks, need = 6 * (size_t)np + (size_t)np * W;
+    /* the draws first (8-byte aligned), then the settings, then the ints */
+    const size_t W = (size_t)b->max_blocks;
+    const size_t need = (size_t)np * sizeof(double) + (8 * (size_t)np + (size_t)np * W) * 4;
     if (need > m->h_pad_cap) {
-        int32_t *p = realloc(m->h_pad, need * sizeof *p);
+        void *p = realloc(m->h_pad, need);
         if (!p)
             return b; /* unpadded: the step runs without a graph */
         m->h_pad = p;
         m->h_pad_cap = need;
     }
-    int32_t *tok = m->h_pad, *pos = tok + np, *seq = pos + np, *slots = seq + np;
+    double *u = m->h_pad;
+    float *temp = (float *)(u + np), *top_p = temp + np;
+    int32_t *tok = (int32_t *)(top_p + np), *pos = tok + np, *seq = pos + np, *slots = seq + np;
     int32_t *rows = slots + np, *ids = rows + np, *tab = ids + np;
     for (int i = 0; i < np; i++) {
         int r = i < n ? i : n - 1;
@@ -822,8 +850,18 @@ static const struct moe_batch *pad_for_graph(struct moe_model *m, const struct m
         slots[i] = b->slots[r];
         rows[i] = i;
         memcpy(tab + (size_t)i * W, b->block_tables + (size_t)r * W, W * sizeof *tab);
+        if (b->sample_u) {
+            u[i] = b->sample_u[r];
+            temp[i] = b->sample_temp[r];
+            top_p[i] = b->sample_top_p[r];
+        }
     }
     *pb = *b;
+    if (b->sample_u) {
+        pb->sample_u = u;
+        pb->sample_temp = temp;
+        pb->sample_top_p = top_p;
+    }
     pb->n_tok = pb->n_seq = pb->n_logits = np;
     pb->tokens = tok;
     pb->pos = pos;
@@ -835,13 +873,14 @@ static const struct moe_batch *pad_for_graph(struct moe_model *m, const struct m
     return pb;
 }
 
-/* Decode steps as graphs (kernels/backend.h, graph_launch): a greedy step
- * on one rank whose MoE layers all route on the device (moe_layer.c, so at
- * most a few tokens: the backend's grouped GEMV) and whose ops read only
- * backend memory: not with sampling (its rows are grouped by temperature on
- * the host), latent attention (its head indexes are uploaded), a shared
- * expert gate on a backend without `sigmoid`, tensor or expert parallel
- * (their collectives), or --profile (its waits). The inputs are in step_in
+/* Decode steps as graphs (kernels/backend.h, graph_launch): an ids-only
+ * step (greedy, or sampled on a backend with sample_rows, which reads each
+ * row's settings from step_in) on one rank whose MoE layers all route on
+ * the device (moe_layer.c, so at most a few tokens: the backend's grouped
+ * GEMV) and whose ops read only backend memory: not latent attention (its
+ * head indexes are uploaded), a shared expert gate on a backend without
+ * `sigmoid`, tensor or expert parallel (their collectives), or --profile
+ * (its waits). The inputs are in step_in
  * already (step_inputs_upload), the scratch at fixed addresses. */
 static bool step_graphable(const struct moe_model *m, const struct moe_batch *b)
 {

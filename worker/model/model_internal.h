@@ -113,6 +113,8 @@ struct scratch {
     int32_t *logit_ids;    /* (n) argmax of each logit row (moe_batch.argmax_out) */
     float *qkv;            /* (n, q_dim + 2 kv_dim): the stacked q/k/v projection */
     double *logit_u;       /* (n) uniform draws of sampled rows (moe_batch.sample_u), in step_in */
+    float *logit_temp;     /* (n) their temperatures (moe_batch.sample_temp), in step_in */
+    float *logit_top_p;    /* (n) their top_p (moe_batch.sample_top_p), in step_in */
     /* the MoE layer (moe_layer.c), sized for n * top_k items */
     float *rows_a;      /* (n*k, d_model) rows in send order, then grouped by expert */
     float *rows_b;      /* (n*k, d_model) expert outputs, grouped by expert */
@@ -192,8 +194,8 @@ struct moe_model {
     bool graph_warned;         /* a step's graph failed to record (said once) */
     /* pad_for_graph's host arrays (the padded step's inputs and ids); not in
      * the scratch, which a step may reallocate after padding */
-    int32_t *h_pad;
-    size_t h_pad_cap; /* int32 entries */
+    void *h_pad;
+    size_t h_pad_cap; /* bytes */
     struct scratch s;
 };
 
