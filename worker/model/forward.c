@@ -802,8 +802,9 @@ static bool graph_candidate(const struct moe_model *m, const struct moe_batch *b
 {
     const struct moe_backend_ops *ops = m->be->ops;
     return ops->graph_launch && b->argmax_out && (!b->sample_u || ops->sample_rows) &&
-           !m->tp_comm && !m->cfg.mla && !m->opts.profile && b->n_logits >= 1 &&
-           ops->grouped_device_rows && b->n_tok <= ops->grouped_device_rows(m->be, m->lin_dtype);
+           !m->tp_comm && !(m->ep_comm && m->ep_comm->size > 1) && !m->cfg.mla &&
+           !m->opts.profile && b->n_logits >= 1 && ops->grouped_device_rows &&
+           b->n_tok <= ops->grouped_device_rows(m->be, m->lin_dtype);
 }
 
 /* Pure-decode greedy steps that may be graphs are padded to a power-of-two
