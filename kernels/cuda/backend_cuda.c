@@ -59,6 +59,7 @@ struct cuda_backend {
      * backend's op table (a copy of cuda_ops) has none */
     struct moe_backend_ops ops;
     bool graphs_on;
+    bool device_routing; /* MOE_CUDA_DEVICE_ROUTING=1 (grouped_device_rows) */
     bool capturing;      /* between a graph_begin that said true and graph_end */
     bool capture_broken; /* an op needed more scratch while capturing */
     struct cuda_graph *capture_slot;
@@ -688,9 +689,7 @@ static void cuda_graph_reset(struct moe_backend *be)
  * calls either way (tests/ops). */
 static int cuda_grouped_device_rows(struct moe_backend *be, enum moe_dtype w_dtype)
 {
-    (void)be;
-    const char *on = getenv("MOE_CUDA_DEVICE_ROUTING");
-    return on && !strcmp(on, "1") && w_dtype == MOE_DTYPE_BF16 ? MOE_CUDA_GEMV_MAX_TOK : 0;
+    return cuda_of(be)->device_routing && w_dtype == MOE_DTYPE_BF16 ? MOE_CUDA_GEMV_MAX_TOK : 0;
 }
 
 static void cuda_op_permute(struct moe_backend *be, const struct moe_permute_params *p)
@@ -728,36 +727,38 @@ static void cuda_op_argmax(struct moe_backend *be, const float *logits, int n, i
     cuda_check(be, moe_cuda_argmax(logits, n, vocab, out_ids, cuda_of(be)->stream), "argmax");
 }
 
+/* sample_top_p (temps NULL: every row `temperature`, `top_p`) and
+ * sample_rows (each row its own temps[r], top_ps[r]). */
+static void cuda_sample(struct moe_backend *be, const char *op, const float *logits, int n,
+                        int vocab, float temperature, float top_p, const float *temps,
+                        const float *top_ps, const double *uniform, int32_t *out_ids)
+{
+    cuda_of(be)->cnt.ops++;
+    if (vocab < 1 || vocab > MOE_CUDA_SAMPLE_MAX_VOCAB) {
+        cuda_fail(be, (int)cudaErrorNotSupported, "%s: vocab %d not supported (1 .. %d)", op, vocab,
+                  MOE_CUDA_SAMPLE_MAX_VOCAB);
+        return;
+    }
+    cuda_check(be,
+               moe_cuda_sample(logits, n, vocab, temperature, top_p, temps, top_ps, uniform,
+                               out_ids, cuda_of(be)->stream),
+               op);
+}
+
 static void cuda_op_sample_top_p(struct moe_backend *be, const float *logits, int n, int vocab,
                                  float temperature, float top_p, const double *uniform,
                                  int32_t *out_ids)
 {
-    cuda_of(be)->cnt.ops++;
-    if (vocab < 1 || vocab > MOE_CUDA_SAMPLE_MAX_VOCAB) {
-        cuda_fail(be, (int)cudaErrorNotSupported, "sample_top_p: vocab %d not supported (1 .. %d)",
-                  vocab, MOE_CUDA_SAMPLE_MAX_VOCAB);
-        return;
-    }
-    cuda_check(be,
-               moe_cuda_sample_top_p(logits, n, vocab, temperature, top_p, uniform, out_ids,
-                                     cuda_of(be)->stream),
-               "sample_top_p");
+    cuda_sample(be, "sample_top_p", logits, n, vocab, temperature, top_p, NULL, NULL, uniform,
+                out_ids);
 }
 
 static void cuda_op_sample_rows(struct moe_backend *be, const float *logits, int n, int vocab,
                                 const float *temperature, const float *top_p, const double *uniform,
                                 int32_t *out_ids)
 {
-    cuda_of(be)->cnt.ops++;
-    if (vocab < 1 || vocab > MOE_CUDA_SAMPLE_MAX_VOCAB) {
-        cuda_fail(be, (int)cudaErrorNotSupported, "sample_rows: vocab %d not supported (1 .. %d)",
-                  vocab, MOE_CUDA_SAMPLE_MAX_VOCAB);
-        return;
-    }
-    cuda_check(be,
-               moe_cuda_sample_rows(logits, n, vocab, temperature, top_p, uniform, out_ids,
-                                    cuda_of(be)->stream),
-               "sample_rows");
+    cuda_sample(be, "sample_rows", logits, n, vocab, 0.0f, 1.0f, temperature, top_p, uniform,
+                out_ids);
 }
 
 static void cuda_op_kv_gather_blocks(struct moe_backend *be, const float *k_cache,
@@ -862,6 +863,7 @@ static int missing_ops(const struct moe_backend_ops *ops, char *buf, size_t cap)
         OP(unpermute_combine),
         OP(argmax),
         OP(sample_top_p),
+        OP(sample_rows),
         OP(kv_gather_blocks),
         OP(kv_scatter_blocks),
 #undef OP
@@ -964,6 +966,8 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
     atomic_init(&cb->first_error, 0);
     const char *graphs = getenv("MOE_CUDA_GRAPHS");
     cb->graphs_on = graphs && !strcmp(graphs, "1");
+    const char *routing = getenv("MOE_CUDA_DEVICE_ROUTING");
+    cb->device_routing = routing && !strcmp(routing, "1");
     cb->base.name = "cuda";
     cb->base.device = MOE_DEVICE_CUDA;
     cb->ops = cuda_ops;

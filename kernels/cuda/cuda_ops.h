@@ -166,15 +166,12 @@ cudaError_t moe_cuda_unpermute_combine(const float *rows, const float *weights,
 #define MOE_CUDA_SAMPLE_MAX_VOCAB (1 << 23)
 cudaError_t moe_cuda_argmax(const float *logits, int n, int vocab, int32_t *out_ids,
                             cudaStream_t stream);
-/* uniform: device doubles (n). */
-cudaError_t moe_cuda_sample_top_p(const float *logits, int n, int vocab, float temperature,
-                                  float top_p, const double *uniform, int32_t *out_ids,
-                                  cudaStream_t stream);
-
-/* The same with each row's own temperature and top_p (device arrays of n). */
-cudaError_t moe_cuda_sample_rows(const float *logits, int n, int vocab, const float *temperature,
-                                 const float *top_p, const double *uniform, int32_t *out_ids,
-                                 cudaStream_t stream);
+/* sample_top_p with every row's `temperature` and `top_p`, or, with temps
+ * and top_ps (device arrays of n) given, sample_rows with each row's own.
+ * uniform: device doubles (n). */
+cudaError_t moe_cuda_sample(const float *logits, int n, int vocab, float temperature, float top_p,
+                            const float *temps, const float *top_ps, const double *uniform,
+                            int32_t *out_ids, cudaStream_t stream);
 
 /* ---- kv_blocks.cu ---- */
 

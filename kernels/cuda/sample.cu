@@ -291,29 +291,15 @@ extern "C" cudaError_t moe_cuda_argmax(const float *logits, int n, int vocab, in
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t moe_cuda_sample_top_p(const float *logits, int n, int vocab,
-                                             float temperature, float top_p, const double *uniform,
-                                             int32_t *out_ids, cudaStream_t stream)
+extern "C" cudaError_t moe_cuda_sample(const float *logits, int n, int vocab, float temperature,
+                                       float top_p, const float *temps, const float *top_ps,
+                                       const double *uniform, int32_t *out_ids, cudaStream_t stream)
 {
     if (vocab < 1 || vocab > MOE_CUDA_SAMPLE_MAX_VOCAB)
         return cudaErrorNotSupported;
     if (n <= 0)
         return cudaSuccess;
-    sample_kernel<<<(unsigned)n, kThreads, 0, stream>>>(logits, vocab, temperature, top_p, nullptr,
-                                                        nullptr, uniform, out_ids);
-    return cudaGetLastError();
-}
-
-extern "C" cudaError_t moe_cuda_sample_rows(const float *logits, int n, int vocab,
-                                            const float *temperature, const float *top_p,
-                                            const double *uniform, int32_t *out_ids,
-                                            cudaStream_t stream)
-{
-    if (vocab < 1 || vocab > MOE_CUDA_SAMPLE_MAX_VOCAB)
-        return cudaErrorNotSupported;
-    if (n <= 0)
-        return cudaSuccess;
-    sample_kernel<<<(unsigned)n, kThreads, 0, stream>>>(logits, vocab, 0.0f, 1.0f, temperature,
-                                                        top_p, uniform, out_ids);
+    sample_kernel<<<(unsigned)n, kThreads, 0, stream>>>(logits, vocab, temperature, top_p, temps,
+                                                        top_ps, uniform, out_ids);
     return cudaGetLastError();
 }

@@ -712,35 +712,6 @@ static enum moe_status check_batch(const struct moe_model *m, const struct moe_k
 static enum moe_status forward(struct moe_model *m, struct moe_kv_cache *kv,
                                const struct moe_batch *b, float *logits, struct moe_error *err);
 
-/* moe_batch.sample_u (uploaded with the step's inputs, with each row's
- * temperature and top_p) into s->logit_ids: the backend's sample_rows, one
- * launch reading each row's settings; without it, each run of rows with
- * the same settings drawn by one sample_top_p (argmax where the temperature
- * is <= 0). */
-static void sample_rows(struct moe_model *m, const struct moe_batch *b)
-{
-    struct moe_backend *be = m->be;
-    const struct moe_backend_ops *ops = be->ops;
-    struct scratch *s = &m->s;
-    const int V = m->cfg.vocab_size;
-    if (ops->sample_rows) { /* one launch, each row's settings read on the backend */
-        ops->sample_rows(be, s->logits, b->n_logits, V, s->logit_temp, s->logit_top_p, s->logit_u,
-                         s->logit_ids);
-        return;
-    }
-    for (int i = 0, j; i < b->n_logits; i = j) {
-        const float temp = b->sample_temp[i], top_p = b->sample_top_p[i];
-        for (j = i + 1; j < b->n_logits; j++)
-            if (b->sample_temp[j] != temp || (temp > 0.0f && b->sample_top_p[j] != top_p))
-                break;
-        if (temp > 0.0f)
-            ops->sample_top_p(be, s->logits + (size_t)i * V, j - i, V, temp, top_p, s->logit_u + i,
-                              s->logit_ids + i);
-        else
-            ops->argmax(be, s->logits + (size_t)i * V, j - i, V, s->logit_ids + i);
-    }
-}
-
 enum moe_status moe_model_forward(struct moe_model *m, struct moe_kv_cache *kv,
                                   const struct moe_batch *b, float *logits, struct moe_error *err)
 {
@@ -789,8 +760,9 @@ static enum moe_status forward_ops(struct moe_model *m, struct moe_kv_cache *kv,
         ops->gather_rows(be, s->x, s->logit_rows, b->n_logits, c->d_model, s->h);
         ops->rmsnorm(be, s->h, m->final_norm, s->h, b->n_logits, c->d_model, c->rms_eps);
         matmul(m, s->h, b->n_logits, c->d_model, m->lm_head, c->vocab_size, s->logits, false);
-        if (b->argmax_out && b->sample_u)
-            sample_rows(m, b);
+        if (b->argmax_out && b->sample_u) /* each row's draw and settings from step_in */
+            ops->sample_rows(be, s->logits, b->n_logits, c->vocab_size, s->logit_temp,
+                             s->logit_top_p, s->logit_u, s->logit_ids);
         else if (b->argmax_out)
             ops->argmax(be, s->logits, b->n_logits, c->vocab_size, s->logit_ids);
     }
@@ -801,9 +773,9 @@ static enum moe_status forward_ops(struct moe_model *m, struct moe_kv_cache *kv,
 static bool graph_candidate(const struct moe_model *m, const struct moe_batch *b)
 {
     const struct moe_backend_ops *ops = m->be->ops;
-    return ops->graph_launch && b->argmax_out && (!b->sample_u || ops->sample_rows) &&
-           !m->tp_comm && !(m->ep_comm && m->ep_comm->size > 1) && !m->cfg.mla &&
-           !m->opts.profile && b->n_logits >= 1 && ops->grouped_device_rows &&
+    return ops->graph_launch && b->argmax_out && !m->tp_comm &&
+           !(m->ep_comm && m->ep_comm->size > 1) && !m->cfg.mla && !m->opts.profile &&
+           b->n_logits >= 1 && ops->grouped_device_rows &&
            b->n_tok <= ops->grouped_device_rows(m->be, m->lin_dtype);
 }
 
@@ -875,8 +847,8 @@ static const struct moe_batch *pad_for_graph(struct moe_model *m, const struct m
 }
 
 /* Decode steps as graphs (kernels/backend.h, graph_launch): an ids-only
- * step (greedy, or sampled on a backend with sample_rows, which reads each
- * row's settings from step_in) on one rank whose MoE layers all route on
+ * step (greedy, or sampled: sample_rows reads each row's settings from
+ * step_in) on one rank whose MoE layers all route on
  * the device (moe_layer.c, so at most a few tokens: the backend's grouped
  * GEMV) and whose ops read only backend memory: not latent attention (its
  * head indexes are uploaded), a shared expert gate on a backend without
