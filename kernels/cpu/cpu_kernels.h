@@ -68,20 +68,25 @@ enum cpu_feature {
 
 /* ... and where the processor also has AVX512-FP16 (Sapphire / Emerald
  * Rapids with AMX hidden), bf16 fast calls of CPU_PH_MIN_TOK tokens on take
- * fp16 panels (matmul.c): weights and each token's activations (scaled by a
- * power of two to |x| <= 1) rounded to fp16, vfmadd231ph sums over
- * CPU_PH_SEG columns at a time in fp16, added in f32; a panel of weights
- * reaching CPU_PH_MAX_W takes the f32 panels. 32 tokens: 512-token prefill
- * (experts of ~128 rows) 921 tok/s against 909 at 16 and 869 at 48; a
- * 16-sequence decode step (16-row calls) is slower at 16 on the panels.
+ * fp16 panels (matmul.c): each token's activations scaled by a power of two
+ * to |x| <= 1 and the weights x 2^CPU_PH_STREAM_W_SHIFT, both in fp16 (the
+ * streaming tiles' arithmetic, below), in column pairs; each vfmadd231ph
+ * lane sums CPU_PH_SEG products in fp16 before they are added in f32 (its
+ * rms error still under that of rounding the activations to bf16, as the
+ * dot-product paths do: test_matmul_fast prints both); a panel with a weight
+ * of CPU_PH_PANEL_MAX_W or more takes the f32 panels. 32 tokens: 512-token
+ * prefill (experts of ~128 rows) 921 tok/s against 909 at 16 and 869 at 48
+ * (with the earlier panels); a 16-sequence decode step (16-row calls) is
+ * slower at 16 on the panels.
  * Calls of CPU_PH_STREAM_MIN_TOK .. CPU_PH_MIN_TOK - 1 tokens take fp16
  * streaming tiles there (matmul_dot.c: the same arithmetic, lanes over k,
  * each weight vector widened to fp16 once per 16 tokens; a row with a
- * weight of CPU_PH_MAX_W or more redone on vdpbf16ps): 16 tokens 1.4-1.5x
- * the f32 tiles (bench-kernels --fast, n_in 1024); 16-sequence bf16 decode
- * 244 -> 253 tok/s on 2 threads, 131 -> 139 on 1. */
+ * weight of CPU_PH_MAX_W / 2^shift or more redone on vdpbf16ps): 16 tokens
+ * 1.4-1.5x the f32 tiles (bench-kernels --fast, n_in 1024); 16-sequence
+ * bf16 decode 244 -> 253 tok/s on 2 threads, 131 -> 139 on 1. */
 #define CPU_PH_MIN_TOK 32
-#define CPU_PH_SEG 32
+#define CPU_PH_SEG 64
+#define CPU_PH_PANEL_MAX_W 32.0f
 #define CPU_PH_MAX_W 1024.0f
 /* The fp16 streaming tiles take their weights to fp16 by an integer
  * re-bias of the exponent that also scales them by 2^CPU_PH_STREAM_W_SHIFT

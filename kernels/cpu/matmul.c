@@ -146,7 +146,7 @@ struct mm_tile {
     float *scratch;
     bool packed;         /* the call takes the packed panels (cpu_matmul decides) */
     const float *xh;     /* bf16 tiles: x in bf16_halves_order (rows n_in apart), else NULL */
-    const uint32_t *xph; /* fp16 panels: x / xs as fp16 pairs (rows n_in apart), else NULL */
+    const uint32_t *xph; /* fp16 panels: x as fp16 column pairs ((n_in + 1) / 2 a row), else NULL */
     const float *xs;     /* ... and each token's power-of-two scale */
 };
 
@@ -707,91 +707,119 @@ AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
 /* ---- fp16 packed panels (bf16 weights, fast mode, AVX512-FP16) ----
  * Where the processor has AVX512-FP16 but no fast bf16 dot product (Intel
  * without AMX: vdpbf16ps issues at a quarter of an FMA's rate there),
- * fast-mode bf16 calls of PK_MIN_TOK tokens and more take these panels
- * instead of the f32 ones: PH_R weight rows per panel rounded to fp16
- * (exact for bf16 values of fp16's normal range: 8 significant bits fit in
- * 11), each token's row scaled by a power of two to |x| <= 1 and rounded
- * to fp16 (11 significant bits, where the dot-product paths keep 8), and
- * register tiles of vfmadd231ph: 32 multiply-adds an instruction at the f32
- * FMA's rate. Sums run in fp16 over PH_SEG columns and are then added in
- * f32; the scale is applied once at the end. A panel whose weights reach
- * PH_MAX_W (a segment's sum could then near fp16's range) takes the f32
- * panels. gcc only: clang 14 does not take the intrinsics under a target
- * attribute (as attention_tiled.c). */
+ * fast-mode bf16 calls of PH_MIN_TOK tokens and more take these panels
+ * instead of the f32 ones: register tiles of vfmadd231ph, 32 multiply-adds
+ * an instruction at the f32 FMA's rate. The arithmetic is the fp16
+ * streaming tiles' (matmul_dot.c): each token's row scaled by a power of two
+ * to |x| <= 1 and rounded to fp16 (11 significant bits, where the
+ * dot-product paths keep 8), the weights x 2^CPU_PH_STREAM_W_SHIFT taken to
+ * fp16 by a re-bias of their exponent (exact from 2^-(14 + shift); below,
+ * flushed), both scales undone once at the end.
+ *
+ * A panel holds PH_R weight rows in column pairs: for each pair of columns
+ * (2j, 2j + 1) the rows' two weights side by side, so a vector is 16 rows x
+ * 2 columns and a token's two activations broadcast as one dword. Lane 2r +
+ * c sums the products of row r's columns of parity c: PH_SEG of them in
+ * fp16, then added in f32; the two parities are added at the end. Packing
+ * is then a transpose of dwords (the f32 transposes' shuffles), and the
+ * conversion runs on 32 weights a vector in 16-bit lanes. A panel whose
+ * weights reach PH_MAX_W (a lane's fp16 sum could then near fp16's range)
+ * takes the f32 panels. gcc only: clang 14 does not take the intrinsics
+ * under a target attribute (as attention_tiled.c). */
 #define MM_PH MOE_HAVE_FP16
 
 #if MM_PH
 #define PH_TARGET MOE_FP16_TARGET
-#define PH_R 64 /* weight rows per fp16 panel (2 vectors of 32) */
+#define PH_R 32 /* weight rows per fp16 panel (2 vectors of 16 rows x 2 columns) */
 #define PH_T 12 /* tokens per register tile: 24 accumulators */
 #define PH_SEG CPU_PH_SEG
-#define PH_MAX_W CPU_PH_MAX_W /* PH_SEG x 1024 < 65504: a segment's sum stays finite */
+#define PH_MAX_W CPU_PH_PANEL_MAX_W
 #define PH_MIN_TOK CPU_PH_MIN_TOK
+_Static_assert(PH_SEG *PH_MAX_W *(1 << CPU_PH_STREAM_W_SHIFT) <= 32768.0f,
+               "a lane's fp16 sum of PH_SEG products stays below half of fp16's range");
 
-/* Token row x (n_in) as fp16 pairs (each value twice in a dword: its
- * broadcast is a load) of x / 2^e with 2^e the least power of two above
- * max |x|; returns 2^e (1 for a zero row). */
-PH_TARGET static float ph_act_row(const float *x, int n_in, uint32_t *xp)
+/* Token row x (n_in) as fp16 of x / 2^e with 2^e the least power of two
+ * above max |x|, zero-padded to an even length (xh: (n_in + 1) / 2 dwords);
+ * returns the output's scale, 2^(e - shift) (2^-shift for a zero row). */
+PH_TARGET static float ph_act_row(const float *x, int n_in, uint16_t *xh)
 {
     const int e = fp16_row_exp(x, n_in);
     const __m512 inv = _mm512_set1_ps(ldexpf(1.0f, -e)); /* exact */
     for (int k = 0; k < n_in; k += 16) {
         const int kk = n_in - k < 16 ? n_in - k : 16;
         const __mmask16 m16 = (__mmask16)((1u << kk) - 1u);
-        _mm512_mask_storeu_epi32(
-            xp + k, m16, fp16_pairs16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m16, x + k), inv)));
+        _mm256_mask_storeu_epi16(
+            xh + k, m16,
+            _mm512_cvtps_ph(_mm512_mul_ps(_mm512_maskz_loadu_ps(m16, x + k), inv),
+                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
-    return ldexpf(1.0f, e);
+    if (n_in % 2)
+        xh[n_in] = 0;
+    return ldexpf(1.0f, e - CPU_PH_STREAM_W_SHIFT);
 }
 
-/* Rows [o, o + R) (R <= PH_R) of bf16 W as fp16, k-major: panel[k * PH_R +
- * r], rows past R zero. False (panel unusable) where a weight's magnitude
- * reaches PH_MAX_W. */
+/* Rows [o, o + R) (R <= PH_R) of bf16 W, x 2^shift as fp16, in column pairs:
+ * panel[(j * PH_R + r) * 2 + c] = w'[o + r][2j + c], zero past R and past
+ * n_in. False (panel unusable) where a weight's magnitude reaches PH_MAX_W. */
 PH_TARGET static bool pack_panel_ph(const struct moe_matmul_params *p, int o, int R,
                                     uint16_t *panel)
 {
     const int n_in = p->n_in;
-    if (R < PH_R)
-        memset(panel, 0, (size_t)n_in * PH_R * sizeof *panel);
-    __m512 mx = _mm512_setzero_ps();
-    for (int r0 = 0; r0 < R; r0 += 16) {
-        const int rr = R - r0 < 16 ? R - r0 : 16;
-        for (int k = 0; k < n_in; k += 16) {
-            const int kk = n_in - k < 16 ? n_in - k : 16;
+    const uint16_t *w = p->w;
+    const __m512i abs_bits = _mm512_set1_epi16(0x7fff);
+    __m512i mx = _mm512_setzero_si512();
+    for (int r0 = 0; r0 < PH_R; r0 += 16) {
+        for (int k = 0; k < n_in; k += 32) {
+            const int kk = n_in - k < 32 ? n_in - k : 32;
+            const __mmask32 m = kk == 32 ? ~(__mmask32)0 : (__mmask32)((1u << kk) - 1u);
             __m512 v[16];
-            load_rows16(p, o + r0, rr, k, kk, v);
-            for (int i = 0; i < rr; i++)
-                mx = _mm512_max_ps(mx, _mm512_abs_ps(v[i]));
-            transpose16_avx512(v);
-            for (int j = 0; j < kk; j++)
-                _mm256_storeu_si256(
-                    (__m256i *)(panel + (size_t)(k + j) * PH_R + r0),
-                    _mm512_cvtps_ph(v[j], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            for (int i = 0; i < 16; i++) {
+                if (r0 + i >= R) {
+                    v[i] = _mm512_setzero_ps();
+                    continue;
+                }
+                const __m512i wv =
+                    _mm512_maskz_loadu_epi16(m, w + (size_t)(o + r0 + i) * p->ldw + k);
+                const __m512i mag = _mm512_and_si512(wv, abs_bits);
+                mx = _mm512_max_epu16(mx, mag);
+                v[i] = _mm512_castph_ps(fp16_from_bf16_scaled(wv, mag, CPU_PH_STREAM_W_SHIFT));
+            }
+            transpose16_avx512(v); /* v[j]: column pair k / 2 + j of the 16 rows */
+            for (int j = 0; j < (kk + 1) / 2; j++)
+                _mm512_storeu_ps(panel + ((size_t)(k / 2 + j) * PH_R + r0) * 2, v[j]);
         }
     }
-    return _mm512_reduce_max_ps(mx) < PH_MAX_W;
+    /* bf16 bits of PH_MAX_W: a power of two, so |w| >= PH_MAX_W is mag >= them */
+    const uint16_t big = moe_f32_to_bf16(PH_MAX_W);
+    return _mm512_cmpge_epu16_mask(mx, _mm512_set1_epi16((short)big)) == 0;
 }
 
-/* acc (f32, T x PH_R, in `sum`) = x' W^T over the panel for T tokens (xp,
- * ldx dwords apart): fp16 register tiles, PH_SEG columns at a time. */
+/* sum[t][2 r + c] (f32) = row r's products of parity c over the panel for
+ * T tokens (xp: dword j of a token is its columns 2j, 2j + 1; ldx dwords
+ * apart): fp16 register tiles, PH_SEG column pairs at a time. */
 PH_TARGET static inline __attribute__((always_inline)) void
-mk_packed_ph(const int T, const uint32_t *xp, size_t ldx, int n_in, const uint16_t *panel,
-             float sum[PH_T][PH_R])
+mk_packed_ph(const int T, const uint32_t *xp, size_t ldx, int n_pairs, const uint16_t *panel,
+             float sum[PH_T][2 * PH_R])
 {
-    for (int k0 = 0; k0 < n_in; k0 += PH_SEG) {
-        const int k1 = n_in - k0 > PH_SEG ? k0 + PH_SEG : n_in;
+#pragma GCC unroll 12
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int r = 0; r < 2 * PH_R; r += 16)
+            _mm512_storeu_ps(sum[t] + r, _mm512_setzero_ps());
+    for (int j0 = 0; j0 < n_pairs; j0 += PH_SEG) {
+        const int j1 = n_pairs - j0 > PH_SEG ? j0 + PH_SEG : n_pairs;
         __m512h acc[PH_T][2];
 #pragma GCC unroll 12
         for (int t = 0; t < T; t++)
             acc[t][0] = acc[t][1] = _mm512_setzero_ph();
-        for (int k = k0; k < k1; k++) {
-            const __m512h w0 =
-                _mm512_castsi512_ph(_mm512_loadu_si512((const void *)(panel + (size_t)k * PH_R)));
+        for (int j = j0; j < j1; j++) {
+            const __m512h w0 = _mm512_castsi512_ph(
+                _mm512_loadu_si512((const void *)(panel + (size_t)j * 2 * PH_R)));
             const __m512h w1 = _mm512_castsi512_ph(
-                _mm512_loadu_si512((const void *)(panel + (size_t)k * PH_R + 32)));
+                _mm512_loadu_si512((const void *)(panel + (size_t)j * 2 * PH_R + 32)));
 #pragma GCC unroll 12
             for (int t = 0; t < T; t++) {
-                const __m512h xb = _mm512_castsi512_ph(_mm512_set1_epi32((int)xp[t * ldx + k]));
+                const __m512h xb = _mm512_castsi512_ph(_mm512_set1_epi32((int)xp[t * ldx + j]));
                 acc[t][0] = _mm512_fmadd_ph(xb, w0, acc[t][0]);
                 acc[t][1] = _mm512_fmadd_ph(xb, w1, acc[t][1]);
             }
@@ -803,24 +831,31 @@ mk_packed_ph(const int T, const uint32_t *xp, size_t ldx, int n_in, const uint16
                 __m512 lo, hi;
                 fp16_to_f32x2(acc[t][h], &lo, &hi);
                 float *s = sum[t] + 32 * h;
-                if (k0) {
-                    lo = _mm512_add_ps(lo, _mm512_loadu_ps(s));
-                    hi = _mm512_add_ps(hi, _mm512_loadu_ps(s + 16));
-                }
-                _mm512_storeu_ps(s, lo);
-                _mm512_storeu_ps(s + 16, hi);
+                _mm512_storeu_ps(s, _mm512_add_ps(_mm512_loadu_ps(s), lo));
+                _mm512_storeu_ps(s + 16, _mm512_add_ps(_mm512_loadu_ps(s + 16), hi));
             }
     }
 }
 
-PH_TARGET static void mk_packed_ph_any(int T, const uint32_t *xp, size_t ldx, int n_in,
-                                       const uint16_t *panel, float sum[PH_T][PH_R])
+PH_TARGET static void mk_packed_ph_any(int T, const uint32_t *xp, size_t ldx, int n_pairs,
+                                       const uint16_t *panel, float sum[PH_T][2 * PH_R])
 {
     switch (T) {
-    case 12: mk_packed_ph(12, xp, ldx, n_in, panel, sum); return;
-    case 8: mk_packed_ph(8, xp, ldx, n_in, panel, sum); return;
-    case 4: mk_packed_ph(4, xp, ldx, n_in, panel, sum); return;
-    case 1: mk_packed_ph(1, xp, ldx, n_in, panel, sum); return;
+#define PH_CASE(n)                                                                                 \
+    case n: mk_packed_ph(n, xp, ldx, n_pairs, panel, sum); return;
+        PH_CASE(1)
+        PH_CASE(2)
+        PH_CASE(3)
+        PH_CASE(4)
+        PH_CASE(5)
+        PH_CASE(6)
+        PH_CASE(7)
+        PH_CASE(8)
+        PH_CASE(9)
+        PH_CASE(10)
+        PH_CASE(11)
+        PH_CASE(12)
+#undef PH_CASE
     default: break;
     }
     MOE_ASSERT(0 && "mk_packed_ph_any: unsupported tile");
@@ -831,27 +866,38 @@ PH_TARGET static void mk_packed_ph_any(int T, const uint32_t *xp, size_t ldx, in
 PH_TARGET static void tile_avx512_packed_ph(const struct mm_tile *mt)
 {
     const struct moe_matmul_params *p = mt->p;
-    const int n_in = p->n_in, o_end = mt->o0 + mt->no, t_end = mt->t0 + mt->nt;
+    const int n_pairs = (p->n_in + 1) / 2, o_end = mt->o0 + mt->no;
     uint16_t *panel = (uint16_t *)mt->scratch;
-    float sum[PH_T][PH_R];
+    float sum[PH_T][2 * PH_R];
+    /* lanes 2r + c of two vectors: the even ones (c = 0), the odd ones */
+    const __m512i even =
+        _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    /* the task's tokens in tiles of nearly equal size (at most PH_T): tiles
+     * of 6 and more keep the FMA ports busy, where cutting whole tiles off
+     * first would leave tiles of 1-5 */
+    const int n_tiles = (mt->nt + PH_T - 1) / PH_T;
     for (int o = mt->o0; o < o_end; o += PH_R) {
         const int R = o_end - o < PH_R ? o_end - o : PH_R;
         if (!pack_panel_ph(p, o, R, panel)) {
-            for (int oo = o; oo < o + R; oo += PK_R)
-                tile_packed_rows_avx512(mt, oo, o + R - oo < PK_R ? o + R - oo : PK_R);
+            tile_packed_rows_avx512(mt, o, R);
             continue;
         }
-        for (int t = mt->t0; t < t_end;) {
-            const int left = t_end - t;
-            const int T = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4 : 1;
-            mk_packed_ph_any(T, mt->xph + (size_t)t * n_in, (size_t)n_in, n_in, panel, sum);
+        for (int i = 0, t = mt->t0; i < n_tiles; i++) {
+            const int T = mt->nt / n_tiles + (i < mt->nt % n_tiles);
+            mk_packed_ph_any(T, mt->xph + (size_t)t * n_pairs, (size_t)n_pairs, n_pairs, panel,
+                             sum);
             for (int tt = 0; tt < T; tt++) {
                 const __m512 s = _mm512_set1_ps(mt->xs[t + tt]);
                 float *y = p->y + (size_t)(t + tt) * p->n_out + o;
                 for (int r = 0; r < R; r += 16) {
                     const __mmask16 m =
                         R - r >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (R - r)) - 1u);
-                    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sum[tt] + r), s);
+                    const __m512 a = _mm512_loadu_ps(sum[tt] + 2 * r),
+                                 b = _mm512_loadu_ps(sum[tt] + 2 * r + 16);
+                    __m512 v = _mm512_mul_ps(_mm512_add_ps(_mm512_permutex2var_ps(a, even, b),
+                                                           _mm512_permutex2var_ps(a, odd, b)),
+                                             s);
                     if (p->accumulate)
                         v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + r), v);
                     _mm512_mask_storeu_ps(y + r, m, v);
@@ -1985,7 +2031,8 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
             p->n_tok % job->tok_block < pk_min)
             job->tok_block = (p->n_tok + (p->n_tok + PK_TOK_BLOCK - 1) / PK_TOK_BLOCK - 1) /
                              ((p->n_tok + PK_TOK_BLOCK - 1) / PK_TOK_BLOCK);
-        scratch_rows = (size_t)(job->isa == CPU_ISA_AVX512 ? PK_R : PK2_R); /* PH_R halves */
+        scratch_rows =
+            (size_t)(job->isa == CPU_ISA_AVX512 ? PK_R : PK2_R); /* holds an fp16 panel */
         need_scratch = true;
     }
     int n_tok_blocks = (p->n_tok + job->tok_block - 1) / job->tok_block;
@@ -2013,12 +2060,13 @@ static void mm_prepare(struct moe_threadpool *pool, const struct moe_matmul_para
     }
 #if MM_PH
     if (ph) {
-        c->ph_buf = malloc((size_t)p->n_tok * ((size_t)p->n_in + 1) * sizeof(float));
+        const size_t n_pairs = ((size_t)p->n_in + 1) / 2;
+        c->ph_buf = malloc((size_t)p->n_tok * (n_pairs + 1) * sizeof(float));
         MOE_ASSERT(c->ph_buf != NULL);
         uint32_t *xph = (uint32_t *)(c->ph_buf + p->n_tok);
         for (int t = 0; t < p->n_tok; t++)
-            c->ph_buf[t] =
-                ph_act_row(p->x + (size_t)t * p->n_in, p->n_in, xph + (size_t)t * p->n_in);
+            c->ph_buf[t] = ph_act_row(p->x + (size_t)t * p->n_in, p->n_in,
+                                      (uint16_t *)(xph + (size_t)t * n_pairs));
         job->xs = c->ph_buf;
         job->xph = xph;
     }

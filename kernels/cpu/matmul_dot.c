@@ -1035,10 +1035,10 @@ DOT_TARGET static void q4_rows_bf16(const struct moe_matmul_params *p, int o, in
  * are scaled by a power of two to |x| <= 1 and rounded to fp16 once per
  * call (xph, sph); a tile is one weight row against up to PHS_T tokens,
  * lanes over k: each 32 weights are taken to fp16 once, scaled by
- * 2^CPU_PH_STREAM_W_SHIFT, by an integer re-bias (stream_w_ph: 4
- * instructions where widening through f32 took 9; exact from 2^-18 up)
- * and feed one vfmadd231ph per token. A lane's fp16 sum covers PHS_FLUSH of
- * its columns (the fp16 panels' CPU_PH_SEG) before it is added in f32. A
+ * 2^CPU_PH_STREAM_W_SHIFT, by an integer re-bias (simd_x86.h's
+ * fp16_from_bf16_scaled, as the fp16 panels take theirs; exact from 2^-18
+ * up) and feed one vfmadd231ph per token. A lane's fp16 sum covers PHS_FLUSH
+ * of its columns before it is added in f32. A
  * row holding a weight of CPU_PH_MAX_W / 2^shift or more (its fp16 sums
  * could overflow) is redone on the vdpbf16ps tiles from the bf16
  * activations the job also holds. */
@@ -1062,7 +1062,7 @@ static inline size_t phs_at(int t, int k, int ldx)
 
 /* Token row t of x as fp16 of x / 2^e into the layout above (zero past
  * n_in, up to ldx), 2^e the least power of two above max |x| (1 for a zero
- * row); returns the factor that takes its sums against stream_w_ph's
+ * row); returns the factor that takes its sums against fp16_from_bf16_scaled's
  * weights back: 2^(e - shift). */
 PH_TARGET static float act_ph_row(const float *x, int n_in, uint16_t *xph, int t, int ldx)
 {
@@ -1078,25 +1078,9 @@ PH_TARGET static float act_ph_row(const float *x, int n_in, uint16_t *xph, int t
     return ldexpf(1.0f, e - CPU_PH_STREAM_W_SHIFT);
 }
 
-/* Weights wv (32 bf16) x 2^CPU_PH_STREAM_W_SHIFT as fp16 by a re-bias of
- * their exponent: exact from 2^-(14 + shift) up to fp16's range; below,
- * zero (or, an exponent exactly at the bias, a value under 2^-(14 + shift)
- * in the scaled units' subnormals: an error below that threshold). Where
- * a weight reaches CPU_PH_MAX_W / 2^shift the result is unusable, which
- * mk_stream_ph's guard reports. Mirrored in tests/unit/test_matmul_fast.c. */
-PH_TARGET static inline __attribute__((always_inline)) __m512h stream_w_ph(__m512i wv, __m512i mag)
-{
-    /* fp16 exponent = bf16 exponent - 127 + 15 + shift; mag = wv & 0x7fff */
-    const __m512i bias = _mm512_set1_epi16((short)((127 - 15 - CPU_PH_STREAM_W_SHIFT) << 7));
-    const __m512i h = _mm512_slli_epi16(_mm512_subs_epu16(mag, bias), 3);
-    /* h | (wv & 0x8000): the sign back */
-    return _mm512_castsi512_ph(
-        _mm512_ternarylogic_epi32(h, wv, _mm512_set1_epi16((short)0x8000), 0xf8));
-}
-
 /* sum[r * T + t] = x'_t . w'_r for R rows of bf16 W (ldw apart) and T tokens
  * (xph: the first one's columns in phs_at's layout; R x T <= PHS_T), w' = w x
- * 2^CPU_PH_STREAM_W_SHIFT (stream_w_ph); pf: the rows after, prefetched.
+ * 2^CPU_PH_STREAM_W_SHIFT (fp16_from_bf16_scaled); pf: the rows after, prefetched.
  * Returns a bit set of the rows holding a weight of magnitude CPU_PH_MAX_W /
  * 2^shift or more (their sums unusable). */
 PH_TARGET static inline __attribute__((always_inline)) unsigned
@@ -1127,7 +1111,7 @@ mk_stream_ph(const int R, const int T, const uint16_t *xph, const uint16_t *w, i
                                                                     w + r * ldw + k);
             const __m512i mag = _mm512_and_si512(wv, abs_bits);
             wmax[r] = _mm512_max_epu16(wmax[r], mag);
-            const __m512h wh = stream_w_ph(wv, mag);
+            const __m512h wh = fp16_from_bf16_scaled(wv, mag, CPU_PH_STREAM_W_SHIFT);
 #pragma GCC unroll 16
             for (int t = 0; t < T; t++)
                 acc[r * T + t] =

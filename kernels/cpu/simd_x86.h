@@ -170,6 +170,25 @@ MOE_AVX512_TARGET static inline int fp16_row_exp(const float *x, int n)
 #define MOE_HAVE_FP16 1
 #define MOE_FP16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512fp16,fma,avx2")))
 
+/* 32 bf16 weights wv (mag = wv & 0x7fff) times 2^shift as fp16, by a
+ * re-bias of their exponent in 16-bit lanes (4 instructions a vector where
+ * widening through f32 takes 9): exact from 2^-(14 + shift) up to fp16's
+ * range; below, zero (or, an exponent exactly at the bias, a value under
+ * 2^-(14 + shift) in the scaled units' subnormals: an error below that
+ * threshold); past the range, garbage, which the users' guards keep out.
+ * The fp16 streaming tiles (matmul_dot.c) and panels (matmul.c) take their
+ * weights so; mirrored in tests/unit/test_matmul_fast.c (stream_w_emu). */
+MOE_FP16_TARGET static inline __attribute__((always_inline)) __m512h
+fp16_from_bf16_scaled(__m512i wv, __m512i mag, const int shift)
+{
+    /* fp16 exponent = bf16 exponent - 127 + 15 + shift */
+    const __m512i bias = _mm512_set1_epi16((short)((127 - 15 - shift) << 7));
+    const __m512i h = _mm512_slli_epi16(_mm512_subs_epu16(mag, bias), 3);
+    /* h | (wv & 0x8000): the sign back */
+    return _mm512_castsi512_ph(
+        _mm512_ternarylogic_epi32(h, wv, _mm512_set1_epi16((short)0x8000), 0xf8));
+}
+
 /* 32 fp16 lanes as two vectors of 16 f32 (exact): lanes 0..15, 16..31. */
 MOE_FP16_TARGET static inline __attribute__((always_inline)) void
 fp16_to_f32x2(__m512h x, __m512 *lo, __m512 *hi)

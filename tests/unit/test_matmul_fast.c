@@ -616,19 +616,38 @@ static double fp16_round(double v)
     return fabs(r) > 65504.0 ? copysign(INFINITY, v) : r;
 }
 
-/* One fp16-panel call against (a) its arithmetic emulated here, bit for bit:
- * x scaled by 2^-e (e from max |x|) and rounded to fp16, the weights rounded
- * to fp16, each CPU_PH_SEG columns summed by fp16 FMAs (product exact, one
- * rounding: done in double, where it is exact), the segments added in f32,
- * times 2^e; (b) the exact product in double, within the bound
- *   (2^-11 + g + (n_in / CPU_PH_SEG + 3) 2^-24) sum|x w| + 2^-25 2^e (sum|w| + n_in) +
- *   2^-25 sum|x|,  g = CPU_PH_SEG 2^-11 / (1 - CPU_PH_SEG 2^-11)
- * (x's rounding, the fp16 sums', the f32 adds', subnormal steps). Adds the
- * squared errors of the path and of bf16-rounded activations (what the
- * dot-product paths compute) to err2 and err2_bf16; returns the worst
- * error / bound. */
-static double ph_case(const struct fcase *c, const uint16_t *w, double *err2, double *err2_bf16)
+/* A bf16 weight as the fp16 streaming tiles and panels take it
+ * (simd_x86.h, fp16_from_bf16_scaled), times 2^CPU_PH_STREAM_W_SHIFT: the
+ * exponent re-biased in 16-bit integer lanes (saturating at zero, shifted,
+ * the sign put back). */
+static double stream_w_emu(uint16_t b)
 {
+    const unsigned mag = b & 0x7fffu, bias = (127u - 15u - CPU_PH_STREAM_W_SHIFT) << 7;
+    const unsigned h = ((mag > bias ? mag - bias : 0u) << 3) & 0xffffu;
+    const unsigned ex = h >> 10, mt = h & 0x3ffu;
+    const double v = ex == 0 ? ldexp(mt, -24) : ldexp(1024.0 + mt, (int)ex - 25);
+    return (b & 0x8000u) ? -v : v;
+}
+
+/* One fp16-panel call against (a) its arithmetic emulated here, bit for bit:
+ * x scaled by 2^-e (e from max |x|) and rounded to fp16, the weights as
+ * stream_w_emu takes them (tiny ones planted: flushed below
+ * 2^-(14 + shift)), two lanes a row (its even and its odd columns), each
+ * summing CPU_PH_SEG products by fp16 FMAs (product exact, one rounding:
+ * done in double, where it is exact) before adding them in f32, the two
+ * lanes added in f32, times 2^(e - shift); (b) the exact product in double,
+ * within the bound
+ *   (2^-11 + g + (n_in / (2 CPU_PH_SEG) + 4) 2^-24) sum|x w| + 2^-25 2^e (sum|w| + n_in) +
+ *   2^-25 sum|x| + flushed,  g = CPU_PH_SEG 2^-11 / (1 - CPU_PH_SEG 2^-11)
+ * (x's rounding, the fp16 sums', the f32 adds', subnormal steps, the
+ * flushed weights' |x| 2^-(14 + shift) each). Adds the squared errors of the
+ * path and of bf16-rounded activations (what the dot-product paths compute)
+ * to err2 and err2_bf16; returns the worst error / bound. */
+static double ph_case(const struct fcase *c, uint16_t *w, double *err2, double *err2_bf16)
+{
+    for (size_t k = 0; k < (size_t)c->n_out * c->ldw; k += 61) /* 2^-17 .. 2^-22 */
+        w[k] = moe_f32_to_bf16((k % 2 ? -1.0f : 1.0f) *
+                               ldexpf(1.0f + (float)(k % 7) / 8.0f, -17 - (int)(k % 6)));
     float *x = malloc((size_t)c->n_tok * c->n_in * sizeof *x);
     for (size_t i = 0; i < (size_t)c->n_tok * c->n_in; i++)
         x[i] = test_rng_float(&g_rng) * (i % 97 == 0 ? 8.0f : 1.0f);
@@ -652,6 +671,8 @@ static double ph_case(const struct fcase *c, const uint16_t *w, double *err2, do
     else
         cpu_matmul(c->via == 1 ? g_pool : NULL, &p);
     const double u = ldexp(1.0, -11), g = CPU_PH_SEG * u / (1 - CPU_PH_SEG * u);
+    const double tiny = ldexp(1.0, -14 - CPU_PH_STREAM_W_SHIFT);
+    const int n_pairs = (c->n_in + 1) / 2;
     double worst = 0;
     int mismatches = 0;
     for (int t = 0; t < c->n_tok; t++) {
@@ -664,31 +685,39 @@ static double ph_case(const struct fcase *c, const uint16_t *w, double *err2, do
             (void)frexpf(m, &e);
         for (int o = 0; o < c->n_out; o++) {
             const uint16_t *wr = w + (size_t)o * c->ldw;
-            double ref = 0, mag = 0, wsum = 0, xsum = 0, ref_bf16 = 0;
-            float sum = 0.0f;
-            for (int k0 = 0; k0 < c->n_in; k0 += CPU_PH_SEG) {
-                double acc = 0;
-                for (int k = k0; k < c->n_in && k < k0 + CPU_PH_SEG; k++) {
-                    const double wv = moe_bf16_to_f32(wr[k]);
-                    acc = fp16_round(fp16_round(ldexpf(xt[k], -e)) * fp16_round(wv) + acc);
-                    ref += (double)xt[k] * wv;
-                    ref_bf16 += (double)moe_bf16_to_f32(moe_f32_to_bf16(xt[k])) * wv;
-                    mag += fabs((double)xt[k] * wv);
-                    wsum += fabs(wv);
-                    xsum += fabs((double)xt[k]);
+            double ref = 0, mag = 0, wsum = 0, xsum = 0, ref_bf16 = 0, flushed = 0;
+            float lane[2] = {0.0f, 0.0f};
+            for (int j0 = 0; j0 < n_pairs; j0 += CPU_PH_SEG) {
+                for (int par = 0; par < 2; par++) {
+                    double acc = 0;
+                    for (int j = j0; j < n_pairs && j < j0 + CPU_PH_SEG; j++) {
+                        const int k = 2 * j + par;
+                        if (k >= c->n_in)
+                            continue;
+                        const double wv = moe_bf16_to_f32(wr[k]);
+                        acc = fp16_round(fp16_round(ldexpf(xt[k], -e)) * stream_w_emu(wr[k]) + acc);
+                        ref += (double)xt[k] * wv;
+                        ref_bf16 += (double)moe_bf16_to_f32(moe_f32_to_bf16(xt[k])) * wv;
+                        mag += fabs((double)xt[k] * wv);
+                        wsum += fabs(wv);
+                        xsum += fabs((double)xt[k]);
+                        if (fabs(wv) < tiny)
+                            flushed += fabs((double)xt[k]) * tiny;
+                    }
+                    lane[par] += (float)acc;
                 }
-                sum = k0 ? sum + (float)acc : (float)acc;
             }
             const size_t i = (size_t)t * c->n_out + o;
-            const float v = sum * ldexpf(1.0f, e);
+            const float v = (lane[0] + lane[1]) * ldexpf(1.0f, e - CPU_PH_STREAM_W_SHIFT);
             const float want = c->accumulate ? y0[i] + v : v;
             if (memcmp(&want, &y[i], sizeof want) != 0 && mismatches++ < 3)
                 printf("  fp16 panels %dx%dx%d: y[%d][%d] = %.9g, emulated %.9g\n", c->n_tok,
                        c->n_in, c->n_out, t, o, (double)y[i], (double)want);
             const double got = (double)y[i] - (c->accumulate ? y0[i] : 0.0);
-            const double bound = (u + g + (c->n_in / CPU_PH_SEG + 3) * ldexp(1.0, -24)) * mag +
-                                 ldexp(1.0, e - 25) * (wsum + c->n_in) + ldexp(xsum, -25) +
-                                 1e-6 * fabs((double)y0[i]) * c->accumulate;
+            const double bound =
+                (u + g + (c->n_in / (2 * CPU_PH_SEG) + 4) * ldexp(1.0, -24)) * mag +
+                ldexp(1.0, e - 25) * (wsum + c->n_in) + ldexp(xsum, -25) + flushed +
+                1e-6 * fabs((double)y0[i]) * c->accumulate;
             const double eb = fabs(got - ref) / (bound + 1e-30);
             if (!(eb <= worst))
                 worst = isnan(eb) ? INFINITY : eb;
@@ -708,8 +737,9 @@ static double ph_case(const struct fcase *c, const uint16_t *w, double *err2, do
  * vdpbf16ps is slow (no AMX), bf16 fast calls of CPU_PH_MIN_TOK+ tokens
  * equal their emulation bit for bit and stay within the documented bound of
  * the exact product; one token fewer is the exact kernels bit for bit; a
- * panel holding a weight of CPU_PH_MAX_W or more takes the f32 panels (its
- * rows equal the exact call's, the other panels' do not); a grouped call
+ * panel holding a weight of CPU_PH_PANEL_MAX_W or more takes the f32 panels
+ * (its rows equal the exact call's, the other panels' do not), one just
+ * below it stays on the fp16 panels; a grouped call
  * equals each expert alone. The error against the exact product is printed
  * next to that of rounding the activations to bf16 (the dot-product paths'). */
 static void test_fp16_panels(unsigned feats)
@@ -722,8 +752,9 @@ static void test_fp16_panels(unsigned feats)
         {40, 96, 20, 96, true, 1},
         {100, 1024, 96, 1024, false, 2},
         {33, 129, 47, 130, true, 1},
-        {300, 200, 70, 256, true, 2}, /* several token blocks */
-        {257, 65, 31, 65, false, 1},  /* leftover tiles of 8, 4, 1 */
+        {300, 200, 70, 256, true, 2},  /* several token blocks */
+        {257, 65, 31, 65, false, 1},   /* tasks of 129 and 128 tokens: tiles of 12 and 11 */
+        {40, 2816, 20, 2816, true, 1}, /* 22 fp16 segments a lane */
         {64, 1000, 130, 1000, false, 0},
         {45, 31, 200, 33, true, 0},
     };
@@ -749,12 +780,14 @@ static void test_fp16_panels(unsigned feats)
     CHECKF(worst <= 1.0, "fp16 panels: error %.3g x the documented bound", worst);
 
     /* the threshold: one token below it the dot-product paths (the fp16
-     * streaming tiles, test_fp16_stream); a panel with a weight of
-     * CPU_PH_MAX_W: the f32 panels for its rows */
-    const int n_in = 96, n_out = 130, n_tok = 100, big_row = 70;
+     * streaming tiles, test_fp16_stream); a panel (32 rows, matmul.c's
+     * PH_R) with a weight of CPU_PH_PANEL_MAX_W: the f32 panels for its rows;
+     * one with a weight just below it (row 100): the fp16 panels */
+    const int n_in = 96, n_out = 130, n_tok = 100, big_row = 70, panel_rows = 32;
     const float *sc;
     uint16_t *w = make_weights(MOE_DTYPE_BF16, n_out, n_in, &sc);
-    w[(size_t)big_row * n_in + 5] = moe_f32_to_bf16(CPU_PH_MAX_W);
+    w[(size_t)big_row * n_in + 5] = moe_f32_to_bf16(CPU_PH_PANEL_MAX_W);
+    w[(size_t)100 * n_in + 7] = moe_f32_to_bf16(-CPU_PH_PANEL_MAX_W + 0.125f);
     float *x = malloc((size_t)n_tok * n_in * sizeof *x);
     float *ya = malloc((size_t)n_tok * n_out * sizeof *ya),
           *yb = malloc((size_t)n_tok * n_out * sizeof *yb);
@@ -786,16 +819,17 @@ static void test_fp16_panels(unsigned feats)
         for (int o = 0; o < n_out; o++) {
             const size_t i = (size_t)t * n_out + o;
             const bool same = memcmp(&ya[i], &yb[i], sizeof *ya) == 0;
-            if (o / 64 == big_row / 64)
+            if (o / panel_rows == big_row / panel_rows)
                 same_big += same;
             else
                 same_other += same;
         }
-    CHECKF(same_big == n_tok * 64, "fp16 panels: a panel with |w| = %g: %d of %d outputs as exact",
-           (double)CPU_PH_MAX_W, same_big, n_tok * 64);
-    CHECKF(same_other < n_tok * (n_out - 64) / 2,
+    CHECKF(same_big == n_tok * panel_rows,
+           "fp16 panels: a panel with |w| = %g: %d of %d outputs as exact",
+           (double)CPU_PH_PANEL_MAX_W, same_big, n_tok * panel_rows);
+    CHECKF(same_other < n_tok * (n_out - panel_rows) / 2,
            "fp16 panels: panels without a large weight gave the exact bits (%d of %d)", same_other,
-           n_tok * (n_out - 64));
+           n_tok * (n_out - panel_rows));
     free(w);
     free(x);
     free(ya);
@@ -804,19 +838,7 @@ static void test_fp16_panels(unsigned feats)
     printf("fp16 panels: %d cases equal their emulation bit for bit, worst error %.3g of the "
            "documented bound; rms error %.3g x that of bf16-rounded activations; from %d tokens, "
            "a panel with |w| >= %g the f32 panels\n",
-           n, worst, sqrt(err2 / (err2_bf16 + 1e-300)), CPU_PH_MIN_TOK, (double)CPU_PH_MAX_W);
-}
-
-/* A bf16 weight as the fp16 streaming tiles take it (matmul_dot.c,
- * stream_w_ph), times 2^CPU_PH_STREAM_W_SHIFT: the exponent re-biased in
- * 16-bit integer lanes (saturating at zero, shifted, the sign put back). */
-static double stream_w_emu(uint16_t b)
-{
-    const unsigned mag = b & 0x7fffu, bias = (127u - 15u - CPU_PH_STREAM_W_SHIFT) << 7;
-    const unsigned h = ((mag > bias ? mag - bias : 0u) << 3) & 0xffffu;
-    const unsigned ex = h >> 10, mt = h & 0x3ffu;
-    const double v = ex == 0 ? ldexp(mt, -24) : ldexp(1024.0 + mt, (int)ex - 25);
-    return (b & 0x8000u) ? -v : v;
+           n, worst, sqrt(err2 / (err2_bf16 + 1e-300)), CPU_PH_MIN_TOK, (double)CPU_PH_PANEL_MAX_W);
 }
 
 /* The fp16 streaming tiles (matmul_dot.c): where the fp16 panels exist,
