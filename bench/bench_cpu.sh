@@ -3,8 +3,10 @@
 # model (../shared/models/bench-moe-640M.config.json: vocab 32000, hidden 1024,
 # 8 layers, 16 heads / 4 KV heads, 8 experts top-2, expert FFN 2816), the
 # cells
-#   prefill512   one 512-token prompt (tokens/s of the prefill)
-#   prefill4096  one 4096-token prompt (eight 512-token chunks)
+#   prefill512   one 512-token prompt (tokens/s of the prefill), after one
+#                untimed warm-up prefill of it (--warmup, as llama-bench warms
+#                up; a build without the flag: cold)
+#   prefill4096  one 4096-token prompt (eight 512-token chunks), the same
 #   decode1      one sequence, 64 tokens after an 8-token prompt (decode tokens/s)
 #   decode16     16 sequences of 8-token prompts, 64 tokens each (decode phase:
 #                16 / mean TPOT)
@@ -56,7 +58,6 @@ else modes=${MODES:-"exact fast"}; fi
 threads_list=${THREADS:-"1 2"}
 base=${BASE:-}
 [ -n "$base" ] && modes="base $modes"
-here=$(cd "$(dirname "$0")" && pwd)
 
 made_model=0
 if [ ! -f "$model/config.json" ]; then
@@ -91,11 +92,12 @@ run() {
   esac
   local gen=(env MOE_CPU_ISA="$isa" "$bin" --model "$model" --device cpu --threads "$th" --dtype "$dt" --ignore-eos
              "${flags[@]}")
-  local out v
+  local out v warm=()
+  "$bin" --help 2>/dev/null | grep -q -- --warmup && warm=(--warmup)
   case $cell in
-    prefill512) out=$("${gen[@]}" --tokens "$ids512" -n 1 2>/dev/null)
+    prefill512) out=$("${gen[@]}" --tokens "$ids512" -n 1 "${warm[@]}" 2>/dev/null)
       v=$(echo "$out" | sed -n 's/^prefill: .* \([0-9.]*\) tokens\/s.*/\1/p') ;;
-    prefill4096) out=$("${gen[@]}" --tokens "$ids4096" -n 1 --kv-memory 1024 2>/dev/null)
+    prefill4096) out=$("${gen[@]}" --tokens "$ids4096" -n 1 --kv-memory 1024 "${warm[@]}" 2>/dev/null)
       v=$(echo "$out" | sed -n 's/^prefill: .* \([0-9.]*\) tokens\/s.*/\1/p') ;;
     decode1) out=$("${gen[@]}" --tokens "$ids8" -n 64 2>/dev/null)
       v=$(echo "$out" | sed -n 's/^decode: .* \([0-9.]*\) tokens\/s.*/\1/p') ;;

@@ -65,6 +65,7 @@ struct args {
     const char *placement;
     int comm_timeout_ms;
     bool profile;
+    bool warmup;
     const char *placement_switch;
     bool exact;
     bool batch_invariant;
@@ -134,6 +135,9 @@ static void usage(FILE *f)
            "                      JSON (the format of moectl --json experts stats; moe-prune\n"
            "                      reads it)\n"
            "  --profile           print where the forward time went, per rank (stderr)\n"
+           "  --warmup            --prompt / --tokens: run the prompt's prefill once first,\n"
+           "                      untimed and uncounted (as llama-bench's warm-up run: the\n"
+           "                      first forward also pays for first-touch memory)\n"
            "under mpirun (one model replica over all ranks):\n"
            "  --tp T              tensor-parallel size for attention (default 1)\n"
            "  --dp-attention      data-parallel attention (TP 1): every rank runs attention\n"
@@ -230,6 +234,8 @@ static int check_args(const struct args *a)
         return cli_fail("--ctx, --kl-save and --kl-base go with --perplexity FILE");
     if (a->group_size && a->dtype != MOE_DTYPE_I4)
         return cli_fail("--group-size goes with --dtype int4");
+    if (a->warmup && !a->prompt && !a->tokens)
+        return cli_fail("--warmup goes with --prompt TEXT or --tokens IDS");
     if (a->logits_out && a->prompts_file)
         return cli_fail("--logits-out works with one prompt, not with --prompts-file");
     return 0;
@@ -248,6 +254,7 @@ static int parse_args(int argc, char **argv, struct args *a)
         {"--ignore-eos", &a->ignore_eos},
         {"--no-prefix-cache", &a->no_prefix_cache},
         {"--profile", &a->profile},
+        {"--warmup", &a->warmup},
         {"--exact", &a->exact},
         {"--batch-invariant", &a->batch_invariant},
         {"--print-outputs", &a->print_outputs},
@@ -736,6 +743,22 @@ static int run_prompt(struct gen_run *g)
         .forward = g->group ? moe_group_forward : NULL,
         .forward_ctx = g->group,
     };
+    if (a->warmup) {
+        if (g->group) {
+            moe_error_set(&g->err, MOE_ERR_INVALID,
+                          "--warmup: single-process runs only (not under mpirun)");
+            return report_error(g);
+        }
+        struct moe_gen_opts wo = go;
+        wo.n_predict = 0;
+        struct moe_gen_result wr;
+        if (moe_generate(g->model, g->prompt, g->n_prompt, &wo, NULL, &wr, &g->err))
+            return report_error(g);
+        moe_gen_result_free(&wr);
+        moe_model_reset_counters(g->model);
+        if (g->be->ops->counters)
+            g->be->ops->counters(g->be, &g->at_load);
+    }
     if (moe_generate(g->model, g->prompt, g->n_prompt, &go, g->logits, &g->res, &g->err))
         return report_error(g);
     if (a->logits_out && (rc = write_logits(a->logits_out, g->logits, n_logits)))

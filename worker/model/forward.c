@@ -1081,6 +1081,17 @@ void moe_model_profile(const struct moe_model *m, struct moe_model_profile *out)
     *out = m->prof;
 }
 
+void moe_model_reset_counters(struct moe_model *m)
+{
+    m->prof = (struct moe_model_profile){0};
+    memset(m->expert_tokens, 0,
+           (size_t)m->cfg.n_layer * (size_t)(m->cfg.n_expert > 0 ? m->cfg.n_expert : 1) *
+               sizeof *m->expert_tokens);
+    m->ep_rows_computed = 0;
+    m->ep_bytes_sent = 0;
+    m->ep_rows_routed = 0;
+}
+
 void moe_model_ep_traffic(const struct moe_model *m, uint64_t *bytes_sent, uint64_t *rows_routed)
 {
     *bytes_sent = m->ep_bytes_sent;

@@ -117,6 +117,11 @@ struct moe_model_profile {
 
 void moe_model_profile(const struct moe_model *m, struct moe_model_profile *out);
 
+/* Zeroes what the forward passes counted since load: the profile, the
+ * routed tokens per expert (moe_model_expert_tokens), the expert-parallel
+ * traffic. For a warm-up run that should not count (moe-generate --warmup). */
+void moe_model_reset_counters(struct moe_model *m);
+
 /* Routed (token, expert) pairs per layer and expert since load:
  * counts[l * n_expert + e]; layers without experts stay 0. On a group every
  * rank counts every token of the batch (data-parallel attention: its own
