@@ -735,8 +735,10 @@ AVX512_TARGET static void tile_avx512_packed(const struct mm_tile *mt)
 #define PH_SEG CPU_PH_SEG
 #define PH_MAX_W CPU_PH_PANEL_MAX_W
 #define PH_MIN_TOK CPU_PH_MIN_TOK
-_Static_assert(PH_SEG *PH_MAX_W *(1 << CPU_PH_STREAM_W_SHIFT) <= 32768.0f,
-               "a lane's fp16 sum of PH_SEG products stays below half of fp16's range");
+/* the largest sum a lane reaches in fp16: PH_SEG products of |x'| <= 1 and
+ * |w'| < PH_MAX_W 2^shift */
+#define PH_LANE_MAX ((float)PH_SEG * PH_MAX_W * (float)(1 << CPU_PH_STREAM_W_SHIFT))
+_Static_assert(PH_LANE_MAX <= 32768.0f, "a lane's fp16 sum stays below half of fp16's range");
 
 /* Token row x (n_in) as fp16 of x / 2^e with 2^e the least power of two
  * above max |x|, zero-padded to an even length (xh: (n_in + 1) / 2 dwords);
