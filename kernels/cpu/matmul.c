@@ -750,10 +750,7 @@ PH_TARGET static float ph_act_row(const float *x, int n_in, uint16_t *xh)
     for (int k = 0; k < n_in; k += 16) {
         const int kk = n_in - k < 16 ? n_in - k : 16;
         const __mmask16 m16 = (__mmask16)((1u << kk) - 1u);
-        _mm256_mask_storeu_epi16(
-            xh + k, m16,
-            _mm512_cvtps_ph(_mm512_mul_ps(_mm512_maskz_loadu_ps(m16, x + k), inv),
-                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm256_mask_storeu_epi16(xh + k, m16, fp16_scaled16(x + k, m16, inv));
     }
     if (n_in % 2)
         xh[n_in] = 0;

@@ -1071,9 +1071,7 @@ PH_TARGET static float act_ph_row(const float *x, int n_in, uint16_t *xph, int t
     for (int k = 0; k < ldx; k += 16) {
         const int rem = n_in - k;
         const __mmask16 m = rem >= 16 ? 0xffff : rem > 0 ? (__mmask16)((1u << rem) - 1u) : 0;
-        _mm256_storeu_si256((__m256i *)(xph + phs_at(t, k, ldx)),
-                            _mm512_cvtps_ph(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm256_storeu_si256((__m256i *)(xph + phs_at(t, k, ldx)), fp16_scaled16(x + k, m, inv));
     }
     return ldexpf(1.0f, e - CPU_PH_STREAM_W_SHIFT);
 }

@@ -146,6 +146,17 @@ MOE_AVX512_TARGET static inline __attribute__((always_inline)) __m512i fp16_pair
     return _mm512_or_si512(w, _mm512_slli_epi32(w, 16));
 }
 
+/* The floats of x that m selects, times inv (a power of two, so exact),
+ * rounded to fp16 (nearest even), the rest zero: a token row's conversion in
+ * the fp16 matmul paths (matmul.c's panels, matmul_dot.c's streaming tiles),
+ * which therefore share their activations' arithmetic. AVX512F only. */
+MOE_AVX512_TARGET static inline __attribute__((always_inline)) __m256i
+fp16_scaled16(const float *x, __mmask16 m, __m512 inv)
+{
+    return _mm512_cvtps_ph(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x), inv),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 /* e with max |x| < 2^e over n floats (0 for a zero or non-finite maximum):
  * the fp16 matmul paths scale a token's row by 2^-e (exact) so |x| <= 1. */
 MOE_AVX512_TARGET static inline int fp16_row_exp(const float *x, int n)
