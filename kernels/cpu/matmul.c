@@ -803,15 +803,17 @@ struct ph_prefetch {
     int line, n_line; /* next line in the row, lines a row */
 };
 
+/* Rows [o, o + R) of p's bf16 weights; none where R <= 0. */
 static inline void ph_prefetch_init(struct ph_prefetch *pf, const struct moe_matmul_params *p,
                                     int o, int R)
 {
-    *pf = (struct ph_prefetch){.row = (const char *)((const uint16_t *)p->w + (size_t)o * p->ldw),
-                               .ld = (size_t)p->ldw * sizeof(uint16_t),
-                               .rows_left = R - 1,
-                               .n_line = (int)(((size_t)p->n_in * sizeof(uint16_t) + 63) / 64)};
+    *pf = (struct ph_prefetch){0};
     if (R <= 0)
-        pf->line = pf->n_line, pf->rows_left = 0;
+        return; /* line == n_line == 0: nothing to fetch */
+    pf->row = (const char *)((const uint16_t *)p->w + (size_t)o * p->ldw);
+    pf->ld = (size_t)p->ldw * sizeof(uint16_t);
+    pf->rows_left = R - 1;
+    pf->n_line = (int)(((size_t)p->n_in * sizeof(uint16_t) + 63) / 64);
 }
 
 static inline __attribute__((always_inline)) void ph_prefetch_some(struct ph_prefetch *pf, int n)
@@ -870,6 +872,9 @@ mk_packed_ph(const int T, const uint32_t *xp, size_t ldx, int n_pairs, const uin
     }
 }
 
+/* A task holds PH_MIN_TOK tokens or more (mm_prepare's token blocks), so its
+ * nearly equal tiles hold 9-12 (37 tokens: 10, 9, 9, 9); the smaller sizes
+ * are there for any caller that gives fewer. */
 PH_TARGET static void mk_packed_ph_any(int T, const uint32_t *xp, size_t ldx, int n_pairs,
                                        const uint16_t *panel, struct ph_prefetch *pf,
                                        int pf_per_seg, float sum[PH_T][2 * PH_R])
@@ -907,9 +912,8 @@ PH_TARGET static void tile_avx512_packed_ph(const struct mm_tile *mt)
     const __m512i even =
         _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    /* the task's tokens in tiles of nearly equal size (at most PH_T): tiles
-     * of 6 and more keep the FMA ports busy, where cutting whole tiles off
-     * first would leave tiles of 1-5 */
+    /* the task's tokens in tiles of nearly equal size (at most PH_T), where
+     * cutting whole tiles off first would leave tiles of 1-8 */
     const int n_tiles = (mt->nt + PH_T - 1) / PH_T;
     /* the next panel's lines spread over this one's fp16 segments */
     const int n_seg = n_tiles * ((n_pairs + PH_SEG - 1) / PH_SEG);
