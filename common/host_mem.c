@@ -27,6 +27,31 @@ void *moe_host_alloc(size_t bytes)
     return p;
 }
 
+void *moe_host_alloc_zeroed(size_t bytes)
+{
+    if (bytes == 0)
+        bytes = 64;
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes) != 0)
+        return NULL;
+    unsigned char *b = p;
+    if (bytes >= MOE_HOST_LAZY_ZERO_MIN) {
+        /* the page-aligned interior [lo, hi) by the kernel, the ends here; the
+         * block is ours whole, so no page in [lo, hi) holds another's bytes.
+         * Private anonymous memory (the heap, an mmapped chunk) reads as
+         * zero after MADV_DONTNEED, until written. */
+        const uintptr_t page = 4096, at = (uintptr_t)b;
+        const uintptr_t lo = (at + page - 1) & ~(page - 1), hi = (at + bytes) & ~(page - 1);
+        if (lo < hi && madvise((void *)lo, hi - lo, MADV_DONTNEED) == 0) {
+            memset(b, 0, lo - at);
+            memset((void *)hi, 0, at + bytes - hi);
+            return p;
+        }
+    }
+    memset(b, 0, bytes);
+    return p;
+}
+
 int moe_host_thp_eligible(const void *p)
 {
     FILE *f = fopen("/proc/self/smaps", "r");

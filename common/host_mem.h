@@ -20,6 +20,17 @@
  * when out of memory. */
 void *moe_host_alloc(size_t bytes);
 
+/* `bytes` (0 counts as 64) of zeroed host memory, 64-byte aligned, freed with
+ * free(), or NULL when out of memory: the CPU backend's buffers. From
+ * MOE_HOST_LAZY_ZERO_MIN bytes on, the whole pages inside the buffer are
+ * handed back to the kernel (madvise MADV_DONTNEED), which zeroes each on its
+ * first touch, instead of being written now: a buffer's pages are faulted in
+ * as it is used. The KV cache (512 MiB by default) was memset whole at
+ * start-up: 0.4 s of page faults in every process, seconds under the
+ * sanitizers, and all of it resident before a block held a token. */
+#define MOE_HOST_LAZY_ZERO_MIN ((size_t)1 << 20)
+void *moe_host_alloc_zeroed(size_t bytes);
+
 /* Whether the memory at p lies in a mapping the kernel may back with huge
  * pages, as /proc/self/smaps says ("THPeligible"): 1 yes, 0 no, -1 where
  * that cannot be told (no /proc, a kernel without the field). For tests. */

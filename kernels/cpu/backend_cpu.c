@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "host_mem.h"
 
 struct cpu_backend {
     struct moe_backend base; /* first: a struct moe_backend * is a struct cpu_backend * */
@@ -21,14 +22,11 @@ static struct moe_threadpool *be_pool(struct moe_backend *be)
     return ((struct cpu_backend *)be)->pool;
 }
 
-/* 64-byte aligned and zeroed. */
+/* 64-byte aligned and zeroed, freed with free(); large ones zeroed by the
+ * kernel page by page as they are first touched (host_mem.h). */
 static void *cpu_buf_alloc(struct moe_backend *be, size_t bytes)
 {
-    void *p = NULL;
-    if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0)
-        return NULL;
-    memset(p, 0, bytes);
-    return p;
+    return moe_host_alloc_zeroed(bytes);
 }
 
 static void cpu_buf_free(struct moe_backend *be, void *p)
