@@ -27,6 +27,11 @@
 #                           play (tests/deploy/test_podman.py); minutes, root
 #   tests/run.sh --no-fuzz  skip the fuzz pass
 set -euo pipefail
+# Each phase's header says when it started (seconds since this script did):
+# CI has 30 minutes on a 2-core machine, and its log is where they go.
+t_start=$(date +%s)
+phase() { echo "== $1 (at $(($(date +%s) - t_start)) s) =="; }
+
 cd "$(dirname "$0")/.."
 
 asan=1
@@ -82,20 +87,20 @@ if [ "$deploy" = 1 ]; then
   exit 0
 fi
 
-echo "== build (Release, -Werror) =="
+phase "build (Release, -Werror)"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMOE_WERROR=ON
 cmake --build build -j"$jobs"
-echo "== tests =="
+phase "tests"
 ctest --test-dir build --output-on-failure -j"$jobs"
 
 if [ "$asan" = 1 ]; then
-  echo "== build (ASan + UBSan, CPU only) =="
+  phase "build (ASan + UBSan, CPU only)"
   # -O1 -g, as the ASan documentation suggests: exact reports at about half
   # Debug's (-O0) test time (golden/perplexity 315 -> 155 s, test_spec 49 -> 18 s)
   cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g" \
     -DMOE_WERROR=ON -DMOE_SANITIZE=ON -DMOE_CUDA=OFF
   cmake --build build-asan -j"$jobs"
-  echo "== tests under ASan + UBSan =="
+  phase "tests under ASan + UBSan"
   # MOE_TEST_SANITIZER=address: the mpirun tests that repeat one mechanism
   # per model architecture run one model per attention kind (as under TSan)
   MOE_TEST_SANITIZER=address \
@@ -104,11 +109,11 @@ if [ "$asan" = 1 ]; then
 fi
 
 if [ "$tsan" = 1 ]; then
-  echo "== build (ThreadSanitizer, CPU only) =="
+  phase "build (ThreadSanitizer, CPU only)"
   cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_WERROR=ON -DMOE_SANITIZE=thread \
     -DMOE_CUDA=OFF
   cmake --build build-tsan -j"$jobs"
-  echo "== tests under ThreadSanitizer =="
+  phase "tests under ThreadSanitizer"
   reports=$(mktemp -d /tmp/moe-tsan-XXXXXX)
   # Every process writes its reports to $reports/tsan.PID (also the ones a
   # test SIGKILLs, whose exit code nobody sees); exit code 66 fails a test
@@ -122,7 +127,7 @@ if [ "$tsan" = 1 ]; then
   TSAN_OPTIONS="suppressions=$PWD/tests/sanitize/tsan.supp halt_on_error=0 second_deadlock_stack=1 log_path=$reports/tsan" \
     ctest --test-dir build-tsan --output-on-failure -j"$jobs" -L 'unit|integration|mpi' || tsan_rc=$?
   if grep -l "ThreadSanitizer" "$reports"/tsan.* >/dev/null 2>&1; then
-    echo "== ThreadSanitizer reports =="
+    phase "ThreadSanitizer reports"
     for f in $(grep -l "ThreadSanitizer" "$reports"/tsan.*); do echo "--- $f"; cat "$f"; done
     tsan_rc=1
   fi
@@ -131,11 +136,12 @@ if [ "$tsan" = 1 ]; then
 fi
 
 if [ "$fuzz" = 1 ]; then
-  echo "== build (libFuzzer targets: clang, ASan + UBSan, CPU only) =="
+  phase "build (libFuzzer targets: clang, ASan + UBSan, CPU only)"
   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_WERROR=ON \
     -DMOE_FUZZ=ON -DMOE_CUDA=OFF
   cmake --build build-fuzz -j"$jobs" --target moe_fuzz_all
-  echo "== fuzz: the committed inputs, then every target for ${FUZZ_SECONDS:-10} s =="
+  phase "fuzz: the committed inputs, then every target for ${FUZZ_SECONDS:-10} s"
   ctest --test-dir build-fuzz --output-on-failure -j"$jobs" -L fuzz
   tests/fuzz/run.sh build-fuzz "${FUZZ_SECONDS:-10}"
 fi
+phase "done"
