@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 void *moe_host_alloc(size_t bytes)
 {
@@ -40,7 +41,8 @@ void *moe_host_alloc_zeroed(size_t bytes)
          * block is ours whole, so no page in [lo, hi) holds another's bytes.
          * Private anonymous memory (the heap, an mmapped chunk) reads as
          * zero after MADV_DONTNEED, until written. */
-        const uintptr_t page = 4096, at = (uintptr_t)b;
+        const long ps = sysconf(_SC_PAGESIZE);
+        const uintptr_t page = ps > 0 ? (uintptr_t)ps : 4096, at = (uintptr_t)b;
         const uintptr_t lo = (at + page - 1) & ~(page - 1), hi = (at + bytes) & ~(page - 1);
         if (lo < hi && madvise((void *)lo, hi - lo, MADV_DONTNEED) == 0) {
             memset(b, 0, lo - at);

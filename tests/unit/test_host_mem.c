@@ -72,12 +72,13 @@ static void zeroed(void)
         if (!a)
             return;
         memset(a, 0xa5, bytes);
+        const uintptr_t at = (uintptr_t)a; /* a freed pointer's value is indeterminate */
         free(a);
         unsigned char *b = moe_host_alloc_zeroed(bytes);
         CHECKF(b != NULL, "moe_host_alloc_zeroed(%zu) failed\n", bytes);
         if (!b)
             return;
-        reused += b == a;
+        reused += (uintptr_t)b == at;
         CHECKF(nonzero(b, bytes) == 0,
                "moe_host_alloc_zeroed(%zu) on freed, written memory: %zu "
                "bytes not zero\n",
