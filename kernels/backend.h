@@ -52,7 +52,9 @@ struct moe_matmul_params {
      * bf16 (BF16 weights) or quantize each row of x to int8 with its own
      * scale (I8 weights) to use dot-product instructions, with the error
      * bounds documented in kernels/cpu/matmul_dot.c; a backend or processor
-     * without such a path computes exactly. */
+     * without such a path computes exactly. CUDA honours it where
+     * MOE_CUDA_FAST_GEMM=1 (one tensor-core GEMM on bf16 x instead of the
+     * hi + lo split; opt-in until a GPU has run it). */
     bool fast;
     /* true: every row of y is computed by the same arithmetic in the same
      * order whatever n_tok is, so a token's result does not depend on the

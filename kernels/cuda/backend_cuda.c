@@ -19,6 +19,7 @@
  * clears it: cudaErrorNotSupported becomes MOE_ERR_UNSUPPORTED,
  * cudaErrorInvalidValue MOE_ERR_INVALID, anything else MOE_ERR_INTERNAL. */
 #include <stdarg.h>
+#include <limits.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -60,6 +61,7 @@ struct cuda_backend {
     struct moe_backend_ops ops;
     bool graphs_on;
     bool device_routing; /* MOE_CUDA_DEVICE_ROUTING=1 (grouped_device_rows) */
+    bool fast_gemm;      /* MOE_CUDA_FAST_GEMM=1: the ops honour moe_matmul_params.fast */
     bool capturing;      /* between a graph_begin that said true and graph_end */
     bool capture_broken; /* an op needed more scratch while capturing */
     struct cuda_graph *capture_slot;
@@ -285,13 +287,15 @@ static void cuda_op_matmul(struct moe_backend *be, const struct moe_matmul_param
         return;
     }
     struct cuda_backend *cb = cuda_of(be);
-    size_t need = moe_cuda_matmul_scratch_bytes(p);
+    struct moe_matmul_params q = *p;
+    q.fast = p->fast && cb->fast_gemm;
+    size_t need = moe_cuda_matmul_scratch_bytes(&q);
     void *scratch = need ? scratch_reserve(be, need, "matmul") : NULL;
     if (need && !scratch)
         return;
     int blas_status = 0;
     cudaError_t e =
-        moe_cuda_matmul(cb->blas, p, scratch, cb->scratch_cap, cb->stream, &blas_status);
+        moe_cuda_matmul(cb->blas, &q, scratch, cb->scratch_cap, cb->stream, &blas_status);
     if (blas_status)
         cuda_fail(be, (int)e, "matmul: cuBLAS status %d (n_tok %d, n_in %d, n_out %d, dtype %s)",
                   blas_status, p->n_tok, p->n_in, p->n_out, moe_dtype_name(p->w_dtype));
@@ -502,14 +506,16 @@ static void cuda_op_grouped_matmul(struct moe_backend *be,
                   "grouped_matmul: I8 weights (the CUDA backend has no int8 kernels yet)");
         return;
     }
-    if (!p->expert_offsets && !moe_cuda_grouped_gemv_fits(p)) {
+    const bool gemv = moe_cuda_grouped_gemv_fits(p);
+    const char *why = !p->expert_offsets && !gemv ? moe_cuda_grouped_mma_unsupported(p) : NULL;
+    if (why) {
         cuda_fail(be, (int)cudaErrorNotSupported,
-                  "grouped_matmul: device-only offsets take bf16 weights and at most %d rows an "
-                  "expert (%s, max_expert_rows %d)",
-                  MOE_CUDA_GEMV_MAX_TOK, moe_dtype_name(p->w_dtype), p->max_expert_rows);
+                  "grouped_matmul: device-only offsets: %s (%s, n_rows %d, n_out %d, "
+                  "max_expert_rows %d)",
+                  why, moe_dtype_name(p->w_dtype), p->n_rows, p->n_out, p->max_expert_rows);
         return;
     }
-    if (!moe_cuda_grouped_gemv_fits(p)) { /* prefill or f32: cuBLAS per expert */
+    if (!gemv && p->expert_offsets) { /* prefill or f32: cuBLAS per expert */
         for (int ex = 0; ex < p->n_expert; ex++) {
             int r0 = p->expert_offsets[ex], cnt = p->expert_offsets[ex + 1] - r0;
             if (!cnt)
@@ -524,6 +530,7 @@ static void cuda_op_grouped_matmul(struct moe_backend *be,
                 .n_out = p->n_out,
                 .y = p->y + (size_t)r0 * (size_t)p->n_out,
                 .accumulate = p->accumulate,
+                .fast = p->fast,
             };
             cuda_op_matmul(be, &mp);
         }
@@ -552,6 +559,12 @@ static void cuda_op_grouped_matmul(struct moe_backend *be,
             cuda_check(be, ce, "grouped_matmul: cudaMemcpyAsync of the host arrays");
             return;
         }
+    }
+    if (!gemv) { /* device-only offsets past the GEMV's rows: the tensor-core kernel */
+        cuda_check(be,
+                   moe_cuda_grouped_mma(p, off_dev, w_dev, !(p->fast && cb->fast_gemm), cb->stream),
+                   "grouped_matmul (tensor cores)");
+        return;
     }
     cudaError_t ce = moe_cuda_grouped_gemv(p, off_dev, w_dev, cb->stream);
     if (ce == cudaErrorNotSupported)
@@ -682,14 +695,15 @@ static void cuda_graph_reset(struct moe_backend *be)
         graph_drop(&cb->graphs[i]);
 }
 
-/* Device-only offsets go to the grouped GEMV: bf16 weights, at most
- * MOE_CUDA_GEMV_MAX_TOK rows an expert. Device-routed MoE layers have not run
- * on a GPU yet, so they are opt-in (MOE_CUDA_DEVICE_ROUTING=1) until
+/* Device-only offsets go to the grouped GEMV up to MOE_CUDA_GEMV_MAX_TOK rows
+ * an expert and to the tensor-core grouped GEMM past that (grouped_mma.cu):
+ * bf16 weights, any row count. Device-routed MoE layers have not run on a GPU
+ * yet, so they are opt-in (MOE_CUDA_DEVICE_ROUTING=1) until
  * bench/gpu_check.sh's `device routing` row passes; the op itself takes the
  * calls either way (tests/ops). */
 static int cuda_grouped_device_rows(struct moe_backend *be, enum moe_dtype w_dtype)
 {
-    return cuda_of(be)->device_routing && w_dtype == MOE_DTYPE_BF16 ? MOE_CUDA_GEMV_MAX_TOK : 0;
+    return cuda_of(be)->device_routing && w_dtype == MOE_DTYPE_BF16 ? INT_MAX : 0;
 }
 
 static void cuda_op_permute(struct moe_backend *be, const struct moe_permute_params *p)
@@ -968,6 +982,8 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
     cb->graphs_on = graphs && !strcmp(graphs, "1");
     const char *routing = getenv("MOE_CUDA_DEVICE_ROUTING");
     cb->device_routing = routing && !strcmp(routing, "1");
+    const char *fast = getenv("MOE_CUDA_FAST_GEMM");
+    cb->fast_gemm = fast && !strcmp(fast, "1");
     cb->base.name = "cuda";
     cb->base.device = MOE_DEVICE_CUDA;
     cb->ops = cuda_ops;

@@ -45,8 +45,9 @@ size_t moe_cuda_matmul_scratch_bytes(const struct moe_matmul_params *p);
  * the bf16 weights once and multiplies f32 activations in f32 (the CPU's
  * math). bf16 weights with more tokens: x is split into bf16 hi + lo parts
  * in `scratch` and cuBLAS runs two bf16 GEMMs on tensor cores with f32
- * accumulation and output (x carried to ~2^-17 relative; see matmul.cu).
- * On a cuBLAS failure returns cudaErrorUnknown and stores the cuBLAS status in
+ * accumulation and output (x carried to ~2^-17 relative; see matmul.cu);
+ * with p->fast (the backend clears it unless MOE_CUDA_FAST_GEMM=1) one GEMM
+ * on bf16(x). On a cuBLAS failure returns cudaErrorUnknown and stores the cuBLAS status in
  * *blas_status. */
 #define MOE_CUDA_GEMV_MAX_TOK 8
 cudaError_t moe_cuda_matmul(cublasHandle_t blas, const struct moe_matmul_params *p, void *scratch,
@@ -143,6 +144,20 @@ bool moe_cuda_grouped_gemv_fits(const struct moe_grouped_matmul_params *p);
  * map the blocks. The caller has checked p (moe_grouped_matmul_check). */
 cudaError_t moe_cuda_grouped_gemv(const struct moe_grouped_matmul_params *p, const int32_t *off_dev,
                                   const void *const *w_dev, cudaStream_t stream);
+
+/* ---- grouped_mma.cu ---- */
+
+/* Why p cannot take the tensor-core grouped GEMM (not bf16, no host pointer
+ * array, a grid too large), or NULL. */
+const char *moe_cuda_grouped_mma_unsupported(const struct moe_grouped_matmul_params *p);
+/* One launch for every expert at any row count, on the tensor cores (WMMA
+ * bf16, f32 accumulation); off_dev and w_dev map the blocks, and the launch
+ * is sized from p's host offsets when it has them, else from n_rows and
+ * n_expert alone (device-only offsets). split: x as bf16 hi + lo (the
+ * two-GEMM numerics of moe_cuda_matmul); false: x rounded to bf16 (fast).
+ * The caller has checked p (moe_grouped_matmul_check). */
+cudaError_t moe_cuda_grouped_mma(const struct moe_grouped_matmul_params *p, const int32_t *off_dev,
+                                 const void *const *w_dev, bool split, cudaStream_t stream);
 
 /* ---- permute.cu ---- */
 

@@ -11,6 +11,8 @@
 //    device offsets (n_expert <= a few hundred), so the launch shape needs
 //    only host-known totals and the device arrays can stay put (graph-safe
 //    when the caller passes them).
+//  - device-only offsets past those rows: grouped_mma.cu's tensor-core
+//    kernel, one launch for all experts.
 //  - everything else (prefill, f32 W): the backend loops over the experts
 //    with rows and runs the existing matmul per expert (cuBLAS, bf16 x split
 //    into hi + lo for tensor cores; matmul.cu). Launch overhead is small next

@@ -17,6 +17,10 @@
 //    cheaper than an f32 GEMM, and the model's logits stay within the golden
 //    tolerance. (One GEMM on bf16(x) alone would leave errors of order 1e-3,
 //    enough to flip the tiny fixtures' router choices.)
+//  - the same with p->fast (which the backend passes on only where
+//    MOE_CUDA_FAST_GEMM=1 enables it): x rounded to bf16 and ONE GEMM, bf16
+//    activations with f32 accumulation as GPU engines compute, half the
+//    tensor-core work; the fast CPU paths round x alike (vdpbf16ps, AMX).
 //
 // cuBLAS is column-major: y^T (n_out x n_tok, ld n_out) = op(A) . B with
 // A = W seen as the column-major (n_in x n_out, ld ldw) matrix, op = T, and
@@ -66,7 +70,8 @@ template <int NT> void gemv_launch(const moe_matmul_params *p, bool vec, cudaStr
             p->x, p->n_in, w, p->ldw, p->n_out, p->y, p->accumulate);
 }
 
-// hi[i] = bf16(x[i]), lo[i] = bf16(x[i] - hi[i]).
+// hi[i] = bf16(x[i]), and with kSplit lo[i] = bf16(x[i] - hi[i]).
+template <bool kSplit>
 __global__ void split_bf16_kernel(const float *__restrict__ x, __nv_bfloat16 *__restrict__ hi,
                                   __nv_bfloat16 *__restrict__ lo, size_t n)
 {
@@ -75,7 +80,8 @@ __global__ void split_bf16_kernel(const float *__restrict__ x, __nv_bfloat16 *__
         const float v = x[i];
         const __nv_bfloat16 h = __float2bfloat16_rn(v);
         hi[i] = h;
-        lo[i] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(h)));
+        if (kSplit)
+            lo[i] = __float2bfloat16_rn(__fsub_rn(v, __bfloat162float(h)));
     }
 }
 
@@ -108,7 +114,8 @@ extern "C" size_t moe_cuda_matmul_scratch_bytes(const moe_matmul_params *p)
 {
     if (p->w_dtype != MOE_DTYPE_BF16 || use_gemv(p))
         return 0;
-    return 2 * (size_t)p->n_tok * (size_t)p->n_in * sizeof(__nv_bfloat16); // hi, lo
+    // hi and lo, or (fast) hi alone
+    return (p->fast ? 1 : 2) * (size_t)p->n_tok * (size_t)p->n_in * sizeof(__nv_bfloat16);
 }
 
 extern "C" cudaError_t moe_cuda_matmul(cublasHandle_t blas, const moe_matmul_params *p,
@@ -148,20 +155,23 @@ extern "C" cudaError_t moe_cuda_matmul(cublasHandle_t blas, const moe_matmul_par
                           CUDA_R_32F, p->n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (st == CUBLAS_STATUS_SUCCESS && p->w_dtype == MOE_DTYPE_BF16) {
         const size_t n = (size_t)p->n_tok * (size_t)p->n_in;
-        if (!scratch || scratch_bytes < 2 * n * sizeof(__nv_bfloat16))
+        if (!scratch || scratch_bytes < moe_cuda_matmul_scratch_bytes(p))
             return cudaErrorInvalidValue;
         __nv_bfloat16 *hi = (__nv_bfloat16 *)scratch, *lo = hi + n;
         size_t blocks = (n + 255) / 256;
         if (blocks > 65535u * 4u)
             blocks = 65535u * 4u;
-        split_bf16_kernel<<<(unsigned)blocks, 256, 0, stream>>>(p->x, hi, lo, n);
+        if (p->fast)
+            split_bf16_kernel<false><<<(unsigned)blocks, 256, 0, stream>>>(p->x, hi, nullptr, n);
+        else
+            split_bf16_kernel<true><<<(unsigned)blocks, 256, 0, stream>>>(p->x, hi, lo, n);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess)
             return e;
         st = cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, p->n_out, p->n_tok, p->n_in, &alpha, p->w,
                           CUDA_R_16BF, (int)p->ldw, hi, CUDA_R_16BF, p->n_in, &beta, p->y,
                           CUDA_R_32F, p->n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-        if (st == CUBLAS_STATUS_SUCCESS)
+        if (st == CUBLAS_STATUS_SUCCESS && !p->fast)
             st = cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, p->n_out, p->n_tok, p->n_in, &alpha,
                               p->w, CUDA_R_16BF, (int)p->ldw, lo, CUDA_R_16BF, p->n_in, &one, p->y,
                               CUDA_R_32F, p->n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);

@@ -51,6 +51,7 @@ static void shuffle_ids(int32_t *p, int n)
 
 struct run {
     struct moe_backend *be;
+    bool ref; /* the reference (CPU) run of the case: fast cases run it exact */
     void *dev[MAX_BUFS];
     int n_dev;
     /* outputs, downloaded to the host */
@@ -121,7 +122,22 @@ struct op_case {
     double tol; /* nmse threshold; 0: bit-exact */
 };
 
-/* matmul: a = {n_tok, n_in, n_out, ldw - n_in, bf16, accumulate} */
+/* Fast cases (moe_matmul_params.fast): the reference run computes exactly
+ * and the other run fast. FAST_ROUNDED: x is rounded to bf16 first, so
+ * rounding it again changes nothing and the two differ only by summation
+ * order (and, on a CPU with AVX512-FP16, by its fp16 lane sums: hence
+ * FAST_TOL); FAST_DRAWN: x as drawn, the fast run's own rounding within the
+ * same bound (bf16 rounding of x alone gives an nmse of ~1.3e-6). */
+enum { FAST_OFF, FAST_ROUNDED, FAST_DRAWN };
+#define FAST_TOL 1e-5
+
+static void round_to_bf16(float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = moe_bf16_to_f32(moe_f32_to_bf16(x[i]));
+}
+
+/* matmul: a = {n_tok, n_in, n_out, ldw - n_in, bf16, accumulate, fast (FAST_*)} */
 static void run_matmul(struct run *r, const struct op_case *c)
 {
     int n_tok = c->a[0], n_in = c->a[1], n_out = c->a[2];
@@ -132,6 +148,8 @@ static void run_matmul(struct run *r, const struct op_case *c)
     float *y = calloc(1, (ny + 1) * sizeof(float));
     uint16_t *wb = calloc(1, (nw + 1) * sizeof(uint16_t));
     fill_floats(x, nx, 1.0f);
+    if (c->a[6] == FAST_ROUNDED)
+        round_to_bf16(x, nx);
     fill_floats(wf, nw, 0.1f);
     fill_floats(y, ny, 1.0f);
     for (size_t i = 0; i < nw; i++)
@@ -146,6 +164,7 @@ static void run_matmul(struct run *r, const struct op_case *c)
         .n_out = n_out,
         .y = run_buf(r, y, ny * sizeof(float)),
         .accumulate = acc,
+        .fast = c->a[6] != FAST_OFF && !r->ref,
     };
     r->be->ops->matmul(r->be, &p);
     run_get_floats(r, p.y, ny);
@@ -583,11 +602,15 @@ static void run_sigmoid(struct run *r, const struct op_case *c)
  * 5: random, device-only offsets (expert_offsets NULL, max_expert_rows the
  * largest expert's rows: the launch sized without reading the offsets, as
  * a device-routed MoE layer calls it); 6: as 5 with an expert without
- * weights (refused: device-only offsets need them all). */
+ * weights (refused: device-only offsets need them all); fast (the reference
+ * run exact, see FAST_*): 7: as 5, FAST_ROUNDED; 8: as 0, FAST_ROUNDED;
+ * 9: as 5, FAST_DRAWN. */
 static void run_grouped(struct run *r, const struct op_case *c)
 {
     int n_rows = c->a[0], n_e = c->a[1], n_in = c->a[2], n_out = c->a[3], mode = c->a[6];
     bool bf16 = c->a[4], acc = c->a[5];
+    int fast = mode == 7 || mode == 8 ? FAST_ROUNDED : mode == 9 ? FAST_DRAWN : FAST_OFF;
+    bool device_only = mode == 5 || mode == 6 || mode == 7 || mode == 9;
     int64_t ldw = n_in + (mode == 2 ? 3 : 0);
     size_t nw = (size_t)n_e * n_out * (size_t)ldw, nx = (size_t)n_rows * n_in;
     size_t ny = (size_t)n_rows * n_out;
@@ -596,6 +619,8 @@ static void run_grouped(struct run *r, const struct op_case *c)
     int32_t *off = calloc((size_t)n_e + 1, sizeof *off), *cnt = calloc((size_t)n_e, sizeof *cnt);
     const void **w = calloc((size_t)n_e, sizeof *w);
     fill_floats(x, nx, 1.0f);
+    if (fast == FAST_ROUNDED)
+        round_to_bf16(x, nx);
     fill_floats(wf, nw, 0.1f);
     fill_floats(y, ny, 1.0f);
     for (size_t i = 0; i < nw; i++)
@@ -635,8 +660,9 @@ static void run_grouped(struct run *r, const struct op_case *c)
         .ldw = ldw,
         .y = run_buf(r, y, ny * 4),
         .accumulate = acc,
+        .fast = fast != FAST_OFF && !r->ref,
     };
-    if (mode >= 5) {
+    if (device_only) {
         p.expert_offsets = NULL;
         p.max_expert_rows = max_rows;
     }
@@ -923,6 +949,11 @@ static const struct op_case g_cases[] = {
     {"matmul", run_matmul, {9, 1024, 512, 0, BF16, 0}, 1e-9}, /* tensor-core path */
     {"matmul", run_matmul, {130, 200, 37, 5, BF16, 1}, 1e-9},
     {"matmul", run_matmul, {512, 1024, 256, 0, BF16, 0}, 1e-9},
+    /* fast (see FAST_*): cuBLAS's one GEMM on bf16 x; below 9 tokens the GEMV (exact) */
+    {"matmul", run_matmul, {300, 256, 200, 0, BF16, 0, FAST_ROUNDED}, FAST_TOL},
+    {"matmul", run_matmul, {37, 129, 67, 3, BF16, 1, FAST_ROUNDED}, FAST_TOL},
+    {"matmul", run_matmul, {64, 1024, 96, 0, BF16, 0, FAST_DRAWN}, FAST_TOL},
+    {"matmul", run_matmul, {4, 256, 64, 0, BF16, 0, FAST_DRAWN}, FAST_TOL},
     /* rmsnorm {n_rows, dim, in_place} */
     {"rmsnorm", run_rmsnorm, {1, 1, 0}, 1e-10},
     {"rmsnorm", run_rmsnorm, {70, 4097, 1}, 1e-10},
@@ -1040,6 +1071,22 @@ static const struct op_case g_cases[] = {
     {"grouped_matmul", run_grouped, {8, 8, 1024, 520, BF16, 0, 5}, 1e-10},
     {"grouped_matmul", run_grouped, {5, 16, 129, 67, BF16, 1, 5}, 1e-10},
     {"grouped_matmul", run_grouped, {16, 64, 256, 96, BF16, 0, 5}, 1e-10},
+    /* device-only offsets past 8 rows an expert: CUDA's tensor-core grouped GEMM (64 x 64
+     * tiles, x split into bf16 hi + lo: matmul's split numerics). Ragged n_in, n_out and
+     * ldw (scalar staging), a batch-64 decode step's two expert matmuls (fewer columns),
+     * experts of two and more row tiles */
+    {"grouped_matmul", run_grouped, {100, 8, 129, 67, BF16, 1, 5}, 1e-9},
+    {"grouped_matmul", run_grouped, {128, 8, 1024, 1408, BF16, 0, 5}, 1e-9},
+    {"grouped_matmul", run_grouped, {128, 8, 2816, 256, BF16, 1, 5}, 1e-9},
+    {"grouped_matmul", run_grouped, {1000, 8, 256, 200, BF16, 0, 5}, 1e-9},
+    {"grouped_matmul", run_grouped, {300, 3, 64, 64, BF16, 0, 5}, 1e-9},
+    /* fast (bf16 activations, f32 sums; CUDA: MOE_CUDA_FAST_GEMM=1, which main sets):
+     * the tensor-core kernel without the lo half, cuBLAS's single GEMM, the GEMV */
+    {"grouped_matmul", run_grouped, {128, 8, 1024, 520, BF16, 0, 7}, FAST_TOL},
+    {"grouped_matmul", run_grouped, {100, 8, 129, 67, BF16, 1, 7}, FAST_TOL},
+    {"grouped_matmul", run_grouped, {300, 8, 256, 200, BF16, 1, 8}, FAST_TOL},
+    {"grouped_matmul", run_grouped, {16, 8, 256, 200, BF16, 0, 7}, FAST_TOL},
+    {"grouped_matmul", run_grouped, {128, 8, 256, 96, BF16, 0, 9}, FAST_TOL},
     /* permute {n_tok, top_k, n_expert, n_dest, replicated, token_base}: integers, exact */
     {"permute", run_permute, {1, 1, 1, 1, 0, 0}, 0},
     {"permute", run_permute, {0, 2, 8, 1, 0, 0}, 0},
@@ -1091,6 +1138,7 @@ static const struct op_case g_cases[] = {
 
 /* Shapes CUDA must refuse loudly: the op records an error and computes nothing. */
 static const struct op_case g_refused[] = {
+    {"grouped_matmul", run_grouped, {20, 4, 32, 16, F32, 0, 5}, 0},      /* device-only, f32 W */
     {"attention", run_attention, {1, 8, 4, 4, 96, 4, 0}, 0},             /* d_head 96 */
     {"attention", run_attention, {1, 8, 34, 1, 64, 4, 0}, 0},            /* 34 heads per KV head */
     {"router", run_router, {3, 300, 2, 1, 0}, 0},                        /* 300 experts */
@@ -1098,7 +1146,7 @@ static const struct op_case g_refused[] = {
     {"router_grouped", run_router_grouped, {3, 512, 8, 4, 8, 1, 0}, 0},  /* 512 experts */
     {"rope", run_rope, {2, 2, 1024, 10, 10000}, 0},                      /* d_head 1024 */
 /* first index of the refusals every backend makes (the CPU too: run in --cpu-vs-cpu) */
-#define REFUSED_ALL_FROM 6
+#define REFUSED_ALL_FROM 7
     {"grouped_matmul", run_grouped, {20, 4, 32, 16, F32, 0, 4}, 0}, /* rows, NULL weights */
     {"grouped_matmul", run_grouped, {6, 4, 32, 16, BF16, 0, 6}, 0}, /* device-only, NULL w */
     {"permute", run_permute, {40, 2, 8, 2, 0, 0, 1}, 0},            /* expert id 11 of 8 */
@@ -1133,7 +1181,7 @@ static void check_case(size_t i, const struct op_case *c, struct moe_backend *cp
 {
     char name[128];
     case_name(c, name, sizeof name);
-    struct run rc = {.be = cpu}, rg = {.be = cuda};
+    struct run rc = {.be = cpu, .ref = true}, rg = {.be = cuda};
     test_rng_seed(&g_rng, 1000 + i);
     c->run(&rc, c);
     test_rng_seed(&g_rng, 1000 + i);
@@ -1185,6 +1233,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "second cpu backend: %s\n", err.msg);
         return 1;
     }
+    /* The fast cases hold CUDA's fast GEMMs (opt-in in serving until a GPU
+     * has passed them) to the exact reference: on for this process. */
+    setenv("MOE_CUDA_FAST_GEMM", "1", 1);
     if (!cpu_vs_cpu && moe_backend_cuda_create(0, &cuda, &err) != MOE_OK) {
         char name[128];
         for (size_t i = 0; i < n_cases; i++) {

@@ -35,7 +35,10 @@ static void *upload(struct moe_backend *be, const void *host, size_t bytes)
 #define D_FF 2816
 
 /* One expert FFN's two matmuls (gate_up: 2*D_FF x D_MODEL, down: D_MODEL x
- * D_FF) for n_tok tokens, grouped vs per expert. */
+ * D_FF) for n_tok tokens: grouped with host offsets, the per-expert loop,
+ * and grouped with device-only offsets (a device-routed layer's call: the
+ * GEMV up to 8 rows an expert, CUDA's tensor-core grouped GEMM past that),
+ * exact (x split hi + lo on tensor cores) and fast (bf16 x). */
 static void time_experts(struct moe_backend *be, int n_tok, int iters)
 {
     int n_rows = n_tok * TOP_K;
@@ -85,16 +88,24 @@ static void time_experts(struct moe_backend *be, int n_tok, int iters)
     g2.w_dev = d_dn;
     g2.ldw = D_FF;
     g2.y = y;
-    double t_grouped = 0, t_loop = 0;
+    int max_rows = 0;
+    for (int e = 0; e < N_EXPERT; e++)
+        max_rows = cnt[e] > max_rows ? cnt[e] : max_rows;
+    struct moe_grouped_matmul_params d1 = g1, d2 = g2;
+    d1.expert_offsets = d2.expert_offsets = NULL;
+    d1.max_expert_rows = d2.max_expert_rows = max_rows;
+    struct moe_grouped_matmul_params f1 = d1, f2 = d2;
+    f1.fast = f2.fast = true;
+    double t[4] = {0};
     for (int pass = 0; pass < 2; pass++) {
-        for (int variant = 0; variant < 2; variant++) {
+        for (int variant = 0; variant < 4; variant++) {
             int n_it = pass ? iters : 1;
             be->ops->synchronize(be);
             double t0 = moe_now();
             for (int it = 0; it < n_it; it++) {
-                if (variant == 0) {
-                    be->ops->grouped_matmul(be, &g1);
-                    be->ops->grouped_matmul(be, &g2);
+                if (variant != 1) {
+                    be->ops->grouped_matmul(be, variant == 0 ? &g1 : variant == 2 ? &d1 : &f1);
+                    be->ops->grouped_matmul(be, variant == 0 ? &g2 : variant == 2 ? &d2 : &f2);
                     continue;
                 }
                 for (int e = 0; e < N_EXPERT; e++) {
@@ -125,17 +136,16 @@ static void time_experts(struct moe_backend *be, int n_tok, int iters)
                 }
             }
             be->ops->synchronize(be);
-            double dt = (moe_now() - t0) / n_it;
-            if (pass && variant == 0)
-                t_grouped = dt;
-            if (pass && variant == 1)
-                t_loop = dt;
+            if (pass)
+                t[variant] = (moe_now() - t0) / n_it;
         }
     }
     double gb = (double)touched * (double)(wgu + wdn) * 2 / 1e9;
-    printf("experts  n_tok %4d (%d rows, %d experts): grouped %8.1f us (%6.0f GB/s of weights), "
-           "per-expert loop %8.1f us (%6.0f GB/s)\n",
-           n_tok, n_rows, touched, t_grouped * 1e6, gb / t_grouped, t_loop * 1e6, gb / t_loop);
+    printf("experts  n_tok %4d (%d rows, %d experts, <= %d an expert): grouped %8.1f us (%6.0f "
+           "GB/s of weights), per-expert loop %8.1f us (%6.0f GB/s), device offsets %8.1f us "
+           "(%6.0f GB/s), device offsets fast %8.1f us (%6.0f GB/s)\n",
+           n_tok, n_rows, touched, max_rows, t[0] * 1e6, gb / t[0], t[1] * 1e6, gb / t[1],
+           t[2] * 1e6, gb / t[2], t[3] * 1e6, gb / t[3]);
     struct moe_error err = {0};
     if (be->ops->status(be, &err) != MOE_OK)
         printf("  error: %s\n", err.msg);
@@ -191,6 +201,7 @@ static void time_sampling(struct moe_backend *be, int n, int vocab, int iters)
 int main(int argc, char **argv)
 {
     bool cpu = argc > 1 && strcmp(argv[1], "--cpu") == 0;
+    setenv("MOE_CUDA_FAST_GEMM", "1", 1); /* the fast variant's calls ask for it */
     struct moe_backend *be = NULL;
     struct moe_error err = {0};
     enum moe_status st =
