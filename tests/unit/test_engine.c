@@ -1336,7 +1336,8 @@ enum rec_op {
     R_SCATTER_ADD,
     R_SIGMOID,
     R_COPY,
-    R_SAMPLE_ROWS
+    R_SAMPLE_ROWS,
+    R_ROUTER_GROUPED
 };
 
 struct rec {
@@ -1351,6 +1352,7 @@ struct rec {
         struct moe_attn_params at;
         struct moe_grouped_matmul_params gm;
         struct moe_permute_params pm;
+        struct moe_router_grouped_params rg;
     } u;
 };
 
@@ -1424,6 +1426,7 @@ static void rec_run(struct moe_backend *be, const struct rec *r)
     case R_SAMPLE_ROWS:
         o->sample_rows(be, r->p[0], r->i[0], r->i[1], r->p[1], r->p[2], r->p[3], r->out[0]);
         break;
+    case R_ROUTER_GROUPED: o->router_topk_grouped(be, &r->u.rg); break;
     }
 }
 
@@ -1483,7 +1486,17 @@ static void g_gather(struct moe_backend *be, const float *src, const int32_t *id
 }
 static void g_grouped(struct moe_backend *be, const struct moe_grouped_matmul_params *p)
 {
+    /* host offsets without their device copies: CUDA would copy the host
+     * arrays, which a capture cannot hold */
+    if (G.recording && p->expert_offsets && (!p->expert_offsets_dev || !p->w_dev)) {
+        G.broken = true;
+        return;
+    }
     REC_OR_RUN(.op = R_GROUPED, .u.gm = *p);
+}
+static void g_router_grouped(struct moe_backend *be, const struct moe_router_grouped_params *p)
+{
+    REC_OR_RUN(.op = R_ROUTER_GROUPED, .u.rg = *p);
 }
 static void g_swiglu(struct moe_backend *be, const float *gu, float *out, int n, int dim)
 {
@@ -1642,6 +1655,7 @@ static void test_graphs(struct moe_backend *be, const char *fixture, bool sample
     wrapped.attention = g_attention;
     wrapped.add = g_add;
     wrapped.router_topk = g_router;
+    wrapped.router_topk_grouped = g_router_grouped;
     wrapped.permute = g_permute;
     wrapped.gather_rows = g_gather;
     wrapped.grouped_matmul = g_grouped;
@@ -1767,7 +1781,9 @@ int main(void)
     test_graphs(be, "tests/golden/fixtures/qwen3_moe", false);
     test_graphs(be, "tests/golden/fixtures/mixtral", false);
     test_graphs(be, "tests/golden/fixtures/qwen2_moe", false); /* the shared gate's sigmoid */
-    test_graphs(be, "tests/golden/fixtures/mixtral", true);    /* sampled rows (sample_rows) */
+    /* latent attention: its indexes and per-head offsets kept per step size on the backend */
+    test_graphs(be, "tests/golden/fixtures/deepseek_v3", false);
+    test_graphs(be, "tests/golden/fixtures/mixtral", true); /* sampled rows (sample_rows) */
     moe_model_free(model);
     /* DeepSeek-V3's latent cache (one row per token, K = V) through the same
      * scheduling: batches, preemption, prefix sharing */

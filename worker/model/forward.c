@@ -429,25 +429,95 @@ static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache 
     return MOE_OK;
 }
 
-/* The gather indexes between token-major rows (t * H + h) and head-major
- * rows (h * n + t) of an n-token step, and the heads' row offsets. */
-static void mla_indexes(struct moe_model *m, int n)
+/* Where an n-token step's latent-attention indexes are on the backend:
+ * the gathers between token-major rows (t * H + h) and head-major rows
+ * (h * n + t), and (steps of up to MOE_ROUTE_DEVICE_MAX_TOK tokens) the
+ * heads' row offsets; off NULL: host offsets only (mla_scratch.h_off). */
+struct mla_index {
+    const int32_t *to_hm, *to_tm, *off;
+};
+
+static void mla_fill(int32_t *to_hm, int32_t *to_tm, int n, int H)
+{
+    for (int h = 0; h < H; h++)
+        for (int t = 0; t < n; t++) {
+            to_hm[h * n + t] = t * H + h;
+            to_tm[t * H + h] = h * n + t;
+        }
+}
+
+/* The indexes of an n-token step (and h_off, the host offsets, for it):
+ * kept per n up to MOE_ROUTE_DEVICE_MAX_TOK (mla_scratch.by_n), else built
+ * in the shared scratch whenever n changes. */
+static enum moe_status mla_indexes(struct moe_model *m, int n, struct mla_index *ix,
+                                   struct moe_error *err)
 {
     struct mla_scratch *a = &m->s.mla;
-    if (a->n_built == n)
-        return;
+    struct moe_backend *be = m->be;
     const int H = m->n_head_local;
-    for (int h = 0; h < H; h++)
-        for (int t = 0; t < n; t++)
-            a->h_idx[h * n + t] = t * H + h;
-    m->be->ops->buf_upload(m->be, a->to_hm, a->h_idx, (size_t)n * H * sizeof *a->h_idx);
-    for (int t = 0; t < n; t++)
-        for (int h = 0; h < H; h++)
-            a->h_idx[t * H + h] = h * n + t;
-    m->be->ops->buf_upload(m->be, a->to_tm, a->h_idx, (size_t)n * H * sizeof *a->h_idx);
+    const size_t nh = (size_t)n * H;
     for (int h = 0; h <= H; h++)
         a->h_off[h] = h * n;
-    a->n_built = n;
+    if (n <= MOE_ROUTE_DEVICE_MAX_TOK) {
+        if (!a->by_n[n]) {
+            const size_t bytes = (2 * nh + (size_t)H + 1) * sizeof(int32_t);
+            int32_t *h = malloc(bytes), *d = be->ops->buf_alloc(be, bytes);
+            if (!h || !d) {
+                free(h);
+                if (d)
+                    be->ops->buf_free(be, d);
+                return moe_error_set(err, MOE_ERR_NOMEM,
+                                     "latent attention: cannot allocate %zu bytes of indexes for "
+                                     "%d-token steps",
+                                     bytes, n);
+            }
+            mla_fill(h, h + nh, n, H);
+            memcpy(h + 2 * nh, a->h_off, ((size_t)H + 1) * sizeof *h);
+            be->ops->buf_upload(be, d, h, bytes);
+            free(h);
+            a->by_n[n] = d;
+        }
+        *ix = (struct mla_index){a->by_n[n], a->by_n[n] + nh, a->by_n[n] + 2 * nh};
+        return MOE_OK;
+    }
+    if (a->n_built != n) {
+        int32_t *tm = malloc(nh * sizeof *tm);
+        if (!tm)
+            return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
+        mla_fill(a->h_idx, tm, n, H);
+        be->ops->buf_upload(be, a->to_hm, a->h_idx, nh * sizeof *a->h_idx);
+        be->ops->buf_upload(be, a->to_tm, tm, nh * sizeof *tm);
+        free(tm);
+        a->n_built = n;
+    }
+    *ix = (struct mla_index){a->to_hm, a->to_tm, NULL};
+    return MOE_OK;
+}
+
+/* Every layer's per-head weight pointers on the backend (mla_scratch.head_tab). */
+static enum moe_status mla_head_table(struct moe_model *m, struct moe_error *err)
+{
+    struct mla_scratch *a = &m->s.mla;
+    if (a->head_tab)
+        return MOE_OK;
+    const int H = m->n_head_local, L = m->cfg.n_layer;
+    const size_t bytes = (size_t)L * 2 * (size_t)H * sizeof(void *);
+    void **h = malloc(bytes);
+    void *d = h ? m->be->ops->buf_alloc(m->be, bytes) : NULL;
+    if (!d) {
+        free(h);
+        return moe_error_set(err, MOE_ERR_NOMEM,
+                             "latent attention: cannot allocate the heads' weight table");
+    }
+    for (int l = 0; l < L; l++)
+        for (int i = 0; i < H; i++) {
+            h[((size_t)l * 2 + 0) * H + i] = m->layers[l].w_uk_t ? m->layers[l].w_uk_t[i] : NULL;
+            h[((size_t)l * 2 + 1) * H + i] = m->layers[l].w_uv ? m->layers[l].w_uv[i] : NULL;
+        }
+    m->be->ops->buf_upload(m->be, d, h, bytes);
+    free(h);
+    a->head_tab = d;
+    return MOE_OK;
 }
 
 static struct moe_grouped_matmul_params grouped_params(const struct moe_model *m, const float *x,
@@ -497,13 +567,22 @@ void moe_model_grouped_matmul_dev(struct moe_model *m, const float *x, int n_row
 }
 
 /* y (H * n rows, n_out) = x (H * n rows, n_in) . W_h^T, head h's rows against
- * its own weight: one grouped matmul with the heads as its groups. */
-static void per_head_matmul(struct moe_model *m, const float *x, int n_in, void **w,
-                            const float **w_scale, int n_out, float *y)
+ * its own weight: one grouped matmul with the heads as its groups; with the
+ * offsets on the device (ix->off, w_dev) where the backend takes n rows a
+ * group so, as device-routed MoE layers do (no host array to copy: a graph
+ * can hold it), else with host offsets. */
+static void per_head_matmul(struct moe_model *m, const struct mla_index *ix, int n, const float *x,
+                            int n_in, void **w, const void *const *w_dev, const float **w_scale,
+                            int n_out, float *y)
 {
-    struct mla_scratch *a = &m->s.mla;
-    moe_model_grouped_matmul(m, x, a->h_off[m->n_head_local], n_in, n_out, m->n_head_local,
-                             a->h_off, (const void **)w, w_scale, y);
+    const struct moe_backend_ops *ops = m->be->ops;
+    const int H = m->n_head_local;
+    if (ix->off && ops->grouped_device_rows && n <= ops->grouped_device_rows(m->be, m->lin_dtype))
+        moe_model_grouped_matmul_dev(m, x, H * n, n_in, n_out, H, ix->off, n,
+                                     (const void *const *)w, w_dev, w_scale, y);
+    else
+        moe_model_grouped_matmul(m, x, H * n, n_in, n_out, H, m->s.mla.h_off, (const void **)w,
+                                 w_scale, y);
 }
 
 /* DeepSeek-V3 multi-head latent attention, in the absorbed form for every
@@ -528,7 +607,13 @@ static enum moe_status mla_block(struct moe_model *m, struct moe_kv_cache *kv, i
     const int L = c->kv_lora_rank, R = c->d_head, dn = c->qk_nope_dim, dv = c->v_head_dim;
     const float lora_eps = 1e-6f; /* q_a_layernorm, kv_a_layernorm: RMSNorm's default */
 
-    mla_indexes(m, n);
+    struct mla_index ix = {0};
+    enum moe_status rc = mla_indexes(m, n, &ix, err);
+    if (!rc)
+        rc = mla_head_table(m, err);
+    if (rc)
+        return moe_error_prefix(err, "layer %d", l);
+    const void *const *heads = (const void *const *)a->head_tab + (size_t)l * 2 * H;
     ops->rmsnorm(m->be, s->x, w->attn_norm, s->h, n, c->d_model, c->rms_eps);
     const float *q_in = s->h;
     int d_in = c->d_model;
@@ -552,9 +637,9 @@ static enum moe_status mla_block(struct moe_model *m, struct moe_kv_cache *kv, i
     ops->kv_write(m->be, s->k, NULL, s->slots, n, L + R, kv->k[l], NULL, kv->dtype);
 
     /* absorbed query [W_UK_h^T q_nope_h | q_rope_h] per (token, head) */
-    ops->gather_rows(m->be, a->q_nope, a->to_hm, nh, dn, a->q_hm);
-    per_head_matmul(m, a->q_hm, dn, w->w_uk_t, w->w_uk_scale, L, a->lat_hm);
-    ops->gather_rows(m->be, a->lat_hm, a->to_tm, nh, L, a->lat);
+    ops->gather_rows(m->be, a->q_nope, ix.to_hm, nh, dn, a->q_hm);
+    per_head_matmul(m, &ix, n, a->q_hm, dn, w->w_uk_t, heads, w->w_uk_scale, L, a->lat_hm);
+    ops->gather_rows(m->be, a->lat_hm, ix.to_tm, nh, L, a->lat);
     ops->copy_cols(m->be, a->q_full, L + R, a->lat, L, nh, L);
     ops->copy_cols(m->be, a->q_full + L, L + R, a->q_rope, R, nh, R);
     struct moe_attn_params ap = {
@@ -578,13 +663,13 @@ static enum moe_status mla_block(struct moe_model *m, struct moe_kv_cache *kv, i
     ops->attention(m->be, &ap);
 
     /* values: W_UV_h (sum_j p_j c_j) per head, back to token-major rows */
-    ops->gather_rows(m->be, a->lat, a->to_hm, nh, L, a->q_hm);
-    per_head_matmul(m, a->q_hm, L, w->w_uv, w->w_uv_scale, dv, a->lat_hm);
-    ops->gather_rows(m->be, a->lat_hm, a->to_tm, nh, dv, s->att);
+    ops->gather_rows(m->be, a->lat, ix.to_hm, nh, L, a->q_hm);
+    per_head_matmul(m, &ix, n, a->q_hm, L, w->w_uv, heads + H, w->w_uv_scale, dv, a->lat_hm);
+    ops->gather_rows(m->be, a->lat_hm, ix.to_tm, nh, dv, s->att);
     matmul(m, s->att, n, H * dv, w->wo, c->d_model, s->o, false);
     if (m->tp_comm) {
         ops->synchronize(m->be);
-        enum moe_status rc = moe_comm_all_reduce_sum(m->tp_comm, s->o, (size_t)n * c->d_model, err);
+        rc = moe_comm_all_reduce_sum(m->tp_comm, s->o, (size_t)n * c->d_model, err);
         if (rc)
             return moe_error_prefix(err, "layer %d attention all-reduce", l);
     }
@@ -774,7 +859,8 @@ static bool graph_candidate(const struct moe_model *m, const struct moe_batch *b
 {
     const struct moe_backend_ops *ops = m->be->ops;
     return ops->graph_launch && b->argmax_out && !m->tp_comm &&
-           !(m->ep_comm && m->ep_comm->size > 1) && !m->cfg.mla && !m->opts.profile &&
+           !(m->ep_comm && m->ep_comm->size > 1) &&
+           (!m->cfg.mla || b->n_tok <= MOE_ROUTE_DEVICE_MAX_TOK) && !m->opts.profile &&
            b->n_logits >= 1 && ops->grouped_device_rows &&
            b->n_tok <= ops->grouped_device_rows(m->be, m->lin_dtype);
 }
@@ -849,9 +935,10 @@ static const struct moe_batch *pad_for_graph(struct moe_model *m, const struct m
 /* Decode steps as graphs (kernels/backend.h, graph_launch): an ids-only
  * step (greedy, or sampled: sample_rows reads each row's settings from
  * step_in) on one rank whose MoE layers all route on
- * the device (moe_layer.c, so at most a few tokens: the backend's grouped
- * GEMV) and whose ops read only backend memory: not latent attention (its
- * head indexes are uploaded), a shared expert gate on a backend without
+ * the device (moe_layer.c: at most MOE_ROUTE_DEVICE_MAX_TOK tokens, and
+ * what the backend's grouped GEMM takes so) and whose ops read only backend
+ * memory (latent attention's indexes and per-head offsets are kept per step
+ * size on the backend, mla_indexes): not a shared expert gate on a backend without
  * `sigmoid`, tensor or expert parallel (their collectives), or --profile
  * (its waits). The inputs are in step_in
  * already (step_inputs_upload), the scratch at fixed addresses. */
@@ -1060,6 +1147,11 @@ void moe_model_scratch_free(struct moe_model *m)
     free(s->h_s_dn);
     free(s->h_route_off);
     free(s->route_pending);
+    for (int i = 0; i <= MOE_ROUTE_DEVICE_MAX_TOK; i++)
+        if (s->mla.by_n[i])
+            be->ops->buf_free(be, s->mla.by_n[i]);
+    if (s->mla.head_tab)
+        be->ops->buf_free(be, s->mla.head_tab);
     free(s->mla.h_idx);
     free(s->mla.h_off);
     stage_free(be, s->h_step_in);

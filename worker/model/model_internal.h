@@ -71,7 +71,16 @@ struct mla_scratch {
     int32_t *to_tm; /* (n * H) head major -> token major */
     int32_t *h_idx; /* host (n * H) */
     int32_t *h_off; /* host (H + 1): head h's rows in the head-major buffers */
-    int n_built;    /* the n the indexes were built for (0: none) */
+    int n_built;    /* the n to_hm / to_tm were built for (0: none) */
+    /* Steps of up to MOE_ROUTE_DEVICE_MAX_TOK tokens keep their indexes on
+     * the backend per n, [to_hm (n H) | to_tm (n H) | offsets (H + 1)],
+     * built on the first step of that size and never rewritten, so a step
+     * uploads nothing and a graph replays them where they were. */
+    int32_t *by_n[MOE_ROUTE_DEVICE_MAX_TOK + 1];
+    /* (n_layer, 2, H) backend pointers of each layer's w_uk_t then w_uv
+     * heads, for per-head grouped matmuls with device-only offsets; built on
+     * the first step. */
+    void **head_tab;
 };
 
 /* Activations and per-step metadata on the backend, sized for cap_tok tokens. */
