@@ -37,6 +37,7 @@
 #   graphs    decode steps as CUDA graphs (MOE_CUDA_GRAPHS=1) at batch 1, 6 and 64
 #             (64: the tensor-core grouped GEMM with device offsets): the same tokens
 #             as without, the step's median time off / routed on the device / graphs
+#             (at 6 also --no-cuda-graphs, which must replay nothing)
 #
 # Offline GPU machines: carry the compute core's four libraries as Debian
 # packages in .gpudeps/ (ignored by git), made beside the checkout with
@@ -511,13 +512,16 @@ if [ $have_model = 1 ]; then
     prompts "$B" 16 64
     gtxt="" gjson="" gtok="" offtok=""
     gpass=1
-    for mode in off route graphs; do
-      r=0 gr=0
+    modes="off route graphs"
+    [ "$B" = 6 ] && modes="$modes nographs" # MOE_CUDA_GRAPHS=1 overruled by --no-cuda-graphs
+    for mode in $modes; do
+      r=0 gr=0 flag=()
       [ $mode != off ] && r=1
-      [ $mode = graphs ] && gr=1
+      [ $mode = graphs ] || [ $mode = nographs ] && gr=1
+      [ $mode = nographs ] && flag=(--no-cuda-graphs)
       MOE_CUDA_DEVICE_ROUTING=$r MOE_CUDA_GRAPHS=$gr timeout "$(cap 60)" "$BIN/moe-generate" \
         --model "$WORK/bench" --prompts-file "$WORK/prompts.jsonl" --device "$DEVICE" --dtype bf16 \
-        --temperature 0 --ignore-eos --no-prefix-cache --max-running "$B" --print-outputs \
+        --temperature 0 --ignore-eos --no-prefix-cache --max-running "$B" --print-outputs "${flag[@]}" \
         >"$WORK/graph_$mode.log" 2>&1
       ms=$(sed -n 's/^decode step at batch [0-9]*: median \([0-9.]*\) ms.*/\1/p' "$WORK/graph_$mode.log")
       tok=$(grep '^request' "$WORK/graph_$mode.log" | md5sum | cut -c1-12)
@@ -526,10 +530,13 @@ if [ $have_model = 1 ]; then
         gpass=0; echo "FAIL: no step replayed from a graph"
       fi
       [ -z "$ms" ] && { gpass=0; ms=0; tail -2 "$WORK/graph_$mode.log"; }
+      if [ $mode = nographs ] && grep -q '^graphs: .* [1-9][0-9]* replayed' "$WORK/graph_$mode.log"; then
+        gpass=0; echo "FAIL: --no-cuda-graphs still replayed steps"
+      fi
       if [ $mode = off ]; then
         offtok=$tok
-      elif [ $mode = graphs ]; then
-        [ "$tok" != "$gtok" ] && { gpass=0; echo "FAIL: graphs tokens differ from routed"; }
+      elif [ $mode = graphs ] || [ $mode = nographs ]; then
+        [ "$tok" != "$gtok" ] && { gpass=0; echo "FAIL: $mode tokens differ from routed"; }
       else
         gtok=$tok
         [ "$B" -le 8 ] && [ "$tok" != "$offtok" ] && { gpass=0; echo "FAIL: routed tokens differ from off"; }

@@ -69,6 +69,7 @@ struct args {
     const char *placement_switch;
     bool exact;
     bool batch_invariant;
+    bool no_graphs;
     enum moe_dtype kv_dtype;
     bool kv_dtype_set;
     /* the quality meter */
@@ -96,6 +97,8 @@ static void usage(FILE *f)
            "                      activations where the CPU has dot-product instructions)\n"
            "  --batch-invariant   every token's results independent of what it is batched\n"
            "                      with (deterministic serving; CPU: slower prefill)\n"
+           "  --no-cuda-graphs    never replay decode steps as CUDA graphs (graphs run\n"
+           "                      only where MOE_CUDA_GRAPHS=1 until a GPU has run them)\n"
            "  --threads N         CPU threads, 0 = all cores (default 0)\n"
            "  --device D          auto|cpu|cuda|cuda:N (default auto; cuda: under mpirun\n"
            "                      each rank takes the GPU of its local rank)\n"
@@ -257,6 +260,7 @@ static int parse_args(int argc, char **argv, struct args *a)
         {"--warmup", &a->warmup},
         {"--exact", &a->exact},
         {"--batch-invariant", &a->batch_invariant},
+        {"--no-cuda-graphs", &a->no_graphs},
         {"--print-outputs", &a->print_outputs},
         {"--host-sampling", &a->host_sampling},
         {"--dp-attention", &a->dp_attention},
@@ -615,7 +619,8 @@ static enum moe_status start_group(struct gen_run *g, int *argc, char ***argv)
                                  .batch_invariant = a->batch_invariant,
                                  .kv_dtype = a->kv_dtype,
                                  .kv_dtype_set = a->kv_dtype_set,
-                                 .profile = a->profile};
+                                 .profile = a->profile,
+                                 .no_graphs = a->no_graphs};
     enum moe_status rc = moe_launch_start(argc, argv, &la, &g->launch, &g->err);
     if (rc)
         return rc;

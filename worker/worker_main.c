@@ -72,6 +72,7 @@ struct args {
     bool no_prefix_cache;
     bool exact;
     bool batch_invariant;
+    bool no_graphs; /* --no-cuda-graphs */
     enum moe_dtype kv_dtype;
     bool kv_dtype_set;
     int spec_tokens;
@@ -121,6 +122,8 @@ static void usage(FILE *f)
                "  --batch-invariant     every token's results independent of what it is\n"
                "                        batched with: the same tokens alone or under load, in\n"
                "                        one pool or handed between two (CPU: slower prefill)\n"
+               "  --no-cuda-graphs      never replay decode steps as CUDA graphs (graphs run\n"
+               "                        only where MOE_CUDA_GRAPHS=1 until a GPU has run them)\n"
                "  --threads N           CPU threads, 0 = all cores (default 0)\n"
                "  --device D            auto|cpu|cuda|cuda:N (default auto; cuda: under mpirun\n"
                "                        each rank takes the GPU of its local rank)\n"
@@ -194,6 +197,10 @@ static int parse_args(int argc, char **argv, struct args *a)
         }
         if (!strcmp(k, "--batch-invariant")) {
             a->batch_invariant = true;
+            continue;
+        }
+        if (!strcmp(k, "--no-cuda-graphs")) {
+            a->no_graphs = true;
             continue;
         }
         if (!strcmp(k, "--dp-attention")) {
@@ -344,7 +351,8 @@ static enum moe_status start_model(struct worker_run *r, int *argc, char ***argv
                                  .exact = a->exact,
                                  .batch_invariant = a->batch_invariant,
                                  .kv_dtype = a->kv_dtype,
-                                 .kv_dtype_set = a->kv_dtype_set};
+                                 .kv_dtype_set = a->kv_dtype_set,
+                                 .no_graphs = a->no_graphs};
     enum moe_status rc = moe_launch_start(argc, argv, &la, &r->launch, &r->err);
     if (rc)
         return rc;

@@ -1641,7 +1641,9 @@ static void g_graph_reset(struct moe_backend *be)
     G.n_graphs = 0;
 }
 
-static void test_graphs(struct moe_backend *be, const char *fixture, bool sampled)
+/* off: the model loaded with no_graphs (--no-cuda-graphs): nothing is
+ * recorded or launched though the backend offers graphs. */
+static void test_graphs(struct moe_backend *be, const char *fixture, bool sampled, bool off)
 {
     enum { N = 6, OUT = 24 };
     struct moe_backend_ops wrapped = *be->ops;
@@ -1682,8 +1684,11 @@ static void test_graphs(struct moe_backend *be, const char *fixture, bool sample
     /* batch-invariant: a padding row must not move a real row's bits (as on
      * CUDA, whose decode GEMVs compute each row alone); the CPU's fast tiles
      * are otherwise chosen by row count */
-    struct moe_model_opts mo = {
-        .dtype = MOE_DTYPE_BF16, .fast = true, .batch_invariant = true, .tp_size = 1};
+    struct moe_model_opts mo = {.dtype = MOE_DTYPE_BF16,
+                                .fast = true,
+                                .batch_invariant = true,
+                                .no_graphs = off,
+                                .tp_size = 1};
     CHECKF(moe_model_load(test_src_path(fixture), &mo, be, &m, &err) == MOE_OK, "%s", err.msg);
     if (!m)
         return;
@@ -1728,15 +1733,25 @@ static void test_graphs(struct moe_backend *be, const char *fixture, bool sample
     CHECKF(prof[0].graphs_recorded == 0 && prof[0].graphs_replayed == 0,
            "graphs (%s): the plain backend recorded %llu", fixture,
            (unsigned long long)prof[0].graphs_recorded);
-    CHECKF(prof[1].graphs_recorded >= 1 && prof[1].graphs_replayed >= 12 &&
-               G.records == (int)prof[1].graphs_recorded && G.launches >= G.records &&
-               G.failures == 0,
-           "graphs (%s): %llu recorded, %llu replayed (fake: %d recorded, %d launches, %d failed)",
-           fixture, (unsigned long long)prof[1].graphs_recorded,
-           (unsigned long long)prof[1].graphs_replayed, G.records, G.launches, G.failures);
+    if (off)
+        CHECKF(prof[1].graphs_recorded == 0 && prof[1].graphs_replayed == 0 && G.records == 0 &&
+                   G.launches == 0,
+               "graphs (%s): --no-cuda-graphs, yet %llu recorded, %d launches", fixture,
+               (unsigned long long)prof[1].graphs_recorded, G.launches);
+    else
+        CHECKF(
+            prof[1].graphs_recorded >= 1 && prof[1].graphs_replayed >= 12 &&
+                G.records == (int)prof[1].graphs_recorded && G.launches >= G.records &&
+                G.failures == 0,
+            "graphs (%s): %llu recorded, %llu replayed (fake: %d recorded, %d launches, %d failed)",
+            fixture, (unsigned long long)prof[1].graphs_recorded,
+            (unsigned long long)prof[1].graphs_replayed, G.records, G.launches, G.failures);
     printf("graphs (%s%s): %llu forwards, %llu recorded, %llu replayed, %d keys; tokens and "
            "expert statistics as without graphs\n",
-           fixture, sampled ? ", half the requests sampled" : "",
+           fixture,
+           sampled ? ", half the requests sampled"
+           : off   ? ", --no-cuda-graphs"
+                   : "",
            (unsigned long long)prof[1].forwards, (unsigned long long)prof[1].graphs_recorded,
            (unsigned long long)prof[1].graphs_replayed, G.n_graphs);
     g_graph_reset(be);
@@ -1778,12 +1793,14 @@ int main(void)
     test_random_workload();
     test_step_uploads(be);
     test_device_routing(be);
-    test_graphs(be, "tests/golden/fixtures/qwen3_moe", false);
-    test_graphs(be, "tests/golden/fixtures/mixtral", false);
-    test_graphs(be, "tests/golden/fixtures/qwen2_moe", false); /* the shared gate's sigmoid */
+    test_graphs(be, "tests/golden/fixtures/mixtral", false, true); /* --no-cuda-graphs */
+    test_graphs(be, "tests/golden/fixtures/qwen3_moe", false, false);
+    test_graphs(be, "tests/golden/fixtures/mixtral", false, false);
+    test_graphs(be, "tests/golden/fixtures/qwen2_moe", false,
+                false); /* the shared gate's sigmoid */
     /* latent attention: its indexes and per-head offsets kept per step size on the backend */
-    test_graphs(be, "tests/golden/fixtures/deepseek_v3", false);
-    test_graphs(be, "tests/golden/fixtures/mixtral", true); /* sampled rows (sample_rows) */
+    test_graphs(be, "tests/golden/fixtures/deepseek_v3", false, false);
+    test_graphs(be, "tests/golden/fixtures/mixtral", true, false); /* sampled rows (sample_rows) */
     moe_model_free(model);
     /* DeepSeek-V3's latent cache (one row per token, K = V) through the same
      * scheduling: batches, preemption, prefix sharing */

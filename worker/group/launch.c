@@ -80,6 +80,7 @@ enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launc
         .fast = !a->exact,
         .batch_invariant = invariant,
         .profile = a->profile,
+        .no_graphs = a->no_graphs,
         .kv_dtype = a->kv_dtype_set ? a->kv_dtype
                     : a->exact      ? MOE_DTYPE_F32
                                     : moe_backend_default_kv_dtype(l->be),

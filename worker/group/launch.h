@@ -29,7 +29,8 @@ struct moe_launch_args {
      * (moe_backend_default_kv_dtype), F32 under --exact. */
     enum moe_dtype kv_dtype;
     bool kv_dtype_set;
-    bool profile; /* --profile (moe_model_opts.profile) */
+    bool profile;   /* --profile (moe_model_opts.profile) */
+    bool no_graphs; /* --no-cuda-graphs (moe_model_opts.no_graphs) */
 };
 
 struct moe_launch {

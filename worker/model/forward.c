@@ -858,7 +858,7 @@ static enum moe_status forward_ops(struct moe_model *m, struct moe_kv_cache *kv,
 static bool graph_candidate(const struct moe_model *m, const struct moe_batch *b)
 {
     const struct moe_backend_ops *ops = m->be->ops;
-    return ops->graph_launch && b->argmax_out && !m->tp_comm &&
+    return ops->graph_launch && !m->opts.no_graphs && b->argmax_out && !m->tp_comm &&
            !(m->ep_comm && m->ep_comm->size > 1) &&
            (!m->cfg.mla || b->n_tok <= MOE_ROUTE_DEVICE_MAX_TOK) && !m->opts.profile &&
            b->n_logits >= 1 && ops->grouped_device_rows &&

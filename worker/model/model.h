@@ -59,6 +59,10 @@ struct moe_model_opts {
      * are queued; otherwise a one-rank step waits only at its end. The
      * binaries' --profile sets it. */
     bool profile;
+    /* true: no step is recorded or replayed as a graph (--no-cuda-graphs),
+     * whatever the backend offers (its graph_* ops; CUDA: where
+     * MOE_CUDA_GRAPHS=1 turns them on, until a GPU has run them). */
+    bool no_graphs;
     /* Element type of this model's KV caches (moe_kv_cache_create): F32 (0,
      * the default here) or BF16 (CPU backend only). The binaries take
      * --kv-dtype and default to the backend's moe_backend_default_kv_dtype,
