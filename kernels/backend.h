@@ -157,6 +157,33 @@ struct moe_grouped_matmul_params {
     bool batch_invariant; /* as in struct moe_matmul_params */
 };
 
+/* The attention block's step between its fused QKV projection and attention
+ * (op rope_kv_write), per token t: from the row qkv[t] = [q | k | v] (widths
+ * n_head d_head, n_kv_head d_head, n_kv_head d_head), q and k each get
+ * their bias (bq, bk, bv; NULL: none), then (q_norm, k_norm; NULL: none)
+ * each head's RMSNorm over d_head with weights of d_head, then RoPE (as the
+ * rope op: pos, inv_freq, scale); q goes to q_out (n_tok, n_head d_head),
+ * k and v to the caches at slots[t] (as kv_write). The same values, bit for
+ * bit on the CPU, as copy_cols, the bias matmuls, rmsnorm, rope and kv_write
+ * in that order: one op where those were up to eight. */
+struct moe_rope_kv_params {
+    const float *qkv;
+    int n_tok;
+    int n_head;
+    int n_kv_head;
+    int d_head;
+    const float *bq, *bk, *bv;    /* (n_head d_head), (n_kv_head d_head) x 2, or NULL */
+    const float *q_norm, *k_norm; /* (d_head) each, or NULL */
+    float eps;                    /* the norms' */
+    const int32_t *pos;           /* (n_tok) */
+    const float *inv_freq;        /* host memory, d_head / 2 frequencies */
+    float scale;                  /* multiplies cos and sin */
+    float *q_out;                 /* (n_tok, n_head d_head) */
+    const int32_t *slots;         /* (n_tok) */
+    void *k_cache, *v_cache;      /* (n_slot, n_kv_head d_head) of kv_dtype */
+    enum moe_dtype kv_dtype;
+};
+
 /* DeepSeek-V3 routing, as transformers' DeepseekV3TopkRouter computes it,
  * per token: s = sigmoid(logits) (f32); the choice uses c = s + bias: each of
  * n_group equal groups of experts scores the sum of its two largest c, the
@@ -414,6 +441,14 @@ struct moe_backend_ops {
     bool (*graph_begin)(struct moe_backend *be, uint64_t key);
     enum moe_status (*graph_end)(struct moe_backend *be, struct moe_error *err);
     void (*graph_reset)(struct moe_backend *be);
+
+    /* Fusions (NULL: the model issues the ops they stand for). x += r, then
+     * y = rmsnorm(x) with w (add then rmsnorm: a block's residual add and
+     * the next norm; y != x). struct moe_rope_kv_params. The CPU backend's
+     * results equal those ops' bit for bit. */
+    void (*add_rmsnorm)(struct moe_backend *be, float *x, const float *r, const float *w, float *y,
+                        int n_rows, int dim, float eps);
+    void (*rope_kv_write)(struct moe_backend *be, const struct moe_rope_kv_params *p);
 };
 
 struct moe_backend {

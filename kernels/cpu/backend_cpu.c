@@ -61,6 +61,17 @@ static void cpu_op_rope(struct moe_backend *be, float *x, const int32_t *pos, in
     cpu_rope(be_pool(be), x, pos, n_tok, n_heads, d_head, inv_freq, scale);
 }
 
+static void cpu_op_add_rmsnorm(struct moe_backend *be, float *x, const float *r, const float *w,
+                               float *y, int n_rows, int dim, float eps)
+{
+    cpu_add_rmsnorm(be_pool(be), x, r, w, y, n_rows, dim, eps);
+}
+
+static void cpu_op_rope_kv_write(struct moe_backend *be, const struct moe_rope_kv_params *p)
+{
+    cpu_rope_kv_write(be_pool(be), p);
+}
+
 static void cpu_op_kv_write(struct moe_backend *be, const float *k, const float *v,
                             const int32_t *slots, int n_tok, int kv_dim, void *k_cache,
                             void *v_cache, enum moe_dtype kv_dtype)
@@ -278,6 +289,8 @@ static const struct moe_backend_ops cpu_ops = {
     .router_topk_grouped = cpu_op_router_topk_grouped,
     .sigmoid = cpu_op_sigmoid,
     .grouped_device_rows = cpu_grouped_device_rows,
+    .add_rmsnorm = cpu_op_add_rmsnorm,
+    .rope_kv_write = cpu_op_rope_kv_write,
 };
 
 enum moe_status moe_backend_cpu_create(int n_threads, struct moe_backend **out,

@@ -220,6 +220,10 @@ void cpu_rmsnorm(struct moe_threadpool *pool, const float *x, const float *w, fl
                  int dim, float eps);
 void cpu_rope(struct moe_threadpool *pool, float *x, const int32_t *pos, int n_tok, int n_heads,
               int d_head, const float *inv_freq, float scale);
+/* The backend's add_rmsnorm and rope_kv_write ops (kernels/backend.h). */
+void cpu_add_rmsnorm(struct moe_threadpool *pool, float *x, const float *r, const float *w,
+                     float *y, int n_rows, int dim, float eps);
+void cpu_rope_kv_write(struct moe_threadpool *pool, const struct moe_rope_kv_params *p);
 
 /* ---- attention.c ---- */
 

@@ -21,16 +21,19 @@ struct rmsnorm_job {
     float eps;
 };
 
+/* One row; y == x allowed (each x[i] is read before y[i] is written). */
+static void rmsnorm_row(const float *x, const float *w, float *y, int dim, float eps)
+{
+    float var = cpu_vec_sumsq(x, dim) / (float)dim;
+    float inv = 1.0f / sqrtf(var + eps);
+    for (int i = 0; i < dim; i++)
+        y[i] = w[i] * (x[i] * inv);
+}
+
 static void rmsnorm_rows(const struct rmsnorm_job *j, int r0, int r1)
 {
-    for (int r = r0; r < r1; r++) {
-        const float *x = j->x + (size_t)r * j->dim;
-        float *y = j->y + (size_t)r * j->dim;
-        float var = cpu_vec_sumsq(x, j->dim) / (float)j->dim;
-        float inv = 1.0f / sqrtf(var + j->eps);
-        for (int i = 0; i < j->dim; i++)
-            y[i] = j->w[i] * (x[i] * inv);
-    }
+    for (int r = r0; r < r1; r++)
+        rmsnorm_row(j->x + (size_t)r * j->dim, j->w, j->y + (size_t)r * j->dim, j->dim, j->eps);
 }
 
 static void rmsnorm_task(void *arg, int task, int thread)
@@ -68,25 +71,35 @@ struct rope_job {
     float scale;           /* multiplies cos and sin */
 };
 
+/* A position's cos and sin (each times scale) for the half frequencies. */
+static void rope_cs(int32_t pos_i, const float *inv_freq, float scale, int half, float *c, float *s)
+{
+    float pos = (float)pos_i;
+    for (int i = 0; i < half; i++) {
+        float f = pos * inv_freq[i];
+        c[i] = cosf(f) * scale;
+        s[i] = sinf(f) * scale;
+    }
+}
+
+/* One head's d_head values rotated in place. */
+static void rope_head(float *x, int half, const float *c, const float *s)
+{
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
+        x[i] = ac - bs;
+        x[i + half] = bc + as;
+    }
+}
+
 static void rope_token(const struct rope_job *j, int t)
 {
     int half = j->d_head / 2;
     float c[ROPE_MAX_HALF], s[ROPE_MAX_HALF];
-    float pos = (float)j->pos[t];
-    for (int i = 0; i < half; i++) {
-        float f = pos * j->inv_freq[i];
-        c[i] = cosf(f) * j->scale;
-        s[i] = sinf(f) * j->scale;
-    }
-    for (int h = 0; h < j->n_heads; h++) {
-        float *x = j->x + ((size_t)t * j->n_heads + h) * j->d_head;
-        for (int i = 0; i < half; i++) {
-            float a = x[i], b = x[i + half];
-            float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
-            x[i] = ac - bs;
-            x[i + half] = bc + as;
-        }
-    }
+    rope_cs(j->pos[t], j->inv_freq, j->scale, half, c, s);
+    for (int h = 0; h < j->n_heads; h++)
+        rope_head(j->x + ((size_t)t * j->n_heads + h) * j->d_head, half, c, s);
 }
 
 static void rope_task(void *arg, int task, int thread)
@@ -105,4 +118,96 @@ void cpu_rope(struct moe_threadpool *pool, float *x, const int32_t *pos, int n_t
         return;
     }
     moe_threadpool_run(pool, n_tok, rope_task, &j);
+}
+
+/* ---- fusions (the same per-row arithmetic as the ops they stand for) ---- */
+
+struct add_rmsnorm_job {
+    float *x;
+    const float *r, *w;
+    float *y;
+    int dim, n_rows, rows_per_task;
+    float eps;
+};
+
+static void add_rmsnorm_task(void *arg, int task, int thread)
+{
+    const struct add_rmsnorm_job *j = arg;
+    int r0 = task * j->rows_per_task;
+    int r1 = r0 + j->rows_per_task < j->n_rows ? r0 + j->rows_per_task : j->n_rows;
+    for (int r = r0; r < r1; r++) {
+        float *x = j->x + (size_t)r * j->dim;
+        const float *res = j->r + (size_t)r * j->dim;
+        for (int i = 0; i < j->dim; i++)
+            x[i] += res[i];
+        rmsnorm_row(x, j->w, j->y + (size_t)r * j->dim, j->dim, j->eps);
+    }
+}
+
+void cpu_add_rmsnorm(struct moe_threadpool *pool, float *x, const float *r, const float *w,
+                     float *y, int n_rows, int dim, float eps)
+{
+    if (n_rows <= 0 || dim <= 0)
+        return;
+    struct add_rmsnorm_job j = {x, r, w, y, dim, n_rows, n_rows, eps};
+    if ((size_t)n_rows * dim < PAR_MIN_ELEMS || moe_threadpool_size(pool) == 1) {
+        add_rmsnorm_task(&j, 0, 0);
+        return;
+    }
+    int per = PAR_MIN_ELEMS / 4 / dim;
+    j.rows_per_task = per < 1 ? 1 : per;
+    moe_threadpool_run(pool, (n_rows + j.rows_per_task - 1) / j.rows_per_task, add_rmsnorm_task,
+                       &j);
+}
+
+/* One head of d values from src (+ bias), normed, rotated, into dst (f32)
+ * or, through buf, into a bf16 cache row. c NULL: no rotation (V). */
+static void rope_kv_head(const struct moe_rope_kv_params *p, const float *src, const float *bias,
+                         const float *norm, const float *c, const float *s, void *dst,
+                         enum moe_dtype dt, float *buf)
+{
+    const int d = p->d_head;
+    float *x = dt == MOE_DTYPE_F32 ? dst : buf;
+    for (int i = 0; i < d; i++)
+        x[i] = bias ? src[i] + bias[i] : src[i];
+    if (norm)
+        rmsnorm_row(x, norm, x, d, p->eps);
+    if (c)
+        rope_head(x, d / 2, c, s);
+    if (dt == MOE_DTYPE_BF16)
+        cpu_vec_to_bf16(dst, x, d);
+}
+
+static void rope_kv_task(void *arg, int t, int thread)
+{
+    const struct moe_rope_kv_params *p = arg;
+    const int d = p->d_head, half = d / 2, qd = p->n_head * d, kvd = p->n_kv_head * d;
+    const float *row = p->qkv + (size_t)t * (size_t)(qd + 2 * kvd);
+    float c[ROPE_MAX_HALF], s[ROPE_MAX_HALF], buf[2 * ROPE_MAX_HALF];
+    rope_cs(p->pos[t], p->inv_freq, p->scale, half, c, s);
+    for (int h = 0; h < p->n_head; h++)
+        rope_kv_head(p, row + h * d, p->bq ? p->bq + h * d : NULL, p->q_norm, c, s,
+                     p->q_out + (size_t)t * qd + h * d, MOE_DTYPE_F32, buf);
+    const size_t es = p->kv_dtype == MOE_DTYPE_BF16 ? 2 : 4;
+    char *kc = (char *)p->k_cache + (size_t)p->slots[t] * kvd * es;
+    char *vc = (char *)p->v_cache + (size_t)p->slots[t] * kvd * es;
+    for (int h = 0; h < p->n_kv_head; h++) {
+        rope_kv_head(p, row + qd + h * d, p->bk ? p->bk + h * d : NULL, p->k_norm, c, s,
+                     kc + (size_t)h * d * es, p->kv_dtype, buf);
+        rope_kv_head(p, row + qd + kvd + h * d, p->bv ? p->bv + h * d : NULL, NULL, NULL, NULL,
+                     vc + (size_t)h * d * es, p->kv_dtype, buf);
+    }
+}
+
+void cpu_rope_kv_write(struct moe_threadpool *pool, const struct moe_rope_kv_params *p)
+{
+    MOE_ASSERT(p->d_head % 2 == 0 && p->d_head / 2 <= ROPE_MAX_HALF);
+    MOE_ASSERT(moe_kv_dtype_valid(p->kv_dtype));
+    const size_t work = (size_t)p->n_tok * (size_t)(p->n_head + 2 * p->n_kv_head) * p->d_head;
+    if (work < PAR_MIN_ELEMS || moe_threadpool_size(pool) == 1) {
+        for (int t = 0; t < p->n_tok; t++)
+            rope_kv_task((void *)p, t, 0);
+        return;
+    }
+    moe_threadpool_run(pool, p->n_tok, rope_kv_task, (void *)p);
 }

@@ -310,6 +310,27 @@ static void cuda_op_rmsnorm(struct moe_backend *be, const float *x, const float 
     cuda_check(be, moe_cuda_rmsnorm(x, w, y, n_rows, dim, eps, cuda_of(be)->stream), "rmsnorm");
 }
 
+static void cuda_op_add_rmsnorm(struct moe_backend *be, float *x, const float *r, const float *w,
+                                float *y, int n_rows, int dim, float eps)
+{
+    cuda_of(be)->cnt.ops++;
+    cuda_check(be, moe_cuda_add_rmsnorm(x, r, w, y, n_rows, dim, eps, cuda_of(be)->stream),
+               "add_rmsnorm");
+}
+
+static void cuda_op_rope_kv_write(struct moe_backend *be, const struct moe_rope_kv_params *p)
+{
+    cuda_of(be)->cnt.ops++;
+    const char *why = moe_cuda_rope_kv_unsupported(p);
+    if (why) {
+        cuda_fail(be, (int)cudaErrorNotSupported,
+                  "rope_kv_write: %s (d_head %d, n_head %d, n_kv_head %d, kv dtype %s)", why,
+                  p->d_head, p->n_head, p->n_kv_head, moe_dtype_name(p->kv_dtype));
+        return;
+    }
+    cuda_check(be, moe_cuda_rope_kv_write(p, cuda_of(be)->stream), "rope_kv_write");
+}
+
 static void cuda_op_rope(struct moe_backend *be, float *x, const int32_t *pos, int n_tok,
                          int n_heads, int d_head, const float *inv_freq, float scale)
 {
@@ -838,6 +859,8 @@ static const struct moe_backend_ops cuda_ops = {
     .router_topk_grouped = cuda_op_router_topk_grouped,
     .sigmoid = cuda_op_sigmoid,
     .grouped_device_rows = cuda_grouped_device_rows,
+    .add_rmsnorm = cuda_op_add_rmsnorm,
+    .rope_kv_write = cuda_op_rope_kv_write,
     .graph_launch = cuda_graph_launch,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
@@ -880,6 +903,8 @@ static int missing_ops(const struct moe_backend_ops *ops, char *buf, size_t cap)
         OP(sample_rows),
         OP(kv_gather_blocks),
         OP(kv_scatter_blocks),
+        OP(add_rmsnorm),
+        OP(rope_kv_write),
 #undef OP
     };
     int n = 0;

@@ -33,6 +33,9 @@ cudaError_t moe_cuda_probe(void);
  * y == x is allowed. One block per row. */
 cudaError_t moe_cuda_rmsnorm(const float *x, const float *w, float *y, int n_rows, int dim,
                              float eps, cudaStream_t stream);
+/* x += r, then y = rmsnorm(x) (y != x): the two ops in one launch. */
+cudaError_t moe_cuda_add_rmsnorm(float *x, const float *r, const float *w, float *y, int n_rows,
+                                 int dim, float eps, cudaStream_t stream);
 
 /* ---- matmul.cu ---- */
 
@@ -62,6 +65,13 @@ const char *moe_cuda_matmul_unsupported(const struct moe_matmul_params *p);
 /* inv_freq: host memory, d_head / 2 frequencies; scale multiplies cos and sin. */
 cudaError_t moe_cuda_rope(float *x, const int32_t *pos, int n_tok, int n_heads, int d_head,
                           const float *inv_freq, float scale, cudaStream_t stream);
+
+/* ---- rope_kv.cu ---- */
+
+/* Why p cannot run here (d_head odd or above MOE_CUDA_ROPE_MAX_DHEAD, another
+ * cache type, biases or norms given for only some of q, k, v), or NULL. */
+const char *moe_cuda_rope_kv_unsupported(const struct moe_rope_kv_params *p);
+cudaError_t moe_cuda_rope_kv_write(const struct moe_rope_kv_params *p, cudaStream_t stream);
 
 /* ---- kv_write.cu ---- */
 /* v and v_cache NULL: K only (a latent cache). */

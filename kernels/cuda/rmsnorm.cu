@@ -3,7 +3,8 @@
 // sums; then every thread scales its slice: y = w * (x * (1 / sqrt(var + eps))),
 // the order of operations of the CPU reference and of Hugging Face. x may
 // equal y (in place): after the barrier each element is read and then written
-// by the same thread.
+// by the same thread. add_rmsnorm adds the residual r to x in the first pass
+// (x += r, written back) and norms the sum: one launch for the two ops.
 #include "common.cuh"
 #include "cuda_ops.h"
 
@@ -13,18 +14,26 @@ namespace
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
+// kAdd: x += r first (add_rmsnorm), each element written back by the thread
+// that reads it again below.
+template <bool kAdd>
 __global__ void __launch_bounds__(kThreads)
-    rmsnorm_kernel(const float *x, const float *__restrict__ w, float *y, int dim, float eps)
+    rmsnorm_kernel(float *x, const float *__restrict__ r, const float *__restrict__ w, float *y,
+                   int dim, float eps)
 {
     __shared__ float partial[kWarps];
     __shared__ float inv_rms;
     const size_t row = blockIdx.x;
-    const float *xr = x + row * (size_t)dim;
+    float *xr = x + row * (size_t)dim;
     float *yr = y + row * (size_t)dim;
 
     float ss = 0.0f;
     for (int i = threadIdx.x; i < dim; i += kThreads) {
         float v = xr[i];
+        if (kAdd) {
+            v = __fadd_rn(v, r[row * (size_t)dim + i]);
+            xr[i] = v;
+        }
         ss += v * v;
     }
     ss = warp_sum(ss);
@@ -51,6 +60,16 @@ extern "C" cudaError_t moe_cuda_rmsnorm(const float *x, const float *w, float *y
 {
     if (n_rows <= 0 || dim <= 0)
         return cudaSuccess;
-    rmsnorm_kernel<<<n_rows, kThreads, 0, stream>>>(x, w, y, dim, eps);
+    // x is only read here (y may equal it)
+    rmsnorm_kernel<false><<<n_rows, kThreads, 0, stream>>>((float *)x, nullptr, w, y, dim, eps);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t moe_cuda_add_rmsnorm(float *x, const float *r, const float *w, float *y,
+                                            int n_rows, int dim, float eps, cudaStream_t stream)
+{
+    if (n_rows <= 0 || dim <= 0)
+        return cudaSuccess;
+    rmsnorm_kernel<true><<<n_rows, kThreads, 0, stream>>>(x, r, w, y, dim, eps);
     return cudaGetLastError();
 }

@@ -191,6 +191,102 @@ static void run_rmsnorm(struct run *r, const struct op_case *c)
     free(w);
 }
 
+/* add_rmsnorm: a = {n_rows, dim}; x and y compared (one buffer, x then y) */
+static void run_add_rmsnorm(struct run *r, const struct op_case *c)
+{
+    int n_rows = c->a[0], dim = c->a[1];
+    size_t n = (size_t)n_rows * dim;
+    float *x = calloc(1, (2 * n + 1) * 4), *res = calloc(1, (n + 1) * 4);
+    float *w = calloc(1, ((size_t)dim + 1) * 4);
+    fill_floats(x, n, 3.0f);
+    fill_floats(res, n, 1.0f);
+    fill_floats(w, (size_t)dim, 1.0f);
+    float *dx = run_buf(r, x, (2 * n + 1) * 4);
+    r->be->ops->add_rmsnorm(r->be, dx, run_buf(r, res, (n + 1) * 4), run_buf(r, w, (size_t)dim * 4),
+                            dx + n, n_rows, dim, 1e-5f);
+    run_get_floats(r, dx, 2 * n);
+    free(x);
+    free(res);
+    free(w);
+}
+
+/* rope_kv_write: a = {n_tok, n_head, n_kv_head, d_head, biases, norms, bf16
+ * cache}; q_out and both whole caches compared (slots scattered over a
+ * cache with rows left unwritten, which must stay as they were). */
+static void run_rope_kv(struct run *r, const struct op_case *c)
+{
+    const int n = c->a[0], H = c->a[1], KV = c->a[2], d = c->a[3];
+    const bool bias = c->a[4], norm = c->a[5], bf16 = c->a[6];
+    const int qd = H * d, kvd = KV * d, n_slot = 2 * n + 5;
+    const size_t nq = (size_t)n * qd, nc = (size_t)n_slot * kvd, es = bf16 ? 2 : 4;
+    float *qkv = calloc(1, ((size_t)n * (qd + 2 * kvd) + 1) * 4);
+    float *b = calloc(1, ((size_t)qd + 2 * kvd + 1) * 4), *nw = calloc(1, (2 * (size_t)d + 1) * 4);
+    float *inv = calloc(1, ((size_t)d / 2 + 1) * 4);
+    int32_t *pos = calloc(1, ((size_t)n + 1) * 4), *slots = calloc(1, ((size_t)n + 1) * 4);
+    int32_t *perm = calloc(1, ((size_t)n_slot + 1) * 4);
+    float *fill = calloc(1, nc * 4 + 4);
+    fill_floats(qkv, (size_t)n * (qd + 2 * kvd), 2.0f);
+    fill_floats(b, (size_t)qd + 2 * kvd, 0.5f);
+    fill_floats(nw, 2 * (size_t)d, 1.0f);
+    fill_floats(fill, nc, 9.0f); /* the rows no token writes */
+    if (bf16)                    /* the same values as bf16 bits, packed */
+        for (size_t i = 0; i < nc; i++)
+            ((uint16_t *)fill)[i] = moe_f32_to_bf16(fill[i]);
+    shuffle_ids(perm, n_slot);
+    for (int i = 0; i < d / 2; i++)
+        inv[i] = 1.0f / powf(10000.0f, (float)(2 * i) / (float)d);
+    for (int t = 0; t < n; t++) {
+        pos[t] = test_rng_int(&g_rng, 0, 8000);
+        slots[t] = perm[t];
+    }
+    float *q = run_buf(r, NULL, nq * 4 + 4);
+    void *kc = run_buf(r, fill, nc * es + 1), *vc = run_buf(r, fill, nc * es + 1);
+    float *db = run_buf(r, b, ((size_t)qd + 2 * kvd + 1) * 4);
+    float *dn = run_buf(r, nw, (2 * (size_t)d + 1) * 4);
+    struct moe_rope_kv_params p = {
+        .qkv = run_buf(r, qkv, ((size_t)n * (qd + 2 * kvd) + 1) * 4),
+        .n_tok = n,
+        .n_head = H,
+        .n_kv_head = KV,
+        .d_head = d,
+        .bq = bias ? db : NULL,
+        .bk = bias ? db + qd : NULL,
+        .bv = bias ? db + qd + kvd : NULL,
+        .q_norm = norm ? dn : NULL,
+        .k_norm = norm ? dn + d : NULL,
+        .eps = 1e-6f,
+        .pos = run_buf(r, pos, ((size_t)n + 1) * 4),
+        .inv_freq = inv,
+        .scale = 1.0f,
+        .q_out = q,
+        .slots = run_buf(r, slots, ((size_t)n + 1) * 4),
+        .k_cache = kc,
+        .v_cache = vc,
+        .kv_dtype = bf16 ? MOE_DTYPE_BF16 : MOE_DTYPE_F32,
+    };
+    r->be->ops->rope_kv_write(r->be, &p);
+    r->n_out = nq + 2 * nc;
+    r->out = calloc(1, (r->n_out + 1) * 4);
+    r->be->ops->synchronize(r->be);
+    r->be->ops->buf_download(r->be, r->out, q, nq * 4);
+    void *h = calloc(1, nc * es + 4);
+    for (int i = 0; i < 2; i++) {
+        r->be->ops->buf_download(r->be, h, i ? vc : kc, nc * es);
+        float *o = r->out + nq + (size_t)i * nc;
+        for (size_t e = 0; e < nc; e++)
+            o[e] = bf16 ? moe_bf16_to_f32(((uint16_t *)h)[e]) : ((float *)h)[e];
+    }
+    free(h);
+    free(qkv);
+    free(b);
+    free(nw);
+    free(inv);
+    free(pos);
+    free(slots);
+    free(perm);
+    free(fill);
+}
+
 /* rope: a = {n_tok, n_heads, d_head, max_pos, theta (1e4 or 1e6)} */
 static void run_rope(struct run *r, const struct op_case *c)
 {
@@ -959,6 +1055,20 @@ static const struct op_case g_cases[] = {
     {"rmsnorm", run_rmsnorm, {70, 4097, 1}, 1e-10},
     {"rmsnorm", run_rmsnorm, {33, 64, 0}, 1e-10},
     /* rope {n_tok, n_heads, d_head, max_pos, theta, attention factor (1 + a/10, 0: 1)} */
+    /* add_rmsnorm {n_rows, dim}: x += r and its norm */
+    {"add_rmsnorm", run_add_rmsnorm, {1, 1}, 1e-10},
+    {"add_rmsnorm", run_add_rmsnorm, {70, 4097}, 1e-10},
+    {"add_rmsnorm", run_add_rmsnorm, {33, 1024}, 1e-10},
+    /* rope_kv_write {n_tok, n_head, n_kv_head, d_head, biases, norms, bf16 cache}: Mixtral,
+     * Qwen2-MoE (biases), Qwen3-MoE (per-head norms), d_head 16 (fewer than a warp's lanes),
+     * 256; bf16 caches: a last-bit difference in a rotated value may round one element
+     * the other way (~1e-9), hence 1e-8 there */
+    {"rope_kv_write", run_rope_kv, {5, 8, 2, 128, 0, 0, 0}, 1e-10},
+    {"rope_kv_write", run_rope_kv, {33, 16, 4, 64, 1, 0, 0}, 1e-10},
+    {"rope_kv_write", run_rope_kv, {17, 4, 4, 128, 0, 1, 1}, 1e-8},
+    {"rope_kv_write", run_rope_kv, {3, 3, 1, 16, 1, 1, 0}, 1e-10},
+    {"rope_kv_write", run_rope_kv, {2, 2, 2, 256, 0, 1, 1}, 1e-8},
+    {"rope_kv_write", run_rope_kv, {0, 8, 2, 64, 0, 0, 0}, 0},
     {"rope", run_rope, {1, 1, 2, 5, 10000}, 1e-10},
     {"rope", run_rope, {17, 4, 16, 100, 1000000}, 1e-10},
     {"rope", run_rope, {40, 16, 64, 8000, 1000000}, 1e-10},
@@ -1139,6 +1249,7 @@ static const struct op_case g_cases[] = {
 /* Shapes CUDA must refuse loudly: the op records an error and computes nothing. */
 static const struct op_case g_refused[] = {
     {"grouped_matmul", run_grouped, {20, 4, 32, 16, F32, 0, 5}, 0},      /* device-only, f32 W */
+    {"rope_kv_write", run_rope_kv, {2, 2, 1, 1024, 0, 0, 0}, 0},         /* d_head 1024 */
     {"attention", run_attention, {1, 8, 4, 4, 96, 4, 0}, 0},             /* d_head 96 */
     {"attention", run_attention, {1, 8, 34, 1, 64, 4, 0}, 0},            /* 34 heads per KV head */
     {"router", run_router, {3, 300, 2, 1, 0}, 0},                        /* 300 experts */
@@ -1146,7 +1257,7 @@ static const struct op_case g_refused[] = {
     {"router_grouped", run_router_grouped, {3, 512, 8, 4, 8, 1, 0}, 0},  /* 512 experts */
     {"rope", run_rope, {2, 2, 1024, 10, 10000}, 0},                      /* d_head 1024 */
 /* first index of the refusals every backend makes (the CPU too: run in --cpu-vs-cpu) */
-#define REFUSED_ALL_FROM 7
+#define REFUSED_ALL_FROM 8
     {"grouped_matmul", run_grouped, {20, 4, 32, 16, F32, 0, 4}, 0}, /* rows, NULL weights */
     {"grouped_matmul", run_grouped, {6, 4, 32, 16, BF16, 0, 6}, 0}, /* device-only, NULL w */
     {"permute", run_permute, {40, 2, 8, 2, 0, 0, 1}, 0},            /* expert id 11 of 8 */

@@ -1337,7 +1337,9 @@ enum rec_op {
     R_SIGMOID,
     R_COPY,
     R_SAMPLE_ROWS,
-    R_ROUTER_GROUPED
+    R_ROUTER_GROUPED,
+    R_ADD_RMSNORM,
+    R_ROPE_KV
 };
 
 struct rec {
@@ -1353,6 +1355,7 @@ struct rec {
         struct moe_grouped_matmul_params gm;
         struct moe_permute_params pm;
         struct moe_router_grouped_params rg;
+        struct moe_rope_kv_params rk;
     } u;
 };
 
@@ -1427,6 +1430,10 @@ static void rec_run(struct moe_backend *be, const struct rec *r)
         o->sample_rows(be, r->p[0], r->i[0], r->i[1], r->p[1], r->p[2], r->p[3], r->out[0]);
         break;
     case R_ROUTER_GROUPED: o->router_topk_grouped(be, &r->u.rg); break;
+    case R_ADD_RMSNORM:
+        o->add_rmsnorm(be, r->out[0], r->p[0], r->p[1], r->out[1], r->i[0], r->i[1], r->f[0]);
+        break;
+    case R_ROPE_KV: o->rope_kv_write(be, &r->u.rk); break;
     }
 }
 
@@ -1497,6 +1504,15 @@ static void g_grouped(struct moe_backend *be, const struct moe_grouped_matmul_pa
 static void g_router_grouped(struct moe_backend *be, const struct moe_router_grouped_params *p)
 {
     REC_OR_RUN(.op = R_ROUTER_GROUPED, .u.rg = *p);
+}
+static void g_add_rmsnorm(struct moe_backend *be, float *x, const float *r, const float *w,
+                          float *y, int n, int dim, float eps)
+{
+    REC_OR_RUN(.op = R_ADD_RMSNORM, .out = {x, y}, .p = {r, w}, .i = {n, dim}, .f = {eps});
+}
+static void g_rope_kv(struct moe_backend *be, const struct moe_rope_kv_params *p)
+{
+    REC_OR_RUN(.op = R_ROPE_KV, .u.rk = *p);
 }
 static void g_swiglu(struct moe_backend *be, const float *gu, float *out, int n, int dim)
 {
@@ -1658,6 +1674,8 @@ static void test_graphs(struct moe_backend *be, const char *fixture, bool sample
     wrapped.add = g_add;
     wrapped.router_topk = g_router;
     wrapped.router_topk_grouped = g_router_grouped;
+    wrapped.add_rmsnorm = g_add_rmsnorm;
+    wrapped.rope_kv_write = g_rope_kv;
     wrapped.permute = g_permute;
     wrapped.gather_rows = g_gather;
     wrapped.grouped_matmul = g_grouped;

@@ -226,6 +226,141 @@ static void test_rmsnorm(const char *isa)
     printf("%s: rmsnorm worst err %.3g\n", isa, worst);
 }
 
+/* ---- fusions: add_rmsnorm and rope_kv_write against the ops they stand for ---- */
+
+static float *dup_floats(const float *a, size_t n)
+{
+    float *p = malloc((n ? n : 1) * sizeof *p);
+    memcpy(p, a, n * sizeof *p);
+    return p;
+}
+
+/* The backend ops the model issued before the fusions, for one call of
+ * rope_kv_write (worker/model/forward.c, rope_kv_unfused). */
+static void rope_kv_by_ops(struct moe_backend *be, const struct moe_rope_kv_params *p)
+{
+    const struct moe_backend_ops *o = be->ops;
+    const int n = p->n_tok, d = p->d_head, qd = p->n_head * d, kvd = p->n_kv_head * d;
+    const int w = qd + 2 * kvd;
+    float *k = malloc((size_t)n * kvd * 4 + 4), *v = malloc((size_t)n * kvd * 4 + 4);
+    float *ones = malloc((size_t)n * 4 + 4);
+    for (int t = 0; t < n; t++)
+        ones[t] = 1.0f;
+    o->copy_cols(be, p->q_out, qd, p->qkv, w, n, qd);
+    o->copy_cols(be, k, kvd, p->qkv + qd, w, n, kvd);
+    o->copy_cols(be, v, kvd, p->qkv + qd + kvd, w, n, kvd);
+    const float *bias[3] = {p->bq, p->bk, p->bv};
+    float *dst[3] = {p->q_out, k, v};
+    const int width[3] = {qd, kvd, kvd};
+    for (int i = 0; i < 3 && p->bq; i++) { /* y += ones . b^T, as the model adds biases */
+        struct moe_matmul_params mp = {.x = ones,
+                                       .n_tok = n,
+                                       .n_in = 1,
+                                       .w = bias[i],
+                                       .w_dtype = MOE_DTYPE_F32,
+                                       .ldw = 1,
+                                       .n_out = width[i],
+                                       .y = dst[i],
+                                       .accumulate = true};
+        o->matmul(be, &mp);
+    }
+    if (p->q_norm) {
+        o->rmsnorm(be, p->q_out, p->q_norm, p->q_out, n * p->n_head, d, p->eps);
+        o->rmsnorm(be, k, p->k_norm, k, n * p->n_kv_head, d, p->eps);
+    }
+    o->rope(be, p->q_out, p->pos, n, p->n_head, d, p->inv_freq, p->scale);
+    o->rope(be, k, p->pos, n, p->n_kv_head, d, p->inv_freq, p->scale);
+    o->kv_write(be, k, v, p->slots, n, kvd, p->k_cache, p->v_cache, p->kv_dtype);
+    free(k);
+    free(v);
+    free(ones);
+}
+
+static void test_fusions(const char *isa)
+{
+    static const int ar[][2] = {{1, 64}, {7, 1000}, {300, 4096}}; /* rows, dim; the last threaded */
+    for (size_t c = 0; c < sizeof ar / sizeof ar[0]; c++) {
+        int n_rows = ar[c][0], dim = ar[c][1];
+        size_t n = (size_t)n_rows * dim;
+        float *x = rand_floats(n), *r = rand_floats(n), *w = rand_floats((size_t)dim);
+        float *x2 = dup_floats(x, n), *y = malloc(n * 4), *y2 = malloc(n * 4);
+        g_cpu->ops->add_rmsnorm(g_cpu, x, r, w, y, n_rows, dim, 1e-5f);
+        g_cpu->ops->add(g_cpu, x2, r, n);
+        g_cpu->ops->rmsnorm(g_cpu, x2, w, y2, n_rows, dim, 1e-5f);
+        CHECKF(!memcmp(x, x2, n * 4) && !memcmp(y, y2, n * 4),
+               "%s add_rmsnorm %d x %d: not the bits of add then rmsnorm", isa, n_rows, dim);
+        free(x), free(r), free(w), free(x2), free(y), free(y2);
+    }
+    /* {n_tok, n_head, n_kv_head, d_head, biases, norms, bf16 cache}; the third threaded */
+    static const int rk[][7] = {{5, 4, 2, 64, 0, 0, 0},
+                                {37, 8, 2, 128, 1, 0, 1},
+                                {64, 16, 4, 64, 0, 1, 1},
+                                {3, 2, 1, 16, 1, 1, 0},
+                                {1, 6, 6, 32, 0, 1, 0}};
+    for (size_t c = 0; c < sizeof rk / sizeof rk[0]; c++) {
+        const int n = rk[c][0], H = rk[c][1], KV = rk[c][2], d = rk[c][3];
+        const bool bias = rk[c][4], norm = rk[c][5], bf16 = rk[c][6];
+        const int qd = H * d, kvd = KV * d, n_slot = 2 * n + 3;
+        const size_t es = bf16 ? 2 : 4, cache = (size_t)n_slot * kvd * es;
+        float *qkv = rand_floats((size_t)n * (qd + 2 * kvd));
+        float *bq = rand_floats((size_t)qd), *bk = rand_floats((size_t)kvd);
+        float *bv = rand_floats((size_t)kvd), *qn = rand_floats((size_t)d);
+        float *kn = rand_floats((size_t)d), *inv = malloc((size_t)d / 2 * 4);
+        int32_t *pos = malloc((size_t)n * 4), *slots = malloc((size_t)n * 4);
+        for (int i = 0; i < d / 2; i++)
+            inv[i] = powf(10000.0f, -(float)(2 * i) / (float)d);
+        for (int t = 0; t < n; t++) {
+            pos[t] = test_rng_int(&g_rng, 0, 5000);
+            slots[t] = 2 * t + (t % 3 == 0); /* distinct, scattered */
+        }
+        char *kc[2], *vc[2];
+        float *q[2];
+        for (int v = 0; v < 2; v++) {
+            kc[v] = malloc(cache);
+            vc[v] = malloc(cache);
+            memset(kc[v], 0x5a, cache); /* rows not written must stay as they were */
+            memset(vc[v], 0xa5, cache);
+            q[v] = malloc((size_t)n * qd * 4);
+        }
+        for (int v = 0; v < 2; v++) {
+            struct moe_rope_kv_params p = {.qkv = qkv,
+                                           .n_tok = n,
+                                           .n_head = H,
+                                           .n_kv_head = KV,
+                                           .d_head = d,
+                                           .bq = bias ? bq : NULL,
+                                           .bk = bias ? bk : NULL,
+                                           .bv = bias ? bv : NULL,
+                                           .q_norm = norm ? qn : NULL,
+                                           .k_norm = norm ? kn : NULL,
+                                           .eps = 1e-6f,
+                                           .pos = pos,
+                                           .inv_freq = inv,
+                                           .scale = 1.25f,
+                                           .q_out = q[v],
+                                           .slots = slots,
+                                           .k_cache = kc[v],
+                                           .v_cache = vc[v],
+                                           .kv_dtype = bf16 ? MOE_DTYPE_BF16 : MOE_DTYPE_F32};
+            if (v == 0)
+                g_cpu->ops->rope_kv_write(g_cpu, &p);
+            else
+                rope_kv_by_ops(g_cpu, &p);
+        }
+        CHECKF(
+            !memcmp(q[0], q[1], (size_t)n * qd * 4) && !memcmp(kc[0], kc[1], cache) &&
+                !memcmp(vc[0], vc[1], cache),
+            "%s rope_kv_write case %zu: not the bits of the ops it stands for (q %d, k %d, v %d)",
+            isa, c, !memcmp(q[0], q[1], (size_t)n * qd * 4), !memcmp(kc[0], kc[1], cache),
+            !memcmp(vc[0], vc[1], cache));
+        for (int v = 0; v < 2; v++)
+            free(kc[v]), free(vc[v]), free(q[v]);
+        free(qkv), free(bq), free(bk), free(bv), free(qn), free(kn), free(inv), free(pos),
+            free(slots);
+    }
+    printf("%s: add_rmsnorm and rope_kv_write equal their ops bit for bit\n", isa);
+}
+
 /* ---- rope ---- */
 
 static void test_rope(void)
@@ -2219,6 +2354,7 @@ int main(void)
         const char *name = cpu_isa_name(got);
         test_matmul(name);
         test_rmsnorm(name);
+        test_fusions(name);
         test_bf16_convert(name);
         test_attention(name);
         test_argmax(name);

@@ -364,18 +364,15 @@ void moe_model_ffn(struct moe_model *m, const float *xe, int n, const void *w_ga
     matmul(m, s->act, n, d_ff, w_down, c->d_model, ye, false);
 }
 
-static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache *kv, int l,
-                                       const struct moe_batch *b, struct moe_error *err)
+/* What rope_kv_write (kernels/backend.h) does, op by op: for backends
+ * without it, and OLMoE's norm over each token's whole q and k. */
+static void rope_kv_unfused(struct moe_model *m, struct moe_kv_cache *kv, int l, int n)
 {
     const struct moe_config *c = &m->cfg;
     const struct layer_weights *w = &m->layers[l];
     struct scratch *s = &m->s;
     const struct moe_backend_ops *ops = m->be->ops;
-    int n = b->n_tok;
-
-    ops->rmsnorm(m->be, s->x, w->attn_norm, s->h, n, c->d_model, c->rms_eps);
     const int qkv_dim = m->q_dim + 2 * m->kv_dim;
-    matmul(m, s->h, n, c->d_model, w->wqkv, qkv_dim, s->qkv, false);
     ops->copy_cols(m->be, s->q, m->q_dim, s->qkv, qkv_dim, n, m->q_dim);
     ops->copy_cols(m->be, s->k, m->kv_dim, s->qkv + m->q_dim, qkv_dim, n, m->kv_dim);
     ops->copy_cols(m->be, s->v, m->kv_dim, s->qkv + m->q_dim + m->kv_dim, qkv_dim, n, m->kv_dim);
@@ -397,6 +394,68 @@ static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache 
     ops->rope(m->be, s->k, s->pos, n, m->n_kv_head_local, c->d_head, m->rope_inv_freq,
               c->rope.attention_factor);
     ops->kv_write(m->be, s->k, s->v, s->slots, n, m->kv_dim, kv->k[l], kv->v[l], kv->dtype);
+}
+
+/* The residual stream's update and the next norm: x += r (the previous
+ * block's output; r NULL: nothing pending), then h = rmsnorm(x) with w, in
+ * one op where the backend fuses them (add_rmsnorm). A block leaves its
+ * output pending instead of adding it, so the add rides with the norm that
+ * follows it. */
+static void residual_norm(struct moe_model *m, const float *r, const float *w, int n)
+{
+    const struct moe_config *c = &m->cfg;
+    struct scratch *s = &m->s;
+    const struct moe_backend_ops *ops = m->be->ops;
+    if (r && ops->add_rmsnorm) {
+        ops->add_rmsnorm(m->be, s->x, r, w, s->h, n, c->d_model, c->rms_eps);
+        return;
+    }
+    if (r)
+        ops->add(m->be, s->x, r, (size_t)n * c->d_model);
+    ops->rmsnorm(m->be, s->x, w, s->h, n, c->d_model, c->rms_eps);
+}
+
+/* *res: in, the residual still to add to x (or NULL); out, this block's
+ * output, left for the next norm (residual_norm). */
+static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache *kv, int l,
+                                       const struct moe_batch *b, const float **res,
+                                       struct moe_error *err)
+{
+    const struct moe_config *c = &m->cfg;
+    const struct layer_weights *w = &m->layers[l];
+    struct scratch *s = &m->s;
+    const struct moe_backend_ops *ops = m->be->ops;
+    int n = b->n_tok;
+
+    residual_norm(m, *res, w->attn_norm, n);
+    const int qkv_dim = m->q_dim + 2 * m->kv_dim;
+    matmul(m, s->h, n, c->d_model, w->wqkv, qkv_dim, s->qkv, false);
+    if (ops->rope_kv_write && !c->qk_norm_full) { /* split, biases, norms, RoPE, KV write */
+        struct moe_rope_kv_params rp = {
+            .qkv = s->qkv,
+            .n_tok = n,
+            .n_head = m->n_head_local,
+            .n_kv_head = m->n_kv_head_local,
+            .d_head = c->d_head,
+            .bq = w->bq,
+            .bk = w->bk,
+            .bv = w->bv,
+            .q_norm = c->qk_norm ? w->q_norm : NULL,
+            .k_norm = c->qk_norm ? w->k_norm : NULL,
+            .eps = c->rms_eps,
+            .pos = s->pos,
+            .inv_freq = m->rope_inv_freq,
+            .scale = c->rope.attention_factor,
+            .q_out = s->q,
+            .slots = s->slots,
+            .k_cache = kv->k[l],
+            .v_cache = kv->v[l],
+            .kv_dtype = kv->dtype,
+        };
+        ops->rope_kv_write(m->be, &rp);
+    } else {
+        rope_kv_unfused(m, kv, l, n);
+    }
     struct moe_attn_params ap = {
         .q = s->q,
         .out = s->att,
@@ -425,7 +484,7 @@ static enum moe_status attention_block(struct moe_model *m, struct moe_kv_cache 
         if (rc)
             return moe_error_prefix(err, "layer %d attention all-reduce", l);
     }
-    ops->add(m->be, s->x, s->o, (size_t)n * c->d_model);
+    *res = s->o;
     return MOE_OK;
 }
 
@@ -596,7 +655,8 @@ static void per_head_matmul(struct moe_model *m, const struct mla_index *ix, int
  * value. Transformers
  * expands K and V per head instead; the two agree up to f32 rounding. */
 static enum moe_status mla_block(struct moe_model *m, struct moe_kv_cache *kv, int l,
-                                 const struct moe_batch *b, struct moe_error *err)
+                                 const struct moe_batch *b, const float **res,
+                                 struct moe_error *err)
 {
     const struct moe_config *c = &m->cfg;
     const struct layer_weights *w = &m->layers[l];
@@ -614,7 +674,7 @@ static enum moe_status mla_block(struct moe_model *m, struct moe_kv_cache *kv, i
     if (rc)
         return moe_error_prefix(err, "layer %d", l);
     const void *const *heads = (const void *const *)a->head_tab + (size_t)l * 2 * H;
-    ops->rmsnorm(m->be, s->x, w->attn_norm, s->h, n, c->d_model, c->rms_eps);
+    residual_norm(m, *res, w->attn_norm, n);
     const float *q_in = s->h;
     int d_in = c->d_model;
     if (c->q_lora_rank) {
@@ -673,7 +733,7 @@ static enum moe_status mla_block(struct moe_model *m, struct moe_kv_cache *kv, i
         if (rc)
             return moe_error_prefix(err, "layer %d attention all-reduce", l);
     }
-    ops->add(m->be, s->x, s->o, (size_t)n * c->d_model);
+    *res = s->o;
     return MOE_OK;
 }
 
@@ -714,17 +774,20 @@ void moe_model_shared_add(struct moe_model *m, const struct layer_weights *w, in
         ops->scatter_add_rows(m->be, s->ye, s->iota, s->shared_g, n, c->d_model, s->ffn_out);
 }
 
-static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_error *err)
+/* *res as in attention_block. */
+static enum moe_status ffn_block(struct moe_model *m, int l, int n, const float **res,
+                                 struct moe_error *err)
 {
     const struct moe_config *c = &m->cfg;
     const struct layer_weights *w = &m->layers[l];
     struct scratch *s = &m->s;
     const struct moe_backend_ops *ops = m->be->ops;
 
-    ops->rmsnorm(m->be, s->x, w->ffn_norm, s->h, n, c->d_model, c->rms_eps);
+    residual_norm(m, *res, w->ffn_norm, n);
+    *res = NULL;
     if (!w->is_moe) {
         moe_model_ffn(m, s->h, n, w->dense_gate_up, c->d_ff_dense, w->dense_down, s->ye);
-        ops->add(m->be, s->x, s->ye, (size_t)n * c->d_model);
+        *res = s->ye;
         return MOE_OK;
     }
     double t0 = moe_now();
@@ -757,7 +820,7 @@ static enum moe_status ffn_block(struct moe_model *m, int l, int n, struct moe_e
     enum moe_status rc = moe_moe_layer(m, l, n, err); /* routed + shared experts */
     if (rc)
         return rc;
-    ops->add(m->be, s->x, s->ffn_out, (size_t)n * c->d_model); /* one residual add */
+    *res = s->ffn_out; /* one residual add, with the next norm */
     return MOE_OK;
 }
 
@@ -833,14 +896,17 @@ static enum moe_status forward_ops(struct moe_model *m, struct moe_kv_cache *kv,
     const struct moe_backend_ops *ops = be->ops;
     const int n = b->n_tok;
     ops->embed(be, m->embed, m->base_dtype, s->tokens, n, c->d_model, s->x);
+    const float *res = NULL; /* a block's output not yet added to x (residual_norm) */
     for (int l = 0; l < c->n_layer; l++) {
         double t = moe_now();
         enum moe_status rc =
-            c->mla ? mla_block(m, kv, l, b, err) : attention_block(m, kv, l, b, err);
+            c->mla ? mla_block(m, kv, l, b, &res, err) : attention_block(m, kv, l, b, &res, err);
         m->prof.attention_s += moe_now() - t;
-        if (rc || (rc = ffn_block(m, l, n, err)))
+        if (rc || (rc = ffn_block(m, l, n, &res, err)))
             return rc;
     }
+    if (res)
+        ops->add(be, s->x, res, (size_t)n * c->d_model);
     if (b->n_logits > 0) {
         ops->gather_rows(be, s->x, s->logit_rows, b->n_logits, c->d_model, s->h);
         ops->rmsnorm(be, s->h, m->final_norm, s->h, b->n_logits, c->d_model, c->rms_eps);
