@@ -23,6 +23,7 @@
 #   routing   MoE layers routed on the device (MOE_CUDA_DEVICE_ROUTING=1) vs the host
 #   fast gemm MOE_CUDA_FAST_GEMM=1 (bf16 activations, one GEMM): golden prompt logits
 #             within test_golden's bf16fast bounds (compare-logits --fast)
+#   fused ops MOE_CUDA_FUSED_OPS=1 (add_rmsnorm, rope_kv_write): golden prompts as above
 #   copy      device copy bandwidth (bench-copy-gpu): the roofline
 #   decode    the benchmark shape (bench-moe-640M: Mixtral layout, bf16) at batch
 #             1, 8, 64 and 128: the steady-state decode step (median after warm-up,
@@ -216,6 +217,39 @@ done
 row "golden ($DEVICE, 3 models x 2 dtypes x 4)" \
   "$([ $g_fail = 0 ] && echo PASS || echo FAIL) ($g_ok ok, $g_fail failed, $g_skip skipped by the deadline)" \
   "{\"ok\": $g_ok, \"failed\": $g_fail, \"skipped\": $g_skip}"
+
+# ---- fused ops ----------------------------------------------------------------------------
+# MOE_CUDA_FUSED_OPS=1 (opt-in until this passes): the residual add rides with the next norm
+# (add_rmsnorm) and the QKV split, biases, per-head norms, RoPE and KV write are one op
+# (rope_kv_write). Mixtral (plain), Qwen3-MoE (per-head q/k norms), Qwen2-MoE (biases): prompt
+# logits within the golden tolerance and the greedy paths of transformers, as the golden row.
+phase "fused ops (MOE_CUDA_FUSED_OPS=1) against transformers"
+fo_ok=0 fo_fail=0 fo_skip=0
+for model in mixtral qwen3_moe qwen2_moe; do
+  dir=$ROOT/tests/golden/fixtures/$model
+  for dtype in f32 bf16; do
+    if ! fits 30; then fo_skip=$((fo_skip + 1)); continue; fi
+    ids=$("$BIN/compare-logits" --ids "$dir" 1)
+    want=$("$BIN/compare-logits" --greedy "$dir" "$dtype" 1)
+    MOE_CUDA_FUSED_OPS=1 timeout "$(cap 60)" "$BIN/moe-generate" --model "$dir" --tokens "$ids" -n 32 \
+      --dtype "$dtype" --exact --device "$DEVICE" --temperature 0 --ignore-eos \
+      --logits-out "$WORK/fused.bin" >"$WORK/fused.log" 2>&1
+    grc=$?
+    "$BIN/compare-logits" "$dir" "$dtype" 1 "$WORK/fused.bin" >"$WORK/fcmp.log" 2>&1
+    crc=$?
+    got=$(sed -n 's/^tokens: //p' "$WORK/fused.log")
+    if [ $grc -eq 0 ] && [ $crc -eq 0 ] && [ "$got" = "$want" ]; then
+      fo_ok=$((fo_ok + 1)); echo "ok   $(cat "$WORK/fcmp.log")"
+    else
+      fo_fail=$((fo_fail + 1))
+      echo "FAIL $model $dtype: moe-generate rc $grc; $(cat "$WORK/fcmp.log")"
+      tail -3 "$WORK/fused.log"
+    fi
+  done
+done
+row "fused ops ($DEVICE, 3 models x 2 dtypes)" \
+  "$([ $fo_fail = 0 ] && [ $fo_ok -gt 0 ] && echo PASS || echo FAIL) ($fo_ok ok, $fo_fail failed, $fo_skip skipped by the deadline)" \
+  "{\"ok\": $fo_ok, \"failed\": $fo_fail, \"skipped\": $fo_skip}"
 
 # ---- a bf16 KV cache on the device ----------------------------------------------------------
 # --kv-dtype bf16 on CUDA (opt-in until this passes): the f32 model's greedy paths over a

@@ -445,7 +445,8 @@ struct moe_backend_ops {
     /* Fusions (NULL: the model issues the ops they stand for). x += r, then
      * y = rmsnorm(x) with w (add then rmsnorm: a block's residual add and
      * the next norm; y != x). struct moe_rope_kv_params. The CPU backend's
-     * results equal those ops' bit for bit. */
+     * results equal those ops' bit for bit; the CUDA backend offers them
+     * where MOE_CUDA_FUSED_OPS=1, until a GPU has run them. */
     void (*add_rmsnorm)(struct moe_backend *be, float *x, const float *r, const float *w, float *y,
                         int n_rows, int dim, float eps);
     void (*rope_kv_write)(struct moe_backend *be, const struct moe_rope_kv_params *p);

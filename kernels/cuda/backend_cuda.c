@@ -62,6 +62,7 @@ struct cuda_backend {
     bool graphs_on;
     bool device_routing; /* MOE_CUDA_DEVICE_ROUTING=1 (grouped_device_rows) */
     bool fast_gemm;      /* MOE_CUDA_FAST_GEMM=1: the ops honour moe_matmul_params.fast */
+    bool fused_ops;      /* MOE_CUDA_FUSED_OPS=1: add_rmsnorm and rope_kv_write offered */
     bool capturing;      /* between a graph_begin that said true and graph_end */
     bool capture_broken; /* an op needed more scratch while capturing */
     struct cuda_graph *capture_slot;
@@ -1009,6 +1010,8 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
     cb->device_routing = routing && !strcmp(routing, "1");
     const char *fast = getenv("MOE_CUDA_FAST_GEMM");
     cb->fast_gemm = fast && !strcmp(fast, "1");
+    const char *fused = getenv("MOE_CUDA_FUSED_OPS");
+    cb->fused_ops = fused && !strcmp(fused, "1");
     cb->base.name = "cuda";
     cb->base.device = MOE_DEVICE_CUDA;
     cb->ops = cuda_ops;
@@ -1017,6 +1020,10 @@ enum moe_status moe_backend_cuda_create(int ordinal, struct moe_backend **out,
         cb->ops.graph_begin = NULL;
         cb->ops.graph_end = NULL;
         cb->ops.graph_reset = NULL;
+    }
+    if (!cb->fused_ops) { /* not yet run on a GPU: the model issues the separate ops */
+        cb->ops.add_rmsnorm = NULL;
+        cb->ops.rope_kv_write = NULL;
     }
     cb->base.ops = &cb->ops;
     cb->base.ctx = cb;

@@ -1347,6 +1347,7 @@ int main(int argc, char **argv)
     /* The fast cases hold CUDA's fast GEMMs (opt-in in serving until a GPU
      * has passed them) to the exact reference: on for this process. */
     setenv("MOE_CUDA_FAST_GEMM", "1", 1);
+    setenv("MOE_CUDA_FUSED_OPS", "1", 1); /* add_rmsnorm, rope_kv_write: likewise */
     if (!cpu_vs_cpu && moe_backend_cuda_create(0, &cuda, &err) != MOE_OK) {
         char name[128];
         for (size_t i = 0; i < n_cases; i++) {
