@@ -46,6 +46,11 @@
 #       libpcre2-8-0 libpcre2-dev libunistring2 libunistring-dev libssl3 libssl-dev
 # and unpacked by this script into a private prefix (never into /).
 #
+# A second try with little device time left can run some phases alone:
+#   GPU_CHECK_PHASES="graphs fused" bench/gpu_check.sh
+# (phases: ops golden fused kvbf16 sampling routing fastgemm decode split prefill kv nccl
+# graphs; the build, the copy bandwidth and, where needed, the benchmark model always run.)
+#
 # A dry run of the script itself on a machine without a GPU:
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_SMALL=1 BUILD=build-x bench/gpu_check.sh
 # (CPU backend, a small model instead of the benchmark shape).
@@ -70,8 +75,8 @@ cap() {
   [ "$l" -lt 1 ] && l=1
   if [ "$1" -lt "$l" ]; then echo "$1"; else echo "$l"; fi
 }
-# fits S: true when S seconds are left before the deadline
-fits() { [ "$(left)" -gt "$1" ]; }
+# fits S: true when S seconds are left before the deadline (and the phase is wanted)
+fits() { wanted "$PHASE" && [ "$(left)" -gt "$1" ]; }
 
 json_str() { printf '"%s"' "$(printf '%s' "$1" | sed 's/\\/\\\\/g; s/"/\\"/g' | tr -d '\n\r\t')"; }
 write_out() {
@@ -89,6 +94,7 @@ write_out() {
 # row KEY TEXT [JSON_VALUE]: a result, printed and written out at once
 # (JSON_VALUE: a number or a JSON object; default the text as a string)
 row() {
+  [ -n "$PHASE" ] && ! wanted "$PHASE" && return 0
   local line
   line=$(printf '%-36s %s' "$1" "$2")
   ROWS+=("$line")
@@ -97,7 +103,24 @@ row() {
   write_out
 }
 skipped() { row "$1" "SKIPPED ($2)" "$(json_str "skipped: $2")"; }
-phase() { echo; echo "=== [+$((SECONDS - START))s, $(left)s left] $*"; }
+# GPU_CHECK_PHASES="graphs fused ...": only those phases (and what they need: build, the copy
+# bandwidth, the benchmark model) run and report; unset: all of them.
+PHASE=""
+wanted() {
+  [ -z "${GPU_CHECK_PHASES:-}" ] && return 0
+  case $1 in
+    deps | build | copy) return 0 ;;
+    model) for p in decode split prefill graphs; do wanted $p && return 0; done; return 1 ;;
+  esac
+  [[ " $GPU_CHECK_PHASES " == *" $1 "* ]]
+}
+# phase KEY TEXT: the phase that the next rows and `fits` belong to
+phase() {
+  PHASE=$1
+  shift
+  wanted "$PHASE" || return 0
+  echo; echo "=== [+$((SECONDS - START))s, $(left)s left] $*"
+}
 finish() {
   echo
   echo "gpu_check summary ($(date -u +%FT%TZ), total $((SECONDS - START))s of $DEADLINE s)"
@@ -109,7 +132,7 @@ finish() {
 trap finish EXIT
 
 # ---- deps --------------------------------------------------------------------------
-phase "dependencies"
+phase deps "dependencies"
 CMAKE_EXTRA=()
 if ls "$ROOT"/.gpudeps/*.deb >/dev/null 2>&1; then
   DEPS=$BUILD/carried-deps # a fixed path: the build cache remembers it
@@ -135,7 +158,7 @@ row "gpu" "${GPU:-none visible}"
 row "cpu" "$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1), $(nproc) cores"
 
 # ---- build -------------------------------------------------------------------------
-phase "configure + build (Release, CUDA sm_90, -j$JOBS)"
+phase build "configure + build (Release, CUDA sm_90, -j$JOBS)"
 SERVING=OFF
 if command -v mpirun >/dev/null && [ -z "${CMAKE_EXTRA[*]}" ] &&
    pkg-config --exists grpc libprotobuf-c libcurl 2>/dev/null; then
@@ -157,7 +180,7 @@ fi
 BIN=$BUILD/bin
 
 # ---- ops ---------------------------------------------------------------------------
-phase "op tests (CPU vs CUDA)"
+phase ops "op tests (CPU vs CUDA)"
 if fits 40; then
   timeout "$(cap 150)" "$BUILD/tests/test_ops" >"$WORK/ops.log" 2>&1
   rc=$?
@@ -187,7 +210,7 @@ else
 fi
 
 # ---- golden ------------------------------------------------------------------------
-phase "golden prompts with --device $DEVICE"
+phase golden "golden prompts with --device $DEVICE"
 g_ok=0 g_fail=0 g_skip=0
 for model in mixtral qwen3_moe deepseek_v3; do
   dir=$ROOT/tests/golden/fixtures/$model
@@ -223,7 +246,7 @@ row "golden ($DEVICE, 3 models x 2 dtypes x 4)" \
 # (add_rmsnorm) and the QKV split, biases, per-head norms, RoPE and KV write are one op
 # (rope_kv_write). Mixtral (plain), Qwen3-MoE (per-head q/k norms), Qwen2-MoE (biases): prompt
 # logits within the golden tolerance and the greedy paths of transformers, as the golden row.
-phase "fused ops (MOE_CUDA_FUSED_OPS=1) against transformers"
+phase fused "fused ops (MOE_CUDA_FUSED_OPS=1) against transformers"
 fo_ok=0 fo_fail=0 fo_skip=0
 for model in mixtral qwen3_moe qwen2_moe; do
   dir=$ROOT/tests/golden/fixtures/$model
@@ -255,7 +278,7 @@ row "fused ops ($DEVICE, 3 models x 2 dtypes)" \
 # --kv-dtype bf16 on CUDA (opt-in until this passes): the f32 model's greedy paths over a
 # bf16 cache, on the device and on the CPU backend (whose default that cache is): the
 # same tokens. The op tests hold kv_write_bf16 (bit for bit) and attention_bf16 to the CPU.
-phase "bf16 KV cache: --device $DEVICE against the CPU"
+phase kvbf16 "bf16 KV cache: --device $DEVICE against the CPU"
 kb_ok=0 kb_fail=0 kb_skip=0
 for model in mixtral qwen3_moe; do
   dir=$ROOT/tests/golden/fixtures/$model
@@ -284,7 +307,7 @@ row "bf16 KV ($DEVICE vs cpu, 2 models x 2)" \
 # Seeded requests at several temperatures / top_p values (and a greedy one) drawn on the
 # device (the default there: moe_engine_opts.backend_sampling) and on the host
 # (--host-sampling): the same forward, the same per-request streams, so the same tokens.
-phase "sampled decode: device draws vs host draws"
+phase sampling "sampled decode: device draws vs host draws"
 if fits 30; then
   dir=$ROOT/tests/golden/fixtures/mixtral
   : >"$WORK/sampled.jsonl"
@@ -315,7 +338,7 @@ fi
 # routing offsets on the device (one grouped GEMV per matmul, no download per layer; the
 # graph-ready layer). 8 greedy requests on bf16 weights, routed on the device and on the
 # host: the same tokens and the same expert statistics; --profile's host waits per forward.
-phase "MoE layers routed on the device vs the host"
+phase routing "MoE layers routed on the device vs the host"
 if fits 40; then
   dr_ok=0 dr_fail=0 waits=""
   for model in mixtral qwen3_moe; do
@@ -357,7 +380,7 @@ fi
 # transformers as test_golden's bf16fast holds the CPU's fast paths (per-position error
 # median <= 2e-2, 75th percentile <= 1e-1), and they must differ from the split run's
 # (the fast path really ran). KV f32 on both, so only the GEMMs differ.
-phase "fast GEMMs (bf16 activations) against transformers"
+phase fastgemm "fast GEMMs (bf16 activations) against transformers"
 if fits 40; then
   fg_ok=0 fg_fail=0 fg_same=0 fg_txt=""
   for model in mixtral qwen3_moe; do
@@ -388,7 +411,7 @@ else
 fi
 
 # ---- copy bandwidth ------------------------------------------------------------------
-phase "device copy bandwidth"
+phase copy "device copy bandwidth"
 copy=$(timeout "$(cap 30)" "$BIN/bench-copy-gpu" 2048 2>/dev/null | sed -n 's/^copy_gbps \([0-9.]*\).*/\1/p')
 copy=${copy:-0}
 row "copy bandwidth (D2D, read + write)" "$copy GB/s" "$copy"
@@ -398,7 +421,7 @@ row "copy bandwidth (D2D, read + write)" "$copy GB/s" "$copy"
 VOCAB=32000 HIDDEN=1024 LAYERS=8 HEADS=16 KV_HEADS=4 EXPERTS=8 TOPK=2 FFN=2816
 [ -n "${GPU_CHECK_SMALL:-}" ] && VOCAB=1000 HIDDEN=128 LAYERS=2 FFN=256
 D_HEAD=$((HIDDEN / HEADS))
-phase "benchmark model (moe-mkmodel, bf16)"
+phase model "benchmark model (moe-mkmodel, bf16)"
 have_model=0
 if fits 60 && timeout "$(cap 120)" "$BIN/moe-mkmodel" --arch mixtral --out "$WORK/bench" \
      --vocab $VOCAB --hidden $HIDDEN --layers $LAYERS --heads $HEADS --kv-heads $KV_HEADS \
@@ -431,7 +454,7 @@ prompts() { # prompts B TOKENS MAX: B distinct prompts of TOKENS tokens into $WO
 # ---- decode: steady-state step time ------------------------------------------------------
 if [ $have_model = 1 ]; then
   for B in 1 8 64 128; do
-    phase "decode at batch $B"
+    phase decode "decode at batch $B"
     if ! fits 40; then skipped "decode batch $B" "deadline"; continue; fi
     prompts "$B" 16 96
     timeout "$(cap 90)" "$BIN/moe-generate" --model "$WORK/bench" --prompts-file "$WORK/prompts.jsonl" \
@@ -452,7 +475,7 @@ if [ $have_model = 1 ]; then
   done
 
   # ---- where a decode step's time goes ---------------------------------------------------
-  phase "phase split (batch 8, --profile)"
+  phase split "phase split (batch 8, --profile)"
   if fits 40; then
     prompts 8 16 64
     timeout "$(cap 60)" "$BIN/moe-generate" --model "$WORK/bench" --prompts-file "$WORK/prompts.jsonl" \
@@ -465,7 +488,7 @@ if [ $have_model = 1 ]; then
 
   # ---- prefill -------------------------------------------------------------------------
   for n in 512 4096; do
-    phase "prefill of $n tokens"
+    phase prefill "prefill of $n tokens"
     if ! fits 40; then skipped "prefill $n" "deadline"; continue; fi
     ids=$(seq -s, 3 $((n + 2)) | awk -F, -v V=$VOCAB '{ for (i = 1; i <= NF; i++) printf "%s%d", (i > 1 ? "," : ""), $i % (V - 1) + 1 }')
     for f in 0 1; do # split hi + lo GEMMs, then fast (one GEMM on bf16 activations)
@@ -483,7 +506,7 @@ if [ $have_model = 1 ]; then
 fi
 
 # ---- the KV data plane on device caches ----------------------------------------------------
-phase "KV data plane on CUDA caches"
+phase kv "KV data plane on CUDA caches"
 if fits 30; then
   timeout "$(cap 60)" "$BUILD/tests/test_kv_link" >"$WORK/kv_link.log" 2>&1
   rc=$?
@@ -500,7 +523,7 @@ else
 fi
 
 # ---- NCCL: two processes on the one GPU -----------------------------------------------------
-phase "NCCL: two processes sharing the GPU"
+phase nccl "NCCL: two processes sharing the GPU"
 if [ "$DEVICE" != cuda ]; then
   skipped "nccl (2 processes)" "a dry run on --device $DEVICE (NCCL needs the GPU)"
 elif [ "$SERVING" != ON ]; then
@@ -541,7 +564,7 @@ fi
 # token: reported, not required); the decode step's median time in each mode.
 if [ $have_model = 1 ]; then
   for B in 1 6 64; do
-    phase "cuda graphs at batch $B: off / routed on the device / graphs"
+    phase graphs "cuda graphs at batch $B: off / routed on the device / graphs"
     if ! fits 60; then skipped "cuda graphs batch $B" "deadline"; continue; fi
     prompts "$B" 16 64
     gtxt="" gjson="" gtok="" offtok=""
