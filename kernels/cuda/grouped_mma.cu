@@ -11,7 +11,8 @@
 //            upper bound on sum_e ceil(rows_e / BM) (each expert wastes less
 //            than one tile); thread 0 of a block walks the device offsets to
 //            find its (expert, row tile), and the slots past the last tile
-//            find none and exit;
+//            find none and exit (grouped_tiles.h, shared with unit/test_kernels,
+//            which holds the map to every row exactly once);
 //   grid.y = ceil(n_out / BN) output tiles.
 // A block computes a BM x BN tile of y with 4 warps of 32 x 32 (2 x 2 WMMA
 // 16x16x16 bf16 fragments, f32 accumulation). x is f32 in memory and is
@@ -28,6 +29,7 @@
 #include <mma.h>
 
 #include "cuda_ops.h"
+#include "grouped_tiles.h"
 
 namespace
 {
@@ -93,21 +95,9 @@ __global__ void __launch_bounds__(kThreads)
     __shared__ int s_row0, s_cnt;
     __shared__ const uint16_t *s_w;
     if (threadIdx.x == 0) {
-        int slot = (int)blockIdx.x, row0 = 0, cnt = 0;
-        const void *we = nullptr;
-        for (int e = 0; e < n_expert; e++) {
-            const int c = off[e + 1] - off[e];
-            if (c <= 0)
-                continue;
-            const int tiles = (c + BM - 1) / BM;
-            if (slot < tiles) {
-                row0 = off[e] + slot * BM;
-                cnt = c - slot * BM < BM ? c - slot * BM : BM;
-                we = w[e];
-                break;
-            }
-            slot -= tiles;
-        }
+        int row0 = 0, cnt = 0;
+        const int e = moe_grouped_tile_of(off, n_expert, (int)blockIdx.x, BM, &row0, &cnt);
+        const void *we = e >= 0 ? w[e] : nullptr;
         s_row0 = row0;
         s_cnt = we ? cnt : 0;
         s_w = (const uint16_t *)we;
@@ -214,8 +204,7 @@ extern "C" const char *moe_cuda_grouped_mma_unsupported(const moe_grouped_matmul
         return "the tensor-core grouped GEMM takes bf16 weights";
     if (!p->w)
         return "the tensor-core grouped GEMM needs the host array of weight pointers";
-    const long long slots =
-        ((long long)p->n_rows + BM - 1) / BM + (p->n_expert < p->n_rows ? p->n_expert : p->n_rows);
+    const long long slots = moe_grouped_tile_slots(p->n_rows, p->n_expert, BM);
     if (slots > 0x7fffffffLL || ((long long)p->n_out + BN - 1) / BN > 65535)
         return "n_rows or n_out too large for the tensor-core grouped GEMM's grid";
     return NULL;
@@ -244,7 +233,7 @@ extern "C" cudaError_t moe_cuda_grouped_mma(const moe_grouped_matmul_params *p,
             vec = vec && (c == 0 || aligned16(p->w[e]));
         }
     } else {
-        slots = (p->n_rows + BM - 1) / BM + (p->n_expert < p->n_rows ? p->n_expert : p->n_rows);
+        slots = (int)moe_grouped_tile_slots(p->n_rows, p->n_expert, BM);
         for (int e = 0; e < p->n_expert; e++)
             vec = vec && aligned16(p->w[e]);
     }

@@ -11,6 +11,7 @@
 
 #include "backend.h"
 #include "cpu/cpu_kernels.h"
+#include "cuda/grouped_tiles.h" /* the tensor-core grouped GEMM's row tiles */
 #include "testlib.h"
 
 /* ---- helpers ---- */
@@ -359,6 +360,51 @@ static void test_fusions(const char *isa)
             free(slots);
     }
     printf("%s: add_rmsnorm and rope_kv_write equal their ops bit for bit\n", isa);
+}
+
+/* The row tiles of CUDA's tensor-core grouped GEMM (kernels/cuda/grouped_tiles.h),
+ * checked on the host: over random expert sizes (empty experts, one expert
+ * with every row, more experts than rows), the slots of a launch sized from
+ * n_rows and n_expert alone cover every row exactly once, in tiles of at
+ * most bm rows inside one expert, and the slots past the last tile find none. */
+static void test_grouped_tiles(void)
+{
+    int bad = 0, cases = 0;
+    for (int it = 0; it < 400; it++) {
+        const int n_e = test_rng_int(&g_rng, 1, 70), bm = it % 3 == 0 ? 64 : 16;
+        const int n_rows = it % 5 == 0 ? test_rng_int(&g_rng, 0, 5) : test_rng_int(&g_rng, 0, 700);
+        const int hot = test_rng_int(&g_rng, 0, n_e - 1), mode = it % 4;
+        int32_t *off = calloc((size_t)n_e + 1, sizeof *off),
+                *cnt = calloc((size_t)n_e, sizeof *cnt);
+        int *seen = calloc((size_t)n_rows + 1, sizeof *seen);
+        for (int r = 0; r < n_rows; r++)
+            cnt[mode == 0   ? hot
+                : mode == 1 ? test_rng_int(&g_rng, 0, n_e - 1) & ~1
+                            : test_rng_int(&g_rng, 0, n_e - 1)]++;
+        for (int e = 0; e < n_e; e++)
+            off[e + 1] = off[e] + cnt[e];
+        const long long slots = moe_grouped_tile_slots(n_rows, n_e, bm);
+        long long used = 0;
+        for (long long sl = 0; sl < slots + 3; sl++) {
+            int row0 = -1, c = -1;
+            int e = moe_grouped_tile_of(off, n_e, (int)sl, bm, &row0, &c);
+            if (e < 0)
+                continue;
+            used++;
+            bad += sl >= slots || c < 1 || c > bm || row0 < off[e] || row0 + c > off[e + 1];
+            for (int r = row0; r < row0 + c && r >= 0 && r < n_rows; r++)
+                seen[r]++;
+        }
+        for (int r = 0; r < n_rows; r++)
+            bad += seen[r] != 1;
+        bad += used > slots;
+        cases++;
+        free(off);
+        free(cnt);
+        free(seen);
+    }
+    CHECKF(bad == 0, "grouped tiles: %d violations over %d cases", bad, cases);
+    printf("grouped GEMM row tiles (CUDA's map, on the host): %d cases, every row once\n", cases);
 }
 
 /* ---- rope ---- */
@@ -2395,6 +2441,7 @@ int main(void)
     test_copy_cols();
     test_elementwise();
     test_grouped_matmul();
+    test_grouped_tiles();
     test_unpermute_combine();
     test_permute();
     test_sampling();
