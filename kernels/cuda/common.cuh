@@ -27,6 +27,17 @@ __device__ __forceinline__ float warp_max(float v)
     return v;
 }
 
+// f32 to bf16 bits, rounded to nearest even, NaN kept quiet: common/dtype.h's
+// moe_f32_to_bf16, which the CPU backend's caches use, bit for bit.
+__device__ __forceinline__ uint32_t bf16_bits_rn(float f)
+{
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (u >> 16) | 0x40u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return u >> 16;
+}
+
 // The two bf16 halves of a 32-bit word, widened exactly to f32.
 __device__ __forceinline__ float bf16_lo(uint32_t u)
 {

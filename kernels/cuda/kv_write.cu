@@ -4,23 +4,13 @@
 // f32 16-byte copies when kv_dim is a multiple of 4 (cache rows then stay
 // 16-byte aligned, as buffers from cudaMalloc are), bf16 4-byte pairs when it
 // is even, else single elements.
+#include "common.cuh"
 #include "cuda_ops.h"
 
 namespace
 {
 
 constexpr int kThreads = 128;
-
-// f32 to bf16 bits, rounded to nearest even, NaN kept quiet: common/dtype.h's
-// moe_f32_to_bf16, which the CPU backend's caches use, bit for bit.
-__device__ __forceinline__ uint32_t to_bf16(float f)
-{
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (u >> 16) | 0x40u;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return u >> 16;
-}
 
 // kW cache elements at d from the f32 values at s.
 template <int kW> __device__ __forceinline__ void store(float *d, const float *s)
@@ -36,9 +26,9 @@ template <int kW> __device__ __forceinline__ void store(uint16_t *d, const float
 {
     static_assert(kW == 1 || kW == 2, "bf16 caches: single values or pairs");
     if constexpr (kW == 2)
-        *(uint32_t *)d = to_bf16(s[0]) | to_bf16(s[1]) << 16;
+        *(uint32_t *)d = bf16_bits_rn(s[0]) | bf16_bits_rn(s[1]) << 16;
     else
-        *d = (uint16_t)to_bf16(*s);
+        *d = (uint16_t)bf16_bits_rn(*s);
 }
 
 template <typename C, int kW>

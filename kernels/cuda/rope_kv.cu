@@ -24,16 +24,6 @@ struct inv_freq_table {
     float v[kMaxD / 2];
 };
 
-// f32 to bf16 bits, nearest even, NaN kept quiet (kv_write.cu's rounding).
-__device__ __forceinline__ uint16_t to_bf16(float f)
-{
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 __device__ __forceinline__ void put(float *dst, int i, float v)
 {
     dst[i] = v;
@@ -41,7 +31,7 @@ __device__ __forceinline__ void put(float *dst, int i, float v)
 
 __device__ __forceinline__ void put(uint16_t *dst, int i, float v)
 {
-    dst[i] = to_bf16(v);
+    dst[i] = (uint16_t)bf16_bits_rn(v);
 }
 
 template <typename C>
