@@ -17,28 +17,28 @@
 #             permute, grouped_matmul, latent attention, grouped routing, ...)
 #   golden    Mixtral, Qwen3-MoE and DeepSeek-V3 prompts with --device cuda, f32 and
 #             bf16: prompt logits (max rel err <= 1e-4) and 32-token greedy paths
-#   kv bf16   --kv-dtype bf16 on the device: greedy paths equal to the CPU backend's
+#   fused     MOE_CUDA_FUSED_OPS=1 (add_rmsnorm, rope_kv_write): golden prompts as above
+#   kvbf16    --kv-dtype bf16 on the device: greedy paths equal to the CPU backend's
 #   sampling  8 seeded requests (temperatures, top_p values, one greedy) drawn on the
 #             device and with --host-sampling: the same tokens
 #   routing   MoE layers routed on the device (MOE_CUDA_DEVICE_ROUTING=1) vs the host
-#   fast gemm MOE_CUDA_FAST_GEMM=1 (bf16 activations, one GEMM): golden prompt logits
+#   fastgemm  MOE_CUDA_FAST_GEMM=1 (bf16 activations, one GEMM): golden prompt logits
 #             within test_golden's bf16fast bounds (compare-logits --fast)
-#   fused ops MOE_CUDA_FUSED_OPS=1 (add_rmsnorm, rope_kv_write): golden prompts as above
 #   copy      device copy bandwidth (bench-copy-gpu): the roofline
-#   decode    the benchmark shape (bench-moe-640M: Mixtral layout, bf16) at batch
-#             1, 8, 64 and 128: the steady-state decode step (median after warm-up,
-#             moe-generate's "decode step at batch B" line), tokens/s = B / step,
-#             weight GB/s and % of the copy bandwidth
-#   phases    where a batch-8 decode run's forward time goes (--profile)
+#   graphs    on the benchmark shape (bench-moe-640M: Mixtral layout, bf16), decode steps
+#             as CUDA graphs (MOE_CUDA_GRAPHS=1) at batch 1, 6 and 64 (64: the
+#             tensor-core grouped GEMM with device offsets): the same tokens as
+#             without, the step's median time off / routed on the device / graphs (at 6
+#             also --no-cuda-graphs, which must replay nothing)
+#   decode    the benchmark shape at batch 1, 8, 64 and 128: the steady-state decode
+#             step (median after warm-up, moe-generate's "decode step at batch B" line),
+#             tokens/s = B / step, weight GB/s and % of the copy bandwidth
+#   split     where a batch-8 decode run's forward time goes (--profile)
 #   prefill   tokens/s of one 512- and one 4096-token prompt, split and fast GEMMs
 #   kv        the KV data plane on CUDA caches (tests/unit/test_kv_link.c)
 #   nccl      two processes sharing the one GPU (a distinct NCCL_HOSTID each, so
 #             NCCL uses its socket transport: test-only) running W = 2 expert
 #             parallel (TP 1) and TP 2, greedy tokens equal to one process
-#   graphs    decode steps as CUDA graphs (MOE_CUDA_GRAPHS=1) at batch 1, 6 and 64
-#             (64: the tensor-core grouped GEMM with device offsets): the same tokens
-#             as without, the step's median time off / routed on the device / graphs
-#             (at 6 also --no-cuda-graphs, which must replay nothing)
 #
 # Offline GPU machines: carry the compute core's four libraries as Debian
 # packages in .gpudeps/ (ignored by git), made beside the checkout with
@@ -46,10 +46,9 @@
 #       libpcre2-8-0 libpcre2-dev libunistring2 libunistring-dev libssl3 libssl-dev
 # and unpacked by this script into a private prefix (never into /).
 #
-# A second try with little device time left can run some phases alone:
+# A second try with little device time left can run some phases alone, by the keys above:
 #   GPU_CHECK_PHASES="graphs fused" bench/gpu_check.sh
-# (phases: ops golden fused kvbf16 sampling routing fastgemm decode split prefill kv nccl
-# graphs; the build, the copy bandwidth and, where needed, the benchmark model always run.)
+# (the build, the copy bandwidth and, where needed, the benchmark model always run).
 #
 # A dry run of the script itself on a machine without a GPU:
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_SMALL=1 BUILD=build-x bench/gpu_check.sh
@@ -451,6 +450,61 @@ prompts() { # prompts B TOKENS MAX: B distinct prompts of TOKENS tokens into $WO
   done
 }
 
+# ---- CUDA graphs for decode steps ------------------------------------------------------------
+# First of the benchmark-model phases: it decides whether the opt-in switches can become the
+# defaults, and its rows carry step times of their own, so a deadline cuts the sweeps below
+# rather than it.
+# Opt-in until this passes: MOE_CUDA_DEVICE_ROUTING=1 (MoE layers routed on the device, steps of
+# <= 64 tokens: the grouped GEMV up to 8 rows an expert, the tensor-core grouped GEMM past that)
+# and MOE_CUDA_GRAPHS=1 (such greedy steps recorded once per shape, then replayed). The
+# benchmark model at batch 1, 6 (padded to 8 for its graph) and 64, greedy: routed and graphs
+# the same tokens (the same kernels), and at 1 and 6 also the same as off (the GEMV either
+# way); at 64 off takes cuBLAS per expert (another summation order, so a near-tie may flip a
+# token: reported, not required); the decode step's median time in each mode.
+if [ $have_model = 1 ]; then
+  for B in 1 6 64; do
+    phase graphs "cuda graphs at batch $B: off / routed on the device / graphs"
+    if ! fits 60; then skipped "cuda graphs batch $B" "deadline"; continue; fi
+    prompts "$B" 16 64
+    gtxt="" gjson="" gtok="" offtok=""
+    gpass=1
+    modes="off route graphs"
+    [ "$B" = 6 ] && modes="$modes nographs" # MOE_CUDA_GRAPHS=1 overruled by --no-cuda-graphs
+    for mode in $modes; do
+      r=0 gr=0 flag=()
+      [ $mode != off ] && r=1
+      [ $mode = graphs ] || [ $mode = nographs ] && gr=1
+      [ $mode = nographs ] && flag=(--no-cuda-graphs)
+      MOE_CUDA_DEVICE_ROUTING=$r MOE_CUDA_GRAPHS=$gr timeout "$(cap 60)" "$BIN/moe-generate" \
+        --model "$WORK/bench" --prompts-file "$WORK/prompts.jsonl" --device "$DEVICE" --dtype bf16 \
+        --temperature 0 --ignore-eos --no-prefix-cache --max-running "$B" --print-outputs "${flag[@]}" \
+        >"$WORK/graph_$mode.log" 2>&1
+      ms=$(sed -n 's/^decode step at batch [0-9]*: median \([0-9.]*\) ms.*/\1/p' "$WORK/graph_$mode.log")
+      tok=$(grep '^request' "$WORK/graph_$mode.log" | md5sum | cut -c1-12)
+      grep -m2 'graph' "$WORK/graph_$mode.log"
+      if [ $mode = graphs ] && [ "$DEVICE" != cpu ] && ! grep -q '^graphs: .* [1-9][0-9]* replayed' "$WORK/graph_$mode.log"; then
+        gpass=0; echo "FAIL: no step replayed from a graph"
+      fi
+      [ -z "$ms" ] && { gpass=0; ms=0; tail -2 "$WORK/graph_$mode.log"; }
+      if [ $mode = nographs ] && grep -q '^graphs: .* [1-9][0-9]* replayed' "$WORK/graph_$mode.log"; then
+        gpass=0; echo "FAIL: --no-cuda-graphs still replayed steps"
+      fi
+      if [ $mode = off ]; then
+        offtok=$tok
+      elif [ $mode = graphs ] || [ $mode = nographs ]; then
+        [ "$tok" != "$gtok" ] && { gpass=0; echo "FAIL: $mode tokens differ from routed"; }
+      else
+        gtok=$tok
+        [ "$B" -le 8 ] && [ "$tok" != "$offtok" ] && { gpass=0; echo "FAIL: routed tokens differ from off"; }
+      fi
+      gtxt="$gtxt $mode $ms ms;"
+      gjson="$gjson\"${mode}_ms\": $ms, "
+    done
+    same_off=$([ "$offtok" = "$gtok" ] && echo "off too" || echo "off differs")
+    row "cuda graphs batch $B" "$([ $gpass = 1 ] && echo PASS || echo FAIL) (same tokens, $same_off; decode step median:$gtxt)" \
+      "{${gjson}\"pass\": $([ $gpass = 1 ] && echo true || echo false)}"
+  done
+fi
 # ---- decode: steady-state step time ------------------------------------------------------
 if [ $have_model = 1 ]; then
   for B in 1 8 64 128; do
@@ -554,58 +608,6 @@ SH
   done
 fi
 
-# ---- CUDA graphs for decode steps ------------------------------------------------------------
-# Opt-in until this passes: MOE_CUDA_DEVICE_ROUTING=1 (MoE layers routed on the device, steps of
-# <= 64 tokens: the grouped GEMV up to 8 rows an expert, the tensor-core grouped GEMM past that)
-# and MOE_CUDA_GRAPHS=1 (such greedy steps recorded once per shape, then replayed). The
-# benchmark model at batch 1, 6 (padded to 8 for its graph) and 64, greedy: routed and graphs
-# the same tokens (the same kernels), and at 1 and 6 also the same as off (the GEMV either
-# way); at 64 off takes cuBLAS per expert (another summation order, so a near-tie may flip a
-# token: reported, not required); the decode step's median time in each mode.
-if [ $have_model = 1 ]; then
-  for B in 1 6 64; do
-    phase graphs "cuda graphs at batch $B: off / routed on the device / graphs"
-    if ! fits 60; then skipped "cuda graphs batch $B" "deadline"; continue; fi
-    prompts "$B" 16 64
-    gtxt="" gjson="" gtok="" offtok=""
-    gpass=1
-    modes="off route graphs"
-    [ "$B" = 6 ] && modes="$modes nographs" # MOE_CUDA_GRAPHS=1 overruled by --no-cuda-graphs
-    for mode in $modes; do
-      r=0 gr=0 flag=()
-      [ $mode != off ] && r=1
-      [ $mode = graphs ] || [ $mode = nographs ] && gr=1
-      [ $mode = nographs ] && flag=(--no-cuda-graphs)
-      MOE_CUDA_DEVICE_ROUTING=$r MOE_CUDA_GRAPHS=$gr timeout "$(cap 60)" "$BIN/moe-generate" \
-        --model "$WORK/bench" --prompts-file "$WORK/prompts.jsonl" --device "$DEVICE" --dtype bf16 \
-        --temperature 0 --ignore-eos --no-prefix-cache --max-running "$B" --print-outputs "${flag[@]}" \
-        >"$WORK/graph_$mode.log" 2>&1
-      ms=$(sed -n 's/^decode step at batch [0-9]*: median \([0-9.]*\) ms.*/\1/p' "$WORK/graph_$mode.log")
-      tok=$(grep '^request' "$WORK/graph_$mode.log" | md5sum | cut -c1-12)
-      grep -m2 'graph' "$WORK/graph_$mode.log"
-      if [ $mode = graphs ] && [ "$DEVICE" != cpu ] && ! grep -q '^graphs: .* [1-9][0-9]* replayed' "$WORK/graph_$mode.log"; then
-        gpass=0; echo "FAIL: no step replayed from a graph"
-      fi
-      [ -z "$ms" ] && { gpass=0; ms=0; tail -2 "$WORK/graph_$mode.log"; }
-      if [ $mode = nographs ] && grep -q '^graphs: .* [1-9][0-9]* replayed' "$WORK/graph_$mode.log"; then
-        gpass=0; echo "FAIL: --no-cuda-graphs still replayed steps"
-      fi
-      if [ $mode = off ]; then
-        offtok=$tok
-      elif [ $mode = graphs ] || [ $mode = nographs ]; then
-        [ "$tok" != "$gtok" ] && { gpass=0; echo "FAIL: $mode tokens differ from routed"; }
-      else
-        gtok=$tok
-        [ "$B" -le 8 ] && [ "$tok" != "$offtok" ] && { gpass=0; echo "FAIL: routed tokens differ from off"; }
-      fi
-      gtxt="$gtxt $mode $ms ms;"
-      gjson="$gjson\"${mode}_ms\": $ms, "
-    done
-    same_off=$([ "$offtok" = "$gtok" ] && echo "off too" || echo "off differs")
-    row "cuda graphs batch $B" "$([ $gpass = 1 ] && echo PASS || echo FAIL) (same tokens, $same_off; decode step median:$gtxt)" \
-      "{${gjson}\"pass\": $([ $gpass = 1 ] && echo true || echo false)}"
-  done
-fi
 echo
 echo "notes: decode step = median of the steps in which every sequence runs one token, after"
 echo "2 warm-up steps; weight bytes per step estimated for uniform routing; copy bandwidth"
