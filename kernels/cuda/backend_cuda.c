@@ -523,9 +523,10 @@ static void cuda_op_grouped_matmul(struct moe_backend *be,
             "%s", e.msg);
         return;
     }
-    if (p->w_dtype == MOE_DTYPE_I8) {
+    if (p->w_dtype == MOE_DTYPE_I8 || p->w_dtype == MOE_DTYPE_I4) {
         cuda_fail(be, (int)cudaErrorNotSupported,
-                  "grouped_matmul: I8 weights (the CUDA backend has no int8 kernels yet)");
+                  "grouped_matmul: %s weights (the CUDA backend has no int8 or int4 kernels yet)",
+                  moe_dtype_name(p->w_dtype));
         return;
     }
     const bool gemv = moe_cuda_grouped_gemv_fits(p);

@@ -100,7 +100,7 @@ bool use_gemv(const moe_matmul_params *p)
 extern "C" const char *moe_cuda_matmul_unsupported(const moe_matmul_params *p)
 {
     if (p->w_dtype != MOE_DTYPE_F32 && p->w_dtype != MOE_DTYPE_BF16)
-        return "w_dtype must be F32 or BF16 (no int8 kernels on CUDA yet)";
+        return "w_dtype must be F32 or BF16 (no int8 or int4 kernels on CUDA yet)";
     if (p->n_tok < 0 || p->n_in < 0 || p->n_out < 0)
         return "negative size";
     if (p->ldw < p->n_in || p->ldw < 1)
