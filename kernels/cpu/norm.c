@@ -7,6 +7,7 @@
  * The kernels library is compiled with -ffp-contract=off so that these
  * products are never fused. */
 #include <math.h>
+#include <stdlib.h>
 
 #include "cpu_kernels.h"
 
@@ -178,9 +179,10 @@ static void rope_kv_head(const struct moe_rope_kv_params *p, const float *src, c
         cpu_vec_to_bf16(dst, x, d);
 }
 
-static void rope_kv_task(void *arg, int t, int thread)
+/* Token t: q to q_out; k and v to the caches at slots[t], or (kv_tmp) to
+ * kv_tmp's row t as f32 [k | v] for the caller's in-order write. */
+static void rope_kv_token(const struct moe_rope_kv_params *p, int t, float *kv_tmp)
 {
-    const struct moe_rope_kv_params *p = arg;
     const int d = p->d_head, half = d / 2, qd = p->n_head * d, kvd = p->n_kv_head * d;
     const float *row = p->qkv + (size_t)t * (size_t)(qd + 2 * kvd);
     float c[ROPE_MAX_HALF], s[ROPE_MAX_HALF], buf[2 * ROPE_MAX_HALF];
@@ -188,26 +190,53 @@ static void rope_kv_task(void *arg, int t, int thread)
     for (int h = 0; h < p->n_head; h++)
         rope_kv_head(p, row + h * d, p->bq ? p->bq + h * d : NULL, p->q_norm, c, s,
                      p->q_out + (size_t)t * qd + h * d, MOE_DTYPE_F32, buf);
-    const size_t es = p->kv_dtype == MOE_DTYPE_BF16 ? 2 : 4;
-    char *kc = (char *)p->k_cache + (size_t)p->slots[t] * kvd * es;
-    char *vc = (char *)p->v_cache + (size_t)p->slots[t] * kvd * es;
+    const enum moe_dtype dt = kv_tmp ? MOE_DTYPE_F32 : p->kv_dtype;
+    const size_t es = dt == MOE_DTYPE_BF16 ? 2 : 4;
+    char *kc = kv_tmp ? (char *)(kv_tmp + (size_t)t * 2 * kvd)
+                      : (char *)p->k_cache + (size_t)p->slots[t] * kvd * es;
+    char *vc = kv_tmp ? (char *)(kv_tmp + (size_t)t * 2 * kvd + kvd)
+                      : (char *)p->v_cache + (size_t)p->slots[t] * kvd * es;
     for (int h = 0; h < p->n_kv_head; h++) {
         rope_kv_head(p, row + qd + h * d, p->bk ? p->bk + h * d : NULL, p->k_norm, c, s,
-                     kc + (size_t)h * d * es, p->kv_dtype, buf);
+                     kc + (size_t)h * d * es, dt, buf);
         rope_kv_head(p, row + qd + kvd + h * d, p->bv ? p->bv + h * d : NULL, NULL, NULL, NULL,
-                     vc + (size_t)h * d * es, p->kv_dtype, buf);
+                     vc + (size_t)h * d * es, dt, buf);
     }
 }
 
+struct rope_kv_job {
+    const struct moe_rope_kv_params *p;
+    float *kv_tmp;
+};
+
+static void rope_kv_task(void *arg, int t, int thread)
+{
+    const struct rope_kv_job *j = arg;
+    rope_kv_token(j->p, t, j->kv_tmp);
+}
+
+/* Tokens in parallel, but their K and V reach the cache in token order, as
+ * kv_write writes them: two tokens of one call may share a slot (sequences
+ * sharing a prefix block feed it again), and the last one wins, as before. */
 void cpu_rope_kv_write(struct moe_threadpool *pool, const struct moe_rope_kv_params *p)
 {
     MOE_ASSERT(p->d_head % 2 == 0 && p->d_head / 2 <= ROPE_MAX_HALF);
     MOE_ASSERT(moe_kv_dtype_valid(p->kv_dtype));
+    const int kvd = p->n_kv_head * p->d_head;
     const size_t work = (size_t)p->n_tok * (size_t)(p->n_head + 2 * p->n_kv_head) * p->d_head;
-    if (work < PAR_MIN_ELEMS || moe_threadpool_size(pool) == 1) {
+    float *kv_tmp = NULL;
+    if (work >= PAR_MIN_ELEMS && moe_threadpool_size(pool) > 1)
+        kv_tmp = malloc((size_t)p->n_tok * 2 * (size_t)kvd * sizeof *kv_tmp);
+    if (!kv_tmp) { /* one thread (small, or no memory for the staging): in order */
         for (int t = 0; t < p->n_tok; t++)
-            rope_kv_task((void *)p, t, 0);
+            rope_kv_token(p, t, NULL);
         return;
     }
-    moe_threadpool_run(pool, p->n_tok, rope_kv_task, (void *)p);
+    struct rope_kv_job j = {p, kv_tmp};
+    moe_threadpool_run(pool, p->n_tok, rope_kv_task, &j);
+    for (int t = 0; t < p->n_tok; t++) {
+        const float *k = kv_tmp + (size_t)t * 2 * kvd;
+        cpu_kv_write(k, k + kvd, p->slots + t, 1, kvd, p->k_cache, p->v_cache, p->kv_dtype);
+    }
+    free(kv_tmp);
 }

@@ -292,12 +292,13 @@ static void test_fusions(const char *isa)
                "%s add_rmsnorm %d x %d: not the bits of add then rmsnorm", isa, n_rows, dim);
         free(x), free(r), free(w), free(x2), free(y), free(y2);
     }
-    /* {n_tok, n_head, n_kv_head, d_head, biases, norms, bf16 cache}; the third threaded */
-    static const int rk[][7] = {{5, 4, 2, 64, 0, 0, 0},
-                                {37, 8, 2, 128, 1, 0, 1},
-                                {64, 16, 4, 64, 0, 1, 1},
-                                {3, 2, 1, 16, 1, 1, 0},
-                                {1, 6, 6, 32, 0, 1, 0}};
+    /* {n_tok, n_head, n_kv_head, d_head, biases, norms, bf16 cache, shared slots}; the third
+     * and the last threaded; shared slots: every odd token writes its predecessor's slot (as
+     * sequences sharing a prefix block do), and the later token must win, as in kv_write */
+    static const int rk[][8] = {{5, 4, 2, 64, 0, 0, 0, 0},   {37, 8, 2, 128, 1, 0, 1, 0},
+                                {64, 16, 4, 64, 0, 1, 1, 0}, {3, 2, 1, 16, 1, 1, 0, 0},
+                                {1, 6, 6, 32, 0, 1, 0, 0},   {9, 2, 2, 32, 1, 0, 1, 1},
+                                {64, 16, 4, 64, 0, 1, 0, 1}};
     for (size_t c = 0; c < sizeof rk / sizeof rk[0]; c++) {
         const int n = rk[c][0], H = rk[c][1], KV = rk[c][2], d = rk[c][3];
         const bool bias = rk[c][4], norm = rk[c][5], bf16 = rk[c][6];
@@ -312,7 +313,7 @@ static void test_fusions(const char *isa)
             inv[i] = powf(10000.0f, -(float)(2 * i) / (float)d);
         for (int t = 0; t < n; t++) {
             pos[t] = test_rng_int(&g_rng, 0, 5000);
-            slots[t] = 2 * t + (t % 3 == 0); /* distinct, scattered */
+            slots[t] = rk[c][7] && t % 2 ? slots[t - 1] : 2 * t + (t % 3 == 0); /* scattered */
         }
         char *kc[2], *vc[2];
         float *q[2];
