@@ -209,30 +209,38 @@ else
 fi
 
 # ---- golden ------------------------------------------------------------------------
+# golden_case MODEL DTYPE P [VAR=VALUE ...]: prompt P of a golden fixture on $DEVICE (exact,
+# with the environment given): prompt logits within compare-logits' tolerance and the
+# 32-token greedy path of transformers; prints ok or FAIL with the details, returns 0 / 1.
+golden_case() {
+  local dir=$ROOT/tests/golden/fixtures/$1 dtype=$2 p=$3 ids want got grc crc
+  shift 3
+  ids=$("$BIN/compare-logits" --ids "$dir" "$p")
+  want=$("$BIN/compare-logits" --greedy "$dir" "$dtype" "$p")
+  env "$@" timeout "$(cap 60)" "$BIN/moe-generate" --model "$dir" --tokens "$ids" -n 32 --dtype "$dtype" \
+    --exact --device "$DEVICE" --temperature 0 --ignore-eos --logits-out "$WORK/logits.bin" \
+    >"$WORK/gen.log" 2>&1
+  grc=$?
+  "$BIN/compare-logits" "$dir" "$dtype" "$p" "$WORK/logits.bin" >"$WORK/cmp.log" 2>&1
+  crc=$?
+  got=$(sed -n 's/^tokens: //p' "$WORK/gen.log")
+  if [ $grc -eq 0 ] && [ $crc -eq 0 ] && [ "$got" = "$want" ]; then
+    echo "ok   $(cat "$WORK/cmp.log")"
+    return 0
+  fi
+  echo "FAIL $dir $dtype prompt $p: moe-generate rc $grc; $(cat "$WORK/cmp.log")"
+  [ "$got" != "$want" ] && echo "     greedy got  [$got]" && echo "     greedy want [$want]"
+  tail -3 "$WORK/gen.log"
+  return 1
+}
+
 phase golden "golden prompts with --device $DEVICE"
 g_ok=0 g_fail=0 g_skip=0
 for model in mixtral qwen3_moe deepseek_v3; do
-  dir=$ROOT/tests/golden/fixtures/$model
   for dtype in f32 bf16; do
     for p in 0 1 2 3; do
       if ! fits 30; then g_skip=$((g_skip + 1)); continue; fi
-      ids=$("$BIN/compare-logits" --ids "$dir" "$p")
-      want=$("$BIN/compare-logits" --greedy "$dir" "$dtype" "$p")
-      timeout "$(cap 60)" "$BIN/moe-generate" --model "$dir" --tokens "$ids" -n 32 --dtype "$dtype" --exact \
-        --device "$DEVICE" --temperature 0 --ignore-eos --logits-out "$WORK/logits.bin" \
-        >"$WORK/gen.log" 2>&1
-      grc=$?
-      "$BIN/compare-logits" "$dir" "$dtype" "$p" "$WORK/logits.bin" >"$WORK/cmp.log" 2>&1
-      crc=$?
-      got=$(sed -n 's/^tokens: //p' "$WORK/gen.log")
-      if [ $grc -eq 0 ] && [ $crc -eq 0 ] && [ "$got" = "$want" ]; then
-        g_ok=$((g_ok + 1)); echo "ok   $(cat "$WORK/cmp.log")"
-      else
-        g_fail=$((g_fail + 1))
-        echo "FAIL $model $dtype prompt $p: moe-generate rc $grc; $(cat "$WORK/cmp.log")"
-        [ "$got" != "$want" ] && echo "     greedy got  [$got]" && echo "     greedy want [$want]"
-        tail -3 "$WORK/gen.log"
-      fi
+      if golden_case "$model" "$dtype" "$p"; then g_ok=$((g_ok + 1)); else g_fail=$((g_fail + 1)); fi
     done
   done
 done
@@ -248,25 +256,9 @@ row "golden ($DEVICE, 3 models x 2 dtypes x 4)" \
 phase fused "fused ops (MOE_CUDA_FUSED_OPS=1) against transformers"
 fo_ok=0 fo_fail=0 fo_skip=0
 for model in mixtral qwen3_moe qwen2_moe; do
-  dir=$ROOT/tests/golden/fixtures/$model
   for dtype in f32 bf16; do
     if ! fits 30; then fo_skip=$((fo_skip + 1)); continue; fi
-    ids=$("$BIN/compare-logits" --ids "$dir" 1)
-    want=$("$BIN/compare-logits" --greedy "$dir" "$dtype" 1)
-    MOE_CUDA_FUSED_OPS=1 timeout "$(cap 60)" "$BIN/moe-generate" --model "$dir" --tokens "$ids" -n 32 \
-      --dtype "$dtype" --exact --device "$DEVICE" --temperature 0 --ignore-eos \
-      --logits-out "$WORK/fused.bin" >"$WORK/fused.log" 2>&1
-    grc=$?
-    "$BIN/compare-logits" "$dir" "$dtype" 1 "$WORK/fused.bin" >"$WORK/fcmp.log" 2>&1
-    crc=$?
-    got=$(sed -n 's/^tokens: //p' "$WORK/fused.log")
-    if [ $grc -eq 0 ] && [ $crc -eq 0 ] && [ "$got" = "$want" ]; then
-      fo_ok=$((fo_ok + 1)); echo "ok   $(cat "$WORK/fcmp.log")"
-    else
-      fo_fail=$((fo_fail + 1))
-      echo "FAIL $model $dtype: moe-generate rc $grc; $(cat "$WORK/fcmp.log")"
-      tail -3 "$WORK/fused.log"
-    fi
+    if golden_case "$model" "$dtype" 1 MOE_CUDA_FUSED_OPS=1; then fo_ok=$((fo_ok + 1)); else fo_fail=$((fo_fail + 1)); fi
   done
 done
 row "fused ops ($DEVICE, 3 models x 2 dtypes)" \
