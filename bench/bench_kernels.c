@@ -46,15 +46,16 @@ struct shape {
  * them: the W8A8 chain (vpsignb, vpmaddubsw, vpmaddwd, vpaddd per 32 MACs
  * of a token and a row: the fewest exact s8 x s8 ops AVX2 has), the same
  * chain without vpsignb (not exact: a bound on what dropping it could buy),
- * and bf16 widened to f32 (vpmovzxwd + vpslld per 8 weights, 8 FMAs per 2 x
- * 4 tile step), bf16 widened by halves (AND + shift per 16 weights, as the
- * tiles do from 4 tokens), beside plain f32 FMAs. MACs a second on one
- * thread. */
+ * the same exact sums on int16 (peak_w8a16), bf16 widened to f32
+ * (vpmovzxwd + vpslld per 8 weights, 8 FMAs per 2 x 4 tile step), bf16
+ * widened by halves (AND + shift per 16 weights, as the tiles do from 4
+ * tokens), beside plain f32 FMAs. MACs a second on one thread. */
 #define PEAK_K 4096
 #define PEAK_REPS 40000
 
 static int8_t g_pk_w8[4][PEAK_K] __attribute__((aligned(64)));
 static int8_t g_pk_x8[2][PEAK_K] __attribute__((aligned(64)));
+static int16_t g_pk_x16[2][PEAK_K] __attribute__((aligned(64)));
 static uint16_t g_pk_wb[4][PEAK_K] __attribute__((aligned(64)));
 static float g_pk_xf[2][PEAK_K] __attribute__((aligned(64)));
 
@@ -79,6 +80,37 @@ MOE_AVX2_TARGET __attribute__((always_inline)) static inline int peak_w8a8(const
                     __m256i pairs = _mm256_maddubs_epi16(xu[t], q);
                     acc[t][r] = _mm256_add_epi32(acc[t][r], _mm256_madd_epi16(pairs, ones));
                 }
+            }
+        }
+    __m256i s = _mm256_setzero_si256();
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < 4; r++)
+            s = _mm256_add_epi32(s, acc[t][r]);
+    int v = _mm256_extract_epi32(s, 0);
+    _mm256_zeroupper();
+    return v;
+}
+
+/* The W8A8 sums on int16: the tokens' xq widened once (as a call would
+ * store them), each row's 16 weights sign-extended (vpmovsxbw) and shared by
+ * the two tokens, vpmaddwd + vpaddd per 16 MACs of a token and a row: two
+ * ops where the chain above has four per 32, but only one of them on Zen 3's
+ * two multiply pipes where the chain has three there. The same exact sums. */
+MOE_AVX2_TARGET __attribute__((always_inline)) static inline int peak_w8a16(void)
+{
+    __m256i acc[2][4];
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < 4; r++)
+            acc[t][r] = _mm256_setzero_si256();
+    for (int rep = 0; rep < PEAK_REPS; rep++)
+        for (int k = 0; k < PEAK_K; k += 16) {
+            const __m256i x0 = _mm256_load_si256((const __m256i *)&g_pk_x16[0][k]);
+            const __m256i x1 = _mm256_load_si256((const __m256i *)&g_pk_x16[1][k]);
+            for (int r = 0; r < 4; r++) {
+                const __m256i wv =
+                    _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)&g_pk_w8[r][k]));
+                acc[0][r] = _mm256_add_epi32(acc[0][r], _mm256_madd_epi16(wv, x0));
+                acc[1][r] = _mm256_add_epi32(acc[1][r], _mm256_madd_epi16(wv, x1));
             }
         }
     __m256i s = _mm256_setzero_si256();
@@ -194,19 +226,20 @@ MOE_AVX2_TARGET __attribute__((always_inline)) static inline float peak_bf16_hal
     return peak_f32_result(acc);
 }
 
-/* one compiled loop per chain */
-MOE_AVX2_TARGET __attribute__((noinline)) static double peak_chain(int i)
-{
-    switch (i) {
-    case 0: return peak_w8a8(true);
-    case 1: return peak_w8a8(false);
-    case 2: return peak_w4a8(true);
-    case 3: return peak_w4a8(false);
-    case 4: return peak_fma(true);
-    case 5: return peak_bf16_halves();
-    default: return peak_fma(false);
+/* one compiled loop per chain, each in a function of its own */
+#define PEAK_FN(name, call)                                                                        \
+    MOE_AVX2_TARGET __attribute__((noinline)) static double name(void)                             \
+    {                                                                                              \
+        return call;                                                                               \
     }
-}
+PEAK_FN(peak_c0, peak_w8a8(true))
+PEAK_FN(peak_c1, peak_w8a8(false))
+PEAK_FN(peak_c2, peak_w8a16())
+PEAK_FN(peak_c3, peak_w4a8(true))
+PEAK_FN(peak_c4, peak_w4a8(false))
+PEAK_FN(peak_c5, peak_fma(true))
+PEAK_FN(peak_c6, peak_bf16_halves())
+PEAK_FN(peak_c7, peak_fma(false))
 
 static int bench_peak(void)
 {
@@ -225,6 +258,7 @@ static int bench_peak(void)
         }
         for (int t = 0; t < 2; t++) {
             g_pk_x8[t][i] = (int8_t)((i * 5 + t * 11) % 255 - 127);
+            g_pk_x16[t][i] = g_pk_x8[t][i];
             g_pk_xf[t][i] = (float)((i + t) % 7) * 0.001f;
             if (i % 4 == 0)
                 g_pk_base[t][i / 4] = (int16_t)(-8 * (i % 61));
@@ -233,22 +267,22 @@ static int bench_peak(void)
     volatile double sink = 0;
     printf("# one thread, operands in L1, 2 tokens x 4 rows a tile step; best of 3\n");
     printf("%-42s %10s\n", "chain", "GMAC/s");
-    static const char *names[] = {"int8 W8A8 (sign, maddubs, madd, add)",
-                                  "int8 without vpsignb (not exact)",
-                                  "int4 W4A8 (7 ops a token, row, 64 MACs)",
-                                  "int4 W4A8, no base add (the tiles now)",
-                                  "bf16 widened to f32, FMA",
-                                  "bf16 widened by halves (AND, shift), FMA",
-                                  "f32 FMA"};
-    for (int i = 0; i < 7; i++) {
+    static const char *names[] = {
+        "int8 W8A8 (sign, maddubs, madd, add)",     "int8 without vpsignb (not exact)",
+        "int8 on int16 (vpmovsxbw, madd, add)",     "int4 W4A8 (7 ops a token, row, 64 MACs)",
+        "int4 W4A8, no base add (the tiles now)",   "bf16 widened to f32, FMA",
+        "bf16 widened by halves (AND, shift), FMA", "f32 FMA"};
+    static double (*const chains[])(void) = {peak_c0, peak_c1, peak_c2, peak_c3,
+                                             peak_c4, peak_c5, peak_c6, peak_c7};
+    for (int i = 0; i < 8; i++) {
         double best = 1e9;
         for (int round = 0; round < 3; round++) {
             double t0 = moe_now();
-            sink += peak_chain(i);
+            sink += chains[i]();
             best = fmin(best, moe_now() - t0);
         }
-        double macs = (double)(i < 2   ? PEAK_REPS
-                               : i < 4 ? PEAK_REPS / 2
+        double macs = (double)(i < 3   ? PEAK_REPS
+                               : i < 5 ? PEAK_REPS / 2
                                        : PEAK_REPS / 4) *
                       PEAK_K * 8;
         printf("%-42s %10.1f\n", names[i], macs / best * 1e-9);
