@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Every malformed input to moe-generate ends with a non-zero exit and ONE line
 # on stderr that names the file and the problem; nothing crashes (run under
-# the sanitizer build too).
+# the sanitizer build too). The flags moe-generate shares with moe-worker
+# (worker/group/launch.c) are checked on both.
 #
 #   tests/cli/bad_inputs.sh BUILD_BIN_DIR FIXTURES_DIR
 set -uo pipefail
-bin=$1/moe-generate
+bindir=$1
+bin=$bindir/moe-generate
 fixtures=$2
 tmp=$(mktemp -d /tmp/moe-bad-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
@@ -124,6 +126,31 @@ expect too-long "max_position_embeddings" -- --model "$fixtures/$Q" --tokens 1 -
 MOE_BATCH_INVARIANT=yes expect bad-batch-invariant-env "MOE_BATCH_INVARIANT" "yes" -- --model "$fixtures/$Q" --tokens 1
 expect no-gpu-cuda "cuda" -- --model "$fixtures/$Q" --tokens 1 --device cuda
 expect bad-device "tpu" -- --model "$fixtures/$Q" --tokens 1 --device tpu
+
+# The group's flags, on both programs that take them: refused by name before
+# anything loads, and a start-up that fails before the model (no mpirun for
+# --tp, no such device) ends cleanly (moe-worker crashed there once, freeing a
+# KV cache it never made).
+for prog in moe-generate moe-worker; do
+  if [ ! -x "$bindir/$prog" ]; then
+    echo "skipped $prog launch flags: $prog was not built (-DMOE_SERVING=OFF)"
+    continue
+  fi
+  bin=$bindir/$prog
+  one=(); [ $prog = moe-generate ] && one=(--tokens 1)
+  m=(--model "$fixtures/$Q" "${one[@]}")
+  expect "$prog kv-dtype" "--kv-dtype" "fp8" -- "${m[@]}" --kv-dtype fp8
+  expect "$prog dtype" "--dtype" "fp8" -- "${m[@]}" --dtype fp8
+  expect "$prog group-size" "--group-size" "48" -- "${m[@]}" --dtype int4 --group-size 48
+  expect "$prog group-size-without-int4" "--group-size goes with --dtype int4" -- "${m[@]}" --group-size 64
+  expect "$prog tp-0" "--tp" "'0'" -- "${m[@]}" --tp 0
+  expect "$prog comm-timeout" "--comm-timeout-ms" "'50'" -- "${m[@]}" --comm-timeout-ms 50
+  expect "$prog threads-no-value" "--threads" "needs a value" -- "${m[@]}" --threads
+  expect "$prog no-model" "--model DIR is required" -- "${one[@]}" --exact
+  expect "$prog tp-without-mpirun" "--tp" "mpirun" -- "${m[@]}" --tp 2
+  expect "$prog placement-without-mpirun" "--placement" "mpirun" -- "${m[@]}" --placement /nonexistent.json
+  expect "$prog bad-device" "tpu" -- "${m[@]}" --device tpu
+done
 
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -932,5 +932,6 @@ enum moe_status moe_kv_cache_create(const struct moe_model *m, int n_block, int 
 
 void moe_kv_cache_free(const struct moe_model *m, struct moe_kv_cache *kv)
 {
-    moe_kv_cache_release(m->be, kv);
+    if (kv) /* as free(NULL): a start-up that failed before the model calls it with neither */
+        moe_kv_cache_release(m->be, kv);
 }

@@ -153,7 +153,7 @@ void moe_model_drop_placement(struct moe_model *m); /* forget a prepared placeme
 void moe_model_commit_placement(struct moe_model *m);
 
 /* A KV cache of this shard's shape and opts.kv_dtype (kv/kv_cache.h) on the
- * model's backend. */
+ * model's backend; free with kv NULL does nothing (m may be NULL then). */
 enum moe_status moe_kv_cache_create(const struct moe_model *m, int n_block, int block_size,
                                     struct moe_kv_cache **out, struct moe_error *err);
 void moe_kv_cache_free(const struct moe_model *m, struct moe_kv_cache *kv);
