@@ -31,19 +31,15 @@
 #include "tokenizer.h"
 
 struct args {
-    const char *model;
+    struct moe_launch_args launch; /* the group's flags, parsed by group/launch.c */
     const char *prompt;
     const char *tokens;
     const char *logits_out;
-    const char *device;
     int n_predict;
     float temperature;
     float top_p;
     int top_k;
     unsigned long long seed;
-    enum moe_dtype dtype;
-    int group_size;
-    int threads;
     bool ignore_eos;
     /* offline batch through the engine */
     const char *prompts_file;
@@ -60,18 +56,8 @@ struct args {
     bool print_outputs;
     bool host_sampling;
     /* worker group under mpirun */
-    int tp;
-    bool dp_attention;
-    const char *placement;
-    int comm_timeout_ms;
-    bool profile;
     bool warmup;
     const char *placement_switch;
-    bool exact;
-    bool batch_invariant;
-    bool no_graphs;
-    enum moe_dtype kv_dtype;
-    bool kv_dtype_set;
     /* the quality meter */
     const char *perplexity;
     int ctx;
@@ -197,21 +183,10 @@ static int parse_special(const char *k, const char *v, struct args *a)
         a->seed = strtoull(v, &end, 10);
         if (errno || end == v || *end || *v == '-')
             return cli_fail("--seed: '%s' is not a whole number >= 0", v);
-    } else if (!strcmp(k, "--dtype")) {
-        if (!moe_launch_parse_dtype(v, &a->dtype))
-            return cli_fail("--dtype: '%s' is not one of f32, bf16, int8, int4", v);
-    } else if (!strcmp(k, "--group-size")) {
-        if (strcmp(v, "32") && strcmp(v, "64") && strcmp(v, "128"))
-            return cli_fail("--group-size: '%s' is not one of 32, 64, 128", v);
-        a->group_size = atoi(v);
     } else if (!strcmp(k, "--spec-policy")) {
         if (strcmp(v, "cost") && strcmp(v, "acceptance"))
             return cli_fail("--spec-policy: '%s' is not one of cost, acceptance", v);
         a->spec_cost = !strcmp(v, "cost");
-    } else if (!strcmp(k, "--kv-dtype")) {
-        if (!moe_kv_parse_dtype(v, &a->kv_dtype))
-            return cli_fail("--kv-dtype: '%s' is not one of f32, bf16", v);
-        a->kv_dtype_set = true;
     } else if (!strcmp(k, "--kv-memory")) {
         if (!cli_parse_long(v, 1, 1 << 24, &n))
             return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
@@ -226,8 +201,9 @@ static int parse_special(const char *k, const char *v, struct args *a)
  * prompts. */
 static int check_args(const struct args *a)
 {
-    if (!a->model)
-        return cli_fail("--model DIR is required");
+    int rc = moe_launch_cli_check(&a->launch);
+    if (rc)
+        return rc;
     if ((a->prompt != NULL) + (a->tokens != NULL) + (a->prompts_file != NULL) +
             (a->perplexity != NULL) !=
         1)
@@ -235,8 +211,6 @@ static int check_args(const struct args *a)
                         "--perplexity FILE");
     if ((a->kl_save || a->kl_base || a->ctx) && !a->perplexity)
         return cli_fail("--ctx, --kl-save and --kl-base go with --perplexity FILE");
-    if (a->group_size && a->dtype != MOE_DTYPE_I4)
-        return cli_fail("--group-size goes with --dtype int4");
     if (a->warmup && !a->prompt && !a->tokens)
         return cli_fail("--warmup goes with --prompt TEXT or --tokens IDS");
     if (a->logits_out && a->prompts_file)
@@ -246,32 +220,17 @@ static int check_args(const struct args *a)
 
 static int parse_args(int argc, char **argv, struct args *a)
 {
-    *a = (struct args){.n_predict = 32,
-                       .top_p = 1.0f,
-                       .dtype = MOE_DTYPE_BF16,
-                       .device = "auto",
-                       .tp = 1,
-                       .spec_max_batch = 8,
-                       .comm_timeout_ms = 10000};
+    *a = (struct args){.n_predict = 32, .top_p = 1.0f, .spec_max_batch = 8};
+    moe_launch_args_init(&a->launch);
     const struct flag_opt flags[] = {
-        {"--ignore-eos", &a->ignore_eos},
-        {"--no-prefix-cache", &a->no_prefix_cache},
-        {"--profile", &a->profile},
-        {"--warmup", &a->warmup},
-        {"--exact", &a->exact},
-        {"--batch-invariant", &a->batch_invariant},
-        {"--no-cuda-graphs", &a->no_graphs},
-        {"--print-outputs", &a->print_outputs},
-        {"--host-sampling", &a->host_sampling},
-        {"--dp-attention", &a->dp_attention},
+        {"--ignore-eos", &a->ignore_eos},       {"--no-prefix-cache", &a->no_prefix_cache},
+        {"--profile", &a->launch.profile},      {"--warmup", &a->warmup},
+        {"--print-outputs", &a->print_outputs}, {"--host-sampling", &a->host_sampling},
     };
     const struct str_opt strs[] = {
-        {"--model", &a->model},
         {"--prompt", &a->prompt},
         {"--tokens", &a->tokens},
         {"--logits-out", &a->logits_out},
-        {"--device", &a->device},
-        {"--placement", &a->placement},
         {"--placement-switch", &a->placement_switch},
         {"--prompts-file", &a->prompts_file},
         {"--perplexity", &a->perplexity},
@@ -282,9 +241,6 @@ static int parse_args(int argc, char **argv, struct args *a)
     };
     const struct int_opt ints[] = {
         {"-n", "--n-predict", 0, 1 << 20, &a->n_predict},
-        {"--threads", NULL, 0, 1024, &a->threads},
-        {"--tp", NULL, 1, 1024, &a->tp},
-        {"--comm-timeout-ms", NULL, 100, 3600000, &a->comm_timeout_ms},
         {"--kv-blocks", NULL, 1, 1 << 24, &a->kv_blocks},
         {"--block-size", NULL, 1, 1024, &a->block_size},
         {"--max-batch-tokens", NULL, 1, 1 << 20, &a->max_batch_tokens},
@@ -298,6 +254,12 @@ static int parse_args(int argc, char **argv, struct args *a)
         if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
             usage(stdout);
             exit(0);
+        }
+        int rc = moe_launch_cli_flag(&a->launch, argc, argv, &i);
+        if (rc != 1) {
+            if (rc)
+                return rc;
+            continue;
         }
         const struct flag_opt *f = NULL;
         for (size_t j = 0; j < ARRAY_LEN(flags) && !f; j++)
@@ -330,7 +292,7 @@ static int parse_args(int argc, char **argv, struct args *a)
             *o->field = (int)n;
             continue;
         }
-        int rc = parse_special(k, v, a);
+        rc = parse_special(k, v, a);
         if (rc == 1) {
             usage(stderr);
             return cli_fail("unknown option '%s'", k);
@@ -606,30 +568,15 @@ static int report_error(const struct gen_run *g)
 static enum moe_status start_group(struct gen_run *g, int *argc, char ***argv)
 {
     const struct args *a = &g->a;
-    struct moe_launch_args la = {.model = a->model,
-                                 .device = a->device,
-                                 .threads = a->threads,
-                                 .dtype = a->dtype,
-                                 .group_size = a->group_size,
-                                 .tp = a->tp,
-                                 .dp_attention = a->dp_attention,
-                                 .comm_timeout_ms = a->comm_timeout_ms,
-                                 .placement = a->placement,
-                                 .exact = a->exact,
-                                 .batch_invariant = a->batch_invariant,
-                                 .kv_dtype = a->kv_dtype,
-                                 .kv_dtype_set = a->kv_dtype_set,
-                                 .profile = a->profile,
-                                 .no_graphs = a->no_graphs};
-    enum moe_status rc = moe_launch_start(argc, argv, &la, &g->launch, &g->err);
+    enum moe_status rc = moe_launch_start(argc, argv, &a->launch, &g->launch, &g->err);
     if (rc)
         return rc;
     g->group = g->launch.group;
     g->be = g->launch.be;
     if (g->group && a->placement_switch && g->group->rank == 0) {
         struct moe_placement next;
-        if ((rc = moe_placement_load_for_model(a->placement_switch, a->model, g->group->size, &next,
-                                               &g->err)))
+        if ((rc = moe_placement_load_for_model(a->placement_switch, a->launch.model, g->group->size,
+                                               &next, &g->err)))
             return rc;
         rc = moe_group_propose_placement(g->group, &next, 1, &g->err);
         moe_placement_free(&next);
@@ -642,7 +589,7 @@ static enum moe_status load_model(struct gen_run *g)
 {
     struct moe_model_opts mo = g->launch.model_opts;
     g->t_load = moe_now();
-    enum moe_status rc = moe_model_load(g->a.model, &mo, g->be, &g->model, &g->err);
+    enum moe_status rc = moe_model_load(g->a.launch.model, &mo, g->be, &g->model, &g->err);
     if (rc)
         return rc;
     g->t_load = moe_now() - g->t_load;
@@ -653,7 +600,7 @@ static enum moe_status load_model(struct gen_run *g)
         fprintf(stderr,
                 "moe-generate: %s: num_nextn_predict_layers %d: the multi-token-prediction "
                 "layers are not used (ignored at load)\n",
-                g->a.model, g->cfg->n_mtp);
+                g->a.launch.model, g->cfg->n_mtp);
     if (g->group) {
         fprintf(stderr, "moe-generate: rank %d of %d (tp %d/%d): %.1f MiB of weights\n",
                 g->group->rank, g->group->size, g->group->tp_rank, g->group->tp_size,
@@ -667,7 +614,7 @@ static enum moe_status load_model(struct gen_run *g)
 static enum moe_status load_tokenizer(struct gen_run *g)
 {
     char tok_path[4096];
-    snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", g->a.model);
+    snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", g->a.launch.model);
     FILE *probe = fopen(tok_path, "rb");
     if (!probe && !g->a.prompt && !g->a.perplexity)
         return MOE_OK;
@@ -708,8 +655,8 @@ static void print_speed(const struct gen_run *g)
     const struct moe_gen_result *res = &g->res;
     double decode_tps =
         res->n_tokens > 1 && res->decode_s > 0 ? (res->n_tokens - 1) / res->decode_s : 0;
-    printf("model: %s (%s, %s%s, %.1f MiB of weights, loaded in %.2f s) on %s\n", a->model,
-           moe_launch_dtype_flag(a->dtype), a->exact ? "exact" : "fast",
+    printf("model: %s (%s, %s%s, %.1f MiB of weights, loaded in %.2f s) on %s\n", a->launch.model,
+           moe_launch_dtype_flag(a->launch.dtype), a->launch.exact ? "exact" : "fast",
            g->launch.model_opts.batch_invariant ? ", batch-invariant" : "",
            (double)moe_model_weight_bytes(g->model) / (1024.0 * 1024.0), g->t_load, g->be->label);
     printf("prefill: %d tokens in %.3f s, %.1f tokens/s\n", g->n_prompt, res->prefill_s,
@@ -834,7 +781,7 @@ static int run_perplexity(struct gen_run *g)
     printf("perplexity: %s, %zu tokens, %d windows of %d, %lld scored (positions %d..%d of each)\n",
            a->perplexity, n, r.n_window, ctx, (long long)r.n_scored, ctx / 2, ctx - 2);
     printf("ppl: %.6f (mean nll %.6f nats), %s weights, %s, %s KV, %.2f s\n", r.ppl, r.nll_mean,
-           moe_launch_dtype_flag(a->dtype), a->exact ? "exact" : "fast",
+           moe_launch_dtype_flag(a->launch.dtype), a->launch.exact ? "exact" : "fast",
            moe_kv_dtype_flag(moe_model_kv_dtype(g->model)), r.seconds);
     if (r.has_base)
         printf("kl: vs %s (base ppl %.6f): mean %.6g, median %.6g, p99 %.6g, max %.6g; top-1 "
@@ -852,7 +799,7 @@ static void print_group_report(const struct gen_run *g)
 {
     const struct args *a = &g->a;
     struct moe_group *group = g->group;
-    if (a->profile && g->model)
+    if (a->launch.profile && g->model)
         print_profile(g->model, group, g->be, &g->at_load);
     if (g->model) { /* CUDA graphs (opt-in): whether they ran */
         struct moe_model_profile p;
@@ -862,7 +809,7 @@ static void print_group_report(const struct gen_run *g)
                    (unsigned long long)p.graphs_recorded, (unsigned long long)p.graphs_replayed,
                    (unsigned long long)p.forwards);
     }
-    if (a->profile && group && group->rank == 0 && group->size > 1) {
+    if (a->launch.profile && group && group->rank == 0 && group->size > 1) {
         uint64_t rows[MOE_MAX_EP_RANKS_PRINT], steps, max = 0, sum = 0;
         int n = group->size < MOE_MAX_EP_RANKS_PRINT ? group->size : MOE_MAX_EP_RANKS_PRINT;
         if (group->size <= MOE_MAX_EP_RANKS_PRINT) {

@@ -50,19 +50,15 @@
 #include "serve/worker_metrics.h"
 
 struct args {
-    const char *model;
+    struct moe_launch_args launch; /* the group's flags, parsed by group/launch.c */
     const char *listen;
     const char *advertise;
     const char *etcd;
     const char *worker_id;
-    const char *device;
     const char *role;
     const char *kv_listen;
     const char *metrics_listen;
     bool kv_socket_only;
-    enum moe_dtype dtype;
-    int group_size;
-    int threads;
     int lease_ttl;
     int kv_blocks;
     long kv_memory_mib;
@@ -70,20 +66,11 @@ struct args {
     int max_batch_tokens;
     int max_running;
     bool no_prefix_cache;
-    bool exact;
-    bool batch_invariant;
-    bool no_graphs; /* --no-cuda-graphs */
-    enum moe_dtype kv_dtype;
-    bool kv_dtype_set;
     int spec_tokens;
     int spec_max_batch;
     bool spec_cost; /* --spec-policy cost */
     const char *draft_model;
     int drain_timeout_s;
-    int tp;
-    bool dp_attention;
-    const char *placement;
-    int comm_timeout_ms;
     int handoff_ttl_ms;
     struct moe_tls_opts tls;
     struct moe_etcd_tls etcd_tls;
@@ -173,38 +160,25 @@ static void usage(FILE *f)
 static int parse_args(int argc, char **argv, struct args *a)
 {
     *a = (struct args){.listen = "127.0.0.1:0",
-                       .device = "auto",
-                       .dtype = MOE_DTYPE_BF16,
                        .lease_ttl = 5,
                        .role = "mixed",
                        .drain_timeout_s = 60,
-                       .spec_max_batch = 8,
-                       .tp = 1,
-                       .comm_timeout_ms = 10000};
+                       .spec_max_batch = 8};
+    moe_launch_args_init(&a->launch);
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
         if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
             usage(stdout);
             exit(0);
         }
+        int rc = moe_launch_cli_flag(&a->launch, argc, argv, &i);
+        if (rc != 1) {
+            if (rc)
+                return rc;
+            continue;
+        }
         if (!strcmp(k, "--no-prefix-cache")) {
             a->no_prefix_cache = true;
-            continue;
-        }
-        if (!strcmp(k, "--exact")) {
-            a->exact = true;
-            continue;
-        }
-        if (!strcmp(k, "--batch-invariant")) {
-            a->batch_invariant = true;
-            continue;
-        }
-        if (!strcmp(k, "--no-cuda-graphs")) {
-            a->no_graphs = true;
-            continue;
-        }
-        if (!strcmp(k, "--dp-attention")) {
-            a->dp_attention = true;
             continue;
         }
         if (i + 1 >= argc)
@@ -219,7 +193,6 @@ static int parse_args(int argc, char **argv, struct args *a)
         a->field = (int)n;                                                                         \
         continue;                                                                                  \
     }
-        INT_OPT("--threads", 0, 1024, threads)
         INT_OPT("--lease-ttl", 2, 3600, lease_ttl)
         INT_OPT("--kv-blocks", 1, 1 << 24, kv_blocks)
         INT_OPT("--block-size", 1, 1024, block_size)
@@ -234,24 +207,14 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->spec_cost = !strcmp(v, "cost");
             continue;
         }
-        INT_OPT("--tp", 1, 1024, tp)
-        INT_OPT("--comm-timeout-ms", 100, 3600000, comm_timeout_ms)
         INT_OPT("--handoff-ttl-ms", 50, 3600000, handoff_ttl_ms)
 #undef INT_OPT
         if (moe_tls_cli_flag(&a->tls, k, v) || moe_etcd_tls_cli_flag(&a->etcd_tls, k, v))
             continue;
-        if (!strcmp(k, "--kv-dtype")) {
-            if (!moe_kv_parse_dtype(v, &a->kv_dtype))
-                return cli_fail("--kv-dtype: '%s' is not one of f32, bf16", v);
-            a->kv_dtype_set = true;
-        } else if (!strcmp(k, "--kv-memory")) {
+        if (!strcmp(k, "--kv-memory")) {
             if (!cli_parse_long(v, 1, 1 << 24, &n))
                 return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
             a->kv_memory_mib = n;
-        } else if (!strcmp(k, "--placement")) {
-            a->placement = v;
-        } else if (!strcmp(k, "--model")) {
-            a->model = v;
         } else if (!strcmp(k, "--listen")) {
             a->listen = v;
         } else if (!strcmp(k, "--advertise")) {
@@ -260,8 +223,6 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->etcd = v;
         } else if (!strcmp(k, "--worker-id")) {
             a->worker_id = v;
-        } else if (!strcmp(k, "--device")) {
-            a->device = v;
         } else if (!strcmp(k, "--role")) {
             if (strcmp(v, "mixed") && strcmp(v, "prefill") && strcmp(v, "decode"))
                 return cli_fail("--role: '%s' is not one of mixed, prefill, decode", v);
@@ -276,22 +237,14 @@ static int parse_args(int argc, char **argv, struct args *a)
             if (strcmp(v, "auto") && strcmp(v, "socket"))
                 return cli_fail("--kv-transport: '%s' is not one of auto, socket", v);
             a->kv_socket_only = !strcmp(v, "socket");
-        } else if (!strcmp(k, "--dtype")) {
-            if (!moe_launch_parse_dtype(v, &a->dtype))
-                return cli_fail("--dtype: '%s' is not one of f32, bf16, int8, int4", v);
-        } else if (!strcmp(k, "--group-size")) {
-            if (strcmp(v, "32") && strcmp(v, "64") && strcmp(v, "128"))
-                return cli_fail("--group-size: '%s' is not one of 32, 64, 128", v);
-            a->group_size = atoi(v);
         } else {
             usage(stderr);
             return cli_fail("unknown option '%s'", k);
         }
     }
-    if (!a->model)
-        return cli_fail("--model DIR is required");
-    if (a->group_size && a->dtype != MOE_DTYPE_I4)
-        return cli_fail("--group-size goes with --dtype int4");
+    int rc = moe_launch_cli_check(&a->launch);
+    if (rc)
+        return rc;
     if (a->worker_id && strlen(a->worker_id) > 128)
         return cli_fail("--worker-id: longer than 128 characters");
     return 0;
@@ -339,34 +292,20 @@ static enum moe_status start_tls(struct worker_run *r)
 static enum moe_status start_model(struct worker_run *r, int *argc, char ***argv)
 {
     const struct args *a = &r->a;
-    struct moe_launch_args la = {.model = a->model,
-                                 .device = a->device,
-                                 .threads = a->threads,
-                                 .dtype = a->dtype,
-                                 .group_size = a->group_size,
-                                 .tp = a->tp,
-                                 .dp_attention = a->dp_attention,
-                                 .comm_timeout_ms = a->comm_timeout_ms,
-                                 .placement = a->placement,
-                                 .exact = a->exact,
-                                 .batch_invariant = a->batch_invariant,
-                                 .kv_dtype = a->kv_dtype,
-                                 .kv_dtype_set = a->kv_dtype_set,
-                                 .no_graphs = a->no_graphs};
-    enum moe_status rc = moe_launch_start(argc, argv, &la, &r->launch, &r->err);
+    enum moe_status rc = moe_launch_start(argc, argv, &a->launch, &r->launch, &r->err);
     if (rc)
         return rc;
     r->group = r->launch.group;
     r->be = r->launch.be;
     struct moe_model_opts mo = r->launch.model_opts;
-    if ((rc = moe_model_load(a->model, &mo, r->be, &r->model, &r->err)))
+    if ((rc = moe_model_load(a->launch.model, &mo, r->be, &r->model, &r->err)))
         return rc;
     r->cfg = moe_model_config(r->model);
     if (r->cfg->n_mtp && (!r->group || r->group->rank == 0))
         fprintf(stderr,
                 "moe-worker: %s: num_nextn_predict_layers %d: the multi-token-prediction "
                 "layers are not used (ignored at load)\n",
-                a->model, r->cfg->n_mtp);
+                a->launch.model, r->cfg->n_mtp);
     return MOE_OK;
 }
 
@@ -441,7 +380,7 @@ static enum moe_status start_engine(struct worker_run *r)
     struct moe_group *group = r->group;
     enum moe_status rc;
     char tok_path[4096];
-    snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", a->model);
+    snprintf(tok_path, sizeof tok_path, "%s/tokenizer.json", a->launch.model);
     if (access(tok_path, F_OK) == 0 && (rc = moe_tokenizer_load(tok_path, &r->tok, &r->err)))
         return rc;
 
@@ -473,8 +412,8 @@ static enum moe_status start_engine(struct worker_run *r)
         .backend_sampling = r->be->device != MOE_DEVICE_CPU,
     };
     struct moe_engine_opts *eo = &r->eo;
-    const char *name = strrchr(a->model, '/');
-    r->name = name && name[1] ? name + 1 : a->model;
+    const char *name = strrchr(a->launch.model, '/');
+    r->name = name && name[1] ? name + 1 : a->launch.model;
     if (a->metrics_listen) { /* times every step: the engine calls through it */
         if ((rc = worker_metrics_create(r->name, r->model, group, eo->forward, eo->forward_ctx,
                                         &r->metrics, &r->err)))
@@ -519,7 +458,7 @@ static enum moe_status start_service(struct worker_run *r)
     struct worker_service_opts so = {
         .listen = a->listen,
         .model_name = r->name,
-        .dtype_name = moe_launch_dtype_flag(a->dtype),
+        .dtype_name = moe_launch_dtype_flag(a->launch.dtype),
         .world_size = group ? group->size : 1,
         .group = group,
         .tp_size = group ? group->tp_size : 1,

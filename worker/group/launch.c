@@ -4,6 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli.h"
+#include "kv/kv_cache.h"
+
 bool moe_launch_parse_dtype(const char *s, enum moe_dtype *out)
 {
     if (!strcmp(s, "f32"))
@@ -29,6 +32,85 @@ const char *moe_launch_dtype_flag(enum moe_dtype dtype)
     case MOE_DTYPE_F16: break;
     }
     return "?";
+}
+
+void moe_launch_args_init(struct moe_launch_args *a)
+{
+    *a = (struct moe_launch_args){
+        .device = "auto", .dtype = MOE_DTYPE_BF16, .tp = 1, .comm_timeout_ms = 10000};
+}
+
+int moe_launch_cli_flag(struct moe_launch_args *a, int argc, char **argv, int *i)
+{
+    enum kind { SWITCH, STR, INT, DTYPE, GROUP_SIZE, KV_DTYPE };
+    const struct {
+        const char *name;
+        enum kind kind;
+        void *field;
+        long lo, hi; /* INT */
+    } flags[] = {
+        {"--exact", SWITCH, &a->exact, 0, 0},
+        {"--batch-invariant", SWITCH, &a->batch_invariant, 0, 0},
+        {"--no-cuda-graphs", SWITCH, &a->no_graphs, 0, 0},
+        {"--dp-attention", SWITCH, &a->dp_attention, 0, 0},
+        {"--model", STR, &a->model, 0, 0},
+        {"--device", STR, &a->device, 0, 0},
+        {"--placement", STR, &a->placement, 0, 0},
+        {"--threads", INT, &a->threads, 0, 1024},
+        {"--tp", INT, &a->tp, 1, 1024},
+        {"--comm-timeout-ms", INT, &a->comm_timeout_ms, 100, 3600000},
+        {"--dtype", DTYPE, &a->dtype, 0, 0},
+        {"--group-size", GROUP_SIZE, &a->group_size, 0, 0},
+        {"--kv-dtype", KV_DTYPE, &a->kv_dtype, 0, 0},
+    };
+    const char *k = argv[*i];
+    size_t f = 0;
+    while (f < sizeof flags / sizeof flags[0] && strcmp(k, flags[f].name))
+        f++;
+    if (f == sizeof flags / sizeof flags[0])
+        return 1;
+    if (flags[f].kind == SWITCH) {
+        *(bool *)flags[f].field = true;
+        return 0;
+    }
+    if (*i + 1 >= argc)
+        return cli_fail("option '%s' needs a value", k);
+    const char *v = argv[++*i];
+    long n;
+    switch (flags[f].kind) {
+    case SWITCH: break;
+    case STR: *(const char **)flags[f].field = v; break;
+    case INT:
+        if (!cli_parse_long(v, flags[f].lo, flags[f].hi, &n))
+            return cli_fail("%s: '%s' is not a whole number in [%ld, %ld]", k, v, flags[f].lo,
+                            flags[f].hi);
+        *(int *)flags[f].field = (int)n;
+        break;
+    case DTYPE:
+        if (!moe_launch_parse_dtype(v, &a->dtype))
+            return cli_fail("--dtype: '%s' is not one of f32, bf16, int8, int4", v);
+        break;
+    case GROUP_SIZE:
+        if (strcmp(v, "32") && strcmp(v, "64") && strcmp(v, "128"))
+            return cli_fail("--group-size: '%s' is not one of 32, 64, 128", v);
+        a->group_size = atoi(v);
+        break;
+    case KV_DTYPE:
+        if (!moe_kv_parse_dtype(v, &a->kv_dtype))
+            return cli_fail("--kv-dtype: '%s' is not one of f32, bf16", v);
+        a->kv_dtype_set = true;
+        break;
+    }
+    return 0;
+}
+
+int moe_launch_cli_check(const struct moe_launch_args *a)
+{
+    if (!a->model)
+        return cli_fail("--model DIR is required");
+    if (a->group_size && a->dtype != MOE_DTYPE_I4)
+        return cli_fail("--group-size goes with --dtype int4");
+    return 0;
 }
 
 enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launch_args *a,

@@ -45,6 +45,23 @@ struct moe_launch {
 bool moe_launch_parse_dtype(const char *s, enum moe_dtype *out);
 const char *moe_launch_dtype_flag(enum moe_dtype dtype);
 
+/* The command-line flags of every program that starts a worker group
+ * (moe-generate, moe-worker), parsed in one place so that they mean and
+ * refuse the same everywhere: --model, --device, --threads, --dtype,
+ * --group-size, --kv-dtype, --exact, --batch-invariant, --no-cuda-graphs,
+ * and under mpirun --tp, --dp-attention, --placement, --comm-timeout-ms.
+ * (--profile is moe-generate's alone: it sets args.profile itself.)
+ *
+ * init: the defaults (bf16 weights, device auto, TP 1, 10 s comm timeout).
+ * cli_flag: argv[*i] is one of these flags -> 0, *i moved past its value;
+ * not one -> 1, *i unchanged; a missing or bad value -> 2, the exit code
+ * for a bad command line, after cli_fail's one line naming the flag.
+ * cli_check: after the last flag; what is wrong across flags (no --model,
+ * --group-size without --dtype int4) -> 2 likewise, else 0. */
+void moe_launch_args_init(struct moe_launch_args *a);
+int moe_launch_cli_flag(struct moe_launch_args *a, int argc, char **argv, int *i);
+int moe_launch_cli_check(const struct moe_launch_args *a);
+
 /* Fills *l. On error what was made is kept for moe_launch_finish. */
 enum moe_status moe_launch_start(int *argc, char ***argv, const struct moe_launch_args *args,
                                  struct moe_launch *l, struct moe_error *err);
