@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "dtype.h"
+#include "rng.h"
 
 #define MK_MAX_LAYERS 256
 #define MK_NAME_MAX 128
@@ -530,14 +531,6 @@ static void buf_printf(struct mk_buf *b, const char *fmt, ...)
 
 /* ---- random values -------------------------------------------------------------- */
 
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static uint64_t xorshift64s(uint64_t *s)
 {
     uint64_t x = *s;
@@ -571,7 +564,7 @@ static void tensor_stream(const struct mk_opts *o, const struct mk_tensor *t, si
                           const char *path, void *chunk)
 {
     uint64_t mix = o->seed * 0x100000001b3ull + index;
-    uint64_t s = splitmix64(&mix) | 1; /* xorshift state must be non-zero */
+    uint64_t s = moe_splitmix64(&mix) | 1; /* xorshift state must be non-zero */
     int64_t n = t->rows * t->cols;
     float std = (float)o->std;
     for (int64_t i = 0; i < n; i += MK_CHUNK) {

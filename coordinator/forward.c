@@ -42,6 +42,7 @@
 #include "moe/v1/inference.pb-c.h"
 #include "moe/v1/worker.pb-c.h"
 #include "request_check.h"
+#include "rng.h"
 #include "clock.h"
 
 #define WORKER_DEADLINE_SLACK_MS 2000 /* the worker's own deadline_ms fires first */
@@ -625,12 +626,11 @@ static void fix_seed(struct fwd *f)
     else
         moe__v1__sampling_params__init(&f->sp);
     if (f->sp.seed_opt_case != MOE__V1__SAMPLING_PARAMS__SEED_OPT_SEED) {
-        uint64_t z = (uint64_t)(moe_now() * 1e9) +
+        /* the clock, apart for requests of the same nanosecond, mixed */
+        uint64_t x = (uint64_t)(moe_now() * 1e9) +
                      0x9e3779b97f4a7c15ull * __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED);
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
         f->sp.seed_opt_case = MOE__V1__SAMPLING_PARAMS__SEED_OPT_SEED;
-        f->sp.seed = (z ^ (z >> 31)) >> 11;
+        f->sp.seed = moe_splitmix64(&x) >> 11;
     }
     f->sampling = &f->sp;
 }

@@ -8,6 +8,7 @@
 
 #include "bench.h"
 #include "clock.h"
+#include "rng.h"
 
 void bench_item_clear(struct bench_item *item)
 {
@@ -173,47 +174,25 @@ void bench_sleep_until(double t)
     }
 }
 
-/* ---- xoshiro256** seeded through splitmix64 ---------------------------------------- */
-
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+/* ---- xoshiro256** seeded through splitmix64 (common/rng.h) ------------------------ */
 
 void bench_rng_seed(struct bench_rng *r, uint64_t seed, uint64_t stream, uint64_t index)
 {
     uint64_t x = seed;
-    uint64_t a = splitmix64(&x) ^ (stream * 0xd1b54a32d192ed03ull);
-    uint64_t b = splitmix64(&a) ^ (index * 0x8cb92ba72f3d8dd7ull);
+    uint64_t a = moe_splitmix64(&x) ^ (stream * 0xd1b54a32d192ed03ull);
+    uint64_t b = moe_splitmix64(&a) ^ (index * 0x8cb92ba72f3d8dd7ull);
     for (int i = 0; i < 4; i++)
-        r->s[i] = splitmix64(&b);
-}
-
-static uint64_t rotl(uint64_t x, int k)
-{
-    return (x << k) | (x >> (64 - k));
+        r->s[i] = moe_splitmix64(&b);
 }
 
 uint64_t bench_rng_u64(struct bench_rng *r)
 {
-    uint64_t *s = r->s;
-    uint64_t result = rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
+    return moe_xoshiro256ss(r->s);
 }
 
 double bench_rng_uniform(struct bench_rng *r)
 {
-    return (double)(bench_rng_u64(r) >> 11) * 0x1.0p-53;
+    return moe_u64_to_unit(bench_rng_u64(r));
 }
 
 int64_t bench_rng_range(struct bench_rng *r, int64_t lo, int64_t hi)

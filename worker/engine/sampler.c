@@ -6,43 +6,17 @@
 #include <string.h>
 
 #include "backend.h"
-
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+#include "rng.h"
 
 void moe_rng_seed(struct moe_rng *rng, uint64_t seed)
 {
     for (int i = 0; i < 4; i++)
-        rng->s[i] = splitmix64(&seed);
-}
-
-static uint64_t rotl(uint64_t x, int k)
-{
-    return (x << k) | (x >> (64 - k));
-}
-
-static uint64_t rng_next(struct moe_rng *r)
-{
-    uint64_t *s = r->s;
-    uint64_t result = rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
+        rng->s[i] = moe_splitmix64(&seed);
 }
 
 double moe_rng_uniform(struct moe_rng *rng)
 {
-    return (double)(rng_next(rng) >> 11) * 0x1.0p-53;
+    return moe_u64_to_unit(moe_xoshiro256ss(rng->s));
 }
 
 int32_t moe_argmax(const float *logits, int n)

@@ -18,8 +18,8 @@ struct moe_sampler_params {
     float frequency_penalty;  /* 0: off; subtracted per occurrence in the output */
 };
 
-/* xoshiro-style generator, seeded by splitmix64 so that nearby seeds give
- * unrelated streams. */
+/* xoshiro256** seeded by splitmix64 (common/rng.h), so that nearby seeds
+ * give unrelated streams. */
 struct moe_rng {
     uint64_t s[4];
 };
