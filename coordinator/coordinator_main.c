@@ -25,7 +25,6 @@
  * get --grace-ms to finish (then they are cancelled), exit 0. */
 #include <errno.h>
 #include <signal.h>
-#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,24 +38,9 @@
 #include "clock.h"
 #include "etcd.h"
 #include "sighup.h"
+#include "stop_signal.h"
 #include "tls_opts.h"
 #include "request_check.h"
-
-/* The signal that asked us to stop. An atomic, not a volatile sig_atomic_t:
- * the handler runs on whichever thread the signal lands on (a gRPC or pool
- * thread as often as main), and a lock-free atomic is both signal-safe and a
- * synchronised access (ThreadSanitizer reported the volatile as a race). */
-static atomic_int g_signal;
-
-static void on_signal(int sig)
-{
-    atomic_store_explicit(&g_signal, sig, memory_order_relaxed);
-}
-
-static int stop_signal(void)
-{
-    return atomic_load_explicit(&g_signal, memory_order_relaxed);
-}
 
 static void usage(FILE *f)
 {
@@ -300,7 +284,7 @@ static void begin_shutdown(struct coord *c)
     int running = c->n_running;
     pthread_mutex_unlock(&c->mu);
     fprintf(stderr, "moe-coordinator: %s: shutting down (%d requests in flight, grace %d ms)\n",
-            stop_signal() == SIGTERM ? "SIGTERM" : "SIGINT", running, c->opts.grace_ms);
+            moe_stop_signal_name(), running, c->opts.grace_ms);
     coord_http_quiesce(c);
     rpc_health_set(c->server, "", RPC_HEALTH_NOT_SERVING);
     rpc_health_set(c->server, "moe.v1.Inference", RPC_HEALTH_NOT_SERVING);
@@ -358,16 +342,13 @@ int main(int argc, char **argv)
     if (load_model_files(&c, &err) || start_workers(&c, &err) || start_servers(&c, &err))
         goto fail;
 
-    struct sigaction sa = {.sa_handler = on_signal};
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
+    moe_stop_signal_install();
     struct moe_tokens *reloadable[] = {c.opts.api_tokens, c.opts.admin_tokens};
     if ((c.opts.tls || c.opts.api_tokens || c.opts.admin_tokens) &&
         moe_sighup_start("moe-coordinator", c.opts.tls, reloadable, 2, &sighup, &err))
         goto fail;
     announce(&c);
-    while (!stop_signal())
+    while (!moe_stop_signal())
         usleep(100 * 1000);
     begin_shutdown(&c);
     rc = 0;

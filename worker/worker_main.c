@@ -20,7 +20,6 @@
  */
 #include <errno.h>
 #include <signal.h>
-#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,6 +30,7 @@
 #include "backend.h"
 #include "etcd.h"
 #include "sighup.h"
+#include "stop_signal.h"
 #include "tls_opts.h"
 #include "engine/draft.h"
 #include "engine/engine.h"
@@ -75,22 +75,6 @@ struct args {
     struct moe_tls_opts tls;
     struct moe_etcd_tls etcd_tls;
 };
-
-/* The signal that asked us to stop. An atomic, not a volatile sig_atomic_t:
- * the handler runs on whichever thread the signal lands on (a gRPC or pool
- * thread as often as main), and a lock-free atomic is both signal-safe and a
- * synchronised access (ThreadSanitizer reported the volatile as a race). */
-static atomic_int g_signal;
-
-static void on_signal(int sig)
-{
-    atomic_store_explicit(&g_signal, sig, memory_order_relaxed);
-}
-
-static int stop_signal(void)
-{
-    return atomic_load_explicit(&g_signal, memory_order_relaxed);
-}
 
 static void usage(FILE *f)
 {
@@ -540,7 +524,7 @@ static void announce(const struct worker_run *r)
 /* Serves, keeping the registration alive, until SIGTERM or SIGINT. */
 static void serve_until_signal(struct worker_run *r)
 {
-    while (!stop_signal()) {
+    while (!moe_stop_signal()) {
         usleep(100 * 1000);
         worker_registration_tick(r->reg);
     }
@@ -550,8 +534,8 @@ static void serve_until_signal(struct worker_run *r)
  * --drain-timeout), then leave. */
 static void drain(struct worker_run *r)
 {
-    fprintf(stderr, "moe-worker: %s: draining (%d requests in flight)\n",
-            stop_signal() == SIGTERM ? "SIGTERM" : "SIGINT", worker_service_in_flight(r->ws));
+    fprintf(stderr, "moe-worker: %s: draining (%d requests in flight)\n", moe_stop_signal_name(),
+            worker_service_in_flight(r->ws));
     worker_service_drain(r->ws);
     worker_registration_leave(r->reg);
     double t0 = moe_now();
@@ -610,10 +594,7 @@ int main(int argc, char **argv)
     }
     if (start_engine(r) || start_service(r) || start_registration(r))
         goto fail;
-    struct sigaction sa = {.sa_handler = on_signal};
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
+    moe_stop_signal_install();
     announce(r);
     serve_until_signal(r);
     drain(r);
