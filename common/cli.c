@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "hostport.h"
+
 static const char *program = "moe";
 
 void cli_init(const char *name)
@@ -43,4 +45,13 @@ bool cli_parse_float(const char *s, float lo, float hi, float *out)
         return false;
     *out = v;
     return true;
+}
+
+int cli_check_hostport(const char *flag, const char *v)
+{
+    char host[256];
+    int port;
+    if (v && !moe_hostport_split(v, host, sizeof host, &port))
+        return cli_fail("%s: '%s' is not HOST:PORT with a port in 0..65535", flag, v);
+    return 0;
 }

@@ -19,4 +19,8 @@ bool cli_parse_long(const char *s, long lo, long hi, long *out);
 /* A number in [lo, hi] (NaN refused), nothing else in the string. */
 bool cli_parse_float(const char *s, float lo, float hi, float *out);
 
+/* The value v of `flag` is HOST:PORT (hostport.h; NULL: not given) -> 0;
+ * else cli_fail's 2, naming the flag and the value. */
+int cli_check_hostport(const char *flag, const char *v);
+
 #endif

@@ -29,6 +29,7 @@
 
 #include "auth_token.h"
 #include "clock.h"
+#include "hostport.h"
 #include "rpc_internal.h"
 #include "tls_opts.h"
 
@@ -954,6 +955,14 @@ struct rpc_server *rpc_server_create(const char *addr, int n_threads,
     if (!addr || n_threads < 1 || n_threads > 256) {
         moe_error_set(err, MOE_ERR_INVALID, "rpc_server_create: bad address or n_threads %d",
                       n_threads);
+        return NULL;
+    }
+    /* gRPC itself takes "127.0.0.1:99999" and listens on 99999 mod 65536 */
+    char host[256];
+    int port;
+    if (!moe_hostport_split(addr, host, sizeof host, &port)) {
+        moe_error_set(err, MOE_ERR_INVALID,
+                      "listen address '%s': expected HOST:PORT with a port in 0..65535", addr);
         return NULL;
     }
     struct rpc_server *s = calloc(1, sizeof(*s));

@@ -163,7 +163,8 @@ static int parse_args(int argc, char **argv, struct coord_opts *o, struct sec_ar
         return cli_fail("give exactly one of --workers HOST:PORT,... and --etcd URLS");
     if (o->chat_template && !o->http_listen)
         return cli_fail("--chat-template: only used by the HTTP API (give --http-listen)");
-    return 0;
+    int rc = cli_check_hostport("--listen", o->listen);
+    return rc ? rc : cli_check_hostport("--http-listen", o->http_listen);
 }
 
 /* TLS for the ports and etcd, and the bearer tokens. */

@@ -231,6 +231,13 @@ static int parse_args(int argc, char **argv, struct args *a)
         return rc;
     if (a->worker_id && strlen(a->worker_id) > 128)
         return cli_fail("--worker-id: longer than 128 characters");
+    const char *addrs[][2] = {{"--listen", a->listen},
+                              {"--advertise", a->advertise},
+                              {"--kv-listen", a->kv_listen},
+                              {"--metrics-listen", a->metrics_listen}};
+    for (size_t j = 0; j < sizeof addrs / sizeof addrs[0]; j++)
+        if ((rc = cli_check_hostport(addrs[j][0], addrs[j][1])))
+            return rc;
     return 0;
 }
 

@@ -152,5 +152,19 @@ for prog in moe-generate moe-worker; do
   expect "$prog bad-device" "tpu" -- "${m[@]}" --device tpu
 done
 
+# The servers' addresses: a port past 65535 is refused by name (gRPC itself
+# took 127.0.0.1:99999 and listened on 99999 mod 65536).
+if [ -x "$bindir/moe-worker" ] && [ -x "$bindir/moe-coordinator" ]; then
+  bin=$bindir/moe-worker
+  expect "moe-worker listen-port" "--listen" "99999" -- --model "$fixtures/$Q" --listen 127.0.0.1:99999
+  expect "moe-worker advertise" "--advertise" "nohost" -- --model "$fixtures/$Q" --advertise nohost
+  expect "moe-worker kv-listen" "--kv-listen" "70000" -- --model "$fixtures/$Q" --kv-listen :70000
+  bin=$bindir/moe-coordinator
+  expect "moe-coordinator listen-port" "--listen" "99999" -- --model "$fixtures/$Q" --workers 127.0.0.1:1 --listen 127.0.0.1:99999
+  expect "moe-coordinator http-listen" "--http-listen" "1.2.3.4" -- --model "$fixtures/$Q" --workers 127.0.0.1:1 --http-listen 1.2.3.4
+else
+  echo "skipped server addresses: moe-worker and moe-coordinator were not built (-DMOE_SERVING=OFF)"
+fi
+
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ]

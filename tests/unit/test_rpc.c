@@ -643,6 +643,9 @@ static void test_bad_inputs(void)
     CHECK(rpc_server_create("127.0.0.1:0", 0, NULL, &err) == NULL);
     CHECK(rpc_server_create("not an address", 1, NULL, &err) == NULL);
     CHECKF(strstr(err.msg, "not an address") != NULL, "%s", err.msg);
+    /* gRPC alone would listen on 99999 mod 65536 */
+    CHECK(rpc_server_create("127.0.0.1:99999", 1, NULL, &err) == NULL);
+    CHECKF(strstr(err.msg, "'127.0.0.1:99999'") && strstr(err.msg, "0..65535"), "%s", err.msg);
     /* Created, never started. */
     struct rpc_server *s = rpc_server_create("127.0.0.1:0", 1, NULL, &err);
     CHECK(s != NULL);
