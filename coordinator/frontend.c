@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "coord.h"
+#include "model_info.h"
 #include "moe/v1/inference.pb-c.h"
 #include "request_check.h"
 
@@ -33,29 +34,13 @@ static void handle_abort(struct rpc_call *call, const uint8_t *req, size_t len, 
 static void handle_model_info(struct rpc_call *call, const uint8_t *req, size_t len, void *user)
 {
     struct coord *c = user;
-    const struct moe_config *cfg = &c->cfg;
     Moe__V1__ModelInfo info = MOE__V1__MODEL_INFO__INIT;
     uint32_t eos[MOE_MAX_EOS];
     char dtype[sizeof c->model_dtype];
     pthread_mutex_lock(&c->mu);
     snprintf(dtype, sizeof dtype, "%s", c->model_dtype);
     pthread_mutex_unlock(&c->mu);
-    info.name = c->model_name;
-    info.architecture = (char *)moe_arch_model_type(cfg->arch);
-    info.vocab_size = (uint32_t)cfg->vocab_size;
-    info.max_context = (uint32_t)cfg->max_pos;
-    info.n_layer = (uint32_t)cfg->n_layer;
-    info.d_model = (uint32_t)cfg->d_model;
-    info.n_head = (uint32_t)cfg->n_head;
-    info.n_kv_head = (uint32_t)cfg->n_kv_head;
-    info.n_expert = (uint32_t)cfg->n_expert;
-    info.top_k = (uint32_t)cfg->top_k;
-    info.dtype = dtype;
-    for (int i = 0; i < cfg->n_eos; i++)
-        eos[i] = (uint32_t)cfg->eos_ids[i];
-    info.n_eos_token_ids = (size_t)cfg->n_eos;
-    info.eos_token_ids = eos;
-    info.bos_token_id = cfg->bos_id >= 0 ? (uint32_t)cfg->bos_id : 0;
+    moe_model_info_fill(&info, &c->cfg, c->model_name, dtype, eos);
     rpc_call_finish_msg(call, &info);
 }
 

@@ -313,6 +313,11 @@ static void test_info_and_tokenize(struct rpc_client *coord, struct moe_tokenize
                                     &moe__v1__model_info__descriptor, &code, NULL, 0);
     CHECK(info && !strcmp(info->name, "qwen3_moe") && info->max_context == 16384 &&
           info->vocab_size == 801 && !strcmp(info->architecture, "qwen3_moe"));
+    /* the rest of the shape, and the workers' dtype, as config.json and --dtype give them */
+    CHECK(info && info->n_layer == 3 && info->d_model == 64 && info->n_head == 4 &&
+          info->n_kv_head == 2 && info->n_expert == 8 && info->top_k == 2 &&
+          !strcmp(info->dtype, "f32") && info->n_eos_token_ids == 1 &&
+          info->eos_token_ids[0] == 800 && info->bos_token_id == 798);
     if (info)
         moe__v1__model_info__free_unpacked(info, NULL);
 

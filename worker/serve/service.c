@@ -10,6 +10,7 @@
 
 #include "engine/generate.h"
 #include "disagg/kv_handoff.h"
+#include "model_info.h"
 #include "moe/v1/worker.pb-c.h"
 #include "request_check.h"
 #include "rpc.h"
@@ -654,25 +655,9 @@ static void handle_get_load(struct rpc_call *call, const uint8_t *bytes, size_t 
 static void handle_model_info(struct rpc_call *call, const uint8_t *bytes, size_t len, void *user)
 {
     struct worker_service *ws = user;
-    const struct moe_config *c = ws->cfg;
     Moe__V1__ModelInfo info = MOE__V1__MODEL_INFO__INIT;
     uint32_t eos[MOE_MAX_EOS];
-    info.name = ws->model_name;
-    info.architecture = (char *)moe_arch_model_type(c->arch);
-    info.vocab_size = (uint32_t)c->vocab_size;
-    info.max_context = (uint32_t)c->max_pos;
-    info.n_layer = (uint32_t)c->n_layer;
-    info.d_model = (uint32_t)c->d_model;
-    info.n_head = (uint32_t)c->n_head;
-    info.n_kv_head = (uint32_t)c->n_kv_head;
-    info.n_expert = (uint32_t)c->n_expert;
-    info.top_k = (uint32_t)c->top_k;
-    info.dtype = ws->dtype_name;
-    for (int i = 0; i < c->n_eos; i++)
-        eos[i] = (uint32_t)c->eos_ids[i];
-    info.n_eos_token_ids = (size_t)c->n_eos;
-    info.eos_token_ids = eos;
-    info.bos_token_id = c->bos_id >= 0 ? (uint32_t)c->bos_id : 0;
+    moe_model_info_fill(&info, ws->cfg, ws->model_name, ws->dtype_name, eos);
     rpc_call_finish_msg(call, &info.base);
 }
 
