@@ -97,7 +97,7 @@ run() {
   case $cell in
     prefill512) out=$("${gen[@]}" --tokens "$ids512" -n 1 "${warm[@]}" 2>/dev/null)
       v=$(echo "$out" | sed -n 's/^prefill: .* \([0-9.]*\) tokens\/s.*/\1/p') ;;
-    prefill4096) out=$("${gen[@]}" --tokens "$ids4096" -n 1 --kv-memory 1024 "${warm[@]}" 2>/dev/null)
+    prefill4096) out=$("${gen[@]}" --tokens "$ids4096" -n 1 "${warm[@]}" 2>/dev/null)
       v=$(echo "$out" | sed -n 's/^prefill: .* \([0-9.]*\) tokens\/s.*/\1/p') ;;
     decode1) out=$("${gen[@]}" --tokens "$ids8" -n 64 2>/dev/null)
       v=$(echo "$out" | sed -n 's/^decode: .* \([0-9.]*\) tokens\/s.*/\1/p') ;;

@@ -20,6 +20,7 @@
 #include "engine/generate.h"
 #include "engine/draft.h"
 #include "engine/engine.h"
+#include "engine/engine_args.h"
 #include "group/group.h"
 #include "group/launch.h"
 #include "kv/kv_cache.h"
@@ -42,22 +43,12 @@ struct args {
     unsigned long long seed;
     bool ignore_eos;
     /* offline batch through the engine */
+    struct moe_engine_args engine; /* the engine's flags, parsed by engine/engine_args.c */
     const char *prompts_file;
-    int kv_blocks;
-    long kv_memory_mib;
-    int block_size;
-    int max_batch_tokens;
-    int max_running;
-    bool no_prefix_cache;
-    int spec_tokens;
-    int spec_max_batch;
-    bool spec_cost; /* --spec-policy cost */
-    const char *draft_model;
     bool print_outputs;
     bool host_sampling;
-    /* worker group under mpirun */
     bool warmup;
-    const char *placement_switch;
+    const char *placement_switch; /* under mpirun */
     /* the quality meter */
     const char *perplexity;
     int ctx;
@@ -183,14 +174,6 @@ static int parse_special(const char *k, const char *v, struct args *a)
         a->seed = strtoull(v, &end, 10);
         if (errno || end == v || *end || *v == '-')
             return cli_fail("--seed: '%s' is not a whole number >= 0", v);
-    } else if (!strcmp(k, "--spec-policy")) {
-        if (strcmp(v, "cost") && strcmp(v, "acceptance"))
-            return cli_fail("--spec-policy: '%s' is not one of cost, acceptance", v);
-        a->spec_cost = !strcmp(v, "cost");
-    } else if (!strcmp(k, "--kv-memory")) {
-        if (!cli_parse_long(v, 1, 1 << 24, &n))
-            return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
-        a->kv_memory_mib = n;
     } else {
         return 1;
     }
@@ -211,6 +194,10 @@ static int check_args(const struct args *a)
                         "--perplexity FILE");
     if ((a->kl_save || a->kl_base || a->ctx) && !a->perplexity)
         return cli_fail("--ctx, --kl-save and --kl-base go with --perplexity FILE");
+    if (a->engine.given && !a->prompts_file)
+        return cli_fail("%s goes with --prompts-file (the engine); --prompt, --tokens and "
+                        "--perplexity run one sequence without it",
+                        a->engine.given);
     if (a->warmup && !a->prompt && !a->tokens)
         return cli_fail("--warmup goes with --prompt TEXT or --tokens IDS");
     if (a->logits_out && a->prompts_file)
@@ -220,12 +207,15 @@ static int check_args(const struct args *a)
 
 static int parse_args(int argc, char **argv, struct args *a)
 {
-    *a = (struct args){.n_predict = 32, .top_p = 1.0f, .spec_max_batch = 8};
+    *a = (struct args){.n_predict = 32, .top_p = 1.0f};
     moe_launch_args_init(&a->launch);
+    moe_engine_args_init(&a->engine);
     const struct flag_opt flags[] = {
-        {"--ignore-eos", &a->ignore_eos},       {"--no-prefix-cache", &a->no_prefix_cache},
-        {"--profile", &a->launch.profile},      {"--warmup", &a->warmup},
-        {"--print-outputs", &a->print_outputs}, {"--host-sampling", &a->host_sampling},
+        {"--ignore-eos", &a->ignore_eos},
+        {"--profile", &a->launch.profile},
+        {"--warmup", &a->warmup},
+        {"--print-outputs", &a->print_outputs},
+        {"--host-sampling", &a->host_sampling},
     };
     const struct str_opt strs[] = {
         {"--prompt", &a->prompt},
@@ -235,18 +225,11 @@ static int parse_args(int argc, char **argv, struct args *a)
         {"--prompts-file", &a->prompts_file},
         {"--perplexity", &a->perplexity},
         {"--kl-save", &a->kl_save},
-        {"--draft-model", &a->draft_model},
         {"--kl-base", &a->kl_base},
         {"--expert-stats", &a->expert_stats},
     };
     const struct int_opt ints[] = {
         {"-n", "--n-predict", 0, 1 << 20, &a->n_predict},
-        {"--kv-blocks", NULL, 1, 1 << 24, &a->kv_blocks},
-        {"--block-size", NULL, 1, 1024, &a->block_size},
-        {"--max-batch-tokens", NULL, 1, 1 << 20, &a->max_batch_tokens},
-        {"--spec-tokens", NULL, 0, MOE_SPEC_TOKENS_MAX, &a->spec_tokens},
-        {"--spec-max-batch", NULL, 0, 1 << 16, &a->spec_max_batch},
-        {"--max-running", NULL, 1, 1 << 16, &a->max_running},
         {"--ctx", NULL, 4, 1 << 20, &a->ctx},
     };
     for (int i = 1; i < argc; i++) {
@@ -256,6 +239,8 @@ static int parse_args(int argc, char **argv, struct args *a)
             exit(0);
         }
         int rc = moe_launch_cli_flag(&a->launch, argc, argv, &i);
+        if (rc == 1)
+            rc = moe_engine_cli_flag(&a->engine, argc, argv, &i);
         if (rc != 1) {
             if (rc)
                 return rc;
@@ -367,49 +352,22 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
 {
     const struct moe_config *cfg = moe_model_config(model);
     struct moe_error err = {0};
-    struct moe_model *draft = NULL;
-    if (a->draft_model) { /* the leader's alone: one rank, the model's dtype and KV type */
-        struct moe_model_opts dopts = {.dtype = mopts->dtype,
-                                       .q4_group = mopts->q4_group,
-                                       .fast = mopts->fast,
-                                       .batch_invariant = mopts->batch_invariant,
-                                       .kv_dtype = mopts->kv_dtype,
-                                       .tp_size = 1};
-        if (moe_model_load(a->draft_model, &dopts, be, &draft, &err))
-            return cli_fail("--draft-model: %s", err.msg);
-    }
+    struct moe_model *draft = NULL; /* the leader's alone */
     struct moe_engine_opts eo = {
-        .n_block = a->kv_blocks,
-        .block_size = a->block_size ? a->block_size : 16,
-        .max_batch_tokens = a->max_batch_tokens,
-        .max_running = a->max_running,
-        .no_prefix_cache = a->no_prefix_cache,
-        .spec_tokens = a->spec_tokens,
-        .spec_max_batch = a->spec_max_batch,
-        .spec_cost = a->spec_cost,
-        .draft = draft,
-        .kv_parts = group ? group->dp_size : 1,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
         .forward_ids = group && !group->dp, /* dp_forward gathers logits */
         .backend_sampling = be->device != MOE_DEVICE_CPU,
         .host_sampling = a->host_sampling,
     };
+    if (moe_engine_args_apply(&a->engine, model, mopts, be, group ? group->dp_size : 1, &eo, &draft,
+                              &err))
+        return cli_fail("%s", err.msg);
     /* a block holds the model's K/V and, with a draft, the draft's */
     size_t block_bytes =
         moe_kv_block_bytes(cfg->n_layer, eo.block_size, moe_config_kv_token_elems(cfg, 1),
                            moe_model_kv_dtype(model)) +
         (draft ? moe_draft_block_bytes(draft, eo.block_size) : 0);
-    if (!eo.n_block) {
-        long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
-        eo.n_block = (int)(((size_t)mib << 20) / block_bytes);
-        if (eo.n_block < 1) {
-            moe_model_free(draft);
-            return cli_fail("--kv-memory: %ld MiB holds no KV block of %zu bytes", mib,
-                            block_bytes);
-        }
-    }
-    eo.n_block *= eo.kv_parts; /* data-parallel attention: every rank's cache is that size */
     struct moe_request_params defaults;
     moe_request_params_init(&defaults);
     defaults.max_tokens = a->n_predict > 0 ? a->n_predict : 16;

@@ -34,6 +34,7 @@
 #include "tls_opts.h"
 #include "engine/draft.h"
 #include "engine/engine.h"
+#include "engine/engine_args.h"
 #include "engine/generate.h"
 #include "group/group.h"
 #include "disagg/kv_link.h"
@@ -60,16 +61,7 @@ struct args {
     const char *metrics_listen;
     bool kv_socket_only;
     int lease_ttl;
-    int kv_blocks;
-    long kv_memory_mib;
-    int block_size;
-    int max_batch_tokens;
-    int max_running;
-    bool no_prefix_cache;
-    int spec_tokens;
-    int spec_max_batch;
-    bool spec_cost; /* --spec-policy cost */
-    const char *draft_model;
+    struct moe_engine_args engine; /* the engine's flags, parsed by engine/engine_args.c */
     int drain_timeout_s;
     int handoff_ttl_ms;
     struct moe_tls_opts tls;
@@ -143,12 +135,10 @@ static void usage(FILE *f)
 
 static int parse_args(int argc, char **argv, struct args *a)
 {
-    *a = (struct args){.listen = "127.0.0.1:0",
-                       .lease_ttl = 5,
-                       .role = "mixed",
-                       .drain_timeout_s = 60,
-                       .spec_max_batch = 8};
+    *a = (struct args){
+        .listen = "127.0.0.1:0", .lease_ttl = 5, .role = "mixed", .drain_timeout_s = 60};
     moe_launch_args_init(&a->launch);
+    moe_engine_args_init(&a->engine);
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
         if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
@@ -156,13 +146,11 @@ static int parse_args(int argc, char **argv, struct args *a)
             exit(0);
         }
         int rc = moe_launch_cli_flag(&a->launch, argc, argv, &i);
+        if (rc == 1)
+            rc = moe_engine_cli_flag(&a->engine, argc, argv, &i);
         if (rc != 1) {
             if (rc)
                 return rc;
-            continue;
-        }
-        if (!strcmp(k, "--no-prefix-cache")) {
-            a->no_prefix_cache = true;
             continue;
         }
         if (i + 1 >= argc)
@@ -178,28 +166,12 @@ static int parse_args(int argc, char **argv, struct args *a)
         continue;                                                                                  \
     }
         INT_OPT("--lease-ttl", 2, 3600, lease_ttl)
-        INT_OPT("--kv-blocks", 1, 1 << 24, kv_blocks)
-        INT_OPT("--block-size", 1, 1024, block_size)
-        INT_OPT("--max-batch-tokens", 1, 1 << 20, max_batch_tokens)
-        INT_OPT("--max-running", 1, 1 << 16, max_running)
-        INT_OPT("--spec-tokens", 0, MOE_SPEC_TOKENS_MAX, spec_tokens)
-        INT_OPT("--spec-max-batch", 0, 1 << 16, spec_max_batch)
         INT_OPT("--drain-timeout", 0, 86400, drain_timeout_s)
-        if (!strcmp(k, "--spec-policy")) {
-            if (strcmp(v, "cost") && strcmp(v, "acceptance"))
-                return cli_fail("--spec-policy: '%s' is not one of cost, acceptance", v);
-            a->spec_cost = !strcmp(v, "cost");
-            continue;
-        }
         INT_OPT("--handoff-ttl-ms", 50, 3600000, handoff_ttl_ms)
 #undef INT_OPT
         if (moe_tls_cli_flag(&a->tls, k, v) || moe_etcd_tls_cli_flag(&a->etcd_tls, k, v))
             continue;
-        if (!strcmp(k, "--kv-memory")) {
-            if (!cli_parse_long(v, 1, 1 << 24, &n))
-                return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
-            a->kv_memory_mib = n;
-        } else if (!strcmp(k, "--listen")) {
+        if (!strcmp(k, "--listen")) {
             a->listen = v;
         } else if (!strcmp(k, "--advertise")) {
             a->advertise = v;
@@ -213,8 +185,6 @@ static int parse_args(int argc, char **argv, struct args *a)
             a->role = v;
         } else if (!strcmp(k, "--kv-listen")) {
             a->kv_listen = v;
-        } else if (!strcmp(k, "--draft-model")) {
-            a->draft_model = v;
         } else if (!strcmp(k, "--metrics-listen")) {
             a->metrics_listen = v;
         } else if (!strcmp(k, "--kv-transport")) {
@@ -375,34 +345,16 @@ static enum moe_status start_engine(struct worker_run *r)
     if (access(tok_path, F_OK) == 0 && (rc = moe_tokenizer_load(tok_path, &r->tok, &r->err)))
         return rc;
 
-    if (a->draft_model) { /* one rank, the model's dtype and KV element type */
-        const struct moe_model_opts *mo = &r->launch.model_opts;
-        struct moe_model_opts dopts = {.dtype = mo->dtype,
-                                       .q4_group = mo->q4_group,
-                                       .fast = mo->fast,
-                                       .batch_invariant = mo->batch_invariant,
-                                       .kv_dtype = mo->kv_dtype,
-                                       .tp_size = 1};
-        if ((rc = moe_model_load(a->draft_model, &dopts, r->be, &r->draft, &r->err)))
-            return moe_error_prefix(&r->err, "--draft-model");
-    }
     r->eo = (struct moe_engine_opts){
-        .n_block = a->kv_blocks,
-        .block_size = a->block_size ? a->block_size : 16,
-        .max_batch_tokens = a->max_batch_tokens,
-        .max_running = a->max_running,
-        .no_prefix_cache = a->no_prefix_cache,
-        .spec_tokens = a->spec_tokens,
-        .spec_max_batch = a->spec_max_batch,
-        .spec_cost = a->spec_cost,
-        .draft = r->draft,
-        .kv_parts = group ? group->dp_size : 1,
         .forward = group ? moe_group_forward : NULL,
         .forward_ctx = group,
         .forward_ids = group && !group->dp, /* dp_forward gathers logits */
         .backend_sampling = r->be->device != MOE_DEVICE_CPU,
     };
     struct moe_engine_opts *eo = &r->eo;
+    if ((rc = moe_engine_args_apply(&a->engine, r->model, &r->launch.model_opts, r->be,
+                                    group ? group->dp_size : 1, eo, &r->draft, &r->err)))
+        return rc;
     const char *name = strrchr(a->launch.model, '/');
     r->name = name && name[1] ? name + 1 : a->launch.model;
     if (a->metrics_listen) { /* times every step: the engine calls through it */
@@ -412,19 +364,6 @@ static enum moe_status start_engine(struct worker_run *r)
         eo->forward = worker_metrics_forward;
         eo->forward_ctx = r->metrics;
     }
-    if (!eo->n_block) {
-        const struct moe_config *cfg = r->cfg;
-        size_t block_bytes =
-            moe_kv_block_bytes(cfg->n_layer, eo->block_size, moe_config_kv_token_elems(cfg, 1),
-                               moe_model_kv_dtype(r->model)) +
-            (r->draft ? moe_draft_block_bytes(r->draft, eo->block_size) : 0);
-        long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
-        eo->n_block = (int)(((size_t)mib << 20) / block_bytes);
-        if (eo->n_block < 1)
-            return moe_error_set(&r->err, MOE_ERR_INVALID, "--kv-memory: %ld MiB holds no KV block",
-                                 mib);
-    }
-    eo->n_block *= eo->kv_parts; /* data-parallel attention: every rank's cache is that size */
     if ((rc = moe_engine_create(r->model, r->tok, eo, &r->engine, &r->err)))
         return rc;
     if (r->kv_link) {

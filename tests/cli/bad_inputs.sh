@@ -122,6 +122,8 @@ expect bad-dtype-flag "--dtype" -- --model "$fixtures/$Q" --tokens 1 --dtype fp8
 expect bad-top-p "--top-p" -- --model "$fixtures/$Q" --tokens 1 --top-p 1.5
 expect bad-spec-tokens "--spec-tokens" "17" -- --model "$fixtures/$Q" --tokens 1 --spec-tokens 17
 expect bad-spec-policy "--spec-policy" "greedy" -- --model "$fixtures/$Q" --tokens 1 --spec-tokens 2 --spec-policy greedy
+expect engine-flag-one-prompt "--kv-memory" "--prompts-file" -- --model "$fixtures/$Q" --tokens 1 --kv-memory 64
+expect draft-one-prompt "--draft-model" "--prompts-file" -- --model "$fixtures/$Q" --prompt hi --draft-model "$fixtures/$Q"
 expect too-long "max_position_embeddings" -- --model "$fixtures/$Q" --tokens 1 -n 100000
 MOE_BATCH_INVARIANT=yes expect bad-batch-invariant-env "MOE_BATCH_INVARIANT" "yes" -- --model "$fixtures/$Q" --tokens 1
 expect no-gpu-cuda "cuda" -- --model "$fixtures/$Q" --tokens 1 --device cuda
@@ -144,6 +146,8 @@ for prog in moe-generate moe-worker; do
   expect "$prog group-size" "--group-size" "48" -- "${m[@]}" --dtype int4 --group-size 48
   expect "$prog group-size-without-int4" "--group-size goes with --dtype int4" -- "${m[@]}" --group-size 64
   expect "$prog tp-0" "--tp" "'0'" -- "${m[@]}" --tp 0
+  expect "$prog spec-policy" "--spec-policy" "greedy" -- "${m[@]}" --spec-policy greedy
+  expect "$prog kv-memory-0" "--kv-memory" "'0'" -- "${m[@]}" --kv-memory 0
   expect "$prog comm-timeout" "--comm-timeout-ms" "'50'" -- "${m[@]}" --comm-timeout-ms 50
   expect "$prog threads-no-value" "--threads" "needs a value" -- "${m[@]}" --threads
   expect "$prog no-model" "--model DIR is required" -- "${one[@]}" --exact
