@@ -13,6 +13,8 @@
 #include <openssl/crypto.h>
 #include <openssl/sha.h>
 
+#include "read_file.h"
+
 #define TOKEN_FILE_MAX (1u << 20)
 
 struct moe_tokens {
@@ -67,30 +69,10 @@ static enum moe_status each_token(const char *flag, const char *path, char *text
 
 static char *read_text(const char *flag, const char *path, struct moe_error *err)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        moe_error_set(err, MOE_ERR_IO, "%s %s: %s", flag, path, strerror(errno));
-        return NULL;
-    }
-    char *buf = malloc(TOKEN_FILE_MAX + 1);
-    size_t n = buf ? fread(buf, 1, TOKEN_FILE_MAX + 1, f) : 0;
-    bool bad = ferror(f);
-    fclose(f);
-    if (!buf || bad || n > TOKEN_FILE_MAX) {
-        moe_error_set(err, buf ? MOE_ERR_FORMAT : MOE_ERR_NOMEM, "%s %s: %s", flag, path,
-                      !buf  ? "out of memory"
-                      : bad ? "read error"
-                            : "larger than 1 MiB");
-        free(buf);
-        return NULL;
-    }
-    buf[n] = '\0';
-    if (strlen(buf) != n) {
-        moe_error_set(err, MOE_ERR_INVALID, "%s %s: a NUL byte in the file", flag, path);
-        free(buf);
-        return NULL;
-    }
-    return buf;
+    char *text;
+    if (moe_read_text(path, TOKEN_FILE_MAX, &text, err))
+        moe_error_prefix(err, "%s", flag);
+    return text;
 }
 
 struct digest_list {

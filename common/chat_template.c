@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "jinja_internal.h"
+#include "read_file.h"
 
 struct chat_template {
     struct jarena arena; /* the tree and the strings below */
@@ -93,50 +94,9 @@ const char *chat_template_eos(const struct chat_template *t)
 /* Whole file, NUL-terminated (malloc'd); NULL with err naming the path. */
 static char *read_file(const char *path, struct moe_error *err)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        moe_error_set(err, errno == ENOENT ? MOE_ERR_NOT_FOUND : MOE_ERR_IO, "%s: %s", path,
-                      strerror(errno));
-        return NULL;
-    }
-    char *buf = NULL;
-    size_t n = 0, cap = 0;
-    for (;;) {
-        if (n + 4096 + 1 > cap) {
-            cap = cap ? 2 * cap : 65536;
-            if (cap > CHAT_TEMPLATE_MAX_FILE + 8192) {
-                moe_error_set(err, MOE_ERR_FORMAT, "%s: larger than %u MiB", path,
-                              (unsigned)(CHAT_TEMPLATE_MAX_FILE >> 20));
-                goto fail;
-            }
-            char *nb = realloc(buf, cap);
-            if (!nb) {
-                moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory", path);
-                goto fail;
-            }
-            buf = nb;
-        }
-        size_t k = fread(buf + n, 1, cap - n - 1, f);
-        n += k;
-        if (k == 0)
-            break;
-    }
-    if (ferror(f)) {
-        moe_error_set(err, MOE_ERR_IO, "%s: read error", path);
-        goto fail;
-    }
-    fclose(f);
-    buf[n] = 0;
-    if (strlen(buf) != n) {
-        moe_error_set(err, MOE_ERR_FORMAT, "%s: contains a NUL byte", path);
-        free(buf);
-        return NULL;
-    }
-    return buf;
-fail:
-    fclose(f);
-    free(buf);
-    return NULL;
+    char *text;
+    moe_read_text(path, CHAT_TEMPLATE_MAX_FILE, &text, err);
+    return text;
 }
 
 struct chat_template *chat_template_load_file(const char *path, struct moe_error *err)

@@ -33,6 +33,7 @@
  * sliding_window and max_window_layers while use_sliding_window is false, and
  * training-only fields (router_jitter_noise, output_router_logits, dropout). */
 #include "model_config.h"
+#include "read_file.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -919,54 +920,11 @@ enum moe_status moe_config_load(const char *path, struct moe_config *cfg, struct
     if (!path || !cfg)
         return moe_error_set(err, MOE_ERR_INVALID, "moe_config_load: NULL argument");
     memset(cfg, 0, sizeof *cfg);
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(errno));
-    enum moe_status st;
-    char *buf = NULL;
-    struct stat sb;
-    if (fstat(fileno(f), &sb) != 0) {
-        st = moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(errno));
-        goto fail;
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        st = moe_error_set(err, MOE_ERR_IO, "%s: %s", path,
-                           S_ISDIR(sb.st_mode) ? strerror(EISDIR) : "not a regular file");
-        goto fail;
-    }
-    if (fseek(f, 0, SEEK_END) != 0) {
-        st = moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(errno));
-        goto fail;
-    }
-    long size = ftell(f);
-    if (size < 0) {
-        st = moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(errno));
-        goto fail;
-    }
-    if ((size_t)size > CFG_MAX_FILE) {
-        st = moe_error_set(err, MOE_ERR_FORMAT, "%s: %ld bytes, larger than the %zu-byte limit",
-                           path, size, CFG_MAX_FILE);
-        goto fail;
-    }
-    rewind(f);
-    buf = malloc((size_t)size + 1);
-    if (!buf) {
-        st = moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory", path);
-        goto fail;
-    }
-    if (fread(buf, 1, (size_t)size, f) != (size_t)size) {
-        st = moe_error_set(err, MOE_ERR_IO, "%s: %s", path,
-                           ferror(f) && errno ? strerror(errno) : "short read");
-        goto fail;
-    }
-    buf[size] = '\0';
-    if (memchr(buf, '\0', (size_t)size)) {
-        st = moe_error_set(err, MOE_ERR_FORMAT, "%s: contains a NUL byte", path);
-        goto fail;
-    }
+    char *buf;
+    enum moe_status st = moe_read_text(path, CFG_MAX_FILE, &buf, err);
+    if (st)
+        return st;
     st = moe_config_parse(buf, path, cfg, err);
-fail:
     free(buf);
-    fclose(f);
     return st;
 }

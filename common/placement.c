@@ -9,6 +9,9 @@
 #include <string.h>
 
 #include "model_config.h"
+#include "read_file.h"
+
+#define PLACEMENT_MAX_FILE ((size_t)64 << 20) /* 64 MiB of JSON: far past any placement */
 
 enum moe_status moe_placement_alloc(int n_layer, int n_expert, int n_rank, struct moe_placement *m,
                                     struct moe_error *err)
@@ -199,30 +202,11 @@ static enum moe_status fill_layer(struct moe_placement *p, int l, const cJSON *a
 enum moe_status moe_placement_load(const char *path, int n_layer, int n_expert, int n_rank,
                                    struct moe_placement *p, struct moe_error *err)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(errno));
-    char *text = NULL;
-    size_t len = 0, cap = 0;
-    for (;;) {
-        if (len + 4096 + 1 > cap) {
-            cap = cap ? cap * 2 : 8192;
-            char *grown = realloc(text, cap);
-            if (!grown) {
-                free(text);
-                fclose(f);
-                return moe_error_set(err, MOE_ERR_NOMEM, "out of memory");
-            }
-            text = grown;
-        }
-        size_t n = fread(text + len, 1, 4096, f);
-        len += n;
-        if (n < 4096)
-            break;
-    }
-    fclose(f);
-    text[len] = 0;
-    enum moe_status rc = moe_placement_parse(text, path, n_layer, n_expert, n_rank, p, err);
+    char *text;
+    enum moe_status rc = moe_read_text(path, PLACEMENT_MAX_FILE, &text, err);
+    if (rc)
+        return rc;
+    rc = moe_placement_parse(text, path, n_layer, n_expert, n_rank, p, err);
     free(text);
     return rc;
 }

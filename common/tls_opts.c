@@ -17,6 +17,8 @@
 #include <openssl/x509.h>
 #include <openssl/x509_vfy.h>
 
+#include "read_file.h"
+
 #define TLS_MAX_FILE (1u << 20) /* a PEM file larger than 1 MiB is not a certificate */
 
 struct tls_gen {
@@ -67,32 +69,19 @@ static const char *ssl_error(char *buf, size_t cap)
     return buf;
 }
 
-/* Reads a whole (small) file into a NUL-terminated buffer. */
+/* A whole (small, non-empty) PEM file, NUL-terminated. */
 static char *read_file(const char *flag, const char *path, struct moe_error *err)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        moe_error_set(err, MOE_ERR_IO, "%s %s: %s", flag, path, strerror(errno));
-        return NULL;
+    char *text;
+    moe_read_text(path, TLS_MAX_FILE, &text, err);
+    if (text && !text[0]) {
+        moe_error_set(err, MOE_ERR_FORMAT, "%s: empty file", path);
+        free(text);
+        text = NULL;
     }
-    char *buf = malloc(TLS_MAX_FILE + 1);
-    size_t n = buf ? fread(buf, 1, TLS_MAX_FILE + 1, f) : 0;
-    bool bad = ferror(f);
-    fclose(f);
-    if (!buf) {
-        moe_error_set(err, MOE_ERR_NOMEM, "%s %s: out of memory", flag, path);
-        return NULL;
-    }
-    if (bad || n == 0 || n > TLS_MAX_FILE) {
-        moe_error_set(err, MOE_ERR_FORMAT, "%s %s: %s", flag, path,
-                      bad ? "read error"
-                      : n ? "larger than 1 MiB"
-                          : "empty file");
-        free(buf);
-        return NULL;
-    }
-    buf[n] = '\0';
-    return buf;
+    if (!text)
+        moe_error_prefix(err, "%s", flag);
+    return text;
 }
 
 /* Every certificate of a PEM text (at least one). */

@@ -8,12 +8,14 @@
 
 #include "tokenizer.h"
 #include "tokenizer_internal.h"
+#include "read_file.h"
 
 /* GPT-2's pre-tokenizer regex, used by ByteLevel with use_regex = true. */
 static const char GPT2_PATTERN[] =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
-#define MAX_DEPTH 8 /* nesting of Sequence components */
+#define MAX_DEPTH 8                          /* nesting of Sequence components */
+#define TOKENIZER_MAX_FILE ((size_t)1 << 30) /* tokenizer.json: tens of MiB at most */
 
 struct loader {
     struct moe_tokenizer *tok;
@@ -640,32 +642,6 @@ void moe_tokenizer_free(struct moe_tokenizer *tok)
     free(tok);
 }
 
-static enum moe_status read_file(const char *path, char **data, size_t *n, struct moe_error *err)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return moe_error_set(err, MOE_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct sbuf b = {0};
-    char chunk[65536];
-    size_t k;
-    while ((k = fread(chunk, 1, sizeof(chunk), f)) > 0) {
-        if (!tok_sbuf_put(&b, chunk, k)) {
-            fclose(f);
-            free(b.p);
-            return moe_error_set(err, MOE_ERR_NOMEM, "%s: out of memory reading", path);
-        }
-    }
-    bool bad = ferror(f);
-    fclose(f);
-    if (bad) {
-        free(b.p);
-        return moe_error_set(err, MOE_ERR_IO, "%s: read error", path);
-    }
-    *data = b.p;
-    *n = b.n;
-    return MOE_OK;
-}
-
 enum moe_status moe_tokenizer_load(const char *path, struct moe_tokenizer **out,
                                    struct moe_error *err)
 {
@@ -675,7 +651,7 @@ enum moe_status moe_tokenizer_load(const char *path, struct moe_tokenizer **out,
     if (!path || !out)
         return moe_error_set(err, MOE_ERR_INVALID, "tokenizer load: NULL argument");
     *out = NULL;
-    if ((st = read_file(path, &data, &n, err)))
+    if ((st = moe_read_file(path, TOKENIZER_MAX_FILE, &data, &n, err)))
         return st;
     st = moe_tokenizer_parse(data, n, path, out, err);
     free(data);

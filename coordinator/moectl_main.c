@@ -34,6 +34,7 @@
 #include "moe/v1/health.pb-c.h"
 #include "rpc.h"
 #include "tls_opts.h"
+#include "read_file.h"
 
 #define MAX_POS 8
 
@@ -782,36 +783,6 @@ static int apply_call(const char *what, uint64_t base_epoch, const char *placeme
     return 0;
 }
 
-static char *read_file(const char *path, int *rc)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        *rc = usage_err("%s: %s", path, strerror(errno));
-        return NULL;
-    }
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    size_t k;
-    while (buf && (k = fread(buf + n, 1, cap - n - 1, f)) > 0) {
-        n += k;
-        if (n + 1 >= cap) {
-            char *g2 = realloc(buf, cap *= 2);
-            if (!g2) {
-                free(buf);
-                buf = NULL;
-            }
-            buf = g2;
-        }
-    }
-    fclose(f);
-    if (!buf) {
-        *rc = fail("out of memory");
-        return NULL;
-    }
-    buf[n] = 0;
-    return buf;
-}
-
 /* experts plan / scale / apply --auto: plan, show, maybe write, maybe apply. */
 static int plan_and_maybe_apply(const char *what, bool apply)
 {
@@ -871,10 +842,10 @@ static int cmd_experts(void)
         }
         if (g.n_pos != 3)
             return usage_err("experts apply needs a plan file (from experts plan -o) or --auto");
-        int rc = 0;
-        char *text = read_file(g.pos[2], &rc);
-        if (!text)
-            return rc;
+        char *text;
+        struct moe_error err = {0};
+        if (moe_read_text(g.pos[2], (size_t)64 << 20, &text, &err))
+            return usage_err("%s", err.msg);
         cJSON *o = cJSON_Parse(text);
         free(text);
         const cJSON *be = cJSON_GetObjectItemCaseSensitive(o, "base_epoch");
@@ -889,7 +860,7 @@ static int cmd_experts(void)
         char *pj = cJSON_PrintUnformatted(pl);
         char what[600];
         snprintf(what, sizeof what, "experts apply %s", g.pos[2]);
-        rc = pj ? apply_call(what, (uint64_t)be->valuedouble, pj) : fail("out of memory");
+        int rc = pj ? apply_call(what, (uint64_t)be->valuedouble, pj) : fail("out of memory");
         free(pj);
         cJSON_Delete(o);
         return rc;

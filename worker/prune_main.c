@@ -25,6 +25,7 @@
 #include "cli.h"
 #include "model_config.h"
 #include "safetensors.h"
+#include "read_file.h"
 
 struct prune {
     const char *model, *stats, *out;
@@ -44,40 +45,14 @@ static void usage(FILE *f)
                "  --out DIR   the pruned checkpoint (created; must not be --model)\n");
 }
 
-static char *slurp(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    char *buf = NULL;
-    size_t n = 0, cap = 0;
-    for (;;) {
-        if (n + 65536 > cap) {
-            char *b = realloc(buf, cap = cap * 2 + 65536);
-            if (!b) {
-                free(buf);
-                fclose(f);
-                return NULL;
-            }
-            buf = b;
-        }
-        size_t got = fread(buf + n, 1, cap - n - 1, f);
-        n += got;
-        if (!got)
-            break;
-    }
-    fclose(f);
-    buf[n] = '\0';
-    if (len)
-        *len = n;
-    return buf;
-}
+#define PRUNE_MAX_FILE ((size_t)1 << 30) /* config.json, tokenizer files, the stats */
 
 static int read_stats(struct prune *p)
 {
-    char *text = slurp(p->stats, NULL);
-    if (!text)
-        return cli_fail("--stats %s: %s", p->stats, strerror(errno));
+    char *text;
+    struct moe_error err = {0};
+    if (moe_read_text(p->stats, PRUNE_MAX_FILE, &text, &err))
+        return cli_fail("--stats: %s", err.msg);
     cJSON *o = cJSON_Parse(text);
     free(text);
     if (!o)
@@ -250,8 +225,11 @@ static int write_checkpoint(const struct prune *p, struct st_model *st, const ch
  * classes refuse an int where a float belongs) and the rest byte for byte. */
 static int write_config(const struct prune *p, const char *src, const char *dst)
 {
-    char *text = slurp(src, NULL);
-    cJSON *c = text ? cJSON_Parse(text) : NULL;
+    char *text;
+    struct moe_error err = {0};
+    if (moe_read_text(src, PRUNE_MAX_FILE, &text, &err))
+        return cli_fail("%s", err.msg);
+    cJSON *c = cJSON_Parse(text);
     if (!c) {
         free(text);
         return cli_fail("%s: cannot read it as JSON", src);
@@ -306,9 +284,11 @@ static int copy_file(const char *dir, const char *out, const char *name)
     snprintf(src, sizeof src, "%s/%s", dir, name);
     snprintf(dst, sizeof dst, "%s/%s", out, name);
     size_t len;
-    char *data = slurp(src, &len);
-    if (!data)
-        return errno == ENOENT ? 0 : cli_fail("%s: %s", src, strerror(errno));
+    char *data;
+    struct moe_error err = {0};
+    enum moe_status rc = moe_read_file(src, PRUNE_MAX_FILE, &data, &len, &err);
+    if (rc)
+        return rc == MOE_ERR_NOT_FOUND ? 0 : cli_fail("%s", err.msg);
     FILE *f = fopen(dst, "wb");
     bool ok = f && fwrite(data, 1, len, f) == len;
     if (f && fclose(f))

@@ -514,7 +514,7 @@ static void test_load(void)
 
     char missing[600];
     snprintf(missing, sizeof missing, "%s/nope/config.json", test_temp_dir());
-    CHECK(moe_config_load(missing, &c, &err) == MOE_ERR_IO);
+    CHECK(moe_config_load(missing, &c, &err) == MOE_ERR_NOT_FOUND);
     CHECKF(strstr(err.msg, "config.json: No such file or directory"), "%s", err.msg);
 
     CHECK(moe_config_load(test_temp_dir(), &c, &err) == MOE_ERR_IO);

@@ -47,6 +47,7 @@ int main(void)
     expect_bad("{\"n_rank\": 2, \"experts\": [[0],[5],[0],[1]]}", "rank 5");
     expect_bad("{\"n_rank\": 2, \"experts\": [[0],[1,1],[0],[1]]}", "twice");
     expect_bad("{\"n_rank\": 2, \"experts\": [[0],[0],[0],[1]], \"layers\": {\"9\": []}}", "'9'");
-    CHECK(moe_placement_load("/nonexistent/p.json", 2, 4, 2, &p, &err) == MOE_ERR_IO);
+    CHECK(moe_placement_load("/nonexistent/p.json", 2, 4, 2, &p, &err) == MOE_ERR_NOT_FOUND);
+    CHECKF(strstr(err.msg, "/nonexistent/p.json: No such file or directory"), "%s", err.msg);
     return test_summary();
 }

@@ -276,7 +276,8 @@ static void check_bad_files(void)
     }
     struct moe_tokenizer *tok = NULL;
     struct moe_error err = {0};
-    CHECK(moe_tokenizer_load("/nonexistent/tokenizer.json", &tok, &err) == MOE_ERR_IO);
+    CHECK(moe_tokenizer_load("/nonexistent/tokenizer.json", &tok, &err) == MOE_ERR_NOT_FOUND);
+    CHECKF(strstr(err.msg, "/nonexistent/tokenizer.json: No such file"), "%s", err.msg);
     CHECK(strstr(err.msg, "/nonexistent/tokenizer.json") != NULL);
 }
 

@@ -10,6 +10,7 @@
 #include "backend.h"
 #include "clock.h"
 #include "engine/generate.h"
+#include "read_file.h"
 
 #define BASE_MAGIC "MOEKLB1" /* 8 bytes with its NUL */
 
@@ -235,31 +236,12 @@ enum moe_status moe_perplexity_tokenize_file(const struct moe_tokenizer *tok, co
 {
     *ids = NULL;
     *n = 0;
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return moe_error_set(err, MOE_ERR_IO, "--perplexity %s: %s", path, strerror(errno));
-    char *text = NULL;
-    size_t len = 0, cap = 0;
-    enum moe_status rc = MOE_OK;
-    for (;;) {
-        if (len + 65536 > cap) {
-            char *t = realloc(text, cap = cap * 2 + 65536);
-            if (!t) {
-                rc = moe_error_set(err, MOE_ERR_NOMEM, "--perplexity %s: out of memory", path);
-                break;
-            }
-            text = t;
-        }
-        size_t got = fread(text + len, 1, cap - len, f);
-        len += got;
-        if (got == 0) {
-            if (ferror(f))
-                rc = moe_error_set(err, MOE_ERR_IO, "--perplexity %s: read failed", path);
-            break;
-        }
-    }
-    fclose(f);
-    if (!rc && len == 0)
+    char *text;
+    size_t len;
+    enum moe_status rc = moe_read_file(path, (size_t)4 << 30, &text, &len, err);
+    if (rc)
+        return moe_error_prefix(err, "--perplexity");
+    if (len == 0)
         rc = moe_error_set(err, MOE_ERR_INVALID, "--perplexity %s: the file is empty", path);
     if (!rc && (rc = moe_tokenizer_encode(tok, text, len, false, ids, n, err)))
         moe_error_prefix(err, "--perplexity %s", path);
