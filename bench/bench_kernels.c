@@ -59,6 +59,19 @@ static int16_t g_pk_x16[2][PEAK_K] __attribute__((aligned(64)));
 static uint16_t g_pk_wb[4][PEAK_K] __attribute__((aligned(64)));
 static float g_pk_xf[2][PEAK_K] __attribute__((aligned(64)));
 
+/* The integer chains' 2 x 4 accumulators summed into one value (so the
+ * compiler cannot drop the loop). */
+MOE_AVX2_TARGET __attribute__((always_inline)) static inline int peak_i32_result(__m256i acc[2][4])
+{
+    __m256i s = _mm256_setzero_si256();
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < 4; r++)
+            s = _mm256_add_epi32(s, acc[t][r]);
+    int v = _mm256_extract_epi32(s, 0);
+    _mm256_zeroupper();
+    return v;
+}
+
 MOE_AVX2_TARGET __attribute__((always_inline)) static inline int peak_w8a8(const bool sign)
 {
     __m256i acc[2][4];
@@ -82,13 +95,7 @@ MOE_AVX2_TARGET __attribute__((always_inline)) static inline int peak_w8a8(const
                 }
             }
         }
-    __m256i s = _mm256_setzero_si256();
-    for (int t = 0; t < 2; t++)
-        for (int r = 0; r < 4; r++)
-            s = _mm256_add_epi32(s, acc[t][r]);
-    int v = _mm256_extract_epi32(s, 0);
-    _mm256_zeroupper();
-    return v;
+    return peak_i32_result(acc);
 }
 
 /* The W8A8 sums on int16: the tokens' xq widened once (as a call would
@@ -113,13 +120,7 @@ MOE_AVX2_TARGET __attribute__((always_inline)) static inline int peak_w8a16(void
                 acc[1][r] = _mm256_add_epi32(acc[1][r], _mm256_madd_epi16(wv, x1));
             }
         }
-    __m256i s = _mm256_setzero_si256();
-    for (int t = 0; t < 2; t++)
-        for (int r = 0; r < 4; r++)
-            s = _mm256_add_epi32(s, acc[t][r]);
-    int v = _mm256_extract_epi32(s, 0);
-    _mm256_zeroupper();
-    return v;
+    return peak_i32_result(acc);
 }
 
 /* The f32 chains' 2 x 4 accumulators: zeroed, and summed into one value
