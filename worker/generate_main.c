@@ -131,30 +131,8 @@ static void usage(FILE *f)
 
 #define ARRAY_LEN(t) (sizeof(t) / sizeof *(t))
 
-/* A flag without a value: sets a bool of struct args. */
-struct flag_opt {
-    const char *name;
-    bool *field;
-};
-
-/* An option whose value is kept as given. */
-struct str_opt {
-    const char *name;
-    const char **field;
-};
-
-/* A whole-number option, refused outside [lo, hi]; `alias` is another
- * spelling (or NULL), messages use `name`. */
-struct int_opt {
-    const char *name;
-    const char *alias;
-    long lo, hi;
-    int *field;
-};
-
 /* The options whose value needs its own check (not a plain string or a
- * whole number in a range). Returns 0, 1 when `k` is none of them, or the
- * exit code of a bad value. */
+ * whole number in a range): 0, or the exit code of a bad value. */
 static int parse_special(const char *k, const char *v, struct args *a)
 {
     long n;
@@ -174,8 +152,6 @@ static int parse_special(const char *k, const char *v, struct args *a)
         a->seed = strtoull(v, &end, 10);
         if (errno || end == v || *end || *v == '-')
             return cli_fail("--seed: '%s' is not a whole number >= 0", v);
-    } else {
-        return 1;
     }
     return 0;
 }
@@ -210,27 +186,28 @@ static int parse_args(int argc, char **argv, struct args *a)
     *a = (struct args){.n_predict = 32, .top_p = 1.0f};
     moe_launch_args_init(&a->launch);
     moe_engine_args_init(&a->engine);
-    const struct flag_opt flags[] = {
-        {"--ignore-eos", &a->ignore_eos},
-        {"--profile", &a->launch.profile},
-        {"--warmup", &a->warmup},
-        {"--print-outputs", &a->print_outputs},
-        {"--host-sampling", &a->host_sampling},
-    };
-    const struct str_opt strs[] = {
-        {"--prompt", &a->prompt},
-        {"--tokens", &a->tokens},
-        {"--logits-out", &a->logits_out},
-        {"--placement-switch", &a->placement_switch},
-        {"--prompts-file", &a->prompts_file},
-        {"--perplexity", &a->perplexity},
-        {"--kl-save", &a->kl_save},
-        {"--kl-base", &a->kl_base},
-        {"--expert-stats", &a->expert_stats},
-    };
-    const struct int_opt ints[] = {
-        {"-n", "--n-predict", 0, 1 << 20, &a->n_predict},
-        {"--ctx", NULL, 4, 1 << 20, &a->ctx},
+    const struct cli_opt opts[] = {
+        {"--ignore-eos", CLI_SWITCH, &a->ignore_eos, 0, 0},
+        {"--profile", CLI_SWITCH, &a->launch.profile, 0, 0},
+        {"--warmup", CLI_SWITCH, &a->warmup, 0, 0},
+        {"--print-outputs", CLI_SWITCH, &a->print_outputs, 0, 0},
+        {"--host-sampling", CLI_SWITCH, &a->host_sampling, 0, 0},
+        {"--prompt", CLI_STR, &a->prompt, 0, 0},
+        {"--tokens", CLI_STR, &a->tokens, 0, 0},
+        {"--logits-out", CLI_STR, &a->logits_out, 0, 0},
+        {"--placement-switch", CLI_STR, &a->placement_switch, 0, 0},
+        {"--prompts-file", CLI_STR, &a->prompts_file, 0, 0},
+        {"--perplexity", CLI_STR, &a->perplexity, 0, 0},
+        {"--kl-save", CLI_STR, &a->kl_save, 0, 0},
+        {"--kl-base", CLI_STR, &a->kl_base, 0, 0},
+        {"--expert-stats", CLI_STR, &a->expert_stats, 0, 0},
+        {"-n", CLI_INT, &a->n_predict, 0, 1 << 20},
+        {"--n-predict", CLI_INT, &a->n_predict, 0, 1 << 20},
+        {"--ctx", CLI_INT, &a->ctx, 4, 1 << 20},
+        {"--temperature", CLI_OTHER, NULL, 0, 0},
+        {"--top-p", CLI_OTHER, NULL, 0, 0},
+        {"--top-k", CLI_OTHER, NULL, 0, 0},
+        {"--seed", CLI_OTHER, NULL, 0, 0},
     };
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i];
@@ -246,43 +223,14 @@ static int parse_args(int argc, char **argv, struct args *a)
                 return rc;
             continue;
         }
-        const struct flag_opt *f = NULL;
-        for (size_t j = 0; j < ARRAY_LEN(flags) && !f; j++)
-            if (!strcmp(k, flags[j].name))
-                f = &flags[j];
-        if (f) {
-            *f->field = true;
-            continue;
-        }
-        if (i + 1 >= argc)
-            return cli_fail("option '%s' needs a value", k);
-        const char *v = argv[++i];
-        const struct str_opt *s = NULL;
-        for (size_t j = 0; j < ARRAY_LEN(strs) && !s; j++)
-            if (!strcmp(k, strs[j].name))
-                s = &strs[j];
-        if (s) {
-            *s->field = v;
-            continue;
-        }
-        const struct int_opt *o = NULL;
-        for (size_t j = 0; j < ARRAY_LEN(ints) && !o; j++)
-            if (!strcmp(k, ints[j].name) || (ints[j].alias && !strcmp(k, ints[j].alias)))
-                o = &ints[j];
-        if (o) {
-            long n;
-            if (!cli_parse_long(v, o->lo, o->hi, &n))
-                return cli_fail("%s: '%s' is not a whole number in [%ld, %ld]", o->name, v, o->lo,
-                                o->hi);
-            *o->field = (int)n;
-            continue;
-        }
-        rc = parse_special(k, v, a);
+        const struct cli_opt *o;
+        const char *v;
+        rc = cli_take(opts, ARRAY_LEN(opts), argc, argv, &i, &o, &v);
         if (rc == 1) {
             usage(stderr);
             return cli_fail("unknown option '%s'", k);
         }
-        if (rc)
+        if (rc || (o && (rc = parse_special(o->name, v, a))))
             return rc;
     }
     return check_args(a);

@@ -14,60 +14,37 @@ void moe_engine_args_init(struct moe_engine_args *a)
 
 int moe_engine_cli_flag(struct moe_engine_args *a, int argc, char **argv, int *i)
 {
-    enum kind { SWITCH, INT, MIB, POLICY, STR };
-    const struct {
-        const char *name;
-        enum kind kind;
-        void *field;
-        long lo, hi; /* INT */
-    } flags[] = {
-        {"--no-prefix-cache", SWITCH, &a->no_prefix_cache, 0, 0},
-        {"--kv-blocks", INT, &a->kv_blocks, 1, 1 << 24},
-        {"--kv-memory", MIB, &a->kv_memory_mib, 1, 1 << 24},
-        {"--block-size", INT, &a->block_size, 1, 1024},
-        {"--max-batch-tokens", INT, &a->max_batch_tokens, 1, 1 << 20},
-        {"--max-running", INT, &a->max_running, 1, 1 << 16},
-        {"--spec-tokens", INT, &a->spec_tokens, 0, MOE_SPEC_TOKENS_MAX},
-        {"--spec-max-batch", INT, &a->spec_max_batch, 0, 1 << 16},
-        {"--spec-policy", POLICY, &a->spec_cost, 0, 0},
-        {"--draft-model", STR, &a->draft_model, 0, 0},
+    const struct cli_opt opts[] = {
+        {"--no-prefix-cache", CLI_SWITCH, &a->no_prefix_cache, 0, 0},
+        {"--kv-blocks", CLI_INT, &a->kv_blocks, 1, 1 << 24},
+        {"--kv-memory", CLI_OTHER, NULL, 0, 0},
+        {"--block-size", CLI_INT, &a->block_size, 1, 1024},
+        {"--max-batch-tokens", CLI_INT, &a->max_batch_tokens, 1, 1 << 20},
+        {"--max-running", CLI_INT, &a->max_running, 1, 1 << 16},
+        {"--spec-tokens", CLI_INT, &a->spec_tokens, 0, MOE_SPEC_TOKENS_MAX},
+        {"--spec-max-batch", CLI_INT, &a->spec_max_batch, 0, 1 << 16},
+        {"--spec-policy", CLI_OTHER, NULL, 0, 0},
+        {"--draft-model", CLI_STR, &a->draft_model, 0, 0},
     };
     const char *k = argv[*i];
-    size_t f = 0;
-    while (f < sizeof flags / sizeof flags[0] && strcmp(k, flags[f].name))
-        f++;
-    if (f == sizeof flags / sizeof flags[0])
-        return 1;
+    const struct cli_opt *o;
+    const char *v;
+    int rc = cli_take(opts, sizeof opts / sizeof opts[0], argc, argv, i, &o, &v);
+    if (rc == 1)
+        return rc;
     if (!a->given)
-        a->given = flags[f].name;
-    if (flags[f].kind == SWITCH) {
-        *(bool *)flags[f].field = true;
-        return 0;
-    }
-    if (*i + 1 >= argc)
-        return cli_fail("option '%s' needs a value", k);
-    const char *v = argv[++*i];
-    long n;
-    switch (flags[f].kind) {
-    case SWITCH: break;
-    case INT:
-        if (!cli_parse_long(v, flags[f].lo, flags[f].hi, &n))
-            return cli_fail("%s: '%s' is not a whole number in [%ld, %ld]", k, v, flags[f].lo,
-                            flags[f].hi);
-        *(int *)flags[f].field = (int)n;
-        break;
-    case MIB:
-        if (!cli_parse_long(v, flags[f].lo, flags[f].hi, &n))
-            return cli_fail("%s: '%s' is not a number of MiB in [%ld, %ld]", k, v, flags[f].lo,
-                            flags[f].hi);
+        a->given = k;
+    if (rc || !o)
+        return rc;
+    if (!strcmp(o->name, "--kv-memory")) {
+        long n;
+        if (!cli_parse_long(v, 1, 1 << 24, &n))
+            return cli_fail("--kv-memory: '%s' is not a number of MiB in [1, 16777216]", v);
         a->kv_memory_mib = n;
-        break;
-    case POLICY:
+    } else { /* --spec-policy */
         if (strcmp(v, "cost") && strcmp(v, "acceptance"))
             return cli_fail("--spec-policy: '%s' is not one of cost, acceptance", v);
         a->spec_cost = !strcmp(v, "cost");
-        break;
-    case STR: *(const char **)flags[f].field = v; break;
     }
     return 0;
 }

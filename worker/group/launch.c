@@ -42,64 +42,37 @@ void moe_launch_args_init(struct moe_launch_args *a)
 
 int moe_launch_cli_flag(struct moe_launch_args *a, int argc, char **argv, int *i)
 {
-    enum kind { SWITCH, STR, INT, DTYPE, GROUP_SIZE, KV_DTYPE };
-    const struct {
-        const char *name;
-        enum kind kind;
-        void *field;
-        long lo, hi; /* INT */
-    } flags[] = {
-        {"--exact", SWITCH, &a->exact, 0, 0},
-        {"--batch-invariant", SWITCH, &a->batch_invariant, 0, 0},
-        {"--no-cuda-graphs", SWITCH, &a->no_graphs, 0, 0},
-        {"--dp-attention", SWITCH, &a->dp_attention, 0, 0},
-        {"--model", STR, &a->model, 0, 0},
-        {"--device", STR, &a->device, 0, 0},
-        {"--placement", STR, &a->placement, 0, 0},
-        {"--threads", INT, &a->threads, 0, 1024},
-        {"--tp", INT, &a->tp, 1, 1024},
-        {"--comm-timeout-ms", INT, &a->comm_timeout_ms, 100, 3600000},
-        {"--dtype", DTYPE, &a->dtype, 0, 0},
-        {"--group-size", GROUP_SIZE, &a->group_size, 0, 0},
-        {"--kv-dtype", KV_DTYPE, &a->kv_dtype, 0, 0},
+    const struct cli_opt opts[] = {
+        {"--exact", CLI_SWITCH, &a->exact, 0, 0},
+        {"--batch-invariant", CLI_SWITCH, &a->batch_invariant, 0, 0},
+        {"--no-cuda-graphs", CLI_SWITCH, &a->no_graphs, 0, 0},
+        {"--dp-attention", CLI_SWITCH, &a->dp_attention, 0, 0},
+        {"--model", CLI_STR, &a->model, 0, 0},
+        {"--device", CLI_STR, &a->device, 0, 0},
+        {"--placement", CLI_STR, &a->placement, 0, 0},
+        {"--threads", CLI_INT, &a->threads, 0, 1024},
+        {"--tp", CLI_INT, &a->tp, 1, 1024},
+        {"--comm-timeout-ms", CLI_INT, &a->comm_timeout_ms, 100, 3600000},
+        {"--dtype", CLI_OTHER, NULL, 0, 0},
+        {"--group-size", CLI_OTHER, NULL, 0, 0},
+        {"--kv-dtype", CLI_OTHER, NULL, 0, 0},
     };
-    const char *k = argv[*i];
-    size_t f = 0;
-    while (f < sizeof flags / sizeof flags[0] && strcmp(k, flags[f].name))
-        f++;
-    if (f == sizeof flags / sizeof flags[0])
-        return 1;
-    if (flags[f].kind == SWITCH) {
-        *(bool *)flags[f].field = true;
-        return 0;
-    }
-    if (*i + 1 >= argc)
-        return cli_fail("option '%s' needs a value", k);
-    const char *v = argv[++*i];
-    long n;
-    switch (flags[f].kind) {
-    case SWITCH: break;
-    case STR: *(const char **)flags[f].field = v; break;
-    case INT:
-        if (!cli_parse_long(v, flags[f].lo, flags[f].hi, &n))
-            return cli_fail("%s: '%s' is not a whole number in [%ld, %ld]", k, v, flags[f].lo,
-                            flags[f].hi);
-        *(int *)flags[f].field = (int)n;
-        break;
-    case DTYPE:
+    const struct cli_opt *o;
+    const char *v;
+    int rc = cli_take(opts, sizeof opts / sizeof opts[0], argc, argv, i, &o, &v);
+    if (rc || !o)
+        return rc;
+    if (!strcmp(o->name, "--dtype")) {
         if (!moe_launch_parse_dtype(v, &a->dtype))
             return cli_fail("--dtype: '%s' is not one of f32, bf16, int8, int4", v);
-        break;
-    case GROUP_SIZE:
+    } else if (!strcmp(o->name, "--group-size")) {
         if (strcmp(v, "32") && strcmp(v, "64") && strcmp(v, "128"))
             return cli_fail("--group-size: '%s' is not one of 32, 64, 128", v);
         a->group_size = atoi(v);
-        break;
-    case KV_DTYPE:
+    } else { /* --kv-dtype */
         if (!moe_kv_parse_dtype(v, &a->kv_dtype))
             return cli_fail("--kv-dtype: '%s' is not one of f32, bf16", v);
         a->kv_dtype_set = true;
-        break;
     }
     return 0;
 }
