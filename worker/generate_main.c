@@ -215,9 +215,7 @@ static int parse_args(int argc, char **argv, struct args *a)
             usage(stdout);
             exit(0);
         }
-        int rc = moe_launch_cli_flag(&a->launch, argc, argv, &i);
-        if (rc == 1)
-            rc = moe_engine_cli_flag(&a->engine, argc, argv, &i);
+        int rc = moe_engine_cli_flags(&a->launch, &a->engine, argc, argv, &i);
         if (rc != 1) {
             if (rc)
                 return rc;
@@ -311,11 +309,7 @@ static int run_batch(const struct args *a, struct moe_model *model, struct moe_t
     if (moe_engine_args_apply(&a->engine, model, mopts, be, group ? group->dp_size : 1, &eo, &draft,
                               &err))
         return cli_fail("%s", err.msg);
-    /* a block holds the model's K/V and, with a draft, the draft's */
-    size_t block_bytes =
-        moe_kv_block_bytes(cfg->n_layer, eo.block_size, moe_config_kv_token_elems(cfg, 1),
-                           moe_model_kv_dtype(model)) +
-        (draft ? moe_draft_block_bytes(draft, eo.block_size) : 0);
+    size_t block_bytes = moe_engine_block_bytes(model, draft, eo.block_size);
     struct moe_request_params defaults;
     moe_request_params_init(&defaults);
     defaults.max_tokens = a->n_predict > 0 ? a->n_predict : 16;

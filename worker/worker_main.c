@@ -145,9 +145,7 @@ static int parse_args(int argc, char **argv, struct args *a)
             usage(stdout);
             exit(0);
         }
-        int rc = moe_launch_cli_flag(&a->launch, argc, argv, &i);
-        if (rc == 1)
-            rc = moe_engine_cli_flag(&a->engine, argc, argv, &i);
+        int rc = moe_engine_cli_flags(&a->launch, &a->engine, argc, argv, &i);
         if (rc != 1) {
             if (rc)
                 return rc;

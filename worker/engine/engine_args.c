@@ -49,6 +49,22 @@ int moe_engine_cli_flag(struct moe_engine_args *a, int argc, char **argv, int *i
     return 0;
 }
 
+int moe_engine_cli_flags(struct moe_launch_args *launch, struct moe_engine_args *engine, int argc,
+                         char **argv, int *i)
+{
+    int rc = moe_launch_cli_flag(launch, argc, argv, i);
+    return rc == 1 ? moe_engine_cli_flag(engine, argc, argv, i) : rc;
+}
+
+size_t moe_engine_block_bytes(const struct moe_model *model, const struct moe_model *draft,
+                              int block_size)
+{
+    const struct moe_config *cfg = moe_model_config(model);
+    return moe_kv_block_bytes(cfg->n_layer, block_size, moe_config_kv_token_elems(cfg, 1),
+                              moe_model_kv_dtype(model)) +
+           (draft ? moe_draft_block_bytes(draft, block_size) : 0);
+}
+
 enum moe_status moe_engine_args_apply(const struct moe_engine_args *a,
                                       const struct moe_model *model,
                                       const struct moe_model_opts *mopts, struct moe_backend *be,
@@ -78,12 +94,7 @@ enum moe_status moe_engine_args_apply(const struct moe_engine_args *a,
     eo->kv_parts = kv_parts;
     eo->n_block = a->kv_blocks;
     if (!eo->n_block) {
-        /* a block holds the model's K/V and, with a draft, the draft's */
-        const struct moe_config *cfg = moe_model_config(model);
-        size_t block_bytes =
-            moe_kv_block_bytes(cfg->n_layer, eo->block_size, moe_config_kv_token_elems(cfg, 1),
-                               moe_model_kv_dtype(model)) +
-            (*draft ? moe_draft_block_bytes(*draft, eo->block_size) : 0);
+        size_t block_bytes = moe_engine_block_bytes(model, *draft, eo->block_size);
         long mib = a->kv_memory_mib ? a->kv_memory_mib : 512;
         eo->n_block = (int)(((size_t)mib << 20) / block_bytes);
         if (eo->n_block < 1) {

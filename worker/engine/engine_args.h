@@ -9,6 +9,7 @@
 #include <stdbool.h>
 
 #include "engine/engine.h"
+#include "group/launch.h"
 #include "model/model.h"
 #include "moe_error.h"
 
@@ -33,6 +34,16 @@ void moe_engine_args_init(struct moe_engine_args *a);
  * -> 0, past its value; not one -> 1; a missing or bad value -> 2 after
  * one line naming the flag. */
 int moe_engine_cli_flag(struct moe_engine_args *a, int argc, char **argv, int *i);
+
+/* What moe-generate and moe-worker take alike: the group's flags
+ * (moe_launch_cli_flag), then the engine's; the same returns. */
+int moe_engine_cli_flags(struct moe_launch_args *launch, struct moe_engine_args *engine, int argc,
+                         char **argv, int *i);
+
+/* Bytes of one KV block of block_size tokens: the model's K/V and, with a
+ * draft (or NULL), the draft's. */
+size_t moe_engine_block_bytes(const struct moe_model *model, const struct moe_model *draft,
+                              int block_size);
 
 /* Loads --draft-model, if given, into *draft (one rank, on `be`, with the
  * weight and KV types and arithmetic of mopts), and fills eo's pool,
